@@ -1,0 +1,47 @@
+#pragma once
+
+// The Daemon owns everything a refitd process runs: the store, the metrics, the gRPC server on
+// the Unix socket (refit.v1.Refit + grpc.health.v1.Health) and the TCP listener for other
+// daemons. main() only parses flags, starts a Daemon and waits for a signal.
+//
+// Thread-safety: Start and Shutdown may be called from any thread; Shutdown is idempotent.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace refit {
+
+struct DaemonOptions {
+  std::string socket_path = "/run/refit/refitd.sock";
+  std::string listen = "127.0.0.1:7070";  // HOST:PORT; port 0 picks a free port
+  std::vector<std::string> peers;
+  std::string node;
+  uint32_t retain = 2;
+};
+
+class Daemon {
+ public:
+  // Binds the socket and the TCP listener and starts serving. FAILED_PRECONDITION when another
+  // daemon already serves the socket; INVALID_ARGUMENT for bad options.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(const DaemonOptions& options);
+  ~Daemon();
+
+  // Health goes NOT_SERVING, blocked waits end, new calls are refused, in-flight calls get up
+  // to `grace` seconds to finish and are then cancelled, and the socket file is removed.
+  void Shutdown(double grace_seconds = 5.0);
+
+  // The TCP port the peer listener is bound to (useful with port 0).
+  int listen_port() const;
+  const std::string& node() const;
+
+ private:
+  struct Impl;
+  explicit Daemon(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace refit

@@ -1,0 +1,119 @@
+#include "daemon/memory/region.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace refit {
+namespace {
+
+uint64_t PageSize() {
+  static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  return page;
+}
+
+// A mapping of part of a shared-memory object; unmapped on destruction.
+class HostShmRegion final : public Region {
+ public:
+  HostShmRegion(std::string name, void* map_base, uint64_t map_length, uint64_t offset,
+                uint64_t size, uint8_t* data)
+      : Region(MemoryKind::kHost, -1, data, size),
+        name_(std::move(name)),
+        map_base_(map_base),
+        map_length_(map_length),
+        offset_(offset) {}
+  ~HostShmRegion() override { munmap(map_base_, map_length_); }
+
+  std::string Describe() const override {
+    return absl::StrCat("host shm ", name_, " [", offset_, ", ", offset_ + size(), ")");
+  }
+
+ private:
+  std::string name_;
+  void* map_base_;
+  uint64_t map_length_;
+  uint64_t offset_;
+};
+
+// Anonymous private memory owned by the daemon.
+class OwnedHostRegion final : public Region {
+ public:
+  OwnedHostRegion(uint8_t* data, uint64_t size, uint64_t length)
+      : Region(MemoryKind::kHost, -1, data, size), length_(length) {}
+  ~OwnedHostRegion() override { munmap(data(), length_); }
+  std::string Describe() const override { return absl::StrCat("host slot of ", size(), " bytes"); }
+
+ private:
+  uint64_t length_;
+};
+
+}  // namespace
+
+const char* MemoryKindName(MemoryKind kind) {
+  return kind == MemoryKind::kCuda ? "cuda" : "host";
+}
+
+absl::StatusOr<std::unique_ptr<Region>> MapHostShm(const std::string& name, uint64_t offset,
+                                                   uint64_t size) {
+  if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos ||
+      name.size() > 255) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "host_shm name '", name, "' is not a POSIX shm name (one leading '/', no other '/')"));
+  }
+  int fd = shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    int err = errno;
+    if (err == ENOENT) {
+      return absl::NotFoundError(absl::StrCat("shm object ", name, " does not exist"));
+    }
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot open shm object ", name, ": ", std::strerror(err)));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    int err = errno;
+    close(fd);
+    return absl::InternalError(absl::StrCat("fstat of ", name, ": ", std::strerror(err)));
+  }
+  const uint64_t object_size = static_cast<uint64_t>(st.st_size);
+  if (size == 0) size = offset < object_size ? object_size - offset : 0;
+  if (size == 0 || offset > object_size || size > object_size - offset) {
+    close(fd);
+    return absl::InvalidArgumentError(
+        absl::StrCat("region [", offset, ", ", offset + size, ") does not fit in shm object ",
+                     name, " of ", object_size, " bytes"));
+  }
+  const uint64_t map_offset = offset - offset % PageSize();
+  const uint64_t map_length = size + (offset - map_offset);
+  void* base = mmap(nullptr, map_length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
+                    static_cast<off_t>(map_offset));
+  int err = errno;
+  close(fd);
+  if (base == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mmap of ", name, " failed: ", std::strerror(err)));
+  }
+  uint8_t* data = static_cast<uint8_t*>(base) + (offset - map_offset);
+  return std::unique_ptr<Region>(
+      new HostShmRegion(name, base, map_length, offset, size, data));
+}
+
+absl::StatusOr<std::unique_ptr<Region>> AllocateHost(uint64_t size) {
+  const uint64_t length = std::max<uint64_t>(PageSize(), (size + PageSize() - 1) / PageSize() *
+                                                             PageSize());
+  void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  if (base == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate a ", size, "-byte version slot: ", std::strerror(errno)));
+  }
+  return std::unique_ptr<Region>(new OwnedHostRegion(static_cast<uint8_t*>(base), size, length));
+}
+
+}  // namespace refit

@@ -1,0 +1,56 @@
+#pragma once
+
+// Memory regions the daemon reads and writes: a client's buffer (borrowed: POSIX shared memory
+// mapped from the client's shm_open name, or a CUDA allocation opened from an IPC handle) or the
+// daemon's own version slots (owned). Every region is {kind, device, pointer, size}; code that
+// copies between regions checks the kind rather than assuming host memory.
+//
+// A Region is immutable after construction and may be used from any thread; the bytes it points
+// to are synchronized by its users (the store).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace refit {
+
+enum class MemoryKind { kHost, kCuda };
+const char* MemoryKindName(MemoryKind kind);
+
+class Region {
+ public:
+  virtual ~Region() = default;
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+
+  MemoryKind kind() const { return kind_; }
+  int device() const { return device_; }  // CUDA ordinal; -1 for host memory
+  uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  // "host shm /trainer-0 [0, 4096)", for logs and errors.
+  virtual std::string Describe() const = 0;
+
+ protected:
+  Region(MemoryKind kind, int device, uint8_t* data, uint64_t size)
+      : kind_(kind), device_(device), data_(data), size_(size) {}
+
+ private:
+  MemoryKind kind_;
+  int device_;
+  uint8_t* data_;
+  uint64_t size_;
+};
+
+// Maps [offset, offset + size) of the POSIX shared-memory object `name` read-write. `size` 0
+// means "to the end of the object". NOT_FOUND when the object doesn't exist; INVALID_ARGUMENT
+// for a malformed name or when the object (fstat) is smaller than offset + size.
+absl::StatusOr<std::unique_ptr<Region>> MapHostShm(const std::string& name, uint64_t offset,
+                                                   uint64_t size);
+
+// `size` bytes of daemon-owned, page-aligned host memory, faulted in up front so that the first
+// copy into it runs at memcpy speed. RESOURCE_EXHAUSTED when the memory can't be had.
+absl::StatusOr<std::unique_ptr<Region>> AllocateHost(uint64_t size);
+
+}  // namespace refit

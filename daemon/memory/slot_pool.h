@@ -1,0 +1,39 @@
+#pragma once
+
+// A pool of daemon-owned version slots. Publishing a version every few seconds would otherwise
+// map, fault in and unmap a model-sized slot each time; the pool hands back slots that a dropped
+// version released, so a steady stream of versions runs at memcpy speed.
+//
+// Thread-safe. Slots handed out may outlive the pool (they are then simply freed).
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "absl/status/statusor.h"
+#include "daemon/memory/region.h"
+
+namespace refit {
+
+class SlotPool : public std::enable_shared_from_this<SlotPool> {
+ public:
+  // Keeps at most `max_spare_bytes` of released slots for reuse.
+  static std::shared_ptr<SlotPool> Create(uint64_t max_spare_bytes);
+
+  // A slot of exactly `size` bytes, reused when one is spare. Its contents are unspecified.
+  absl::StatusOr<std::shared_ptr<Region>> Acquire(uint64_t size);
+
+  uint64_t spare_bytes() const;
+
+ private:
+  explicit SlotPool(uint64_t max_spare_bytes) : max_spare_bytes_(max_spare_bytes) {}
+  void Release(std::unique_ptr<Region> region);
+
+  const uint64_t max_spare_bytes_;
+  mutable std::mutex mu_;
+  std::multimap<uint64_t, std::unique_ptr<Region>> spare_;  // by size
+  uint64_t spare_bytes_ = 0;
+};
+
+}  // namespace refit

@@ -1,0 +1,48 @@
+#pragma once
+
+// Process-wide counters and gauges, keyed by their public names (docs/api.md). The store, the
+// data plane and the server increment them; Status and the Prometheus exporter read them.
+//
+// Thread-safe; incrementing is lock-free once a counter exists.
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace refit {
+
+// Public metric names (binding: docs/api.md).
+inline constexpr char kDataBytesReceived[] = "refit_data_bytes_received_total";
+inline constexpr char kDataBytesSent[] = "refit_data_bytes_sent_total";
+inline constexpr char kVersionsCompleted[] = "refit_versions_completed_total";
+inline constexpr char kApplyBytes[] = "refit_apply_bytes_total";
+// Added by refit.
+inline constexpr char kPublishBytes[] = "refit_publish_bytes_total";
+inline constexpr char kPublishes[] = "refit_publish_total";
+inline constexpr char kApplies[] = "refit_apply_total";
+inline constexpr char kVersionsDropped[] = "refit_versions_dropped_total";
+inline constexpr char kRequestErrors[] = "refit_request_errors_total";
+
+class Metrics {
+ public:
+  Metrics();  // registers the public counters at 0, so Status always shows them
+
+  // Adds `delta` to counter `name`, creating it at 0 first.
+  void Add(const std::string& name, double delta);
+  // Sets gauge `name`.
+  void Set(const std::string& name, double value);
+  // A copy of every value.
+  std::map<std::string, double> Snapshot() const;
+  double Get(const std::string& name) const;
+
+ private:
+  std::atomic<double>* Find(const std::string& name);
+
+  mutable std::mutex mu_;
+  std::map<std::string, std::unique_ptr<std::atomic<double>>> values_;
+};
+
+}  // namespace refit

@@ -1,0 +1,70 @@
+#include "daemon/server/convert.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+
+namespace refit::server {
+
+absl::StatusOr<TensorSlice> FromProto(const v1::TensorSlice& in) {
+  if (!v1::DType_IsValid(in.dtype())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor ", in.name(), ": unknown dtype ", in.dtype()));
+  }
+  TensorSlice out;
+  out.name = in.name();
+  out.dtype = static_cast<DType>(in.dtype());
+  out.global_shape.assign(in.global_shape().begin(), in.global_shape().end());
+  out.offsets.assign(in.offsets().begin(), in.offsets().end());
+  out.sizes.assign(in.sizes().begin(), in.sizes().end());
+  out.buffer_offset = in.buffer_offset();
+  out.buffer_strides.assign(in.buffer_strides().begin(), in.buffer_strides().end());
+  return out;
+}
+
+absl::StatusOr<std::vector<TensorSlice>> FromProto(
+    const google::protobuf::RepeatedPtrField<v1::TensorSlice>& slices) {
+  std::vector<TensorSlice> out;
+  out.reserve(slices.size());
+  for (const auto& s : slices) {
+    auto converted = FromProto(s);
+    if (!converted.ok()) return converted.status();
+    out.push_back(std::move(converted).value());
+  }
+  return out;
+}
+
+void ToProto(const ModelInfo& info, v1::ModelStatus* out) {
+  out->set_model(info.name);
+  out->set_latest_version(info.latest_version);
+  for (uint64_t v : info.versions) out->add_versions(v);
+  out->set_source_buffers(info.source_buffers);
+  out->set_destination_buffers(info.destination_buffers);
+  out->set_version_bytes(info.version_bytes);
+  for (const BufferInfo& b : info.buffers) {
+    v1::BufferStatus* bs = out->add_buffers();
+    bs->set_buffer_id(b.id);
+    bs->set_role(static_cast<v1::Role>(b.role));
+    bs->set_client(b.client);
+    bs->set_bytes(b.bytes);
+    bs->set_tensors(b.tensors);
+    bs->set_last_published_version(b.last_published);
+    bs->set_memory(MemoryKindName(b.memory));
+  }
+}
+
+grpc::Status ToGrpc(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  // absl and gRPC share the canonical code numbering.
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+Clock::time_point SteadyDeadline(const grpc::ServerContext& context) {
+  const auto remaining = context.deadline() - std::chrono::system_clock::now();
+  const auto far = std::chrono::hours(24 * 365);
+  if (remaining > far) return Clock::now() + far;
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(remaining);
+}
+
+}  // namespace refit::server

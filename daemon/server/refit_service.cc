@@ -1,0 +1,150 @@
+#include "daemon/server/refit_service.h"
+
+#include "absl/strings/str_cat.h"
+#include "cuda/cuda.h"
+#include "daemon/common/logging.h"
+#include "daemon/memory/region.h"
+#include "daemon/server/convert.h"
+#include "daemon/version.h"
+
+namespace refit::server {
+namespace {
+
+std::vector<std::string> Ids(const google::protobuf::RepeatedPtrField<std::string>& ids) {
+  return {ids.begin(), ids.end()};
+}
+
+CancelledFn CancelledOf(grpc::ServerContext* context) {
+  return [context] { return context->IsCancelled(); };
+}
+
+absl::StatusOr<std::unique_ptr<Region>> OpenRegion(const v1::MemoryHandle& memory) {
+  switch (memory.kind_case()) {
+    case v1::MemoryHandle::kHostShm:
+      return MapHostShm(memory.host_shm().name(), memory.offset(), memory.size());
+    case v1::MemoryHandle::kCudaIpc:
+      return cuda::OpenIpc(memory.cuda_ipc().handle(), memory.cuda_ipc().device(),
+                           memory.offset(), memory.size());
+    case v1::MemoryHandle::KIND_NOT_SET:
+      break;
+  }
+  return absl::InvalidArgumentError("memory names neither host_shm nor cuda_ipc");
+}
+
+}  // namespace
+
+grpc::Status RefitService::Finish(const char* rpc, const absl::Status& status) {
+  if (!status.ok()) {
+    context_.metrics->Add(absl::StrCat(kRequestErrors, "{code=\"",
+                                       absl::StatusCodeToString(status.code()), "\"}"),
+                          1);
+    Logger("server")->debug("rpc={} error {}", rpc, status.ToString());
+  }
+  return ToGrpc(status);
+}
+
+grpc::Status RefitService::RegisterBuffer(grpc::ServerContext*,
+                                          const v1::RegisterBufferRequest* request,
+                                          v1::RegisterBufferResponse* response) {
+  auto slices = FromProto(request->tensors());
+  if (!slices.ok()) return Finish("RegisterBuffer", slices.status());
+  if (request->model().empty()) {
+    return Finish("RegisterBuffer", absl::InvalidArgumentError("model name is empty"));
+  }
+  auto region = OpenRegion(request->memory());
+  if (!region.ok()) return Finish("RegisterBuffer", region.status());
+  auto id = context_.store->RegisterBuffer(request->model(),
+                                           static_cast<Role>(request->role()),
+                                           std::move(region).value(), std::move(slices).value(),
+                                           request->client());
+  if (!id.ok()) return Finish("RegisterBuffer", id.status());
+  response->set_buffer_id(*id);
+  return grpc::Status::OK;
+}
+
+grpc::Status RefitService::ReleaseBuffer(grpc::ServerContext*,
+                                         const v1::ReleaseBufferRequest* request,
+                                         v1::ReleaseBufferResponse*) {
+  return Finish("ReleaseBuffer", context_.store->ReleaseBuffer(request->buffer_id()));
+}
+
+grpc::Status RefitService::Publish(grpc::ServerContext*, const v1::PublishRequest* request,
+                                   v1::PublishResponse* response) {
+  auto result =
+      context_.store->Publish(request->model(), request->version(), Ids(request->buffer_ids()));
+  if (!result.ok()) return Finish("Publish", result.status());
+  response->set_version(result->version);
+  response->set_bytes(result->bytes);
+  return grpc::Status::OK;
+}
+
+grpc::Status RefitService::WaitForVersion(grpc::ServerContext* context,
+                                          const v1::WaitForVersionRequest* request,
+                                          v1::WaitForVersionResponse* response) {
+  auto version = context_.store->WaitForVersion(request->model(), request->min_version(),
+                                                SteadyDeadline(*context), CancelledOf(context));
+  if (!version.ok()) return Finish("WaitForVersion", version.status());
+  response->set_version(*version);
+  return grpc::Status::OK;
+}
+
+grpc::Status RefitService::Apply(grpc::ServerContext*, const v1::ApplyRequest* request,
+                                 v1::ApplyResponse* response) {
+  auto result =
+      context_.store->Apply(request->model(), request->version(), Ids(request->buffer_ids()));
+  if (!result.ok()) return Finish("Apply", result.status());
+  response->set_version(result->version);
+  response->set_bytes_written(result->bytes_written);
+  return grpc::Status::OK;
+}
+
+grpc::Status RefitService::Watch(grpc::ServerContext* context, const v1::WatchRequest* request,
+                                 grpc::ServerWriter<v1::VersionEvent>* writer) {
+  if (request->model().empty()) {
+    return Finish("Watch", absl::InvalidArgumentError("model name is empty"));
+  }
+  uint64_t after = request->after_version();
+  if (after == 0) after = context_.store->LatestVersion(request->model());
+  // Initial metadata tells the client the watch is in place: nothing completing from now on
+  // can be missed.
+  writer->SendInitialMetadata();
+  while (true) {
+    auto versions = context_.store->WaitForCompletions(request->model(), after,
+                                                       SteadyDeadline(*context),
+                                                       CancelledOf(context));
+    if (!versions.ok()) {
+      if (versions.status().code() == absl::StatusCode::kCancelled) return grpc::Status::OK;
+      return Finish("Watch", versions.status());
+    }
+    for (uint64_t v : *versions) {
+      v1::VersionEvent event;
+      event.set_model(request->model());
+      event.set_version(v);
+      if (!writer->Write(event)) return grpc::Status::OK;  // the client went away
+      after = v;
+    }
+  }
+}
+
+grpc::Status RefitService::Status(grpc::ServerContext*, const v1::StatusRequest*,
+                                  v1::StatusResponse* response) {
+  response->set_node(context_.node);
+  for (const ModelInfo& info : context_.store->Models()) ToProto(info, response->add_models());
+  if (context_.peers) {
+    for (const PeerInfo& peer : context_.peers()) {
+      v1::PeerStatus* ps = response->add_peers();
+      ps->set_node(peer.node);
+      ps->set_address(peer.address);
+      ps->set_connected(peer.connected);
+    }
+  }
+  for (const auto& [name, value] : context_.metrics->Snapshot()) {
+    (*response->mutable_metrics())[name] = value;
+  }
+  response->set_version(kRefitVersion);
+  response->set_cuda_enabled(cuda::CompiledIn());
+  response->set_cuda_devices(cuda::DeviceCount());
+  return grpc::Status::OK;
+}
+
+}  // namespace refit::server

@@ -1,0 +1,61 @@
+#pragma once
+
+// The refit.v1.Refit gRPC service, served on the daemon's Unix socket. Each handler validates
+// the request's shape, converts protobuf to domain types, calls the store and converts back. No
+// logic lives here.
+//
+// Thread-safety: gRPC calls the handlers from its own threads, concurrently.
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "daemon/metrics/metrics.h"
+#include "daemon/store/store.h"
+#include "proto/refit/v1/refit.grpc.pb.h"
+
+namespace refit::server {
+
+struct PeerInfo {
+  std::string node;
+  std::string address;
+  bool connected = false;
+};
+
+struct ServiceContext {
+  std::string node;
+  Store* store = nullptr;      // not owned
+  Metrics* metrics = nullptr;  // not owned
+  std::function<std::vector<PeerInfo>()> peers;  // may be empty
+};
+
+class RefitService final : public v1::Refit::Service {
+ public:
+  explicit RefitService(ServiceContext context) : context_(std::move(context)) {}
+
+  grpc::Status RegisterBuffer(grpc::ServerContext* context,
+                              const v1::RegisterBufferRequest* request,
+                              v1::RegisterBufferResponse* response) override;
+  grpc::Status ReleaseBuffer(grpc::ServerContext* context,
+                             const v1::ReleaseBufferRequest* request,
+                             v1::ReleaseBufferResponse* response) override;
+  grpc::Status Publish(grpc::ServerContext* context, const v1::PublishRequest* request,
+                       v1::PublishResponse* response) override;
+  grpc::Status WaitForVersion(grpc::ServerContext* context,
+                              const v1::WaitForVersionRequest* request,
+                              v1::WaitForVersionResponse* response) override;
+  grpc::Status Apply(grpc::ServerContext* context, const v1::ApplyRequest* request,
+                     v1::ApplyResponse* response) override;
+  grpc::Status Watch(grpc::ServerContext* context, const v1::WatchRequest* request,
+                     grpc::ServerWriter<v1::VersionEvent>* writer) override;
+  grpc::Status Status(grpc::ServerContext* context, const v1::StatusRequest* request,
+                      v1::StatusResponse* response) override;
+
+ private:
+  // Converts, counts errors by code, and logs client errors at debug level.
+  grpc::Status Finish(const char* rpc, const absl::Status& status);
+
+  ServiceContext context_;
+};
+
+}  // namespace refit::server

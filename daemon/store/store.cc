@@ -1,0 +1,489 @@
+#include "daemon/store/store.h"
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/plan/convert.h"
+#include "daemon/plan/plan.h"
+
+namespace refit {
+namespace {
+
+constexpr size_t kHistoryLength = 4096;     // completed versions remembered for Watch
+constexpr auto kWaitSlice = std::chrono::milliseconds(50);  // re-check of `cancelled`
+
+}  // namespace
+
+struct Store::Buffer {
+  std::string id;
+  std::string model;
+  std::string client;
+  Role role = Role::kUnspecified;
+  std::shared_ptr<Region> region;
+  std::vector<TensorSlice> slices;  // normalized; offsets from the region start
+  // SOURCE buffers: the byte span a snapshot copies, and the slices relative to it.
+  uint64_t span_begin = 0;
+  uint64_t span_end = 0;
+  std::shared_ptr<const std::vector<TensorSlice>> snapshot_slices;
+  uint64_t last_published = 0;  // guarded by Store::mu_
+  std::mutex io_mu;             // one snapshot or one Apply at a time on this memory
+};
+
+struct Store::Piece {
+  std::string buffer_id;
+  std::shared_ptr<const std::vector<TensorSlice>> slices;
+  std::shared_ptr<Region> slot;
+};
+
+struct Store::Version {
+  uint64_t number = 0;
+  std::vector<Piece> pieces;  // sorted by buffer id
+  std::string layout_key;     // the piece buffer ids: equal keys mean equal source layouts
+  uint64_t bytes = 0;
+};
+
+struct Store::CachedPlan {
+  plan::Plan plan;
+};
+
+struct Store::Model {
+  std::string name;
+  std::set<std::string> sources;
+  std::set<std::string> destinations;
+  std::map<uint64_t, std::map<std::string, Piece>> pending;  // version -> buffer id -> piece
+  std::map<uint64_t, std::shared_ptr<const Version>> complete;
+  uint64_t latest = 0;
+  std::deque<uint64_t> history;  // completed versions, oldest first
+  std::map<std::string, std::shared_ptr<const CachedPlan>> plans;
+};
+
+Store::Store(StoreOptions options, Metrics* metrics)
+    : options_(std::move(options)),
+      metrics_(metrics),
+      pool_(SlotPool::Create(options_.max_spare_slot_bytes)) {}
+
+Store::~Store() { Shutdown(); }
+
+Store::Model* Store::FindModel(const std::string& name) {
+  auto it = models_.find(name);
+  return it == models_.end() ? nullptr : it->second.get();
+}
+
+const Store::Model* Store::FindModel(const std::string& name) const {
+  auto it = models_.find(name);
+  return it == models_.end() ? nullptr : it->second.get();
+}
+
+absl::Status Store::CheckAgainstModel(const Model& model, Role role,
+                                      const std::vector<TensorSlice>& slices) const {
+  // The model's tensors are what its SOURCE slices describe: dtype and global shape of every
+  // tensor must agree across buffers; destinations must agree on shape and be convertible.
+  std::map<std::string, const TensorSlice*> source_of;
+  std::map<std::string, const TensorSlice*> dest_of;
+  for (const auto* ids : {&model.sources, &model.destinations}) {
+    for (const std::string& id : *ids) {
+      const Buffer& buffer = *buffers_.at(id);
+      auto& table = buffer.role == Role::kSource ? source_of : dest_of;
+      for (const TensorSlice& s : buffer.slices) table.emplace(s.name, &s);
+    }
+  }
+  for (const TensorSlice& s : slices) {
+    auto src = source_of.find(s.name);
+    auto dst = dest_of.find(s.name);
+    const TensorSlice* other = src != source_of.end()   ? src->second
+                               : dst != dest_of.end() ? dst->second
+                                                      : nullptr;
+    if (other && other->global_shape != s.global_shape) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", s.name, ": global_shape [", absl::StrJoin(s.global_shape, ", "),
+          "] disagrees with [", absl::StrJoin(other->global_shape, ", "),
+          "] already registered for model ", model.name));
+    }
+    if (src == source_of.end()) continue;
+    if (role == Role::kSource && src->second->dtype != s.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", s.name, ": dtype ", DTypeName(s.dtype), " disagrees with ",
+          DTypeName(src->second->dtype), " already registered for model ", model.name));
+    }
+    if (role == Role::kDestination) {
+      RETURN_IF_ERROR(plan::CheckConvertible(src->second->dtype, s.dtype));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name, Role role,
+                                                  std::unique_ptr<Region> region,
+                                                  std::vector<TensorSlice> slices,
+                                                  const std::string& client) {
+  if (model_name.empty()) return absl::InvalidArgumentError("model name is empty");
+  if (role != Role::kSource && role != Role::kDestination) {
+    return absl::InvalidArgumentError("role must be SOURCE or DESTINATION");
+  }
+  if (!region) return absl::InvalidArgumentError("no memory region");
+  if (slices.empty()) return absl::InvalidArgumentError("a buffer needs at least one tensor");
+  RETURN_IF_ERROR(plan::NormalizeAndValidateBuffer(slices, region->size()));
+
+  auto buffer = std::make_shared<Buffer>();
+  buffer->model = model_name;
+  buffer->client = client;
+  buffer->role = role;
+  buffer->region = std::move(region);
+  buffer->slices = std::move(slices);
+  if (role == Role::kSource) {
+    buffer->span_begin = UINT64_MAX;
+    for (const TensorSlice& s : buffer->slices) {
+      auto [begin, end] = plan::SliceByteExtent(s);
+      buffer->span_begin = std::min(buffer->span_begin, begin);
+      buffer->span_end = std::max(buffer->span_end, end);
+    }
+    auto relative = std::make_shared<std::vector<TensorSlice>>(buffer->slices);
+    for (TensorSlice& s : *relative) s.buffer_offset -= buffer->span_begin;
+    buffer->snapshot_slices = std::move(relative);
+  }
+
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& model = models_[model_name];
+  if (!model) {
+    model = std::make_unique<Model>();
+    model->name = model_name;
+  }
+  absl::Status consistent = CheckAgainstModel(*model, role, buffer->slices);
+  if (!consistent.ok()) {
+    if (model->sources.empty() && model->destinations.empty() && model->complete.empty()) {
+      models_.erase(model_name);
+    }
+    return consistent;
+  }
+  buffer->id = absl::StrCat(options_.node, "/", model_name, "/",
+                            role == Role::kSource ? "src" : "dst", "-", next_buffer_++);
+  (role == Role::kSource ? model->sources : model->destinations).insert(buffer->id);
+  model->plans.clear();
+  Logger("store")->info("model={} buffer={} registered: {} {} tensors, {} client={}", model_name,
+                        buffer->id, RoleName(role), buffer->slices.size(),
+                        buffer->region->Describe(), client);
+  buffers_[buffer->id] = buffer;
+  return buffer->id;
+}
+
+absl::Status Store::ReleaseBuffer(const std::string& buffer_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = buffers_.find(buffer_id);
+  if (it == buffers_.end()) {
+    return absl::NotFoundError(absl::StrCat("buffer ", buffer_id, " does not exist"));
+  }
+  std::shared_ptr<Buffer> buffer = it->second;
+  buffers_.erase(it);
+  Model& model = *FindModel(buffer->model);
+  model.sources.erase(buffer_id);
+  model.destinations.erase(buffer_id);
+  model.plans.clear();
+  Logger("store")->info("model={} buffer={} released", buffer->model, buffer_id);
+  // A pending version may now have every remaining source published.
+  if (buffer->role == Role::kSource) TryComplete(model);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<Store::Buffer>>> Store::LookUpBuffers(
+    const std::string& model, Role role, const std::vector<std::string>& ids) const {
+  if (ids.empty()) return absl::InvalidArgumentError("no buffer_ids given");
+  std::set<std::string> seen;
+  std::vector<std::shared_ptr<Buffer>> out;
+  for (const std::string& id : ids) {
+    auto it = buffers_.find(id);
+    if (it == buffers_.end()) {
+      return absl::NotFoundError(absl::StrCat("buffer ", id, " does not exist"));
+    }
+    const Buffer& buffer = *it->second;
+    if (buffer.model != model) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("buffer ", id, " belongs to model ", buffer.model, ", not ", model));
+    }
+    if (buffer.role != role) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("buffer ", id, " is a ", RoleName(buffer.role), " buffer, not a ",
+                       RoleName(role), " buffer"));
+    }
+    if (!seen.insert(id).second) {
+      return absl::InvalidArgumentError(absl::StrCat("buffer ", id, " is listed twice"));
+    }
+    out.push_back(it->second);
+  }
+  return out;
+}
+
+absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint64_t version,
+                                             const std::vector<std::string>& buffer_ids) {
+  if (version == 0) return absl::InvalidArgumentError("version must be >= 1");
+  std::vector<std::shared_ptr<Buffer>> buffers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_) return absl::UnavailableError("refitd is shutting down");
+    Model* model = FindModel(model_name);
+    if (!model) return absl::NotFoundError(absl::StrCat("model ", model_name, " does not exist"));
+    ASSIGN_OR_RETURN(buffers, LookUpBuffers(model_name, Role::kSource, buffer_ids));
+    if (version <= model->latest) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("model ", model_name, ": version ", version,
+                       " is not newer than the latest complete version ", model->latest));
+    }
+    for (const auto& buffer : buffers) {
+      if (version <= buffer->last_published) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("buffer ", buffer->id, ": version ", version,
+                         " is not newer than its last published version ",
+                         buffer->last_published));
+      }
+    }
+    // Reserve the version so a concurrent Publish of the same buffer can't take it too.
+    for (const auto& buffer : buffers) buffer->last_published = version;
+  }
+
+  // Snapshot outside the store lock: other models and readers keep going meanwhile.
+  std::vector<Piece> pieces;
+  uint64_t bytes = 0;
+  for (const auto& buffer : buffers) {
+    const uint64_t size = buffer->span_end - buffer->span_begin;
+    auto slot = pool_->Acquire(size);
+    if (!slot.ok()) return slot.status();
+    {
+      std::lock_guard<std::mutex> io(buffer->io_mu);
+      std::memcpy((*slot)->data(), buffer->region->data() + buffer->span_begin, size);
+    }
+    pieces.push_back(Piece{buffer->id, buffer->snapshot_slices, std::move(slot).value()});
+    bytes += size;
+  }
+  metrics_->Add(kPublishBytes, static_cast<double>(bytes));
+  metrics_->Add(kPublishes, 1);
+
+  std::lock_guard<std::mutex> lock(mu_);
+  Model* model = FindModel(model_name);
+  if (version <= model->latest) {
+    // Another buffer's publish completed a newer version meanwhile; this one can't complete.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model ", model_name, ": version ", version, " was overtaken by version ", model->latest));
+  }
+  auto& pending = model->pending[version];
+  for (Piece& piece : pieces) pending[piece.buffer_id] = std::move(piece);
+  TryComplete(*model);
+  // Bound the memory held by versions some source never finishes.
+  const size_t max_pending = std::max<size_t>(4, 2 * options_.retain);
+  while (model->pending.size() > max_pending) {
+    Logger("store")->warn("model={} version={} dropped: not every source published it",
+                          model_name, model->pending.begin()->first);
+    model->pending.erase(model->pending.begin());
+  }
+  return PublishResult{version, bytes};
+}
+
+void Store::TryComplete(Model& model) {
+  if (model.sources.empty()) return;
+  uint64_t newest_ready = 0;
+  for (const auto& [version, pieces] : model.pending) {
+    bool ready = std::all_of(model.sources.begin(), model.sources.end(),
+                             [&](const std::string& id) { return pieces.count(id) > 0; });
+    if (ready) newest_ready = version;
+  }
+  if (newest_ready != 0) CompleteVersion(model, newest_ready);
+}
+
+void Store::CompleteVersion(Model& model, uint64_t number) {
+  auto version = std::make_shared<Version>();
+  version->number = number;
+  std::vector<std::string> ids;
+  for (auto& [id, piece] : model.pending[number]) {
+    ids.push_back(id);
+    version->bytes += piece.slot->size();
+    version->pieces.push_back(std::move(piece));
+  }
+  version->layout_key = absl::StrJoin(ids, ",");
+  // Older pending versions can never complete now: versions only move forward.
+  model.pending.erase(model.pending.begin(), model.pending.upper_bound(number));
+
+  model.complete[number] = version;
+  model.latest = number;
+  model.history.push_back(number);
+  if (model.history.size() > kHistoryLength) model.history.pop_front();
+  while (model.complete.size() > std::max<uint32_t>(1, options_.retain)) {
+    model.complete.erase(model.complete.begin());  // slots freed once no Apply holds them
+    metrics_->Add(kVersionsDropped, 1);
+  }
+  metrics_->Add(kVersionsCompleted, 1);
+  Logger("store")->info("model={} version={} complete: {} pieces, {} bytes", model.name, number,
+                        version->pieces.size(), version->bytes);
+  changed_.notify_all();
+}
+
+absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
+    Model& model, const Version& version, const std::vector<std::shared_ptr<Buffer>>& dests) {
+  std::vector<std::string> dest_ids;
+  for (const auto& d : dests) dest_ids.push_back(d->id);
+  const std::string key = absl::StrCat(version.layout_key, "|", absl::StrJoin(dest_ids, ","));
+  auto it = model.plans.find(key);
+  if (it != model.plans.end()) return it->second;
+
+  std::vector<plan::PlacedSlice> sources;
+  for (uint32_t i = 0; i < version.pieces.size(); ++i) {
+    for (const TensorSlice& s : *version.pieces[i].slices) sources.push_back({&s, i, 0});
+  }
+  std::vector<plan::PlacedSlice> destinations;
+  for (uint32_t j = 0; j < dests.size(); ++j) {
+    for (const TensorSlice& s : dests[j]->slices) destinations.push_back({&s, j, 0});
+  }
+  ASSIGN_OR_RETURN(plan::Plan built, plan::BuildPlan(sources, destinations));
+  auto cached = std::make_shared<CachedPlan>();
+  cached->plan = std::move(built);
+  model.plans[key] = cached;
+  return std::shared_ptr<const CachedPlan>(cached);
+}
+
+absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t version,
+                                         const std::vector<std::string>& buffer_ids) {
+  std::shared_ptr<const Version> source;
+  std::shared_ptr<const CachedPlan> cached;
+  std::vector<std::shared_ptr<Buffer>> dests;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_) return absl::UnavailableError("refitd is shutting down");
+    Model* model = FindModel(model_name);
+    if (!model) return absl::NotFoundError(absl::StrCat("model ", model_name, " does not exist"));
+    ASSIGN_OR_RETURN(dests, LookUpBuffers(model_name, Role::kDestination, buffer_ids));
+    const uint64_t wanted = version == 0 ? model->latest : version;
+    if (wanted == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("model ", model_name, " has no complete version on this node yet"));
+    }
+    auto it = model->complete.find(wanted);
+    if (it == model->complete.end()) {
+      if (wanted < model->latest) {
+        return absl::NotFoundError(absl::StrCat(
+            "model ", model_name, ": version ", wanted, " is no longer held (--retain=",
+            options_.retain, "; oldest held is ", model->complete.begin()->first, ")"));
+      }
+      return absl::FailedPreconditionError(
+          absl::StrCat("model ", model_name, ": version ", wanted,
+                       " is not complete on this node (latest complete: ", model->latest, ")"));
+    }
+    source = it->second;
+    ASSIGN_OR_RETURN(cached, PlanFor(*model, *source, dests));
+  }
+  for (const auto& d : dests) {
+    if (d->region->kind() != MemoryKind::kHost) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("buffer ", d->id, " is in CUDA memory; this refitd has no CUDA support"));
+    }
+  }
+
+  // Buffers are locked in id order (LookUpBuffers keeps request order; sort for safety).
+  std::vector<Buffer*> order;
+  for (const auto& d : dests) order.push_back(d.get());
+  std::sort(order.begin(), order.end(),
+            [](const Buffer* a, const Buffer* b) { return a->id < b->id; });
+  std::vector<std::unique_lock<std::mutex>> locks;
+  for (Buffer* b : order) locks.emplace_back(b->io_mu);
+
+  std::vector<const uint8_t*> src;
+  for (const Piece& piece : source->pieces) src.push_back(piece.slot->data());
+  std::vector<uint8_t*> dst;
+  for (const auto& d : dests) dst.push_back(d->region->data());
+  plan::ExecuteOnHost(cached->plan, src, dst);
+
+  metrics_->Add(kApplyBytes, static_cast<double>(cached->plan.dst_bytes));
+  metrics_->Add(kApplies, 1);
+  return ApplyResult{source->number, cached->plan.dst_bytes};
+}
+
+template <typename Ready>
+absl::Status Store::WaitUntil(std::unique_lock<std::mutex>& lock, Clock::time_point deadline,
+                              const CancelledFn& cancelled, Ready ready) {
+  while (true) {
+    if (shutdown_) return absl::UnavailableError("refitd is shutting down");
+    if (ready()) return absl::OkStatus();
+    if (cancelled && cancelled()) return absl::CancelledError("the caller went away");
+    const auto now = Clock::now();
+    if (now >= deadline) return absl::DeadlineExceededError("deadline passed while waiting");
+    changed_.wait_until(lock, std::min(deadline, now + kWaitSlice));
+  }
+}
+
+absl::StatusOr<uint64_t> Store::WaitForVersion(const std::string& model_name,
+                                               uint64_t min_version, Clock::time_point deadline,
+                                               const CancelledFn& cancelled) {
+  std::unique_lock<std::mutex> lock(mu_);
+  uint64_t latest = 0;
+  absl::Status status = WaitUntil(lock, deadline, cancelled, [&] {
+    const Model* model = FindModel(model_name);
+    latest = model ? model->latest : 0;
+    return latest != 0 && latest >= min_version;
+  });
+  if (status.code() == absl::StatusCode::kDeadlineExceeded) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("model ", model_name, ": no version >= ", min_version,
+                     " completed before the deadline (latest: ", latest, ")"));
+  }
+  RETURN_IF_ERROR(status);
+  return latest;
+}
+
+absl::StatusOr<std::vector<uint64_t>> Store::WaitForCompletions(const std::string& model_name,
+                                                                uint64_t after_version,
+                                                                Clock::time_point deadline,
+                                                                const CancelledFn& cancelled) {
+  std::unique_lock<std::mutex> lock(mu_);
+  std::vector<uint64_t> out;
+  RETURN_IF_ERROR(WaitUntil(lock, deadline, cancelled, [&] {
+    const Model* model = FindModel(model_name);
+    if (!model || model->latest <= after_version) return false;
+    for (uint64_t v : model->history) {
+      if (v > after_version) out.push_back(v);
+    }
+    return true;
+  }));
+  return out;
+}
+
+uint64_t Store::LatestVersion(const std::string& model_name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Model* model = FindModel(model_name);
+  return model ? model->latest : 0;
+}
+
+std::vector<ModelInfo> Store::Models() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<ModelInfo> out;
+  for (const auto& [name, model] : models_) {
+    ModelInfo info;
+    info.name = name;
+    info.latest_version = model->latest;
+    for (const auto& [v, version] : model->complete) {
+      info.versions.push_back(v);
+      info.version_bytes = version->bytes;
+    }
+    info.source_buffers = static_cast<uint32_t>(model->sources.size());
+    info.destination_buffers = static_cast<uint32_t>(model->destinations.size());
+    for (const auto* ids : {&model->sources, &model->destinations}) {
+      for (const std::string& id : *ids) {
+        const Buffer& b = *buffers_.at(id);
+        info.buffers.push_back(BufferInfo{b.id, b.role, b.client, b.region->size(),
+                                          static_cast<uint32_t>(b.slices.size()),
+                                          b.last_published, b.region->kind()});
+      }
+    }
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+void Store::Shutdown() {
+  std::lock_guard<std::mutex> lock(mu_);
+  shutdown_ = true;
+  changed_.notify_all();
+}
+
+}  // namespace refit

@@ -1,0 +1,225 @@
+#include "daemon/store/store.h"
+
+#include <cstring>
+#include <thread>
+
+#include "catch2/catch.hpp"
+
+namespace refit {
+namespace {
+
+using std::chrono::milliseconds;
+
+TensorSlice Whole(const std::string& name, DType dtype, std::vector<int64_t> shape,
+                  uint64_t buffer_offset) {
+  TensorSlice s;
+  s.name = name;
+  s.dtype = dtype;
+  s.global_shape = std::move(shape);
+  s.buffer_offset = buffer_offset;
+  return s;
+}
+
+TensorSlice Rows(const std::string& name, DType dtype, std::vector<int64_t> shape, int64_t begin,
+                 int64_t count, uint64_t buffer_offset) {
+  TensorSlice s = Whole(name, dtype, shape, buffer_offset);
+  s.offsets.assign(shape.size(), 0);
+  s.offsets[0] = begin;
+  s.sizes = shape;
+  s.sizes[0] = count;
+  return s;
+}
+
+// A host region of `size` bytes the test can read and write, lent to the store.
+struct TestBuffer {
+  explicit TestBuffer(uint64_t size) {
+    auto region = AllocateHost(size);
+    REQUIRE(region.ok());
+    owned = std::move(region).value();
+    data = owned->data();
+  }
+  // Hands the store a second mapping-like view: the store owns `owned` afterwards.
+  std::unique_ptr<Region> Lend() { return std::move(owned); }
+  std::unique_ptr<Region> owned;
+  uint8_t* data;
+};
+
+Clock::time_point In(int ms) { return Clock::now() + milliseconds(ms); }
+
+struct Fixture {
+  Metrics metrics;
+  Store store{StoreOptions{2, 1ull << 30, "test"}, &metrics};
+};
+
+TEST_CASE_METHOD(Fixture, "publish then apply copies a version bit-exact", "[store]") {
+  TestBuffer src(64 * 4 + 32 * 2);
+  TestBuffer dst(64 * 4 + 32 * 2);
+  for (int i = 0; i < 64 * 4 + 32 * 2; ++i) src.data[i] = static_cast<uint8_t>(i * 13 + 1);
+  auto src_id = store.RegisterBuffer(
+      "m", Role::kSource, src.Lend(),
+      {Whole("a", DType::kFP32, {8, 8}, 0), Whole("b", DType::kBF16, {32}, 256)}, "trainer");
+  REQUIRE(src_id.ok());
+  // The destination holds the tensors in the other order.
+  auto dst_id = store.RegisterBuffer(
+      "m", Role::kDestination, dst.Lend(),
+      {Whole("b", DType::kBF16, {32}, 0), Whole("a", DType::kFP32, {8, 8}, 64)}, "engine");
+  REQUIRE(dst_id.ok());
+
+  auto published = store.Publish("m", 1, {*src_id});
+  REQUIRE(published.ok());
+  CHECK(published->bytes == 320);
+  auto applied = store.Apply("m", 0, {*dst_id});
+  REQUIRE(applied.ok());
+  CHECK(applied->version == 1);
+  CHECK(applied->bytes_written == 320);
+  CHECK(std::memcmp(dst.data, src.data + 256, 64) == 0);
+  CHECK(std::memcmp(dst.data + 64, src.data, 256) == 0);
+  CHECK(metrics.Get(kVersionsCompleted) == 1);
+  CHECK(metrics.Get(kApplyBytes) == 320);
+}
+
+TEST_CASE_METHOD(Fixture, "a version is a snapshot taken at Publish", "[store]") {
+  TestBuffer src(1024), dst(1024);
+  std::memset(src.data, 1, 1024);
+  auto s = store.RegisterBuffer("m", Role::kSource, src.Lend(),
+                                {Whole("w", DType::kUINT8, {1024}, 0)}, "");
+  auto d = store.RegisterBuffer("m", Role::kDestination, dst.Lend(),
+                                {Whole("w", DType::kUINT8, {1024}, 0)}, "");
+  REQUIRE(store.Publish("m", 1, {*s}).ok());
+  std::memset(src.data, 2, 1024);  // the trainer moves on at once
+  REQUIRE(store.Apply("m", 1, {*d}).ok());
+  for (int i = 0; i < 1024; ++i) REQUIRE(dst.data[i] == 1);
+}
+
+TEST_CASE_METHOD(Fixture, "a version completes only when every source buffer published it",
+                 "[store]") {
+  const std::vector<int64_t> shape{4, 16};
+  TestBuffer r0(32 * 4), r1(32 * 4), dst(64 * 4);
+  for (int i = 0; i < 128; ++i) {
+    r0.data[i] = static_cast<uint8_t>(i);
+    r1.data[i] = static_cast<uint8_t>(200 - i);
+  }
+  auto a = store.RegisterBuffer("m", Role::kSource, r0.Lend(),
+                                {Rows("w", DType::kFP32, shape, 0, 2, 0)}, "rank0");
+  auto b = store.RegisterBuffer("m", Role::kSource, r1.Lend(),
+                                {Rows("w", DType::kFP32, shape, 2, 2, 0)}, "rank1");
+  auto d = store.RegisterBuffer("m", Role::kDestination, dst.Lend(),
+                                {Whole("w", DType::kFP32, shape, 0)}, "engine");
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  REQUIRE(d.ok());
+
+  REQUIRE(store.Publish("m", 1, {*a}).ok());
+  CHECK(store.LatestVersion("m") == 0);
+  CHECK(store.Apply("m", 1, {*d}).status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(store.WaitForVersion("m", 1, In(30), nullptr).status().code() ==
+        absl::StatusCode::kDeadlineExceeded);
+  REQUIRE(store.Publish("m", 1, {*b}).ok());
+  CHECK(store.LatestVersion("m") == 1);
+  REQUIRE(store.Apply("m", 1, {*d}).ok());
+  CHECK(std::memcmp(dst.data, r0.data, 128) == 0);
+  CHECK(std::memcmp(dst.data + 128, r1.data, 128) == 0);
+}
+
+TEST_CASE_METHOD(Fixture, "releasing a lagging source completes the pending version",
+                 "[store]") {
+  TestBuffer r0(64), r1(64);
+  auto a = store.RegisterBuffer("m", Role::kSource, r0.Lend(),
+                                {Whole("x", DType::kUINT8, {64}, 0)}, "");
+  auto b = store.RegisterBuffer("m", Role::kSource, r1.Lend(),
+                                {Whole("y", DType::kUINT8, {64}, 0)}, "");
+  REQUIRE(store.Publish("m", 1, {*a}).ok());
+  CHECK(store.LatestVersion("m") == 0);
+  REQUIRE(store.ReleaseBuffer(*b).ok());
+  CHECK(store.LatestVersion("m") == 1);
+  CHECK(store.ReleaseBuffer(*b).code() == absl::StatusCode::kNotFound);
+}
+
+TEST_CASE_METHOD(Fixture, "retention drops old versions; codes tell dropped from not complete",
+                 "[store]") {
+  TestBuffer src(16), dst(16);
+  auto s = store.RegisterBuffer("m", Role::kSource, src.Lend(),
+                                {Whole("w", DType::kINT32, {4}, 0)}, "");
+  auto d = store.RegisterBuffer("m", Role::kDestination, dst.Lend(),
+                                {Whole("w", DType::kINT32, {4}, 0)}, "");
+  for (uint64_t v = 1; v <= 4; ++v) {
+    std::memset(src.data, static_cast<int>(v), 16);
+    REQUIRE(store.Publish("m", v, {*s}).ok());
+  }
+  auto models = store.Models();
+  REQUIRE(models.size() == 1);
+  CHECK(models[0].versions == std::vector<uint64_t>{3, 4});
+  CHECK(models[0].latest_version == 4);
+  CHECK(store.Apply("m", 2, {*d}).status().code() == absl::StatusCode::kNotFound);
+  CHECK(store.Apply("m", 5, {*d}).status().code() == absl::StatusCode::kFailedPrecondition);
+  auto applied = store.Apply("m", 3, {*d});
+  REQUIRE(applied.ok());
+  CHECK(dst.data[0] == 3);
+  CHECK(metrics.Get(kVersionsDropped) == 2);
+}
+
+TEST_CASE_METHOD(Fixture, "publish rejects stale versions and foreign buffers", "[store]") {
+  TestBuffer src(16), dst(16);
+  auto s = store.RegisterBuffer("m", Role::kSource, src.Lend(),
+                                {Whole("w", DType::kINT32, {4}, 0)}, "");
+  auto d = store.RegisterBuffer("m", Role::kDestination, dst.Lend(),
+                                {Whole("w", DType::kINT32, {4}, 0)}, "");
+  REQUIRE(store.Publish("m", 5, {*s}).ok());
+  CHECK(store.Publish("m", 5, {*s}).status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(store.Publish("m", 4, {*s}).status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(store.Publish("m", 0, {*s}).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(store.Publish("m", 6, {"nope"}).status().code() == absl::StatusCode::kNotFound);
+  CHECK(store.Publish("m", 6, {*d}).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(store.Publish("other", 6, {*s}).status().code() == absl::StatusCode::kNotFound);
+  CHECK(store.Apply("m", 0, {*s}).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(store.LatestVersion("m") == 5);
+}
+
+TEST_CASE_METHOD(Fixture, "registration checks tensors against the model", "[store]") {
+  TestBuffer a(64), b(64), c(64), d(64);
+  REQUIRE(store.RegisterBuffer("m", Role::kSource, a.Lend(),
+                               {Whole("w", DType::kBF16, {32}, 0)}, "").ok());
+  // Same tensor, other dtype, on another source: rejected.
+  CHECK(store.RegisterBuffer("m", Role::kSource, b.Lend(), {Whole("w", DType::kFP16, {32}, 0)}, "")
+            .status().code() == absl::StatusCode::kInvalidArgument);
+  // Destination with another global shape: rejected.
+  CHECK(store.RegisterBuffer("m", Role::kDestination, c.Lend(),
+                             {Whole("w", DType::kBF16, {16}, 0)}, "")
+            .status().code() == absl::StatusCode::kInvalidArgument);
+  // Destination converting bf16 to fp16: accepted.
+  CHECK(store.RegisterBuffer("m", Role::kDestination, d.Lend(),
+                             {Whole("w", DType::kFP16, {32}, 0)}, "").ok());
+  CHECK(store.Models()[0].source_buffers == 1);
+  CHECK(store.Models()[0].destination_buffers == 1);
+}
+
+TEST_CASE_METHOD(Fixture, "waiters see completions in order and wake at shutdown", "[store]") {
+  TestBuffer src(8);
+  auto s = store.RegisterBuffer("m", Role::kSource, src.Lend(),
+                                {Whole("w", DType::kUINT8, {8}, 0)}, "");
+  std::thread publisher([&] {
+    for (uint64_t v = 1; v <= 3; ++v) REQUIRE(store.Publish("m", v, {*s}).ok());
+  });
+  auto seen = store.WaitForVersion("m", 3, In(5000), nullptr);
+  publisher.join();
+  REQUIRE(seen.ok());
+  CHECK(*seen == 3);
+  auto events = store.WaitForCompletions("m", 1, In(100), nullptr);
+  REQUIRE(events.ok());
+  CHECK(*events == std::vector<uint64_t>{2, 3});
+  CHECK(store.WaitForCompletions("m", 3, In(20), nullptr).status().code() ==
+        absl::StatusCode::kDeadlineExceeded);
+  CHECK(store.WaitForVersion("m", 9, In(5000), [] { return true; }).status().code() ==
+        absl::StatusCode::kCancelled);
+
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(milliseconds(50));
+    store.Shutdown();
+  });
+  CHECK(store.WaitForVersion("m", 9, In(10000), nullptr).status().code() ==
+        absl::StatusCode::kUnavailable);
+  stopper.join();
+}
+
+}  // namespace
+}  // namespace refit
