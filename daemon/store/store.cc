@@ -336,7 +336,9 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
   for (uint32_t j = 0; j < dests.size(); ++j) {
     for (const TensorSlice& s : dests[j]->slices) destinations.push_back({&s, j, 0});
   }
-  ASSIGN_OR_RETURN(plan::Plan built, plan::BuildPlan(sources, destinations));
+  plan::PlanOptions plan_options;
+  plan_options.multi_row_ops = true;  // one op per strided box, not per row: small, fast plans
+  ASSIGN_OR_RETURN(plan::Plan built, plan::BuildPlan(sources, destinations, plan_options));
   auto cached = std::make_shared<CachedPlan>();
   cached->plan = std::move(built);
   model.plans[key] = cached;

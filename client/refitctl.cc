@@ -1,0 +1,205 @@
+// refitctl: look at and follow a node's refitd.
+//
+//   refitctl status            node, peers, models (latest version, versions held, buffers)
+//   refitctl versions MODEL    versions held of one model
+//   refitctl peers             the other daemons and whether they are connected
+//   refitctl watch MODEL       one line per version as it completes (Ctrl-C to stop)
+//   refitctl metrics           the daemon's counters
+//   refitctl health            SERVING / NOT_SERVING
+//
+// --json prints machine-readable output. Exit codes: 0 success, 1 the daemon answered with an
+// error, 2 bad usage, 3 no daemon answers at the socket.
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "client/refit_client.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace {
+
+namespace v1 = refit::v1;
+using refit::client::Client;
+
+constexpr int kExitError = 1;
+constexpr int kExitNoDaemon = 3;
+
+std::string Json(const google::protobuf::Message& message) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(message, &out, options);
+  return out;
+}
+
+std::string HumanBytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) {
+    bytes /= 1024;
+    ++u;
+  }
+  return u == 0 ? absl::StrFormat("%.0f B", bytes) : absl::StrFormat("%.1f %s", bytes, units[u]);
+}
+
+int Fail(const absl::Status& status) {
+  std::cerr << "refitctl: " << status.message() << "\n";
+  return status.code() == absl::StatusCode::kUnavailable ? kExitNoDaemon : kExitError;
+}
+
+void PrintPeers(const v1::StatusResponse& status) {
+  if (status.peers().empty()) {
+    std::cout << "peers: none\n";
+    return;
+  }
+  std::cout << absl::StrFormat("%-24s %-28s %s\n", "PEER", "ADDRESS", "STATE");
+  for (const auto& p : status.peers()) {
+    std::cout << absl::StrFormat("%-24s %-28s %s\n", p.node().empty() ? "-" : p.node(),
+                                 p.address(), p.connected() ? "connected" : "disconnected");
+  }
+}
+
+void PrintStatus(const v1::StatusResponse& status) {
+  std::cout << "node: " << status.node() << "   refitd " << status.version() << "   cuda: "
+            << (status.cuda_enabled() ? absl::StrFormat("yes, %d device(s)", status.cuda_devices())
+                                      : std::string("not compiled in"))
+            << "\n";
+  PrintPeers(status);
+  if (status.models().empty()) {
+    std::cout << "models: none\n";
+    return;
+  }
+  std::cout << absl::StrFormat("%-24s %8s %-16s %8s %13s %12s\n", "MODEL", "LATEST", "HELD",
+                               "SOURCES", "DESTINATIONS", "VERSION SIZE");
+  for (const auto& m : status.models()) {
+    std::cout << absl::StrFormat("%-24s %8d %-16s %8d %13d %12s\n", m.model(), m.latest_version(),
+                                 m.versions().empty() ? "-" : absl::StrJoin(m.versions(), ","),
+                                 m.source_buffers(), m.destination_buffers(),
+                                 HumanBytes(static_cast<double>(m.version_bytes())));
+    for (const auto& b : m.buffers()) {
+      std::cout << absl::StrFormat(
+          "  %-34s %-11s %-4s %10s %5d tensors  client=%s%s\n", b.buffer_id(),
+          b.role() == v1::SOURCE ? "source" : "destination", b.memory(),
+          HumanBytes(static_cast<double>(b.bytes())), b.tensors(),
+          b.client().empty() ? "-" : b.client(),
+          b.role() == v1::SOURCE ? absl::StrFormat("  published=%d", b.last_published_version())
+                                 : std::string());
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string socket = refit::client::DefaultSocketPath();
+  bool json = false;
+  double timeout_s = 5;
+  std::string model;
+
+  CLI::App app{"refitctl: look at and follow a node's refitd"};
+  app.add_option("--socket", socket, "the daemon's Unix socket (default $REFIT_SOCKET, else "
+                                     "/run/refit/refitd.sock)");
+  app.add_flag("--json", json, "machine-readable output");
+  app.add_option("--timeout", timeout_s, "seconds to wait for the daemon")->capture_default_str();
+  app.require_subcommand(1);
+  app.fallthrough();  // --json and --socket may follow the subcommand
+  auto* status_cmd = app.add_subcommand("status", "node, peers and models");
+  auto* versions_cmd = app.add_subcommand("versions", "versions held of one model");
+  versions_cmd->add_option("MODEL", model, "model name")->required();
+  auto* peers_cmd = app.add_subcommand("peers", "the other daemons");
+  auto* watch_cmd = app.add_subcommand("watch", "print each version of MODEL as it completes");
+  watch_cmd->add_option("MODEL", model, "model name")->required();
+  auto* metrics_cmd = app.add_subcommand("metrics", "the daemon's counters");
+  auto* health_cmd = app.add_subcommand("health", "whether the daemon is serving");
+  CLI11_PARSE(app, argc, argv);
+
+  auto client = Client::Connect(
+      socket, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  if (!client.ok()) return Fail(client.status());
+
+  if (health_cmd->parsed()) {
+    auto healthy = (*client)->Healthy();
+    if (!healthy.ok()) return Fail(healthy.status());
+    if (json) {
+      std::cout << "{\"status\": \"" << (*healthy ? "SERVING" : "NOT_SERVING") << "\"}\n";
+    } else {
+      std::cout << (*healthy ? "SERVING" : "NOT_SERVING") << "\n";
+    }
+    return *healthy ? 0 : kExitError;
+  }
+
+  if (watch_cmd->parsed()) {
+    auto watcher = (*client)->Watch(model);
+    if (!watcher.ok()) return Fail(watcher.status());
+    v1::VersionEvent event;
+    while ((*watcher)->Next(&event)) {
+      if (json) {
+        std::cout << "{\"model\": \"" << event.model() << "\", \"version\": " << event.version()
+                  << "}" << std::endl;
+      } else {
+        std::cout << event.model() << " version " << event.version() << " complete" << std::endl;
+      }
+    }
+    auto end = (*watcher)->status();
+    return end.ok() ? 0 : Fail(end);
+  }
+
+  auto status = (*client)->Status();
+  if (!status.ok()) return Fail(status.status());
+
+  if (status_cmd->parsed()) {
+    if (json) {
+      std::cout << Json(*status);
+    } else {
+      PrintStatus(*status);
+    }
+  } else if (versions_cmd->parsed()) {
+    const v1::ModelStatus* found = nullptr;
+    for (const auto& m : status->models()) {
+      if (m.model() == model) found = &m;
+    }
+    if (!found) {
+      std::cerr << "refitctl: model " << model << " is not known to node " << status->node()
+                << "\n";
+      return kExitError;
+    }
+    if (json) {
+      std::cout << Json(*found);
+    } else {
+      std::cout << "latest: " << found->latest_version() << "\nheld: "
+                << (found->versions().empty() ? "none" : absl::StrJoin(found->versions(), " "))
+                << "\n";
+    }
+  } else if (peers_cmd->parsed()) {
+    if (json) {
+      v1::StatusResponse peers_only;
+      *peers_only.mutable_peers() = status->peers();
+      std::cout << Json(peers_only);
+    } else {
+      PrintPeers(*status);
+    }
+  } else if (metrics_cmd->parsed()) {
+    std::map<std::string, double> sorted(status->metrics().begin(), status->metrics().end());
+    if (json) {
+      std::cout << "{";
+      bool first = true;
+      for (const auto& [k, v] : sorted) {
+        std::cout << (first ? "\n  " : ",\n  ") << "\"";
+        for (char c : k) std::cout << (c == '"' ? std::string("\\\"") : std::string(1, c));
+        std::cout << "\": " << absl::StrFormat("%.17g", v);
+        first = false;
+      }
+      std::cout << "\n}\n";
+    } else {
+      for (const auto& [k, v] : sorted) std::cout << k << " " << absl::StrFormat("%.17g", v)
+                                                  << "\n";
+    }
+  }
+  return 0;
+}

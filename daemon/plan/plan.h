@@ -1,0 +1,94 @@
+#pragma once
+
+// Transfer plans: pure functions from source layouts x destination layouts to a list of copy
+// operations. No I/O, no protobuf. Owned by nobody: every function here is thread-safe.
+//
+// A "location" is an index the caller chooses: for sources, one snapshot piece of a version
+// (one published SOURCE buffer, possibly on another node); for destinations, one DESTINATION
+// buffer. Offsets in a plan are bytes from the start of that location's memory.
+
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "daemon/common/types.h"
+
+namespace refit::plan {
+
+// Fills in empty `offsets` (zeros), `sizes` (whole tensor) and `buffer_strides` (row-major) and
+// checks one buffer's slices against a region of `region_size` bytes: known dtype, positive
+// global shape, matching ranks, slice inside the tensor, every element inside the region, no
+// two slices of the buffer sharing a byte. INVALID_ARGUMENT naming the slice otherwise.
+absl::Status NormalizeAndValidateBuffer(std::vector<TensorSlice>& slices, uint64_t region_size);
+
+// [first byte, one past last byte) that a normalized slice touches in its buffer.
+std::pair<uint64_t, uint64_t> SliceByteExtent(const TensorSlice& slice);
+
+// A normalized slice living in one location.
+struct PlacedSlice {
+  const TensorSlice* slice = nullptr;  // not owned; must outlive the BuildPlan call
+  uint32_t location = 0;
+  uint32_t node = 0;  // the daemon holding the location; replicated sources are spread by node
+};
+
+// Copy `count` elements: source element i is at src_offset + i * src_stride * size(src_dtype),
+// destination element i at dst_offset + i * dst_stride * size(dst_dtype). The dtypes differ
+// when the destination asks for a conversion.
+//
+// Addition: an op may repeat that run `rows` times (only in plans built with
+// PlanOptions::multi_row_ops; otherwise rows is always 1): element i of row r is at
+// src_offset + (r * src_row_stride + i * src_stride) * size(src_dtype), and likewise for the
+// destination. Strides in a plan are always positive.
+struct CopyOp {
+  uint32_t src_location = 0;
+  uint64_t src_offset = 0;
+  uint32_t dst_location = 0;
+  uint64_t dst_offset = 0;
+  uint64_t count = 0;
+  int64_t src_stride = 1;
+  int64_t dst_stride = 1;
+  DType src_dtype = DType::kUnspecified;
+  DType dst_dtype = DType::kUnspecified;
+  uint64_t rows = 1;
+  int64_t src_row_stride = 0;  // elements of src_dtype; unused when rows == 1
+  int64_t dst_row_stride = 0;  // elements of dst_dtype; unused when rows == 1
+
+  bool operator==(const CopyOp& other) const;
+};
+
+struct Plan {
+  std::vector<CopyOp> ops;  // deterministic order; contiguous runs coalesced
+  uint64_t src_bytes = 0;   // bytes read from sources: what a remote pull moves
+  uint64_t dst_bytes = 0;   // bytes written into destinations
+};
+
+// Builds the plan that fills every element of every destination slice exactly once from the
+// sources. Source slices of one tensor must agree on dtype and global shape, and a destination
+// slice's global shape must equal its tensor's: INVALID_ARGUMENT otherwise. A destination
+// element that no source covers: FAILED_PRECONDITION naming the tensor and the missing box.
+// Deterministic: the same inputs give the same plan.
+absl::StatusOr<Plan> BuildPlan(const std::vector<PlacedSlice>& sources,
+                               const std::vector<PlacedSlice>& destinations);
+
+// Addition: knobs for BuildPlan. The two-argument BuildPlan uses the defaults.
+struct PlanOptions {
+  // Emit two-dimensional ops (CopyOp::rows > 1) where a box has more than one run. A row-parallel
+  // TP8 -> TP2 reshard of a 70B model is ~10M single-row ops but ~1k multi-row ops.
+  bool multi_row_ops = false;
+  // Sources held by this node are preferred over replicas elsewhere (a local copy moves nothing
+  // over the network). Without it, replicated sources are spread by bytes taken from each node.
+  std::optional<uint32_t> local_node;
+};
+absl::StatusOr<Plan> BuildPlan(const std::vector<PlacedSlice>& sources,
+                               const std::vector<PlacedSlice>& destinations,
+                               const PlanOptions& options);
+
+// Runs `plan` on host memory: `src[i]` / `dst[i]` is the base address of location i. Converts
+// dtypes where an op asks for it. The caller guarantees every op lies inside its locations.
+void ExecuteOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
+                   const std::vector<uint8_t*>& dst);
+
+}  // namespace refit::plan

@@ -1,0 +1,247 @@
+// NormalizeAndValidateBuffer and SliceByteExtent.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "catch2/catch.hpp"
+#include "daemon/common/types.h"
+#include "daemon/plan/plan.h"
+
+namespace refit::plan {
+namespace {
+
+TensorSlice Slice(std::string name, DType dtype, std::vector<int64_t> shape) {
+  TensorSlice s;
+  s.name = std::move(name);
+  s.dtype = dtype;
+  s.global_shape = std::move(shape);
+  return s;
+}
+
+// Expects INVALID_ARGUMENT whose message contains `needle`.
+void ExpectInvalid(std::vector<TensorSlice> slices, uint64_t region, const std::string& needle) {
+  const absl::Status status = NormalizeAndValidateBuffer(slices, region);
+  INFO(status.ToString());
+  REQUIRE(status.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(std::string(status.message()).find(needle) != std::string::npos);
+}
+
+TEST_CASE("normalization fills offsets, sizes and row-major strides", "[validate]") {
+  std::vector<TensorSlice> slices{Slice("w", DType::kBF16, {4, 6, 8})};
+  REQUIRE(NormalizeAndValidateBuffer(slices, 4 * 6 * 8 * 2).ok());
+  CHECK(slices[0].offsets == std::vector<int64_t>{0, 0, 0});
+  CHECK(slices[0].sizes == std::vector<int64_t>{4, 6, 8});
+  CHECK(slices[0].buffer_strides == std::vector<int64_t>{48, 8, 1});
+  CHECK(SliceByteExtent(slices[0]) == std::make_pair<uint64_t, uint64_t>(0, 384));
+
+  // Strides are row-major over the slice's sizes, not the global shape.
+  TensorSlice part = Slice("w", DType::kFP32, {10, 10});
+  part.offsets = {2, 3};
+  part.sizes = {4, 5};
+  part.buffer_offset = 8;
+  std::vector<TensorSlice> parts{part};
+  REQUIRE(NormalizeAndValidateBuffer(parts, 8 + 4 * 5 * 4).ok());
+  CHECK(parts[0].buffer_strides == std::vector<int64_t>{5, 1});
+  CHECK(SliceByteExtent(parts[0]) == std::make_pair<uint64_t, uint64_t>(8, 88));
+}
+
+TEST_CASE("footprint up to the region's last byte is accepted, one past is not", "[validate]") {
+  TensorSlice s = Slice("w", DType::kFP16, {3, 5});
+  s.buffer_offset = 1;  // not aligned to the element size: allowed
+  std::vector<TensorSlice> ok{s};
+  CHECK(NormalizeAndValidateBuffer(ok, 1 + 30).ok());
+  ExpectInvalid({s}, 30, "tensor w");
+  ExpectInvalid({s}, 30, "region of 30 bytes");
+  // A strided footprint: the last element is at (2 * 7 + 4) elements.
+  TensorSlice strided = s;
+  strided.buffer_offset = 0;
+  strided.buffer_strides = {7, 1};
+  std::vector<TensorSlice> fits{strided};
+  CHECK(NormalizeAndValidateBuffer(fits, 19 * 2).ok());
+  ExpectInvalid({strided}, 19 * 2 - 1, "run past");
+}
+
+TEST_CASE("malformed slices are INVALID_ARGUMENT naming the tensor", "[validate]") {
+  const TensorSlice good = Slice("layer.w", DType::kFP32, {4, 4});
+  TensorSlice s = good;
+
+  s.dtype = DType::kUnspecified;
+  ExpectInvalid({s}, 1 << 20, "layer.w: unspecified or unknown dtype");
+  s.dtype = static_cast<DType>(42);
+  ExpectInvalid({s}, 1 << 20, "layer.w: unspecified or unknown dtype");
+
+  s = good;
+  s.name = "";
+  ExpectInvalid({s}, 1 << 20, "empty name");
+
+  s = good;
+  s.global_shape = {};
+  ExpectInvalid({s}, 1 << 20, "layer.w: empty global_shape");
+  s.global_shape = {4, 0};
+  ExpectInvalid({s}, 1 << 20, "layer.w: non-positive global_shape");
+  s.global_shape = {-4, 4};
+  ExpectInvalid({s}, 1 << 20, "layer.w: non-positive global_shape");
+
+  s = good;
+  s.offsets = {0};
+  ExpectInvalid({s}, 1 << 20, "layer.w: offsets");
+  s = good;
+  s.sizes = {4, 4, 1};
+  ExpectInvalid({s}, 1 << 20, "layer.w: sizes");
+  s = good;
+  s.buffer_strides = {1};
+  ExpectInvalid({s}, 1 << 20, "layer.w: buffer_strides");
+
+  s = good;
+  s.offsets = {-1, 0};
+  s.sizes = {2, 4};
+  ExpectInvalid({s}, 1 << 20, "layer.w: negative offset");
+  s = good;
+  s.sizes = {0, 4};
+  ExpectInvalid({s}, 1 << 20, "layer.w: non-positive size");
+  s.sizes = {2, -1};
+  ExpectInvalid({s}, 1 << 20, "layer.w: non-positive size");
+  s = good;
+  s.offsets = {3, 0};
+  s.sizes = {2, 4};
+  ExpectInvalid({s}, 1 << 20, "layer.w: box [3:5, 0:4] is outside");
+  s.offsets = {0, 1};
+  s.sizes = {4, 4};
+  ExpectInvalid({s}, 1 << 20, "outside");
+  s.offsets = {0, 5};
+  s.sizes = {};  // the rest of the tensor from offset 5: empty
+  ExpectInvalid({s}, 1 << 20, "non-positive size");
+  s = good;
+  s.offsets = {INT64_MAX, 0};
+  s.sizes = {2, 4};
+  ExpectInvalid({s}, 1 << 20, "outside");
+}
+
+TEST_CASE("strides: zero or negative only where the size is 1; overflow rejected", "[validate]") {
+  TensorSlice s = Slice("w", DType::kBF16, {4, 4});
+  s.buffer_strides = {0, 1};
+  ExpectInvalid({s}, 1 << 20, "w: non-positive buffer_strides");
+  s.buffer_strides = {-4, 1};
+  ExpectInvalid({s}, 1 << 20, "non-positive buffer_strides");
+  s.offsets = {2, 0};
+  s.sizes = {1, 4};  // one row: its stride is never used
+  s.buffer_strides = {-4, 1};
+  std::vector<TensorSlice> one_row{s};
+  REQUIRE(NormalizeAndValidateBuffer(one_row, 8).ok());
+  CHECK(SliceByteExtent(one_row[0]) == std::make_pair<uint64_t, uint64_t>(0, 8));
+  s.buffer_strides = {0, 1};
+  std::vector<TensorSlice> zero{s};
+  CHECK(NormalizeAndValidateBuffer(zero, 8).ok());
+
+  TensorSlice huge = Slice("big", DType::kINT64, {1 << 20, 4});
+  huge.buffer_strides = {INT64_MAX / 2, 1};
+  ExpectInvalid({huge}, UINT64_MAX, "big: buffer_strides");
+  huge.buffer_strides = {4, 1};
+  huge.buffer_offset = UINT64_MAX - 16;
+  ExpectInvalid({huge}, UINT64_MAX, "run past");
+  TensorSlice many = Slice("many", DType::kINT8, {INT64_MAX, INT64_MAX});
+  ExpectInvalid({many}, UINT64_MAX, "too many elements");
+}
+
+TEST_CASE("slices overlapping themselves are rejected", "[validate]") {
+  TensorSlice s = Slice("w", DType::kFP32, {4, 4});
+  s.buffer_strides = {1, 1};  // element (0, 1) and (1, 0) share bytes
+  ExpectInvalid({s}, 1 << 20, "w: buffer_strides");
+  s.buffer_strides = {2, 1};  // rows of 4 every 2 elements
+  ExpectInvalid({s}, 1 << 20, "overlap itself");
+  s.buffer_strides = {4, 4};
+  ExpectInvalid({s}, 1 << 20, "overlap itself");
+}
+
+TEST_CASE("contiguous slices sharing a byte are rejected; touching ones are fine", "[validate]") {
+  TensorSlice a = Slice("a", DType::kFP32, {4});
+  TensorSlice b = Slice("b", DType::kFP32, {4});
+  b.buffer_offset = 16;
+  std::vector<TensorSlice> touching{a, b};
+  CHECK(NormalizeAndValidateBuffer(touching, 32).ok());
+  b.buffer_offset = 15;
+  ExpectInvalid({a, b}, 32, "b: shares bytes of its buffer with tensor a [0:4]");
+  // Reported on the later slice whatever the byte order.
+  b.buffer_offset = 0;
+  a.buffer_offset = 12;
+  ExpectInvalid({a, b}, 32, "tensor b: shares bytes");
+  // The same tensor twice at the same place.
+  ExpectInvalid({a, a}, 32, "shares bytes");
+}
+
+TEST_CASE("column-concatenated slices interleave without sharing bytes", "[validate]") {
+  // Row r of the fused [6, 10] buffer: a's 4 columns then b's 6 columns.
+  TensorSlice a = Slice("a", DType::kBF16, {6, 4});
+  a.buffer_strides = {10, 1};
+  TensorSlice b = Slice("b", DType::kBF16, {6, 6});
+  b.buffer_offset = 4 * 2;
+  b.buffer_strides = {10, 1};
+  std::vector<TensorSlice> fused{a, b};
+  REQUIRE(NormalizeAndValidateBuffer(fused, 60 * 2).ok());
+
+  // b one column to the left: column 3 of each row is shared.
+  b.buffer_offset = 3 * 2;
+  ExpectInvalid({a, b}, 60 * 2, "b: shares bytes");
+  // Shifted by one byte only: still a shared byte.
+  b.buffer_offset = 4 * 2 - 1;
+  ExpectInvalid({a, b}, 60 * 2, "b: shares bytes");
+
+  // A contiguous slice in the gap after a's last row is fine; one reaching a row is not.
+  TensorSlice c = Slice("c", DType::kBF16, {6});
+  c.buffer_offset = (5 * 10 + 4) * 2;
+  b.buffer_offset = 4 * 2;
+  b.sizes = {5, 6};
+  b.global_shape = {6, 6};
+  std::vector<TensorSlice> gap{a, b, c};
+  REQUIRE(NormalizeAndValidateBuffer(gap, 60 * 2).ok());
+  c.buffer_offset = (4 * 10 + 4) * 2 - 2;
+  ExpectInvalid({a, b, c}, 60 * 2, "shares bytes");
+}
+
+TEST_CASE("transposed and padded layouts validate exactly", "[validate]") {
+  // a is [3, 5] stored column-major; b fills the padding column of a padded [5, 4] pitch.
+  TensorSlice a = Slice("a", DType::kFP32, {3, 5});
+  a.buffer_strides = {1, 4};  // column j at 4 * j: elements 0..2, pad at 3
+  TensorSlice b = Slice("b", DType::kFP32, {5});
+  b.buffer_offset = 3 * 4;
+  b.buffer_strides = {4};
+  std::vector<TensorSlice> ok{a, b};
+  REQUIRE(NormalizeAndValidateBuffer(ok, 20 * 4).ok());
+  b.buffer_offset = 2 * 4;
+  ExpectInvalid({a, b}, 20 * 4, "shares bytes");
+  // Two interleaved every-other-element slices, with different dtypes at the byte level.
+  TensorSlice even = Slice("even", DType::kFP16, {8});
+  even.buffer_strides = {2};
+  TensorSlice odd = Slice("odd", DType::kFP16, {8});
+  odd.buffer_offset = 2;
+  odd.buffer_strides = {2};
+  std::vector<TensorSlice> interleaved{even, odd};
+  REQUIRE(NormalizeAndValidateBuffer(interleaved, 32).ok());
+  TensorSlice bytes = Slice("bytes", DType::kUINT8, {1});
+  bytes.buffer_offset = 31;
+  ExpectInvalid({even, odd, bytes}, 32, "shares bytes");
+  bytes.buffer_offset = 32;
+  std::vector<TensorSlice> after{even, odd, bytes};
+  REQUIRE(NormalizeAndValidateBuffer(after, 33).ok());
+}
+
+TEST_CASE("interleaved large slices validate quickly", "[validate]") {
+  // Two [100000, 64] halves of a [100000, 128] column-fused buffer: 100k runs each.
+  const int64_t rows = 100000;
+  TensorSlice a = Slice("a", DType::kBF16, {rows, 64});
+  a.buffer_strides = {128, 1};
+  TensorSlice b = a;
+  b.name = "b";
+  b.buffer_offset = 64 * 2;
+  std::vector<TensorSlice> fused{a, b};
+  REQUIRE(NormalizeAndValidateBuffer(fused, rows * 128 * 2).ok());
+  // Overlap in the very last row only.
+  TensorSlice c = Slice("c", DType::kBF16, {1});
+  c.buffer_offset = ((rows - 1) * 128 + 127) * 2;
+  ExpectInvalid({a, b, c}, rows * 128 * 2, "c: shares bytes");
+}
+
+}  // namespace
+}  // namespace refit::plan

@@ -1,0 +1,176 @@
+// Every row of the status-code table in docs/api.md, against the real refitd: the right code,
+// nothing changed, and the daemon keeps serving.
+
+#include <cstring>
+#include <optional>
+
+#include "catch2/catch.hpp"
+#include "client/refit_client.h"
+#include "tests/testing/daemon_process.h"
+
+namespace refit {
+namespace {
+
+using absl::StatusCode;
+using client::SharedMemory;
+using client::Slice;
+using std::chrono::milliseconds;
+
+struct Fixture {
+  Fixture() {
+    auto started = testing::DaemonProcess::Start({"--retain=2"});
+    REQUIRE(started.ok());
+    daemon = std::move(started).value();
+    auto connected = daemon->Connect();
+    REQUIRE(connected.ok());
+    client = std::move(connected).value();
+    auto s = SharedMemory::Create(testing::UniqueShmName("src"), 4096);
+    auto d = SharedMemory::Create(testing::UniqueShmName("dst"), 4096);
+    REQUIRE(s.ok());
+    REQUIRE(d.ok());
+    src = std::move(s).value();
+    dst = std::move(d).value();
+    auto sid = client->RegisterBuffer("m", v1::SOURCE, src->name(),
+                                      {Slice("w", v1::FP32, {32, 32})});
+    auto did = client->RegisterBuffer("m", v1::DESTINATION, dst->name(),
+                                      {Slice("w", v1::FP32, {32, 32})});
+    REQUIRE(sid.ok());
+    REQUIRE(did.ok());
+    src_id = *sid;
+    dst_id = *did;
+  }
+
+  // Registering these tensors in `src` must fail with `code` and change nothing.
+  void ExpectRegisterFails(std::vector<v1::TensorSlice> tensors, StatusCode code,
+                           v1::Role role = v1::SOURCE, const std::string& model = "m") {
+    auto before = client->Status();
+    REQUIRE(before.ok());
+    auto id = client->RegisterBuffer(model, role, src->name(), tensors);
+    INFO(id.status().ToString());
+    CHECK(id.status().code() == code);
+    auto after = client->Status();
+    REQUIRE(after.ok());
+    CHECK(after->models_size() == before->models_size());
+    CHECK(after->models(0).source_buffers() == before->models(0).source_buffers());
+    CHECK(after->models(0).destination_buffers() == before->models(0).destination_buffers());
+  }
+
+  // The daemon still does its job: publish a fresh version and apply it bit-exact.
+  void ExpectStillServing() {
+    auto latest = client->Status();
+    REQUIRE(latest.ok());
+    const uint64_t next = latest->models(0).latest_version() + 1;
+    std::memset(src->data(), static_cast<int>(next), 4096);
+    REQUIRE(client->Publish("m", next, {src_id}).ok());
+    auto applied = client->Apply("m", 0, {dst_id});
+    REQUIRE(applied.ok());
+    CHECK(applied->version() == next);
+    CHECK(std::memcmp(src->data(), dst->data(), 4096) == 0);
+  }
+
+  std::unique_ptr<testing::DaemonProcess> daemon;
+  std::unique_ptr<client::Client> client;
+  std::optional<SharedMemory> src, dst;
+  std::string src_id, dst_id;
+};
+
+TEST_CASE_METHOD(Fixture, "malformed slices are INVALID_ARGUMENT", "[integration][codes]") {
+  SECTION("out of the tensor's bounds") {
+    ExpectRegisterFails({Slice("x", v1::FP32, {8, 8}, 0, {4, 0}, {8, 8})},
+                        StatusCode::kInvalidArgument);
+  }
+  SECTION("overlapping in one buffer") {
+    ExpectRegisterFails({Slice("x", v1::FP32, {16}, 0), Slice("y", v1::FP32, {16}, 32)},
+                        StatusCode::kInvalidArgument);
+  }
+  SECTION("shape disagreement with the model") {
+    ExpectRegisterFails({Slice("w", v1::FP32, {16, 64})}, StatusCode::kInvalidArgument);
+  }
+  SECTION("dtype disagreement with the model") {
+    ExpectRegisterFails({Slice("w", v1::BF16, {32, 32})}, StatusCode::kInvalidArgument);
+  }
+  SECTION("region too small") {
+    ExpectRegisterFails({Slice("x", v1::FP32, {2048})}, StatusCode::kInvalidArgument);
+  }
+  SECTION("unspecified dtype, no role, unknown dtype value, empty model") {
+    ExpectRegisterFails({Slice("x", v1::DTYPE_UNSPECIFIED, {4})}, StatusCode::kInvalidArgument);
+    ExpectRegisterFails({Slice("x", v1::FP32, {4})}, StatusCode::kInvalidArgument,
+                        v1::ROLE_UNSPECIFIED);
+    ExpectRegisterFails({Slice("x", static_cast<v1::DType>(77), {4})},
+                        StatusCode::kInvalidArgument);
+    ExpectRegisterFails({Slice("x", v1::FP32, {4})}, StatusCode::kInvalidArgument, v1::SOURCE,
+                        "");
+  }
+  SECTION("a memory window past the shm object's end") {
+    auto id = client->RegisterBuffer("m", v1::SOURCE, src->name(), {Slice("x", v1::FP32, {4})},
+                                     "", 4000, 200);
+    CHECK(id.status().code() == StatusCode::kInvalidArgument);
+  }
+  ExpectStillServing();
+}
+
+TEST_CASE_METHOD(Fixture, "missing shm objects and buffer ids are NOT_FOUND",
+                 "[integration][codes]") {
+  auto id = client->RegisterBuffer("m", v1::SOURCE, "/refit-no-such-object",
+                                   {Slice("x", v1::FP32, {4})});
+  CHECK(id.status().code() == StatusCode::kNotFound);
+  CHECK(client->Publish("m", 1, {"no-such-buffer"}).status().code() == StatusCode::kNotFound);
+  CHECK(client->Apply("m", 0, {"no-such-buffer"}).status().code() == StatusCode::kNotFound);
+  CHECK(client->ReleaseBuffer("no-such-buffer").code() == StatusCode::kNotFound);
+  ExpectStillServing();
+}
+
+TEST_CASE_METHOD(Fixture, "a version not newer than the buffer's last is FAILED_PRECONDITION",
+                 "[integration][codes]") {
+  REQUIRE(client->Publish("m", 5, {src_id}).ok());
+  CHECK(client->Publish("m", 5, {src_id}).status().code() == StatusCode::kFailedPrecondition);
+  CHECK(client->Publish("m", 3, {src_id}).status().code() == StatusCode::kFailedPrecondition);
+  auto status = client->Status();
+  REQUIRE(status.ok());
+  CHECK(status->models(0).latest_version() == 5);
+  ExpectStillServing();
+}
+
+TEST_CASE_METHOD(Fixture, "Apply of an incomplete version is FAILED_PRECONDITION; of a dropped "
+                          "one NOT_FOUND", "[integration][codes]") {
+  CHECK(client->Apply("m", 0, {dst_id}).status().code() == StatusCode::kFailedPrecondition);
+  for (uint64_t v = 1; v <= 3; ++v) REQUIRE(client->Publish("m", v, {src_id}).ok());
+  CHECK(client->Apply("m", 4, {dst_id}).status().code() == StatusCode::kFailedPrecondition);
+  CHECK(client->Apply("m", 1, {dst_id}).status().code() == StatusCode::kNotFound);  // --retain=2
+  CHECK(client->Apply("m", 2, {dst_id}).ok());
+  ExpectStillServing();
+}
+
+TEST_CASE_METHOD(Fixture, "WaitForVersion past its deadline is DEADLINE_EXCEEDED",
+                 "[integration][codes]") {
+  CHECK(client->WaitForVersion("m", 1, milliseconds(200)).status().code() ==
+        StatusCode::kDeadlineExceeded);
+  CHECK(client->WaitForVersion("unknown-model", 1, milliseconds(100)).status().code() ==
+        StatusCode::kDeadlineExceeded);
+  ExpectStillServing();
+}
+
+TEST_CASE_METHOD(Fixture, "a CUDA IPC handle without CUDA support is FAILED_PRECONDITION",
+                 "[integration][codes]") {
+  v1::RegisterBufferRequest request;
+  request.set_model("m");
+  request.set_role(v1::DESTINATION);
+  request.mutable_memory()->mutable_cuda_ipc()->set_handle(std::string(64, '\1'));
+  request.mutable_memory()->mutable_cuda_ipc()->set_device(0);
+  request.mutable_memory()->set_size(4096);
+  *request.add_tensors() = Slice("w", v1::FP32, {32, 32});
+  CHECK(client->RegisterBuffer(request).status().code() == StatusCode::kFailedPrecondition);
+  ExpectStillServing();
+}
+
+TEST_CASE_METHOD(Fixture, "buffers of the wrong role or model are INVALID_ARGUMENT",
+                 "[integration][codes]") {
+  CHECK(client->Publish("m", 1, {dst_id}).status().code() == StatusCode::kInvalidArgument);
+  CHECK(client->Apply("m", 0, {src_id}).status().code() == StatusCode::kInvalidArgument);
+  CHECK(client->Publish("m", 1, {}).status().code() == StatusCode::kInvalidArgument);
+  CHECK(client->Publish("m", 0, {src_id}).status().code() == StatusCode::kInvalidArgument);
+  ExpectStillServing();
+}
+
+}  // namespace
+}  // namespace refit

@@ -1,0 +1,158 @@
+#include "tests/testing/daemon_process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+
+namespace refit::testing {
+namespace {
+
+int DecodeWaitStatus(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return -1;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+}  // namespace
+
+std::string RunfilePath(const std::string& workspace_relative) {
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  const char* workspace = std::getenv("TEST_WORKSPACE");
+  if (srcdir && workspace) return absl::StrCat(srcdir, "/", workspace, "/", workspace_relative);
+  return workspace_relative;  // run by hand from the bazel-bin directory
+}
+
+std::string UniqueShmName(const std::string& tag) {
+  static std::atomic<int> counter{0};
+  return absl::StrCat("/refit-test-", getpid(), "-", tag, "-", counter++);
+}
+
+absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
+    const std::vector<std::string>& extra_args, const std::string& socket) {
+  std::unique_ptr<DaemonProcess> d(new DaemonProcess());
+  char dir_template[] = "/tmp/refit-test-XXXXXX";  // short: Unix socket paths are limited
+  if (!mkdtemp(dir_template)) return absl::InternalError("mkdtemp failed");
+  d->dir_ = dir_template;
+  d->socket_ = socket.empty() ? d->dir_ + "/run/refitd.sock" : socket;
+
+  std::vector<std::string> args = {RunfilePath("daemon/refitd"), "--socket=" + d->socket_,
+                                   "--listen=127.0.0.1:0", "--log-level=debug"};
+  args.insert(args.end(), extra_args.begin(), extra_args.end());
+  // Only async-signal-safe calls between fork and exec: this process has gRPC threads.
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = fork();
+  if (pid < 0) return absl::InternalError("fork failed");
+  if (pid == 0) {
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  d->pid_ = pid;
+
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (!d->running()) {
+      return absl::InternalError(
+          absl::StrCat("refitd exited with ", d->exit_code_, " during start"));
+    }
+    struct stat st;
+    if (stat(d->socket_.c_str(), &st) == 0) {
+      // Ready once a Status call is answered (a connection alone may be a stale one).
+      auto client = client::Client::Connect(d->socket_, std::chrono::milliseconds(500));
+      if (client.ok()) {
+        (*client)->set_call_timeout(std::chrono::milliseconds(1000));
+        if ((*client)->Status().ok()) return d;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return absl::DeadlineExceededError("refitd did not start serving within 20 s");
+}
+
+DaemonProcess::~DaemonProcess() {
+  if (running()) Stop(SIGKILL, 10);
+  std::error_code ec;
+  std::filesystem::remove_all(dir_, ec);
+}
+
+bool DaemonProcess::running() {
+  if (pid_ <= 0 || exit_code_ != -1) return false;
+  int status = 0;
+  pid_t r = waitpid(pid_, &status, WNOHANG);
+  if (r == pid_) {
+    exit_code_ = DecodeWaitStatus(status);
+    return false;
+  }
+  return r == 0;
+}
+
+absl::StatusOr<std::unique_ptr<client::Client>> DaemonProcess::Connect() const {
+  return client::Client::Connect(socket_, std::chrono::seconds(5));
+}
+
+int DaemonProcess::Stop(int signal, double timeout_s) {
+  if (!running()) return exit_code_;
+  kill(pid_, signal);
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (!running()) return exit_code_;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  kill(pid_, SIGKILL);
+  int status = 0;
+  waitpid(pid_, &status, 0);
+  exit_code_ = DecodeWaitStatus(status);
+  return -1;
+}
+
+CommandResult RunCommand(const std::vector<std::string>& argv_in) {
+  CommandResult result;
+  char out_template[] = "/tmp/refit-cmd-out-XXXXXX";
+  char err_template[] = "/tmp/refit-cmd-err-XXXXXX";
+  int out_fd = mkstemp(out_template);
+  int err_fd = mkstemp(err_template);
+  std::vector<std::string> copy = argv_in;
+  std::vector<char*> argv;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(out_fd, 1);
+    dup2(err_fd, 2);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  close(out_fd);
+  close(err_fd);
+  result.exit_code = DecodeWaitStatus(status);
+  result.out = ReadFile(out_template);
+  result.err = ReadFile(err_template);
+  unlink(out_template);
+  unlink(err_template);
+  return result;
+}
+
+}  // namespace refit::testing

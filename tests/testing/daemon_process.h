@@ -1,0 +1,62 @@
+#pragma once
+
+// Starts real refitd processes for integration tests: each on its own temporary socket and on
+// TCP port 0, each stopped (SIGKILL if need be) and cleaned up when the handle goes away.
+//
+// Not thread-safe; one test thread owns each handle.
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/refit_client.h"
+
+namespace refit::testing {
+
+// Path of a binary built by Bazel and listed in the test's `data`, e.g. "daemon/refitd".
+std::string RunfilePath(const std::string& workspace_relative);
+
+// A unique POSIX shm name for this test process.
+std::string UniqueShmName(const std::string& tag);
+
+class DaemonProcess {
+ public:
+  // Starts refitd with --socket in a fresh temporary directory, --listen=127.0.0.1:0 and
+  // `extra_args`; returns once the socket answers (or an error after 20 s).
+  // With `socket` set, serves that path instead of one in a fresh directory.
+  static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(
+      const std::vector<std::string>& extra_args = {}, const std::string& socket = "");
+  ~DaemonProcess();
+
+  const std::string& socket() const { return socket_; }
+  pid_t pid() const { return pid_; }
+  bool running();
+
+  absl::StatusOr<std::unique_ptr<client::Client>> Connect() const;
+
+  // Sends `signal` and waits up to `timeout_s` for the exit. Returns the exit code, or 128 +
+  // the signal number when the process was killed by a signal, or -1 after a timeout (the
+  // process is then SIGKILLed).
+  int Stop(int signal, double timeout_s = 20);
+
+ private:
+  DaemonProcess() = default;
+
+  pid_t pid_ = -1;
+  int exit_code_ = -1;
+  std::string dir_;
+  std::string socket_;
+};
+
+// Runs a command to completion; returns its exit code and standard output.
+struct CommandResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+CommandResult RunCommand(const std::vector<std::string>& argv);
+
+}  // namespace refit::testing
