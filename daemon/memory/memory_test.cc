@@ -97,3 +97,20 @@ TEST_CASE("Slots outlive their pool", "[memory]") {
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+TEST_CASE("SlotPool::Reserve pre-allocates spare slots within the limit", "[memory]") {
+  auto pool = SlotPool::Create(3 * 4096);
+  REQUIRE(pool->Reserve(4096, 2).ok());
+  CHECK(pool->spare_bytes() == 2 * 4096);
+  REQUIRE(pool->Reserve(4096, 5).ok());  // capped by the limit
+  CHECK(pool->spare_bytes() == 3 * 4096);
+  auto slot = pool->Acquire(4096);
+  REQUIRE(slot.ok());
+  CHECK(pool->spare_bytes() == 2 * 4096);
+}
+
+}  // namespace
+}  // namespace refit

@@ -38,6 +38,24 @@ void SlotPool::Release(std::unique_ptr<Region> region) {
   spare_.emplace(size, std::move(region));
 }
 
+absl::Status SlotPool::Reserve(uint64_t size, int count) {
+  int have = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    have = static_cast<int>(spare_.count(size));
+  }
+  for (; have < count; ++have) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (spare_bytes_ + size > max_spare_bytes_) break;
+    }
+    auto region = AllocateHost(size);
+    if (!region.ok()) return region.status();
+    Release(std::move(region).value());
+  }
+  return absl::OkStatus();
+}
+
 uint64_t SlotPool::spare_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return spare_bytes_;

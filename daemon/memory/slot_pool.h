@@ -24,6 +24,10 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   // A slot of exactly `size` bytes, reused when one is spare. Its contents are unspecified.
   absl::StatusOr<std::shared_ptr<Region>> Acquire(uint64_t size);
 
+  // Makes sure at least `count` spare slots of `size` bytes exist (within the spare limit), so
+  // that the first versions of a newly registered source don't pay for faulting memory in.
+  absl::Status Reserve(uint64_t size, int count);
+
   uint64_t spare_bytes() const;
 
  private:

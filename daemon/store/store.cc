@@ -148,7 +148,7 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
     buffer->snapshot_slices = std::move(relative);
   }
 
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   auto& model = models_[model_name];
   if (!model) {
     model = std::make_unique<Model>();
@@ -169,7 +169,15 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
                         buffer->id, RoleName(role), buffer->slices.size(),
                         buffer->region->Describe(), client);
   buffers_[buffer->id] = buffer;
-  return buffer->id;
+  const std::string id = buffer->id;
+  lock.unlock();
+  if (role == Role::kSource) {
+    // Warm the slot pool for the versions to come (retain + the one being published): a
+    // failure here only means the first publishes fault their memory in.
+    (void)pool_->Reserve(buffer->span_end - buffer->span_begin,
+                         static_cast<int>(options_.retain) + 1);
+  }
+  return id;
 }
 
 absl::Status Store::ReleaseBuffer(const std::string& buffer_id) {

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs every refit test: installs what is missing (Debian 12, as root), then `bazel test //...`.
+# Usage: scripts/test.sh [extra bazel test arguments]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+./scripts/install-deps.sh
+
+# Real weight versions for the delta tests live in ../shared/data/deltas next to the checkout.
+shared_dir="$(cd .. && pwd)/shared"
+test_env=()
+if [ -d "$shared_dir/data/deltas" ]; then
+  test_env=(--test_env=REFIT_SHARED_DIR="$shared_dir")
+fi
+
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+bazel test "${test_env[@]}" "$@" //... 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+passed=$(grep -cE '^//.* PASSED( in|$)| \(cached\) PASSED' "$log" || true)
+failed=$(grep -cE '^//.* (FAILED|TIMEOUT|FAILED TO BUILD|NO STATUS|INCOMPLETE)' "$log" || true)
+echo "tests: ${passed} passed, ${failed} failed"
+exit "$rc"
