@@ -10,17 +10,19 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda.h"
 #include "daemon/common/logging.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/metrics/prometheus.h"
+#include "daemon/server/health_service.h"
 #include "daemon/server/peer_service.h"
 #include "daemon/server/refit_service.h"
 #include "daemon/store/store.h"
 #include "daemon/version.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/health_check_service_interface.h"
 
 namespace refit {
 namespace {
@@ -77,6 +79,10 @@ struct Daemon::Impl {
   std::unique_ptr<Store> store;
   std::unique_ptr<server::RefitService> service;
   std::unique_ptr<server::PeerService> peer_service;
+  std::unique_ptr<server::HealthService> health;
+  std::unique_ptr<grpc::Server> health_server;  // --health-listen: health checks only
+  std::unique_ptr<MetricsHttpServer> metrics_server;
+  int health_port = 0;
   std::unique_ptr<grpc::Server> local_server;
   std::unique_ptr<grpc::Server> peer_server;
   int listen_port = 0;
@@ -99,20 +105,33 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   impl->store = std::make_unique<Store>(
       StoreOptions{options.retain, 4ull << 30, options.node}, &impl->metrics);
   std::vector<std::string> peers = options.peers;
-  server::ServiceContext context{options.node, impl->store.get(), &impl->metrics, [peers] {
-                                   std::vector<server::PeerInfo> out;
-                                   for (const auto& p : peers) out.push_back({"", p, false});
-                                   return out;
-                                 }};
+  Impl* raw = impl.get();
+  server::ServiceContext context;
+  context.node = options.node;
+  context.store = impl->store.get();
+  context.metrics = &impl->metrics;
+  context.peers = [peers] {
+    std::vector<server::PeerInfo> out;
+    for (const auto& p : peers) out.push_back({"", p, false});
+    return out;
+  };
+  context.add_ports = [raw](v1::StatusResponse* response) {
+    response->set_listen_port(raw->listen_port);
+    response->set_health_port(raw->health_port);
+    response->set_metrics_port(raw->metrics_server ? raw->metrics_server->port() : 0);
+  };
   impl->service = std::make_unique<server::RefitService>(std::move(context));
 
   impl->peer_service = std::make_unique<server::PeerService>(options.node);
+  impl->health = std::make_unique<server::HealthService>(
+      std::set<std::string>{"refit.v1.Refit", "refit.v1.Peer"});
 
-  grpc::EnableDefaultHealthCheckService(true);
+  grpc::EnableDefaultHealthCheckService(false);
   {
     grpc::ServerBuilder builder;
     builder.AddListeningPort("unix:" + options.socket_path, grpc::InsecureServerCredentials());
     builder.RegisterService(impl->service.get());
+    builder.RegisterService(impl->health.get());
     builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
     builder.SetMaxSendMessageSize(kMaxMessageBytes);
     impl->local_server = builder.BuildAndStart();
@@ -128,6 +147,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(),
                              &impl->listen_port);
     builder.RegisterService(impl->peer_service.get());
+    builder.RegisterService(impl->health.get());
     impl->peer_server = builder.BuildAndStart();
     if (!impl->peer_server || impl->listen_port == 0) {
       impl->local_server->Shutdown();
@@ -135,12 +155,36 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
     }
   }
-  for (grpc::Server* s : {impl->local_server.get(), impl->peer_server.get()}) {
-    s->GetHealthCheckService()->SetServingStatus(true);
+  auto fail = [&](absl::Status status) {
+    impl->local_server->Shutdown();
+    impl->peer_server->Shutdown();
+    if (impl->health_server) impl->health_server->Shutdown();
+    unlink(options.socket_path.c_str());
+    return status;
+  };
+  if (!options.health_listen.empty()) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(),
+                             &impl->health_port);
+    builder.RegisterService(impl->health.get());
+    impl->health_server = builder.BuildAndStart();
+    if (!impl->health_server || impl->health_port == 0) {
+      impl->health_server.reset();
+      return fail(absl::UnavailableError(
+          absl::StrCat("cannot listen on --health-listen=", options.health_listen)));
+    }
   }
-  Logger("daemon")->info("refitd {} node={} serving socket={} listen port={} retain={} {}",
-                         kRefitVersion, options.node, options.socket_path, impl->listen_port,
-                         options.retain, cuda::Describe());
+  if (!options.metrics_listen.empty()) {
+    auto metrics = MetricsHttpServer::Start(options.metrics_listen, &impl->metrics);
+    if (!metrics.ok()) return fail(metrics.status());
+    impl->metrics_server = std::move(metrics).value();
+  }
+  impl->health->SetServing(true);
+  Logger("daemon")->info(
+      "refitd {} node={} serving socket={} listen port={} health port={} metrics port={} "
+      "retain={} {}",
+      kRefitVersion, options.node, options.socket_path, impl->listen_port, impl->health_port,
+      impl->metrics_server ? impl->metrics_server->port() : 0, options.retain, cuda::Describe());
   return std::unique_ptr<Daemon>(new Daemon(std::move(impl)));
 }
 
@@ -149,21 +193,27 @@ void Daemon::Shutdown(double grace_seconds) {
   if (impl_->shut_down) return;
   impl_->shut_down = true;
   Logger("daemon")->info("node={} shutting down", impl_->options.node);
-  for (grpc::Server* s : {impl_->local_server.get(), impl_->peer_server.get()}) {
-    s->GetHealthCheckService()->SetServingStatus(false);
-  }
+  impl_->health->SetServing(false);
   impl_->store->Shutdown();  // blocked WaitForVersion/Watch calls return now
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000));
   impl_->local_server->Shutdown(deadline);
   impl_->peer_server->Shutdown(deadline);
+  if (impl_->health_server) impl_->health_server->Shutdown(deadline);
   impl_->local_server->Wait();
   impl_->peer_server->Wait();
+  impl_->metrics_server.reset();
   unlink(impl_->options.socket_path.c_str());
   Logger("daemon")->info("node={} stopped", impl_->options.node);
 }
 
 int Daemon::listen_port() const { return impl_->listen_port; }
+
+int Daemon::metrics_port() const {
+  return impl_->metrics_server ? impl_->metrics_server->port() : 0;
+}
+
+int Daemon::health_port() const { return impl_->health_port; }
 
 const std::string& Daemon::node() const { return impl_->options.node; }
 

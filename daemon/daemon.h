@@ -12,16 +12,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "daemon/options.h"
 
 namespace refit {
 
-struct DaemonOptions {
-  std::string socket_path = "/run/refit/refitd.sock";
-  std::string listen = "127.0.0.1:7070";  // HOST:PORT; port 0 picks a free port
-  std::vector<std::string> peers;
-  std::string node;
-  uint32_t retain = 2;
-};
 
 class Daemon {
  public:
@@ -34,8 +28,10 @@ class Daemon {
   // to `grace` seconds to finish and are then cancelled, and the socket file is removed.
   void Shutdown(double grace_seconds = 5.0);
 
-  // The TCP port the peer listener is bound to (useful with port 0).
+  // The TCP ports actually bound (useful with port 0); 0 when that listener is off.
   int listen_port() const;
+  int metrics_port() const;
+  int health_port() const;
   const std::string& node() const;
 
  private:

@@ -1,14 +1,18 @@
-// refitd: the per-node refit daemon. Parses flags, starts the Daemon, waits for SIGTERM/SIGINT.
+// refitd: the per-node refit daemon. Reads flags and the optional config file, starts the
+// Daemon, tells systemd it is ready, pings the watchdog, and stops on SIGTERM/SIGINT.
 #include <signal.h>
+#include <systemd/sd-daemon.h>
 #include <unistd.h>
 
 #include <cstdlib>
+#include <ctime>
 #include <iostream>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_split.h"
 #include "cuda/cuda.h"
 #include "daemon/common/logging.h"
+#include "daemon/config/config.h"
 #include "daemon/daemon.h"
 #include "daemon/version.h"
 
@@ -20,31 +24,44 @@ std::string HostName() {
   return name;
 }
 
+std::vector<std::string> SplitPeers(const std::string& peers) {
+  std::vector<std::string> out;
+  for (auto& p : absl::StrSplit(peers, ',', absl::SkipWhitespace())) out.emplace_back(p);
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   refit::DaemonOptions options;
   const char* env_socket = std::getenv("REFIT_SOCKET");
-  options.socket_path = env_socket && *env_socket ? env_socket : "/run/refit/refitd.sock";
+  if (env_socket && *env_socket) options.socket_path = env_socket;
   options.node = HostName();
-  std::string peers;
-  std::string log_level = "info";
-  bool version = false;
 
+  // Flags land in `flags`; only the ones given override the config file.
+  refit::DaemonOptions flags = options;
+  std::string config_path, peers;
+  bool version = false;
   CLI::App app{"refitd: moves policy weights from trainers to inference engines"};
-  app.add_option("--socket", options.socket_path,
-                 "Unix socket for local clients (default $REFIT_SOCKET, else "
-                 "/run/refit/refitd.sock)");
-  app.add_option("--listen", options.listen, "HOST:PORT for other daemons")
-      ->capture_default_str();
-  app.add_option("--peers", peers, "the other daemons, HOST:PORT,...");
-  app.add_option("--node", options.node, "this node's name (default: host name)");
-  app.add_option("--retain", options.retain, "versions kept per model")
-      ->capture_default_str()
-      ->check(CLI::Range(1u, 1000000u));
-  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
+  app.add_option("--config", config_path, "TOML config file (flags override it)");
+  auto* socket_opt = app.add_option(
+      "--socket", flags.socket_path,
+      "Unix socket for local clients (default $REFIT_SOCKET, else /run/refit/refitd.sock)");
+  auto* listen_opt = app.add_option("--listen", flags.listen, "HOST:PORT for other daemons")
+                         ->capture_default_str();
+  auto* peers_opt = app.add_option("--peers", peers, "the other daemons, HOST:PORT,...");
+  auto* node_opt = app.add_option("--node", flags.node, "this node's name (default: host name)");
+  auto* retain_opt = app.add_option("--retain", flags.retain, "versions kept per model")
+                         ->capture_default_str()
+                         ->check(CLI::Range(1u, 1000000u));
+  auto* level_opt = app.add_option("--log-level", flags.log_level, "trace, debug, info, warn, error")
+                        ->capture_default_str()
+                        ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
+  auto* metrics_opt = app.add_option("--metrics-listen", flags.metrics_listen,
+                                     "HOST:PORT serving Prometheus /metrics (default: off)");
+  auto* health_opt = app.add_option("--health-listen", flags.health_listen,
+                                    "HOST:PORT serving only grpc.health.v1, for probes "
+                                    "(default: off)");
   app.add_flag("--version", version, "print the version and CUDA support, then exit");
   CLI11_PARSE(app, argc, argv);
 
@@ -52,10 +69,22 @@ int main(int argc, char** argv) {
     std::cout << "refitd " << refit::kRefitVersion << " (" << refit::cuda::Describe() << ")\n";
     return 0;
   }
-  refit::SetLogLevel(log_level);
-  for (auto& p : absl::StrSplit(peers, ',', absl::SkipWhitespace())) {
-    options.peers.emplace_back(p);
+  if (!config_path.empty()) {
+    absl::Status loaded = refit::LoadConfigFile(config_path, &options);
+    if (!loaded.ok()) {
+      std::cerr << "refitd: " << loaded.message() << "\n";
+      return 2;
+    }
   }
+  if (*socket_opt) options.socket_path = flags.socket_path;
+  if (*listen_opt) options.listen = flags.listen;
+  if (*peers_opt) options.peers = SplitPeers(peers);
+  if (*node_opt) options.node = flags.node;
+  if (*retain_opt) options.retain = flags.retain;
+  if (*level_opt) options.log_level = flags.log_level;
+  if (*metrics_opt) options.metrics_listen = flags.metrics_listen;
+  if (*health_opt) options.health_listen = flags.health_listen;
+  refit::SetLogLevel(options.log_level);
 
   // Block the stop signals in every thread (gRPC's inherit this mask); this thread waits.
   sigset_t stop_signals;
@@ -70,9 +99,23 @@ int main(int argc, char** argv) {
     refit::Logger("daemon")->error("cannot start: {}", daemon.status().ToString());
     return 1;
   }
+  sd_notifyf(0, "READY=1\nSTATUS=serving %s\nMAINPID=%d", options.socket_path.c_str(),
+             static_cast<int>(getpid()));
+
+  // The main loop: wait for a stop signal, pinging systemd's watchdog at half its interval.
+  uint64_t watchdog_usec = 0;
+  const bool watchdog = sd_watchdog_enabled(0, &watchdog_usec) > 0 && watchdog_usec > 0;
+  const uint64_t tick_usec = watchdog ? watchdog_usec / 2 : 3600ull * 1000000;
+  timespec tick{static_cast<time_t>(tick_usec / 1000000),
+                static_cast<long>((tick_usec % 1000000) * 1000)};
   int signal_number = 0;
-  sigwait(&stop_signals, &signal_number);
+  while (true) {
+    if (watchdog) sd_notify(0, "WATCHDOG=1");
+    signal_number = sigtimedwait(&stop_signals, nullptr, &tick);
+    if (signal_number > 0) break;
+  }
   refit::Logger("daemon")->info("received {}", strsignal(signal_number));
+  sd_notify(0, "STOPPING=1");
   (*daemon)->Shutdown();
   return 0;
 }

@@ -2,9 +2,41 @@
 
 namespace refit {
 
+namespace {
+
+// 100 us .. ~100 s, x ~3 per step: publish/apply of KiB to TiB.
+const std::vector<double>& Bounds() {
+  static const std::vector<double> bounds = {0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1,
+                                             0.3,    1,      3,     10,    30,   100};
+  return bounds;
+}
+
+}  // namespace
+
+void Metrics::Observe(const std::string& name, double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  HistogramSnapshot& h = histograms_[name];
+  if (h.bounds.empty()) {
+    h.bounds = Bounds();
+    h.counts.assign(h.bounds.size() + 1, 0);
+  }
+  for (size_t i = 0; i < h.bounds.size(); ++i) {
+    if (seconds <= h.bounds[i]) h.counts[i]++;
+  }
+  h.counts.back()++;
+  h.sum += seconds;
+  h.count++;
+}
+
+std::map<std::string, HistogramSnapshot> Metrics::Histograms() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return histograms_;
+}
+
 Metrics::Metrics() {
   for (const char* name : {kDataBytesReceived, kDataBytesSent, kVersionsCompleted, kApplyBytes,
-                           kPublishBytes, kPublishes, kApplies, kVersionsDropped}) {
+                           kPublishBytes, kPublishes, kApplies, kVersionsDropped,
+                           kPeersConnected}) {
     Find(name);
   }
 }

@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace refit {
 
@@ -25,6 +26,20 @@ inline constexpr char kPublishes[] = "refit_publish_total";
 inline constexpr char kApplies[] = "refit_apply_total";
 inline constexpr char kVersionsDropped[] = "refit_versions_dropped_total";
 inline constexpr char kRequestErrors[] = "refit_request_errors_total";
+inline constexpr char kPeersConnected[] = "refit_peers_connected";
+// Histograms (seconds).
+inline constexpr char kPublishSeconds[] = "refit_publish_seconds";
+inline constexpr char kApplySeconds[] = "refit_apply_seconds";
+inline constexpr char kPlanSeconds[] = "refit_plan_seconds";
+inline constexpr char kTransferSeconds[] = "refit_transfer_seconds";
+
+// A cumulative histogram with fixed bucket bounds, Prometheus style.
+struct HistogramSnapshot {
+  std::vector<double> bounds;     // upper bounds, ascending; +Inf implied
+  std::vector<uint64_t> counts;   // cumulative count per bound, then +Inf
+  double sum = 0;
+  uint64_t count = 0;
+};
 
 class Metrics {
  public:
@@ -38,11 +53,16 @@ class Metrics {
   std::map<std::string, double> Snapshot() const;
   double Get(const std::string& name) const;
 
+  // Records one observation (seconds) in histogram `name`.
+  void Observe(const std::string& name, double seconds);
+  std::map<std::string, HistogramSnapshot> Histograms() const;
+
  private:
   std::atomic<double>* Find(const std::string& name);
 
   mutable std::mutex mu_;
   std::map<std::string, std::unique_ptr<std::atomic<double>>> values_;
+  std::map<std::string, HistogramSnapshot> histograms_;  // guarded by mu_
 };
 
 }  // namespace refit

@@ -254,6 +254,7 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
   }
 
   // Snapshot outside the store lock: other models and readers keep going meanwhile.
+  const auto started = Clock::now();
   std::vector<Piece> pieces;
   uint64_t bytes = 0;
   for (const auto& buffer : buffers) {
@@ -269,6 +270,7 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
   }
   metrics_->Add(kPublishBytes, static_cast<double>(bytes));
   metrics_->Add(kPublishes, 1);
+  metrics_->Observe(kPublishSeconds, std::chrono::duration<double>(Clock::now() - started).count());
 
   std::lock_guard<std::mutex> lock(mu_);
   Model* model = FindModel(model_name);
@@ -344,9 +346,11 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
   for (uint32_t j = 0; j < dests.size(); ++j) {
     for (const TensorSlice& s : dests[j]->slices) destinations.push_back({&s, j, 0});
   }
+  const auto started = Clock::now();
   plan::PlanOptions plan_options;
   plan_options.multi_row_ops = true;  // one op per strided box, not per row: small, fast plans
   ASSIGN_OR_RETURN(plan::Plan built, plan::BuildPlan(sources, destinations, plan_options));
+  metrics_->Observe(kPlanSeconds, std::chrono::duration<double>(Clock::now() - started).count());
   auto cached = std::make_shared<CachedPlan>();
   cached->plan = std::move(built);
   model.plans[key] = cached;
@@ -355,6 +359,7 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
 
 absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t version,
                                          const std::vector<std::string>& buffer_ids) {
+  const auto started = Clock::now();
   std::shared_ptr<const Version> source;
   std::shared_ptr<const CachedPlan> cached;
   std::vector<std::shared_ptr<Buffer>> dests;
@@ -406,6 +411,7 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
 
   metrics_->Add(kApplyBytes, static_cast<double>(cached->plan.dst_bytes));
   metrics_->Add(kApplies, 1);
+  metrics_->Observe(kApplySeconds, std::chrono::duration<double>(Clock::now() - started).count());
   return ApplyResult{source->number, cached->plan.dst_bytes};
 }
 

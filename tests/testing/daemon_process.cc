@@ -47,7 +47,8 @@ std::string UniqueShmName(const std::string& tag) {
 }
 
 absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
-    const std::vector<std::string>& extra_args, const std::string& socket) {
+    const std::vector<std::string>& extra_args, const std::string& socket,
+    const std::vector<std::string>& env) {
   std::unique_ptr<DaemonProcess> d(new DaemonProcess());
   char dir_template[] = "/tmp/refit-test-XXXXXX";  // short: Unix socket paths are limited
   if (!mkdtemp(dir_template)) return absl::InternalError("mkdtemp failed");
@@ -61,10 +62,16 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e; ++e) env_strings.emplace_back(*e);
+  env_strings.insert(env_strings.end(), env.begin(), env.end());
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
   pid_t pid = fork();
   if (pid < 0) return absl::InternalError("fork failed");
   if (pid == 0) {
-    execv(argv[0], argv.data());
+    execve(argv[0], argv.data(), envp.data());
     _exit(127);
   }
   d->pid_ = pid;

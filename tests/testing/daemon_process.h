@@ -27,11 +27,14 @@ class DaemonProcess {
   // Starts refitd with --socket in a fresh temporary directory, --listen=127.0.0.1:0 and
   // `extra_args`; returns once the socket answers (or an error after 20 s).
   // With `socket` set, serves that path instead of one in a fresh directory.
+  // `env` entries ("NAME=value") are added to the daemon's environment.
   static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(
-      const std::vector<std::string>& extra_args = {}, const std::string& socket = "");
+      const std::vector<std::string>& extra_args = {}, const std::string& socket = "",
+      const std::vector<std::string>& env = {});
   ~DaemonProcess();
 
   const std::string& socket() const { return socket_; }
+  const std::string& dir() const { return dir_; }
   pid_t pid() const { return pid_; }
   bool running();
 

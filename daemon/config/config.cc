@@ -1,0 +1,103 @@
+#include "daemon/config/config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "toml++/toml.h"
+
+namespace refit {
+namespace {
+
+absl::Status Bad(const std::string& origin, const std::string& key, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(origin, ": key '", key, "' ", what));
+}
+
+absl::Status ReadString(const toml::node& node, const std::string& origin, const std::string& key,
+                        std::string* out) {
+  auto value = node.value<std::string>();
+  if (!node.is_string() || !value) return Bad(origin, key, "must be a string");
+  *out = *value;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ParseConfig(const std::string& text, const std::string& origin,
+                         DaemonOptions* options) {
+  toml::table table;
+  try {
+    table = toml::parse(text, origin);
+  } catch (const toml::parse_error& e) {
+    std::ostringstream where;
+    where << e.source().begin;
+    return absl::InvalidArgumentError(
+        absl::StrCat(origin, ": not valid TOML at ", where.str(), ": ", std::string(e.description())));
+  }
+  DaemonOptions parsed = *options;
+  for (const auto& [key_view, node] : table) {
+    const std::string key(key_view.str());
+    absl::Status status;
+    if (key == "socket") {
+      status = ReadString(node, origin, key, &parsed.socket_path);
+    } else if (key == "listen") {
+      status = ReadString(node, origin, key, &parsed.listen);
+    } else if (key == "node") {
+      status = ReadString(node, origin, key, &parsed.node);
+    } else if (key == "metrics_listen") {
+      status = ReadString(node, origin, key, &parsed.metrics_listen);
+    } else if (key == "health_listen") {
+      status = ReadString(node, origin, key, &parsed.health_listen);
+    } else if (key == "log_level") {
+      status = ReadString(node, origin, key, &parsed.log_level);
+      if (status.ok() && parsed.log_level != "trace" && parsed.log_level != "debug" &&
+          parsed.log_level != "info" && parsed.log_level != "warn" &&
+          parsed.log_level != "error") {
+        status = Bad(origin, key, "must be one of trace, debug, info, warn, error");
+      }
+    } else if (key == "retain") {
+      auto value = node.value<int64_t>();
+      if (!node.is_integer() || !value || *value < 1 || *value > 1000000) {
+        status = Bad(origin, key, "must be an integer from 1 to 1000000");
+      } else {
+        parsed.retain = static_cast<uint32_t>(*value);
+      }
+    } else if (key == "peers") {
+      parsed.peers.clear();
+      if (node.is_string()) {
+        for (auto& p : absl::StrSplit(*node.value<std::string>(), ',', absl::SkipWhitespace())) {
+          parsed.peers.emplace_back(p);
+        }
+      } else if (const toml::array* array = node.as_array()) {
+        for (const toml::node& item : *array) {
+          auto value = item.value<std::string>();
+          if (!item.is_string() || !value) {
+            status = Bad(origin, key, "must be an array of \"HOST:PORT\" strings");
+            break;
+          }
+          parsed.peers.push_back(*value);
+        }
+      } else {
+        status = Bad(origin, key, "must be an array of \"HOST:PORT\" strings");
+      }
+    } else {
+      status = Bad(origin, key,
+                   "is unknown (known: socket, listen, peers, node, retain, log_level, "
+                   "metrics_listen, health_listen)");
+    }
+    if (!status.ok()) return status;
+  }
+  *options = std::move(parsed);
+  return absl::OkStatus();
+}
+
+absl::Status LoadConfigFile(const std::string& path, DaemonOptions* options) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read config file ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  return ParseConfig(text.str(), path, options);
+}
+
+}  // namespace refit

@@ -1,0 +1,81 @@
+#include "daemon/metrics/prometheus.h"
+
+#include <civetweb.h>
+
+#include <mutex>
+#include <set>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace refit {
+namespace {
+
+// "name{label=\"x\"}" -> "name"
+std::string BaseName(const std::string& key) { return key.substr(0, key.find('{')); }
+
+std::string Number(double v) { return absl::StrFormat("%.17g", v); }
+
+}  // namespace
+
+std::string RenderPrometheus(const Metrics& metrics) {
+  std::string out;
+  std::set<std::string> typed;
+  for (const auto& [key, value] : metrics.Snapshot()) {
+    const std::string base = BaseName(key);
+    if (typed.insert(base).second) {
+      const bool counter = base.size() > 6 && base.compare(base.size() - 6, 6, "_total") == 0;
+      absl::StrAppend(&out, "# TYPE ", base, counter ? " counter\n" : " gauge\n");
+    }
+    absl::StrAppend(&out, key, " ", Number(value), "\n");
+  }
+  for (const auto& [name, h] : metrics.Histograms()) {
+    absl::StrAppend(&out, "# TYPE ", name, " histogram\n");
+    for (size_t i = 0; i < h.bounds.size(); ++i) {
+      absl::StrAppend(&out, name, "_bucket{le=\"", Number(h.bounds[i]), "\"} ", h.counts[i],
+                      "\n");
+    }
+    absl::StrAppend(&out, name, "_bucket{le=\"+Inf\"} ", h.counts.back(), "\n");
+    absl::StrAppend(&out, name, "_sum ", Number(h.sum), "\n", name, "_count ", h.count, "\n");
+  }
+  return out;
+}
+
+int MetricsHttpServer::HandleMetrics(::mg_connection* conn, void* data) {
+  const auto* server = static_cast<const MetricsHttpServer*>(data);
+  const std::string body = RenderPrometheus(*server->metrics_);
+  mg_printf(conn,
+            "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
+            "Content-Length: %zu\r\nConnection: close\r\n\r\n",
+            body.size());
+  mg_write(conn, body.data(), body.size());
+  return 200;
+}
+
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
+    const std::string& listen, const Metrics* metrics) {
+  static std::once_flag init;
+  std::call_once(init, [] { mg_init_library(0); });
+  // civetweb wants "HOST:PORT" for IPv4; a bare ":PORT" means every address.
+  std::string ports = listen;
+  if (!ports.empty() && ports[0] == ':') ports = ports.substr(1);
+  const char* options[] = {"listening_ports", ports.c_str(), "num_threads", "2", nullptr};
+  std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
+  server->metrics_ = metrics;
+  mg_callbacks callbacks{};
+  server->context_ = mg_start(&callbacks, nullptr, options);
+  if (!server->context_) {
+    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", listen));
+  }
+  mg_set_request_handler(server->context_, "/metrics", HandleMetrics, server.get());
+  mg_server_port port{};
+  if (mg_get_server_ports(server->context_, 1, &port) >= 1) server->port_ = port.port;
+  return server;
+}
+
+MetricsHttpServer::~MetricsHttpServer() {
+  if (context_) mg_stop(context_);
+}
+
+}  // namespace refit

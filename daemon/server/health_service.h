@@ -1,0 +1,38 @@
+#pragma once
+
+// grpc.health.v1.Health, served on the Unix socket, the peer listener and --health-listen.
+// refit implements it itself (rather than gRPC's default service) so that a server carrying
+// nothing but health checks — the Kubernetes probe port — is possible.
+//
+// Thread-safety: SetServing may be called from any thread; gRPC calls the handlers concurrently.
+
+#include <atomic>
+#include <set>
+#include <string>
+
+#include "proto/grpc/health/v1/health.grpc.pb.h"
+
+namespace refit::server {
+
+class HealthService final : public grpc::health::v1::Health::Service {
+ public:
+  // `services` are the names answered besides "" (the whole daemon), e.g. "refit.v1.Refit".
+  explicit HealthService(std::set<std::string> services) : services_(std::move(services)) {}
+
+  void SetServing(bool serving) { serving_ = serving; }
+
+  grpc::Status Check(grpc::ServerContext* context,
+                     const grpc::health::v1::HealthCheckRequest* request,
+                     grpc::health::v1::HealthCheckResponse* response) override;
+  grpc::Status Watch(grpc::ServerContext* context,
+                     const grpc::health::v1::HealthCheckRequest* request,
+                     grpc::ServerWriter<grpc::health::v1::HealthCheckResponse>* writer) override;
+
+ private:
+  grpc::health::v1::HealthCheckResponse::ServingStatus StatusOf(const std::string& service) const;
+
+  const std::set<std::string> services_;
+  std::atomic<bool> serving_{false};
+};
+
+}  // namespace refit::server
