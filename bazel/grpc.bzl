@@ -54,7 +54,7 @@ _grpc_srcs = rule(
     },
 )
 
-def cc_grpc_library(name, proto, cc_proto, **kwargs):
+def cc_grpc_library(name, proto, cc_proto, deps = [], **kwargs):
     """A cc_library with the gRPC stubs of `proto`, depending on its cc_proto_library."""
     _grpc_srcs(name = name + "_srcs", proto = proto)
     native.filegroup(name = name + "_hdrs", srcs = [":" + name + "_srcs"], output_group = "hdrs")
@@ -63,6 +63,6 @@ def cc_grpc_library(name, proto, cc_proto, **kwargs):
         name = name,
         srcs = [":" + name + "_ccs"],
         hdrs = [":" + name + "_hdrs"],
-        deps = [cc_proto, "@system_libs//:grpc++"],
+        deps = [cc_proto, "@system_libs//:grpc++"] + deps,
         **kwargs
     )

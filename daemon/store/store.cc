@@ -11,6 +11,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/plan/convert.h"
 #include "daemon/plan/plan.h"
+#include "daemon/store/store_internal.h"
 
 namespace refit {
 namespace {
@@ -19,49 +20,6 @@ constexpr size_t kHistoryLength = 4096;     // completed versions remembered for
 constexpr auto kWaitSlice = std::chrono::milliseconds(50);  // re-check of `cancelled`
 
 }  // namespace
-
-struct Store::Buffer {
-  std::string id;
-  std::string model;
-  std::string client;
-  Role role = Role::kUnspecified;
-  std::shared_ptr<Region> region;
-  std::vector<TensorSlice> slices;  // normalized; offsets from the region start
-  // SOURCE buffers: the byte span a snapshot copies, and the slices relative to it.
-  uint64_t span_begin = 0;
-  uint64_t span_end = 0;
-  std::shared_ptr<const std::vector<TensorSlice>> snapshot_slices;
-  uint64_t last_published = 0;  // guarded by Store::mu_
-  std::mutex io_mu;             // one snapshot or one Apply at a time on this memory
-};
-
-struct Store::Piece {
-  std::string buffer_id;
-  std::shared_ptr<const std::vector<TensorSlice>> slices;
-  std::shared_ptr<Region> slot;
-};
-
-struct Store::Version {
-  uint64_t number = 0;
-  std::vector<Piece> pieces;  // sorted by buffer id
-  std::string layout_key;     // the piece buffer ids: equal keys mean equal source layouts
-  uint64_t bytes = 0;
-};
-
-struct Store::CachedPlan {
-  plan::Plan plan;
-};
-
-struct Store::Model {
-  std::string name;
-  std::set<std::string> sources;
-  std::set<std::string> destinations;
-  std::map<uint64_t, std::map<std::string, Piece>> pending;  // version -> buffer id -> piece
-  std::map<uint64_t, std::shared_ptr<const Version>> complete;
-  uint64_t latest = 0;
-  std::deque<uint64_t> history;  // completed versions, oldest first
-  std::map<std::string, std::shared_ptr<const CachedPlan>> plans;
-};
 
 Store::Store(StoreOptions options, Metrics* metrics)
     : options_(std::move(options)),
@@ -165,6 +123,9 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
                             role == Role::kSource ? "src" : "dst", "-", next_buffer_++);
   (role == Role::kSource ? model->sources : model->destinations).insert(buffer->id);
   model->plans.clear();
+  if (role == Role::kSource && listener_.local_layout_changed) {
+    listener_.local_layout_changed(model_name);
+  }
   Logger("store")->info("model={} buffer={} registered: {} {} tensors, {} client={}", model_name,
                         buffer->id, RoleName(role), buffer->slices.size(),
                         buffer->region->Describe(), client);
@@ -194,7 +155,10 @@ absl::Status Store::ReleaseBuffer(const std::string& buffer_id) {
   model.plans.clear();
   Logger("store")->info("model={} buffer={} released", buffer->model, buffer_id);
   // A pending version may now have every remaining source published.
-  if (buffer->role == Role::kSource) TryComplete(model);
+  if (buffer->role == Role::kSource) {
+    if (listener_.local_layout_changed) listener_.local_layout_changed(buffer->model);
+    TryComplete(model);
+  }
   return absl::OkStatus();
 }
 
@@ -265,7 +229,11 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
       std::lock_guard<std::mutex> io(buffer->io_mu);
       std::memcpy((*slot)->data(), buffer->region->data() + buffer->span_begin, size);
     }
-    pieces.push_back(Piece{buffer->id, buffer->snapshot_slices, std::move(slot).value()});
+    Piece piece;
+    piece.buffer_id = buffer->id;
+    piece.slices = buffer->snapshot_slices;
+    piece.slot = std::move(slot).value();
+    pieces.push_back(std::move(piece));
     bytes += size;
   }
   metrics_->Add(kPublishBytes, static_cast<double>(bytes));
@@ -293,6 +261,11 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
 }
 
 void Store::TryComplete(Model& model) {
+  NoteLocalReady(model);
+  if (model.HasRemoteSources()) {
+    TryCompleteWithRemotes(model);
+    return;
+  }
   if (model.sources.empty()) return;
   uint64_t newest_ready = 0;
   for (const auto& [version, pieces] : model.pending) {
@@ -300,16 +273,22 @@ void Store::TryComplete(Model& model) {
                              [&](const std::string& id) { return pieces.count(id) > 0; });
     if (ready) newest_ready = version;
   }
-  if (newest_ready != 0) CompleteVersion(model, newest_ready);
+  if (newest_ready == 0) return;
+  std::vector<Piece> pieces;
+  for (auto& [id, piece] : model.pending[newest_ready]) pieces.push_back(std::move(piece));
+  CompleteVersion(model, newest_ready, std::move(pieces));
 }
 
-void Store::CompleteVersion(Model& model, uint64_t number) {
+void Store::CompleteVersion(Model& model, uint64_t number, std::vector<Piece> pieces) {
   auto version = std::make_shared<Version>();
   version->number = number;
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
+    return std::tie(a.node, a.buffer_id) < std::tie(b.node, b.buffer_id);
+  });
   std::vector<std::string> ids;
-  for (auto& [id, piece] : model.pending[number]) {
-    ids.push_back(id);
-    version->bytes += piece.slot->size();
+  for (Piece& piece : pieces) {
+    ids.push_back(piece.node + "/" + piece.buffer_id);
+    if (piece.slot) version->bytes += piece.slot->size();
     version->pieces.push_back(std::move(piece));
   }
   version->layout_key = absl::StrJoin(ids, ",");
@@ -325,8 +304,8 @@ void Store::CompleteVersion(Model& model, uint64_t number) {
     metrics_->Add(kVersionsDropped, 1);
   }
   metrics_->Add(kVersionsCompleted, 1);
-  Logger("store")->info("model={} version={} complete: {} pieces, {} bytes", model.name, number,
-                        version->pieces.size(), version->bytes);
+  Logger("store")->info("model={} version={} complete: {} pieces, {} bytes held here",
+                        model.name, number, version->pieces.size(), version->bytes);
   changed_.notify_all();
 }
 
@@ -338,9 +317,13 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
   auto it = model.plans.find(key);
   if (it != model.plans.end()) return it->second;
 
+  // Node 0 is this node; other nodes get 1, 2, ... in name order (pieces are sorted by node).
   std::vector<plan::PlacedSlice> sources;
+  uint32_t node_index = 0;
   for (uint32_t i = 0; i < version.pieces.size(); ++i) {
-    for (const TensorSlice& s : *version.pieces[i].slices) sources.push_back({&s, i, 0});
+    if (i > 0 && version.pieces[i].node != version.pieces[i - 1].node) ++node_index;
+    const uint32_t node = version.pieces[i].node.empty() ? 0 : node_index + 1;
+    for (const TensorSlice& s : *version.pieces[i].slices) sources.push_back({&s, i, node});
   }
   std::vector<plan::PlacedSlice> destinations;
   for (uint32_t j = 0; j < dests.size(); ++j) {
@@ -349,6 +332,7 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
   const auto started = Clock::now();
   plan::PlanOptions plan_options;
   plan_options.multi_row_ops = true;  // one op per strided box, not per row: small, fast plans
+  plan_options.local_node = 0;        // replicas held here beat replicas elsewhere
   ASSIGN_OR_RETURN(plan::Plan built, plan::BuildPlan(sources, destinations, plan_options));
   metrics_->Observe(kPlanSeconds, std::chrono::duration<double>(Clock::now() - started).count());
   auto cached = std::make_shared<CachedPlan>();
@@ -388,6 +372,7 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     source = it->second;
     ASSIGN_OR_RETURN(cached, PlanFor(*model, *source, dests));
   }
+  RETURN_IF_ERROR(CheckHeld(*source, cached->plan));
   for (const auto& d : dests) {
     if (d->region->kind() != MemoryKind::kHost) {
       return absl::FailedPreconditionError(
@@ -413,6 +398,19 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
   metrics_->Add(kApplies, 1);
   metrics_->Observe(kApplySeconds, std::chrono::duration<double>(Clock::now() - started).count());
   return ApplyResult{source->number, cached->plan.dst_bytes};
+}
+
+absl::Status Store::CheckHeld(const Version& version, const plan::Plan& plan) const {
+  for (const plan::CopyOp& op : plan.ops) {
+    const Piece& piece = version.pieces[op.src_location];
+    if (piece.slot && !piece.valid) continue;
+    if (piece.slot && RangesCover(*piece.valid, op)) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "version ", version.number, " was pulled for other destination buffers; bytes of ",
+        piece.buffer_id, " on node ", piece.node,
+        " these buffers need are not here (the next version will bring them)"));
+  }
+  return absl::OkStatus();
 }
 
 template <typename Ready>
@@ -494,6 +492,15 @@ std::vector<ModelInfo> Store::Models() const {
     out.push_back(std::move(info));
   }
   return out;
+}
+
+void Store::SetListener(StoreListener listener) {
+  std::lock_guard<std::mutex> lock(mu_);
+  listener_ = std::move(listener);
+}
+
+absl::StatusOr<std::shared_ptr<Region>> Store::AcquireSlot(uint64_t size) {
+  return pool_->Acquire(size);
 }
 
 void Store::Shutdown() {

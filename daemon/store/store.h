@@ -32,6 +32,10 @@
 #include "daemon/memory/slot_pool.h"
 #include "daemon/metrics/metrics.h"
 
+namespace refit::plan {
+struct Plan;
+}  // namespace refit::plan
+
 namespace refit {
 
 struct StoreOptions {
@@ -68,6 +72,57 @@ struct ModelInfo {
   uint32_t destination_buffers = 0;
   uint64_t version_bytes = 0;  // bytes of the newest held version's snapshot
   std::vector<BufferInfo> buffers;
+};
+
+// One SOURCE buffer's snapshot layout: slices relative to the snapshot's first byte.
+struct SourceLayout {
+  std::string buffer_id;
+  std::shared_ptr<const std::vector<TensorSlice>> slices;
+  uint64_t bytes = 0;
+};
+
+// A version's snapshot of this node's SOURCE buffers: what other nodes read.
+struct LocalSnapshot {
+  std::string model;
+  uint64_t version = 0;
+  struct Piece {
+    std::string buffer_id;
+    std::shared_ptr<Region> slot;
+  };
+  std::vector<Piece> pieces;
+};
+
+// A version piece held by another node, as that node announced it.
+struct RemotePieceRef {
+  std::string buffer_id;
+  std::string remote_key;  // the transport's remote descriptor
+  uint64_t bytes = 0;
+};
+
+// What the data plane must fetch so that `version` of `model` is complete here.
+struct PullJob {
+  std::string model;
+  uint64_t version = 0;
+  struct Fetch {
+    std::string node;
+    std::string buffer_id;
+    std::string remote_key;
+    uint64_t bytes = 0;  // the piece's size (the staging slot's size)
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;  // [begin, end), sorted, disjoint
+  };
+  std::vector<Fetch> fetches;
+  uint64_t Bytes() const;
+};
+
+// Hooks from the store to the layer that talks to other daemons. Called with the store's lock
+// held: they must only queue work, never call back into the store.
+struct StoreListener {
+  // Every local SOURCE buffer of `model` has published `version`.
+  std::function<void(const std::string& model, uint64_t version)> local_version_ready;
+  // The local SOURCE layout of `model` changed (a source registered or released).
+  std::function<void(const std::string& model)> local_layout_changed;
+  // Start fetching; answer with Store::FinishPull.
+  std::function<void(PullJob job)> pull;
 };
 
 // Checks whether the caller has gone away (e.g. a cancelled RPC).
@@ -118,6 +173,36 @@ class Store {
 
   std::vector<ModelInfo> Models() const;
 
+  // ---- Several nodes (driven by daemon/peer) ----
+
+  void SetListener(StoreListener listener);
+
+  // Models with SOURCE buffers on this node, and their layouts.
+  std::map<std::string, std::vector<SourceLayout>> LocalSourceLayouts() const;
+  // The newest version every local SOURCE buffer of `model` has published (0: none held).
+  uint64_t LatestLocalSnapshot(const std::string& model) const;
+  // The local snapshot of `version`, kept alive as long as the caller holds it. NOT_FOUND when
+  // it is no longer held.
+  absl::StatusOr<std::shared_ptr<const LocalSnapshot>> GetLocalSnapshot(const std::string& model,
+                                                                     uint64_t version) const;
+
+  // `node` has these SOURCE buffers for `model` (replaces what it had before; empty: none).
+  void SetRemoteSources(const std::string& node, const std::string& model,
+                        std::vector<SourceLayout> sources);
+  // Every SOURCE buffer of `model` on `node` has published `version`, readable at `pieces`.
+  void AnnounceRemoteVersion(const std::string& node, const std::string& model, uint64_t version,
+                             std::vector<RemotePieceRef> pieces);
+  // `node` is gone: its sources stay expected (no version completes without them) and a pull
+  // from it fails.
+  void ForgetRemoteVersions(const std::string& node);
+
+  // The data plane finished `job`: on success `staging[i]` holds job.fetches[i].ranges.
+  void FinishPull(const PullJob& job, absl::Status result,
+                  std::vector<std::shared_ptr<Region>> staging);
+
+  // A slot of `size` bytes for staging pulled bytes.
+  absl::StatusOr<std::shared_ptr<Region>> AcquireSlot(uint64_t size);
+
   // Wakes every waiter; they and all later waits return UNAVAILABLE.
   void Shutdown();
 
@@ -135,7 +220,10 @@ class Store {
   absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> LookUpBuffers(
       const std::string& model, Role role, const std::vector<std::string>& ids) const;
   void TryComplete(Model& model);
-  void CompleteVersion(Model& model, uint64_t version);
+  void TryCompleteWithRemotes(Model& model);
+  void NoteLocalReady(Model& model);
+  void CompleteVersion(Model& model, uint64_t version, std::vector<Piece> pieces);
+  absl::Status CheckHeld(const Version& version, const plan::Plan& plan) const;
   absl::StatusOr<std::shared_ptr<const CachedPlan>> PlanFor(
       Model& model, const Version& version, const std::vector<std::shared_ptr<Buffer>>& dests);
   template <typename Ready>
@@ -152,6 +240,7 @@ class Store {
   uint64_t next_buffer_ = 1;
   std::map<std::string, std::unique_ptr<Model>> models_;
   std::map<std::string, std::shared_ptr<Buffer>> buffers_;  // by id
+  StoreListener listener_;
 };
 
 }  // namespace refit

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -42,8 +43,10 @@ std::string RunfilePath(const std::string& workspace_relative) {
 }
 
 std::string UniqueShmName(const std::string& tag) {
+  // Bazel runs tests in their own PID namespaces over one /dev/shm: the pid alone can collide.
+  static const uint64_t nonce = std::random_device{}() ^ (static_cast<uint64_t>(getpid()) << 20);
   static std::atomic<int> counter{0};
-  return absl::StrCat("/refit-test-", getpid(), "-", tag, "-", counter++);
+  return absl::StrCat("/refit-test-", absl::Hex(nonce), "-", tag, "-", counter++);
 }
 
 absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(

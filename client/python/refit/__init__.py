@@ -1,0 +1,47 @@
+"""refit: the Python client of refitd, the per-node daemon that moves policy weights from RL
+trainers to inference engines.
+
+Trainer:
+
+    import refit
+    client = refit.Client()                                    # $REFIT_SOCKET or the default
+    buf = client.register("policy", refit.SOURCE, model.state_dict())
+    for step in range(1, steps + 1):
+        train_step()
+        buf.copy_from(model.state_dict())                      # into shared memory
+        client.publish("policy", step, [buf])                  # snapshot; overwrite at once
+
+Inference engine:
+
+    dst = client.register("policy", refit.DESTINATION, engine_model.state_dict())
+    dst.bind(engine_model)                                     # the model lives in the region
+    with client.watch("policy") as versions:
+        for event in versions:
+            client.apply("policy", [dst], event.version)
+
+See client/python/README.md.
+"""
+
+try:
+    from refit.v1 import refit_pb2, refit_pb2_grpc  # noqa: F401
+except ImportError as e:  # pragma: no cover
+    raise ImportError(
+        "refit: the gRPC stubs refit/v1/refit_pb2.py are missing; run "
+        "client/python/generate.sh (or use the Bazel target //client/python:refit)") from e
+
+from refit.buffer import Buffer, Slice, SliceLayout
+from refit.client import Client, Watch, default_socket_path
+from refit.dtypes import REFIT_TO_TORCH, TORCH_TO_REFIT
+from refit.errors import (CancelledError, DeadlineExceededError, FailedPreconditionError,
+                          InvalidArgumentError, NotFoundError, RefitError, UnavailableError)
+
+SOURCE = refit_pb2.SOURCE
+DESTINATION = refit_pb2.DESTINATION
+pb = refit_pb2
+
+__all__ = [
+    "Buffer", "CancelledError", "Client", "DeadlineExceededError", "DESTINATION",
+    "FailedPreconditionError", "InvalidArgumentError", "NotFoundError", "REFIT_TO_TORCH",
+    "RefitError", "SOURCE", "Slice", "SliceLayout", "TORCH_TO_REFIT", "UnavailableError", "Watch",
+    "default_socket_path", "pb",
+]

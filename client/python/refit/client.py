@@ -1,0 +1,244 @@
+"""refit.Client: talks to the node's refitd over its Unix socket.
+
+    client = refit.Client()                                   # $REFIT_SOCKET or the default
+    buf = client.register("llama", refit.SOURCE, model.state_dict())
+    client.publish("llama", 1, [buf])
+
+A Client is thread-safe (gRPC channels are); Buffers and Watches belong to one thread each.
+"""
+
+import os
+import sys
+from typing import Iterable, Iterator, List, Optional, Union
+
+import grpc
+import torch
+
+from refit import buffer as buffer_lib
+from refit import errors
+from refit import memory
+from refit.v1 import refit_pb2, refit_pb2_grpc
+
+DEFAULT_SOCKET = "/run/refit/refitd.sock"
+_MAX_MESSAGE_BYTES = 64 << 20
+
+BufferArg = Union[buffer_lib.Buffer, str]
+
+
+def default_socket_path() -> str:
+    """`$REFIT_SOCKET`, else /run/refit/refitd.sock (the daemon's own default)."""
+    return os.environ.get("REFIT_SOCKET") or DEFAULT_SOCKET
+
+
+def parse_role(role: Union[int, str]) -> int:
+    """refit.SOURCE / refit.DESTINATION, or "source" / "destination"."""
+    if isinstance(role, str):
+        try:
+            return refit_pb2.Role.Value(role.upper())
+        except ValueError:
+            raise ValueError(f"role {role!r} is neither 'source' nor 'destination'") from None
+    if role not in (refit_pb2.SOURCE, refit_pb2.DESTINATION):
+        raise ValueError(f"role {role!r} is neither refit.SOURCE nor refit.DESTINATION")
+    return role
+
+
+def _buffer_ids(buffers: Union[BufferArg, Iterable[BufferArg]]) -> List[str]:
+    if isinstance(buffers, (str, buffer_lib.Buffer)):
+        buffers = [buffers]
+    return [b.buffer_id if isinstance(b, buffer_lib.Buffer) else b for b in buffers]
+
+
+def _sync_cuda(buffers) -> None:
+    """Publish reads the buffers at once: finish the writes queued on CUDA streams first."""
+    if isinstance(buffers, (str, buffer_lib.Buffer)):
+        buffers = [buffers]
+    for b in buffers:
+        if isinstance(b, buffer_lib.Buffer) and b.memory == "cuda":
+            b.region.synchronize()
+
+
+class Watch:
+    """A live Watch stream: iterate for VersionEvents (`event.version`), in order.
+
+    In place once constructed: every version completing afterwards is yielded. `cancel()` (from
+    any thread) or leaving the `with` block ends the iteration without an error.
+    """
+
+    def __init__(self, stub: refit_pb2_grpc.RefitStub, model: str, after_version: int,
+                 timeout: Optional[float]):
+        self._cancelled = False
+        self._call = stub.Watch(refit_pb2.WatchRequest(model=model, after_version=after_version),
+                                timeout=timeout)
+        # The daemon sends initial metadata once its watch is registered; a call that failed
+        # (bad model name, no daemon) ends here too, and is raised now.
+        self._call.initial_metadata()
+        if self._call.done() and self._call.code() != grpc.StatusCode.OK:
+            raise errors.from_rpc_error(self._call, "Watch")
+
+    def __iter__(self) -> Iterator[refit_pb2.VersionEvent]:
+        return self
+
+    def __next__(self) -> refit_pb2.VersionEvent:
+        try:
+            return next(self._call)
+        except grpc.RpcError as e:
+            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise errors.from_rpc_error(e, "Watch") from None
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+    def __enter__(self) -> "Watch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
+
+
+class Client:
+    """A connection to one refitd. Raises refit.UnavailableError when none answers in time.
+
+    `call_timeout` bounds every call that does not wait for versions (seconds).
+    """
+
+    def __init__(self, socket: Optional[str] = None, connect_timeout: float = 5.0,
+                 call_timeout: float = 60.0):
+        self.socket = socket or default_socket_path()
+        self.call_timeout = call_timeout
+        self._channel = grpc.insecure_channel(
+            "unix:" + self.socket,
+            options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES)])
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise errors.UnavailableError(
+                f"no refitd answers at {self.socket} within {connect_timeout:g} s (is it "
+                "running? pass socket= or set $REFIT_SOCKET for another socket)",
+                what="connect") from None
+        self._stub = refit_pb2_grpc.RefitStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, name: str, request, timeout: Optional[float] = None):
+        method = getattr(self._stub, name)
+        try:
+            return method(request, timeout=self.call_timeout if timeout is None else timeout)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e, name) from None
+
+    # ---- buffers ----
+
+    def register(self, model: str, role: Union[int, str], tensors: buffer_lib.TensorsArg, *,
+                 shm_name: Optional[str] = None, client_name: Optional[str] = None,
+                 alignment: int = 64) -> buffer_lib.Buffer:
+        """Lends the daemon a new region holding `tensors`, as SOURCE or DESTINATION.
+
+        `tensors` is a dict name -> torch.Tensor (a whole tensor) or refit.Slice, e.g. a
+        model's state_dict(), or a list of named Slices. The region is one POSIX shm object
+        for CPU tensors, one CUDA allocation for CUDA tensors; the tensors' current values are
+        copied in, back to back at multiples of `alignment` bytes. Returns the Buffer, whose
+        `tensors` view the region.
+        """
+        role = parse_role(role)
+        slices = buffer_lib.normalize(tensors)
+        devices = {s.device for s in slices}
+        if len(devices) != 1:
+            raise ValueError("one buffer's tensors must share a device, not "
+                             f"{sorted(map(str, devices))}")
+        device = devices.pop()
+        if device.type == "cuda":
+            alignment = max(alignment, 256)
+        elif device.type != "cpu":
+            raise ValueError(f"refit buffers live in host or CUDA memory, not on {device}")
+        layouts, size = buffer_lib.layout(slices, alignment)
+        if device.type == "cuda":
+            region = memory.CudaRegion(size, device)
+        else:
+            region = memory.HostRegion(
+                shm_name or memory.unique_shm_name(model, refit_pb2.Role.Name(role).lower()),
+                size)  # FileExistsError when a given shm_name exists
+        try:
+            with torch.no_grad():
+                for s, lay in zip(slices, layouts):
+                    if s.tensor is not None:
+                        buffer_lib.typed_view(region.bytes, lay).copy_(s.tensor)
+            if device.type == "cuda":
+                region.synchronize()
+            request = refit_pb2.RegisterBufferRequest(
+                model=model, role=role, memory=region.memory_handle(),
+                tensors=[lay.to_proto() for lay in layouts],
+                client=client_name if client_name is not None else _default_client_name())
+            response = self._call("RegisterBuffer", request)
+        except BaseException:
+            region.close()
+            raise
+        return buffer_lib.Buffer(self, model, role, response.buffer_id, region, layouts)
+
+    def register_request(self, request: refit_pb2.RegisterBufferRequest) -> str:
+        """Registers memory the caller manages itself; returns the buffer id."""
+        return self._call("RegisterBuffer", request).buffer_id
+
+    def release_buffer(self, buffer_id: str) -> None:
+        """The daemon stops using that buffer's memory (Buffer.release() calls this)."""
+        self._call("ReleaseBuffer", refit_pb2.ReleaseBufferRequest(buffer_id=buffer_id))
+
+    # ---- versions ----
+
+    def publish(self, model: str, version: int,
+                buffers: Union[BufferArg, Iterable[BufferArg]]) -> refit_pb2.PublishResponse:
+        """The SOURCE `buffers` now hold `version`; returns once the daemon has snapshotted
+        them (`.version`, `.bytes`), so their tensors may be overwritten at once."""
+        buffers = list(buffers) if not isinstance(buffers, (str, buffer_lib.Buffer)) else buffers
+        _sync_cuda(buffers)
+        return self._call("Publish", refit_pb2.PublishRequest(
+            model=model, version=version, buffer_ids=_buffer_ids(buffers)))
+
+    def wait_for_version(self, model: str, min_version: int = 1,
+                         timeout: Optional[float] = None) -> int:
+        """Blocks until a version >= min_version is complete on this node; returns the newest.
+
+        refit.DeadlineExceededError (also a TimeoutError) after `timeout` seconds
+        (None: wait for ever).
+        """
+        try:
+            response = self._stub.WaitForVersion(
+                refit_pb2.WaitForVersionRequest(model=model, min_version=min_version),
+                timeout=timeout)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e, "WaitForVersion") from None
+        return response.version
+
+    def apply(self, model: str, buffers: Union[BufferArg, Iterable[BufferArg]],
+              version: int = 0) -> refit_pb2.ApplyResponse:
+        """Writes `version` (0: the newest complete) into the DESTINATION `buffers`,
+        resharded and converted; returns `.version` and `.bytes_written`."""
+        return self._call("Apply", refit_pb2.ApplyRequest(
+            model=model, version=version, buffer_ids=_buffer_ids(buffers)))
+
+    def watch(self, model: str, after_version: int = 0,
+              timeout: Optional[float] = None) -> Watch:
+        """A stream of the versions of `model` completing on this node from now on; with
+        `after_version` > 0, first the retained complete versions newer than it."""
+        return Watch(self._stub, model, after_version, timeout)
+
+    def status(self) -> refit_pb2.StatusResponse:
+        """What `refitctl status` shows: node, peers, models, buffers, metrics."""
+        return self._call("Status", refit_pb2.StatusRequest())
+
+
+def _default_client_name() -> str:
+    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if not program or program.startswith("-"):  # python3 -c / interactive
+        program = "python"
+    return f"{program}[{os.getpid()}]"

@@ -1,0 +1,153 @@
+"""Memory regions a client lends the daemon: POSIX shared memory (host) or a CUDA allocation.
+
+A region owns its memory: HostRegion creates (and unlinks on close) a shm object; CudaRegion
+allocates with torch's caching allocator and exports it as a cudaIpcMemHandle_t. Either exposes
+`bytes`, a 1-D uint8 torch tensor over the whole region, from which Buffer cuts typed views.
+Not thread-safe; one owner (a Buffer) closes it.
+"""
+
+import itertools
+import mmap
+import os
+import re
+import secrets
+import weakref
+from typing import Optional
+
+import torch
+
+from refit.v1 import refit_pb2
+
+SHM_DIR = "/dev/shm"  # glibc's shm_open("/name") is the file /dev/shm/name
+CUDA_IPC_HANDLE_BYTES = 64
+
+_counter = itertools.count()
+
+
+def unique_shm_name(*tags: str) -> str:
+    """A fresh shm_open-style name: "/refit-<pid>-<tags>-<n>-<random>", safe characters only.
+
+    The random part matters: processes in different PID namespaces (containers, sandboxed
+    tests) can share a pid and one /dev/shm.
+    """
+    parts = ["refit", str(os.getpid())]
+    parts += [re.sub(r"[^A-Za-z0-9_.-]", "_", t)[:64] for t in tags if t]
+    parts += [str(next(_counter)), secrets.token_hex(4)]
+    return "/" + "-".join(parts)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class HostRegion:
+    """A new POSIX shm object of `size` bytes, mapped read-write; unlinked by close()."""
+
+    memory = "host"
+
+    def __init__(self, name: str, size: int, replace: bool = False):
+        if not name.startswith("/") or "/" in name[1:] or len(name) < 2 or len(name) > 255:
+            raise ValueError(f"shm name {name!r} must look like '/name' (one leading slash)")
+        if size <= 0:
+            raise ValueError("a shared-memory region needs at least one byte")
+        self.name = name
+        self.size = size
+        self._path = SHM_DIR + name
+        if replace:
+            _unlink_quietly(self._path)
+        fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o660)
+        try:
+            # Reserve the pages now: a full /dev/shm is an OSError here, not a SIGBUS later.
+            os.posix_fallocate(fd, 0, size)
+            self._mmap: Optional[mmap.mmap] = mmap.mmap(
+                fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            _unlink_quietly(self._path)
+            raise
+        finally:
+            os.close(fd)
+        # Unlink even if the owner forgets: at garbage collection or interpreter exit.
+        self._finalizer = weakref.finalize(self, _unlink_quietly, self._path)
+        self.bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    def memory_handle(self) -> refit_pb2.MemoryHandle:
+        return refit_pb2.MemoryHandle(host_shm=refit_pb2.HostShm(name=self.name), offset=0,
+                                      size=self.size)
+
+    def close(self) -> None:
+        """Unlinks the name. The mapping goes once no tensor view of it is left alive."""
+        self._finalizer()
+        self.bytes = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # views still exported: the mapping is freed with the last of them
+            self._mmap = None
+
+    def describe(self) -> str:
+        return f"host shm {self.name} ({self.size} bytes)"
+
+
+def require_cuda(device: torch.device) -> None:
+    """Raises RuntimeError with a clear message where `device` is not a usable CUDA device."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"refit: a CUDA buffer on {device} needs a CUDA build of torch and a visible GPU, "
+            f"but torch.cuda.is_available() is False (torch {torch.__version__}); "
+            "register CPU tensors instead (they go through POSIX shared memory)")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise RuntimeError(f"refit: no CUDA device {index} "
+                           f"({torch.cuda.device_count()} visible)")
+
+
+def _untyped_storage(tensor: torch.Tensor):
+    if hasattr(tensor, "untyped_storage"):  # torch >= 2.0
+        return tensor.untyped_storage()
+    return tensor.storage().untyped()  # torch 1.13
+
+
+class CudaRegion:
+    """`size` bytes of CUDA memory on `device`, exported with cudaIpcGetMemHandle.
+
+    The handle names the whole cudaMalloc block that torch's caching allocator carved this
+    region from, so the region is [offset, offset + size) of that block.
+    """
+
+    memory = "cuda"
+    name = None
+
+    def __init__(self, size: int, device: torch.device):
+        require_cuda(device)
+        if size <= 0:
+            raise ValueError("a CUDA region needs at least one byte")
+        self.size = size
+        self.bytes = torch.empty(size, dtype=torch.uint8, device=device)
+        shared = _untyped_storage(self.bytes)._share_cuda_()
+        # (device, handle, storage_size_bytes, storage_offset_bytes, ref counter..., event...)
+        self.device = int(shared[0])
+        self.handle = bytes(shared[1])
+        self.offset = int(shared[3])
+        if len(self.handle) != CUDA_IPC_HANDLE_BYTES:
+            raise RuntimeError(
+                f"refit: torch gave a {len(self.handle)}-byte CUDA IPC handle, not a "
+                f"{CUDA_IPC_HANDLE_BYTES}-byte cudaIpcMemHandle_t (expandable segments? set "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False)")
+
+    def memory_handle(self) -> refit_pb2.MemoryHandle:
+        return refit_pb2.MemoryHandle(
+            cuda_ipc=refit_pb2.CudaIpc(handle=self.handle, device=self.device),
+            offset=self.offset, size=self.size)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.bytes = None  # back to the caching allocator once no view is left
+
+    def describe(self) -> str:
+        return f"cuda:{self.device} ipc region ({self.size} bytes at offset {self.offset})"

@@ -1,0 +1,266 @@
+// Store: versions whose SOURCE buffers span several nodes. A node learns other nodes' SOURCE
+// layouts and announced versions from daemon/peer; version N of a model completes here once
+// every local source published N, every other node with sources announced N, and (when this
+// node has DESTINATION buffers) the data plane pulled every byte those destinations need.
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/logging.h"
+#include "daemon/store/store.h"
+#include "daemon/store/store_internal.h"
+
+namespace refit {
+
+uint64_t PullJob::Bytes() const {
+  uint64_t total = 0;
+  for (const Fetch& f : fetches) {
+    for (const auto& [begin, end] : f.ranges) total += end - begin;
+  }
+  return total;
+}
+
+void AppendSourceRuns(const plan::CopyOp& op, ByteRanges* out) {
+  const uint64_t es = DTypeSize(op.src_dtype);
+  const uint64_t run = (static_cast<uint64_t>(op.count - 1) * op.src_stride + 1) * es;
+  for (uint64_t r = 0; r < op.rows; ++r) {
+    const uint64_t begin = op.src_offset + r * static_cast<uint64_t>(op.src_row_stride) * es;
+    out->emplace_back(begin, begin + run);
+  }
+}
+
+void MergeRanges(ByteRanges* ranges) {
+  std::sort(ranges->begin(), ranges->end());
+  ByteRanges merged;
+  for (const auto& r : *ranges) {
+    if (!merged.empty() && r.first <= merged.back().second) {
+      merged.back().second = std::max(merged.back().second, r.second);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  ranges->swap(merged);
+}
+
+bool RangesCover(const ByteRanges& valid, const plan::CopyOp& op) {
+  ByteRanges runs;
+  AppendSourceRuns(op, &runs);
+  for (const auto& [begin, end] : runs) {
+    auto it = std::upper_bound(valid.begin(), valid.end(),
+                               std::make_pair(begin, UINT64_MAX));
+    if (it == valid.begin()) return false;
+    --it;
+    if (it->first > begin || it->second < end) return false;
+  }
+  return true;
+}
+
+void Store::NoteLocalReady(Model& model) {
+  if (model.sources.empty()) return;
+  uint64_t newest = 0;
+  for (const auto& [version, pieces] : model.pending) {
+    if (std::all_of(model.sources.begin(), model.sources.end(),
+                    [&](const std::string& id) { return pieces.count(id) > 0; })) {
+      newest = version;
+    }
+  }
+  if (newest <= model.local_ready) return;
+  model.local_ready = newest;
+  if (!listener_.local_version_ready) return;  // no other nodes to serve
+  auto snapshot = std::make_shared<LocalSnapshot>();
+  snapshot->model = model.name;
+  snapshot->version = newest;
+  for (const auto& [id, piece] : model.pending[newest]) {
+    if (model.sources.count(id)) snapshot->pieces.push_back({id, piece.slot});
+  }
+  model.snapshots[newest] = std::move(snapshot);
+  while (model.snapshots.size() > std::max<uint32_t>(1, options_.retain)) {
+    model.snapshots.erase(model.snapshots.begin());  // pinned readers keep their own reference
+  }
+  listener_.local_version_ready(model.name, newest);
+}
+
+void Store::TryCompleteWithRemotes(Model& model) {
+  if (model.pulling != 0) return;  // one pull per model at a time; the newest goes next
+  uint64_t candidate = 0;
+  for (const auto& [node, remote] : model.remotes) {
+    if (remote.sources.empty()) continue;
+    if (remote.announced == 0) return;
+    if (candidate != 0 && remote.announced != candidate) return;  // wait for the laggard
+    candidate = remote.announced;
+  }
+  if (candidate <= model.latest || candidate <= model.failed) return;
+  std::vector<Piece> pieces;
+  if (!model.sources.empty()) {
+    auto it = model.pending.find(candidate);
+    if (it == model.pending.end()) return;
+    for (const std::string& id : model.sources) {
+      if (it->second.count(id) == 0) return;
+    }
+    for (const auto& [id, piece] : it->second) pieces.push_back(piece);
+  }
+  for (const auto& [node, remote] : model.remotes) {
+    for (const SourceLayout& layout : remote.sources) {
+      Piece piece;
+      piece.node = node;
+      piece.buffer_id = layout.buffer_id;
+      piece.slices = layout.slices;
+      for (const RemotePieceRef& ref : remote.pieces) {
+        if (ref.buffer_id == layout.buffer_id) piece.remote_key = ref.remote_key;
+      }
+      if (piece.remote_key.empty()) {
+        Logger("store")->warn("model={} version={} node={} announced no piece for buffer {}",
+                              model.name, candidate, node, layout.buffer_id);
+        return;
+      }
+      pieces.push_back(std::move(piece));
+    }
+  }
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
+    return std::tie(a.node, a.buffer_id) < std::tie(b.node, b.buffer_id);
+  });
+
+  if (model.destinations.empty()) {
+    // Nothing to pull: the version is complete here without holding the other nodes' bytes.
+    CompleteVersion(model, candidate, std::move(pieces));
+    return;
+  }
+  // Which bytes of the other nodes' pieces do the local destinations need?
+  Version draft;
+  draft.number = candidate;
+  draft.pieces = pieces;
+  for (const Piece& piece : pieces) {
+    absl::StrAppend(&draft.layout_key, draft.layout_key.empty() ? "" : ",", piece.node, "/",
+                    piece.buffer_id);
+  }
+  std::vector<std::shared_ptr<Buffer>> dests;
+  for (const std::string& id : model.destinations) dests.push_back(buffers_.at(id));
+  auto cached = PlanFor(model, draft, dests);
+  if (!cached.ok()) {
+    Logger("store")->warn("model={} version={} cannot be planned: {}", model.name, candidate,
+                          cached.status().ToString());
+    model.failed = candidate;
+    return;
+  }
+  std::vector<ByteRanges> needed(pieces.size());
+  for (const plan::CopyOp& op : (*cached)->plan.ops) {
+    if (!pieces[op.src_location].node.empty()) AppendSourceRuns(op, &needed[op.src_location]);
+  }
+  PullJob job;
+  job.model = model.name;
+  job.version = candidate;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    if (pieces[i].node.empty()) continue;
+    MergeRanges(&needed[i]);
+    const auto& layout = model.remotes.at(pieces[i].node).sources;
+    uint64_t bytes = 0;
+    for (const SourceLayout& l : layout) {
+      if (l.buffer_id == pieces[i].buffer_id) bytes = l.bytes;
+    }
+    job.fetches.push_back(
+        {pieces[i].node, pieces[i].buffer_id, pieces[i].remote_key, bytes, needed[i]});
+  }
+  model.pulling = candidate;
+  model.pulling_pieces = std::move(pieces);
+  Logger("store")->info("model={} version={} pulling {} bytes from {} pieces", model.name,
+                        candidate, job.Bytes(), job.fetches.size());
+  if (listener_.pull) listener_.pull(std::move(job));
+}
+
+void Store::FinishPull(const PullJob& job, absl::Status result,
+                       std::vector<std::shared_ptr<Region>> staging) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Model* model = FindModel(job.model);
+  if (!model || model->pulling != job.version) return;
+  model->pulling = 0;
+  std::vector<Piece> pieces = std::move(model->pulling_pieces);
+  model->pulling_pieces.clear();
+  if (!result.ok() || staging.size() != job.fetches.size()) {
+    Logger("store")->error("model={} version={} abandoned, staying on version {}: {}",
+                           job.model, job.version, model->latest, result.ToString());
+    model->failed = job.version;
+    model->pending.erase(job.version);
+    changed_.notify_all();
+    return;
+  }
+  for (size_t f = 0; f < job.fetches.size(); ++f) {
+    for (Piece& piece : pieces) {
+      if (piece.node == job.fetches[f].node && piece.buffer_id == job.fetches[f].buffer_id) {
+        piece.slot = staging[f];
+        piece.valid = std::make_shared<const ByteRanges>(job.fetches[f].ranges);
+      }
+    }
+  }
+  CompleteVersion(*model, job.version, std::move(pieces));
+  TryComplete(*model);  // a newer version may have been announced meanwhile
+}
+
+std::map<std::string, std::vector<SourceLayout>> Store::LocalSourceLayouts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<std::string, std::vector<SourceLayout>> out;
+  for (const auto& [name, model] : models_) {
+    for (const std::string& id : model->sources) {
+      const Buffer& b = *buffers_.at(id);
+      out[name].push_back({id, b.snapshot_slices, b.span_end - b.span_begin});
+    }
+  }
+  return out;
+}
+
+uint64_t Store::LatestLocalSnapshot(const std::string& model_name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Model* model = FindModel(model_name);
+  if (!model || model->snapshots.empty()) return 0;
+  return model->snapshots.rbegin()->first;
+}
+
+absl::StatusOr<std::shared_ptr<const LocalSnapshot>> Store::GetLocalSnapshot(
+    const std::string& model_name, uint64_t version) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Model* model = FindModel(model_name);
+  if (model) {
+    auto it = model->snapshots.find(version);
+    if (it != model->snapshots.end()) return it->second;
+  }
+  return absl::NotFoundError(
+      absl::StrCat("model ", model_name, ": version ", version, " is not held here"));
+}
+
+void Store::SetRemoteSources(const std::string& node, const std::string& model_name,
+                             std::vector<SourceLayout> sources) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& model = models_[model_name];
+  if (!model) {
+    model = std::make_unique<Model>();
+    model->name = model_name;
+  }
+  auto& remote = model->remotes[node];
+  remote.sources = std::move(sources);
+  model->plans.clear();
+  TryComplete(*model);
+}
+
+void Store::AnnounceRemoteVersion(const std::string& node, const std::string& model_name,
+                                  uint64_t version, std::vector<RemotePieceRef> pieces) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Model* model = FindModel(model_name);
+  if (!model) return;
+  auto& remote = model->remotes[node];
+  if (remote.announced == 0 && version >= model->failed) model->failed = 0;  // a fresh start
+  remote.announced = version;
+  remote.pieces = std::move(pieces);
+  TryComplete(*model);
+}
+
+void Store::ForgetRemoteVersions(const std::string& node) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [name, model] : models_) {
+    auto it = model->remotes.find(node);
+    if (it != model->remotes.end()) {
+      it->second.announced = 0;
+      it->second.pieces.clear();
+    }
+  }
+}
+
+}  // namespace refit

@@ -1,0 +1,99 @@
+#pragma once
+
+// Private to daemon/store: the records behind Store, shared by store.cc (one node) and
+// cluster.cc (versions spanning several nodes). Guarded by Store::mu_ unless noted.
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "daemon/plan/plan.h"
+#include "daemon/store/store.h"
+
+namespace refit {
+
+struct Store::Buffer {
+  std::string id;
+  std::string model;
+  std::string client;
+  Role role = Role::kUnspecified;
+  std::shared_ptr<Region> region;
+  std::vector<TensorSlice> slices;  // normalized; offsets from the region start
+  // SOURCE buffers: the byte span a snapshot copies, and the slices relative to it.
+  uint64_t span_begin = 0;
+  uint64_t span_end = 0;
+  std::shared_ptr<const std::vector<TensorSlice>> snapshot_slices;
+  uint64_t last_published = 0;  // guarded by Store::mu_
+  std::mutex io_mu;             // one snapshot or one Apply at a time on this memory
+};
+
+struct Store::Piece {
+  std::string buffer_id;
+  std::shared_ptr<const std::vector<TensorSlice>> slices;
+  std::shared_ptr<Region> slot;  // null: held by another node and not pulled here
+  // Byte ranges of `slot` that hold the version's bytes; null: all of it (a local snapshot).
+  std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> valid;
+  std::string node;        // empty: this node
+  std::string remote_key;  // for pieces of other nodes
+};
+
+struct Store::Version {
+  uint64_t number = 0;
+  std::vector<Piece> pieces;  // sorted by buffer id
+  std::string layout_key;     // the piece buffer ids: equal keys mean equal source layouts
+  uint64_t bytes = 0;
+};
+
+struct Store::CachedPlan {
+  plan::Plan plan;
+};
+
+struct Store::Model {
+  std::string name;
+  std::set<std::string> sources;
+  std::set<std::string> destinations;
+  std::map<uint64_t, std::map<std::string, Piece>> pending;  // version -> buffer id -> piece
+  std::map<uint64_t, std::shared_ptr<const Version>> complete;
+  uint64_t latest = 0;
+  std::deque<uint64_t> history;  // completed versions, oldest first
+  std::map<std::string, std::shared_ptr<const CachedPlan>> plans;
+
+  // Several nodes.
+  struct RemoteNode {
+    std::vector<SourceLayout> sources;
+    uint64_t announced = 0;  // newest version all its sources published; 0: none known
+    std::vector<RemotePieceRef> pieces;
+  };
+  std::map<std::string, RemoteNode> remotes;  // by node name
+  uint64_t local_ready = 0;                    // newest version all local sources published
+  std::map<uint64_t, std::shared_ptr<const LocalSnapshot>> snapshots;  // for other nodes
+  uint64_t pulling = 0;                        // version being pulled; 0: none
+  std::vector<Piece> pulling_pieces;           // its pieces, remote ones not yet staged
+  uint64_t failed = 0;                         // newest version whose pull failed
+
+  bool HasRemoteSources() const {
+    for (const auto& [node, remote] : remotes) {
+      if (!remote.sources.empty()) return true;
+    }
+    return false;
+  }
+};
+
+}  // namespace refit
+
+namespace refit {
+
+using ByteRanges = std::vector<std::pair<uint64_t, uint64_t>>;
+
+// The source byte runs `op` reads, one per row: [begin, end).
+void AppendSourceRuns(const plan::CopyOp& op, ByteRanges* out);
+// Sorts and merges overlapping or touching ranges.
+void MergeRanges(ByteRanges* ranges);
+// True when every byte `op` reads from its source lies in `valid` (sorted, merged).
+bool RangesCover(const ByteRanges& valid, const plan::CopyOp& op);
+
+}  // namespace refit

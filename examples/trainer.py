@@ -1,0 +1,86 @@
+#!/usr/bin/python3
+"""A minimal RL-style trainer loop that publishes its policy weights through refit.
+
+Trains tiny_lm.TinyLM for --steps optimizer steps; after each step copies the parameters into
+shared-memory SOURCE buffers and publishes them as the next version. With --shards N it acts
+as N tensor-parallel ranks: each 2-D weight is split by rows over N buffers.
+
+    PYTHONPATH=client/python python3 examples/trainer.py --socket=/tmp/refit/refitd.sock
+"""
+
+import argparse
+import signal
+import sys
+import time
+
+import torch
+
+import refit
+import tiny_lm
+
+
+def shard_state(state, rank: int, count: int):
+    """Rank `rank`'s tensors: rows of 2-D weights split `count` ways, the rest replicated."""
+    if count == 1:
+        return dict(state)
+    return {name: refit.Slice.shard(t, 0, rank, count) if t.dim() == 2 else t
+            for name, t in state.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser.add_argument("--socket", default=None, help="refitd socket (default $REFIT_SOCKET, "
+                        "else /run/refit/refitd.sock)")
+    parser.add_argument("--model", default="tiny-lm", help="model name in refit")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps (= versions)")
+    parser.add_argument("--shards", type=int, default=1, help="tensor-parallel ranks to mimic")
+    parser.add_argument("--interval", type=float, default=0.0, help="seconds between steps")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    model = tiny_lm.TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = tiny_lm.encode(tiny_lm.TEXT)
+
+    client = refit.Client(args.socket)
+    # Versions increase per model: continue after whatever this daemon already holds.
+    held = [m.latest_version for m in client.status().models if m.model == args.model]
+    first = (held[0] if held else 0) + 1
+    state = model.state_dict()
+    buffers = [client.register(args.model, refit.SOURCE, shard_state(state, rank, args.shards),
+                               client_name=f"trainer-rank{rank}")
+               for rank in range(args.shards)]
+    print(f"trainer: registered {len(buffers)} source buffer(s), "
+          f"{sum(b.nbytes for b in buffers)} bytes, model={args.model}", flush=True)
+    try:
+        for i in range(args.steps):
+            optimizer.zero_grad()
+            logits = model(data[None, :-1])
+            loss = torch.nn.functional.cross_entropy(logits[0], data[1:])
+            loss.backward()
+            optimizer.step()
+
+            state = model.state_dict()
+            for buf in buffers:
+                buf.copy_from(state)  # each buffer takes its own slices
+            version = first + i
+            published = client.publish(args.model, version, buffers)
+            print(f"trainer: published version {version} bytes={published.bytes} "
+                  f"loss={loss.item():.4f} digest={tiny_lm.digest(state)}", flush=True)
+            if args.interval:
+                time.sleep(args.interval)
+    finally:
+        for buf in buffers:
+            buf.release()
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    # SIGTERM unwinds like Ctrl-C would: buffers are released and shm objects unlinked.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        sys.exit(main())
+    except refit.RefitError as e:
+        sys.exit(f"trainer: {e}")
