@@ -18,7 +18,10 @@
 #include "daemon/metrics/metrics.h"
 #include "daemon/metrics/prometheus.h"
 #include "daemon/server/health_service.h"
-#include "daemon/server/peer_service.h"
+#include "daemon/peer/data_plane.h"
+#include "daemon/peer/peer_manager.h"
+#include "daemon/peer/peer_service.h"
+#include "daemon/transport/ucx_transport.h"
 #include "daemon/server/refit_service.h"
 #include "daemon/store/store.h"
 #include "daemon/version.h"
@@ -78,7 +81,9 @@ struct Daemon::Impl {
   Metrics metrics;
   std::unique_ptr<Store> store;
   std::unique_ptr<server::RefitService> service;
-  std::unique_ptr<server::PeerService> peer_service;
+  std::unique_ptr<peer::DataPlane> data_plane;
+  std::unique_ptr<peer::PeerService> peer_service;
+  std::unique_ptr<peer::PeerManager> peers;
   std::unique_ptr<server::HealthService> health;
   std::unique_ptr<grpc::Server> health_server;  // --health-listen: health checks only
   std::unique_ptr<MetricsHttpServer> metrics_server;
@@ -104,15 +109,42 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   impl->options = options;
   impl->store = std::make_unique<Store>(
       StoreOptions{options.retain, 4ull << 30, options.node}, &impl->metrics);
-  std::vector<std::string> peers = options.peers;
+  // The data plane: UCX chooses the transport (UCX_TLS); without UCX this node can still serve
+  // local clients, and pulls from it fail UNAVAILABLE.
+  std::unique_ptr<transport::Transport> ucx;
+  if (auto created = transport::UcxTransport::Create(); created.ok()) {
+    Logger("transport")->info("data plane: {}", (*created)->capabilities().detail);
+    ucx = std::move(created).value();
+  } else {
+    Logger("transport")->error("no data plane: {}", created.status().ToString());
+  }
+  impl->data_plane =
+      std::make_unique<peer::DataPlane>(std::move(ucx), peer::DataPlaneOptions{}, &impl->metrics);
+  impl->peer_service = std::make_unique<peer::PeerService>(
+      options.node, impl->store.get(), impl->data_plane.get(), &impl->metrics);
+  impl->peers = std::make_unique<peer::PeerManager>(options.node, options.peers,
+                                                    impl->store.get(), impl->data_plane.get(),
+                                                    &impl->metrics);
+  {
+    peer::PeerService* service = impl->peer_service.get();
+    peer::PeerManager* manager = impl->peers.get();
+    StoreListener listener;
+    listener.local_version_ready = [service](const std::string&, uint64_t) {
+      service->NotifyChanged();
+    };
+    listener.local_layout_changed = [service](const std::string&) { service->NotifyChanged(); };
+    listener.pull = [manager](PullJob job) { manager->OnPull(std::move(job)); };
+    impl->store->SetListener(std::move(listener));
+  }
+
   Impl* raw = impl.get();
   server::ServiceContext context;
   context.node = options.node;
   context.store = impl->store.get();
   context.metrics = &impl->metrics;
-  context.peers = [peers] {
+  context.peers = [raw] {
     std::vector<server::PeerInfo> out;
-    for (const auto& p : peers) out.push_back({"", p, false});
+    for (const auto& p : raw->peers->Peers()) out.push_back({p.node, p.address, p.connected});
     return out;
   };
   context.add_ports = [raw](v1::StatusResponse* response) {
@@ -122,7 +154,6 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   };
   impl->service = std::make_unique<server::RefitService>(std::move(context));
 
-  impl->peer_service = std::make_unique<server::PeerService>(options.node);
   impl->health = std::make_unique<server::HealthService>(
       std::set<std::string>{"refit.v1.Refit", "refit.v1.Peer"});
 
@@ -180,6 +211,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     impl->metrics_server = std::move(metrics).value();
   }
   impl->health->SetServing(true);
+  impl->peers->Start();
   Logger("daemon")->info(
       "refitd {} node={} serving socket={} listen port={} health port={} metrics port={} "
       "retain={} {}",
@@ -195,6 +227,8 @@ void Daemon::Shutdown(double grace_seconds) {
   Logger("daemon")->info("node={} shutting down", impl_->options.node);
   impl_->health->SetServing(false);
   impl_->store->Shutdown();  // blocked WaitForVersion/Watch calls return now
+  impl_->peers->Stop();
+  impl_->peer_service->Stop();
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000));
   impl_->local_server->Shutdown(deadline);

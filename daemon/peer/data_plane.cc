@@ -1,0 +1,284 @@
+#include "daemon/peer/data_plane.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/logging.h"
+
+namespace refit::peer {
+
+struct DataPlane::Transfer {
+  struct Op {
+    size_t fetch;
+    uint64_t offset;
+    uint64_t length;
+  };
+  std::vector<Op> ops;
+  size_t next = 0;
+  int inflight = 0;
+  std::vector<std::shared_ptr<Region>> staging;
+  std::vector<transport::LocalMemory*> local;  // owned by registrations_
+  std::vector<std::unique_ptr<transport::RemoteMemory>> remote;
+  std::vector<transport::Endpoint*> endpoint;
+  absl::Status status;
+  std::function<void(absl::Status)> done;
+  bool finished = false;
+};
+
+DataPlane::DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneOptions options,
+                     Metrics* metrics)
+    : transport_(std::move(transport)), options_(options), metrics_(metrics) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+DataPlane::~DataPlane() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+std::string DataPlane::LocalAddress() const {
+  return transport_ ? transport_->LocalAddress() : std::string();
+}
+
+std::string DataPlane::TransportName() const {
+  return transport_ ? transport_->capabilities().name : std::string("none");
+}
+
+void DataPlane::Post(std::function<void()> work) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    work_.push_back(std::move(work));
+  }
+  wake_.notify_all();
+}
+
+void DataPlane::Run() {
+  std::vector<transport::Completion> completions;
+  auto idle_since = std::chrono::steady_clock::now();
+  while (true) {
+    std::deque<std::function<void()>> work;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      // Keep polling even when idle: over TCP a peer's get is served by this worker's progress.
+      const auto idle = std::chrono::steady_clock::now() - idle_since;
+      const auto nap = idle > std::chrono::milliseconds(100) ? std::chrono::microseconds(1000)
+                                                             : std::chrono::microseconds(20);
+      if (work_.empty() && !stop_ && by_cookie_.empty()) wake_.wait_for(lock, nap);
+      if (stop_) break;
+      work.swap(work_);
+    }
+    bool busy = !work.empty();
+    for (auto& w : work) w();
+    if (transport_) {
+      completions.clear();
+      transport_->Poll(&completions);
+      busy = busy || !completions.empty();
+      for (const auto& c : completions) {
+        auto it = by_cookie_.find(c.cookie);
+        if (it == by_cookie_.end()) continue;
+        InFlight done = std::move(it->second);
+        by_cookie_.erase(it);
+        done.transfer->inflight--;
+        if (c.status.ok()) {
+          metrics_->Add(kDataBytesReceived, static_cast<double>(done.length));
+        } else {
+          Fail(*done.transfer, c.status);
+        }
+        Pump(done.transfer);
+      }
+    }
+    if (busy) idle_since = std::chrono::steady_clock::now();
+  }
+  // Shutting down: fail what is left, then release UCX objects before the transport.
+  for (auto& [cookie, in_flight] : by_cookie_) {
+    Transfer& t = *in_flight.transfer;
+    Fail(t, absl::CancelledError("refitd is stopping"));
+    if (!t.finished) {
+      t.finished = true;
+      t.done(t.status);
+    }
+  }
+  by_cookie_.clear();
+  endpoints_.clear();
+  registrations_.clear();
+  transport_.reset();
+}
+
+transport::LocalMemory* DataPlane::Registration(const std::shared_ptr<Region>& region) {
+  // Forget registrations of slots that are gone.
+  for (auto it = registrations_.begin(); it != registrations_.end();) {
+    it = it->second.region.expired() ? registrations_.erase(it) : std::next(it);
+  }
+  auto it = registrations_.find(region->data());
+  if (it != registrations_.end() && it->second.region.lock() == region) {
+    return it->second.memory.get();
+  }
+  auto registered = transport_->RegisterMemory(region->data(), region->size(), region->kind());
+  if (!registered.ok()) {
+    Logger("transport")->error("cannot register {}: {}", region->Describe(),
+                               registered.status().ToString());
+    return nullptr;
+  }
+  auto& entry = registrations_[region->data()];
+  entry.region = region;
+  entry.memory = std::move(registered).value();
+  return entry.memory.get();
+}
+
+absl::StatusOr<std::string> DataPlane::Expose(const std::shared_ptr<Region>& slot) {
+  if (!transport_) return absl::UnavailableError("this refitd has no data plane");
+  auto promise = std::make_shared<std::promise<absl::StatusOr<std::string>>>();
+  auto future = promise->get_future();
+  Post([this, slot, promise] {
+    transport::LocalMemory* memory = Registration(slot);
+    if (!memory) {
+      promise->set_value(absl::InternalError("cannot register a version slot"));
+    } else {
+      promise->set_value(memory->descriptor());
+    }
+  });
+  return future.get();
+}
+
+void DataPlane::Connect(const std::string& node, const std::string& address) {
+  if (!transport_) return;
+  Post([this, node, address] {
+    auto endpoint = transport_->Connect(address);
+    if (!endpoint.ok()) {
+      Logger("transport")->error("peer={} cannot connect: {}", node, endpoint.status().ToString());
+      endpoints_.erase(node);
+      return;
+    }
+    (*endpoint)->SetFailureHandler([node](const absl::Status& status) {
+      Logger("transport")->warn("peer={} data-plane connection failed: {}", node,
+                                status.ToString());
+    });
+    endpoints_[node] = std::move(endpoint).value();
+  });
+}
+
+void DataPlane::Disconnect(const std::string& node) {
+  Post([this, node] { endpoints_.erase(node); });
+}
+
+void DataPlane::Fail(Transfer& t, absl::Status status) {
+  if (t.status.ok()) t.status = std::move(status);
+  t.next = t.ops.size();  // post nothing more
+}
+
+void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
+  Transfer& t = *transfer;
+  if (t.finished) return;
+  while (t.status.ok() && t.next < t.ops.size() && t.inflight < options_.inflight) {
+    const Transfer::Op& op = t.ops[t.next];
+    const uint64_t cookie = next_cookie_++;
+    absl::Status posted = t.endpoint[op.fetch]->PostGet(*t.local[op.fetch], op.offset,
+                                                        *t.remote[op.fetch], op.offset,
+                                                        op.length, cookie);
+    if (!posted.ok()) {
+      Fail(t, posted);
+      break;
+    }
+    t.next++;
+    t.inflight++;
+    by_cookie_[cookie] = InFlight{transfer, op.length};
+  }
+  if (t.inflight == 0 && (t.next >= t.ops.size() || !t.status.ok())) {
+    t.finished = true;
+    t.done(t.status);
+  }
+}
+
+absl::Status DataPlane::Prepare(Transfer& t, const PullJob::Fetch& fetch,
+                                std::shared_ptr<Region> slot) {
+  auto ep = endpoints_.find(fetch.node);
+  if (ep == endpoints_.end() || !ep->second->status().ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("no data-plane connection to node ", fetch.node));
+  }
+  auto remote = ep->second->ImportRemote(fetch.remote_key);
+  if (!remote.ok()) return remote.status();
+  if ((*remote)->length() < fetch.bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("node ", fetch.node, " piece ",
+                                                   fetch.buffer_id, " is smaller than announced"));
+  }
+  transport::LocalMemory* local = Registration(slot);
+  if (!local) return absl::InternalError("cannot register a staging slot");
+  t.endpoint.push_back(ep->second.get());
+  t.remote.push_back(std::move(remote).value());
+  t.local.push_back(local);
+  t.staging.push_back(std::move(slot));
+  return absl::OkStatus();
+}
+
+std::future<absl::StatusOr<std::vector<std::shared_ptr<Region>>>> DataPlane::Pull(
+    const PullJob& job, Acquire acquire) {
+  using Result = absl::StatusOr<std::vector<std::shared_ptr<Region>>>;
+  auto promise = std::make_shared<std::promise<Result>>();
+  auto future = promise->get_future();
+  if (!transport_) {
+    promise->set_value(absl::UnavailableError("this refitd has no data plane"));
+    return future;
+  }
+  Post([this, job, acquire, promise] {
+    auto t = std::make_shared<Transfer>();
+    for (size_t f = 0; f < job.fetches.size(); ++f) {
+      const PullJob::Fetch& fetch = job.fetches[f];
+      auto slot = acquire(fetch.bytes);
+      absl::Status ready = slot.ok() ? Prepare(*t, fetch, *slot) : slot.status();
+      if (!ready.ok()) {
+        promise->set_value(ready);
+        return;
+      }
+      for (const auto& [begin, end] : fetch.ranges) {
+        for (uint64_t off = begin; off < end; off += options_.chunk_bytes) {
+          t->ops.push_back({f, off, std::min(options_.chunk_bytes, end - off)});
+        }
+      }
+    }
+    t->done = [t_weak = std::weak_ptr<Transfer>(t), promise](absl::Status status) {
+      auto held = t_weak.lock();
+      if (!status.ok() || !held) {
+        promise->set_value(status.ok() ? absl::InternalError("transfer lost") : status);
+      } else {
+        promise->set_value(held->staging);
+      }
+    };
+    Pump(t);
+  });
+  return future;
+}
+
+std::future<absl::Status> DataPlane::Refetch(const PullJob& job, size_t fetch,
+                                             std::vector<std::pair<uint64_t, uint64_t>> ranges,
+                                             std::shared_ptr<Region> slot) {
+  auto promise = std::make_shared<std::promise<absl::Status>>();
+  auto future = promise->get_future();
+  if (!transport_) {
+    promise->set_value(absl::UnavailableError("this refitd has no data plane"));
+    return future;
+  }
+  Post([this, job, fetch, ranges, slot, promise] {
+    auto t = std::make_shared<Transfer>();
+    absl::Status ready = Prepare(*t, job.fetches[fetch], slot);
+    if (!ready.ok()) {
+      promise->set_value(ready);
+      return;
+    }
+    for (const auto& [begin, end] : ranges) {
+      for (uint64_t off = begin; off < end; off += options_.chunk_bytes) {
+        t->ops.push_back({0, off, std::min(options_.chunk_bytes, end - off)});
+      }
+    }
+    t->done = [promise](absl::Status status) { promise->set_value(status); };
+    Pump(t);
+  });
+  return future;
+}
+
+}  // namespace refit::peer

@@ -1,0 +1,102 @@
+#pragma once
+
+// The data plane: one thread that owns the Transport (UCX in refitd) and makes every call on it
+// — registering version slots for other nodes to read, connecting to peers, and pulling the
+// byte ranges of a PullJob into staging slots in chunks, several in flight. It never sees
+// gRPC; it sees models and versions only as the PullJob it was handed.
+//
+// Thread-safety: every public method may be called from any thread; work is handed to the
+// data-plane thread through a queue. Blocking methods wait for that thread.
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/memory/region.h"
+#include "daemon/metrics/metrics.h"
+#include "daemon/store/store.h"
+#include "daemon/transport/transport.h"
+
+namespace refit::peer {
+
+struct DataPlaneOptions {
+  uint64_t chunk_bytes = 4ull << 20;  // largest single get
+  int inflight = 16;                  // gets in flight per pull
+};
+
+class DataPlane {
+ public:
+  // Takes ownership of `transport` (null: no data plane; pulls fail UNAVAILABLE).
+  DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneOptions options,
+            Metrics* metrics);
+  ~DataPlane();  // stops the thread; outstanding pulls fail CANCELLED
+
+  // The address peers connect to ("" without a transport).
+  std::string LocalAddress() const;
+  std::string TransportName() const;
+
+  // The remote descriptor of `slot`, registering it once (cached while the slot lives).
+  absl::StatusOr<std::string> Expose(const std::shared_ptr<Region>& slot);
+
+  // (Re)connects to `node` at its transport address; replaces an earlier endpoint.
+  void Connect(const std::string& node, const std::string& address);
+  void Disconnect(const std::string& node);
+
+  // Fetches every range of `job` into fresh staging slots (from `acquire`). The result comes
+  // back through the future: OK with one slot per fetch, or the first error (UNAVAILABLE when a
+  // peer failed).
+  using Acquire = std::function<absl::StatusOr<std::shared_ptr<Region>>(uint64_t)>;
+  std::future<absl::StatusOr<std::vector<std::shared_ptr<Region>>>> Pull(const PullJob& job,
+                                                                         Acquire acquire);
+
+  // Refetches `ranges` of fetch `fetch` of `job` into `slot` (after a checksum mismatch).
+  std::future<absl::Status> Refetch(const PullJob& job, size_t fetch,
+                                    std::vector<std::pair<uint64_t, uint64_t>> ranges,
+                                    std::shared_ptr<Region> slot);
+
+ private:
+  struct Transfer;
+  void Run();
+  void Post(std::function<void()> work);
+  transport::LocalMemory* Registration(const std::shared_ptr<Region>& region);
+  // Sets up `fetch`'s endpoint, remote memory and local registration in `transfer`.
+  absl::Status Prepare(Transfer& transfer, const PullJob::Fetch& fetch,
+                       std::shared_ptr<Region> slot);
+  void Pump(const std::shared_ptr<Transfer>& transfer);
+  void Fail(Transfer& transfer, absl::Status status);
+
+  std::unique_ptr<transport::Transport> transport_;
+  const DataPlaneOptions options_;
+  Metrics* const metrics_;
+
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::deque<std::function<void()>> work_;
+  bool stop_ = false;
+
+  // Data-plane thread only:
+  struct Registered {
+    std::weak_ptr<Region> region;
+    std::unique_ptr<transport::LocalMemory> memory;
+  };
+  std::map<const uint8_t*, Registered> registrations_;
+  std::map<std::string, std::unique_ptr<transport::Endpoint>> endpoints_;  // by node
+  struct InFlight {
+    std::shared_ptr<Transfer> transfer;
+    uint64_t length = 0;
+  };
+  std::map<uint64_t, InFlight> by_cookie_;
+  uint64_t next_cookie_ = 1;
+  std::thread thread_;
+};
+
+}  // namespace refit::peer

@@ -1,0 +1,329 @@
+#include "daemon/peer/peer_manager.h"
+
+#include <xxhash.h>
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/logging.h"
+#include "daemon/version.h"
+#include "grpcpp/grpcpp.h"
+
+namespace refit::peer {
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr auto kHelloDeadline = milliseconds(2000);
+constexpr auto kCallDeadline = milliseconds(10000);
+constexpr auto kMaxBackoff = milliseconds(2000);
+constexpr size_t kRangesPerChecksumCall = 8192;
+constexpr int kFetchTries = 3;
+
+std::chrono::system_clock::time_point In(milliseconds d) {
+  return std::chrono::system_clock::now() + d;
+}
+
+TensorSlice FromProto(const v1::TensorSlice& in) {
+  TensorSlice out;
+  out.name = in.name();
+  out.dtype = static_cast<DType>(in.dtype());
+  out.global_shape.assign(in.global_shape().begin(), in.global_shape().end());
+  out.offsets.assign(in.offsets().begin(), in.offsets().end());
+  out.sizes.assign(in.sizes().begin(), in.sizes().end());
+  out.buffer_offset = in.buffer_offset();
+  out.buffer_strides.assign(in.buffer_strides().begin(), in.buffer_strides().end());
+  return out;
+}
+
+}  // namespace
+
+struct PeerManager::Peer {
+  std::string address;
+  std::string node;
+  bool connected = false;  // guarded by PeerManager::mu_
+  std::unique_ptr<v1::Peer::Stub> stub;  // set by its thread before `node`, under mu_
+  std::shared_ptr<grpc::Channel> channel;
+  grpc::ClientContext* stream = nullptr;  // the live Subscribe call, for Stop
+  std::thread thread;
+};
+
+PeerManager::PeerManager(std::string node, std::vector<std::string> addresses, Store* store,
+                         DataPlane* data_plane, Metrics* metrics)
+    : node_(std::move(node)), store_(store), data_plane_(data_plane), metrics_(metrics) {
+  for (auto& address : addresses) {
+    auto peer = std::make_unique<Peer>();
+    peer->address = std::move(address);
+    peers_.push_back(std::move(peer));
+  }
+}
+
+PeerManager::~PeerManager() { Stop(); }
+
+void PeerManager::Start() {
+  for (auto& peer : peers_) {
+    Peer* p = peer.get();
+    p->thread = std::thread([this, p] { RunPeer(p); });
+  }
+  pull_thread_ = std::thread([this] { RunPulls(); });
+}
+
+void PeerManager::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return;
+    stop_ = true;
+    for (auto& peer : peers_) {
+      if (peer->stream) peer->stream->TryCancel();
+    }
+  }
+  wake_.notify_all();
+  for (auto& peer : peers_) {
+    if (peer->thread.joinable()) peer->thread.join();
+  }
+  if (pull_thread_.joinable()) pull_thread_.join();
+}
+
+std::vector<PeerState> PeerManager::Peers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<PeerState> out;
+  for (const auto& peer : peers_) out.push_back({peer->address, peer->node, peer->connected});
+  return out;
+}
+
+void PeerManager::RunPeer(Peer* peer) {
+  auto backoff = milliseconds(100);
+  bool reported_down = false;
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+    }
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 1000);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 2000);
+    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+    args.SetMaxReceiveMessageSize(64 << 20);
+    auto channel = grpc::CreateCustomChannel(peer->address, grpc::InsecureChannelCredentials(),
+                                             args);
+    auto stub = v1::Peer::NewStub(channel);
+    v1::HelloRequest hello;
+    hello.set_node(node_);
+    hello.set_version(kRefitVersion);
+    v1::HelloResponse who;
+    grpc::ClientContext hello_context;
+    hello_context.set_deadline(In(kHelloDeadline));
+    grpc::Status status = stub->Hello(&hello_context, hello, &who);
+    if (status.ok()) {
+      backoff = milliseconds(100);
+      reported_down = false;
+      const std::string node = who.node();
+      if (!who.transport_address().empty()) data_plane_->Connect(node, who.transport_address());
+      grpc::ClientContext context;
+      context.set_deadline(In(milliseconds(24ll * 3600 * 1000)));
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stop_) return;
+        peer->node = node;
+        peer->connected = true;
+        peer->channel = channel;
+        peer->stub = std::move(stub);
+        peer->stream = &context;
+      }
+      metrics_->Add(kPeersConnected, 1);
+      Logger("peer")->info("peer={} connected at {} (refitd {}, data plane {})", node,
+                           peer->address, who.version(), who.transport());
+      v1::SubscribeRequest request;
+      request.set_node(node_);
+      auto reader = peer->stub->Subscribe(&context, request);
+      v1::PeerEvent event;
+      while (reader->Read(&event)) {
+        std::vector<SourceLayout> layouts;
+        for (const auto& s : event.sources()) {
+          auto slices = std::make_shared<std::vector<TensorSlice>>();
+          for (const auto& t : s.tensors()) slices->push_back(FromProto(t));
+          layouts.push_back({s.buffer_id(), std::move(slices), s.bytes()});
+        }
+        store_->SetRemoteSources(node, event.model(), std::move(layouts));
+        if (event.version() > 0) {
+          std::vector<RemotePieceRef> pieces;
+          for (const auto& p : event.pieces()) {
+            pieces.push_back({p.buffer_id(), p.remote_key(), p.bytes()});
+          }
+          store_->AnnounceRemoteVersion(node, event.model(), event.version(), std::move(pieces));
+        }
+      }
+      status = reader->Finish();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        peer->connected = false;
+        peer->stream = nullptr;
+      }
+      metrics_->Add(kPeersConnected, -1);
+      store_->ForgetRemoteVersions(node);
+      data_plane_->Disconnect(node);
+      Logger("peer")->warn("peer={} at {} disconnected: {}", node, peer->address,
+                           status.error_message().empty() ? "stream ended"
+                                                          : status.error_message());
+    } else if (!reported_down) {
+      Logger("peer")->warn("peer at {} not answering ({}); retrying", peer->address,
+                           status.error_message());
+      reported_down = true;
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    wake_.wait_for(lock, backoff, [this] { return stop_; });
+    backoff = std::min(backoff * 2, kMaxBackoff);
+  }
+}
+
+void PeerManager::OnPull(PullJob job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(std::move(job));
+  }
+  wake_.notify_all();
+}
+
+v1::Peer::Stub* PeerManager::StubFor(const std::string& node) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& peer : peers_) {
+    if (peer->node == node && peer->connected) return peer->stub.get();
+  }
+  return nullptr;
+}
+
+void PeerManager::RunPulls() {
+  while (true) {
+    PullJob job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+      if (stop_) return;
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status status = Pull(job);
+    metrics_->Observe(kTransferSeconds,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                          .count());
+    if (status.ok()) {
+      Logger("peer")->info("model={} version={} pulled {} bytes in {:.3f} s", job.model,
+                           job.version, job.Bytes(),
+                           std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                               .count());
+    }
+  }
+}
+
+absl::Status PeerManager::Pull(const PullJob& job) {
+  std::vector<std::shared_ptr<Region>> staging;
+  auto finish = [&](absl::Status status) {
+    store_->FinishPull(job, status, status.ok() ? staging : std::vector<std::shared_ptr<Region>>());
+    return status;
+  };
+  // Pin the version on every node we read from, so --retain there can't free it under us.
+  std::map<std::string, uint64_t> bytes_from;
+  for (const auto& f : job.fetches) {
+    for (const auto& [b, e] : f.ranges) bytes_from[f.node] += e - b;
+  }
+  auto pin = [&](const std::string& node, bool release) -> absl::Status {
+    v1::Peer::Stub* stub = StubFor(node);
+    if (!stub) return absl::UnavailableError(absl::StrCat("node ", node, " is not connected"));
+    v1::PinRequest request;
+    request.set_model(job.model);
+    request.set_version(job.version);
+    request.set_node(node_);
+    request.set_release(release);
+    request.set_lease_ms(120000);
+    request.set_bytes_read(release ? bytes_from[node] : 0);
+    v1::PinResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(In(kCallDeadline));
+    grpc::Status s = stub->Pin(&context, request, &response);
+    if (s.ok()) return absl::OkStatus();
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                        absl::StrCat("node ", node, ": ", s.error_message()));
+  };
+  for (const auto& [node, bytes] : bytes_from) {
+    absl::Status pinned = pin(node, false);
+    if (!pinned.ok()) return finish(pinned);
+  }
+
+  auto pulled = data_plane_->Pull(job, [this](uint64_t size) { return store_->AcquireSlot(size); });
+  auto result = pulled.get();
+  absl::Status status = result.status();
+  if (result.ok()) {
+    staging = std::move(result).value();
+    status = Verify(job, staging);
+  }
+  for (const auto& [node, bytes] : bytes_from) (void)pin(node, true);
+  return finish(status);
+}
+
+absl::Status PeerManager::Verify(const PullJob& job,
+                                 const std::vector<std::shared_ptr<Region>>& staging) {
+  for (size_t f = 0; f < job.fetches.size(); ++f) {
+    const PullJob::Fetch& fetch = job.fetches[f];
+    // Verify in the data plane's chunk units, so a mismatch refetches little.
+    std::vector<std::pair<uint64_t, uint64_t>> chunks;
+    for (const auto& [begin, end] : fetch.ranges) {
+      for (uint64_t off = begin; off < end; off += 4ull << 20) {
+        chunks.emplace_back(off, std::min<uint64_t>(end, off + (4ull << 20)));
+      }
+    }
+    for (int attempt = 1;; ++attempt) {
+      std::vector<std::pair<uint64_t, uint64_t>> bad;
+      for (size_t first = 0; first < chunks.size(); first += kRangesPerChecksumCall) {
+        const size_t last = std::min(chunks.size(), first + kRangesPerChecksumCall);
+        v1::Peer::Stub* stub = StubFor(fetch.node);
+        if (!stub) {
+          return absl::UnavailableError(absl::StrCat("node ", fetch.node, " went away"));
+        }
+        v1::ChecksumRequest request;
+        request.set_model(job.model);
+        request.set_version(job.version);
+        request.set_buffer_id(fetch.buffer_id);
+        for (size_t i = first; i < last; ++i) {
+          v1::ByteRange* r = request.add_ranges();
+          r->set_offset(chunks[i].first);
+          r->set_length(chunks[i].second - chunks[i].first);
+        }
+        v1::ChecksumResponse response;
+        grpc::ClientContext context;
+        context.set_deadline(In(kCallDeadline));
+        grpc::Status s = stub->Checksum(&context, request, &response);
+        if (!s.ok()) {
+          return absl::UnavailableError(
+              absl::StrCat("node ", fetch.node, " checksum: ", s.error_message()));
+        }
+        if (static_cast<size_t>(response.xxh3_size()) != last - first) {
+          return absl::DataLossError("checksum reply of the wrong length");
+        }
+        for (size_t i = first; i < last; ++i) {
+          const auto [b, e] = chunks[i];
+          if (XXH3_64bits(staging[f]->data() + b, e - b) != response.xxh3(i - first)) {
+            bad.push_back(chunks[i]);
+          }
+        }
+      }
+      if (bad.empty()) break;
+      if (attempt >= kFetchTries) {
+        return absl::DataLossError(absl::StrCat(
+            "model ", job.model, " version ", job.version, ": ", bad.size(),
+            " chunks from node ", fetch.node, " still fail their checksum after ", attempt,
+            " fetches"));
+      }
+      Logger("peer")->warn("model={} version={} node={} {} chunks failed their checksum; "
+                           "fetching them again", job.model, job.version, fetch.node, bad.size());
+      absl::Status again = data_plane_->Refetch(job, f, bad, staging[f]).get();
+      if (!again.ok()) return again;
+      chunks = bad;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace refit::peer

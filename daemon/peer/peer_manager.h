@@ -1,0 +1,69 @@
+#pragma once
+
+// The other daemons, seen from this one: one connection loop per --peers address (Hello, then a
+// Subscribe stream whose events feed the store), reconnecting with backoff; and the pull worker,
+// which runs the store's PullJobs: pin the version on its sources, pull through the data plane,
+// verify every pulled range against the source's XXH3, and hand the result to the store.
+//
+// Thread-safety: public methods may be called from any thread. The store's listener hooks
+// (OnPull) only queue work.
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon/metrics/metrics.h"
+#include "daemon/peer/data_plane.h"
+#include "daemon/store/store.h"
+#include "proto/refit/v1/peer.grpc.pb.h"
+
+namespace refit::peer {
+
+struct PeerState {
+  std::string address;
+  std::string node;  // empty until the first Hello
+  bool connected = false;
+};
+
+class PeerManager {
+ public:
+  PeerManager(std::string node, std::vector<std::string> addresses, Store* store,
+              DataPlane* data_plane, Metrics* metrics);
+  ~PeerManager();  // Stop()
+
+  void Start();
+  void Stop();
+
+  // Queues `job` (called by the store, under its lock).
+  void OnPull(PullJob job);
+
+  std::vector<PeerState> Peers() const;
+
+ private:
+  struct Peer;
+  void RunPeer(Peer* peer);
+  void RunPulls();
+  absl::Status Pull(const PullJob& job);
+  absl::Status Verify(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging);
+  v1::Peer::Stub* StubFor(const std::string& node);
+
+  const std::string node_;
+  Store* const store_;
+  DataPlane* const data_plane_;
+  Metrics* const metrics_;
+  std::vector<std::unique_ptr<Peer>> peers_;
+
+  mutable std::mutex mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::deque<PullJob> jobs_;
+  std::thread pull_thread_;
+};
+
+}  // namespace refit::peer

@@ -1,0 +1,174 @@
+#include "daemon/peer/peer_service.h"
+
+#include <xxhash.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/common/logging.h"
+#include "daemon/version.h"
+
+namespace refit::peer {
+namespace {
+
+void ToProto(const TensorSlice& in, v1::TensorSlice* out) {
+  out->set_name(in.name);
+  out->set_dtype(static_cast<v1::DType>(in.dtype));
+  for (int64_t d : in.global_shape) out->add_global_shape(d);
+  for (int64_t d : in.offsets) out->add_offsets(d);
+  for (int64_t d : in.sizes) out->add_sizes(d);
+  out->set_buffer_offset(in.buffer_offset);
+  for (int64_t d : in.buffer_strides) out->add_buffer_strides(d);
+}
+
+}  // namespace
+
+PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane, Metrics* metrics)
+    : node_(std::move(node)), store_(store), data_plane_(data_plane), metrics_(metrics) {}
+
+void PeerService::NotifyChanged() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    generation_++;
+  }
+  changed_.notify_all();
+}
+
+void PeerService::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+    pins_.clear();
+  }
+  changed_.notify_all();
+}
+
+grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloRequest* request,
+                                v1::HelloResponse* response) {
+  Logger("peer")->debug("peer={} hello (refitd {}) from {}", request->node(), request->version(),
+                        context->peer());
+  response->set_node(node_);
+  response->set_version(kRefitVersion);
+  response->set_transport_address(data_plane_->LocalAddress());
+  response->set_transport(data_plane_->TransportName());
+  return grpc::Status::OK;
+}
+
+bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceLayout>& layouts,
+                             v1::PeerEvent* event) {
+  event->set_model(model);
+  for (const SourceLayout& layout : layouts) {
+    v1::SourcePiece* piece = event->add_sources();
+    piece->set_buffer_id(layout.buffer_id);
+    piece->set_bytes(layout.bytes);
+    for (const TensorSlice& s : *layout.slices) ToProto(s, piece->add_tensors());
+  }
+  const uint64_t version = store_->LatestLocalSnapshot(model);
+  if (version == 0) return true;
+  auto snapshot = store_->GetLocalSnapshot(model, version);
+  if (!snapshot.ok()) return true;
+  for (const LocalSnapshot::Piece& p : (*snapshot)->pieces) {
+    auto key = data_plane_->Expose(p.slot);
+    if (!key.ok()) {
+      Logger("peer")->error("model={} version={} cannot expose {}: {}", model, version,
+                            p.buffer_id, key.status().ToString());
+      return true;  // announce the layout only
+    }
+    v1::VersionPiece* piece = event->add_pieces();
+    piece->set_buffer_id(p.buffer_id);
+    piece->set_remote_key(*key);
+    piece->set_bytes(p.slot->size());
+  }
+  event->set_version(version);
+  return true;
+}
+
+grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
+                                    const v1::SubscribeRequest* request,
+                                    grpc::ServerWriter<v1::PeerEvent>* writer) {
+  Logger("peer")->info("peer={} subscribed from {}", request->node(), context->peer());
+  std::map<std::string, std::string> sent;  // model -> what was last sent (serialized)
+  uint64_t seen = UINT64_MAX;
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      const bool changed = changed_.wait_for(lock, std::chrono::milliseconds(200), [&] {
+        return stopped_ || generation_ != seen;
+      });
+      if (stopped_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is stopping");
+      if (!changed) {
+        lock.unlock();
+        if (context->IsCancelled()) return grpc::Status::CANCELLED;
+        continue;
+      }
+      seen = generation_;
+    }
+    if (context->IsCancelled()) return grpc::Status::CANCELLED;
+    auto layouts = store_->LocalSourceLayouts();
+    for (const auto& [model, text] : sent) {
+      if (!layouts.count(model)) layouts[model] = {};  // all its sources went away
+    }
+    for (const auto& [model, model_layouts] : layouts) {
+      v1::PeerEvent event;
+      BuildEvent(model, model_layouts, &event);
+      // Remote keys are stable per slot, so equal text means nothing new.
+      std::string text = event.SerializeAsString();
+      if (sent[model] == text) continue;
+      if (!writer->Write(event)) return grpc::Status::OK;
+      sent[model] = std::move(text);
+      Logger("peer")->debug("peer={} told model={} sources={} version={}", request->node(), model,
+                            event.sources_size(), event.version());
+    }
+  }
+}
+
+grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumRequest* request,
+                                   v1::ChecksumResponse* response) {
+  auto snapshot = store_->GetLocalSnapshot(request->model(), request->version());
+  if (!snapshot.ok()) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, std::string(snapshot.status().message()));
+  }
+  const LocalSnapshot::Piece* piece = nullptr;
+  for (const auto& p : (*snapshot)->pieces) {
+    if (p.buffer_id == request->buffer_id()) piece = &p;
+  }
+  if (!piece) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        absl::StrCat("no piece ", request->buffer_id(), " in version ",
+                                     request->version()));
+  }
+  for (const v1::ByteRange& r : request->ranges()) {
+    if (r.offset() > piece->slot->size() || r.length() > piece->slot->size() - r.offset()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "range past the piece's end");
+    }
+    response->add_xxh3(XXH3_64bits(piece->slot->data() + r.offset(), r.length()));
+  }
+  return grpc::Status::OK;
+}
+
+void PeerService::ExpirePins() {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = pins_.begin(); it != pins_.end();) {
+    it = it->second.second < now ? pins_.erase(it) : std::next(it);
+  }
+}
+
+grpc::Status PeerService::Pin(grpc::ServerContext*, const v1::PinRequest* request,
+                              v1::PinResponse*) {
+  const auto key = std::make_tuple(request->model(), request->version(), request->node());
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpirePins();
+  if (request->release()) {
+    pins_.erase(key);
+    metrics_->Add(kDataBytesSent, static_cast<double>(request->bytes_read()));
+    return grpc::Status::OK;
+  }
+  auto snapshot = store_->GetLocalSnapshot(request->model(), request->version());
+  if (!snapshot.ok()) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, std::string(snapshot.status().message()));
+  }
+  const uint32_t lease_ms = std::clamp<uint32_t>(request->lease_ms(), 1000, 600000);
+  pins_[key] = {*snapshot, std::chrono::steady_clock::now() + std::chrono::milliseconds(lease_ms)};
+  return grpc::Status::OK;
+}
+
+}  // namespace refit::peer

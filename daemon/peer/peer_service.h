@@ -1,0 +1,65 @@
+#pragma once
+
+// refit.v1.Peer, served on --listen: what this daemon tells other daemons. Hello hands over the
+// data-plane address; Subscribe streams this node's SOURCE layouts and each version its local
+// sources have all published (with the remote keys of the slots to read); Checksum lets a
+// reader verify what it pulled; Pin keeps a version's slots alive while a reader pulls.
+//
+// Thread-safety: gRPC calls the handlers concurrently; NotifyChanged may be called from any
+// thread (the store calls it with its lock held: it only bumps a counter).
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "daemon/metrics/metrics.h"
+#include "daemon/peer/data_plane.h"
+#include "daemon/store/store.h"
+#include "proto/refit/v1/peer.grpc.pb.h"
+
+namespace refit::peer {
+
+class PeerService final : public v1::Peer::Service {
+ public:
+  PeerService(std::string node, Store* store, DataPlane* data_plane, Metrics* metrics);
+
+  // Something a subscriber should hear about changed (a layout or a new local version).
+  void NotifyChanged();
+  // Ends every Subscribe stream (shutdown).
+  void Stop();
+
+  grpc::Status Hello(grpc::ServerContext* context, const v1::HelloRequest* request,
+                     v1::HelloResponse* response) override;
+  grpc::Status Subscribe(grpc::ServerContext* context, const v1::SubscribeRequest* request,
+                         grpc::ServerWriter<v1::PeerEvent>* writer) override;
+  grpc::Status Checksum(grpc::ServerContext* context, const v1::ChecksumRequest* request,
+                        v1::ChecksumResponse* response) override;
+  grpc::Status Pin(grpc::ServerContext* context, const v1::PinRequest* request,
+                   v1::PinResponse* response) override;
+
+ private:
+  // The event describing `model` now; false when there is nothing to say.
+  bool BuildEvent(const std::string& model, const std::vector<SourceLayout>& layouts,
+                  v1::PeerEvent* event);
+  void ExpirePins();
+
+  const std::string node_;
+  Store* const store_;
+  DataPlane* const data_plane_;
+  Metrics* const metrics_;
+
+  std::mutex mu_;
+  std::condition_variable changed_;
+  uint64_t generation_ = 0;
+  bool stopped_ = false;
+  // (model, version, reader) -> the pinned snapshot and when the pin lapses.
+  std::map<std::tuple<std::string, uint64_t, std::string>,
+           std::pair<std::shared_ptr<const LocalSnapshot>, std::chrono::steady_clock::time_point>>
+      pins_;
+};
+
+}  // namespace refit::peer

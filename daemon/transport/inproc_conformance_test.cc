@@ -1,0 +1,17 @@
+// The conformance suite against the in-process backend.
+
+#include "daemon/transport/inproc_transport.h"
+#include "daemon/transport/transport_conformance.h"
+
+namespace refit::transport {
+
+const ConformanceBackend& TestBackend() {
+  static const ConformanceBackend backend{
+      "inproc",
+      []() -> absl::StatusOr<std::unique_ptr<Transport>> { return InprocTransport::Create(); },
+      /*cross_process=*/false, /*detects_peer_failure=*/true,
+      [](Transport& peer) { static_cast<InprocTransport&>(peer).SimulateCrash(); }};
+  return backend;
+}
+
+}  // namespace refit::transport

@@ -1,0 +1,205 @@
+#pragma once
+
+// The data-plane transport: moves bytes between daemons with one-sided RMA (get and put). It
+// never sees models, versions or plans; its callers (the daemon's data plane) decide what to move.
+//
+// Shape (the contract of nixl's backend engine, gloo's transport hierarchy):
+//
+//   Transport        one per daemon: a UCX context + worker, or an in-process fake.
+//     LocalMemory    a registered local buffer (register ONCE, reuse for many transfers). Its
+//                    descriptor() is the public bytes a peer needs to read or write it.
+//     Endpoint       a connection to one peer, made from the peer's LocalAddress() bytes.
+//       RemoteMemory a peer's buffer, imported from its descriptor on one endpoint.
+//   PostGet/PostPut  start a transfer; never block and never complete synchronously.
+//   Poll             drives progress and hands back completions {cookie, status}.
+//
+// Completion contract. A Post* that returns OK yields exactly one Completion, from a later Poll,
+// carrying the caller's cookie: OK, UNAVAILABLE (the peer died or the link broke), or CANCELLED
+// (Endpoint::Cancel or the endpoint was destroyed); after anything but OK the bytes of the
+// destination range are unspecified. A Post* that returns an error yields no completion: INVALID_ARGUMENT for a range
+// outside a region or a handle from another transport/endpoint, UNAVAILABLE when the endpoint has
+// already failed. Many ops may be in flight at once; a large transfer is chunked by the caller.
+// The order in which completions arrive is unspecified.
+//
+// Peer failure. An endpoint fails when the peer process dies or becomes unreachable; from then on
+// status() is UNAVAILABLE, every outstanding op completes with UNAVAILABLE, new posts are refused
+// with UNAVAILABLE, and the failure handler (if set) runs once, from Poll. A failed endpoint
+// stays failed: destroy it and Connect() again when the peer is back.
+//
+// Bad input from the network (addresses and descriptors arrive over gRPC from other daemons) is
+// answered with INVALID_ARGUMENT and never reaches the backend unchecked: both carry a magic, a
+// version, the issuing transport's identity and a checksum.
+//
+// Ownership. The Transport owns its backend; every LocalMemory, Endpoint and RemoteMemory it
+// hands out is owned by the caller and MUST be destroyed before the Transport (the Transport
+// aborts otherwise). Destroying a LocalMemory or RemoteMemory with ops in flight is safe (the
+// registration lives until those ops complete), but the bytes a LocalMemory describes must stay
+// mapped until every op using them has completed. Destroying an Endpoint cancels its outstanding
+// ops; their CANCELLED completions still come from Poll.
+//
+// Threads. A Transport and everything it created is thread-compatible, not thread-safe: all
+// calls (including destructors) must be serialized by the caller. The daemon makes every call
+// from its one data-plane thread, which also runs Poll in a loop; another thread that needs to
+// register memory hands the work to that thread (or the caller wraps all calls in one mutex).
+// Exceptions, safe from any thread at any time: capabilities(), LocalAddress(), and the
+// accessors of LocalMemory / RemoteMemory (immutable after creation). No callback is ever
+// invoked from a backend thread: failure handlers run inside Poll, on the calling thread.
+//
+// Progress. A backend may need Poll on BOTH sides of a transfer: UCX over TCP has no hardware
+// get, so a GET is served by the target's worker when the target polls. A daemon must therefore
+// keep polling while any peer may read its memory, not only while it has ops of its own.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "daemon/memory/region.h"
+
+namespace refit::transport {
+
+// What a backend can do; fixed when the transport is created.
+struct Capabilities {
+  std::string name;          // "ucx", "inproc"
+  bool rma_get = false;      // PostGet works
+  bool rma_put = false;      // PostPut works
+  bool cuda_memory = false;  // RegisterMemory accepts MemoryKind::kCuda (else stage via host)
+  std::string detail;        // backend specifics for logs, e.g. the UCX version and memory types
+};
+
+// The outcome of one posted op.
+struct Completion {
+  uint64_t cookie = 0;
+  absl::Status status;
+};
+
+// A registered local buffer [address, address + length). Created by Transport::RegisterMemory;
+// deregistered when destroyed.
+class LocalMemory {
+ public:
+  virtual ~LocalMemory() = default;
+  LocalMemory(const LocalMemory&) = delete;
+  LocalMemory& operator=(const LocalMemory&) = delete;
+
+  void* address() const { return address_; }
+  uint64_t length() const { return length_; }
+  MemoryKind kind() const { return kind_; }
+  // Serialized public descriptor (address, length, packed remote key, issuer identity); send it
+  // to a peer, which passes it to Endpoint::ImportRemote on its endpoint to this transport.
+  const std::string& descriptor() const { return descriptor_; }
+
+ protected:
+  LocalMemory(void* address, uint64_t length, MemoryKind kind)
+      : address_(address), length_(length), kind_(kind) {}
+  void set_descriptor(std::string descriptor) { descriptor_ = std::move(descriptor); }
+
+ private:
+  void* address_;
+  uint64_t length_;
+  MemoryKind kind_;
+  std::string descriptor_;
+};
+
+// A peer's registered buffer as seen through one Endpoint (the one that imported it).
+class RemoteMemory {
+ public:
+  virtual ~RemoteMemory() = default;
+  RemoteMemory(const RemoteMemory&) = delete;
+  RemoteMemory& operator=(const RemoteMemory&) = delete;
+
+  uint64_t remote_address() const { return remote_address_; }
+  uint64_t length() const { return length_; }
+
+ protected:
+  RemoteMemory(uint64_t remote_address, uint64_t length)
+      : remote_address_(remote_address), length_(length) {}
+
+ private:
+  uint64_t remote_address_;
+  uint64_t length_;
+};
+
+// A connection to one peer transport.
+class Endpoint {
+ public:
+  // Cancels outstanding ops (see Cancel; their CANCELLED still comes from Poll) and closes the
+  // connection without blocking.
+  virtual ~Endpoint() = default;
+  Endpoint(const Endpoint&) = delete;
+  Endpoint& operator=(const Endpoint&) = delete;
+
+  // Parses a peer's LocalMemory::descriptor(). INVALID_ARGUMENT for malformed or truncated bytes
+  // or a descriptor issued by a transport other than this endpoint's peer; UNAVAILABLE when the
+  // endpoint has failed.
+  [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(
+      std::string_view descriptor) = 0;
+
+  // Copies remote[remote_offset, +length) into local[local_offset, +length). Never blocks.
+  [[nodiscard]] virtual absl::Status PostGet(const LocalMemory& local, uint64_t local_offset,
+                                             const RemoteMemory& remote, uint64_t remote_offset,
+                                             uint64_t length, uint64_t cookie) = 0;
+  // Copies local[local_offset, +length) into remote[remote_offset, +length). Never blocks. The
+  // completion means the bytes have been delivered to the remote buffer.
+  [[nodiscard]] virtual absl::Status PostPut(const LocalMemory& local, uint64_t local_offset,
+                                             const RemoteMemory& remote, uint64_t remote_offset,
+                                             uint64_t length, uint64_t cookie) = 0;
+
+  // Cancels every op of this endpoint whose completion Poll hasn't returned yet: each reports
+  // CANCELLED (UNAVAILABLE if the peer fails meanwhile), and only once the backend no longer
+  // touches its buffers, so after the last one the caller may reuse them. Bytes already posted
+  // may still land: UCX can't abort a posted RMA op (forcing its endpoint closed would also
+  // reset the peer's connections to us), so its CANCELLED arrives when the op ends; the inproc
+  // backend drops ops it hasn't executed. The endpoint stays usable: later posts are unaffected.
+  // Never blocks.
+  virtual void Cancel() = 0;
+
+  // OK while usable; UNAVAILABLE once the peer has failed.
+  virtual absl::Status status() const = 0;
+  // Ops posted on this endpoint whose completion Poll has not yet returned.
+  virtual uint64_t outstanding() const = 0;
+  // Called once, from Poll, when the endpoint fails (with the UNAVAILABLE status). The handler
+  // may destroy the endpoint. Replaces any previous handler.
+  virtual void SetFailureHandler(std::function<void(const absl::Status&)> handler) = 0;
+
+ protected:
+  Endpoint() = default;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  Transport(const Transport&) = delete;
+  Transport& operator=(const Transport&) = delete;
+
+  virtual const Capabilities& capabilities() const = 0;
+
+  // The bytes a peer passes to Connect() to reach this transport (the UCX worker address).
+  virtual const std::string& LocalAddress() const = 0;
+
+  // Registers [address, address + length) of memory of `kind`. INVALID_ARGUMENT for a null
+  // address or zero length; UNIMPLEMENTED for CUDA memory when !capabilities().cuda_memory.
+  [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<LocalMemory>> RegisterMemory(
+      void* address, uint64_t length, MemoryKind kind) = 0;
+
+  // Connects to the peer whose LocalAddress() is `peer_address`. Never blocks on the network:
+  // a peer that isn't there shows up as a failed endpoint (UNAVAILABLE completions), not here.
+  // INVALID_ARGUMENT for malformed bytes or an address of another backend.
+  [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<Endpoint>> Connect(
+      std::string_view peer_address) = 0;
+
+  // Drives progress and appends every completion available now to `out`; returns how many it
+  // appended. Never blocks. Also runs failure handlers of endpoints that failed meanwhile.
+  virtual size_t Poll(std::vector<Completion>* out) = 0;
+
+  // Ops posted and not yet returned by Poll, over all endpoints.
+  virtual uint64_t outstanding() const = 0;
+
+ protected:
+  Transport() = default;
+};
+
+}  // namespace refit::transport

@@ -1,0 +1,37 @@
+// The conformance suite against the UCX backend. The BUILD target picks the UCX transports with
+// UCX_TLS in the test's environment; REFIT_TEST_UCX_PEER_FAILURE=0 runs it without peer-failure
+// handling (what UCX 1.13's shared-memory transports need), which skips the failure cases.
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "daemon/transport/transport_conformance.h"
+#include "daemon/transport/ucx_transport.h"
+
+namespace refit::transport {
+namespace {
+
+bool PeerFailureHandling() {
+  const char* v = std::getenv("REFIT_TEST_UCX_PEER_FAILURE");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+}  // namespace
+
+const ConformanceBackend& TestBackend() {
+  static const ConformanceBackend backend{
+      std::string("ucx UCX_TLS=") + (std::getenv("UCX_TLS") ? std::getenv("UCX_TLS") : "(all)") +
+          (PeerFailureHandling() ? "" : " without peer-failure handling"),
+      []() -> absl::StatusOr<std::unique_ptr<Transport>> {
+        UcxTransport::Options options;
+        options.peer_failure_handling = PeerFailureHandling();
+        auto transport = UcxTransport::Create(options);
+        if (!transport.ok()) return transport.status();
+        return std::unique_ptr<Transport>(std::move(*transport));
+      },
+      /*cross_process=*/true, /*detects_peer_failure=*/PeerFailureHandling(), nullptr};
+  return backend;
+}
+
+}  // namespace refit::transport

@@ -1,0 +1,487 @@
+#include "daemon/transport/ucx_transport.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/transport/wire.h"
+
+namespace refit::transport {
+
+// A memory registration; ops in flight share it, so it outlives its LocalMemory if need be.
+struct UcxTransport::MemHolder {
+  ucx::MemPtr memh;
+};
+
+// A remote key unpacked on one endpoint; shared with the ops that use it.
+struct UcxTransport::RkeyHolder {
+  ucx::RkeyPtr rkey;
+};
+
+// One ucp_ep and what its ops need even after the Endpoint object is gone.
+struct UcxTransport::EpState {
+  UcxTransport* owner = nullptr;
+  ucp_ep_h ep = nullptr;  // closed through UcxTransport::CloseEp
+  uint64_t peer_identity = 0;
+  std::weak_ptr<EpState> self;
+  absl::Status failure;  // UNAVAILABLE once UCX reported the peer failed
+  uint64_t epoch = 0;    // bumped by Cancel: ops of older epochs report CANCELLED
+  bool closed = false;   // the Endpoint was destroyed: every op reports CANCELLED
+  uint64_t outstanding = 0;
+  std::function<void(const absl::Status&)> handler;
+};
+
+struct UcxTransport::Op {
+  std::shared_ptr<EpState> ep;
+  std::shared_ptr<MemHolder> mem;
+  std::shared_ptr<RkeyHolder> rkey;
+  uint64_t cookie;
+  uint64_t epoch;
+};
+
+namespace {
+
+void OpCallback(void* request, ucs_status_t status, void* user_data) {
+  auto* op = static_cast<UcxTransport::Op*>(user_data);
+  op->ep->owner->OnOpDone(op, status);
+  ucp_request_free(request);
+}
+
+void FreeRequestCallback(void* request, ucs_status_t /*status*/, void* /*user_data*/) {
+  ucp_request_free(request);
+}
+
+void EpErrorCallback(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
+  auto* ep = static_cast<UcxTransport::EpState*>(arg);
+  ep->owner->OnEpError(ep, status);
+}
+
+std::string MemoryTypesString(uint64_t types) {
+  std::string out;
+  for (int t = 0; t < UCS_MEMORY_TYPE_LAST; ++t) {
+    if (types & UCS_BIT(t)) absl::StrAppend(&out, out.empty() ? "" : ",", ucs_memory_type_names[t]);
+  }
+  return out.empty() ? "none" : out;
+}
+
+}  // namespace
+
+class UcxTransport::UcxLocalMemory final : public LocalMemory {
+ public:
+  UcxLocalMemory(UcxTransport* owner, void* address, uint64_t length, MemoryKind kind,
+                 std::shared_ptr<MemHolder> mem, std::string descriptor)
+      : LocalMemory(address, length, kind), owner_(owner), mem_(std::move(mem)) {
+    set_descriptor(std::move(descriptor));
+    ++owner_->live_objects_;
+  }
+  ~UcxLocalMemory() override { --owner_->live_objects_; }
+  const UcxTransport* owner() const { return owner_; }
+  const std::shared_ptr<MemHolder>& mem() const { return mem_; }
+
+ private:
+  UcxTransport* owner_;
+  std::shared_ptr<MemHolder> mem_;
+};
+
+class UcxTransport::UcxRemoteMemory final : public RemoteMemory {
+ public:
+  UcxRemoteMemory(UcxTransport* owner, const EpState* ep, uint64_t address, uint64_t length,
+                  std::shared_ptr<RkeyHolder> rkey)
+      : RemoteMemory(address, length), owner_(owner), ep_(ep), rkey_(std::move(rkey)) {
+    ++owner_->live_objects_;
+  }
+  ~UcxRemoteMemory() override { --owner_->live_objects_; }
+  const EpState* ep() const { return ep_; }
+  const std::shared_ptr<RkeyHolder>& rkey() const { return rkey_; }
+
+ private:
+  UcxTransport* owner_;
+  const EpState* ep_;
+  std::shared_ptr<RkeyHolder> rkey_;
+};
+
+class UcxTransport::UcxEndpoint final : public Endpoint {
+ public:
+  UcxEndpoint(UcxTransport* owner, std::shared_ptr<EpState> state)
+      : owner_(owner), state_(std::move(state)) {
+    ++owner_->live_objects_;
+  }
+  ~UcxEndpoint() override {
+    state_->closed = true;
+    state_->handler = nullptr;
+    owner_->CloseEp(state_);
+    --owner_->live_objects_;
+  }
+
+  absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(
+      std::string_view descriptor) override {
+    ASSIGN_OR_RETURN(WireDescriptor d, DecodeDescriptor(descriptor, WireBackend::kUcx));
+    if (d.issuer != state_->peer_identity) {
+      return absl::InvalidArgumentError(
+          "memory descriptor was issued by another transport than this endpoint's peer");
+    }
+    if (d.payload.empty()) return absl::InvalidArgumentError("memory descriptor has no rkey");
+    if (!state_->failure.ok()) return state_->failure;
+    ucp_rkey_h rkey = nullptr;
+    ucs_status_t s = ucp_ep_rkey_unpack(state_->ep, d.payload.data(), &rkey);
+    if (s != UCS_OK) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("memory descriptor's rkey rejected by UCX: ", ucs_status_string(s)));
+    }
+    auto holder = std::make_shared<RkeyHolder>();
+    holder->rkey.reset(rkey);
+    return std::unique_ptr<RemoteMemory>(
+        new UcxRemoteMemory(owner_, state_.get(), d.address, d.length, std::move(holder)));
+  }
+
+  absl::Status PostGet(const LocalMemory& local, uint64_t local_offset,
+                       const RemoteMemory& remote, uint64_t remote_offset, uint64_t length,
+                       uint64_t cookie) override {
+    return owner_->Post(true, this, local, local_offset, remote, remote_offset, length, cookie);
+  }
+  absl::Status PostPut(const LocalMemory& local, uint64_t local_offset,
+                       const RemoteMemory& remote, uint64_t remote_offset, uint64_t length,
+                       uint64_t cookie) override {
+    return owner_->Post(false, this, local, local_offset, remote, remote_offset, length, cookie);
+  }
+
+  void Cancel() override { ++state_->epoch; }
+  absl::Status status() const override { return state_->failure; }
+  uint64_t outstanding() const override { return state_->outstanding; }
+  void SetFailureHandler(std::function<void(const absl::Status&)> handler) override {
+    state_->handler = std::move(handler);
+  }
+
+  const std::shared_ptr<EpState>& state() const { return state_; }
+
+ private:
+  UcxTransport* owner_;
+  std::shared_ptr<EpState> state_;
+};
+
+std::vector<std::pair<std::string, std::string>> UcxTransport::Options::DefaultConfig() {
+  // Notice a dead peer on an idle connection within seconds rather than UCX's default 20 s.
+  return {{"KEEPALIVE_INTERVAL", "1s"}};
+}
+
+absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const Options& options) {
+  std::unique_ptr<UcxTransport> transport(new UcxTransport());
+  RETURN_IF_ERROR(transport->Init(options));
+  return transport;
+}
+
+absl::Status UcxTransport::Init(const Options& options) {
+  identity_ = NewTransportIdentity();
+  close_timeout_ = options.close_timeout;
+  peer_failure_handling_ = options.peer_failure_handling;
+
+  ucp_config_t* raw_config = nullptr;
+  ucs_status_t s = ucp_config_read(nullptr, nullptr, &raw_config);
+  if (s != UCS_OK) return ucx::ToStatus(s, "ucp_config_read");
+  ucx::ConfigPtr config(raw_config);
+  for (const auto& [name, value] : options.config) {
+    if (std::getenv(("UCX_" + name).c_str()) != nullptr) continue;
+    s = ucp_config_modify(config.get(), name.c_str(), value.c_str());
+    if (s != UCS_OK) return ucx::ToStatus(s, absl::StrCat("UCX setting ", name, "=", value));
+  }
+
+  ucp_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  params.features = UCP_FEATURE_RMA;
+  params.name = "refit";
+  ucp_context_h context = nullptr;
+  s = ucp_init(&params, config.get(), &context);
+  if (s != UCS_OK) return ucx::ToStatus(s, "ucp_init");
+  context_.reset(context);
+
+  ucp_worker_params_t worker_params;
+  std::memset(&worker_params, 0, sizeof(worker_params));
+  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  worker_params.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+  ucp_worker_h worker = nullptr;
+  s = ucp_worker_create(context_.get(), &worker_params, &worker);
+  // UCX reports "no usable transport" (e.g. UCX_TLS=cma alone) as a worker creation failure.
+  if (s != UCS_OK) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("ucp_worker_create: ", ucs_status_string(s), " (check UCX_TLS)"));
+  }
+  worker_.reset(worker);
+
+  ucp_address_t* raw_address = nullptr;
+  size_t address_length = 0;
+  s = ucp_worker_get_address(worker_.get(), &raw_address, &address_length);
+  if (s != UCS_OK) return ucx::ToStatus(s, "ucp_worker_get_address");
+  ucx::WorkerAddressPtr worker_address(raw_address, ucx::WorkerAddressDeleter{worker_.get()});
+  address_ = EncodeAddress(
+      {WireBackend::kUcx, identity_,
+       std::string(reinterpret_cast<const char*>(worker_address.get()), address_length)});
+
+  ucp_context_attr_t attr;
+  std::memset(&attr, 0, sizeof(attr));
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  s = ucp_context_query(context_.get(), &attr);
+  if (s != UCS_OK) return ucx::ToStatus(s, "ucp_context_query");
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  capabilities_.name = "ucx";
+  capabilities_.rma_get = true;
+  capabilities_.rma_put = true;
+  capabilities_.cuda_memory = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  capabilities_.detail = absl::StrCat("UCX ", major, ".", minor, ".", release,
+                                      ", memory types: ", MemoryTypesString(attr.memory_types));
+  Logger("transport")->info("ucx transport ready: {}", capabilities_.detail);
+  return absl::OkStatus();
+}
+
+UcxTransport::~UcxTransport() {
+  if (live_objects_ != 0) {
+    Logger("transport")->critical(
+        "ucx transport destroyed with {} endpoints/memory handles still alive", live_objects_);
+    std::abort();
+  }
+  if (worker_ == nullptr) return;  // Init failed early
+  auto deadline = std::chrono::steady_clock::now() + close_timeout_;
+  while ((!pending_closes_.empty() || in_ucx_ != 0) &&
+         std::chrono::steady_clock::now() < deadline) {
+    ucp_worker_progress(worker_.get());
+    ReapCloses();
+  }
+  if (!pending_closes_.empty() || in_ucx_ != 0) {
+    Logger("transport")->warn("ucx transport destroyed with {} endpoint closes and {} ops unfinished",
+                              pending_closes_.size(), in_ucx_);
+  }
+  done_.clear();
+  newly_failed_.clear();
+  worker_.reset();
+  context_.reset();
+}
+
+absl::StatusOr<std::unique_ptr<LocalMemory>> UcxTransport::RegisterMemory(void* address,
+                                                                         uint64_t length,
+                                                                         MemoryKind kind) {
+  if (address == nullptr || length == 0) {
+    return absl::InvalidArgumentError("RegisterMemory needs a non-null address and a length");
+  }
+  if (kind == MemoryKind::kCuda && !capabilities_.cuda_memory) {
+    return absl::UnimplementedError(
+        absl::StrCat("this UCX can't register CUDA memory (", capabilities_.detail,
+                     "); stage through host memory"));
+  }
+  ucp_mem_map_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+  params.address = address;
+  params.length = length;
+  params.memory_type = kind == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+  ucp_mem_h memh = nullptr;
+  ucs_status_t s = ucp_mem_map(context_.get(), &params, &memh);
+  if (s != UCS_OK) return ucx::ToStatus(s, "ucp_mem_map");
+  auto mem = std::make_shared<MemHolder>();
+  mem->memh = ucx::MemPtr(memh, ucx::MemDeleter{context_.get()});
+
+  void* packed = nullptr;
+  size_t packed_size = 0;
+  s = ucp_rkey_pack(context_.get(), memh, &packed, &packed_size);
+  if (s != UCS_OK) return ucx::ToStatus(s, "ucp_rkey_pack");
+  ucx::RkeyBufferPtr packed_owner(packed);
+  WireDescriptor d;
+  d.backend = WireBackend::kUcx;
+  d.issuer = identity_;
+  d.address = reinterpret_cast<uint64_t>(address);
+  d.length = length;
+  d.payload.assign(static_cast<const char*>(packed), packed_size);
+  return std::unique_ptr<LocalMemory>(
+      new UcxLocalMemory(this, address, length, kind, std::move(mem), EncodeDescriptor(d)));
+}
+
+absl::StatusOr<std::unique_ptr<Endpoint>> UcxTransport::Connect(std::string_view peer_address) {
+  ASSIGN_OR_RETURN(WireAddress address, DecodeAddress(peer_address, WireBackend::kUcx));
+  auto state = std::make_shared<EpState>();
+  state->owner = this;
+  state->peer_identity = address.issuer;
+  state->self = state;
+
+  ucp_ep_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  params.address = reinterpret_cast<const ucp_address_t*>(address.payload.data());
+  params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+  if (peer_failure_handling_) {
+    params.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = EpErrorCallback;
+    params.err_handler.arg = state.get();
+  }
+  ucp_ep_h ep = nullptr;
+  ucs_status_t s = ucp_ep_create(worker_.get(), &params, &ep);
+  if (s != UCS_OK) {
+    // The worker address passed wire.h's checksum, so this is UCX's verdict on reaching it.
+    absl::Status status = ucx::ToStatus(s, "ucp_ep_create");
+    if (absl::IsUnavailable(status)) return status;
+    return absl::InvalidArgumentError(absl::StrCat("peer address rejected: ", status.message()));
+  }
+  state->ep = ep;
+  return std::unique_ptr<Endpoint>(new UcxEndpoint(this, std::move(state)));
+}
+
+void UcxTransport::CloseEp(const std::shared_ptr<EpState>& state) {
+  if (state->ep == nullptr) return;
+  ucp_request_param_t param;
+  std::memset(&param, 0, sizeof(param));
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  // UCX requires FORCE after a failure (and defines it only with peer-failure handling). On a
+  // healthy ep it would also reset the peer's endpoints to us, so flush instead.
+  param.flags = !state->failure.ok() && peer_failure_handling_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  ucs_status_ptr_t request = ucp_ep_close_nbx(state->ep, &param);
+  state->ep = nullptr;
+  if (UCS_PTR_IS_PTR(request)) {
+    pending_closes_.push_back({request, state});
+  } else if (UCS_PTR_IS_ERR(request) && UCS_PTR_STATUS(request) != UCS_ERR_CANCELED &&
+             !ucx::IsPeerFailure(UCS_PTR_STATUS(request))) {
+    Logger("transport")->warn("ucp_ep_close_nbx: {}", ucs_status_string(UCS_PTR_STATUS(request)));
+  }
+}
+
+void UcxTransport::ReapCloses() {
+  size_t kept = 0;
+  for (auto& pending : pending_closes_) {
+    if (ucp_request_check_status(pending.request) == UCS_INPROGRESS) {
+      pending_closes_[kept++] = std::move(pending);
+    } else {
+      ucp_request_free(pending.request);
+    }
+  }
+  pending_closes_.resize(kept);
+}
+
+absl::Status UcxTransport::Post(bool get, UcxEndpoint* endpoint, const LocalMemory& local,
+                                uint64_t local_offset, const RemoteMemory& remote,
+                                uint64_t remote_offset, uint64_t length, uint64_t cookie) {
+  auto* local_memory = dynamic_cast<const UcxLocalMemory*>(&local);
+  if (local_memory == nullptr || local_memory->owner() != this) {
+    return absl::InvalidArgumentError("local memory was registered with another transport");
+  }
+  const std::shared_ptr<EpState>& ep = endpoint->state();
+  auto* remote_memory = dynamic_cast<const UcxRemoteMemory*>(&remote);
+  if (remote_memory == nullptr || remote_memory->ep() != ep.get()) {
+    return absl::InvalidArgumentError("remote memory was imported on another endpoint");
+  }
+  RETURN_IF_ERROR(
+      CheckRanges(local_offset, local.length(), remote_offset, remote.length(), length));
+  if (!ep->failure.ok()) return ep->failure;
+
+  if (length == 0) {  // nothing to move; still reported by Poll like any op
+    done_.push_back({ep, cookie, ep->epoch, UCS_OK});
+  } else {
+    ucp_request_param_t param;
+    std::memset(&param, 0, sizeof(param));
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    param.memh = local_memory->mem()->memh.get();
+    param.memory_type =
+        local.kind() == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+    uint8_t* buffer = static_cast<uint8_t*>(local.address()) + local_offset;
+    uint64_t remote_address = remote.remote_address() + remote_offset;
+    ucp_rkey_h rkey = remote_memory->rkey()->rkey.get();
+    auto* op = new Op{ep, local_memory->mem(), remote_memory->rkey(), cookie, ep->epoch};
+    ucs_status_ptr_t request;
+    if (get) {
+      // A get's callback means the bytes are here.
+      param.op_attr_mask |= UCP_OP_ATTR_FIELD_USER_DATA;
+      param.cb.send = OpCallback;
+      param.user_data = op;
+      request = ucp_get_nbx(ep->ep, buffer, length, remote_address, rkey, &param);
+    } else {
+      // A put's callback only means the local buffer may be reused; an ep flush posted after it
+      // completes once the bytes are in the remote buffer, and that is what the op reports.
+      param.cb.send = FreeRequestCallback;
+      request = ucp_put_nbx(ep->ep, buffer, length, remote_address, rkey, &param);
+      if (!UCS_PTR_IS_ERR(request)) {
+        ucp_request_param_t flush;
+        std::memset(&flush, 0, sizeof(flush));
+        flush.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+        flush.cb.send = OpCallback;
+        flush.user_data = op;
+        request = ucp_ep_flush_nbx(ep->ep, &flush);
+        if (UCS_PTR_IS_ERR(request)) {  // the put is already in flight: report through Poll
+          done_.push_back({ep, cookie, op->epoch, UCS_PTR_STATUS(request)});
+          delete op;
+          op = nullptr;
+          request = nullptr;
+        }
+      }
+    }
+    if (UCS_PTR_IS_ERR(request)) {
+      delete op;
+      ucs_status_t s = UCS_PTR_STATUS(request);
+      if (ucx::IsPeerFailure(s)) OnEpError(ep.get(), s);
+      return ucx::ToStatus(s, get ? "ucp_get_nbx" : "ucp_put_nbx");
+    }
+    if (request != nullptr) {
+      ++in_ucx_;
+    } else if (op != nullptr) {  // finished inside the call
+      done_.push_back({ep, cookie, op->epoch, UCS_OK});
+      delete op;
+    }
+  }
+  ++outstanding_;
+  ++ep->outstanding;
+  return absl::OkStatus();
+}
+
+void UcxTransport::OnOpDone(Op* op, ucs_status_t status) {
+  --in_ucx_;
+  done_.push_back({std::move(op->ep), op->cookie, op->epoch, status});
+  delete op;
+}
+
+void UcxTransport::OnEpError(EpState* ep, ucs_status_t status) {
+  if (!ep->failure.ok()) return;
+  absl::Status s = ucx::ToStatus(status, "peer failed");
+  ep->failure = absl::IsUnavailable(s) ? s : absl::UnavailableError(std::string(s.message()));
+  if (auto self = ep->self.lock()) newly_failed_.push_back(std::move(self));
+}
+
+absl::Status UcxTransport::Resolve(const Done& done) {
+  EpState& ep = *done.ep;
+  bool cancelled = ep.closed || done.epoch != ep.epoch;
+  if (done.status == UCS_OK) {
+    return cancelled ? absl::CancelledError("op cancelled") : absl::OkStatus();
+  }
+  if (ep.failure.ok() && ucx::IsPeerFailure(done.status)) OnEpError(&ep, done.status);
+  if (!ep.failure.ok()) return ep.failure;
+  if (cancelled) return absl::CancelledError("op cancelled");
+  return ucx::ToStatus(done.status, "transfer");
+}
+
+size_t UcxTransport::Poll(std::vector<Completion>* out) {
+  // Bounded so one busy Poll can't starve the caller's loop.
+  for (int i = 0; i < 64 && ucp_worker_progress(worker_.get()) != 0; ++i) {
+  }
+  if (!pending_closes_.empty()) ReapCloses();
+
+  std::vector<Done> done;
+  done.swap(done_);
+  for (const Done& d : done) {
+    out->push_back({d.cookie, Resolve(d)});
+    --outstanding_;
+    --d.ep->outstanding;
+  }
+
+  std::vector<std::shared_ptr<EpState>> failed;
+  failed.swap(newly_failed_);
+  for (const auto& ep : failed) {
+    Logger("transport")->warn("ucx endpoint failed: {}", std::string(ep->failure.message()));
+    if (ep->closed || !ep->handler) continue;
+    auto handler = ep->handler;  // the handler may destroy the endpoint
+    handler(ep->failure);
+  }
+  return done.size();
+}
+
+}  // namespace refit::transport

@@ -1,0 +1,138 @@
+#pragma once
+
+// The UCX (UCP) backend of Transport: one ucp_context with FEATURE_RMA and one worker
+// (UCS_THREAD_MODE_SERIALIZED: the caller serializes, see transport.h). UCX chooses the
+// transports itself and honours UCX_TLS / UCX_NET_DEVICES from the environment.
+//
+// What UCX 1.13 (Debian, verbs + CMA, no CUDA) does with it, found by trying:
+//   UCX_TLS=tcp (+ UCX_NET_DEVICES)  works everywhere. TCP has no hardware GET, so UCX emulates
+//                  it with active messages served by the TARGET's worker: the target daemon must
+//                  keep polling (transport.h, "Progress"). PUT is native (put_zcopy).
+//   rc/dc/ud (verbs)  InfiniBand/RoCE hosts; they support peer-failure handling.
+//   shared memory (posix, sysv, self): REFUSED for endpoints with peer-failure handling
+//                  ("no peer failure handler"); with it on, two daemons on one host talk TCP over
+//                  loopback. cma has no active messages and UCP 1.13 doesn't use it for RMA.
+//                  Options::peer_failure_handling = false allows shared memory, giving up the
+//                  failure contract — only for tests and benchmarks.
+//
+// Mapping of the interface onto UCP:
+//   LocalAddress   ucp_worker_get_address, framed by wire.h.
+//   RegisterMemory ucp_mem_map once + ucp_rkey_pack; the descriptor carries address, length and
+//                  the packed rkey.
+//   Connect        ucp_ep_create from the worker address, UCP_ERR_HANDLING_MODE_PEER and an
+//                  error handler; doesn't wait for the peer.
+//   ImportRemote   ucp_ep_rkey_unpack on the endpoint (after wire.h validated the bytes).
+//   PostGet        ucp_get_nbx; its callback means the bytes have arrived.
+//   PostPut        ucp_put_nbx + ucp_ep_flush_nbx; the flush's callback means the bytes are in
+//                  the remote buffer (a put's own callback only frees the local buffer).
+//   Poll           ucp_worker_progress until idle (bounded), then hands out completions; an op
+//                  UCX finished inside the post call is reported here too.
+//   Cancel         marks the endpoint's outstanding ops cancelled; each reports CANCELLED when
+//                  UCX is done with it. UCX 1.13 can't abort one RMA op, and closing the ep with
+//                  FORCE would also reset the PEER's endpoints to us (they share the transport
+//                  connection), so bytes already posted still move.
+//   ~Endpoint      cancels as above, then ucp_ep_close_nbx: flushing while healthy, FORCE once
+//                  failed (as UCX requires); the close finishes in later Polls (or in
+//                  ~UcxTransport, bounded by close_timeout).
+//
+// Peer failure. With UCP_ERR_HANDLING_MODE_PEER, UCX reports a dead peer through the ep's error
+// handler and completes its requests with an error; the endpoint turns failed (UNAVAILABLE) and
+// every outstanding op reports UNAVAILABLE. A killed process's TCP connections are reset by its
+// kernel at once; a silent peer (host down, cable pulled) is found by UCX keepalive
+// (UCX_KEEPALIVE_INTERVAL, UCX default 20 s; DefaultConfig() sets 1 s unless the environment
+// sets it) and TCP's own timeouts (UCX_TCP_KEEPIDLE, UCX_TCP_KEEPINTVL).
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "daemon/transport/transport.h"
+#include "daemon/transport/ucx_utils.h"
+
+namespace refit::transport {
+
+class UcxTransport final : public Transport {
+ public:
+  struct Options {
+    // UCX settings given without the "UCX_" prefix, e.g. {"KEEPALIVE_INTERVAL", "1s"}. Each
+    // applies only when the environment doesn't set UCX_<name>, so an operator always wins.
+    std::vector<std::pair<std::string, std::string>> config = DefaultConfig();
+    // How long ~UcxTransport keeps progressing to finish closing endpoints.
+    std::chrono::milliseconds close_timeout{2000};
+    // UCP_ERR_HANDLING_MODE_PEER on every endpoint: a dead peer fails ops with UNAVAILABLE.
+    // false (UCP_ERR_HANDLING_MODE_NONE) lets UCX use transports without peer-failure support
+    // (UCX 1.13's shared memory) and breaks the failure contract: a dead peer may go unnoticed
+    // and its ops may never complete. Tests and benchmarks only.
+    bool peer_failure_handling = true;
+
+    static std::vector<std::pair<std::string, std::string>> DefaultConfig();
+  };
+
+  // INVALID_ARGUMENT for a bad Options::config value; FAILED_PRECONDITION when UCX finds no
+  // usable transport.
+  static absl::StatusOr<std::unique_ptr<UcxTransport>> Create() { return Create(Options()); }
+  static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(const Options& options);
+  ~UcxTransport() override;  // aborts if an object it created is still alive
+
+  const Capabilities& capabilities() const override { return capabilities_; }
+  const std::string& LocalAddress() const override { return address_; }
+  absl::StatusOr<std::unique_ptr<LocalMemory>> RegisterMemory(void* address, uint64_t length,
+                                                               MemoryKind kind) override;
+  absl::StatusOr<std::unique_ptr<Endpoint>> Connect(std::string_view peer_address) override;
+  size_t Poll(std::vector<Completion>* out) override;
+  uint64_t outstanding() const override { return outstanding_; }
+
+  // Implementation types, public only so that the .cc file's UCX callbacks can name them.
+  struct MemHolder;
+  struct RkeyHolder;
+  struct EpState;
+  struct Op;
+  void OnOpDone(Op* op, ucs_status_t status);
+  void OnEpError(EpState* ep, ucs_status_t status);
+
+ private:
+  class UcxLocalMemory;
+  class UcxRemoteMemory;
+  class UcxEndpoint;
+  // An op UCX has finished (or that finished inside its post call), awaiting Poll.
+  struct Done {
+    std::shared_ptr<EpState> ep;
+    uint64_t cookie;
+    uint64_t epoch;
+    ucs_status_t status;
+  };
+  struct PendingClose {
+    void* request;
+    std::shared_ptr<EpState> ep;
+  };
+
+  UcxTransport() = default;
+  absl::Status Init(const Options& options);
+  void CloseEp(const std::shared_ptr<EpState>& ep);
+  void ReapCloses();
+  absl::Status Post(bool get, UcxEndpoint* endpoint, const LocalMemory& local,
+                    uint64_t local_offset, const RemoteMemory& remote, uint64_t remote_offset,
+                    uint64_t length, uint64_t cookie);
+  absl::Status Resolve(const Done& done);
+
+  // Declaration order matters: the worker must go before the context.
+  ucx::ContextPtr context_;
+  ucx::WorkerPtr worker_;
+  Capabilities capabilities_;
+  std::string address_;
+  uint64_t identity_ = 0;
+  std::chrono::milliseconds close_timeout_{0};
+  bool peer_failure_handling_ = true;
+
+  std::vector<Done> done_;  // filled by UCX callbacks during progress, drained by Poll
+  std::vector<std::shared_ptr<EpState>> newly_failed_;
+  std::vector<PendingClose> pending_closes_;
+  uint64_t outstanding_ = 0;  // posted, not yet returned by Poll
+  uint64_t in_ucx_ = 0;       // UCX requests whose callback hasn't run
+  uint64_t live_objects_ = 0;
+};
+
+}  // namespace refit::transport

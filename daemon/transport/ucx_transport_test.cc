@@ -1,0 +1,85 @@
+// Behaviour specific to the UCX backend: status mapping, capabilities of Debian's UCX, options.
+// The common contract is in the conformance suite (ucx_*_conformance_test).
+
+#include "daemon/transport/ucx_transport.h"
+
+#include <cstdlib>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "daemon/transport/ucx_utils.h"
+
+namespace refit::transport {
+namespace {
+
+TEST_CASE("UCX statuses map onto the project's codes", "[transport][ucx]") {
+  using absl::StatusCode;
+  const std::vector<std::pair<ucs_status_t, StatusCode>> table = {
+      {UCS_OK, StatusCode::kOk},
+      {UCS_ERR_UNREACHABLE, StatusCode::kUnavailable},
+      {UCS_ERR_CONNECTION_RESET, StatusCode::kUnavailable},
+      {UCS_ERR_ENDPOINT_TIMEOUT, StatusCode::kUnavailable},
+      {UCS_ERR_NOT_CONNECTED, StatusCode::kUnavailable},
+      {UCS_ERR_REJECTED, StatusCode::kUnavailable},
+      {UCS_ERR_IO_ERROR, StatusCode::kUnavailable},
+      {static_cast<ucs_status_t>(UCS_ERR_FIRST_LINK_FAILURE - 1), StatusCode::kUnavailable},
+      {UCS_ERR_CANCELED, StatusCode::kCancelled},
+      {UCS_ERR_INVALID_PARAM, StatusCode::kInvalidArgument},
+      {UCS_ERR_INVALID_ADDR, StatusCode::kInvalidArgument},
+      {UCS_ERR_NO_MEMORY, StatusCode::kResourceExhausted},
+      {UCS_ERR_NO_RESOURCE, StatusCode::kResourceExhausted},
+      {UCS_ERR_UNSUPPORTED, StatusCode::kUnimplemented},
+      {UCS_ERR_NO_DEVICE, StatusCode::kFailedPrecondition},
+      {UCS_ERR_NO_MESSAGE, StatusCode::kInternal},
+  };
+  for (const auto& [ucs, code] : table) {
+    absl::Status s = ucx::ToStatus(ucs, "op");
+    INFO(ucs_status_string(ucs) << " -> " << s.ToString());
+    CHECK(s.code() == code);
+    if (!s.ok()) CHECK(s.message().find(ucs_status_string(ucs)) != std::string::npos);
+  }
+}
+
+TEST_CASE("Debian's UCX registers host memory but not CUDA memory", "[transport][ucx]") {
+  auto t = UcxTransport::Create();
+  INFO(t.status().ToString());
+  REQUIRE(t.ok());
+  const Capabilities& caps = (*t)->capabilities();
+  INFO(caps.detail);
+  CHECK(caps.name == "ucx");
+  CHECK(caps.detail.find("host") != std::string::npos);
+  CHECK_FALSE(caps.cuda_memory);  // built without CUDA: the daemon stages GPU data via host
+}
+
+TEST_CASE("options apply UCX settings unless the environment sets them", "[transport][ucx]") {
+  UcxTransport::Options options;
+  options.config.push_back({"KEEPALIVE_INTERVAL", "not-a-time"});
+  auto t = UcxTransport::Create(options);
+  INFO(t.status().ToString());
+  CHECK(t.status().code() == absl::StatusCode::kInvalidArgument);
+  // The environment wins over Options (UCX_NET_DEVICES=lo is set by the BUILD target).
+  REQUIRE(std::getenv("UCX_NET_DEVICES") != nullptr);
+  options.config = {{"NET_DEVICES", "no-such-device"}};
+  t = UcxTransport::Create(options);
+  INFO(t.status().ToString());
+  CHECK(t.ok());
+}
+
+TEST_CASE("cma alone has no active messages: Create fails cleanly", "[transport][ucx]") {
+  if (std::getenv("UCX_TLS") != nullptr) return;  // the environment would win
+  UcxTransport::Options options;
+  options.config.push_back({"TLS", "cma"});
+  auto t = UcxTransport::Create(options);
+  INFO(t.status().ToString());
+  if (t.ok()) {
+    // Some UCX versions accept the context and fail at connect instead; then the endpoint must
+    // fail cleanly.
+    auto ep = (*t)->Connect((*t)->LocalAddress());
+    CHECK_FALSE(ep.ok());
+  } else {
+    CHECK(t.status().code() == absl::StatusCode::kFailedPrecondition);
+  }
+}
+
+}  // namespace
+}  // namespace refit::transport
