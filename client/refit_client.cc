@@ -38,6 +38,8 @@ absl::StatusOr<SharedMemory> SharedMemory::Create(const std::string& name, uint6
     if (err == EEXIST) return absl::AlreadyExistsError(absl::StrCat(name, " already exists"));
     return absl::InvalidArgumentError(absl::StrCat("shm_open ", name, ": ", std::strerror(err)));
   }
+  // The daemon may run as another user of the same group: the umask must not take g+rw away.
+  (void)fchmod(fd, 0660);
   // posix_fallocate reserves the pages now, so running out of /dev/shm is an error here rather
   // than a SIGBUS later.
   int err = posix_fallocate(fd, 0, static_cast<off_t>(size));

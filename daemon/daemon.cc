@@ -119,7 +119,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     Logger("transport")->error("no data plane: {}", created.status().ToString());
   }
   impl->data_plane =
-      std::make_unique<peer::DataPlane>(std::move(ucx), peer::DataPlaneOptions{}, &impl->metrics);
+      std::make_unique<peer::DataPlane>(
+      std::move(ucx),
+      peer::DataPlaneOptions{options.chunk_bytes, static_cast<int>(options.inflight)},
+      &impl->metrics);
   impl->peer_service = std::make_unique<peer::PeerService>(
       options.node, impl->store.get(), impl->data_plane.get(), &impl->metrics);
   impl->peers = std::make_unique<peer::PeerManager>(options.node, options.peers,

@@ -62,6 +62,13 @@ int main(int argc, char** argv) {
   auto* health_opt = app.add_option("--health-listen", flags.health_listen,
                                     "HOST:PORT serving only grpc.health.v1, for probes "
                                     "(default: off)");
+  auto* chunk_opt = app.add_option("--chunk-bytes", flags.chunk_bytes,
+                                   "largest single RMA read when pulling from another node")
+                        ->capture_default_str()
+                        ->check(CLI::Range(uint64_t{4096}, uint64_t{1} << 30));
+  auto* inflight_opt = app.add_option("--inflight", flags.inflight, "RMA reads in flight per pull")
+                           ->capture_default_str()
+                           ->check(CLI::Range(1u, 1024u));
   app.add_flag("--version", version, "print the version and CUDA support, then exit");
   CLI11_PARSE(app, argc, argv);
 
@@ -84,6 +91,8 @@ int main(int argc, char** argv) {
   if (*level_opt) options.log_level = flags.log_level;
   if (*metrics_opt) options.metrics_listen = flags.metrics_listen;
   if (*health_opt) options.health_listen = flags.health_listen;
+  if (*chunk_opt) options.chunk_bytes = flags.chunk_bytes;
+  if (*inflight_opt) options.inflight = flags.inflight;
   refit::SetLogLevel(options.log_level);
 
   // Block the stop signals in every thread (gRPC's inherit this mask); this thread waits.

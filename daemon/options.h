@@ -17,6 +17,8 @@ struct DaemonOptions {
   std::string log_level = "info";
   std::string metrics_listen;  // HOST:PORT for Prometheus /metrics; empty: off
   std::string health_listen;   // HOST:PORT for grpc.health.v1 alone (probes); empty: off
+  uint64_t chunk_bytes = 4ull << 20;  // largest single RMA read of a pull
+  uint32_t inflight = 16;             // RMA reads in flight per pull
 };
 
 }  // namespace refit

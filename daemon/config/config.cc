@@ -45,6 +45,7 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
       status = ReadString(node, origin, key, &parsed.listen);
     } else if (key == "node") {
       status = ReadString(node, origin, key, &parsed.node);
+      if (status.ok() && parsed.node.empty()) parsed.node = options->node;  // "": the default
     } else if (key == "metrics_listen") {
       status = ReadString(node, origin, key, &parsed.metrics_listen);
     } else if (key == "health_listen") {
@@ -62,6 +63,20 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
         status = Bad(origin, key, "must be an integer from 1 to 1000000");
       } else {
         parsed.retain = static_cast<uint32_t>(*value);
+      }
+    } else if (key == "chunk_bytes") {
+      auto value = node.value<int64_t>();
+      if (!node.is_integer() || !value || *value < 4096 || *value > (int64_t{1} << 30)) {
+        status = Bad(origin, key, "must be an integer from 4096 to 1073741824");
+      } else {
+        parsed.chunk_bytes = static_cast<uint64_t>(*value);
+      }
+    } else if (key == "inflight") {
+      auto value = node.value<int64_t>();
+      if (!node.is_integer() || !value || *value < 1 || *value > 1024) {
+        status = Bad(origin, key, "must be an integer from 1 to 1024");
+      } else {
+        parsed.inflight = static_cast<uint32_t>(*value);
       }
     } else if (key == "peers") {
       parsed.peers.clear();
@@ -84,7 +99,7 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
     } else {
       status = Bad(origin, key,
                    "is unknown (known: socket, listen, peers, node, retain, log_level, "
-                   "metrics_listen, health_listen)");
+                   "metrics_listen, health_listen, chunk_bytes, inflight)");
     }
     if (!status.ok()) return status;
   }

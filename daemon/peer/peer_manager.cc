@@ -2,7 +2,12 @@
 
 #include <xxhash.h>
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <arpa/inet.h>
+
 #include <chrono>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
@@ -38,6 +43,38 @@ TensorSlice FromProto(const v1::TensorSlice& in) {
 
 }  // namespace
 
+std::vector<std::string> ResolvePeerAddress(const std::string& address) {
+  const auto colon = address.rfind(':');
+  if (colon == std::string::npos) return {address};
+  std::string host = address.substr(0, colon);
+  const std::string port = address.substr(colon + 1);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* result = nullptr;
+  if (getaddrinfo(host.c_str(), port.c_str(), &hints, &result) != 0 || !result) {
+    return {address};
+  }
+  std::set<std::string> out;
+  for (addrinfo* a = result; a; a = a->ai_next) {
+    char ip[INET6_ADDRSTRLEN] = {};
+    if (a->ai_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, ip, sizeof(ip));
+      out.insert(std::string(ip) + ":" + port);
+    } else if (a->ai_family == AF_INET6) {
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, ip,
+                sizeof(ip));
+      out.insert("[" + std::string(ip) + "]:" + port);
+    }
+  }
+  freeaddrinfo(result);
+  if (out.empty()) return {address};
+  return {out.begin(), out.end()};
+}
+
 struct PeerManager::Peer {
   std::string address;
   std::string node;
@@ -50,22 +87,52 @@ struct PeerManager::Peer {
 
 PeerManager::PeerManager(std::string node, std::vector<std::string> addresses, Store* store,
                          DataPlane* data_plane, Metrics* metrics)
-    : node_(std::move(node)), store_(store), data_plane_(data_plane), metrics_(metrics) {
-  for (auto& address : addresses) {
-    auto peer = std::make_unique<Peer>();
-    peer->address = std::move(address);
-    peers_.push_back(std::move(peer));
-  }
-}
+    : node_(std::move(node)),
+      store_(store),
+      data_plane_(data_plane),
+      metrics_(metrics),
+      configured_(std::move(addresses)) {}
 
 PeerManager::~PeerManager() { Stop(); }
 
+void PeerManager::AddPeer(const std::string& address) {
+  for (const auto& peer : peers_) {
+    if (peer->address == address) return;
+  }
+  auto peer = std::make_unique<Peer>();
+  peer->address = address;
+  Peer* p = peer.get();
+  peers_.push_back(std::move(peer));
+  p->thread = std::thread([this, p] { RunPeer(p); });
+}
+
 void PeerManager::Start() {
-  for (auto& peer : peers_) {
-    Peer* p = peer.get();
-    p->thread = std::thread([this, p] { RunPeer(p); });
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    started_ = true;
+    for (const std::string& configured : configured_) {
+      for (const std::string& address : ResolvePeerAddress(configured)) AddPeer(address);
+    }
   }
   pull_thread_ = std::thread([this] { RunPulls(); });
+  resolver_thread_ = std::thread([this] { RunResolver(); });
+}
+
+void PeerManager::RunResolver() {
+  // Names may resolve to more daemons later (a DaemonSet scaling up behind a headless Service).
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait_for(lock, std::chrono::seconds(10), [this] { return stop_; });
+      if (stop_) return;
+    }
+    for (const std::string& configured : configured_) {
+      auto addresses = ResolvePeerAddress(configured);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+      for (const std::string& address : addresses) AddPeer(address);
+    }
+  }
 }
 
 void PeerManager::Stop() {
@@ -78,7 +145,8 @@ void PeerManager::Stop() {
     }
   }
   wake_.notify_all();
-  for (auto& peer : peers_) {
+  if (resolver_thread_.joinable()) resolver_thread_.join();
+  for (auto& peer : peers_) {  // no longer grows: stop_ is set
     if (peer->thread.joinable()) peer->thread.join();
   }
   if (pull_thread_.joinable()) pull_thread_.join();
@@ -87,7 +155,10 @@ void PeerManager::Stop() {
 std::vector<PeerState> PeerManager::Peers() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<PeerState> out;
-  for (const auto& peer : peers_) out.push_back({peer->address, peer->node, peer->connected});
+  for (const auto& peer : peers_) {
+    if (peer->node == node_ + " (self)") continue;
+    out.push_back({peer->address, peer->node, peer->connected});
+  }
   return out;
 }
 
@@ -116,6 +187,13 @@ void PeerManager::RunPeer(Peer* peer) {
     grpc::ClientContext hello_context;
     hello_context.set_deadline(In(kHelloDeadline));
     grpc::Status status = stub->Hello(&hello_context, hello, &who);
+    if (status.ok() && who.node() == node_) {
+      // A name that resolves to every daemon (a headless Service) includes this one.
+      Logger("peer")->info("peer at {} is this node; not connecting to it", peer->address);
+      std::lock_guard<std::mutex> lock(mu_);
+      peer->node = node_ + " (self)";
+      return;
+    }
     if (status.ok()) {
       backoff = milliseconds(100);
       reported_down = false;

@@ -31,6 +31,10 @@ struct PeerState {
   bool connected = false;
 };
 
+// "host:port" -> every "ip:port" the name resolves to now (one entry, unchanged, when it
+// doesn't resolve). A headless Kubernetes Service resolves to every daemon.
+std::vector<std::string> ResolvePeerAddress(const std::string& address);
+
 class PeerManager {
  public:
   PeerManager(std::string node, std::vector<std::string> addresses, Store* store,
@@ -48,6 +52,8 @@ class PeerManager {
  private:
   struct Peer;
   void RunPeer(Peer* peer);
+  void RunResolver();
+  void AddPeer(const std::string& address);  // with mu_ held
   void RunPulls();
   absl::Status Pull(const PullJob& job);
   absl::Status Verify(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging);
@@ -57,7 +63,10 @@ class PeerManager {
   Store* const store_;
   DataPlane* const data_plane_;
   Metrics* const metrics_;
-  std::vector<std::unique_ptr<Peer>> peers_;
+  const std::vector<std::string> configured_;    // --peers as given
+  std::vector<std::unique_ptr<Peer>> peers_;     // guarded by mu_ (grows only)
+  std::thread resolver_thread_;
+  bool started_ = false;
 
   mutable std::mutex mu_;
   std::condition_variable wake_;

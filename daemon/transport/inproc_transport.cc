@@ -105,8 +105,7 @@ class InprocTransport::InprocEndpoint final : public Endpoint {
     --owner_->live_objects_;
   }
 
-  absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(
-      std::string_view descriptor) override {
+  absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(std::string_view descriptor) override {
     auto d = DecodeDescriptor(descriptor, WireBackend::kInproc);
     if (!d.ok()) return d.status();
     if (d->issuer != state_->peer_identity) {
@@ -123,17 +122,13 @@ class InprocTransport::InprocEndpoint final : public Endpoint {
         new InprocRemoteMemory(owner_, state_.get(), d->address, d->length, region_id));
   }
 
-  absl::Status PostGet(const LocalMemory& local, uint64_t local_offset,
-                       const RemoteMemory& remote, uint64_t remote_offset, uint64_t length,
-                       uint64_t cookie) override {
-    return owner_->Post(true, state_, local, local_offset, remote, remote_offset, length,
-                        cookie);
+  absl::Status PostGet(const LocalMemory& local, uint64_t local_offset, const RemoteMemory& remote,
+                       uint64_t remote_offset, uint64_t length, uint64_t cookie) override {
+    return owner_->Post(true, state_, local, local_offset, remote, remote_offset, length, cookie);
   }
-  absl::Status PostPut(const LocalMemory& local, uint64_t local_offset,
-                       const RemoteMemory& remote, uint64_t remote_offset, uint64_t length,
-                       uint64_t cookie) override {
-    return owner_->Post(false, state_, local, local_offset, remote, remote_offset, length,
-                        cookie);
+  absl::Status PostPut(const LocalMemory& local, uint64_t local_offset, const RemoteMemory& remote,
+                       uint64_t remote_offset, uint64_t length, uint64_t cookie) override {
+    return owner_->Post(false, state_, local, local_offset, remote, remote_offset, length, cookie);
   }
 
   void Cancel() override { ++state_->epoch; }
@@ -172,8 +167,9 @@ InprocTransport::InprocTransport(const Options& options)
 
 InprocTransport::~InprocTransport() {
   if (live_objects_ != 0) {
-    Logger("transport")->critical(
-        "inproc transport destroyed with {} endpoints/memory handles still alive", live_objects_);
+    Logger("transport")
+        ->critical("inproc transport destroyed with {} endpoints/memory handles still alive",
+                   live_objects_);
     std::abort();
   }
   {
@@ -187,14 +183,14 @@ InprocTransport::~InprocTransport() {
 }
 
 absl::StatusOr<std::unique_ptr<LocalMemory>> InprocTransport::RegisterMemory(void* address,
-                                                                            uint64_t length,
-                                                                            MemoryKind kind) {
+                                                                             uint64_t length,
+                                                                             MemoryKind kind) {
   if (address == nullptr || length == 0) {
     return absl::InvalidArgumentError("RegisterMemory needs a non-null address and a length");
   }
   if (kind != MemoryKind::kHost) {
-    return absl::UnimplementedError(absl::StrCat("the inproc transport can't register ",
-                                                 MemoryKindName(kind), " memory"));
+    return absl::UnimplementedError(
+        absl::StrCat("the inproc transport can't register ", MemoryKindName(kind), " memory"));
   }
   uint64_t region_id;
   {
@@ -226,9 +222,9 @@ absl::StatusOr<std::unique_ptr<Endpoint>> InprocTransport::Connect(std::string_v
 }
 
 absl::Status InprocTransport::Post(bool get, const std::shared_ptr<EpState>& state,
-                                   const LocalMemory& local,
-                                   uint64_t local_offset, const RemoteMemory& remote,
-                                   uint64_t remote_offset, uint64_t length, uint64_t cookie) {
+                                   const LocalMemory& local, uint64_t local_offset,
+                                   const RemoteMemory& remote, uint64_t remote_offset,
+                                   uint64_t length, uint64_t cookie) {
   auto* local_memory = dynamic_cast<const InprocLocalMemory*>(&local);
   if (local_memory == nullptr || local_memory->owner() != this) {
     return absl::InvalidArgumentError("local memory was registered with another transport");

@@ -43,7 +43,7 @@ class InprocTransport final : public Transport {
   const Capabilities& capabilities() const override { return capabilities_; }
   const std::string& LocalAddress() const override { return address_; }
   absl::StatusOr<std::unique_ptr<LocalMemory>> RegisterMemory(void* address, uint64_t length,
-                                                               MemoryKind kind) override;
+                                                              MemoryKind kind) override;
   absl::StatusOr<std::unique_ptr<Endpoint>> Connect(std::string_view peer_address) override;
   size_t Poll(std::vector<Completion>* out) override;
   uint64_t outstanding() const override { return queue_.size(); }
@@ -75,9 +75,9 @@ class InprocTransport final : public Transport {
   class InprocEndpoint;
 
   explicit InprocTransport(const Options& options);
-  absl::Status Post(bool get, const std::shared_ptr<EpState>& state, const LocalMemory& local, uint64_t local_offset,
-                    const RemoteMemory& remote, uint64_t remote_offset, uint64_t length,
-                    uint64_t cookie);
+  absl::Status Post(bool get, const std::shared_ptr<EpState>& state, const LocalMemory& local,
+                    uint64_t local_offset, const RemoteMemory& remote, uint64_t remote_offset,
+                    uint64_t length, uint64_t cookie);
   void Fail(const std::shared_ptr<EpState>& state, absl::Status status);
   absl::Status Execute(const Op& op);
 

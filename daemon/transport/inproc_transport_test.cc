@@ -16,7 +16,8 @@ namespace refit::transport {
 namespace {
 
 struct Node {
-  explicit Node(size_t size, uint8_t fill = 0) : transport(InprocTransport::Create()), bytes(size, fill) {
+  explicit Node(size_t size, uint8_t fill = 0)
+      : transport(InprocTransport::Create()), bytes(size, fill) {
     auto m = transport->RegisterMemory(bytes.data(), bytes.size(), MemoryKind::kHost);
     REQUIRE(m.ok());
     memory = *std::move(m);
@@ -154,7 +155,8 @@ TEST_CASE("transports on different threads move data concurrently", "[transport]
             remotes.push_back(*eps.back()->ImportRemote(descriptors[j]));
           }
           size_t k = j < i ? j : j - 1;
-          if (!eps[k]->PostGet(*self.memory, j * slice, *remotes[k], j * slice, slice, posted++)
+          if (!eps[k]
+                   ->PostGet(*self.memory, j * slice, *remotes[k], j * slice, slice, posted++)
                    .ok()) {
             ++failures;
           }

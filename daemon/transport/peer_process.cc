@@ -203,8 +203,7 @@ absl::StatusOr<std::unique_ptr<PeerProcess>> PeerProcess::Start(TransportFactory
     return absl::InternalError(absl::StrCat("peer process failed to start: ",
                                             address.empty() ? "no reply" : address.substr(1)));
   }
-  if (!ReadFrame(peer->fd_, &descriptor, deadline) || descriptor.empty() ||
-      descriptor[0] != 'D') {
+  if (!ReadFrame(peer->fd_, &descriptor, deadline) || descriptor.empty() || descriptor[0] != 'D') {
     return absl::InternalError("peer process sent no descriptor");
   }
   peer->address_ = address.substr(1);
@@ -234,6 +233,14 @@ void PeerProcess::Kill() {
   kill(pid_, SIGKILL);
   waitpid(pid_, nullptr, 0);
   pid_ = -1;
+}
+
+void PeerProcess::Stop() {
+  if (pid_ >= 0) kill(pid_, SIGSTOP);
+}
+
+void PeerProcess::Continue() {
+  if (pid_ >= 0) kill(pid_, SIGCONT);
 }
 
 PeerProcess::~PeerProcess() {

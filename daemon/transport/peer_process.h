@@ -43,7 +43,7 @@ class PeerProcess {
   ~PeerProcess();  // asks the child to exit; SIGKILL if it doesn't within a few seconds
 
   pid_t pid() const { return pid_; }
-  const std::string& address() const { return address_; }      // its Transport::LocalAddress
+  const std::string& address() const { return address_; }        // its Transport::LocalAddress
   const std::string& descriptor() const { return descriptor_; }  // of its buffer
   uint64_t size() const { return size_; }
 
@@ -51,6 +51,9 @@ class PeerProcess {
   absl::StatusOr<uint64_t> Hash(uint64_t offset, uint64_t length);
   // SIGKILL, then reap: the child is gone when this returns.
   void Kill();
+  // SIGSTOP / SIGCONT: an unresponsive peer whose kernel still answers TCP.
+  void Stop();
+  void Continue();
 
  private:
   PeerProcess() = default;

@@ -16,10 +16,10 @@
 // Completion contract. A Post* that returns OK yields exactly one Completion, from a later Poll,
 // carrying the caller's cookie: OK, UNAVAILABLE (the peer died or the link broke), or CANCELLED
 // (Endpoint::Cancel or the endpoint was destroyed); after anything but OK the bytes of the
-// destination range are unspecified. A Post* that returns an error yields no completion: INVALID_ARGUMENT for a range
-// outside a region or a handle from another transport/endpoint, UNAVAILABLE when the endpoint has
-// already failed. Many ops may be in flight at once; a large transfer is chunked by the caller.
-// The order in which completions arrive is unspecified.
+// destination range are unspecified. A Post* that returns an error yields no completion:
+// INVALID_ARGUMENT for a range outside a region or a handle from another transport/endpoint,
+// UNAVAILABLE when the endpoint has already failed. Many ops may be in flight at once; a large
+// transfer is chunked by the caller. The order in which completions arrive is unspecified.
 //
 // Peer failure. An endpoint fails when the peer process dies or becomes unreachable; from then on
 // status() is UNAVAILABLE, every outstanding op completes with UNAVAILABLE, new posts are refused
@@ -126,8 +126,11 @@ class RemoteMemory {
 // A connection to one peer transport.
 class Endpoint {
  public:
-  // Cancels outstanding ops (see Cancel; their CANCELLED still comes from Poll) and closes the
-  // connection without blocking.
+  // Closes the connection without blocking. Outstanding ops are aborted at once and report
+  // CANCELLED from Poll; this is the way out of ops stuck on an unresponsive peer (Cancel waits
+  // for them). With UCX, closing an endpoint that has ops outstanding resets the transport
+  // connection, so the peer's own endpoints to this transport fail (UNAVAILABLE) and it must
+  // reconnect; closing an idle endpoint is quiet.
   virtual ~Endpoint() = default;
   Endpoint(const Endpoint&) = delete;
   Endpoint& operator=(const Endpoint&) = delete;

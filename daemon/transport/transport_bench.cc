@@ -27,10 +27,20 @@ bool ParseSize(std::string_view text, uint64_t* out) {
   uint64_t scale = 1;
   if (!text.empty()) {
     switch (text.back()) {
-      case 'K': case 'k': scale = 1ull << 10; break;
-      case 'M': case 'm': scale = 1ull << 20; break;
-      case 'G': case 'g': scale = 1ull << 30; break;
-      default: break;
+      case 'K':
+      case 'k':
+        scale = 1ull << 10;
+        break;
+      case 'M':
+      case 'm':
+        scale = 1ull << 20;
+        break;
+      case 'G':
+      case 'g':
+        scale = 1ull << 30;
+        break;
+      default:
+        break;
     }
     if (scale != 1) text.remove_suffix(1);
   }
@@ -92,9 +102,7 @@ int Main(int argc, char** argv) {
   UcxTransport::Options options;
   for (int i = 1; i < argc; ++i) {
     std::string_view arg = argv[i];
-    auto value = [&](std::string_view flag) -> std::string_view {
-      return arg.substr(flag.size());
-    };
+    auto value = [&](std::string_view flag) -> std::string_view { return arg.substr(flag.size()); };
     bool ok = true;
     if (arg.rfind("--size=", 0) == 0) {
       ok = ParseSize(value("--size="), &size);
@@ -110,7 +118,8 @@ int Main(int argc, char** argv) {
       ok = false;
     }
     if (!ok) {
-      std::fprintf(stderr, "usage: %s [--size=1G] [--chunk=4M,...] [--inflight=16,...] [--runs=5] "
+      std::fprintf(stderr,
+                   "usage: %s [--size=1G] [--chunk=4M,...] [--inflight=16,...] [--runs=5] "
                    "[--no-peer-failure-handling]\n",
                    argv[0]);
       return 2;
@@ -167,8 +176,8 @@ int Main(int argc, char** argv) {
       std::sort(rates.begin(), rates.end());
       std::printf("%9lluK %9llu %7.2f GB/s %5.2f GB/s %5.2f GB/s\n",
                   static_cast<unsigned long long>(chunk >> 10),
-                  static_cast<unsigned long long>(inflight), rates[rates.size() / 2],
-                  rates.front(), rates.back());
+                  static_cast<unsigned long long>(inflight), rates[rates.size() / 2], rates.front(),
+                  rates.back());
       std::fflush(stdout);
       std::memset(buffer.get(), 0, size);
       if (TimedGet(t, **ep, **local, **remote, size, chunk, inflight) < 0) return 1;

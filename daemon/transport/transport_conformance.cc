@@ -1,133 +1,20 @@
-// The backend-independent Transport test cases; see transport_conformance.h.
+// The backend-independent Transport cases in one process; see transport_conformance.h.
 
 #include "daemon/transport/transport_conformance.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <vector>
 
 #include "catch2/catch.hpp"
+#include "daemon/transport/conformance_helpers.h"
 
-namespace refit::transport {
+namespace refit::transport::testing {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-using Results = std::map<uint64_t, absl::Status>;
-constexpr uint64_t kMiB = 1 << 20;
-
-std::unique_ptr<Transport> MakeTransport() {
-  auto transport = TestBackend().make();
-  INFO(transport.status().ToString());
-  REQUIRE(transport.ok());
-  return *std::move(transport);
-}
-
-struct Buffer {
-  explicit Buffer(uint64_t n) : bytes(new uint8_t[n]), size(n) { std::memset(bytes.get(), 0, n); }
-  uint8_t* data() const { return bytes.get(); }
-  std::unique_ptr<uint8_t[]> bytes;
-  uint64_t size;
-};
-
-std::unique_ptr<LocalMemory> Register(Transport& transport, const Buffer& buffer) {
-  auto memory = transport.RegisterMemory(buffer.data(), buffer.size, MemoryKind::kHost);
-  INFO(memory.status().ToString());
-  REQUIRE(memory.ok());
-  return *std::move(memory);
-}
-
-std::unique_ptr<Endpoint> ConnectTo(Transport& self, const std::string& address) {
-  auto endpoint = self.Connect(address);
-  INFO(endpoint.status().ToString());
-  REQUIRE(endpoint.ok());
-  return *std::move(endpoint);
-}
-
-std::unique_ptr<RemoteMemory> Import(Endpoint& endpoint, const std::string& descriptor) {
-  auto remote = endpoint.ImportRemote(descriptor);
-  INFO(remote.status().ToString());
-  REQUIRE(remote.ok());
-  return *std::move(remote);
-}
-
-uint64_t NextCookie() {
-  static uint64_t cookie = 1000;
-  return ++cookie;
-}
-
-// Polls `self` (collecting completions, each cookie at most once) and `others` (which may have
-// to serve our ops) until `results` holds `expected` entries or `timeout` passes.
-void PollUntil(Transport& self, const std::vector<Transport*>& others, Results* results,
-               size_t expected, std::chrono::seconds timeout = std::chrono::seconds(60)) {
-  auto deadline = Clock::now() + timeout;
-  std::vector<Completion> completions;
-  while (results->size() < expected && Clock::now() < deadline) {
-    completions.clear();
-    self.Poll(&completions);
-    for (auto& c : completions) {
-      INFO("cookie " << c.cookie);
-      REQUIRE(results->count(c.cookie) == 0);
-      (*results)[c.cookie] = c.status;
-    }
-    std::vector<Completion> ignored;
-    for (Transport* other : others) other->Poll(&ignored);
-  }
-  REQUIRE(results->size() == expected);
-}
-
-// Moves [offset, +length) between local and remote (same offset on both sides plus the given
-// bases) in `chunk`-sized ops with up to `window` in flight. Returns the first failure.
-absl::Status Transfer(bool get, Transport& self, const std::vector<Transport*>& others,
-                      Endpoint& endpoint, const LocalMemory& local, uint64_t local_base,
-                      const RemoteMemory& remote, uint64_t remote_base, uint64_t length,
-                      uint64_t chunk, size_t window) {
-  Results results;
-  size_t posted = 0;
-  uint64_t next = 0;
-  absl::Status first_error;
-  std::vector<Completion> completions;
-  auto deadline = Clock::now() + std::chrono::seconds(120);
-  while ((next < length || results.size() < posted) && Clock::now() < deadline) {
-    while (next < length && posted - results.size() < window) {
-      uint64_t n = std::min(chunk, length - next);
-      uint64_t cookie = NextCookie();
-      absl::Status s = get ? endpoint.PostGet(local, local_base + next, remote, remote_base + next,
-                                              n, cookie)
-                           : endpoint.PostPut(local, local_base + next, remote, remote_base + next,
-                                              n, cookie);
-      if (!s.ok()) return s;
-      ++posted;
-      next += n;
-    }
-    completions.clear();
-    self.Poll(&completions);
-    for (auto& c : completions) {
-      REQUIRE(results.count(c.cookie) == 0);
-      if (!c.status.ok() && first_error.ok()) first_error = c.status;
-      results[c.cookie] = c.status;
-    }
-    std::vector<Completion> ignored;
-    for (Transport* other : others) other->Poll(&ignored);
-  }
-  REQUIRE(results.size() == posted);
-  REQUIRE(next == length);
-  return first_error;
-}
-
-// Polls every transport for a moment, so that endpoint closes that need the peer's answer
-// finish while the peer is still there (a daemon always polls; a test must do it for both).
-void Settle(const std::vector<Transport*>& transports) {
-  std::vector<Completion> ignored;
-  auto until = Clock::now() + std::chrono::milliseconds(20);
-  while (Clock::now() < until) {
-    for (Transport* t : transports) t->Poll(&ignored);
-  }
-}
-
-// A transport A and a transport B in this process; B serves a pattern-filled buffer.
+// A transport A and a transport B in this process; B serves a pattern-filled buffer, A has an
+// endpoint to B and B's buffer imported.
 struct Pair {
   explicit Pair(uint64_t size, uint64_t seed = 7)
       : a(MakeTransport()), b(MakeTransport()), a_buffer(size), b_buffer(size) {
@@ -198,8 +85,8 @@ TEST_CASE("get copies remote bytes exactly, many ops in flight", "[transport][co
   for (const Case& c : cases) {
     INFO("offset " << c.offset << " length " << c.length << " chunk " << c.chunk);
     std::memset(p.a_buffer.data(), 0, size);
-    absl::Status s = Transfer(true, *p.a, {p.b.get()}, *p.endpoint, *p.a_memory, c.offset, *p.remote,
-                 c.offset, c.length, c.chunk, c.window);
+    absl::Status s = Transfer(true, *p.a, {p.b.get()}, *p.endpoint, *p.a_memory, c.offset,
+                              *p.remote, c.offset, c.length, c.chunk, c.window);
     INFO(s.ToString());
     REQUIRE(s.ok());
     CHECK(FindPatternMismatch(p.a_buffer.data() + c.offset, c.length, 7, c.offset) == -1);
@@ -216,8 +103,8 @@ TEST_CASE("get copies remote bytes exactly, many ops in flight", "[transport][co
 
 TEST_CASE("get into a different local offset", "[transport][conformance]") {
   Pair p(kMiB);
-  absl::Status s = Transfer(true, *p.a, {p.b.get()}, *p.endpoint, *p.a_memory, 0, *p.remote,
-                            4096, 8192, 1024, 8);
+  absl::Status s = Transfer(true, *p.a, {p.b.get()}, *p.endpoint, *p.a_memory, 0, *p.remote, 4096,
+                            8192, 1024, 8);
   REQUIRE(s.ok());
   CHECK(FindPatternMismatch(p.a_buffer.data(), 8192, 7, 4096) == -1);
 }
@@ -319,8 +206,8 @@ TEST_CASE("malformed descriptors and addresses are INVALID_ARGUMENT, never a cra
   }
   CHECK(p.a->Connect(descriptor).status().code() == kInvalid);
   // The endpoint still works after all that.
-  absl::Status s = Transfer(true, *p.a, {p.b.get()}, *p.endpoint, *p.a_memory, 0, *p.remote, 0,
-                            4096, 4096, 1);
+  absl::Status s =
+      Transfer(true, *p.a, {p.b.get()}, *p.endpoint, *p.a_memory, 0, *p.remote, 0, 4096, 4096, 1);
   REQUIRE(s.ok());
   CHECK(FindPatternMismatch(p.a_buffer.data(), 4096, 7, 0) == -1);
 }
@@ -372,8 +259,8 @@ TEST_CASE("Cancel or close on one side leaves the peer's own endpoint to us work
   PollUntil(*p.a, {p.b.get()}, &results, cookies.size());
   Settle({p.a.get(), p.b.get()});
   CHECK(back->status().ok());
-  absl::Status s = Transfer(true, *p.b, {p.a.get()}, *back, *p.b_memory, 0, *back_remote, 0,
-                            size, 64 * 1024, 8);
+  absl::Status s =
+      Transfer(true, *p.b, {p.a.get()}, *back, *p.b_memory, 0, *back_remote, 0, size, 64 * 1024, 8);
   INFO(s.ToString());
   REQUIRE(s.ok());
   CHECK(FindPatternMismatch(p.b_buffer.data(), size, 13, 0) == -1);
@@ -383,8 +270,7 @@ TEST_CASE("Cancel or close on one side leaves the peer's own endpoint to us work
   Settle({p.a.get(), p.b.get()});
   CHECK(back->status().ok());
   std::memset(p.b_buffer.data(), 0, size);
-  s = Transfer(true, *p.b, {p.a.get()}, *back, *p.b_memory, 0, *back_remote, 0, size, 64 * 1024,
-               8);
+  s = Transfer(true, *p.b, {p.a.get()}, *back, *p.b_memory, 0, *back_remote, 0, size, 64 * 1024, 8);
   INFO(s.ToString());
   REQUIRE(s.ok());
   CHECK(FindPatternMismatch(p.b_buffer.data(), size, 13, 0) == -1);
@@ -480,8 +366,8 @@ TEST_CASE("a crashed peer fails outstanding and later ops with UNAVAILABLE",
   CHECK(handler_calls == 1);
 
   // The survivor keeps working with another peer.
-  absl::Status s = Transfer(true, *p.a, {c.get()}, *c_endpoint, *p.a_memory, 0, *c_remote, 0,
-                            size, 64 * 1024, 8);
+  absl::Status s = Transfer(true, *p.a, {c.get()}, *c_endpoint, *p.a_memory, 0, *c_remote, 0, size,
+                            64 * 1024, 8);
   INFO(s.ToString());
   REQUIRE(s.ok());
   CHECK(FindPatternMismatch(p.a_buffer.data(), size, 11, 0) == -1);
@@ -490,240 +376,5 @@ TEST_CASE("a crashed peer fails outstanding and later ops with UNAVAILABLE",
   c_memory.reset();
 }
 
-// ---- Two processes. ----
-
-std::unique_ptr<PeerProcess> StartPeer(uint64_t size, uint64_t seed) {
-  auto peer = PeerProcess::Start(TestBackend().make, size, seed);
-  INFO(peer.status().ToString());
-  REQUIRE(peer.ok());
-  return *std::move(peer);
-}
-
-TEST_CASE("two processes: get is bit-exact up to 256 MiB in chunks",
-          "[transport][conformance][process]") {
-  if (!TestBackend().cross_process) return;
-  const uint64_t size = 256 * kMiB;
-  auto peer = StartPeer(size, 21);  // before this process makes its transport
-  auto t = MakeTransport();
-  Buffer buffer(size);
-  auto memory = Register(*t, buffer);
-  auto endpoint = ConnectTo(*t, peer->address());
-  auto remote = Import(*endpoint, peer->descriptor());
-  REQUIRE(remote->length() == size);
-  struct Case {
-    uint64_t offset, length, chunk;
-    size_t window;
-  };
-  const Case cases[] = {{0, 1, 1, 1},
-                        {12345, 4095, 4095, 1},
-                        {kMiB - 7, kMiB + 1, 64 * 1024, 16},
-                        {3, 64 * kMiB - 3, kMiB, 32},
-                        {0, size, 4 * kMiB, 16}};
-  for (const Case& c : cases) {
-    INFO("offset " << c.offset << " length " << c.length << " chunk " << c.chunk << " window "
-                   << c.window);
-    std::memset(buffer.data() + c.offset, 0, c.length);
-    auto start = Clock::now();
-    absl::Status s = Transfer(true, *t, {}, *endpoint, *memory, c.offset, *remote, c.offset,
-                              c.length, c.chunk, c.window);
-    double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    INFO(s.ToString());
-    REQUIRE(s.ok());
-    CHECK(FindPatternMismatch(buffer.data() + c.offset, c.length, 21, c.offset) == -1);
-    if (c.length == size) {
-      WARN(TestBackend().name << ": 256 MiB get in " << seconds << " s = "
-                              << size / seconds / 1e9 << " GB/s");
-    }
-  }
-  remote.reset();
-  endpoint.reset();
-  memory.reset();
-}
-
-TEST_CASE("two processes: put is bit-exact", "[transport][conformance][process]") {
-  if (!TestBackend().cross_process) return;
-  const uint64_t size = 64 * kMiB;
-  auto peer = StartPeer(size, 5);
-  auto t = MakeTransport();
-  Buffer buffer(size);
-  FillPattern(buffer.data(), size, 77, 0);
-  auto memory = Register(*t, buffer);
-  auto endpoint = ConnectTo(*t, peer->address());
-  auto remote = Import(*endpoint, peer->descriptor());
-  const uint64_t offset = 12345, length = size - 2 * offset;
-  absl::Status s = Transfer(false, *t, {}, *endpoint, *memory, offset, *remote, offset, length,
-                            kMiB, 16);
-  INFO(s.ToString());
-  REQUIRE(s.ok());
-  auto hash = peer->Hash(offset, length);
-  REQUIRE(hash.ok());
-  CHECK(*hash == HashBytes(buffer.data() + offset, length));
-  // The bytes around the window kept the peer's own pattern.
-  std::vector<uint8_t> head(offset);
-  FillPattern(head.data(), offset, 5, 0);
-  auto head_hash = peer->Hash(0, offset);
-  REQUIRE(head_hash.ok());
-  CHECK(*head_hash == HashBytes(head.data(), offset));
-  remote.reset();
-  endpoint.reset();
-  memory.reset();
-}
-
-TEST_CASE("two processes: a peer killed mid-transfer fails its ops with UNAVAILABLE; the "
-          "survivor keeps working with another peer",
-          "[transport][conformance][process][failure]") {
-  if (!TestBackend().cross_process) return;
-  if (!TestBackend().detects_peer_failure) {
-    WARN(TestBackend().name << " does not detect peer failure: skipped");
-    return;
-  }
-  const uint64_t size = 256 * kMiB, chunk = kMiB;
-  auto victim = StartPeer(size, 31);
-  auto other = StartPeer(16 * kMiB, 32);
-  auto t = MakeTransport();
-  Buffer buffer(size);
-  auto memory = Register(*t, buffer);
-  auto endpoint = ConnectTo(*t, victim->address());
-  auto remote = Import(*endpoint, victim->descriptor());
-  auto other_endpoint = ConnectTo(*t, other->address());
-  auto other_remote = Import(*other_endpoint, other->descriptor());
-
-  int handler_calls = 0;
-  endpoint->SetFailureHandler([&](const absl::Status& s) {
-    ++handler_calls;
-    CHECK(absl::IsUnavailable(s));
-  });
-
-  Results results;
-  std::vector<uint64_t> after_kill;  // cookies of ops posted once the victim was dead
-  size_t posted = 0, refused = 0;
-  uint64_t next = 0;
-  bool killed = false;
-  Clock::time_point killed_at;
-  std::vector<Completion> completions;
-  auto deadline = Clock::now() + std::chrono::seconds(60);
-  while ((next < size || results.size() < posted) && Clock::now() < deadline) {
-    while (next < size && posted - results.size() < 64) {
-      uint64_t cookie = NextCookie();
-      absl::Status s = endpoint->PostGet(*memory, next, *remote, next, chunk, cookie);
-      next += chunk;
-      if (!s.ok()) {
-        INFO(s.ToString());
-        CHECK(absl::IsUnavailable(s));
-        CHECK(killed);
-        ++refused;
-        continue;
-      }
-      ++posted;
-      if (killed) after_kill.push_back(cookie);
-    }
-    completions.clear();
-    t->Poll(&completions);
-    for (auto& c : completions) {
-      REQUIRE(results.count(c.cookie) == 0);
-      results[c.cookie] = c.status;
-    }
-    if (!killed && results.size() >= 8) {
-      victim->Kill();  // SIGKILL and reaped: gone for sure
-      killed = true;
-      killed_at = Clock::now();
-    }
-  }
-  REQUIRE(killed);
-  REQUIRE(results.size() == posted);
-  double detect_s = std::chrono::duration<double>(Clock::now() - killed_at).count();
-  size_t ok = 0, unavailable = refused;
-  for (const auto& [cookie, status] : results) {
-    INFO(status.ToString());
-    CHECK((status.ok() || absl::IsUnavailable(status)));
-    ok += status.ok() ? 1 : 0;
-    unavailable += absl::IsUnavailable(status) ? 1 : 0;
-  }
-  for (uint64_t cookie : after_kill) CHECK_FALSE(results[cookie].ok());
-  WARN(TestBackend().name << ": " << ok << " ops OK, " << unavailable
-                          << " UNAVAILABLE (" << refused << " refused at post); all done "
-                          << detect_s << " s after the kill");
-  CHECK(unavailable > 0);
-  CHECK(detect_s < 10.0);
-
-  // Let the failure handler run if the failure was only seen through completions.
-  auto handler_deadline = Clock::now() + std::chrono::seconds(10);
-  while (handler_calls == 0 && Clock::now() < handler_deadline) t->Poll(&completions);
-  CHECK(handler_calls == 1);
-  CHECK(absl::IsUnavailable(endpoint->status()));
-  CHECK(absl::IsUnavailable(endpoint->PostGet(*memory, 0, *remote, 0, 4096, NextCookie())));
-  CHECK(absl::IsUnavailable(endpoint->PostPut(*memory, 0, *remote, 0, 4096, NextCookie())));
-  CHECK(absl::IsUnavailable(endpoint->ImportRemote(victim->descriptor()).status()));
-  CHECK(endpoint->outstanding() == 0);
-
-  // The survivor: another peer still serves bit-exact bytes.
-  std::memset(buffer.data(), 0, 16 * kMiB);
-  absl::Status s = Transfer(true, *t, {}, *other_endpoint, *memory, 0, *other_remote, 0,
-                            16 * kMiB, kMiB, 16);
-  INFO(s.ToString());
-  REQUIRE(s.ok());
-  CHECK(FindPatternMismatch(buffer.data(), 16 * kMiB, 32, 0) == -1);
-  CHECK(other_endpoint->status().ok());
-
-  remote.reset();
-  endpoint.reset();
-  other_remote.reset();
-  other_endpoint.reset();
-  memory.reset();
-}
-
-TEST_CASE("two processes: an idle peer's death is noticed", "[transport][conformance][process]") {
-  if (!TestBackend().cross_process) return;
-  if (!TestBackend().detects_peer_failure) {
-    WARN(TestBackend().name << " does not detect peer failure: skipped");
-    return;
-  }
-  auto peer = StartPeer(kMiB, 41);
-  auto t = MakeTransport();
-  Buffer buffer(kMiB);
-  auto memory = Register(*t, buffer);
-  auto endpoint = ConnectTo(*t, peer->address());
-  auto remote = Import(*endpoint, peer->descriptor());
-  REQUIRE(Transfer(true, *t, {}, *endpoint, *memory, 0, *remote, 0, kMiB, kMiB, 1).ok());
-  int handler_calls = 0;
-  endpoint->SetFailureHandler([&](const absl::Status&) { ++handler_calls; });
-  peer->Kill();
-  auto start = Clock::now();
-  std::vector<Completion> completions;
-  while (handler_calls == 0 && Clock::now() - start < std::chrono::seconds(15)) {
-    t->Poll(&completions);
-  }
-  double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  WARN(TestBackend().name << ": idle peer death noticed after " << seconds << " s");
-  CHECK(handler_calls == 1);
-  CHECK(absl::IsUnavailable(endpoint->status()));
-  CHECK(completions.empty());
-  remote.reset();
-  endpoint.reset();
-  memory.reset();
-}
-
-TEST_CASE("two processes: a truncated or corrupted descriptor is INVALID_ARGUMENT",
-          "[transport][conformance][process]") {
-  if (!TestBackend().cross_process) return;
-  auto peer = StartPeer(kMiB, 51);
-  auto t = MakeTransport();
-  auto endpoint = ConnectTo(*t, peer->address());
-  const std::string& descriptor = peer->descriptor();
-  for (size_t n = 0; n < descriptor.size(); ++n) {
-    CHECK(endpoint->ImportRemote(descriptor.substr(0, n)).status().code() ==
-          absl::StatusCode::kInvalidArgument);
-  }
-  for (size_t i = 0; i < descriptor.size(); ++i) {
-    std::string bad = descriptor;
-    bad[i] = static_cast<char>(bad[i] + 1);
-    CHECK(endpoint->ImportRemote(bad).status().code() == absl::StatusCode::kInvalidArgument);
-  }
-  auto remote = Import(*endpoint, descriptor);
-  CHECK(remote->length() == kMiB);
-  remote.reset();
-  endpoint.reset();
-}
-
 }  // namespace
-}  // namespace refit::transport
+}  // namespace refit::transport::testing

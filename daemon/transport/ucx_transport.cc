@@ -27,10 +27,11 @@ struct UcxTransport::EpState {
   ucp_ep_h ep = nullptr;  // closed through UcxTransport::CloseEp
   uint64_t peer_identity = 0;
   std::weak_ptr<EpState> self;
-  absl::Status failure;  // UNAVAILABLE once UCX reported the peer failed
-  uint64_t epoch = 0;    // bumped by Cancel: ops of older epochs report CANCELLED
-  bool closed = false;   // the Endpoint was destroyed: every op reports CANCELLED
-  uint64_t outstanding = 0;
+  absl::Status failure;      // UNAVAILABLE once UCX reported the peer failed
+  uint64_t epoch = 0;        // bumped by Cancel: ops of older epochs report CANCELLED
+  bool closed = false;       // the Endpoint was destroyed: every op reports CANCELLED
+  uint64_t outstanding = 0;  // posted, not yet returned by Poll
+  uint64_t in_ucx = 0;       // posted, UCX not done with them
   std::function<void(const absl::Status&)> handler;
 };
 
@@ -116,8 +117,7 @@ class UcxTransport::UcxEndpoint final : public Endpoint {
     --owner_->live_objects_;
   }
 
-  absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(
-      std::string_view descriptor) override {
+  absl::StatusOr<std::unique_ptr<RemoteMemory>> ImportRemote(std::string_view descriptor) override {
     ASSIGN_OR_RETURN(WireDescriptor d, DecodeDescriptor(descriptor, WireBackend::kUcx));
     if (d.issuer != state_->peer_identity) {
       return absl::InvalidArgumentError(
@@ -137,14 +137,12 @@ class UcxTransport::UcxEndpoint final : public Endpoint {
         new UcxRemoteMemory(owner_, state_.get(), d.address, d.length, std::move(holder)));
   }
 
-  absl::Status PostGet(const LocalMemory& local, uint64_t local_offset,
-                       const RemoteMemory& remote, uint64_t remote_offset, uint64_t length,
-                       uint64_t cookie) override {
+  absl::Status PostGet(const LocalMemory& local, uint64_t local_offset, const RemoteMemory& remote,
+                       uint64_t remote_offset, uint64_t length, uint64_t cookie) override {
     return owner_->Post(true, this, local, local_offset, remote, remote_offset, length, cookie);
   }
-  absl::Status PostPut(const LocalMemory& local, uint64_t local_offset,
-                       const RemoteMemory& remote, uint64_t remote_offset, uint64_t length,
-                       uint64_t cookie) override {
+  absl::Status PostPut(const LocalMemory& local, uint64_t local_offset, const RemoteMemory& remote,
+                       uint64_t remote_offset, uint64_t length, uint64_t cookie) override {
     return owner_->Post(false, this, local, local_offset, remote, remote_offset, length, cookie);
   }
 
@@ -239,8 +237,9 @@ absl::Status UcxTransport::Init(const Options& options) {
 
 UcxTransport::~UcxTransport() {
   if (live_objects_ != 0) {
-    Logger("transport")->critical(
-        "ucx transport destroyed with {} endpoints/memory handles still alive", live_objects_);
+    Logger("transport")
+        ->critical("ucx transport destroyed with {} endpoints/memory handles still alive",
+                   live_objects_);
     std::abort();
   }
   if (worker_ == nullptr) return;  // Init failed early
@@ -251,8 +250,9 @@ UcxTransport::~UcxTransport() {
     ReapCloses();
   }
   if (!pending_closes_.empty() || in_ucx_ != 0) {
-    Logger("transport")->warn("ucx transport destroyed with {} endpoint closes and {} ops unfinished",
-                              pending_closes_.size(), in_ucx_);
+    Logger("transport")
+        ->warn("ucx transport destroyed with {} endpoint closes and {} ops unfinished",
+               pending_closes_.size(), in_ucx_);
   }
   done_.clear();
   newly_failed_.clear();
@@ -261,15 +261,15 @@ UcxTransport::~UcxTransport() {
 }
 
 absl::StatusOr<std::unique_ptr<LocalMemory>> UcxTransport::RegisterMemory(void* address,
-                                                                         uint64_t length,
-                                                                         MemoryKind kind) {
+                                                                          uint64_t length,
+                                                                          MemoryKind kind) {
   if (address == nullptr || length == 0) {
     return absl::InvalidArgumentError("RegisterMemory needs a non-null address and a length");
   }
   if (kind == MemoryKind::kCuda && !capabilities_.cuda_memory) {
-    return absl::UnimplementedError(
-        absl::StrCat("this UCX can't register CUDA memory (", capabilities_.detail,
-                     "); stage through host memory"));
+    return absl::UnimplementedError(absl::StrCat("this UCX can't register CUDA memory (",
+                                                 capabilities_.detail,
+                                                 "); stage through host memory"));
   }
   ucp_mem_map_params_t params;
   std::memset(&params, 0, sizeof(params));
@@ -334,9 +334,11 @@ void UcxTransport::CloseEp(const std::shared_ptr<EpState>& state) {
   ucp_request_param_t param;
   std::memset(&param, 0, sizeof(param));
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  // UCX requires FORCE after a failure (and defines it only with peer-failure handling). On a
-  // healthy ep it would also reset the peer's endpoints to us, so flush instead.
-  param.flags = !state->failure.ok() && peer_failure_handling_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  // UCX requires FORCE after a failure, and only FORCE aborts ops (which may be stuck on an
+  // unresponsive peer); it is defined only with peer-failure handling. On a healthy ep it also
+  // resets the peer's endpoints to us, so an idle endpoint is closed with a flush instead.
+  bool force = !state->failure.ok() || state->in_ucx != 0;
+  param.flags = force && peer_failure_handling_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t request = ucp_ep_close_nbx(state->ep, &param);
   state->ep = nullptr;
   if (UCS_PTR_IS_PTR(request)) {
@@ -424,6 +426,7 @@ absl::Status UcxTransport::Post(bool get, UcxEndpoint* endpoint, const LocalMemo
     }
     if (request != nullptr) {
       ++in_ucx_;
+      ++ep->in_ucx;
     } else if (op != nullptr) {  // finished inside the call
       done_.push_back({ep, cookie, op->epoch, UCS_OK});
       delete op;
@@ -436,6 +439,7 @@ absl::Status UcxTransport::Post(bool get, UcxEndpoint* endpoint, const LocalMemo
 
 void UcxTransport::OnOpDone(Op* op, ucs_status_t status) {
   --in_ucx_;
+  --op->ep->in_ucx;
   done_.push_back({std::move(op->ep), op->cookie, op->epoch, status});
   delete op;
 }

@@ -31,9 +31,10 @@
 //                  UCX is done with it. UCX 1.13 can't abort one RMA op, and closing the ep with
 //                  FORCE would also reset the PEER's endpoints to us (they share the transport
 //                  connection), so bytes already posted still move.
-//   ~Endpoint      cancels as above, then ucp_ep_close_nbx: flushing while healthy, FORCE once
-//                  failed (as UCX requires); the close finishes in later Polls (or in
-//                  ~UcxTransport, bounded by close_timeout).
+//   ~Endpoint      cancels as above, then ucp_ep_close_nbx: a flushing close when idle; FORCE
+//                  when failed (as UCX requires) or when ops are outstanding, which aborts them
+//                  at once (CANCELLED) but also resets the peer's connections to us. The close
+//                  finishes in later Polls (or in ~UcxTransport, bounded by close_timeout).
 //
 // Peer failure. With UCP_ERR_HANDLING_MODE_PEER, UCX reports a dead peer through the ep's error
 // handler and completes its requests with an error; the endpoint turns failed (UNAVAILABLE) and
@@ -80,7 +81,7 @@ class UcxTransport final : public Transport {
   const Capabilities& capabilities() const override { return capabilities_; }
   const std::string& LocalAddress() const override { return address_; }
   absl::StatusOr<std::unique_ptr<LocalMemory>> RegisterMemory(void* address, uint64_t length,
-                                                               MemoryKind kind) override;
+                                                              MemoryKind kind) override;
   absl::StatusOr<std::unique_ptr<Endpoint>> Connect(std::string_view peer_address) override;
   size_t Poll(std::vector<Completion>* out) override;
   uint64_t outstanding() const override { return outstanding_; }

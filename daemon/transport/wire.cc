@@ -54,7 +54,8 @@ class Reader {
   uint64_t UInt(int width) {
     std::string_view b = Bytes(width);
     uint64_t v = 0;
-    for (int i = 0; ok_ && i < width; ++i) v |= uint64_t{static_cast<unsigned char>(b[i])} << (8 * i);
+    for (int i = 0; ok_ && i < width; ++i)
+      v |= uint64_t{static_cast<unsigned char>(b[i])} << (8 * i);
     return v;
   }
 
@@ -83,8 +84,8 @@ absl::Status Unframe(std::string_view bytes, const char (&magic)[4], const char*
                      WireBackend expected, uint64_t* issuer, uint64_t* address, uint64_t* length,
                      std::string* payload) {
   auto invalid = [&](std::string_view why) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("malformed transport ", what, " (", bytes.size(), " bytes): ", std::string(why)));
+    return absl::InvalidArgumentError(absl::StrCat("malformed transport ", what, " (", bytes.size(),
+                                                   " bytes): ", std::string(why)));
   };
   Reader r(bytes);
   if (r.Bytes(4) != std::string_view(magic, 4)) return invalid("bad magic");
@@ -126,9 +127,8 @@ std::string EncodeDescriptor(const WireDescriptor& d) {
 absl::StatusOr<WireAddress> DecodeAddress(std::string_view bytes, WireBackend expected) {
   WireAddress out;
   out.backend = expected;
-  absl::Status s =
-      Unframe(bytes, kAddressMagic, "address", expected, &out.issuer, nullptr, nullptr,
-              &out.payload);
+  absl::Status s = Unframe(bytes, kAddressMagic, "address", expected, &out.issuer, nullptr, nullptr,
+                           &out.payload);
   if (!s.ok()) return s;
   return out;
 }

@@ -23,6 +23,8 @@ CONFIG_KEYS = {
     "log_level": "--log-level",
     "metrics_listen": "--metrics-listen",
     "health_listen": "--health-listen",
+    "chunk_bytes": "--chunk-bytes",
+    "inflight": "--inflight",
 }
 FLAG_TO_KEY = {flag: key for key, flag in CONFIG_KEYS.items()}
 LOG_LEVELS = {"trace", "debug", "info", "warn", "error"}

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -59,7 +60,11 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
   d->socket_ = socket.empty() ? d->dir_ + "/run/refitd.sock" : socket;
 
   std::vector<std::string> args = {RunfilePath("daemon/refitd"), "--socket=" + d->socket_,
-                                   "--listen=127.0.0.1:0", "--log-level=debug"};
+                                   "--log-level=debug"};
+  const bool has_listen = std::any_of(extra_args.begin(), extra_args.end(), [](const auto& a) {
+    return a.rfind("--listen=", 0) == 0;
+  });
+  if (!has_listen) args.push_back("--listen=127.0.0.1:0");
   args.insert(args.end(), extra_args.begin(), extra_args.end());
   // Only async-signal-safe calls between fork and exec: this process has gRPC threads.
   std::vector<char*> argv;

@@ -1,0 +1,111 @@
+#include "daemon/transport/conformance_helpers.h"
+
+#include <algorithm>
+
+#include "catch2/catch.hpp"
+
+namespace refit::transport::testing {
+
+std::unique_ptr<Transport> MakeTransport() {
+  auto transport = TestBackend().make();
+  INFO(transport.status().ToString());
+  REQUIRE(transport.ok());
+  return *std::move(transport);
+}
+
+std::unique_ptr<LocalMemory> Register(Transport& transport, const Buffer& buffer) {
+  auto memory = transport.RegisterMemory(buffer.data(), buffer.size, MemoryKind::kHost);
+  INFO(memory.status().ToString());
+  REQUIRE(memory.ok());
+  return *std::move(memory);
+}
+
+std::unique_ptr<Endpoint> ConnectTo(Transport& self, const std::string& address) {
+  auto endpoint = self.Connect(address);
+  INFO(endpoint.status().ToString());
+  REQUIRE(endpoint.ok());
+  return *std::move(endpoint);
+}
+
+std::unique_ptr<RemoteMemory> Import(Endpoint& endpoint, const std::string& descriptor) {
+  auto remote = endpoint.ImportRemote(descriptor);
+  INFO(remote.status().ToString());
+  REQUIRE(remote.ok());
+  return *std::move(remote);
+}
+
+uint64_t NextCookie() {
+  static uint64_t cookie = 1000;
+  return ++cookie;
+}
+
+void PollUntil(Transport& self, const std::vector<Transport*>& others, Results* results,
+               size_t expected, std::chrono::seconds timeout) {
+  auto deadline = Clock::now() + timeout;
+  std::vector<Completion> completions;
+  while (results->size() < expected && Clock::now() < deadline) {
+    completions.clear();
+    self.Poll(&completions);
+    for (auto& c : completions) {
+      INFO("cookie " << c.cookie);
+      REQUIRE(results->count(c.cookie) == 0);
+      (*results)[c.cookie] = c.status;
+    }
+    std::vector<Completion> ignored;
+    for (Transport* other : others) other->Poll(&ignored);
+  }
+  REQUIRE(results->size() == expected);
+}
+
+absl::Status Transfer(bool get, Transport& self, const std::vector<Transport*>& others,
+                      Endpoint& endpoint, const LocalMemory& local, uint64_t local_base,
+                      const RemoteMemory& remote, uint64_t remote_base, uint64_t length,
+                      uint64_t chunk, size_t window) {
+  Results results;
+  size_t posted = 0;
+  uint64_t next = 0;
+  absl::Status first_error;
+  std::vector<Completion> completions;
+  auto deadline = Clock::now() + std::chrono::seconds(120);
+  while ((next < length || results.size() < posted) && Clock::now() < deadline) {
+    while (next < length && posted - results.size() < window) {
+      uint64_t n = std::min(chunk, length - next);
+      uint64_t cookie = NextCookie();
+      absl::Status s =
+          get ? endpoint.PostGet(local, local_base + next, remote, remote_base + next, n, cookie)
+              : endpoint.PostPut(local, local_base + next, remote, remote_base + next, n, cookie);
+      if (!s.ok()) return s;
+      ++posted;
+      next += n;
+    }
+    completions.clear();
+    self.Poll(&completions);
+    for (auto& c : completions) {
+      REQUIRE(results.count(c.cookie) == 0);
+      if (!c.status.ok() && first_error.ok()) first_error = c.status;
+      results[c.cookie] = c.status;
+    }
+    std::vector<Completion> ignored;
+    for (Transport* other : others) other->Poll(&ignored);
+  }
+  REQUIRE(results.size() == posted);
+  REQUIRE(next == length);
+  return first_error;
+}
+
+void Settle(const std::vector<Transport*>& transports) {
+  std::vector<Completion> ignored;
+  auto until = Clock::now() + std::chrono::milliseconds(20);
+  while (Clock::now() < until) {
+    for (Transport* t : transports) t->Poll(&ignored);
+  }
+}
+
+std::unique_ptr<PeerProcess> StartPeer(uint64_t size, uint64_t seed) {
+  auto peer = PeerProcess::Start(TestBackend().make, size, seed);
+  INFO(peer.status().ToString());
+  REQUIRE(peer.ok());
+  return *std::move(peer);
+}
+
+}  // namespace refit::transport::testing

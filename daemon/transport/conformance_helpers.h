@@ -1,0 +1,60 @@
+#pragma once
+
+// Helpers shared by the conformance cases (transport_conformance*.cc): Catch2-checked setup,
+// polling loops and a windowed, chunked transfer. Test-only; one thread.
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "daemon/transport/peer_process.h"
+#include "daemon/transport/transport.h"
+#include "daemon/transport/transport_conformance.h"
+
+namespace refit::transport::testing {
+
+using Clock = std::chrono::steady_clock;
+using Results = std::map<uint64_t, absl::Status>;  // cookie -> completion status
+constexpr uint64_t kMiB = 1 << 20;
+
+// Zero-filled host bytes.
+struct Buffer {
+  explicit Buffer(uint64_t n) : bytes(new uint8_t[n]), size(n) { std::memset(bytes.get(), 0, n); }
+  uint8_t* data() const { return bytes.get(); }
+  std::unique_ptr<uint8_t[]> bytes;
+  uint64_t size;
+};
+
+// TestBackend().make(), REQUIREd to succeed; likewise the next three.
+std::unique_ptr<Transport> MakeTransport();
+std::unique_ptr<LocalMemory> Register(Transport& transport, const Buffer& buffer);
+std::unique_ptr<Endpoint> ConnectTo(Transport& self, const std::string& address);
+std::unique_ptr<RemoteMemory> Import(Endpoint& endpoint, const std::string& descriptor);
+// A PeerProcess of TestBackend(); call before this process makes a transport.
+std::unique_ptr<PeerProcess> StartPeer(uint64_t size, uint64_t seed);
+
+// A cookie never used before in this process.
+uint64_t NextCookie();
+
+// Polls `self` (collecting completions, each cookie at most once) and `others` (which may have
+// to serve our ops) until `results` holds `expected` entries or `timeout` passes.
+void PollUntil(Transport& self, const std::vector<Transport*>& others, Results* results,
+               size_t expected, std::chrono::seconds timeout = std::chrono::seconds(60));
+
+// Moves `length` bytes between local[local_base, ...) and remote[remote_base, ...) in
+// `chunk`-sized ops with up to `window` in flight, polling `self` and `others`. Returns the
+// first failure (a refused post or a failed completion).
+absl::Status Transfer(bool get, Transport& self, const std::vector<Transport*>& others,
+                      Endpoint& endpoint, const LocalMemory& local, uint64_t local_base,
+                      const RemoteMemory& remote, uint64_t remote_base, uint64_t length,
+                      uint64_t chunk, size_t window);
+
+// Polls every transport for a moment, so that endpoint closes that need the peer's answer
+// finish while the peer is still there (a daemon always polls; a test must do it for both).
+void Settle(const std::vector<Transport*>& transports);
+
+}  // namespace refit::transport::testing

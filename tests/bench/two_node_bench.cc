@@ -1,0 +1,220 @@
+// two_node_bench: the two-node data path under load. Given two running refitd — the trainer's
+// node and the engine's node, the engine's started with --peers=<the trainer's --listen> — it
+// registers a ~1 GiB bf16 model as SOURCE on the trainer's node and as DESTINATION (same layout)
+// on the engine's node, publishes versions, and measures per version:
+//   publish   Publish's round trip on the trainer's node (the local snapshot);
+//   transfer  from Publish returning on the trainer's node to WaitForVersion returning on the
+//             engine's node: announce, pin, UCX pull, XXH3 verification, completion;
+//   apply     Apply's round trip on the engine's node (staging slot -> destination buffer).
+// Every version is checked byte for byte after Apply. --tensors=N splits the same bytes into N
+// tensors. The last line is machine-readable (RESULT key=value ...) for scripts.
+//
+//   two_node_bench --trainer-socket=A.sock --engine-socket=B.sock [--versions=5] [--warmup=1]
+//                  [--mib=1024] [--tensors=1]
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_format.h"
+#include "client/refit_client.h"
+
+namespace {
+
+namespace v1 = refit::v1;
+using refit::client::Client;
+using refit::client::SharedMemory;
+using refit::client::Slice;
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+int Fail(const std::string& what, const absl::Status& status) {
+  std::cerr << "two_node_bench: " << what << ": " << status.ToString() << "\n";
+  return 1;
+}
+
+double Metric(Client& client, const char* name) {
+  auto status = client.Status();
+  if (!status.ok()) return 0;
+  auto it = status->metrics().find(name);
+  return it == status->metrics().end() ? 0 : it->second;
+}
+
+// Until `client`'s daemon reports `peers` connected peers (false after `timeout`).
+bool WaitConnected(Client& client, int peers, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    auto s = client.Status();
+    if (s.ok()) {
+      int connected = 0;
+      for (const auto& p : s->peers()) connected += p.connected();
+      if (connected >= peers) return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string trainer_socket, engine_socket, model = "bench";
+  int versions = 5, warmup = 1, timeout_s = 120;
+  int64_t tensors = 1;
+  uint64_t mib = 1024;
+  CLI::App app{"refit two-node benchmark: publish on one daemon, receive on another"};
+  app.add_option("--trainer-socket", trainer_socket, "the trainer node's refitd socket")
+      ->required();
+  app.add_option("--engine-socket", engine_socket, "the engine node's refitd socket")->required();
+  app.add_option("--versions", versions, "measured versions")->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  app.add_option("--warmup", warmup, "versions published first and left out of the medians")
+      ->capture_default_str()->check(CLI::Range(0, 100));
+  app.add_option("--mib", mib, "model size in MiB (bf16)")->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--tensors", tensors, "tensors the same bytes are split into")
+      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{10000000}));
+  app.add_option("--model", model, "model name")->capture_default_str();
+  app.add_option("--timeout", timeout_s, "seconds to wait for one version")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  const uint64_t total = mib << 20;
+  const int64_t elements = static_cast<int64_t>(total / 2);
+  if (tensors > elements) tensors = elements;
+
+  auto trainer = Client::Connect(trainer_socket);
+  if (!trainer.ok()) return Fail("trainer node", trainer.status());
+  auto engine = Client::Connect(engine_socket);
+  if (!engine.ok()) return Fail("engine node", engine.status());
+  (*trainer)->set_call_timeout(std::chrono::seconds(timeout_s));
+  (*engine)->set_call_timeout(std::chrono::seconds(timeout_s));
+  if (!WaitConnected(**engine, 1, std::chrono::seconds(20))) {
+    return Fail("engine node", absl::UnavailableError("its peer (the trainer's node) never "
+                                                      "connected; start it with --peers"));
+  }
+
+  const std::string tag = std::to_string(getpid());
+  auto src = SharedMemory::Create("/refit-bench-trainer-" + tag, total);
+  if (!src.ok()) return Fail("shared memory", src.status());
+  auto dst = SharedMemory::Create("/refit-bench-engine-" + tag, total);
+  if (!dst.ok()) return Fail("shared memory", dst.status());
+
+  // N 1-D tensors of (nearly) equal size, back to back, in the same order on both sides.
+  std::vector<v1::TensorSlice> slices;
+  slices.reserve(static_cast<size_t>(tensors));
+  uint64_t offset = 0;
+  for (int64_t i = 0; i < tensors; ++i) {
+    const int64_t n = elements / tensors + (i < elements % tensors ? 1 : 0);
+    slices.push_back(Slice(absl::StrFormat("model.tensor.%07d.weight", i), v1::BF16, {n}, offset));
+    offset += static_cast<uint64_t>(n) * 2;
+  }
+  const std::string model_name =
+      tensors == 1 ? model : absl::StrFormat("%s-%dt", model, tensors);
+  auto reg_start = Clock::now();
+  auto src_id = (*trainer)->RegisterBuffer(model_name, v1::SOURCE, src->name(), slices,
+                                           "bench-trainer");
+  if (!src_id.ok()) return Fail("RegisterBuffer SOURCE", src_id.status());
+  auto dst_id = (*engine)->RegisterBuffer(model_name, v1::DESTINATION, dst->name(), slices,
+                                          "bench-engine");
+  if (!dst_id.ok()) return Fail("RegisterBuffer DESTINATION", dst_id.status());
+  const double register_s = Seconds(reg_start, Clock::now());
+
+  uint64_t base = 0;
+  for (Client* c : {trainer->get(), engine->get()}) {
+    auto status = c->Status();
+    if (!status.ok()) continue;
+    for (const auto& m : status->models()) {
+      if (m.model() == model_name) base = std::max<uint64_t>(base, m.latest_version());
+    }
+  }
+
+  std::cout << absl::StrFormat(
+      "model %s: %d bf16 tensors, %d bytes (%.3f GiB); trainer node %s -> engine node %s; "
+      "register %.3f s\n",
+      model_name, tensors, total, static_cast<double>(total) / (1 << 30), trainer_socket,
+      engine_socket, register_s);
+  std::cout << absl::StrFormat("%-8s %14s %10s %10s %11s %10s %10s %10s %8s\n", "version",
+                               "bytes pulled", "publish s", "GB/s", "transfer s", "GB/s",
+                               "apply s", "GB/s", "check");
+  std::vector<double> publish_s, transfer_s, apply_s, e2e_s;
+  const double gb = static_cast<double>(total) / 1e9;
+  for (int i = 1; i <= warmup + versions; ++i) {
+    const uint64_t version = base + static_cast<uint64_t>(i);
+    const bool measured = i > warmup;
+    // The "optimizer step": every byte changes; a marker per tensor.
+    std::memset(src->data(), static_cast<int>(version * 37 & 0xff), total);
+    for (const auto& s : slices) {
+      src->data()[s.buffer_offset()] = static_cast<uint8_t>(version + s.buffer_offset() / 4096);
+    }
+    const double received_before = Metric(**engine, "refit_data_bytes_received_total");
+
+    // The engine waits from before Publish, as an inference engine's refit loop would.
+    absl::StatusOr<uint64_t> ready = absl::UnknownError("not waited");
+    Clock::time_point t_ready;
+    std::thread waiter([&] {
+      ready = (*engine)->WaitForVersion(model_name, version, std::chrono::seconds(timeout_s));
+      t_ready = Clock::now();
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // let the wait be in place
+    const auto t0 = Clock::now();
+    auto published = (*trainer)->Publish(model_name, version, {*src_id});
+    const auto t1 = Clock::now();
+    waiter.join();
+    if (!published.ok()) return Fail("Publish", published.status());
+    if (!ready.ok()) return Fail(absl::StrFormat("WaitForVersion %d", version), ready.status());
+
+    const auto t2 = Clock::now();
+    auto applied = (*engine)->Apply(model_name, version, {*dst_id});
+    const auto t3 = Clock::now();
+    if (!applied.ok()) return Fail("Apply", applied.status());
+    const bool ok = std::memcmp(dst->data(), src->data(), total) == 0;
+    const double pulled = Metric(**engine, "refit_data_bytes_received_total") - received_before;
+
+    const double pub = Seconds(t0, t1), xfer = Seconds(t1, t_ready), app_s = Seconds(t2, t3);
+    std::cout << absl::StrFormat("%-8s %14.0f %10.4f %10.2f %11.4f %10.2f %10.4f %10.2f %8s\n",
+                                 absl::StrCat(version, measured ? "" : " (w)"), pulled, pub,
+                                 gb / pub, xfer, gb / xfer, app_s, gb / app_s,
+                                 ok ? "ok" : "WRONG");
+    if (!ok) return 1;
+    if (measured) {
+      publish_s.push_back(pub);
+      transfer_s.push_back(xfer);
+      apply_s.push_back(app_s);
+      e2e_s.push_back(Seconds(t0, t_ready));
+    }
+  }
+
+  const double publish_gbs = gb / Median(publish_s), transfer_gbs = gb / Median(transfer_s),
+               apply_gbs = gb / Median(apply_s), e2e_gbs = gb / Median(e2e_s);
+  std::cout << absl::StrFormat(
+      "medians over %d versions of %.3f GB, %d tensors ((w) = warm-up, not counted):\n"
+      "  publish   %8.4f s  %7.2f GB/s\n"
+      "  transfer  %8.4f s  %7.2f GB/s   (Publish returned -> WaitForVersion returned)\n"
+      "  apply     %8.4f s  %7.2f GB/s\n"
+      "  publish+transfer %.4f s  %7.2f GB/s\n",
+      versions, gb, tensors, Median(publish_s), publish_gbs, Median(transfer_s), transfer_gbs,
+      Median(apply_s), apply_gbs, Median(e2e_s), e2e_gbs);
+  std::cout << absl::StrFormat(
+      "RESULT tensors=%d bytes=%d versions=%d publish_s=%.6f transfer_s=%.6f apply_s=%.6f "
+      "e2e_s=%.6f transfer_gbs=%.4f apply_gbs=%.4f publish_gbs=%.4f\n",
+      tensors, total, versions, Median(publish_s), Median(transfer_s), Median(apply_s),
+      Median(e2e_s), transfer_gbs, apply_gbs, publish_gbs);
+  (void)(*engine)->ReleaseBuffer(*dst_id);
+  (void)(*trainer)->ReleaseBuffer(*src_id);
+  return 0;
+}
