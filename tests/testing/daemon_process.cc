@@ -52,15 +52,16 @@ std::string UniqueShmName(const std::string& tag) {
 
 absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
     const std::vector<std::string>& extra_args, const std::string& socket,
-    const std::vector<std::string>& env) {
+    const std::vector<std::string>& env, const std::vector<std::string>& wrapper) {
   std::unique_ptr<DaemonProcess> d(new DaemonProcess());
   char dir_template[] = "/tmp/refit-test-XXXXXX";  // short: Unix socket paths are limited
   if (!mkdtemp(dir_template)) return absl::InternalError("mkdtemp failed");
   d->dir_ = dir_template;
   d->socket_ = socket.empty() ? d->dir_ + "/run/refitd.sock" : socket;
 
-  std::vector<std::string> args = {RunfilePath("daemon/refitd"), "--socket=" + d->socket_,
-                                   "--log-level=debug"};
+  std::vector<std::string> args = wrapper;
+  args.insert(args.end(), {RunfilePath("daemon/refitd"), "--socket=" + d->socket_,
+                           "--log-level=debug"});
   const bool has_listen = std::any_of(extra_args.begin(), extra_args.end(), [](const auto& a) {
     return a.rfind("--listen=", 0) == 0;
   });

@@ -28,9 +28,10 @@ class DaemonProcess {
   // `extra_args`; returns once the socket answers (or an error after 20 s).
   // With `socket` set, serves that path instead of one in a fresh directory.
   // `env` entries ("NAME=value") are added to the daemon's environment.
+  // `wrapper` (e.g. {"/usr/sbin/ip", "netns", "exec", "ns1"}) is run with refitd's command line.
   static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(
       const std::vector<std::string>& extra_args = {}, const std::string& socket = "",
-      const std::vector<std::string>& env = {});
+      const std::vector<std::string>& env = {}, const std::vector<std::string>& wrapper = {});
   ~DaemonProcess();
 
   const std::string& socket() const { return socket_; }

@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# The two-node benchmark on this one machine: two refitd on temporary sockets act as the
+# trainer's node and the engine's node (the engine's daemon has --peers=<the trainer's>), both
+# with the same UCX_TLS. For each UCX_TLS it runs tests/bench:two_node_bench with 1 tensor and
+# with 20,000 tensors of the same ~1 GiB, and in the same run the references:
+#   ucx_perftest -t ucp_get with the daemon's chunk size (4 MiB), two processes on 127.0.0.1,
+#     same UCX_TLS (median of 3 runs);
+#   a torch.distributed gloo broadcast of the same bytes, one sender and one receiver on
+#     loopback (tests/bench/gloo_broadcast.py, Debian's python3-torch).
+# It prints every figure next to the others with the ratios refit/ucx_perftest (goal >= 0.9)
+# and refit/gloo (goal >= 3), and which UCX lanes the data went over (from UCX_LOG_LEVEL=info).
+#
+# Usage: scripts/bench-two-node.sh [--tls "tcp sm,tcp"] [--tensors "1 20000"] [--versions 5]
+#                                  [--warmup 1] [--mib 1024] [--no-build] [--keep]
+# Environment: BAZEL_OUTPUT_BASE=<dir> builds in that Bazel output base, without convenience
+# symlinks (for machines where other builds share the checkout).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+tls_list="tcp sm,tcp"
+tensor_list="1 20000"
+versions=5
+warmup=1
+mib=1024
+build=1
+keep=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tls) tls_list="$2"; shift 2 ;;
+    --tls=*) tls_list="${1#*=}"; shift ;;
+    --tensors) tensor_list="$2"; shift 2 ;;
+    --tensors=*) tensor_list="${1#*=}"; shift ;;
+    --versions) versions="$2"; shift 2 ;;
+    --versions=*) versions="${1#*=}"; shift ;;
+    --warmup) warmup="$2"; shift 2 ;;
+    --warmup=*) warmup="${1#*=}"; shift ;;
+    --mib) mib="$2"; shift 2 ;;
+    --mib=*) mib="${1#*=}"; shift ;;
+    --no-build) build=0; shift ;;
+    --keep) keep=1; shift ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) echo "bench-two-node: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+bazel_cmd=(bazel)
+build_flags=()
+if [ -n "${BAZEL_OUTPUT_BASE:-}" ]; then
+  bazel_cmd+=(--output_base="$BAZEL_OUTPUT_BASE")
+  build_flags+=(--experimental_convenience_symlinks=ignore)
+fi
+if [ "$build" = 1 ]; then
+  ./scripts/install-deps.sh
+  "${bazel_cmd[@]}" build "${build_flags[@]}" //daemon:refitd //client:refitctl \
+    //tests/bench:two_node_bench
+fi
+bin="$("${bazel_cmd[@]}" info bazel-bin 2>/dev/null)"
+python=/usr/bin/python3
+chunk=$((4 << 20))  # the data plane's chunk (daemon/peer/data_plane.h, DataPlaneOptions)
+
+work=$(mktemp -d /tmp/refit-bench-XXXXXX)
+pids=()
+cleanup() {
+  for pid in "${pids[@]:-}"; do
+    [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+  done
+  if [ "$keep" = 1 ]; then echo "logs kept in $work"; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+started=$(date +%s)
+echo "bench-two-node: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r), load $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "  $(ucx_info -v | head -1 | sed 's/# //'), model ${mib} MiB bf16, ${versions} versions (+${warmup} warm-up), tensors: ${tensor_list}"
+
+# ucx_perftest ucp_get between two processes on 127.0.0.1; prints "<GB/s> <lanes>".
+perftest() {
+  local tls="$1" tag="$2" port=$((20000 + RANDOM % 20000))
+  local n=$(( (mib << 20) / chunk )); [ "$n" -lt 16 ] && n=16
+  UCX_TLS="$tls" UCX_LOG_LEVEL=info ucx_perftest -t ucp_get -s "$chunk" -n "$n" -w 16 -p "$port" \
+    >"$work/perftest-$tag-server.log" 2>&1 &
+  local server=$!
+  local out="$work/perftest-$tag-client.log"
+  for _ in $(seq 50); do
+    if UCX_TLS="$tls" UCX_LOG_LEVEL=info timeout 120 ucx_perftest 127.0.0.1 -t ucp_get \
+         -s "$chunk" -n "$n" -w 16 -p "$port" -f >"$out" 2>&1; then
+      break
+    fi
+    sleep 0.2
+  done
+  wait "$server" 2>/dev/null || true
+  # The last row: iterations, latency 50%/avg/overall, bandwidth avg/overall (MiB/s), rates.
+  local mibs
+  mibs=$(grep -E '^ +[0-9]+ ' "$out" | tail -1 | awk '{print $6}')
+  local lanes
+  lanes=$(grep -ho 'ep_cfg\[[0-9]*\]: .*' "$out" | sed 's/ep_cfg\[[0-9]*\]: //' | sort -u |
+          paste -sd';' - | tr -s ' ')
+  awk -v m="${mibs:-0}" 'BEGIN { printf "%.4f ", m * 1048576 / 1e9 }'
+  echo "${lanes:-?}"
+}
+
+wait_healthy() {
+  for _ in $(seq 100); do
+    "$bin/client/refitctl" --socket="$1" --timeout=0.2 health >/dev/null 2>&1 && return 0
+    sleep 0.1
+  done
+  echo "bench-two-node: refitd at $1 did not come up:" >&2
+  cat "$2" >&2
+  return 1
+}
+
+# Starts the two daemons with UCX_TLS=$1 into $work/$2-{trainer,engine}.{sock,log}.
+start_daemons() {
+  local tls="$1" tag="$2"
+  UCX_TLS="$tls" UCX_LOG_LEVEL=info "$bin/daemon/refitd" --socket="$work/$tag-trainer.sock" \
+    --listen=127.0.0.1:0 --node=trainer-node >"$work/$tag-trainer.log" 2>&1 &
+  trainer=$!
+  pids+=("$trainer")
+  wait_healthy "$work/$tag-trainer.sock" "$work/$tag-trainer.log"
+  local port
+  port=$("$bin/client/refitctl" --socket="$work/$tag-trainer.sock" status --json |
+         "$python" -c 'import json,sys; d=json.load(sys.stdin); print(d.get("listen_port") or d.get("listenPort"))')
+  UCX_TLS="$tls" UCX_LOG_LEVEL=info "$bin/daemon/refitd" --socket="$work/$tag-engine.sock" \
+    --listen=127.0.0.1:0 --node=engine-node --peers="127.0.0.1:$port" \
+    >"$work/$tag-engine.log" 2>&1 &
+  engine=$!
+  pids+=("$engine")
+  wait_healthy "$work/$tag-engine.sock" "$work/$tag-engine.log"
+}
+
+stop_daemons() {
+  kill -TERM "$trainer" "$engine" 2>/dev/null || true
+  wait "$trainer" "$engine" 2>/dev/null || true
+  pids=()
+}
+
+results="$work/results.txt"
+: >"$results"
+for tls in $tls_list; do
+  tag=${tls//,/_}
+  echo
+  echo "=== UCX_TLS=$tls"
+  read -r pt_gbs pt_lanes <<<"$(perftest "$tls" "$tag")"
+  read -r pt2_gbs _ <<<"$(perftest "$tls" "$tag-2")"
+  read -r pt3_gbs _ <<<"$(perftest "$tls" "$tag-3")"
+  pt_med=$(printf '%s\n' "$pt_gbs" "$pt2_gbs" "$pt3_gbs" | sort -g | sed -n 2p)
+  echo "ucx_perftest ucp_get ${chunk} B x $(( (mib << 20) / chunk )): $pt_gbs $pt2_gbs $pt3_gbs GB/s (median $pt_med), lanes: $pt_lanes"
+  for tensors in $tensor_list; do
+    start_daemons "$tls" "$tag-$tensors"
+    echo "--- refit, $tensors tensor(s):"
+    if ! "$bin/tests/bench/two_node_bench" --trainer-socket="$work/$tag-$tensors-trainer.sock" \
+        --engine-socket="$work/$tag-$tensors-engine.sock" --versions="$versions" \
+        --warmup="$warmup" --mib="$mib" --tensors="$tensors" | tee "$work/bench-$tag-$tensors.out"; then
+      echo "bench-two-node: two_node_bench failed; engine log tail:" >&2
+      tail -20 "$work/$tag-$tensors-engine.log" >&2
+      exit 1
+    fi
+    stop_daemons
+    lanes=$(grep -ho 'ep_cfg\[[0-9]*\]: .*' "$work/$tag-$tensors-engine.log" |
+            sed 's/ep_cfg\[[0-9]*\]: //' | sort -u | paste -sd';' - | tr -s ' ')
+    echo "daemon data-plane lanes (engine's UCX log): ${lanes:-? (no ep_cfg lines)}"
+    echo "engine's own pull times (announce -> pulled+verified):"
+    grep -o 'version=[0-9]* pulled [0-9]* bytes in [0-9.]* s' "$work/$tag-$tensors-engine.log" |
+      sed 's/^/  /'
+    r=$(grep '^RESULT' "$work/bench-$tag-$tensors.out")
+    echo "tls=$tls lanes=${lanes// /_} pt_gbs=$pt_med pt_lanes=${pt_lanes// /_} $r" >>"$results"
+  done
+done
+
+echo
+echo "=== gloo broadcast (torch $("$python" -c 'import torch; print(torch.__version__)'))"
+"$python" tests/bench/gloo_broadcast.py --mib "$mib" --rounds "$versions" --warmup "$warmup" |
+  tee "$work/gloo.out"
+gloo=$(grep '^RESULT' "$work/gloo.out" | sed 's/.*gloo_gbs=//')
+
+echo
+echo "=== summary (medians; GB = 1e9 bytes; model ${mib} MiB; $(date -u '+%Y-%m-%d %H:%M UTC'); $(( $(date +%s) - started )) s)"
+"$python" - "$results" "$gloo" <<'EOF'
+import sys
+rows = []
+for line in open(sys.argv[1]):
+    kv = dict(f.split("=", 1) for f in line.split() if "=" in f)
+    rows.append(kv)
+gloo = float(sys.argv[2])
+print(f"{'UCX_TLS':<14} {'tensors':>7} {'transfer s':>10} {'refit GB/s':>10} {'apply GB/s':>10} "
+      f"{'perftest':>9} {'refit/pt':>8} {'gloo':>6} {'refit/gloo':>10}  daemon lanes | perftest lanes")
+base = {}
+for r in rows:
+    t, pt = float(r["transfer_gbs"]), float(r["pt_gbs"])
+    if r["tensors"] == "1":
+        base[r["tls"]] = float(r["transfer_s"])
+    print(f"{r['tls']:<14} {r['tensors']:>7} {float(r['transfer_s']):>10.4f} {t:>10.2f} "
+          f"{float(r['apply_gbs']):>10.2f} {pt:>9.2f} {t / pt if pt else 0:>8.2f} {gloo:>6.2f} "
+          f"{t / gloo:>10.2f}  {r['lanes'].replace('_', ' ')} | {r['pt_lanes'].replace('_', ' ')}")
+for r in rows:
+    if r["tensors"] != "1" and r["tls"] in base:
+        print(f"UCX_TLS={r['tls']}: {r['tensors']} tensors take {float(r['transfer_s']) / base[r['tls']]:.2f}x "
+              f"the transfer time of 1 tensor (goal <= 1.2x)")
+print("goals: refit/perftest >= 0.9, refit/gloo >= 3")
+EOF

@@ -1,0 +1,101 @@
+// Two daemons in two network namespaces joined by a veth pair: the bytes cross separate network
+// stacks over TCP. Needs root and iproute2; where namespaces can't be made the test says so
+// loudly and checks nothing else (it is not silently green).
+
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "catch2/catch.hpp"
+#include "client/refit_client.h"
+#include "tests/testing/daemon_process.h"
+
+namespace refit {
+namespace {
+
+using client::SharedMemory;
+using client::Slice;
+using std::chrono::milliseconds;
+
+int Sh(const std::string& command) { return std::system((command + " >/dev/null 2>&1").c_str()); }
+
+// Two namespaces, a (192.0.2.1) and b (192.0.2.2), joined by veth; removed on destruction.
+struct TwoHosts {
+  TwoHosts() {
+    const std::string tag = std::to_string(getpid() % 100000);
+    a = "refit-a-" + tag;
+    b = "refit-b-" + tag;
+    const std::string va = "rfa" + tag, vb = "rfb" + tag;
+    ok = Sh("ip netns add " + a) == 0 && Sh("ip netns add " + b) == 0 &&
+         Sh("ip link add " + va + " type veth peer name " + vb) == 0 &&
+         Sh("ip link set " + va + " netns " + a) == 0 &&
+         Sh("ip link set " + vb + " netns " + b) == 0 &&
+         Sh("ip -n " + a + " addr add 192.0.2.1/24 dev " + va) == 0 &&
+         Sh("ip -n " + b + " addr add 192.0.2.2/24 dev " + vb) == 0 &&
+         Sh("ip -n " + a + " link set " + va + " up") == 0 &&
+         Sh("ip -n " + b + " link set " + vb + " up") == 0 &&
+         Sh("ip -n " + a + " link set lo up") == 0 && Sh("ip -n " + b + " link set lo up") == 0;
+    device_a = va;
+    device_b = vb;
+  }
+  ~TwoHosts() {
+    Sh("ip netns del " + a);
+    Sh("ip netns del " + b);
+  }
+  std::vector<std::string> In(const std::string& ns) { return {"/usr/sbin/ip", "netns", "exec", ns}; }
+  bool ok = false;
+  std::string a, b, device_a, device_b;
+};
+
+TEST_CASE("two daemons in two network namespaces sync over veth", "[integration][netns]") {
+  TwoHosts hosts;
+  if (!hosts.ok) {
+    WARN("SKIPPED: cannot create network namespaces here (needs root and iproute2); the "
+         "cross-namespace transfer was NOT tested");
+    return;
+  }
+  auto source = testing::DaemonProcess::Start(
+      {"--node=host-a", "--listen=192.0.2.1:7070"}, "",
+      {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_a}, hosts.In(hosts.a));
+  REQUIRE(source.ok());
+  auto engine_node = testing::DaemonProcess::Start(
+      {"--node=host-b", "--listen=192.0.2.2:7070", "--peers=192.0.2.1:7070"}, "",
+      {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_b}, hosts.In(hosts.b));
+  REQUIRE(engine_node.ok());
+
+  auto trainer = (*source)->Connect();
+  auto engine = (*engine_node)->Connect();
+  REQUIRE(trainer.ok());
+  REQUIRE(engine.ok());
+  constexpr int64_t kBytes = 8 << 20;
+  auto src = SharedMemory::Create(testing::UniqueShmName("ns"), kBytes);
+  auto dst = SharedMemory::Create(testing::UniqueShmName("ns"), kBytes);
+  REQUIRE(src.ok());
+  REQUIRE(dst.ok());
+  auto s = (*trainer)->RegisterBuffer("m", v1::SOURCE, src->name(),
+                                      {Slice("w", v1::BF16, {kBytes / 2})});
+  auto d = (*engine)->RegisterBuffer("m", v1::DESTINATION, dst->name(),
+                                     {Slice("w", v1::BF16, {kBytes / 2})});
+  REQUIRE(s.ok());
+  REQUIRE(d.ok());
+  std::mt19937 rng(5);
+  for (uint64_t v = 1; v <= 2; ++v) {
+    for (int64_t i = 0; i < kBytes; ++i) src->data()[i] = static_cast<uint8_t>(rng());
+    REQUIRE((*trainer)->Publish("m", v, {*s}).ok());
+    REQUIRE((*engine)->WaitForVersion("m", v, milliseconds(30000)).ok());
+    REQUIRE((*engine)->Apply("m", v, {*d}).ok());
+    CHECK(std::memcmp(src->data(), dst->data(), kBytes) == 0);
+  }
+  auto status = (*engine)->Status();
+  REQUIRE(status.ok());
+  REQUIRE(status->peers_size() == 1);
+  CHECK(status->peers(0).node() == "host-a");
+  CHECK(status->peers(0).address() == "192.0.2.1:7070");
+  CHECK(status->metrics().at("refit_data_bytes_received_total") == 2.0 * kBytes);
+}
+
+}  // namespace
+}  // namespace refit
