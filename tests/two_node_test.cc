@@ -277,3 +277,120 @@ TEST_CASE("sources split across two daemons: the engine pulls from both (three n
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+struct Pair {
+  std::unique_ptr<DaemonProcess> source, engine;
+  std::unique_ptr<client::Client> trainer, inference;
+};
+
+Pair StartPair(const std::vector<std::string>& source_env = {},
+               const std::vector<std::string>& engine_args = {}) {
+  Pair p;
+  auto source = DaemonProcess::Start({"--node=src"}, "", source_env);
+  REQUIRE(source.ok());
+  p.source = std::move(source).value();
+  std::vector<std::string> args = {"--node=dst",
+                                   "--peers=127.0.0.1:" + std::to_string(ListenPort(*p.source))};
+  args.insert(args.end(), engine_args.begin(), engine_args.end());
+  auto engine = DaemonProcess::Start(args);
+  REQUIRE(engine.ok());
+  p.engine = std::move(engine).value();
+  auto t = p.source->Connect();
+  auto i = p.engine->Connect();
+  REQUIRE(t.ok());
+  REQUIRE(i.ok());
+  p.trainer = std::move(t).value();
+  p.inference = std::move(i).value();
+  WaitConnected(*p.inference, 1);
+  return p;
+}
+
+TEST_CASE("tensors of several sizes up to 256 MiB arrive bit-exact", "[integration][two]") {
+  Pair p = StartPair();
+  // 1 byte, an odd size, a chunk and a bit, and 256 MiB: one buffer each side.
+  const std::vector<int64_t> sizes = {1, 4097, (4 << 20) + 3, 256 << 20};
+  uint64_t total = 0;
+  std::vector<v1::TensorSlice> slices;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    slices.push_back(Slice("t" + std::to_string(i), v1::UINT8, {sizes[i]}, total));
+    total += static_cast<uint64_t>(sizes[i]);
+  }
+  SharedMemory src = MakeShm(total), dst = MakeShm(total);
+  Fill(src, 99);
+  auto s = p.trainer->RegisterBuffer("sizes", v1::SOURCE, src.name(), slices);
+  auto d = p.inference->RegisterBuffer("sizes", v1::DESTINATION, dst.name(), slices);
+  REQUIRE(s.ok());
+  REQUIRE(d.ok());
+  REQUIRE(p.trainer->Publish("sizes", 1, {*s}).ok());
+  REQUIRE(p.inference->WaitForVersion("sizes", 1, milliseconds(120000)).ok());
+  REQUIRE(p.inference->Apply("sizes", 1, {*d}).ok());
+  CHECK(std::memcmp(src.data(), dst.data(), total) == 0);
+}
+
+TEST_CASE("a restarted receiver pulls the newest version again", "[integration][two]") {
+  Pair p = StartPair();
+  SharedMemory src = MakeShm(1 << 20), dst = MakeShm(1 << 20);
+  auto s = p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {1 << 20})});
+  REQUIRE(s.ok());
+  for (uint64_t v = 1; v <= 3; ++v) {
+    Fill(src, static_cast<uint32_t>(v));
+    REQUIRE(p.trainer->Publish("m", v, {*s}).ok());
+  }
+  Fill(src, 3);  // what version 3 holds
+  // A receiver that starts now (or restarts) gets the newest version, not the history.
+  p.inference.reset();
+  p.engine->Stop(SIGKILL);
+  auto engine = DaemonProcess::Start(
+      {"--node=dst", "--peers=127.0.0.1:" + std::to_string(ListenPort(*p.source))});
+  REQUIRE(engine.ok());
+  auto inference = (*engine)->Connect();
+  REQUIRE(inference.ok());
+  auto d = (*inference)->RegisterBuffer("m", v1::DESTINATION, dst.name(),
+                                        {Slice("w", v1::UINT8, {1 << 20})});
+  REQUIRE(d.ok());
+  auto got = (*inference)->WaitForVersion("m", 1, milliseconds(20000));
+  REQUIRE(got.ok());
+  CHECK(*got == 3);
+  REQUIRE((*inference)->Apply("m", 0, {*d}).ok());
+  CHECK(std::memcmp(src.data(), dst.data(), 1 << 20) == 0);
+}
+
+TEST_CASE("a checksum mismatch is fetched again; a persistent one fails the version",
+          "[integration][two][failure]") {
+  SECTION("one bad reply: the chunk is fetched again and the version completes") {
+    Pair p = StartPair({"REFIT_FAULT_CORRUPT_CHECKSUMS=1"});
+    SharedMemory src = MakeShm(1 << 20), dst = MakeShm(1 << 20);
+    Fill(src, 1);
+    auto s = p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(),
+                                       {Slice("w", v1::UINT8, {1 << 20})});
+    auto d = p.inference->RegisterBuffer("m", v1::DESTINATION, dst.name(),
+                                         {Slice("w", v1::UINT8, {1 << 20})});
+    REQUIRE(p.trainer->Publish("m", 1, {*s}).ok());
+    REQUIRE(p.inference->WaitForVersion("m", 1, milliseconds(20000)).ok());
+    REQUIRE(p.inference->Apply("m", 1, {*d}).ok());
+    CHECK(std::memcmp(src.data(), dst.data(), 1 << 20) == 0);
+    auto status = p.inference->Status();
+    REQUIRE(status.ok());
+    // The 1 MiB arrived twice: once, and once more after the bad checksum.
+    CHECK(status->metrics().at("refit_data_bytes_received_total") == 2.0 * (1 << 20));
+  }
+  SECTION("always bad: the version is never shown, the previous one stays") {
+    Pair p = StartPair({"REFIT_FAULT_CORRUPT_CHECKSUMS=1000000"});
+    SharedMemory src = MakeShm(1 << 20), dst = MakeShm(1 << 20);
+    auto s = p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(),
+                                       {Slice("w", v1::UINT8, {1 << 20})});
+    auto d = p.inference->RegisterBuffer("m", v1::DESTINATION, dst.name(),
+                                         {Slice("w", v1::UINT8, {1 << 20})});
+    REQUIRE(p.trainer->Publish("m", 1, {*s}).ok());
+    CHECK(p.inference->WaitForVersion("m", 1, milliseconds(3000)).status().code() ==
+          absl::StatusCode::kDeadlineExceeded);
+    CHECK(p.inference->Apply("m", 1, {*d}).status().code() ==
+          absl::StatusCode::kFailedPrecondition);
+  }
+}
+
+}  // namespace
+}  // namespace refit

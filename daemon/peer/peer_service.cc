@@ -2,6 +2,8 @@
 
 #include <xxhash.h>
 
+#include <cstdlib>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/common/logging.h"
@@ -23,7 +25,13 @@ void ToProto(const TensorSlice& in, v1::TensorSlice* out) {
 }  // namespace
 
 PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane, Metrics* metrics)
-    : node_(std::move(node)), store_(store), data_plane_(data_plane), metrics_(metrics) {}
+    : node_(std::move(node)), store_(store), data_plane_(data_plane), metrics_(metrics) {
+  if (const char* fault = std::getenv("REFIT_FAULT_CORRUPT_CHECKSUMS")) {
+    corrupt_checksums_ = std::atoll(fault);
+    Logger("peer")->warn("fault injection: the first {} checksum replies will be wrong",
+                         corrupt_checksums_.load());
+  }
+}
 
 void PeerService::NotifyChanged() {
   {
@@ -141,6 +149,10 @@ grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumReque
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "range past the piece's end");
     }
     response->add_xxh3(XXH3_64bits(piece->slot->data() + r.offset(), r.length()));
+  }
+  if (corrupt_checksums_.load() > 0 && corrupt_checksums_.fetch_sub(1) > 0 &&
+      response->xxh3_size() > 0) {
+    response->set_xxh3(0, response->xxh3(0) ^ 1);
   }
   return grpc::Status::OK;
 }

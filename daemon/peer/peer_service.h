@@ -8,6 +8,7 @@
 // Thread-safety: gRPC calls the handlers concurrently; NotifyChanged may be called from any
 // thread (the store calls it with its lock held: it only bumps a counter).
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
@@ -48,6 +49,9 @@ class PeerService final : public v1::Peer::Service {
   void ExpirePins();
 
   const std::string node_;
+  // Fault injection for tests: the first N Checksum replies are wrong
+  // ($REFIT_FAULT_CORRUPT_CHECKSUMS; 0 in production).
+  std::atomic<int64_t> corrupt_checksums_{0};
   Store* const store_;
   DataPlane* const data_plane_;
   Metrics* const metrics_;

@@ -121,7 +121,10 @@ void Store::TryCompleteWithRemotes(Model& model) {
   });
 
   if (model.destinations.empty()) {
-    // Nothing to pull: the version is complete here without holding the other nodes' bytes.
+    // A node with neither sources nor destinations of the model has nothing to complete; once
+    // an engine registers its destinations the newest announced version is pulled for them.
+    if (model.sources.empty()) return;
+    // A trainer node: complete without holding the other nodes' bytes.
     CompleteVersion(model, candidate, std::move(pieces));
     return;
   }

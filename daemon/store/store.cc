@@ -126,10 +126,14 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   if (role == Role::kSource && listener_.local_layout_changed) {
     listener_.local_layout_changed(model_name);
   }
+
   Logger("store")->info("model={} buffer={} registered: {} {} tensors, {} client={}", model_name,
                         buffer->id, RoleName(role), buffer->slices.size(),
                         buffer->region->Describe(), client);
   buffers_[buffer->id] = buffer;
+  if (role == Role::kDestination && model->HasRemoteSources()) {
+    TryComplete(*model);  // an engine that just arrived wants the newest announced version
+  }
   const std::string id = buffer->id;
   lock.unlock();
   if (role == Role::kSource) {
