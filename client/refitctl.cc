@@ -10,7 +10,12 @@
 // --json prints machine-readable output. Exit codes: 0 success, 1 the daemon answered with an
 // error, 2 bad usage, 3 no daemon answers at the socket.
 
+#include <unistd.h>
+
 #include <cstdio>
+#include <deque>
+#include <mutex>
+#include <thread>
 #include <iostream>
 #include <string>
 
@@ -94,6 +99,70 @@ void PrintStatus(const v1::StatusResponse& status) {
   }
 }
 
+std::string Bar(uint64_t done, uint64_t total) {
+  const int width = 30;
+  const int filled = total ? static_cast<int>(width * done / total) : width;
+  return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
+}
+
+// Prints each version of `model` as it completes. On a terminal, a progress bar shows the pull
+// in flight (from Status, polled every 200 ms) on the line below.
+int Watch(Client& client, const std::string& model, bool json) {
+  auto watcher = client.Watch(model);
+  if (!watcher.ok()) return Fail(watcher.status());
+  std::mutex mu;
+  std::deque<v1::VersionEvent> events;
+  bool ended = false;
+  std::thread reader([&] {
+    v1::VersionEvent event;
+    while ((*watcher)->Next(&event)) {
+      std::lock_guard<std::mutex> lock(mu);
+      events.push_back(event);
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    ended = true;
+  });
+  const bool tty = !json && isatty(STDOUT_FILENO);
+  bool bar_shown = false;
+  while (true) {
+    std::deque<v1::VersionEvent> ready;
+    bool done;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ready.swap(events);
+      done = ended;
+    }
+    for (const auto& event : ready) {
+      if (bar_shown) std::cout << "\r\033[K";
+      bar_shown = false;
+      if (json) {
+        std::cout << "{\"model\": \"" << event.model() << "\", \"version\": "
+                  << event.version() << "}" << std::endl;
+      } else {
+        std::cout << event.model() << " version " << event.version() << " complete" << std::endl;
+      }
+    }
+    if (done) break;
+    if (tty) {
+      auto status = client.Status();
+      if (status.ok()) {
+        for (const auto& t : status->transfers()) {
+          if (t.model() != model) continue;
+          std::cout << "\r\033[K" << absl::StrFormat(
+              "%s version %d pulling %s %s / %s", model, t.version(),
+              Bar(t.bytes_done(), t.bytes_total()), HumanBytes(double(t.bytes_done())),
+              HumanBytes(double(t.bytes_total()))) << std::flush;
+          bar_shown = true;
+        }
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  reader.join();
+  auto end = (*watcher)->status();
+  return end.ok() ? 0 : Fail(end);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -134,21 +203,7 @@ int main(int argc, char** argv) {
     return *healthy ? 0 : kExitError;
   }
 
-  if (watch_cmd->parsed()) {
-    auto watcher = (*client)->Watch(model);
-    if (!watcher.ok()) return Fail(watcher.status());
-    v1::VersionEvent event;
-    while ((*watcher)->Next(&event)) {
-      if (json) {
-        std::cout << "{\"model\": \"" << event.model() << "\", \"version\": " << event.version()
-                  << "}" << std::endl;
-      } else {
-        std::cout << event.model() << " version " << event.version() << " complete" << std::endl;
-      }
-    }
-    auto end = (*watcher)->status();
-    return end.ok() ? 0 : Fail(end);
-  }
+  if (watch_cmd->parsed()) return Watch(**client, model, json);
 
   auto status = (*client)->Status();
   if (!status.ok()) return Fail(status.status());

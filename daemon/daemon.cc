@@ -150,10 +150,17 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     for (const auto& p : raw->peers->Peers()) out.push_back({p.node, p.address, p.connected});
     return out;
   };
-  context.add_ports = [raw](v1::StatusResponse* response) {
+  context.add_runtime = [raw](v1::StatusResponse* response) {
     response->set_listen_port(raw->listen_port);
     response->set_health_port(raw->health_port);
     response->set_metrics_port(raw->metrics_server ? raw->metrics_server->port() : 0);
+    for (const auto& t : raw->peers->Transfers()) {
+      v1::TransferStatus* ts = response->add_transfers();
+      ts->set_model(t.model);
+      ts->set_version(t.version);
+      ts->set_bytes_total(t.bytes_total);
+      ts->set_bytes_done(t.bytes_done);
+    }
   };
   impl->service = std::make_unique<server::RefitService>(std::move(context));
 

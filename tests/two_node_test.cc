@@ -394,3 +394,50 @@ TEST_CASE("a checksum mismatch is fetched again; a persistent one fails the vers
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+TEST_CASE("Status and refitctl show a pull in flight and each version completing",
+          "[integration][two]") {
+  Pair p = StartPair({}, {"--chunk-bytes=16384", "--inflight=1"});
+  constexpr int64_t kBytes = 32 << 20;
+  SharedMemory src = MakeShm(kBytes), dst = MakeShm(kBytes);
+  auto s = p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {kBytes})});
+  auto d = p.inference->RegisterBuffer("m", v1::DESTINATION, dst.name(),
+                                       {Slice("w", v1::UINT8, {kBytes})});
+  REQUIRE(s.ok());
+  REQUIRE(d.ok());
+  const std::string refitctl = testing::RunfilePath("client/refitctl");
+  std::string watch_out;
+  std::thread watch([&] {
+    // Ends after its timeout: it only has to see version 1.
+    auto r = testing::RunCommand({"/usr/bin/timeout", "8", refitctl,
+                                  "--socket=" + p.engine->socket(), "watch", "m", "--json"});
+    watch_out = r.out;
+  });
+  std::this_thread::sleep_for(milliseconds(300));
+  REQUIRE(p.trainer->Publish("m", 1, {*s}).ok());
+  bool seen_in_flight = false;
+  for (int i = 0; i < 400 && !seen_in_flight; ++i) {
+    auto status = p.inference->Status();
+    REQUIRE(status.ok());
+    for (const auto& t : status->transfers()) {
+      CHECK(t.model() == "m");
+      CHECK(t.version() == 1);
+      CHECK(t.bytes_total() == kBytes);
+      seen_in_flight = seen_in_flight || (t.bytes_done() > 0 && t.bytes_done() < kBytes);
+    }
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  CHECK(seen_in_flight);
+  REQUIRE(p.inference->WaitForVersion("m", 1, milliseconds(60000)).ok());
+  auto after = p.inference->Status();
+  REQUIRE(after.ok());
+  CHECK(after->transfers_size() == 0);
+  watch.join();
+  CHECK(watch_out.find("{\"model\": \"m\", \"version\": 1}") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace refit

@@ -256,6 +256,15 @@ void PeerManager::RunPeer(Peer* peer) {
   }
 }
 
+std::vector<PeerManager::Transfer> PeerManager::Transfers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!current_) return {};
+  Transfer t = *current_;
+  const double done = metrics_->Get(kDataBytesReceived) - received_at_start_;
+  t.bytes_done = std::min<uint64_t>(t.bytes_total, static_cast<uint64_t>(std::max(0.0, done)));
+  return {t};
+}
+
 void PeerManager::OnPull(PullJob job) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -283,7 +292,16 @@ void PeerManager::RunPulls() {
       jobs_.pop_front();
     }
     const auto start = std::chrono::steady_clock::now();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      current_ = Transfer{job.model, job.version, job.Bytes(), 0};
+      received_at_start_ = metrics_->Get(kDataBytesReceived);
+    }
     absl::Status status = Pull(job);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      current_.reset();
+    }
     metrics_->Observe(kTransferSeconds,
                       std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
                           .count());
@@ -299,6 +317,10 @@ void PeerManager::RunPulls() {
 absl::Status PeerManager::Pull(const PullJob& job) {
   std::vector<std::shared_ptr<Region>> staging;
   auto finish = [&](absl::Status status) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      current_.reset();  // before the store shows the version: no stale progress after it
+    }
     store_->FinishPull(job, status, status.ok() ? staging : std::vector<std::shared_ptr<Region>>());
     return status;
   };

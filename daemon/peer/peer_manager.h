@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -49,6 +50,15 @@ class PeerManager {
 
   std::vector<PeerState> Peers() const;
 
+  struct Transfer {
+    std::string model;
+    uint64_t version = 0;
+    uint64_t bytes_total = 0;
+    uint64_t bytes_done = 0;
+  };
+  // The pull in flight, if any.
+  std::vector<Transfer> Transfers() const;
+
  private:
   struct Peer;
   void RunPeer(Peer* peer);
@@ -72,6 +82,9 @@ class PeerManager {
   std::condition_variable wake_;
   bool stop_ = false;
   std::deque<PullJob> jobs_;
+  // The pull in flight: bytes_done = received counter now - at its start.
+  std::optional<Transfer> current_;
+  double received_at_start_ = 0;
   std::thread pull_thread_;
 };
 

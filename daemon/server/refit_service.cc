@@ -144,7 +144,7 @@ grpc::Status RefitService::Status(grpc::ServerContext*, const v1::StatusRequest*
   response->set_version(kRefitVersion);
   response->set_cuda_enabled(cuda::CompiledIn());
   response->set_cuda_devices(cuda::DeviceCount());
-  if (context_.add_ports) context_.add_ports(response);
+  if (context_.add_runtime) context_.add_runtime(response);
   return grpc::Status::OK;
 }
 

@@ -27,8 +27,8 @@ struct ServiceContext {
   Store* store = nullptr;      // not owned
   Metrics* metrics = nullptr;  // not owned
   std::function<std::vector<PeerInfo>()> peers;  // may be empty
-  // Bound ports, filled in once the listeners are up.
-  std::function<void(v1::StatusResponse*)> add_ports;  // may be empty
+  // What only the Daemon knows: bound ports, transfers in flight.
+  std::function<void(v1::StatusResponse*)> add_runtime;  // may be empty
 };
 
 class RefitService final : public v1::Refit::Service {
