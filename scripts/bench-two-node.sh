@@ -10,17 +10,23 @@
 # It prints every figure next to the others with the ratios refit/ucx_perftest (goal >= 0.9)
 # and refit/gloo (goal >= 3), and which UCX lanes the data went over (from UCX_LOG_LEVEL=info).
 #
-# Usage: scripts/bench-two-node.sh [--tls "tcp sm,tcp"] [--tensors "1 20000"] [--versions 5]
-#                                  [--warmup 1] [--mib 1024] [--no-build] [--keep]
+# refitd's UCX endpoints use peer-failure handling, which UCX 1.13's shared-memory transports
+# refuse unless UCX_POSIX_ERROR_HANDLING=y / UCX_SYSV_ERROR_HANDLING=y; a --tls entry ending in
+# "+eh" (e.g. sm,tcp+eh) sets both, for ucx_perftest and the daemons alike.
+# The first --warmup versions are left out of the medians: each of the first retain+1 (3)
+# versions allocates a new staging slot on the engine's node.
+#
+# Usage: scripts/bench-two-node.sh [--tls "tcp sm,tcp sm,tcp+eh"] [--tensors "1 20000"]
+#                                  [--versions 5] [--warmup 3] [--mib 1024] [--no-build] [--keep]
 # Environment: BAZEL_OUTPUT_BASE=<dir> builds in that Bazel output base, without convenience
 # symlinks (for machines where other builds share the checkout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-tls_list="tcp sm,tcp"
+tls_list="tcp sm,tcp sm,tcp+eh"
 tensor_list="1 20000"
 versions=5
-warmup=1
+warmup=3
 mib=1024
 build=1
 keep=0
@@ -38,7 +44,7 @@ while [ $# -gt 0 ]; do
     --mib=*) mib="${1#*=}"; shift ;;
     --no-build) build=0; shift ;;
     --keep) keep=1; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "bench-two-node: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -73,16 +79,25 @@ started=$(date +%s)
 echo "bench-two-node: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r), load $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "  $(ucx_info -v | head -1 | sed 's/# //'), model ${mib} MiB bf16, ${versions} versions (+${warmup} warm-up), tensors: ${tensor_list}"
 
+# The environment of every UCX process for --tls entry $1: UCX_TLS, info logging (it names the
+# lanes UCX picked), and shared-memory peer-failure support for "+eh" entries.
+set_ucx_env() {
+  ucx_env=(UCX_TLS="${1%+eh}" UCX_LOG_LEVEL=info UCX_WARN_UNUSED_ENV_VARS=n)
+  case "$1" in
+    *+eh) ucx_env+=(UCX_POSIX_ERROR_HANDLING=y UCX_SYSV_ERROR_HANDLING=y) ;;
+  esac
+}
+
 # ucx_perftest ucp_get between two processes on 127.0.0.1; prints "<GB/s> <lanes>".
 perftest() {
-  local tls="$1" tag="$2" port=$((20000 + RANDOM % 20000))
+  local tag="$1" port=$((20000 + RANDOM % 20000))
   local n=$(( (mib << 20) / chunk )); [ "$n" -lt 16 ] && n=16
-  UCX_TLS="$tls" UCX_LOG_LEVEL=info ucx_perftest -t ucp_get -s "$chunk" -n "$n" -w 16 -p "$port" \
+  env "${ucx_env[@]}" ucx_perftest -t ucp_get -s "$chunk" -n "$n" -w 16 -p "$port" \
     >"$work/perftest-$tag-server.log" 2>&1 &
   local server=$!
   local out="$work/perftest-$tag-client.log"
   for _ in $(seq 50); do
-    if UCX_TLS="$tls" UCX_LOG_LEVEL=info timeout 120 ucx_perftest 127.0.0.1 -t ucp_get \
+    if env "${ucx_env[@]}" timeout 120 ucx_perftest 127.0.0.1 -t ucp_get \
          -s "$chunk" -n "$n" -w 16 -p "$port" -f >"$out" 2>&1; then
       break
     fi
@@ -93,10 +108,9 @@ perftest() {
   local mibs
   mibs=$(grep -E '^ +[0-9]+ ' "$out" | tail -1 | awk '{print $6}')
   local lanes
-  lanes=$(grep -ho 'ep_cfg\[[0-9]*\]: .*' "$out" | sed 's/ep_cfg\[[0-9]*\]: //' | sort -u |
-          paste -sd';' - | tr -s ' ')
+  lanes=$(lanes_in "$out")
   awk -v m="${mibs:-0}" 'BEGIN { printf "%.4f ", m * 1048576 / 1e9 }'
-  echo "${lanes:-?}"
+  echo "${lanes:-none}"
 }
 
 wait_healthy() {
@@ -109,10 +123,10 @@ wait_healthy() {
   return 1
 }
 
-# Starts the two daemons with UCX_TLS=$1 into $work/$2-{trainer,engine}.{sock,log}.
+# Starts the two daemons (environment: ucx_env) into $work/$1-{trainer,engine}.{sock,log}.
 start_daemons() {
-  local tls="$1" tag="$2"
-  UCX_TLS="$tls" UCX_LOG_LEVEL=info "$bin/daemon/refitd" --socket="$work/$tag-trainer.sock" \
+  local tag="$1"
+  env "${ucx_env[@]}" "$bin/daemon/refitd" --socket="$work/$tag-trainer.sock" \
     --listen=127.0.0.1:0 --node=trainer-node >"$work/$tag-trainer.log" 2>&1 &
   trainer=$!
   pids+=("$trainer")
@@ -120,7 +134,7 @@ start_daemons() {
   local port
   port=$("$bin/client/refitctl" --socket="$work/$tag-trainer.sock" status --json |
          "$python" -c 'import json,sys; d=json.load(sys.stdin); print(d.get("listen_port") or d.get("listenPort"))')
-  UCX_TLS="$tls" UCX_LOG_LEVEL=info "$bin/daemon/refitd" --socket="$work/$tag-engine.sock" \
+  env "${ucx_env[@]}" "$bin/daemon/refitd" --socket="$work/$tag-engine.sock" \
     --listen=127.0.0.1:0 --node=engine-node --peers="127.0.0.1:$port" \
     >"$work/$tag-engine.log" 2>&1 &
   engine=$!
@@ -134,36 +148,47 @@ stop_daemons() {
   pids=()
 }
 
+# The distinct UCX lanes (ep_cfg lines) in a log; UCX's own lines reach it when the process exits.
+lanes_in() {
+  grep -ho 'ep_cfg\[[0-9]*\]: .*' "$@" 2>/dev/null | sed 's/ep_cfg\[[0-9]*\]: //' | sort -u |
+    paste -sd';' - | tr -s ' ' | tr ' ' '_'
+}
+
 results="$work/results.txt"
 : >"$results"
 for tls in $tls_list; do
-  tag=${tls//,/_}
+  tag=${tls//[,+]/_}
+  set_ucx_env "$tls"
   echo
-  echo "=== UCX_TLS=$tls"
-  read -r pt_gbs pt_lanes <<<"$(perftest "$tls" "$tag")"
-  read -r pt2_gbs _ <<<"$(perftest "$tls" "$tag-2")"
-  read -r pt3_gbs _ <<<"$(perftest "$tls" "$tag-3")"
+  echo "=== UCX_TLS=$tls (environment: ${ucx_env[*]})"
+  read -r pt_gbs pt_lanes <<<"$(perftest "$tag")"
+  read -r pt2_gbs _ <<<"$(perftest "$tag-2")"
+  read -r pt3_gbs _ <<<"$(perftest "$tag-3")"
   pt_med=$(printf '%s\n' "$pt_gbs" "$pt2_gbs" "$pt3_gbs" | sort -g | sed -n 2p)
-  echo "ucx_perftest ucp_get ${chunk} B x $(( (mib << 20) / chunk )): $pt_gbs $pt2_gbs $pt3_gbs GB/s (median $pt_med), lanes: $pt_lanes"
+  echo "ucx_perftest -t ucp_get -s ${chunk} -n $(( (mib << 20) / chunk )) -w 16: $pt_gbs $pt2_gbs $pt3_gbs GB/s (median $pt_med); lanes: ${pt_lanes//_/ }"
   for tensors in $tensor_list; do
-    start_daemons "$tls" "$tag-$tensors"
+    start_daemons "$tag-$tensors"
     echo "--- refit, $tensors tensor(s):"
-    if ! "$bin/tests/bench/two_node_bench" --trainer-socket="$work/$tag-$tensors-trainer.sock" \
-        --engine-socket="$work/$tag-$tensors-engine.sock" --versions="$versions" \
-        --warmup="$warmup" --mib="$mib" --tensors="$tensors" | tee "$work/bench-$tag-$tensors.out"; then
-      echo "bench-two-node: two_node_bench failed; engine log tail:" >&2
-      tail -20 "$work/$tag-$tensors-engine.log" >&2
-      exit 1
-    fi
+    ok=1
+    "$bin/tests/bench/two_node_bench" --trainer-socket="$work/$tag-$tensors-trainer.sock" \
+      --engine-socket="$work/$tag-$tensors-engine.sock" --versions="$versions" \
+      --warmup="$warmup" --mib="$mib" --tensors="$tensors" --timeout=60 \
+      >"$work/bench-$tag-$tensors.out" 2>&1 || ok=0
+    cat "$work/bench-$tag-$tensors.out"
     stop_daemons
-    lanes=$(grep -ho 'ep_cfg\[[0-9]*\]: .*' "$work/$tag-$tensors-engine.log" |
-            sed 's/ep_cfg\[[0-9]*\]: //' | sort -u | paste -sd';' - | tr -s ' ')
-    echo "daemon data-plane lanes (engine's UCX log): ${lanes:-? (no ep_cfg lines)}"
-    echo "engine's own pull times (announce -> pulled+verified):"
+    lanes=$(lanes_in "$work/$tag-$tensors-engine.log")
+    echo "daemon data-plane lanes (engine's UCX log): ${lanes:-none}"
+    if [ "$ok" = 0 ]; then
+      echo "two_node_bench FAILED with UCX_TLS=$tls; the engine's log says:"
+      grep -E ' [EW] \[|UCX  ERROR' "$work/$tag-$tensors-engine.log" | sort -u | head -5 | sed 's/^/  /'
+      echo "tls=$tls lanes=${lanes:-none} failed=1 tensors=$tensors" >>"$results"
+      continue
+    fi
+    echo "engine's pull times (announce -> pulled + verified; the first ones allocate staging):"
     grep -o 'version=[0-9]* pulled [0-9]* bytes in [0-9.]* s' "$work/$tag-$tensors-engine.log" |
       sed 's/^/  /'
     r=$(grep '^RESULT' "$work/bench-$tag-$tensors.out")
-    echo "tls=$tls lanes=${lanes// /_} pt_gbs=$pt_med pt_lanes=${pt_lanes// /_} $r" >>"$results"
+    echo "tls=$tls lanes=$lanes pt_gbs=$pt_med pt_lanes=$pt_lanes $r" >>"$results"
   done
 done
 

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/server/convert.h"
 #include "daemon/version.h"
 #include "grpcpp/grpcpp.h"
 
@@ -29,17 +30,6 @@ std::chrono::system_clock::time_point In(milliseconds d) {
   return std::chrono::system_clock::now() + d;
 }
 
-TensorSlice FromProto(const v1::TensorSlice& in) {
-  TensorSlice out;
-  out.name = in.name();
-  out.dtype = static_cast<DType>(in.dtype());
-  out.global_shape.assign(in.global_shape().begin(), in.global_shape().end());
-  out.offsets.assign(in.offsets().begin(), in.offsets().end());
-  out.sizes.assign(in.sizes().begin(), in.sizes().end());
-  out.buffer_offset = in.buffer_offset();
-  out.buffer_strides.assign(in.buffer_strides().begin(), in.buffer_strides().end());
-  return out;
-}
 
 }  // namespace
 
@@ -221,7 +211,7 @@ void PeerManager::RunPeer(Peer* peer) {
         std::vector<SourceLayout> layouts;
         for (const auto& s : event.sources()) {
           auto slices = std::make_shared<std::vector<TensorSlice>>();
-          for (const auto& t : s.tensors()) slices->push_back(FromProto(t));
+          for (const auto& t : s.tensors()) slices->push_back(server::FromTrustedProto(t));
           layouts.push_back({s.buffer_id(), std::move(slices), s.bytes()});
         }
         store_->SetRemoteSources(node, event.model(), std::move(layouts));

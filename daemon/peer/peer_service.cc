@@ -7,22 +7,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/common/logging.h"
+#include "daemon/server/convert.h"
 #include "daemon/version.h"
 
 namespace refit::peer {
-namespace {
-
-void ToProto(const TensorSlice& in, v1::TensorSlice* out) {
-  out->set_name(in.name);
-  out->set_dtype(static_cast<v1::DType>(in.dtype));
-  for (int64_t d : in.global_shape) out->add_global_shape(d);
-  for (int64_t d : in.offsets) out->add_offsets(d);
-  for (int64_t d : in.sizes) out->add_sizes(d);
-  out->set_buffer_offset(in.buffer_offset);
-  for (int64_t d : in.buffer_strides) out->add_buffer_strides(d);
-}
-
-}  // namespace
 
 PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane, Metrics* metrics)
     : node_(std::move(node)), store_(store), data_plane_(data_plane), metrics_(metrics) {
@@ -68,7 +56,7 @@ bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceL
     v1::SourcePiece* piece = event->add_sources();
     piece->set_buffer_id(layout.buffer_id);
     piece->set_bytes(layout.bytes);
-    for (const TensorSlice& s : *layout.slices) ToProto(s, piece->add_tensors());
+    for (const TensorSlice& s : *layout.slices) server::ToProto(s, piece->add_tensors());
   }
   const uint64_t version = store_->LatestLocalSnapshot(model);
   if (version == 0) return true;

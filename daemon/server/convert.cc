@@ -11,6 +11,20 @@ absl::StatusOr<TensorSlice> FromProto(const v1::TensorSlice& in) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor ", in.name(), ": unknown dtype ", in.dtype()));
   }
+  return FromTrustedProto(in);
+}
+
+void ToProto(const TensorSlice& in, v1::TensorSlice* out) {
+  out->set_name(in.name);
+  out->set_dtype(static_cast<v1::DType>(in.dtype));
+  for (int64_t d : in.global_shape) out->add_global_shape(d);
+  for (int64_t d : in.offsets) out->add_offsets(d);
+  for (int64_t d : in.sizes) out->add_sizes(d);
+  out->set_buffer_offset(in.buffer_offset);
+  for (int64_t d : in.buffer_strides) out->add_buffer_strides(d);
+}
+
+TensorSlice FromTrustedProto(const v1::TensorSlice& in) {
   TensorSlice out;
   out.name = in.name();
   out.dtype = static_cast<DType>(in.dtype());

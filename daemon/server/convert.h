@@ -16,9 +16,12 @@ namespace refit::server {
 
 // INVALID_ARGUMENT for an unknown dtype value.
 absl::StatusOr<TensorSlice> FromProto(const v1::TensorSlice& slice);
+// The same without the dtype check, for slices a peer daemon already validated.
+TensorSlice FromTrustedProto(const v1::TensorSlice& slice);
 absl::StatusOr<std::vector<TensorSlice>> FromProto(
     const google::protobuf::RepeatedPtrField<v1::TensorSlice>& slices);
 
+void ToProto(const TensorSlice& slice, v1::TensorSlice* out);
 void ToProto(const ModelInfo& info, v1::ModelStatus* out);
 
 grpc::Status ToGrpc(const absl::Status& status);
