@@ -441,3 +441,30 @@ TEST_CASE("Status and refitctl show a pull in flight and each version completing
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+TEST_CASE("SIGTERM during a pull stops the receiver cleanly and promptly", "[integration][two]") {
+  Pair p = StartPair({}, {"--chunk-bytes=4096", "--inflight=1"});
+  constexpr int64_t kBytes = 64 << 20;
+  SharedMemory src = MakeShm(kBytes), dst = MakeShm(kBytes);
+  auto s = p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {kBytes})});
+  auto d = p.inference->RegisterBuffer("m", v1::DESTINATION, dst.name(),
+                                       {Slice("w", v1::UINT8, {kBytes})});
+  REQUIRE(s.ok());
+  REQUIRE(d.ok());
+  REQUIRE(p.trainer->Publish("m", 1, {*s}).ok());
+  std::this_thread::sleep_for(milliseconds(200));  // 16k reads of 4 KiB: still pulling
+  p.inference.reset();
+  const auto start = std::chrono::steady_clock::now();
+  CHECK(p.engine->Stop(SIGTERM) == 0);
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+  // The source is unharmed.
+  auto status = p.trainer->Status();
+  REQUIRE(status.ok());
+  CHECK(status->models(0).latest_version() == 1);
+}
+
+}  // namespace
+}  // namespace refit

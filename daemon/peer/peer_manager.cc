@@ -132,6 +132,8 @@ void PeerManager::Stop() {
     stop_ = true;
     for (auto& peer : peers_) {
       if (peer->stream) peer->stream->TryCancel();
+      // Dropping the endpoint cancels a pull in flight, so the pull worker can finish.
+      if (!peer->node.empty()) data_plane_->Disconnect(peer->node);
     }
   }
   wake_.notify_all();

@@ -5,13 +5,15 @@
 //
 // It behaves like the UCX backend where callers can tell: addresses and descriptors are opaque,
 // checksummed bytes; a Post never completes synchronously (the copy happens in a later Poll of
-// the POSTING transport); completions carry the same statuses. Deliberate differences: the copy
-// is a memcpy done inside Poll, so the target never needs to poll; ops on a region its owner has
-// deregistered complete with FAILED_PRECONDITION (UCX would read stale memory).
+// the POSTING transport); completions carry the same statuses; connecting to a transport that
+// doesn't exist succeeds and the endpoint then fails. Deliberate differences: the target never
+// needs to poll; Cancel drops ops not yet executed (UCX lets them finish), and closing an
+// endpoint never disturbs the peer's own endpoints; ops on a region its owner has deregistered
+// complete with FAILED_PRECONDITION (UCX would read stale memory).
 //
 // Fault injection: FailEndpoint() breaks one connection; SimulateCrash() makes this transport
-// behave like a process killed with SIGKILL (every endpoint to it, and each of its own, fails:
-// outstanding and future ops complete with UNAVAILABLE). set_max_ops_per_poll() slows transfers
+// behave like a process killed with SIGKILL (every endpoint to it, and each of its own, fails at
+// its transport's next Poll: outstanding ops complete with UNAVAILABLE, later posts are refused). set_max_ops_per_poll() slows transfers
 // down so tests can observe ops in flight.
 //
 // Threads: the rules of transport.h apply to each instance. Different instances may be used from

@@ -24,17 +24,21 @@
 // Peer failure. An endpoint fails when the peer process dies or becomes unreachable; from then on
 // status() is UNAVAILABLE, every outstanding op completes with UNAVAILABLE, new posts are refused
 // with UNAVAILABLE, and the failure handler (if set) runs once, from Poll. A failed endpoint
-// stays failed: destroy it and Connect() again when the peer is back.
+// stays failed: destroy it and Connect() again when the peer is back. A peer that is alive but
+// unresponsive (a stopped process, a hung host whose kernel still answers TCP) is NOT detected:
+// its ops just don't finish. The caller bounds transfers with its own deadlines and then
+// destroys the endpoint, which aborts them.
 //
 // Bad input from the network (addresses and descriptors arrive over gRPC from other daemons) is
 // answered with INVALID_ARGUMENT and never reaches the backend unchecked: both carry a magic, a
-// version, the issuing transport's identity and a checksum.
+// version, the issuing transport's identity and a checksum. That catches truncation, corruption
+// and mix-ups (a descriptor of another peer), not forgery: peers are trusted daemons of one job.
 //
 // Ownership. The Transport owns its backend; every LocalMemory, Endpoint and RemoteMemory it
 // hands out is owned by the caller and MUST be destroyed before the Transport (the Transport
 // aborts otherwise). Destroying a LocalMemory or RemoteMemory with ops in flight is safe (the
 // registration lives until those ops complete), but the bytes a LocalMemory describes must stay
-// mapped until every op using them has completed. Destroying an Endpoint cancels its outstanding
+// mapped until every op using them has completed. Destroying an Endpoint aborts its outstanding
 // ops; their CANCELLED completions still come from Poll.
 //
 // Threads. A Transport and everything it created is thread-compatible, not thread-safe: all

@@ -243,17 +243,30 @@ UcxTransport::~UcxTransport() {
     std::abort();
   }
   if (worker_ == nullptr) return;  // Init failed early
+  // Let endpoint closes, ops and UCX's own queued messages (wireup replies to peers) finish:
+  // UCX 1.13 asserts when a worker is destroyed with a wireup message still queued
+  // (openucx/ucx#8175). Bounded, because a peer that went away may never answer.
+  ucp_request_param_t param;
+  std::memset(&param, 0, sizeof(param));
+  ucs_status_ptr_t flush = ucp_worker_flush_nbx(worker_.get(), &param);
+  auto flushing = [&flush] {
+    return UCS_PTR_IS_PTR(flush) && ucp_request_check_status(flush) == UCS_INPROGRESS;
+  };
   auto deadline = std::chrono::steady_clock::now() + close_timeout_;
-  while ((!pending_closes_.empty() || in_ucx_ != 0) &&
+  while ((!pending_closes_.empty() || in_ucx_ != 0 || flushing()) &&
          std::chrono::steady_clock::now() < deadline) {
     ucp_worker_progress(worker_.get());
     ReapCloses();
   }
-  if (!pending_closes_.empty() || in_ucx_ != 0) {
-    Logger("transport")
-        ->warn("ucx transport destroyed with {} endpoint closes and {} ops unfinished",
-               pending_closes_.size(), in_ucx_);
+  if (!pending_closes_.empty() || in_ucx_ != 0 || flushing()) {
+    Logger("transport")->warn(
+        "ucx transport destroyed with {} endpoint closes and {} ops unfinished after {} ms",
+        pending_closes_.size(), in_ucx_, close_timeout_.count());
   }
+  // Requests still running are released to UCX, which frees them as the worker goes.
+  if (UCS_PTR_IS_PTR(flush)) ucp_request_free(flush);
+  for (auto& pending : pending_closes_) ucp_request_free(pending.request);
+  pending_closes_.clear();
   done_.clear();
   newly_failed_.clear();
   worker_.reset();

@@ -3,6 +3,7 @@
 
 #include "daemon/transport/ucx_transport.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <vector>
 
@@ -78,6 +79,44 @@ TEST_CASE("cma alone has no active messages: Create fails cleanly", "[transport]
     CHECK_FALSE(ep.ok());
   } else {
     CHECK(t.status().code() == absl::StatusCode::kFailedPrecondition);
+  }
+}
+
+}  // namespace
+}  // namespace refit::transport
+
+namespace refit::transport {
+namespace {
+
+// UCX 1.13 asserts when a worker is destroyed with an unsent wireup reply queued (fixed upstream
+// in openucx/ucx#8175); ~UcxTransport flushes the worker first. This destroys transports at
+// every stage of a connection's wireup.
+TEST_CASE("transports can be destroyed at any stage of a peer's wireup", "[transport][ucx]") {
+  UcxTransport::Options options;
+  options.config.push_back({"TLS", "tcp"});
+  // A flushing close never finishes when its peer is destroyed first or never polls again.
+  options.close_timeout = std::chrono::milliseconds(100);
+  for (int round = 0; round < 40; ++round) {
+    auto a = UcxTransport::Create(options);
+    auto b = UcxTransport::Create(options);
+    REQUIRE(a.ok());
+    REQUIRE(b.ok());
+    auto ep = (*a)->Connect((*b)->LocalAddress());
+    REQUIRE(ep.ok());
+    std::vector<Completion> ignored;
+    auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(250 * round);
+    while (std::chrono::steady_clock::now() < until) {
+      (*a)->Poll(&ignored);
+      (*b)->Poll(&ignored);
+    }
+    ep->reset();
+    if (round % 2 == 0) {
+      b->reset();
+      a->reset();
+    } else {
+      a->reset();
+      b->reset();
+    }
   }
 }
 
