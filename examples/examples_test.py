@@ -1,5 +1,7 @@
-"""End to end: trainer.py publishes through a real refitd; two engine.py processes (fp32 and
-bf16) apply every version. The fp32 engine must hold bit-identical weights (equal digests).
+"""End to end through two real refitd daemons acting as two nodes: trainer.py publishes on the
+trainer's node; two engine.py processes (fp32 and bf16) on the engine's node, whose daemon pulls
+each version over UCX, apply every version. The fp32 engine must hold bit-identical weights
+(equal digests).
 
 Run by Bazel (//examples:examples_test), or by hand: REFITD=bazel-bin/daemon/refitd
 PYTHONPATH=client/python /usr/bin/python3 examples/examples_test.py
@@ -24,8 +26,16 @@ def script(name: str, *args: str):
 
 class ExamplesTest(unittest.TestCase):
     def setUp(self):
-        self.daemon = refit.testing.Daemon(args=["--retain=8"])
+        self.trainer_node = refit.testing.Daemon(args=["--retain=8", "--node=trainer-node"])
+        self.addCleanup(self.trainer_node.stop)
+        port = self.trainer_node.client().status().listen_port
+        self.daemon = refit.testing.Daemon(
+            args=["--retain=8", "--node=engine-node", f"--peers=127.0.0.1:{port}"])
         self.addCleanup(self.daemon.stop)
+        deadline = time.monotonic() + 20
+        while not all(p.connected for p in self.daemon.client().status().peers):
+            self.assertLess(time.monotonic(), deadline, "the daemons did not connect")
+            time.sleep(0.05)
 
     def start_engine(self, *args: str) -> subprocess.Popen:
         engine = subprocess.Popen(
@@ -53,8 +63,8 @@ class ExamplesTest(unittest.TestCase):
         bf16 = self.start_engine("--dtype=bfloat16")
         start = time.monotonic()
         trainer = subprocess.run(
-            script("trainer.py", f"--socket={self.daemon.socket}", f"--steps={STEPS}",
-                   "--shards=2", "--interval=0.05"),
+            script("trainer.py", f"--socket={self.trainer_node.socket}", f"--steps={STEPS}",
+                   "--shards=2", "--interval=0.3"),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
         self.assertEqual(trainer.returncode, 0, trainer.stdout)
         outputs = {}
@@ -75,6 +85,7 @@ class ExamplesTest(unittest.TestCase):
         status = self.daemon.client().status()
         (model,) = [m for m in status.models if m.model == "tiny-lm"]
         self.assertEqual(model.latest_version, STEPS)
+        self.assertGreater(status.metrics["refit_data_bytes_received_total"], 0)
 
 
 if __name__ == "__main__":

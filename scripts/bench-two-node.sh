@@ -4,9 +4,13 @@
 # with the same UCX_TLS. For each UCX_TLS it runs tests/bench:two_node_bench with 1 tensor and
 # with 20,000 tensors of the same ~1 GiB, and in the same run the references:
 #   ucx_perftest -t ucp_get with the daemon's chunk size (4 MiB), two processes on 127.0.0.1,
-#     same UCX_TLS (median of 3 runs);
+#     same UCX_TLS, twice before and twice after the refit runs of that UCX_TLS (median of 4);
 #   a torch.distributed gloo broadcast of the same bytes, one sender and one receiver on
-#     loopback (tests/bench/gloo_broadcast.py, Debian's python3-torch).
+#     loopback (tests/bench/gloo_broadcast.py, Debian's python3-torch), before the first and
+#     after the last UCX_TLS (median over all rounds).
+# References are interleaved with the refit runs because this kind of machine is noisy.
+# ucx_perftest reads the same 4 MiB buffer every iteration (cache-warm, UCX-allocated memory);
+# refit moves 1 GiB of distinct bytes between ordinary mappings.
 # It prints every figure next to the others with the ratios refit/ucx_perftest (goal >= 0.9)
 # and refit/gloo (goal >= 3), and which UCX lanes the data went over (from UCX_LOG_LEVEL=info).
 #
@@ -44,7 +48,7 @@ while [ $# -gt 0 ]; do
     --mib=*) mib="${1#*=}"; shift ;;
     --no-build) build=0; shift ;;
     --keep) keep=1; shift ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "bench-two-node: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -92,7 +96,7 @@ set_ucx_env() {
 perftest() {
   local tag="$1" port=$((20000 + RANDOM % 20000))
   local n=$(( (mib << 20) / chunk )); [ "$n" -lt 16 ] && n=16
-  env "${ucx_env[@]}" ucx_perftest -t ucp_get -s "$chunk" -n "$n" -w 16 -p "$port" \
+  env "${ucx_env[@]}" timeout 180 ucx_perftest -t ucp_get -s "$chunk" -n "$n" -w 16 -p "$port" \
     >"$work/perftest-$tag-server.log" 2>&1 &
   local server=$!
   local out="$work/perftest-$tag-client.log"
@@ -106,7 +110,7 @@ perftest() {
   wait "$server" 2>/dev/null || true
   # The last row: iterations, latency 50%/avg/overall, bandwidth avg/overall (MiB/s), rates.
   local mibs
-  mibs=$(grep -E '^ +[0-9]+ ' "$out" | tail -1 | awk '{print $6}')
+  mibs=$({ grep -E '^ +[0-9]+ ' "$out" || true; } | tail -1 | awk '{print $6}')
   local lanes
   lanes=$(lanes_in "$out")
   awk -v m="${mibs:-0}" 'BEGIN { printf "%.4f ", m * 1048576 / 1e9 }'
@@ -151,21 +155,29 @@ stop_daemons() {
 # The distinct UCX lanes (ep_cfg lines) in a log; UCX's own lines reach it when the process exits.
 lanes_in() {
   grep -ho 'ep_cfg\[[0-9]*\]: .*' "$@" 2>/dev/null | sed 's/ep_cfg\[[0-9]*\]: //' | sort -u |
-    paste -sd';' - | tr -s ' ' | tr ' ' '_'
+    paste -sd';' - | tr -s ' ' | tr ' ' '~' || true
+}
+
+# torch.distributed gloo broadcast of the same bytes; $1 names the run.
+gloo_broadcast() {
+  echo "=== gloo broadcast ($1; torch $("$python" -c 'import torch; print(torch.__version__)'))"
+  "$python" tests/bench/gloo_broadcast.py --mib "$mib" --rounds "$versions" --warmup 1 \
+    >"$work/gloo-$1.out" 2>&1 || echo "gloo_broadcast.py FAILED"
+  cat "$work/gloo-$1.out"
 }
 
 results="$work/results.txt"
 : >"$results"
+echo
+gloo_broadcast "before"
 for tls in $tls_list; do
   tag=${tls//[,+]/_}
   set_ucx_env "$tls"
   echo
   echo "=== UCX_TLS=$tls (environment: ${ucx_env[*]})"
-  read -r pt_gbs pt_lanes <<<"$(perftest "$tag")"
-  read -r pt2_gbs _ <<<"$(perftest "$tag-2")"
-  read -r pt3_gbs _ <<<"$(perftest "$tag-3")"
-  pt_med=$(printf '%s\n' "$pt_gbs" "$pt2_gbs" "$pt3_gbs" | sort -g | sed -n 2p)
-  echo "ucx_perftest -t ucp_get -s ${chunk} -n $(( (mib << 20) / chunk )) -w 16: $pt_gbs $pt2_gbs $pt3_gbs GB/s (median $pt_med); lanes: ${pt_lanes//_/ }"
+  read -r pt1 pt_lanes <<<"$(perftest "$tag-1")"
+  read -r pt2 _ <<<"$(perftest "$tag-2")"
+  echo "ucx_perftest -t ucp_get -s ${chunk} -n $(( (mib << 20) / chunk )) -w 16 (before): $pt1 $pt2 GB/s; lanes: ${pt_lanes//\~/ }"
   for tensors in $tensor_list; do
     start_daemons "$tag-$tensors"
     echo "--- refit, $tensors tensor(s):"
@@ -177,48 +189,58 @@ for tls in $tls_list; do
     cat "$work/bench-$tag-$tensors.out"
     stop_daemons
     lanes=$(lanes_in "$work/$tag-$tensors-engine.log")
-    echo "daemon data-plane lanes (engine's UCX log): ${lanes:-none}"
+    lanes=${lanes:-none}
+    echo "daemon data-plane lanes (engine's UCX log): ${lanes//\~/ }"
     if [ "$ok" = 0 ]; then
       echo "two_node_bench FAILED with UCX_TLS=$tls; the engine's log says:"
-      grep -E ' [EW] \[|UCX  ERROR' "$work/$tag-$tensors-engine.log" | sort -u | head -5 | sed 's/^/  /'
-      echo "tls=$tls lanes=${lanes:-none} failed=1 tensors=$tensors" >>"$results"
+      { grep -E ' [EW] \[|UCX  ERROR' "$work/$tag-$tensors-engine.log" || true; } | sort -u |
+        head -5 | sed 's/^/  /'
+      echo "tls=$tls lanes=$lanes failed=1 tensors=$tensors" >>"$results"
       continue
     fi
     echo "engine's pull times (announce -> pulled + verified; the first ones allocate staging):"
-    grep -o 'version=[0-9]* pulled [0-9]* bytes in [0-9.]* s' "$work/$tag-$tensors-engine.log" |
-      sed 's/^/  /'
+    { grep -o 'version=[0-9]* pulled [0-9]* bytes in [0-9.]* s' \
+        "$work/$tag-$tensors-engine.log" || true; } | sed 's/^/  /'
     r=$(grep '^RESULT' "$work/bench-$tag-$tensors.out")
-    echo "tls=$tls lanes=$lanes pt_gbs=$pt_med pt_lanes=$pt_lanes $r" >>"$results"
+    echo "tls=$tls lanes=$lanes pt_lanes=$pt_lanes $r" >>"$results"
   done
+  read -r pt3 _ <<<"$(perftest "$tag-3")"
+  read -r pt4 _ <<<"$(perftest "$tag-4")"
+  pt_med=$(printf '%s\n' "$pt1" "$pt2" "$pt3" "$pt4" | sort -g | sed -n '2,3p' |
+           awk '{ s += $1 } END { printf "%.4f", s / 2 }')
+  echo "ucx_perftest (after): $pt3 $pt4 GB/s; median of the 4: $pt_med GB/s"
+  sed -i "s|^tls=$tls |tls=$tls pt_gbs=$pt_med pt_all=$pt1,$pt2,$pt3,$pt4 |" "$results"
 done
 
 echo
-echo "=== gloo broadcast (torch $("$python" -c 'import torch; print(torch.__version__)'))"
-"$python" tests/bench/gloo_broadcast.py --mib "$mib" --rounds "$versions" --warmup 1 \
-  >"$work/gloo.out" 2>&1 || echo "gloo_broadcast.py FAILED"
-cat "$work/gloo.out"
-gloo=$(grep '^RESULT' "$work/gloo.out" | sed 's/.*gloo_gbs=//' || true)
+gloo_broadcast "after"
+gloo_times=$({ grep -h '^RESULT' "$work"/gloo-*.out || true; } | sed 's/.*gloo_times=//' |
+             paste -sd, -)
 
 echo
 echo "=== summary (medians; GB = 1e9 bytes; model ${mib} MiB; $(date -u '+%Y-%m-%d %H:%M UTC'); $(( $(date +%s) - started )) s)"
-"$python" - "$results" "${gloo:-0}" <<'EOF'
-import sys
+"$python" - "$results" "$gloo_times" "$mib" <<'EOF'
+import statistics, sys
 rows = [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in open(sys.argv[1])]
-gloo = float(sys.argv[2])
+times = [float(t) for t in sys.argv[2].split(",") if t]
+gloo = (int(sys.argv[3]) << 20) / 1e9 / statistics.median(times) if times else 0.0
+print(f"gloo broadcast: median of {len(times)} rounds (before + after) {gloo:.2f} GB/s")
 print(f"{'UCX_TLS':<12} {'tensors':>7} {'transfer s':>10} {'refit GB/s':>10} {'apply GB/s':>10} "
       f"{'perftest':>8} {'refit/pt':>8} {'gloo':>5} {'refit/gloo':>10}  daemon lanes | perftest lanes")
+print(f"{'':<12} {'':>7} {'':>10} {'':>10} {'':>10} {'GB/s':>8} {'':>8} {'GB/s':>5}")
 cycle = {}
 for r in rows:
     if r.get("failed"):
-        print(f"{r['tls']:<12} {r['tensors']:>7} {'FAILED':>10}  daemon lanes: {r['lanes']}")
+        print(f"{r['tls']:<12} {r['tensors']:>7} {'FAILED':>10}  daemon lanes: "
+              f"{r['lanes'].replace('~', ' ')}")
         continue
     t, pt = float(r["transfer_gbs"]), float(r["pt_gbs"])
     cycle[(r["tls"], r["tensors"])] = (float(r["transfer_s"]),
                                        float(r["e2e_s"]) + float(r["apply_s"]))
     print(f"{r['tls']:<12} {r['tensors']:>7} {float(r['transfer_s']):>10.3f} {t:>10.2f} "
           f"{float(r['apply_gbs']):>10.2f} {pt:>8.2f} {t / pt if pt else 0:>8.2f} {gloo:>5.2f} "
-          f"{t / gloo if gloo else 0:>10.2f}  {r['lanes'].replace('_', ' ')} | "
-          f"{r['pt_lanes'].replace('_', ' ')}")
+          f"{t / gloo if gloo else 0:>10.2f}  {r['lanes'].replace('~', ' ')} | "
+          f"{r['pt_lanes'].replace('~', ' ')}")
 for (tls, tensors), (xfer, full) in cycle.items():
     if tensors != "1" and (tls, "1") in cycle:
         one = cycle[(tls, "1")]

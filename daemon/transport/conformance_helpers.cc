@@ -93,6 +93,13 @@ absl::Status Transfer(bool get, Transport& self, const std::vector<Transport*>& 
   return first_error;
 }
 
+void WireUp(Transport& self, Transport& peer, Endpoint& endpoint, const LocalMemory& local,
+            const RemoteMemory& remote) {
+  absl::Status s = Transfer(true, self, {&peer}, endpoint, local, 0, remote, 0, 1, 1, 1);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+}
+
 void Settle(const std::vector<Transport*>& transports) {
   std::vector<Completion> ignored;
   auto until = Clock::now() + std::chrono::milliseconds(20);

@@ -53,6 +53,13 @@ absl::Status Transfer(bool get, Transport& self, const std::vector<Transport*>& 
                       const RemoteMemory& remote, uint64_t remote_base, uint64_t length,
                       uint64_t chunk, size_t window);
 
+// Completes a 1-byte get through `endpoint` (from `self` to `peer`), so that the connection's
+// setup is over before the test goes on: UCX 1.13 aborts when a worker is destroyed with a
+// connection reply still queued (openucx/ucx#8175), which a test that tears down both ends at
+// once would otherwise hit at random.
+void WireUp(Transport& self, Transport& peer, Endpoint& endpoint, const LocalMemory& local,
+            const RemoteMemory& remote);
+
 // Polls every transport for a moment, so that endpoint closes that need the peer's answer
 // finish while the peer is still there (a daemon always polls; a test must do it for both).
 void Settle(const std::vector<Transport*>& transports);

@@ -13,8 +13,8 @@
 //
 // Fault injection: FailEndpoint() breaks one connection; SimulateCrash() makes this transport
 // behave like a process killed with SIGKILL (every endpoint to it, and each of its own, fails at
-// its transport's next Poll: outstanding ops complete with UNAVAILABLE, later posts are refused). set_max_ops_per_poll() slows transfers
-// down so tests can observe ops in flight.
+// its transport's next Poll: outstanding ops complete with UNAVAILABLE, later posts are refused).
+// set_max_ops_per_poll() slows transfers down so tests can observe ops in flight.
 //
 // Threads: the rules of transport.h apply to each instance. Different instances may be used from
 // different threads at the same time (each "daemon" on its own data-plane thread); they share a

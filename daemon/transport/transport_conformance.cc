@@ -23,6 +23,7 @@ struct Pair {
     b_memory = Register(*b, b_buffer);
     endpoint = ConnectTo(*a, b->LocalAddress());
     remote = Import(*endpoint, b_memory->descriptor());
+    WireUp(*a, *b, *endpoint, *a_memory, *remote);
   }
   ~Pair() {
     remote.reset();
@@ -149,6 +150,7 @@ TEST_CASE("bad ranges and foreign handles are refused without a completion",
   auto other_memory = Register(*other, other_buffer);
   auto second_endpoint = ConnectTo(*p.a, p.b->LocalAddress());
   auto second_remote = Import(*second_endpoint, p.b_memory->descriptor());
+  WireUp(*p.a, *p.b, *second_endpoint, *p.a_memory, *second_remote);
   const uint64_t kMax = ~uint64_t{0};
   auto code = [](const absl::Status& s) { return s.code(); };
   const auto kInvalid = absl::StatusCode::kInvalidArgument;

@@ -280,8 +280,13 @@ TEST_CASE("two processes: a truncated or corrupted descriptor is INVALID_ARGUMEN
   }
   auto remote = Import(*endpoint, descriptor);
   CHECK(remote->length() == kMiB);
+  Buffer buffer(4096);
+  auto memory = Register(*t, buffer);
+  REQUIRE(Transfer(true, *t, {}, *endpoint, *memory, 0, *remote, 0, 4096, 4096, 1).ok());
+  CHECK(FindPatternMismatch(buffer.data(), 4096, 51, 0) == -1);
   remote.reset();
   endpoint.reset();
+  memory.reset();
 }
 
 }  // namespace

@@ -259,9 +259,9 @@ UcxTransport::~UcxTransport() {
     ReapCloses();
   }
   if (!pending_closes_.empty() || in_ucx_ != 0 || flushing()) {
-    Logger("transport")->warn(
-        "ucx transport destroyed with {} endpoint closes and {} ops unfinished after {} ms",
-        pending_closes_.size(), in_ucx_, close_timeout_.count());
+    Logger("transport")
+        ->warn("ucx transport destroyed with {} endpoint closes and {} ops unfinished after {} ms",
+               pending_closes_.size(), in_ucx_, close_timeout_.count());
   }
   // Requests still running are released to UCX, which frees them as the worker goes.
   if (UCS_PTR_IS_PTR(flush)) ucp_request_free(flush);

@@ -14,6 +14,10 @@
 //                  loopback. cma has no active messages and UCP 1.13 doesn't use it for RMA.
 //                  Options::peer_failure_handling = false allows shared memory, giving up the
 //                  failure contract — only for tests and benchmarks.
+//   Known bug: UCX 1.13 aborts the process (an assertion) when a worker is destroyed while a
+//                  connection-setup reply to a peer is still queued (fixed upstream by
+//                  openucx/ucx#8175). ~UcxTransport flushes the worker first, bounded by
+//                  close_timeout, which is enough while peers keep polling.
 //
 // Mapping of the interface onto UCP:
 //   LocalAddress   ucp_worker_get_address, framed by wire.h.
