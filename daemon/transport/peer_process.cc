@@ -1,5 +1,6 @@
 #include "daemon/transport/peer_process.h"
 
+#include <dirent.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -139,6 +140,17 @@ std::string U64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&
   _exit(0);
 }
 
+int CountThreads() {
+  DIR* dir = opendir("/proc/self/task");
+  if (dir == nullptr) return -1;
+  int count = 0;
+  while (dirent* entry = readdir(dir)) {
+    if (entry->d_name[0] != '.') ++count;
+  }
+  closedir(dir);
+  return count;
+}
+
 }  // namespace
 
 void FillPattern(uint8_t* data, uint64_t length, uint64_t seed, uint64_t start_index) {
@@ -174,6 +186,14 @@ uint64_t HashBytes(const uint8_t* data, uint64_t length) { return XXH3_64bits(da
 
 absl::StatusOr<std::unique_ptr<PeerProcess>> PeerProcess::Start(TransportFactory make,
                                                                 uint64_t size, uint64_t seed) {
+  // The child gets only the forking thread: any other (a UCX progress thread, say) would leave
+  // it with locks and state nobody owns.
+  int threads = CountThreads();
+  if (threads != 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("PeerProcess::Start must fork a single-threaded process; this one has ",
+                     threads, " threads (start peers before making a transport)"));
+  }
   int fds[2];
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) {
     return absl::InternalError(absl::StrCat("socketpair: ", std::strerror(errno)));

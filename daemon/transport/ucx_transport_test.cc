@@ -66,6 +66,31 @@ TEST_CASE("options apply UCX settings unless the environment sets them", "[trans
   CHECK(t.ok());
 }
 
+TEST_CASE("UCX 1.13 shared memory refuses endpoints with peer-failure handling",
+          "[transport][ucx]") {
+  if (std::getenv("UCX_TLS") != nullptr) return;  // the environment would win
+  UcxTransport::Options options;
+  options.config.push_back({"TLS", "sm,self"});
+  auto a = UcxTransport::Create(options);
+  auto b = UcxTransport::Create(options);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  auto ep = (*a)->Connect((*b)->LocalAddress());
+  INFO(ep.status().ToString());
+  if (ep.ok()) {
+    WARN("this UCX serves shared memory with peer-failure handling: use it");
+    return;
+  }
+  CHECK(absl::IsUnavailable(ep.status()));  // "Destination is unreachable"
+
+  options.peer_failure_handling = false;
+  auto c = UcxTransport::Create(options);
+  REQUIRE(c.ok());
+  auto ep2 = (*c)->Connect((*b)->LocalAddress());
+  INFO(ep2.status().ToString());
+  CHECK(ep2.ok());
+}
+
 TEST_CASE("cma alone has no active messages: Create fails cleanly", "[transport][ucx]") {
   if (std::getenv("UCX_TLS") != nullptr) return;  // the environment would win
   UcxTransport::Options options;
