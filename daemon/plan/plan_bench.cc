@@ -22,13 +22,9 @@ struct Tensor {
   int split_dim;  // -1: replicated on every rank
 };
 
-std::vector<Tensor> Llama70B() {
-  const int64_t hidden = 8192;
-  const int64_t ffn = 28672;
-  const int64_t kv = 1024;
-  const int64_t vocab = 128256;
+std::vector<Tensor> Llama(int64_t hidden, int64_t ffn, int64_t kv, int64_t vocab, int layers) {
   std::vector<Tensor> model{{"model.embed_tokens.weight", {vocab, hidden}, 0}};
-  for (int layer = 0; layer < 80; ++layer) {
+  for (int layer = 0; layer < layers; ++layer) {
     const std::string p = "model.layers." + std::to_string(layer) + ".";
     model.push_back({p + "self_attn.q_proj.weight", {hidden, hidden}, 0});
     model.push_back({p + "self_attn.k_proj.weight", {kv, hidden}, 0});
@@ -76,6 +72,71 @@ std::vector<std::vector<TensorSlice>> Layout(const std::vector<Tensor>& model, i
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+std::vector<Tensor> Llama70B() { return Llama(8192, 28672, 1024, 128256, 80); }
+
+// Executes `plan` `runs` times between freshly touched buffers; returns the median seconds.
+double TimeExecution(const Plan& plan, const std::vector<uint64_t>& src_sizes,
+                     const std::vector<uint64_t>& dst_sizes, int runs) {
+  std::vector<std::vector<uint8_t>> src, dst;
+  for (uint64_t n : src_sizes) src.emplace_back(n, 1);
+  for (uint64_t n : dst_sizes) dst.emplace_back(n, 0);
+  std::vector<const uint8_t*> s;
+  std::vector<uint8_t*> d;
+  for (auto& b : src) s.push_back(b.data());
+  for (auto& b : dst) d.push_back(b.data());
+  std::vector<double> seconds;
+  for (int r = 0; r < runs; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    ExecuteOnHost(plan, s, d);
+    seconds.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return Median(seconds);
+}
+
+// Resharded (TP8 -> TP2) vs unresharded (TP1 -> TP1) execution of the same ~1 GiB model.
+int RunExecution(int runs) {
+  const std::vector<Tensor> model = Llama(2048, 5632, 512, 32000, 8);
+  auto plan_for = [&](int from, int to, std::vector<uint64_t>* src_sizes,
+                      std::vector<uint64_t>* dst_sizes,
+                      std::vector<std::vector<TensorSlice>>* keep) -> absl::StatusOr<Plan> {
+    auto src = Layout(model, from, src_sizes);
+    auto dst = Layout(model, to, dst_sizes);
+    for (size_t i = 0; i < src.size(); ++i) (void)NormalizeAndValidateBuffer(src[i], (*src_sizes)[i]);
+    for (size_t i = 0; i < dst.size(); ++i) (void)NormalizeAndValidateBuffer(dst[i], (*dst_sizes)[i]);
+    keep->insert(keep->end(), src.begin(), src.end());
+    const size_t split = keep->size();
+    keep->insert(keep->end(), dst.begin(), dst.end());
+    std::vector<PlacedSlice> sources, destinations;
+    for (size_t i = 0; i < split; ++i) {
+      for (const TensorSlice& t : (*keep)[i]) sources.push_back({&t, uint32_t(i), 0});
+    }
+    for (size_t i = split; i < keep->size(); ++i) {
+      for (const TensorSlice& t : (*keep)[i]) destinations.push_back({&t, uint32_t(i - split), 0});
+    }
+    PlanOptions options;
+    options.multi_row_ops = true;
+    return BuildPlan(sources, destinations, options);
+  };
+  std::vector<std::vector<TensorSlice>> keep_a, keep_b;
+  keep_a.reserve(16);
+  keep_b.reserve(16);
+  std::vector<uint64_t> ss_a, ds_a, ss_b, ds_b;
+  auto resharded = plan_for(8, 2, &ss_a, &ds_a, &keep_a);
+  auto straight = plan_for(1, 1, &ss_b, &ds_b, &keep_b);
+  if (!resharded.ok() || !straight.ok()) return 1;
+  const double bytes = static_cast<double>(straight->dst_bytes);
+  const double t_straight = TimeExecution(*straight, ss_b, ds_b, runs);
+  const double t_resharded = TimeExecution(*resharded, ss_a, ds_a, runs);
+  std::printf(
+      "execution, %.2f GiB bf16 (8 layers, hidden 2048), median of %d:\n"
+      "  unresharded TP1 -> TP1: %7.2f GB/s (%zu ops)\n"
+      "  resharded   TP8 -> TP2: %7.2f GB/s (%zu ops) = %.2fx unresharded\n",
+      bytes / (1ull << 30), runs, bytes / t_straight / 1e9, straight->ops.size(),
+      bytes / t_resharded / 1e9, resharded->ops.size(), t_straight / t_resharded);
+  return 0;
 }
 
 int Run(int repetitions) {
@@ -141,5 +202,6 @@ int Run(int repetitions) {
 
 int main(int argc, char** argv) {
   const int repetitions = argc > 1 ? std::max(1, std::atoi(argv[1])) : 9;
-  return refit::plan::Run(repetitions);
+  const int status = refit::plan::Run(repetitions);
+  return status != 0 ? status : refit::plan::RunExecution(5);
 }
