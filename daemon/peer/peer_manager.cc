@@ -65,6 +65,21 @@ std::vector<std::string> ResolvePeerAddress(const std::string& address) {
   return {out.begin(), out.end()};
 }
 
+namespace {
+
+// Verification works in the data plane's chunk units, so a mismatch refetches little.
+std::vector<std::pair<uint64_t, uint64_t>> VerifyChunks(const PullJob::Fetch& fetch) {
+  std::vector<std::pair<uint64_t, uint64_t>> chunks;
+  for (const auto& [begin, end] : fetch.ranges) {
+    for (uint64_t off = begin; off < end; off += 4ull << 20) {
+      chunks.emplace_back(off, std::min<uint64_t>(end, off + (4ull << 20)));
+    }
+  }
+  return chunks;
+}
+
+}  // namespace
+
 struct PeerManager::Peer {
   std::string address;
   std::string node;
@@ -345,61 +360,71 @@ absl::Status PeerManager::Pull(const PullJob& job) {
   }
 
   auto pulled = data_plane_->Pull(job, [this](uint64_t size) { return store_->AcquireSlot(size); });
+  // The source hashes what we read while the bytes are still moving.
+  auto remote_sums = std::async(std::launch::async, [this, &job] {
+    std::vector<absl::StatusOr<std::vector<uint64_t>>> sums;
+    for (size_t f = 0; f < job.fetches.size(); ++f) {
+      sums.push_back(RemoteChecksums(job, f, VerifyChunks(job.fetches[f])));
+    }
+    return sums;
+  });
   auto result = pulled.get();
+  auto sums = remote_sums.get();
   absl::Status status = result.status();
   if (result.ok()) {
     staging = std::move(result).value();
-    status = Verify(job, staging);
+    status = Verify(job, staging, std::move(sums));
   }
   for (const auto& [node, bytes] : bytes_from) (void)pin(node, true);
   return finish(status);
 }
 
+absl::StatusOr<std::vector<uint64_t>> PeerManager::RemoteChecksums(
+    const PullJob& job, size_t f, const std::vector<std::pair<uint64_t, uint64_t>>& chunks) {
+  const PullJob::Fetch& fetch = job.fetches[f];
+  std::vector<uint64_t> sums;
+  for (size_t first = 0; first < chunks.size(); first += kRangesPerChecksumCall) {
+    const size_t last = std::min(chunks.size(), first + kRangesPerChecksumCall);
+    v1::Peer::Stub* stub = StubFor(fetch.node);
+    if (!stub) return absl::UnavailableError(absl::StrCat("node ", fetch.node, " went away"));
+    v1::ChecksumRequest request;
+    request.set_model(job.model);
+    request.set_version(job.version);
+    request.set_buffer_id(fetch.buffer_id);
+    for (size_t i = first; i < last; ++i) {
+      v1::ByteRange* r = request.add_ranges();
+      r->set_offset(chunks[i].first);
+      r->set_length(chunks[i].second - chunks[i].first);
+    }
+    v1::ChecksumResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(In(kCallDeadline));
+    grpc::Status s = stub->Checksum(&context, request, &response);
+    if (!s.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("node ", fetch.node, " checksum: ", s.error_message()));
+    }
+    if (static_cast<size_t>(response.xxh3_size()) != last - first) {
+      return absl::DataLossError("checksum reply of the wrong length");
+    }
+    sums.insert(sums.end(), response.xxh3().begin(), response.xxh3().end());
+  }
+  return sums;
+}
+
 absl::Status PeerManager::Verify(const PullJob& job,
-                                 const std::vector<std::shared_ptr<Region>>& staging) {
+                                 const std::vector<std::shared_ptr<Region>>& staging,
+                                 std::vector<absl::StatusOr<std::vector<uint64_t>>> remote) {
   for (size_t f = 0; f < job.fetches.size(); ++f) {
     const PullJob::Fetch& fetch = job.fetches[f];
-    // Verify in the data plane's chunk units, so a mismatch refetches little.
-    std::vector<std::pair<uint64_t, uint64_t>> chunks;
-    for (const auto& [begin, end] : fetch.ranges) {
-      for (uint64_t off = begin; off < end; off += 4ull << 20) {
-        chunks.emplace_back(off, std::min<uint64_t>(end, off + (4ull << 20)));
-      }
-    }
+    std::vector<std::pair<uint64_t, uint64_t>> chunks = VerifyChunks(fetch);
+    absl::StatusOr<std::vector<uint64_t>> sums = std::move(remote[f]);
     for (int attempt = 1;; ++attempt) {
+      if (!sums.ok()) return sums.status();
       std::vector<std::pair<uint64_t, uint64_t>> bad;
-      for (size_t first = 0; first < chunks.size(); first += kRangesPerChecksumCall) {
-        const size_t last = std::min(chunks.size(), first + kRangesPerChecksumCall);
-        v1::Peer::Stub* stub = StubFor(fetch.node);
-        if (!stub) {
-          return absl::UnavailableError(absl::StrCat("node ", fetch.node, " went away"));
-        }
-        v1::ChecksumRequest request;
-        request.set_model(job.model);
-        request.set_version(job.version);
-        request.set_buffer_id(fetch.buffer_id);
-        for (size_t i = first; i < last; ++i) {
-          v1::ByteRange* r = request.add_ranges();
-          r->set_offset(chunks[i].first);
-          r->set_length(chunks[i].second - chunks[i].first);
-        }
-        v1::ChecksumResponse response;
-        grpc::ClientContext context;
-        context.set_deadline(In(kCallDeadline));
-        grpc::Status s = stub->Checksum(&context, request, &response);
-        if (!s.ok()) {
-          return absl::UnavailableError(
-              absl::StrCat("node ", fetch.node, " checksum: ", s.error_message()));
-        }
-        if (static_cast<size_t>(response.xxh3_size()) != last - first) {
-          return absl::DataLossError("checksum reply of the wrong length");
-        }
-        for (size_t i = first; i < last; ++i) {
-          const auto [b, e] = chunks[i];
-          if (XXH3_64bits(staging[f]->data() + b, e - b) != response.xxh3(i - first)) {
-            bad.push_back(chunks[i]);
-          }
-        }
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        const auto [b, e] = chunks[i];
+        if (XXH3_64bits(staging[f]->data() + b, e - b) != (*sums)[i]) bad.push_back(chunks[i]);
       }
       if (bad.empty()) break;
       if (attempt >= kFetchTries) {
@@ -413,6 +438,7 @@ absl::Status PeerManager::Verify(const PullJob& job,
       absl::Status again = data_plane_->Refetch(job, f, bad, staging[f]).get();
       if (!again.ok()) return again;
       chunks = bad;
+      sums = RemoteChecksums(job, f, chunks);
     }
   }
   return absl::OkStatus();

@@ -13,6 +13,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <future>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -66,7 +67,11 @@ class PeerManager {
   void AddPeer(const std::string& address);  // with mu_ held
   void RunPulls();
   absl::Status Pull(const PullJob& job);
-  absl::Status Verify(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging);
+  // The source's XXH3 of `chunks` of fetch `f` (asked while the bytes are still moving).
+  absl::StatusOr<std::vector<uint64_t>> RemoteChecksums(
+      const PullJob& job, size_t f, const std::vector<std::pair<uint64_t, uint64_t>>& chunks);
+  absl::Status Verify(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
+                      std::vector<absl::StatusOr<std::vector<uint64_t>>> remote);
   v1::Peer::Stub* StubFor(const std::string& node);
 
   const std::string node_;

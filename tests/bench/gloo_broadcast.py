@@ -3,7 +3,8 @@
 from one sender process to one receiver process over loopback TCP.
 
 gloo in Debian's torch 1.13 refuses bf16, so the bytes travel as a uint8 tensor. Prints one row
-per round and a machine-readable last line: RESULT gloo_s=<median s> gloo_gbs=<median GB/s>.
+per round and a machine-readable last line:
+RESULT gloo_s=<median s> gloo_gbs=<median GB/s> gloo_times=<s,s,...>.
 
   /usr/bin/python3 tests/bench/gloo_broadcast.py [--mib 1024] [--rounds 5] [--warmup 1]
 """
@@ -76,7 +77,8 @@ def main():
     for i, t in enumerate(times):
         print(f"  round {i + 1}: {t:.4f} s  {gb / t:.2f} GB/s")
     med = statistics.median(times)
-    print(f"RESULT gloo_s={med:.6f} gloo_gbs={gb / med:.4f}")
+    print(f"RESULT gloo_s={med:.6f} gloo_gbs={gb / med:.4f} "
+          f"gloo_times={','.join(f'{t:.6f}' for t in times)}")
 
 
 if __name__ == "__main__":

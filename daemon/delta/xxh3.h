@@ -1,0 +1,11 @@
+#pragma once
+
+// Internal to daemon/delta: XXH3-64 from libxxhash. On x86-64 the calls go through the
+// library's runtime CPU dispatch (AVX2 / AVX-512 where present: about 3x the SSE2 speed); the
+// hash values are the same either way. Thread-safe.
+
+#include <xxhash.h>
+
+#if defined(__x86_64__)
+#include <xxh_x86dispatch.h>  // redefines XXH3_64bits and XXH3_64bits_update
+#endif
