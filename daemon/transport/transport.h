@@ -194,7 +194,8 @@ class Transport {
 
   // Connects to the peer whose LocalAddress() is `peer_address`. Never blocks on the network:
   // a peer that isn't there shows up as a failed endpoint (UNAVAILABLE completions), not here.
-  // INVALID_ARGUMENT for malformed bytes or an address of another backend.
+  // INVALID_ARGUMENT for malformed bytes or an address of another backend; UNAVAILABLE when the
+  // backend has no way at all to reach that peer (UCX: no common transport).
   [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<Endpoint>> Connect(
       std::string_view peer_address) = 0;
 
