@@ -147,7 +147,7 @@ TEST_CASE("a source killed mid-transfer leaves the engine on the previous versio
   auto source = DaemonProcess::Start({"--node=src", listen});
   REQUIRE(source.ok());
   // Small reads, one at a time: a 64 MiB pull takes long enough to be interrupted.
-  auto engine = DaemonProcess::Start({"--node=dst", "--chunk-bytes=16384", "--inflight=1",
+  auto engine = DaemonProcess::Start({"--node=dst", "--chunk-bytes=8192", "--inflight=1",
                                       "--peers=127.0.0.1:" + std::to_string(port)});
   REQUIRE(engine.ok());
   constexpr int64_t kBytes = 64 << 20;
@@ -197,7 +197,7 @@ TEST_CASE("a receiver killed mid-transfer doesn't stop the source serving anothe
   auto source = DaemonProcess::Start({"--node=src"});
   REQUIRE(source.ok());
   const std::string peers = "--peers=127.0.0.1:" + std::to_string(ListenPort(**source));
-  auto doomed = DaemonProcess::Start({"--node=doomed", "--chunk-bytes=16384", "--inflight=1",
+  auto doomed = DaemonProcess::Start({"--node=doomed", "--chunk-bytes=4096", "--inflight=1",
                                       peers});
   auto survivor = DaemonProcess::Start({"--node=survivor", peers});
   REQUIRE(doomed.ok());
@@ -411,8 +411,8 @@ TEST_CASE("Status and refitctl show a pull in flight and each version completing
   const std::string refitctl = testing::RunfilePath("client/refitctl");
   std::string watch_out;
   std::thread watch([&] {
-    // Ends after its timeout: it only has to see version 1.
-    auto r = testing::RunCommand({"/usr/bin/timeout", "8", refitctl,
+    // Ends after its timeout (longer than the slow pull below): it only has to see version 1.
+    auto r = testing::RunCommand({"/usr/bin/timeout", "20", refitctl,
                                   "--socket=" + p.engine->socket(), "watch", "m", "--json"});
     watch_out = r.out;
   });
