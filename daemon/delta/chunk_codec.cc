@@ -544,6 +544,54 @@ absl::Status ChunkDecoder::Apply(const uint8_t* payload, uint64_t size,
       "chunk not applied");
 }
 
+template <typename T>
+void ChunkDecoder::AddChangesWithin(uint8_t* base,
+                                    const std::vector<std::pair<uint64_t, uint64_t>>& ranges) const {
+  const uint32_t* const positions = positions_.data();
+  const uint64_t* const deltas = deltas_.data();
+  const size_t n = positions_.size();
+  size_t r = 0;
+  for (size_t c = 0; c < n && r < ranges.size(); ++c) {
+    const uint64_t begin = uint64_t{positions[c]} * sizeof(T);
+    while (r < ranges.size() && ranges[r].second <= begin) ++r;  // ranges wholly before it
+    if (r == ranges.size()) break;
+    if (ranges[r].first >= begin + sizeof(T)) continue;  // the element lies before the range
+    uint8_t* at = base + begin;
+    StoreFixed<T>(at, static_cast<T>(LoadFixed<T>(at) + static_cast<T>(deltas[c])));
+  }
+}
+
+absl::Status ChunkDecoder::ApplyWithin(const uint8_t* payload, uint64_t size,
+                                       const ChunkExpectation& expect, uint8_t* base,
+                                       const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+  if (size == 0) return Corrupt("empty payload");
+  const uint64_t chunk_bytes = expect.num_elements * expect.element_size;
+  switch (static_cast<ChunkMode>(payload[0])) {
+    case ChunkMode::kUnchanged:
+      if (size != 1 || expect.changed != 0) return Corrupt("inconsistent unchanged chunk");
+      return absl::OkStatus();
+    case ChunkMode::kRaw:
+      if (size != 1 + chunk_bytes) return Corrupt("raw chunk has the wrong size");
+      for (const auto& [begin, end] : ranges) {
+        const uint64_t e = std::min(end, chunk_bytes);
+        if (begin < e) std::memcpy(base + begin, payload + 1 + begin, e - begin);
+      }
+      return absl::OkStatus();
+    case ChunkMode::kSparse:
+      break;
+    default:
+      return Corrupt("unknown chunk mode");
+  }
+  RETURN_IF_ERROR(DecodeSparse(payload, size, expect));
+  switch (expect.element_size) {
+    case 1: AddChangesWithin<uint8_t>(base, ranges); break;
+    case 2: AddChangesWithin<uint16_t>(base, ranges); break;
+    case 4: AddChangesWithin<uint32_t>(base, ranges); break;
+    default: AddChangesWithin<uint64_t>(base, ranges); break;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ChunkDecoder::Revert(const uint8_t* payload, uint64_t size,
                                   const ChunkExpectation& expect, uint8_t* base) {
   if (size == 0) return Corrupt("empty payload");

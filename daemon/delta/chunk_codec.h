@@ -114,6 +114,13 @@ class ChunkDecoder {
   absl::Status Apply(const uint8_t* payload, uint64_t size, const ChunkExpectation& expect,
                      uint8_t* base);
 
+  // Applies the payload's changes only to the elements overlapping `ranges` (byte ranges
+  // relative to `base`, sorted and disjoint), for a receiver that holds only those bytes of the
+  // base. An element straddling a range's edge is written whole. The target checksum covers the
+  // whole chunk, so it cannot be checked here: the caller verifies the ranges it holds.
+  absl::Status ApplyWithin(const uint8_t* payload, uint64_t size, const ChunkExpectation& expect,
+                           uint8_t* base, const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
+
   // Undoes a successful Apply of the same sparse payload to the same memory (decoding it again
   // rather than keeping the changes around). For an unchanged chunk it does nothing; a raw
   // chunk cannot be undone (INTERNAL), so callers apply raw chunks last.
@@ -133,6 +140,8 @@ class ChunkDecoder {
   uint64_t AddChangesAndHash(size_t element_size, uint8_t* base, uint64_t num_elements);
   template <typename T>
   void SubtractChanges(uint8_t* base) const;
+  template <typename T>
+  void AddChangesWithin(uint8_t* base, const std::vector<std::pair<uint64_t, uint64_t>>& ranges) const;
   void SubtractChanges(size_t element_size, uint8_t* base) const;
 
   std::unique_ptr<ZSTD_DCtx_s, void (*)(ZSTD_DCtx_s*)> dctx_;

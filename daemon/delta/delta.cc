@@ -355,6 +355,44 @@ absl::Status ApplyChunk(const DeltaIndex& index, size_t chunk, const uint8_t* ch
   return WithChunk(decoder.Apply(chunk_bytes, chunk_size, expect, base), chunk);
 }
 
+absl::Status ApplyChunkWithin(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
+                              uint64_t chunk_size,
+                              const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
+                              uint8_t* base_inout, uint64_t base_bytes) {
+  if (chunk >= index.chunks.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("no chunk ", chunk, "; the delta has ",
+                                                   index.chunks.size()));
+  }
+  const ChunkInfo& info = index.chunks[chunk];
+  if (DTypeSize(index.dtype) != index.element_size || info.num_elements > kMaxChunkElements ||
+      info.first_element > index.num_elements ||
+      info.num_elements > index.num_elements - info.first_element) {
+    return absl::InvalidArgumentError("delta index is inconsistent; use ParseIndex");
+  }
+  RETURN_IF_ERROR(CheckBaseSize(index, base_bytes));
+  if (chunk_bytes == nullptr && chunk_size != 0) {
+    return absl::InvalidArgumentError("null chunk bytes");
+  }
+  RETURN_IF_ERROR(CheckPayload(index, chunk, chunk_bytes, chunk_size));
+  // The ranges, clipped to the chunk and made relative to its first byte.
+  const uint64_t first = info.first_element * index.element_size;
+  const uint64_t last = first + info.num_elements * index.element_size;
+  std::vector<std::pair<uint64_t, uint64_t>> within;
+  uint64_t previous_end = 0;
+  for (const auto& [begin, end] : ranges) {
+    if (end <= begin) continue;
+    if (begin < previous_end) return absl::InvalidArgumentError("ranges must be sorted and disjoint");
+    previous_end = end;
+    const uint64_t b = std::max(begin, first), e = std::min(end, last);
+    if (b < e) within.emplace_back(b - first, e - first);
+  }
+  if (within.empty()) return absl::OkStatus();
+  ChunkDecoder decoder;
+  return WithChunk(decoder.ApplyWithin(chunk_bytes, chunk_size, ExpectationFor(index, info),
+                                       base_inout + first, within),
+                   chunk);
+}
+
 absl::Status Apply(const uint8_t* delta, uint64_t size, uint8_t* base_inout, uint64_t base_bytes) {
   if (delta == nullptr) return absl::InvalidArgumentError("null delta");
   ASSIGN_OR_RETURN(DeltaIndex index, ParseIndex(delta, size));

@@ -145,6 +145,17 @@ std::vector<size_t> ChunksOverlapping(const DeltaIndex& index, uint64_t first_el
 absl::Status ApplyChunk(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
                         uint64_t chunk_size, uint8_t* base_inout, uint64_t base_bytes);
 
+// Like ApplyChunk for a receiver that holds only some bytes of the base (a resharded
+// destination needs only part of each source buffer): applies the chunk's changes to the
+// elements overlapping `ranges` (byte ranges of the buffer: sorted, disjoint, [begin, end))
+// and leaves all other bytes alone. The payload's checksum is checked (DATA_LOSS), but the
+// chunk's target checksum covers the whole chunk and cannot be: the caller must verify the
+// ranges afterwards against checksums of the target's same ranges.
+absl::Status ApplyChunkWithin(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
+                              uint64_t chunk_size,
+                              const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
+                              uint8_t* base_inout, uint64_t base_bytes);
+
 // Applies a whole delta, all or nothing: payload checksums and everything else that needs no
 // writes are checked first, and if a chunk's result then fails its checksum (wrong base) the
 // chunks already applied are undone. On any error the buffer holds what it held before.

@@ -307,6 +307,67 @@ TEST_CASE("applying only the chunks a range needs updates just those elements", 
   CHECK((work == target));
 }
 
+TEST_CASE("a receiver holding only some ranges of the base applies just those", "[delta]") {
+  const uint64_t elements = 40000;
+  for (const DType dtype : {DType::kBF16, DType::kFP32}) {
+    const size_t es = DTypeSize(dtype);
+    const Bytes base = RandomBytes(elements * es, 31);
+    // Dense enough that some chunks are stored raw, sparse elsewhere.
+    Bytes target = Mutate(base, es, 0.01, Change::kMixed, 32);
+    const Bytes dense = Mutate(base, es, 0.9, Change::kLarge, 33);
+    std::memcpy(target.data(), dense.data(), 4096 * es);
+    EncodeOptions options;
+    options.chunk_elements = 4096;
+    const Bytes delta = MustEncode(base, target, dtype, options);
+    auto index = ParseIndex(delta.data(), delta.size());
+    REQUIRE(index.ok());
+    // Element-aligned ranges inside the first (raw) chunk, across a chunk edge, and alone.
+    const std::vector<std::pair<uint64_t, uint64_t>> ranges = {
+        {100 * es, 900 * es}, {8000 * es, 8300 * es}, {30001 * es, 30002 * es}};
+    // The receiver's copy: garbage outside the ranges, the base inside.
+    Bytes work = RandomBytes(base.size(), 34);
+    for (const auto& [b, e] : ranges) std::memcpy(&work[b], &base[b], e - b);
+    const Bytes before = work;
+    std::vector<size_t> chunks;
+    for (const auto& [b, e] : ranges) {
+      for (size_t c : ChunksOverlapping(*index, b / es, (e - b) / es)) chunks.push_back(c);
+    }
+    std::sort(chunks.begin(), chunks.end());
+    chunks.erase(std::unique(chunks.begin(), chunks.end()), chunks.end());
+    for (const size_t c : chunks) {
+      const ChunkInfo& info = index->chunks[c];
+      const absl::Status status = ApplyChunkWithin(*index, c, delta.data() + info.encoded_offset,
+                                                   info.encoded_size, ranges, work.data(),
+                                                   work.size());
+      INFO(status.ToString());
+      REQUIRE(status.ok());
+    }
+    uint64_t r = 0;
+    for (uint64_t byte = 0; byte < work.size(); ++byte) {
+      while (r < ranges.size() && ranges[r].second <= byte) ++r;
+      const bool inside = r < ranges.size() && ranges[r].first <= byte;
+      if (work[byte] != (inside ? target[byte] : before[byte])) {
+        FAIL("byte " << byte << (inside ? " (inside)" : " (outside)") << " is wrong");
+      }
+    }
+    // A corrupted payload is refused before any write.
+    const ChunkInfo& info = index->chunks[chunks.back()];
+    Bytes bad(delta.begin() + static_cast<ptrdiff_t>(info.encoded_offset),
+              delta.begin() + static_cast<ptrdiff_t>(info.encoded_offset + info.encoded_size));
+    bad.back() ^= 1;
+    const Bytes snapshot = work;
+    CHECK(ApplyChunkWithin(*index, chunks.back(), bad.data(), bad.size(), ranges, work.data(),
+                           work.size())
+              .code() == absl::StatusCode::kDataLoss);
+    CHECK((work == snapshot));
+    // Unsorted ranges are a caller error.
+    CHECK(ApplyChunkWithin(*index, 0, delta.data() + index->chunks[0].encoded_offset,
+                           index->chunks[0].encoded_size, {{200, 300}, {0, 100}}, work.data(),
+                           work.size())
+              .code() == absl::StatusCode::kInvalidArgument);
+  }
+}
+
 TEST_CASE("different chunks apply concurrently to one buffer", "[delta]") {
   const uint64_t elements = 64 * 1024 + 17;
   const Bytes base = RandomBytes(elements * 2, 61);
