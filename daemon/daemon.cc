@@ -82,6 +82,7 @@ struct Daemon::Impl {
   std::unique_ptr<Store> store;
   std::unique_ptr<server::RefitService> service;
   std::unique_ptr<peer::DataPlane> data_plane;
+  std::unique_ptr<peer::DeltaSource> deltas;
   std::unique_ptr<peer::PeerService> peer_service;
   std::unique_ptr<peer::PeerManager> peers;
   std::unique_ptr<server::HealthService> health;
@@ -123,16 +124,28 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       std::move(ucx),
       peer::DataPlaneOptions{options.chunk_bytes, static_cast<int>(options.inflight)},
       &impl->metrics);
+  {
+    Impl* raw = impl.get();
+    peer::DeltaSourceOptions delta_options;
+    delta_options.threshold = options.delta_threshold;
+    delta_options.chain = options.delta_chain;
+    impl->deltas = std::make_unique<peer::DeltaSource>(
+        impl->store.get(), delta_options, &impl->metrics,
+        [raw] { raw->peer_service->NotifyChanged(); });
+  }
   impl->peer_service = std::make_unique<peer::PeerService>(
-      options.node, impl->store.get(), impl->data_plane.get(), &impl->metrics);
+      options.node, impl->store.get(), impl->data_plane.get(), impl->deltas.get(),
+      &impl->metrics);
   impl->peers = std::make_unique<peer::PeerManager>(options.node, options.peers,
                                                     impl->store.get(), impl->data_plane.get(),
-                                                    &impl->metrics);
+                                                    &impl->metrics, options.delta_threshold);
   {
     peer::PeerService* service = impl->peer_service.get();
+    peer::DeltaSource* deltas = impl->deltas.get();
     peer::PeerManager* manager = impl->peers.get();
     StoreListener listener;
-    listener.local_version_ready = [service](const std::string&, uint64_t) {
+    listener.local_version_ready = [service, deltas](const std::string&, uint64_t) {
+      deltas->Notify();
       service->NotifyChanged();
     };
     listener.local_layout_changed = [service](const std::string&) { service->NotifyChanged(); };
@@ -238,6 +251,7 @@ void Daemon::Shutdown(double grace_seconds) {
   impl_->health->SetServing(false);
   impl_->store->Shutdown();  // blocked WaitForVersion/Watch calls return now
   impl_->peers->Stop();
+  impl_->deltas->Stop();
   impl_->peer_service->Stop();
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000));

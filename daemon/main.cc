@@ -69,6 +69,25 @@ int main(int argc, char** argv) {
   auto* inflight_opt = app.add_option("--inflight", flags.inflight, "RMA reads in flight per pull")
                            ->capture_default_str()
                            ->check(CLI::Range(1u, 1024u));
+  auto* threshold_opt =
+      app.add_option("--delta-threshold", flags.delta_threshold,
+                     "use a delta only when it is at most this fraction of the full bytes "
+                     "(0: never)")
+          ->capture_default_str()
+          ->check(CLI::Range(0.0, 1.0));
+  auto* chain_opt = app.add_option("--delta-chain", flags.delta_chain,
+                                   "deltas a source keeps per buffer, for receivers behind")
+                        ->capture_default_str()
+                        ->check(CLI::Range(1u, 1000u));
+  auto* export_opt = app.add_option("--bucket-export", flags.bucket_export,
+                                    "write versions of local models to this directory");
+  auto* import_opt = app.add_option("--bucket-import", flags.bucket_import,
+                                    "follow this directory and complete the versions in it");
+  auto* full_every_opt =
+      app.add_option("--bucket-full-every", flags.bucket_full_every,
+                     "write a full base (not a delta) to --bucket-export every K versions")
+          ->capture_default_str()
+          ->check(CLI::Range(1u, 1000000u));
   app.add_flag("--version", version, "print the version and CUDA support, then exit");
   CLI11_PARSE(app, argc, argv);
 
@@ -93,6 +112,11 @@ int main(int argc, char** argv) {
   if (*health_opt) options.health_listen = flags.health_listen;
   if (*chunk_opt) options.chunk_bytes = flags.chunk_bytes;
   if (*inflight_opt) options.inflight = flags.inflight;
+  if (*threshold_opt) options.delta_threshold = flags.delta_threshold;
+  if (*chain_opt) options.delta_chain = flags.delta_chain;
+  if (*export_opt) options.bucket_export = flags.bucket_export;
+  if (*import_opt) options.bucket_import = flags.bucket_import;
+  if (*full_every_opt) options.bucket_full_every = flags.bucket_full_every;
   refit::SetLogLevel(options.log_level);
 
   // Block the stop signals in every thread (gRPC's inherit this mask); this thread waits.

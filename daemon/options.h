@@ -19,6 +19,15 @@ struct DaemonOptions {
   std::string health_listen;   // HOST:PORT for grpc.health.v1 alone (probes); empty: off
   uint64_t chunk_bytes = 4ull << 20;  // largest single RMA read of a pull
   uint32_t inflight = 16;             // RMA reads in flight per pull
+  // Delta sync: a delta bigger than this fraction of the full bytes is not used (0: deltas
+  // off); a source keeps the newest `delta_chain` deltas of each piece.
+  double delta_threshold = 0.5;
+  uint32_t delta_chain = 4;
+  // The storage-bucket path (daemon/bucket): write versions of local SOURCE models to
+  // bucket_export, with a full base every bucket_full_every versions; follow bucket_import.
+  std::string bucket_export;
+  std::string bucket_import;
+  uint32_t bucket_full_every = 8;
 };
 
 }  // namespace refit

@@ -78,6 +78,31 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
       } else {
         parsed.inflight = static_cast<uint32_t>(*value);
       }
+    } else if (key == "delta_threshold") {
+      auto value = node.value<double>();
+      if (!(node.is_floating_point() || node.is_integer()) || !value || *value < 0 || *value > 1) {
+        status = Bad(origin, key, "must be a number from 0 to 1");
+      } else {
+        parsed.delta_threshold = *value;
+      }
+    } else if (key == "delta_chain") {
+      auto value = node.value<int64_t>();
+      if (!node.is_integer() || !value || *value < 1 || *value > 1000) {
+        status = Bad(origin, key, "must be an integer from 1 to 1000");
+      } else {
+        parsed.delta_chain = static_cast<uint32_t>(*value);
+      }
+    } else if (key == "bucket_export") {
+      status = ReadString(node, origin, key, &parsed.bucket_export);
+    } else if (key == "bucket_import") {
+      status = ReadString(node, origin, key, &parsed.bucket_import);
+    } else if (key == "bucket_full_every") {
+      auto value = node.value<int64_t>();
+      if (!node.is_integer() || !value || *value < 1 || *value > 1000000) {
+        status = Bad(origin, key, "must be an integer from 1 to 1000000");
+      } else {
+        parsed.bucket_full_every = static_cast<uint32_t>(*value);
+      }
     } else if (key == "peers") {
       parsed.peers.clear();
       if (node.is_string()) {
@@ -99,7 +124,8 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
     } else {
       status = Bad(origin, key,
                    "is unknown (known: socket, listen, peers, node, retain, log_level, "
-                   "metrics_listen, health_listen, chunk_bytes, inflight)");
+                   "metrics_listen, health_listen, chunk_bytes, inflight, delta_threshold, "
+                   "delta_chain, bucket_export, bucket_import, bucket_full_every)");
     }
     if (!status.ok()) return status;
   }

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/peer/delta_fetch.h"
 #include "daemon/server/convert.h"
 #include "daemon/version.h"
 #include "grpcpp/grpcpp.h"
@@ -91,11 +92,12 @@ struct PeerManager::Peer {
 };
 
 PeerManager::PeerManager(std::string node, std::vector<std::string> addresses, Store* store,
-                         DataPlane* data_plane, Metrics* metrics)
+                         DataPlane* data_plane, Metrics* metrics, double delta_threshold)
     : node_(std::move(node)),
       store_(store),
       data_plane_(data_plane),
       metrics_(metrics),
+      delta_threshold_(delta_threshold),
       configured_(std::move(addresses)) {}
 
 PeerManager::~PeerManager() { Stop(); }
@@ -237,7 +239,13 @@ void PeerManager::RunPeer(Peer* peer) {
           for (const auto& p : event.pieces()) {
             pieces.push_back({p.buffer_id(), p.remote_key(), p.bytes()});
           }
-          store_->AnnounceRemoteVersion(node, event.model(), event.version(), std::move(pieces));
+          std::vector<RemoteDeltaRef> deltas;
+          for (const auto& d : event.deltas()) {
+            deltas.push_back(
+                {d.buffer_id(), d.base_version(), d.version(), d.remote_key(), d.bytes()});
+          }
+          store_->AnnounceRemoteVersion(node, event.model(), event.version(), std::move(pieces),
+                                        std::move(deltas));
         }
       }
       status = reader->Finish();
@@ -359,7 +367,6 @@ absl::Status PeerManager::Pull(const PullJob& job) {
     if (!pinned.ok()) return finish(pinned);
   }
 
-  auto pulled = data_plane_->Pull(job, [this](uint64_t size) { return store_->AcquireSlot(size); });
   // The source hashes what we read while the bytes are still moving.
   auto remote_sums = std::async(std::launch::async, [this, &job] {
     std::vector<absl::StatusOr<std::vector<uint64_t>>> sums;
@@ -368,14 +375,38 @@ absl::Status PeerManager::Pull(const PullJob& job) {
     }
     return sums;
   });
-  auto result = pulled.get();
-  auto sums = remote_sums.get();
-  absl::Status status = result.status();
-  if (result.ok()) {
-    staging = std::move(result).value();
-    status = Verify(job, staging, std::move(sums));
+  // Pieces this node can bring up to date from an older version by deltas; the rest in full.
+  std::vector<uint64_t> delta_wire;
+  staging = FetchDeltas(job, data_plane_, store_, delta_threshold_, metrics_, &delta_wire);
+  for (size_t f = 0; f < job.fetches.size(); ++f) {
+    if (!staging[f]) continue;
+    uint64_t full_bytes = 0;
+    for (const auto& [b, e] : job.fetches[f].ranges) full_bytes += e - b;
+    bytes_from[job.fetches[f].node] += delta_wire[f];
+    bytes_from[job.fetches[f].node] -= full_bytes;
   }
+  PullJob full = job;
+  full.fetches.clear();
+  std::vector<size_t> full_index;
+  for (size_t f = 0; f < job.fetches.size(); ++f) {
+    if (staging[f]) continue;
+    full.fetches.push_back(job.fetches[f]);
+    full_index.push_back(f);
+  }
+  const bool used_delta = full_index.size() < job.fetches.size();
+  absl::Status status;
+  if (!full.fetches.empty()) {
+    auto result =
+        data_plane_->Pull(full, [this](uint64_t size) { return store_->AcquireSlot(size); }).get();
+    status = result.status();
+    if (result.ok()) {
+      for (size_t i = 0; i < full_index.size(); ++i) staging[full_index[i]] = (*result)[i];
+    }
+  }
+  auto sums = remote_sums.get();
+  if (status.ok()) status = Verify(job, staging, std::move(sums));
   for (const auto& [node, bytes] : bytes_from) (void)pin(node, true);
+  if (status.ok()) metrics_->Add(used_delta ? kDeltaVersions : kFullVersions, 1);
   return finish(status);
 }
 

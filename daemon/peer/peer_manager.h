@@ -39,8 +39,10 @@ std::vector<std::string> ResolvePeerAddress(const std::string& address);
 
 class PeerManager {
  public:
+  // `delta_threshold`: use a source's deltas when they are at most this fraction of the bytes
+  // a pull needs (0: always pull full bytes).
   PeerManager(std::string node, std::vector<std::string> addresses, Store* store,
-              DataPlane* data_plane, Metrics* metrics);
+              DataPlane* data_plane, Metrics* metrics, double delta_threshold = 0.5);
   ~PeerManager();  // Stop()
 
   void Start();
@@ -78,6 +80,7 @@ class PeerManager {
   Store* const store_;
   DataPlane* const data_plane_;
   Metrics* const metrics_;
+  const double delta_threshold_;
   const std::vector<std::string> configured_;    // --peers as given
   std::vector<std::unique_ptr<Peer>> peers_;     // guarded by mu_ (grows only)
   std::thread resolver_thread_;

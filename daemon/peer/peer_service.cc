@@ -12,8 +12,13 @@
 
 namespace refit::peer {
 
-PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane, Metrics* metrics)
-    : node_(std::move(node)), store_(store), data_plane_(data_plane), metrics_(metrics) {
+PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane,
+                         DeltaSource* deltas, Metrics* metrics)
+    : node_(std::move(node)),
+      store_(store),
+      data_plane_(data_plane),
+      deltas_(deltas),
+      metrics_(metrics) {
   if (const char* fault = std::getenv("REFIT_FAULT_CORRUPT_CHECKSUMS")) {
     corrupt_checksums_ = std::atoll(fault);
     Logger("peer")->warn("fault injection: the first {} checksum replies will be wrong",
@@ -58,7 +63,8 @@ bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceL
     piece->set_bytes(layout.bytes);
     for (const TensorSlice& s : *layout.slices) server::ToProto(s, piece->add_tensors());
   }
-  const uint64_t version = store_->LatestLocalSnapshot(model);
+  const uint64_t version =
+      deltas_ ? deltas_->Prepared(model) : store_->LatestLocalSnapshot(model);
   if (version == 0) return true;
   auto snapshot = store_->GetLocalSnapshot(model, version);
   if (!snapshot.ok()) return true;
@@ -73,6 +79,19 @@ bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceL
     piece->set_buffer_id(p.buffer_id);
     piece->set_remote_key(*key);
     piece->set_bytes(p.slot->size());
+  }
+  if (deltas_) {
+    for (const EncodedDelta& d : deltas_->Deltas(model)) {
+      if (d.version > version) continue;
+      auto key = data_plane_->Expose(d.bytes);
+      if (!key.ok()) continue;  // receivers pull that step in full
+      v1::DeltaPiece* piece = event->add_deltas();
+      piece->set_buffer_id(d.buffer_id);
+      piece->set_base_version(d.base_version);
+      piece->set_version(d.version);
+      piece->set_remote_key(*key);
+      piece->set_bytes(d.bytes->size());
+    }
   }
   event->set_version(version);
   return true;
@@ -148,7 +167,7 @@ grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumReque
 void PeerService::ExpirePins() {
   const auto now = std::chrono::steady_clock::now();
   for (auto it = pins_.begin(); it != pins_.end();) {
-    it = it->second.second < now ? pins_.erase(it) : std::next(it);
+    it = it->second.until < now ? pins_.erase(it) : std::next(it);
   }
 }
 
@@ -167,7 +186,8 @@ grpc::Status PeerService::Pin(grpc::ServerContext*, const v1::PinRequest* reques
     return grpc::Status(grpc::StatusCode::NOT_FOUND, std::string(snapshot.status().message()));
   }
   const uint32_t lease_ms = std::clamp<uint32_t>(request->lease_ms(), 1000, 600000);
-  pins_[key] = {*snapshot, std::chrono::steady_clock::now() + std::chrono::milliseconds(lease_ms)};
+  pins_[key] = {*snapshot, deltas_ ? deltas_->Deltas(request->model()) : std::vector<EncodedDelta>(),
+                std::chrono::steady_clock::now() + std::chrono::milliseconds(lease_ms)};
   return grpc::Status::OK;
 }
 

@@ -19,6 +19,7 @@
 
 #include "daemon/metrics/metrics.h"
 #include "daemon/peer/data_plane.h"
+#include "daemon/peer/delta_source.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
@@ -26,7 +27,10 @@ namespace refit::peer {
 
 class PeerService final : public v1::Peer::Service {
  public:
-  PeerService(std::string node, Store* store, DataPlane* data_plane, Metrics* metrics);
+  // `deltas` (may be null: no delta sync) says which versions may be announced and which
+  // deltas to offer with them.
+  PeerService(std::string node, Store* store, DataPlane* data_plane, DeltaSource* deltas,
+              Metrics* metrics);
 
   // Something a subscriber should hear about changed (a layout or a new local version).
   void NotifyChanged();
@@ -54,16 +58,21 @@ class PeerService final : public v1::Peer::Service {
   std::atomic<int64_t> corrupt_checksums_{0};
   Store* const store_;
   DataPlane* const data_plane_;
+  DeltaSource* const deltas_;
   Metrics* const metrics_;
 
   std::mutex mu_;
   std::condition_variable changed_;
   uint64_t generation_ = 0;
   bool stopped_ = false;
-  // (model, version, reader) -> the pinned snapshot and when the pin lapses.
-  std::map<std::tuple<std::string, uint64_t, std::string>,
-           std::pair<std::shared_ptr<const LocalSnapshot>, std::chrono::steady_clock::time_point>>
-      pins_;
+  // What a reader's pin keeps alive: the version's slots, the deltas offered with it, and
+  // when the pin lapses.
+  struct Pinned {
+    std::shared_ptr<const LocalSnapshot> snapshot;
+    std::vector<EncodedDelta> deltas;
+    std::chrono::steady_clock::time_point until;
+  };
+  std::map<std::tuple<std::string, uint64_t, std::string>, Pinned> pins_;  // (model, version, reader)
 };
 
 }  // namespace refit::peer

@@ -161,13 +161,54 @@ void Store::TryCompleteWithRemotes(Model& model) {
       if (l.buffer_id == pieces[i].buffer_id) bytes = l.bytes;
     }
     job.fetches.push_back(
-        {pieces[i].node, pieces[i].buffer_id, pieces[i].remote_key, bytes, needed[i]});
+        {pieces[i].node, pieces[i].buffer_id, pieces[i].remote_key, bytes, needed[i], nullptr, 0, {}});
+    OfferDelta(model, candidate, &job.fetches.back());
   }
   model.pulling = candidate;
   model.pulling_pieces = std::move(pieces);
   Logger("store")->info("model={} version={} pulling {} bytes from {} pieces", model.name,
                         candidate, job.Bytes(), job.fetches.size());
   if (listener_.pull) listener_.pull(std::move(job));
+}
+
+void Store::OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fetch) const {
+  const Model::RemoteNode& remote = model.remotes.at(fetch->node);
+  if (remote.deltas.empty() || model.latest == 0) return;
+  auto held = model.complete.find(model.latest);
+  if (held == model.complete.end()) return;
+  // The newest version held here must hold every byte this pull needs, from the same piece.
+  const Piece* base = nullptr;
+  for (const Piece& piece : held->second->pieces) {
+    if (piece.node == fetch->node && piece.buffer_id == fetch->buffer_id) base = &piece;
+  }
+  if (!base || !base->slot || base->slot->size() != fetch->bytes) return;
+  if (base->valid) {
+    for (const auto& [begin, end] : fetch->ranges) {
+      auto it = std::upper_bound(base->valid->begin(), base->valid->end(),
+                                 std::make_pair(begin, UINT64_MAX));
+      if (it == base->valid->begin()) return;
+      --it;
+      if (it->first > begin || it->second < end) return;
+    }
+  }
+  // A chain of deltas from that version to `version`.
+  std::vector<RemoteDeltaRef> chain;
+  uint64_t at = model.latest;
+  while (at < version) {
+    const RemoteDeltaRef* next = nullptr;
+    for (const RemoteDeltaRef& d : remote.deltas) {
+      if (d.buffer_id == fetch->buffer_id && d.base_version == at && d.version <= version) {
+        next = &d;
+      }
+    }
+    if (!next) return;  // more versions behind than the sender keeps deltas for
+    chain.push_back(*next);
+    at = next->version;
+  }
+  if (at != version) return;
+  fetch->base = base->slot;
+  fetch->base_version = model.latest;
+  fetch->deltas = std::move(chain);
 }
 
 void Store::FinishPull(const PullJob& job, absl::Status result,
@@ -244,7 +285,8 @@ void Store::SetRemoteSources(const std::string& node, const std::string& model_n
 }
 
 void Store::AnnounceRemoteVersion(const std::string& node, const std::string& model_name,
-                                  uint64_t version, std::vector<RemotePieceRef> pieces) {
+                                  uint64_t version, std::vector<RemotePieceRef> pieces,
+                                  std::vector<RemoteDeltaRef> deltas) {
   std::lock_guard<std::mutex> lock(mu_);
   Model* model = FindModel(model_name);
   if (!model) return;
@@ -252,6 +294,7 @@ void Store::AnnounceRemoteVersion(const std::string& node, const std::string& mo
   if (remote.announced == 0 && version >= model->failed) model->failed = 0;  // a fresh start
   remote.announced = version;
   remote.pieces = std::move(pieces);
+  remote.deltas = std::move(deltas);
   TryComplete(*model);
 }
 
@@ -262,6 +305,7 @@ void Store::ForgetRemoteVersions(const std::string& node) {
     if (it != model->remotes.end()) {
       it->second.announced = 0;
       it->second.pieces.clear();
+      it->second.deltas.clear();
     }
   }
 }

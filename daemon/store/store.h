@@ -99,6 +99,15 @@ struct RemotePieceRef {
   uint64_t bytes = 0;
 };
 
+// A delta of a piece held by another node: base_version's bytes -> version's bytes.
+struct RemoteDeltaRef {
+  std::string buffer_id;
+  uint64_t base_version = 0;
+  uint64_t version = 0;
+  std::string remote_key;
+  uint64_t bytes = 0;
+};
+
 // What the data plane must fetch so that `version` of `model` is complete here.
 struct PullJob {
   std::string model;
@@ -109,6 +118,12 @@ struct PullJob {
     std::string remote_key;
     uint64_t bytes = 0;  // the piece's size (the staging slot's size)
     std::vector<std::pair<uint64_t, uint64_t>> ranges;  // [begin, end), sorted, disjoint
+    // Delta sync: when `base` is set this node holds `ranges` of the piece's `base_version`
+    // there (verified), and applying `deltas` in order turns them into `version`'s. The
+    // fetcher may still pull the ranges in full (a delta too big, or failing).
+    std::shared_ptr<Region> base;
+    uint64_t base_version = 0;
+    std::vector<RemoteDeltaRef> deltas;
   };
   std::vector<Fetch> fetches;
   uint64_t Bytes() const;
@@ -190,8 +205,10 @@ class Store {
   void SetRemoteSources(const std::string& node, const std::string& model,
                         std::vector<SourceLayout> sources);
   // Every SOURCE buffer of `model` on `node` has published `version`, readable at `pieces`.
+  // `deltas` are the deltas `node` offers for the pieces (see RemoteDeltaRef).
   void AnnounceRemoteVersion(const std::string& node, const std::string& model, uint64_t version,
-                             std::vector<RemotePieceRef> pieces);
+                             std::vector<RemotePieceRef> pieces,
+                             std::vector<RemoteDeltaRef> deltas = {});
   // `node` is gone: its sources stay expected (no version completes without them) and a pull
   // from it fails.
   void ForgetRemoteVersions(const std::string& node);
@@ -221,6 +238,8 @@ class Store {
       const std::string& model, Role role, const std::vector<std::string>& ids) const;
   void TryComplete(Model& model);
   void TryCompleteWithRemotes(Model& model);
+  // Sets fetch->base and ->deltas when this node can catch up by applying deltas.
+  void OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fetch) const;
   void NoteLocalReady(Model& model);
   void CompleteVersion(Model& model, uint64_t version, std::vector<Piece> pieces);
   absl::Status CheckHeld(const Version& version, const plan::Plan& plan) const;

@@ -67,6 +67,7 @@ struct Store::Model {
     std::vector<SourceLayout> sources;
     uint64_t announced = 0;  // newest version all its sources published; 0: none known
     std::vector<RemotePieceRef> pieces;
+    std::vector<RemoteDeltaRef> deltas;
   };
   std::map<std::string, RemoteNode> remotes;  // by node name
   uint64_t local_ready = 0;                    // newest version all local sources published

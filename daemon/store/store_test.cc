@@ -223,3 +223,78 @@ TEST_CASE_METHOD(Fixture, "waiters see completions in order and wake at shutdown
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+// A receiving node: the pull jobs the store asks for, with the deltas it offers in them.
+struct Receiver {
+  Metrics metrics;
+  Store store{StoreOptions{2, 1ull << 30, "engine"}, &metrics};
+  std::vector<PullJob> jobs;
+  std::shared_ptr<std::mutex> mu = std::make_shared<std::mutex>();
+
+  Receiver() {
+    StoreListener listener;
+    listener.pull = [this](PullJob job) { jobs.push_back(std::move(job)); };
+    store.SetListener(std::move(listener));
+    TestBuffer dest(2048);
+    REQUIRE(store
+                .RegisterBuffer("m", Role::kDestination, dest.Lend(),
+                                {Whole("w", DType::kBF16, {1024}, 0)}, "engine")
+                .ok());
+    // As another node announces it: normalized.
+    TensorSlice w = Rows("w", DType::kBF16, {1024}, 0, 1024, 0);
+    w.buffer_strides = {1};
+    SourceLayout layout{"trainer-1",
+                        std::make_shared<std::vector<TensorSlice>>(std::vector<TensorSlice>{w}),
+                        2048};
+    store.SetRemoteSources("trainer", "m", {layout});
+  }
+
+  // Completes the last job as if every byte arrived.
+  void Finish() {
+    auto slot = store.AcquireSlot(2048);
+    REQUIRE(slot.ok());
+    store.FinishPull(jobs.back(), absl::OkStatus(), {*slot});
+  }
+};
+
+RemoteDeltaRef DeltaRef(uint64_t base, uint64_t version) {
+  return {"trainer-1", base, version, "delta-key", 100};
+}
+
+TEST_CASE("a pull offers the chain of deltas from the newest version held", "[store][delta]") {
+  Receiver r;
+  r.store.AnnounceRemoteVersion("trainer", "m", 1, {{"trainer-1", "key", 2048}},
+                                {DeltaRef(0, 1)});
+  REQUIRE(r.jobs.size() == 1);
+  CHECK(r.jobs[0].fetches.at(0).base == nullptr);  // nothing held yet: in full
+  r.Finish();
+  REQUIRE(r.store.LatestVersion("m") == 1);
+
+  // Two versions ahead, with both steps offered: a chain 1 -> 2 -> 3.
+  r.store.AnnounceRemoteVersion("trainer", "m", 3, {{"trainer-1", "key", 2048}},
+                                {DeltaRef(2, 3), DeltaRef(1, 2)});
+  REQUIRE(r.jobs.size() == 2);
+  const PullJob::Fetch& fetch = r.jobs[1].fetches.at(0);
+  REQUIRE(fetch.base != nullptr);
+  CHECK(fetch.base_version == 1);
+  REQUIRE(fetch.deltas.size() == 2);
+  CHECK(fetch.deltas[0].base_version == 1);
+  CHECK(fetch.deltas[0].version == 2);
+  CHECK(fetch.deltas[1].base_version == 2);
+  CHECK(fetch.deltas[1].version == 3);
+  r.Finish();
+  REQUIRE(r.store.LatestVersion("m") == 3);
+
+  // A gap in the chain (4 -> 5 missing): in full.
+  r.store.AnnounceRemoteVersion("trainer", "m", 6, {{"trainer-1", "key", 2048}},
+                                {DeltaRef(5, 6)});
+  REQUIRE(r.jobs.size() == 3);
+  CHECK(r.jobs[2].fetches.at(0).base == nullptr);
+  CHECK(r.jobs[2].fetches.at(0).deltas.empty());
+}
+
+}  // namespace
+}  // namespace refit

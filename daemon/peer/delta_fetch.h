@@ -1,0 +1,37 @@
+#pragma once
+
+// The receiving side of delta sync. For the fetches of a PullJob that offer a base (a verified
+// older version of the piece held here) and a chain of deltas, FetchDeltas reads each delta's
+// header from the source, works out which chunks cover the byte ranges this node needs (a
+// resharded destination needs only part of each source buffer), reads just those chunks,
+// copies the needed ranges of the base into a fresh staging slot and applies the chain in
+// order. The pull worker then verifies the staging slot against the source's checksums exactly
+// as after a full pull, so a delta can never make a wrong version visible.
+//
+// A fetch falls back to the full bytes (its slot comes back null) when the deltas it would
+// read exceed `threshold` × the bytes it needs, or when anything about them fails; the reason
+// is logged. Thread-safety: call from one thread at a time (the pull worker).
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "daemon/memory/region.h"
+#include "daemon/metrics/metrics.h"
+#include "daemon/peer/data_plane.h"
+#include "daemon/store/store.h"
+
+namespace refit::peer {
+
+inline constexpr char kDeltaVersions[] = "refit_delta_versions_total";
+inline constexpr char kFullVersions[] = "refit_full_versions_total";
+inline constexpr char kDeltaBytesReceived[] = "refit_delta_bytes_received_total";
+inline constexpr char kDeltaFallbacks[] = "refit_delta_fallbacks_total";
+
+// One staging slot per fetch of `job`: built from its base and deltas, or null (pull in full).
+// `wire` gets, per fetch, the delta bytes read for it (0 where the slot is null).
+std::vector<std::shared_ptr<Region>> FetchDeltas(const PullJob& job, DataPlane* data_plane,
+                                                 Store* store, double threshold,
+                                                 Metrics* metrics, std::vector<uint64_t>* wire);
+
+}  // namespace refit::peer

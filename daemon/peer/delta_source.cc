@@ -1,0 +1,151 @@
+#include "daemon/peer/delta_source.h"
+
+#include <chrono>
+#include <cstring>
+
+#include "daemon/common/logging.h"
+#include "daemon/delta/delta.h"
+
+namespace refit::peer {
+
+DType DeltaDType(const std::vector<TensorSlice>& slices, uint64_t bytes) {
+  if (slices.empty()) return DType::kUINT8;
+  const DType dtype = slices.front().dtype;
+  const uint64_t size = DTypeSize(dtype);
+  if (size == 0 || bytes % size != 0) return DType::kUINT8;
+  for (const TensorSlice& s : slices) {
+    if (s.dtype != dtype || s.buffer_offset % size != 0) return DType::kUINT8;
+  }
+  return dtype;
+}
+
+DeltaSource::DeltaSource(Store* store, DeltaSourceOptions options, Metrics* metrics,
+                         std::function<void()> ready)
+    : store_(store), options_(options), metrics_(metrics), ready_(std::move(ready)) {
+  if (enabled()) thread_ = std::thread([this] { Run(); });
+}
+
+DeltaSource::~DeltaSource() { Stop(); }
+
+void DeltaSource::Notify() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_ = true;
+  }
+  wake_.notify_all();
+}
+
+void DeltaSource::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+uint64_t DeltaSource::Prepared(const std::string& model) const {
+  if (!enabled()) return store_->LatestLocalSnapshot(model);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = prepared_.find(model);
+  return it == prepared_.end() ? 0 : it->second;
+}
+
+std::vector<EncodedDelta> DeltaSource::Deltas(const std::string& model) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = deltas_.find(model);
+  return it == deltas_.end() ? std::vector<EncodedDelta>() : it->second;
+}
+
+void DeltaSource::Run() {
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait(lock, [this] { return stop_ || pending_; });
+      if (stop_) return;
+      pending_ = false;
+    }
+    bool any = false;
+    for (const auto& [model, layouts] : store_->LocalSourceLayouts()) {
+      const uint64_t newest = store_->LatestLocalSnapshot(model);
+      if (newest == 0 || newest <= Prepared(model)) continue;
+      Prepare(model, layouts);
+      any = true;
+    }
+    if (any && ready_) ready_();
+  }
+}
+
+void DeltaSource::Prepare(const std::string& model, const std::vector<SourceLayout>& layouts) {
+  const uint64_t version = store_->LatestLocalSnapshot(model);
+  auto snapshot = store_->GetLocalSnapshot(model, version);
+  if (!snapshot.ok()) return;  // dropped meanwhile; the next one comes
+  std::shared_ptr<const LocalSnapshot> previous = last_[model];
+  std::vector<EncodedDelta> made;
+  for (const LocalSnapshot::Piece& piece : (*snapshot)->pieces) {
+    const LocalSnapshot::Piece* base = nullptr;
+    if (previous) {
+      for (const LocalSnapshot::Piece& p : previous->pieces) {
+        if (p.buffer_id == piece.buffer_id && p.slot->size() == piece.slot->size()) base = &p;
+      }
+    }
+    const SourceLayout* layout = nullptr;
+    for (const SourceLayout& l : layouts) {
+      if (l.buffer_id == piece.buffer_id) layout = &l;
+    }
+    if (!base || !layout || piece.slot->kind() != MemoryKind::kHost ||
+        base->slot->kind() != MemoryKind::kHost) {
+      continue;  // receivers pull this piece in full
+    }
+    const uint64_t bytes = piece.slot->size();
+    delta::EncodeOptions options;
+    options.chunk_elements = options_.chunk_elements;
+    options.threads = options_.threads;
+    options.max_encoded_bytes =
+        std::max<uint64_t>(1, static_cast<uint64_t>(options_.threshold * static_cast<double>(bytes)));
+    const auto start = std::chrono::steady_clock::now();
+    auto encoded = delta::Encode(base->slot->data(), piece.slot->data(), bytes,
+                                 DeltaDType(*layout->slices, bytes), options);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    metrics_->Observe(kDeltaEncodeSeconds, seconds);
+    if (!encoded.ok()) {
+      Logger("delta")->info("model={} version={} buffer={}: no delta ({}); receivers pull it in full",
+                            model, version, piece.buffer_id, std::string(encoded.status().message()));
+      continue;
+    }
+    auto region = AllocateHost(encoded->size());
+    if (!region.ok()) {
+      Logger("delta")->warn("model={} version={}: no memory for a delta: {}", model, version,
+                            region.status().ToString());
+      continue;
+    }
+    std::memcpy((*region)->data(), encoded->data(), encoded->size());
+    metrics_->Add(kDeltaEncodedBytes, static_cast<double>(encoded->size()));
+    Logger("delta")->debug("model={} version={} buffer={}: delta of {} bytes from version {} "
+                           "({:.1f}x smaller) in {:.3f} s",
+                           model, version, piece.buffer_id, encoded->size(), previous->version,
+                           static_cast<double>(bytes) / static_cast<double>(encoded->size()),
+                           seconds);
+    made.push_back({piece.buffer_id, previous->version, version,
+                    std::shared_ptr<Region>(std::move(region).value())});
+  }
+  last_[model] = *snapshot;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& held = deltas_[model];
+  held.insert(held.end(), made.begin(), made.end());
+  // Keep the newest `chain` deltas of each piece the model still has.
+  std::map<std::string, uint32_t> kept;
+  for (const LocalSnapshot::Piece& piece : (*snapshot)->pieces) kept[piece.buffer_id] = 0;
+  std::vector<EncodedDelta> trimmed;
+  for (auto it = held.rbegin(); it != held.rend(); ++it) {
+    auto count = kept.find(it->buffer_id);
+    if (count != kept.end() && count->second++ < std::max<uint32_t>(1, options_.chain)) {
+      trimmed.push_back(*it);
+    }
+  }
+  held.assign(trimmed.rbegin(), trimmed.rend());
+  prepared_[model] = version;
+}
+
+}  // namespace refit::peer

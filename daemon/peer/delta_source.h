@@ -1,0 +1,95 @@
+#pragma once
+
+// The sending side of delta sync. Each time every local SOURCE buffer of a model has published
+// a new version N, DeltaSource compares N's snapshot with the previous one it saw, bitwise,
+// piece by piece, and encodes the changes (daemon/delta). It keeps the newest `chain` deltas
+// of each piece, so a receiver a few versions behind applies them in order instead of pulling
+// everything. A version is "prepared" once its deltas are encoded (or given up on: no previous
+// version with the same layout, or a delta bigger than `threshold` of the piece); PeerService
+// announces a version only once it is prepared, so a receiver never starts a full pull of a
+// version whose delta is a moment away.
+//
+// Thread-safety: public methods may be called from any thread. Notify() only sets a flag (the
+// store calls it with its lock held); encoding runs on DeltaSource's own thread.
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon/common/types.h"
+#include "daemon/memory/region.h"
+#include "daemon/metrics/metrics.h"
+#include "daemon/store/store.h"
+
+namespace refit::peer {
+
+inline constexpr char kDeltaEncodeSeconds[] = "refit_delta_encode_seconds";
+inline constexpr char kDeltaEncodedBytes[] = "refit_delta_encoded_bytes_total";
+
+struct DeltaSourceOptions {
+  // A delta bigger than this fraction of its piece is dropped (receivers pull full bytes);
+  // 0 turns delta encoding off.
+  double threshold = 0.5;
+  uint32_t chain = 4;                     // deltas kept per piece, newest first
+  uint64_t chunk_elements = uint64_t{1} << 18;  // a receiver fetches whole chunks
+  int threads = 0;                        // encoder threads; 0: one per core
+};
+
+// One encoded delta of one piece: base_version's bytes -> version's bytes.
+struct EncodedDelta {
+  std::string buffer_id;
+  uint64_t base_version = 0;
+  uint64_t version = 0;
+  std::shared_ptr<Region> bytes;  // exactly the delta (daemon/delta format)
+};
+
+// The element type a piece's delta is encoded with: the dtype all its slices share when every
+// slice starts on an element boundary, else bytes (still exact, just less compact).
+DType DeltaDType(const std::vector<TensorSlice>& slices, uint64_t bytes);
+
+class DeltaSource {
+ public:
+  // `ready` is called (from DeltaSource's thread) whenever a version became prepared.
+  DeltaSource(Store* store, DeltaSourceOptions options, Metrics* metrics,
+              std::function<void()> ready);
+  ~DeltaSource();  // Stop()
+  DeltaSource(const DeltaSource&) = delete;
+  DeltaSource& operator=(const DeltaSource&) = delete;
+
+  // A local version may be ready to encode.
+  void Notify();
+  void Stop();
+
+  bool enabled() const { return options_.threshold > 0; }
+  // The newest version of `model` whose deltas are settled: what may be announced now.
+  uint64_t Prepared(const std::string& model) const;
+  // The deltas held for `model`, oldest first.
+  std::vector<EncodedDelta> Deltas(const std::string& model) const;
+
+ private:
+  void Run();
+  void Prepare(const std::string& model, const std::vector<SourceLayout>& layouts);
+
+  Store* const store_;
+  const DeltaSourceOptions options_;
+  Metrics* const metrics_;
+  const std::function<void()> ready_;
+
+  mutable std::mutex mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  bool pending_ = false;
+  std::map<std::string, uint64_t> prepared_;  // by model
+  std::map<std::string, std::vector<EncodedDelta>> deltas_;  // by model, oldest first
+  // Encoder thread only: the last snapshot encoded against, per model.
+  std::map<std::string, std::shared_ptr<const LocalSnapshot>> last_;
+  std::thread thread_;
+};
+
+}  // namespace refit::peer
