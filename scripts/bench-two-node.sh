@@ -20,8 +20,12 @@
 # The first --warmup versions are left out of the medians: each of the first retain+1 (3)
 # versions allocates a new staging slot on the engine's node.
 #
+# --density F makes every version after the first an RL-like step (F of the elements move by one
+# unit in the last place) so that deltas carry them; the default 0 changes every byte.
+#
 # Usage: scripts/bench-two-node.sh [--tls "tcp sm,tcp sm,tcp+eh"] [--tensors "1 20000"]
-#                                  [--versions 5] [--warmup 3] [--mib 1024] [--no-build] [--keep]
+#                                  [--versions 5] [--warmup 3] [--mib 1024] [--density 0]
+#                                  [--no-build] [--keep]
 # Environment: BAZEL_OUTPUT_BASE=<dir> builds in that Bazel output base, without convenience
 # symlinks (for machines where other builds share the checkout).
 set -euo pipefail
@@ -32,6 +36,7 @@ tensor_list="1 20000"
 versions=5
 warmup=3
 mib=1024
+density=0
 build=1
 keep=0
 while [ $# -gt 0 ]; do
@@ -46,6 +51,8 @@ while [ $# -gt 0 ]; do
     --warmup=*) warmup="${1#*=}"; shift ;;
     --mib) mib="$2"; shift 2 ;;
     --mib=*) mib="${1#*=}"; shift ;;
+    --density) density="$2"; shift 2 ;;
+    --density=*) density="${1#*=}"; shift ;;
     --no-build) build=0; shift ;;
     --keep) keep=1; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
@@ -184,7 +191,7 @@ for tls in $tls_list; do
     ok=1
     "$bin/tests/bench/two_node_bench" --trainer-socket="$work/$tag-$tensors-trainer.sock" \
       --engine-socket="$work/$tag-$tensors-engine.sock" --versions="$versions" \
-      --warmup="$warmup" --mib="$mib" --tensors="$tensors" --timeout=60 \
+      --warmup="$warmup" --mib="$mib" --tensors="$tensors" --density="$density" --timeout=60 \
       >"$work/bench-$tag-$tensors.out" 2>&1 || ok=0
     cat "$work/bench-$tag-$tensors.out"
     stop_daemons

@@ -351,7 +351,8 @@ absl::Status ApplyChunk(const DeltaIndex& index, size_t chunk, const uint8_t* ch
   const ChunkExpectation expect = ExpectationFor(index, info);
   uint8_t* base = base_inout + info.first_element * index.element_size;
   RETURN_IF_ERROR(WithChunk(ChunkDecoder::Verify(chunk_bytes, chunk_size, expect, base), chunk));
-  ChunkDecoder decoder;
+  // One decoder per thread: its zstd context and scratch are reused across chunks.
+  thread_local ChunkDecoder decoder;
   return WithChunk(decoder.Apply(chunk_bytes, chunk_size, expect, base), chunk);
 }
 
@@ -387,7 +388,8 @@ absl::Status ApplyChunkWithin(const DeltaIndex& index, size_t chunk, const uint8
     if (b < e) within.emplace_back(b - first, e - first);
   }
   if (within.empty()) return absl::OkStatus();
-  ChunkDecoder decoder;
+  // One decoder per thread: its zstd context and scratch are reused across chunks.
+  thread_local ChunkDecoder decoder;
   return WithChunk(decoder.ApplyWithin(chunk_bytes, chunk_size, ExpectationFor(index, info),
                                        base_inout + first, within),
                    chunk);

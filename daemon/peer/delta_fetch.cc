@@ -1,6 +1,9 @@
 #include "daemon/peer/delta_fetch.h"
 
 #include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <thread>
 #include <cstring>
 #include <future>
 #include <string>
@@ -93,33 +96,92 @@ absl::Status PlanSteps(const PullJob& job, const PullJob& delta_job, DataPlane* 
   return absl::OkStatus();
 }
 
-// Copies the base's needed ranges into a fresh slot and applies the fetch's steps in order.
-absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
-                                              const std::vector<const Step*>& chain,
-                                              Store* store) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Region> slot, store->AcquireSlot(fetch.bytes));
-  for (const auto& [begin, end] : fetch.ranges) {
-    std::memcpy(slot->data() + begin, fetch.base->data() + begin, end - begin);
-  }
+// True when every chunk a step uses lies wholly inside the fetch's ranges.
+bool WholeChunks(const PullJob::Fetch& fetch, const std::vector<const Step*>& chain) {
   for (const Step* step : chain) {
+    const uint64_t es = step->index.element_size;
     for (size_t c : step->chunks) {
       const delta::ChunkInfo& info = step->index.chunks[c];
-      RETURN_IF_ERROR(delta::ApplyChunkWithin(step->index, c,
-                                              step->slot->data() + info.encoded_offset,
-                                              info.encoded_size, fetch.ranges, slot->data(),
-                                              slot->size()));
+      const uint64_t begin = info.first_element * es, end = begin + info.num_elements * es;
+      auto it = std::upper_bound(fetch.ranges.begin(), fetch.ranges.end(),
+                                 std::make_pair(begin, UINT64_MAX));
+      if (it == fetch.ranges.begin() || (--it)->second < end) return false;
     }
   }
+  return true;
+}
+
+// Copies the base's needed ranges into a fresh slot and applies the fetch's steps in order.
+// With whole chunks each chunk's result is checked against the source's checksum of it. The
+// work is split by chunk (every delta of a piece has the same chunk geometry) over the cores:
+// each chunk is copied and patched while it is in cache.
+absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
+                                              const std::vector<const Step*>& chain,
+                                              bool whole_chunks, Store* store) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Region> slot, store->AcquireSlot(fetch.bytes));
+  const delta::DeltaIndex& first = chain.front()->index;
+  for (const Step* step : chain) {
+    if (step->index.chunk_elements != first.chunk_elements ||
+        step->index.element_size != first.element_size) {
+      return absl::FailedPreconditionError("the deltas of a chain differ in chunk geometry");
+    }
+  }
+  const uint64_t chunk_bytes = first.chunk_elements * first.element_size;
+  const uint64_t num_chunks = (fetch.bytes + chunk_bytes - 1) / std::max<uint64_t>(1, chunk_bytes);
+  // Per chunk: the steps that change it.
+  std::vector<std::vector<std::pair<const Step*, size_t>>> work(num_chunks);
+  for (const Step* step : chain) {
+    for (size_t c : step->chunks) work[c].emplace_back(step, c);
+  }
+  std::atomic<uint64_t> next{0};
+  std::mutex mu;
+  absl::Status failed;
+  auto run = [&] {
+    for (uint64_t c = next++; c < num_chunks; c = next++) {
+      const uint64_t lo = c * chunk_bytes, hi = std::min(fetch.bytes, lo + chunk_bytes);
+      // The needed ranges overlapping [lo, hi), copied from the base.
+      auto it = std::partition_point(fetch.ranges.begin(), fetch.ranges.end(),
+                                     [lo](const auto& r) { return r.second <= lo; });
+      for (; it != fetch.ranges.end() && it->first < hi; ++it) {
+        const uint64_t b = std::max(lo, it->first), e = std::min(hi, it->second);
+        std::memcpy(slot->data() + b, fetch.base->data() + b, e - b);
+      }
+      for (const auto& [step, chunk] : work[c]) {
+        const delta::ChunkInfo& info = step->index.chunks[chunk];
+        const uint8_t* payload = step->slot->data() + info.encoded_offset;
+        absl::Status status =
+            whole_chunks
+                ? delta::ApplyChunk(step->index, chunk, payload, info.encoded_size,
+                                    slot->data(), slot->size())
+                : delta::ApplyChunkWithin(step->index, chunk, payload, info.encoded_size,
+                                          fetch.ranges, slot->data(), slot->size());
+        if (!status.ok()) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (failed.ok()) failed = status;
+          next = num_chunks;
+          return;
+        }
+      }
+    }
+  };
+  const unsigned threads =
+      std::max(1u, std::min<unsigned>(std::thread::hardware_concurrency(), 16));
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < threads && t < num_chunks; ++t) pool.emplace_back(run);
+  run();
+  for (std::thread& t : pool) t.join();
+  RETURN_IF_ERROR(failed);
   return slot;
 }
 
 }  // namespace
 
-std::vector<std::shared_ptr<Region>> FetchDeltas(const PullJob& job, DataPlane* data_plane,
-                                                 Store* store, double threshold,
-                                                 Metrics* metrics, std::vector<uint64_t>* wire_out) {
-  std::vector<std::shared_ptr<Region>> out(job.fetches.size());
-  wire_out->assign(job.fetches.size(), 0);
+DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
+                        double threshold, Metrics* metrics) {
+  DeltaResult result;
+  result.staging.resize(job.fetches.size());
+  result.wire.assign(job.fetches.size(), 0);
+  result.verified.assign(job.fetches.size(), false);
   std::vector<Step> steps;
   for (size_t f = 0; f < job.fetches.size(); ++f) {
     const PullJob::Fetch& fetch = job.fetches[f];
@@ -143,12 +205,16 @@ std::vector<std::shared_ptr<Region>> FetchDeltas(const PullJob& job, DataPlane* 
     }
     for (const RemoteDeltaRef& ref : fetch.deltas) steps.push_back({f, ref, nullptr, {}, {}, {}, 0});
   }
-  if (steps.empty()) return out;
+  if (steps.empty()) return result;
   auto fail_all = [&](const absl::Status& status) {
     Logger("delta")->warn("model={} version={}: deltas unusable, pulling in full: {}", job.model,
                           job.version, status.ToString());
     metrics->Add(kDeltaFallbacks, 1);
-    return std::vector<std::shared_ptr<Region>>(job.fetches.size());
+    DeltaResult none;
+    none.staging.resize(job.fetches.size());
+    none.wire.assign(job.fetches.size(), 0);
+    none.verified.assign(job.fetches.size(), false);
+    return none;
   };
   // 1. The fixed part of every header, which says how long the header is.
   std::vector<Ranges> fixed(steps.size(), Ranges{{0, delta::kFixedHeaderBytes}});
@@ -199,8 +265,10 @@ std::vector<std::shared_ptr<Region>> FetchDeltas(const PullJob& job, DataPlane* 
       wire += steps[s].wire;
       if (status.ok()) status = read_status[s];
     }
+    const bool whole = WholeChunks(job.fetches[f], chain);
     absl::StatusOr<std::shared_ptr<Region>> built =
-        status.ok() ? Build(job.fetches[f], chain, store) : absl::StatusOr<std::shared_ptr<Region>>(status);
+        status.ok() ? Build(job.fetches[f], chain, whole, store)
+                    : absl::StatusOr<std::shared_ptr<Region>>(status);
     if (!built.ok()) {
       Logger("delta")->warn("model={} version={} buffer={}: delta from version {} failed, "
                             "pulling in full: {}",
@@ -214,10 +282,11 @@ std::vector<std::shared_ptr<Region>> FetchDeltas(const PullJob& job, DataPlane* 
                            "version {}) instead of the full ranges",
                            job.model, job.version, job.fetches[f].buffer_id, wire, chain.size(),
                            job.fetches[f].base_version);
-    out[f] = std::move(built).value();
-    (*wire_out)[f] = wire;
+    result.staging[f] = std::move(built).value();
+    result.wire[f] = wire;
+    result.verified[f] = whole;
   }
-  return out;
+  return result;
 }
 
 }  // namespace refit::peer

@@ -28,10 +28,16 @@ inline constexpr char kFullVersions[] = "refit_full_versions_total";
 inline constexpr char kDeltaBytesReceived[] = "refit_delta_bytes_received_total";
 inline constexpr char kDeltaFallbacks[] = "refit_delta_fallbacks_total";
 
-// One staging slot per fetch of `job`: built from its base and deltas, or null (pull in full).
-// `wire` gets, per fetch, the delta bytes read for it (0 where the slot is null).
-std::vector<std::shared_ptr<Region>> FetchDeltas(const PullJob& job, DataPlane* data_plane,
-                                                 Store* store, double threshold,
-                                                 Metrics* metrics, std::vector<uint64_t>* wire);
+struct DeltaResult {
+  std::vector<std::shared_ptr<Region>> staging;  // per fetch: built from deltas, or null
+  std::vector<uint64_t> wire;                    // per fetch: delta bytes read for it
+  // Per fetch: every needed byte lies in whole delta chunks, so applying them checked each
+  // chunk's target checksum and the source need not hash anything for it.
+  std::vector<bool> verified;
+};
+
+// Brings the fetches of `job` that offer a base and deltas up to date (see above).
+DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
+                        double threshold, Metrics* metrics);
 
 }  // namespace refit::peer

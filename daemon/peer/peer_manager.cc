@@ -367,24 +367,27 @@ absl::Status PeerManager::Pull(const PullJob& job) {
     if (!pinned.ok()) return finish(pinned);
   }
 
-  // The source hashes what we read while the bytes are still moving.
-  auto remote_sums = std::async(std::launch::async, [this, &job] {
-    std::vector<absl::StatusOr<std::vector<uint64_t>>> sums;
-    for (size_t f = 0; f < job.fetches.size(); ++f) {
-      sums.push_back(RemoteChecksums(job, f, VerifyChunks(job.fetches[f])));
-    }
-    return sums;
-  });
   // Pieces this node can bring up to date from an older version by deltas; the rest in full.
-  std::vector<uint64_t> delta_wire;
-  staging = FetchDeltas(job, data_plane_, store_, delta_threshold_, metrics_, &delta_wire);
+  DeltaResult deltas = FetchDeltas(job, data_plane_, store_, delta_threshold_, metrics_);
+  staging = std::move(deltas.staging);
   for (size_t f = 0; f < job.fetches.size(); ++f) {
     if (!staging[f]) continue;
     uint64_t full_bytes = 0;
     for (const auto& [b, e] : job.fetches[f].ranges) full_bytes += e - b;
-    bytes_from[job.fetches[f].node] += delta_wire[f];
+    bytes_from[job.fetches[f].node] += deltas.wire[f];
     bytes_from[job.fetches[f].node] -= full_bytes;
   }
+  // The source hashes what we read while the bytes are still moving (not what deltas already
+  // verified chunk by chunk).
+  const std::vector<bool> verified = deltas.verified;
+  auto remote_sums = std::async(std::launch::async, [this, &job, verified] {
+    std::vector<absl::StatusOr<std::vector<uint64_t>>> sums;
+    for (size_t f = 0; f < job.fetches.size(); ++f) {
+      sums.push_back(verified[f] ? std::vector<uint64_t>()
+                                 : RemoteChecksums(job, f, VerifyChunks(job.fetches[f])));
+    }
+    return sums;
+  });
   PullJob full = job;
   full.fetches.clear();
   std::vector<size_t> full_index;
@@ -404,7 +407,7 @@ absl::Status PeerManager::Pull(const PullJob& job) {
     }
   }
   auto sums = remote_sums.get();
-  if (status.ok()) status = Verify(job, staging, std::move(sums));
+  if (status.ok()) status = Verify(job, staging, std::move(sums), verified);
   for (const auto& [node, bytes] : bytes_from) (void)pin(node, true);
   if (status.ok()) metrics_->Add(used_delta ? kDeltaVersions : kFullVersions, 1);
   return finish(status);
@@ -445,8 +448,10 @@ absl::StatusOr<std::vector<uint64_t>> PeerManager::RemoteChecksums(
 
 absl::Status PeerManager::Verify(const PullJob& job,
                                  const std::vector<std::shared_ptr<Region>>& staging,
-                                 std::vector<absl::StatusOr<std::vector<uint64_t>>> remote) {
+                                 std::vector<absl::StatusOr<std::vector<uint64_t>>> remote,
+                                 const std::vector<bool>& verified) {
   for (size_t f = 0; f < job.fetches.size(); ++f) {
+    if (verified[f]) continue;
     const PullJob::Fetch& fetch = job.fetches[f];
     std::vector<std::pair<uint64_t, uint64_t>> chunks = VerifyChunks(fetch);
     absl::StatusOr<std::vector<uint64_t>> sums = std::move(remote[f]);

@@ -72,8 +72,10 @@ class PeerManager {
   // The source's XXH3 of `chunks` of fetch `f` (asked while the bytes are still moving).
   absl::StatusOr<std::vector<uint64_t>> RemoteChecksums(
       const PullJob& job, size_t f, const std::vector<std::pair<uint64_t, uint64_t>>& chunks);
+  // Checks every pulled range against `remote` (skipping fetches `verified` already).
   absl::Status Verify(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
-                      std::vector<absl::StatusOr<std::vector<uint64_t>>> remote);
+                      std::vector<absl::StatusOr<std::vector<uint64_t>>> remote,
+                      const std::vector<bool>& verified);
   v1::Peer::Stub* StubFor(const std::string& node);
 
   const std::string node_;

@@ -7,10 +7,13 @@
 //             engine's node: announce, pin, UCX pull, XXH3 verification, completion;
 //   apply     Apply's round trip on the engine's node (staging slot -> destination buffer).
 // Every version is checked byte for byte after Apply. --tensors=N splits the same bytes into N
-// tensors. The last line is machine-readable (RESULT key=value ...) for scripts.
+// tensors. --density=F makes each version an RL-like step instead: F of the elements move by
+// one unit in the last place (the first version is random), so deltas carry the versions; the
+// "bytes pulled" column then shows the wire bytes. The last line is machine-readable
+// (RESULT key=value ...) for scripts.
 //
 //   two_node_bench --trainer-socket=A.sock --engine-socket=B.sock [--versions=5] [--warmup=1]
-//                  [--mib=1024] [--tensors=1]
+//                  [--mib=1024] [--tensors=1] [--density=0]
 
 #include <unistd.h>
 
@@ -18,6 +21,7 @@
 #include <chrono>
 #include <cstring>
 #include <iostream>
+#include <random>
 #include <thread>
 
 #include "CLI/CLI.hpp"
@@ -77,6 +81,7 @@ int main(int argc, char** argv) {
   int versions = 5, warmup = 1, timeout_s = 120;
   int64_t tensors = 1;
   uint64_t mib = 1024;
+  double density = 0;
   CLI::App app{"refit two-node benchmark: publish on one daemon, receive on another"};
   app.add_option("--trainer-socket", trainer_socket, "the trainer node's refitd socket")
       ->required();
@@ -90,6 +95,9 @@ int main(int argc, char** argv) {
   app.add_option("--tensors", tensors, "tensors the same bytes are split into")
       ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{10000000}));
   app.add_option("--model", model, "model name")->capture_default_str();
+  app.add_option("--density", density,
+                 "fraction of elements changed per version by +-1 ulp (0: every byte changes)")
+      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
   app.add_option("--timeout", timeout_s, "seconds to wait for one version")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
@@ -156,10 +164,27 @@ int main(int argc, char** argv) {
   for (int i = 1; i <= warmup + versions; ++i) {
     const uint64_t version = base + static_cast<uint64_t>(i);
     const bool measured = i > warmup;
-    // The "optimizer step": every byte changes; a marker per tensor.
-    std::memset(src->data(), static_cast<int>(version * 37 & 0xff), total);
-    for (const auto& s : slices) {
-      src->data()[s.buffer_offset()] = static_cast<uint8_t>(version + s.buffer_offset() / 4096);
+    if (density == 0) {
+      // The "optimizer step": every byte changes; a marker per tensor.
+      std::memset(src->data(), static_cast<int>(version * 37 & 0xff), total);
+      for (const auto& s : slices) {
+        src->data()[s.buffer_offset()] = static_cast<uint8_t>(version + s.buffer_offset() / 4096);
+      }
+    } else if (i == 1) {
+      std::mt19937_64 rng(version);
+      for (uint64_t at = 0; at + 8 <= total; at += 8) {
+        const uint64_t word = rng();
+        std::memcpy(src->data() + at, &word, 8);
+      }
+    } else {
+      // An RL-like step: `density` of the bf16 elements move by one unit in the last place.
+      std::mt19937_64 rng(version);
+      const uint64_t n = total / 2, changes = static_cast<uint64_t>(density * static_cast<double>(n));
+      uint16_t* e = reinterpret_cast<uint16_t*>(src->data());
+      for (uint64_t c = 0; c < changes; ++c) {
+        const uint64_t r = rng();
+        e[r % n] = static_cast<uint16_t>(e[r % n] + ((r >> 63) ? 1 : -1));
+      }
     }
     const double received_before = Metric(**engine, "refit_data_bytes_received_total");
 
@@ -210,9 +235,9 @@ int main(int argc, char** argv) {
       versions, gb, tensors, Median(publish_s), publish_gbs, Median(transfer_s), transfer_gbs,
       Median(apply_s), apply_gbs, Median(e2e_s), e2e_gbs);
   std::cout << absl::StrFormat(
-      "RESULT tensors=%d bytes=%d versions=%d publish_s=%.6f transfer_s=%.6f apply_s=%.6f "
+      "RESULT density=%g tensors=%d bytes=%d versions=%d publish_s=%.6f transfer_s=%.6f apply_s=%.6f "
       "e2e_s=%.6f transfer_gbs=%.4f apply_gbs=%.4f publish_gbs=%.4f\n",
-      tensors, total, versions, Median(publish_s), Median(transfer_s), Median(apply_s),
+      density, tensors, total, versions, Median(publish_s), Median(transfer_s), Median(apply_s),
       Median(e2e_s), transfer_gbs, apply_gbs, publish_gbs);
   (void)(*engine)->ReleaseBuffer(*dst_id);
   (void)(*trainer)->ReleaseBuffer(*src_id);
