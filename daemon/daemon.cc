@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda.h"
+#include "daemon/bucket/bucket_sync.h"
 #include "daemon/common/logging.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/metrics/prometheus.h"
@@ -83,6 +84,8 @@ struct Daemon::Impl {
   std::unique_ptr<server::RefitService> service;
   std::unique_ptr<peer::DataPlane> data_plane;
   std::unique_ptr<peer::DeltaSource> deltas;
+  std::unique_ptr<bucket::BucketExport> bucket_export;
+  std::unique_ptr<bucket::BucketImport> bucket_import;
   std::unique_ptr<peer::PeerService> peer_service;
   std::unique_ptr<peer::PeerManager> peers;
   std::unique_ptr<server::HealthService> health;
@@ -130,8 +133,21 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     delta_options.threshold = options.delta_threshold;
     delta_options.chain = options.delta_chain;
     impl->deltas = std::make_unique<peer::DeltaSource>(
-        impl->store.get(), delta_options, &impl->metrics,
-        [raw] { raw->peer_service->NotifyChanged(); });
+        impl->store.get(), delta_options, &impl->metrics, [raw] {
+          raw->peer_service->NotifyChanged();
+          if (raw->bucket_export) raw->bucket_export->Notify();
+        });
+  }
+  if (!options.bucket_export.empty()) {
+    impl->bucket_export = std::make_unique<bucket::BucketExport>(
+        options.bucket_export, options.bucket_full_every, options.retain, impl->store.get(),
+        impl->deltas.get(), &impl->metrics);
+  }
+  if (!options.bucket_import.empty()) {
+    auto import = bucket::BucketImport::Start(options.bucket_import, impl->store.get(),
+                                              &impl->metrics);
+    if (!import.ok()) return import.status();
+    impl->bucket_import = std::move(import).value();
   }
   impl->peer_service = std::make_unique<peer::PeerService>(
       options.node, impl->store.get(), impl->data_plane.get(), impl->deltas.get(),
@@ -144,9 +160,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     peer::DeltaSource* deltas = impl->deltas.get();
     peer::PeerManager* manager = impl->peers.get();
     StoreListener listener;
-    listener.local_version_ready = [service, deltas](const std::string&, uint64_t) {
+    bucket::BucketExport* exporter = impl->bucket_export.get();
+    listener.local_version_ready = [service, deltas, exporter](const std::string&, uint64_t) {
       deltas->Notify();
       service->NotifyChanged();
+      if (exporter) exporter->Notify();
     };
     listener.local_layout_changed = [service](const std::string&) { service->NotifyChanged(); };
     listener.pull = [manager](PullJob job) { manager->OnPull(std::move(job)); };
@@ -251,7 +269,9 @@ void Daemon::Shutdown(double grace_seconds) {
   impl_->health->SetServing(false);
   impl_->store->Shutdown();  // blocked WaitForVersion/Watch calls return now
   impl_->peers->Stop();
+  if (impl_->bucket_import) impl_->bucket_import->Stop();
   impl_->deltas->Stop();
+  if (impl_->bucket_export) impl_->bucket_export->Stop();
   impl_->peer_service->Stop();
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000));

@@ -10,15 +10,14 @@
 
 #include <algorithm>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <thread>
 
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
 #include "daemon/delta/delta.h"
-#include "nlohmann/json.hpp"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/real_model.h"
 
 namespace refit {
 namespace {
@@ -26,96 +25,17 @@ namespace {
 using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
-using Ranges = std::vector<std::pair<uint64_t, uint64_t>>;
 
 constexpr int kVersions = 4;
 constexpr uint64_t kChunkElements = uint64_t{1} << 18;  // DeltaSourceOptions' default
 
-struct Tensor {
-  std::string name;
-  std::vector<int64_t> shape;
-  uint64_t offset = 0;  // bytes, in the source buffer
-};
-
-struct Data {
-  std::vector<Tensor> tensors;
-  std::vector<std::vector<uint8_t>> versions;  // v000 .. v003
-};
-
-std::string SharedDir() {
-  const char* env = std::getenv("REFIT_SHARED_DIR");
-  return env && *env ? env : "/work/shared";
-}
-
-std::vector<uint8_t> ReadAll(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::vector<uint8_t>((std::istreambuf_iterator<char>(in)),
-                              std::istreambuf_iterator<char>());
-}
-
-// Loads the model; an empty Data when the shared data is not there.
-Data Load() {
-  const std::string dir = SharedDir() + "/data/deltas/tiny-llama-lr1e-6/";
-  std::ifstream manifest(dir + "manifest.json");
-  Data data;
-  if (!manifest) return data;
-  const nlohmann::json m = nlohmann::json::parse(manifest);
-  for (const auto& t : m["tensors"]) {
-    data.tensors.push_back({t["name"], t["shape"].get<std::vector<int64_t>>(), t["offset"]});
-  }
-  for (int v = 0; v < kVersions; ++v) {
-    data.versions.push_back(ReadAll(dir + "v00" + std::to_string(v) + ".bin"));
-  }
-  return data;
-}
-
-// Tensor-parallel split for the engine: -1 whole, 0 rows, 1 columns.
-int Split(const Tensor& t) {
-  if (t.shape.size() < 2) return -1;
-  const bool row_parallel = t.name.find("o_proj") != std::string::npos ||
-                            t.name.find("down_proj") != std::string::npos;
-  return row_parallel ? 1 : 0;
-}
-
-// Engine rank 0 of 2: its slices, and the source bytes each of its elements comes from, in the
-// order they sit in its buffer (the reference the test checks against).
-struct Engine {
-  std::vector<v1::TensorSlice> slices;
-  Ranges source_runs;  // source byte runs, in destination order
-  uint64_t bytes = 0;
-};
-
-Engine MakeEngine(const Data& data) {
-  Engine e;
-  for (const Tensor& t : data.tensors) {
-    std::vector<int64_t> offsets(t.shape.size(), 0), sizes = t.shape;
-    const int split = Split(t);
-    if (split >= 0) sizes[split] = t.shape[split] / 2;
-    e.slices.push_back(Slice(t.name, v1::BF16, t.shape, e.bytes, offsets, sizes));
-    const int64_t cols = t.shape.size() > 1 ? t.shape[1] : t.shape[0];
-    const int64_t rows = t.shape.size() > 1 ? sizes[0] : 1;
-    const int64_t take = t.shape.size() > 1 ? sizes[1] : sizes[0];
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint64_t begin = t.offset + static_cast<uint64_t>(r * cols) * 2;
-      e.source_runs.emplace_back(begin, begin + static_cast<uint64_t>(take) * 2);
-      e.bytes += static_cast<uint64_t>(take) * 2;
-    }
-  }
-  return e;
-}
-
-Ranges Merged(Ranges ranges) {
-  std::sort(ranges.begin(), ranges.end());
-  Ranges out;
-  for (const auto& r : ranges) {
-    if (!out.empty() && r.first <= out.back().second) {
-      out.back().second = std::max(out.back().second, r.second);
-    } else {
-      out.push_back(r);
-    }
-  }
-  return out;
-}
+using testing::Data;
+using testing::Engine;
+using testing::Load;
+using testing::MakeEngine;
+using testing::Merged;
+using testing::Ranges;
+using testing::Tensor;
 
 // The delta bytes a receiver needing `needed` reads: header + the chunks covering it.
 uint64_t DeltaWireBytes(const std::vector<uint8_t>& base, const std::vector<uint8_t>& target,
@@ -137,12 +57,7 @@ uint64_t DeltaWireBytes(const std::vector<uint8_t>& base, const std::vector<uint
   return wire;
 }
 
-double Metric(client::Client& c, const std::string& name) {
-  auto status = c.Status();
-  REQUIRE(status.ok());
-  auto it = status->metrics().find(name);
-  return it == status->metrics().end() ? 0 : it->second;
-}
+using testing::Metric;
 
 struct Cluster {
   Data data;
@@ -187,11 +102,8 @@ struct Cluster {
     port = trainer->Status()->listen_port();
     source = std::make_unique<SharedMemory>(
         SharedMemory::Create(testing::UniqueShmName("src"), data.versions[0].size()).value());
-    std::vector<v1::TensorSlice> slices;
-    for (const Tensor& tensor : data.tensors) {
-      slices.push_back(Slice(tensor.name, v1::BF16, tensor.shape, tensor.offset));
-    }
-    auto id = trainer->RegisterBuffer("tiny-llama", v1::SOURCE, source->name(), slices);
+    auto id = trainer->RegisterBuffer("tiny-llama", v1::SOURCE, source->name(),
+                                      testing::SourceSlices(data));
     REQUIRE(id.ok());
     source_id = *id;
     StartEngine(engine_args);
@@ -211,12 +123,7 @@ struct Cluster {
     std::memset(dest->data(), 0xAB, dest->size());
     auto applied = client->Apply("tiny-llama", v + 1, {dest_id});
     REQUIRE(applied.ok());
-    uint64_t at = 0, wrong = 0;
-    for (const auto& [b, e] : engine.source_runs) {
-      if (std::memcmp(dest->data() + at, data.versions[v].data() + b, e - b) != 0) wrong++;
-      at += e - b;
-    }
-    CHECK(wrong == 0);
+    CHECK(testing::CountWrongRuns(engine, dest->data(), data.versions[v]) == 0);
   }
 
   double Received() { return Metric(*client, "refit_data_bytes_received_total"); }

@@ -108,7 +108,9 @@ void Store::TryCompleteWithRemotes(Model& model) {
       for (const RemotePieceRef& ref : remote.pieces) {
         if (ref.buffer_id == layout.buffer_id) piece.remote_key = ref.remote_key;
       }
-      if (piece.remote_key.empty()) {
+      if (auto it = remote.imported.find(layout.buffer_id); it != remote.imported.end()) {
+        piece.slot = it->second;  // every byte is here already
+      } else if (piece.remote_key.empty()) {
         Logger("store")->warn("model={} version={} node={} announced no piece for buffer {}",
                               model.name, candidate, node, layout.buffer_id);
         return;
@@ -120,10 +122,13 @@ void Store::TryCompleteWithRemotes(Model& model) {
     return std::tie(a.node, a.buffer_id) < std::tie(b.node, b.buffer_id);
   });
 
+  const bool all_here = std::all_of(pieces.begin(), pieces.end(),
+                                    [](const Piece& p) { return p.node.empty() || p.slot; });
   if (model.destinations.empty()) {
-    // A node with neither sources nor destinations of the model has nothing to complete; once
-    // an engine registers its destinations the newest announced version is pulled for them.
-    if (model.sources.empty()) return;
+    // A node with neither sources nor destinations of the model has nothing to complete (unless
+    // every byte was imported); once an engine registers its destinations the newest announced
+    // version is pulled for them.
+    if (model.sources.empty() && !all_here) return;
     // A trainer node: complete without holding the other nodes' bytes.
     CompleteVersion(model, candidate, std::move(pieces));
     return;
@@ -145,15 +150,20 @@ void Store::TryCompleteWithRemotes(Model& model) {
     model.failed = candidate;
     return;
   }
+  if (all_here) {
+    CompleteVersion(model, candidate, std::move(pieces));
+    return;
+  }
   std::vector<ByteRanges> needed(pieces.size());
   for (const plan::CopyOp& op : (*cached)->plan.ops) {
-    if (!pieces[op.src_location].node.empty()) AppendSourceRuns(op, &needed[op.src_location]);
+    const Piece& piece = pieces[op.src_location];
+    if (!piece.node.empty() && !piece.slot) AppendSourceRuns(op, &needed[op.src_location]);
   }
   PullJob job;
   job.model = model.name;
   job.version = candidate;
   for (size_t i = 0; i < pieces.size(); ++i) {
-    if (pieces[i].node.empty()) continue;
+    if (pieces[i].node.empty() || pieces[i].slot) continue;
     MergeRanges(&needed[i]);
     const auto& layout = model.remotes.at(pieces[i].node).sources;
     uint64_t bytes = 0;
@@ -268,6 +278,33 @@ absl::StatusOr<std::shared_ptr<const LocalSnapshot>> Store::GetLocalSnapshot(
   }
   return absl::NotFoundError(
       absl::StrCat("model ", model_name, ": version ", version, " is not held here"));
+}
+
+void Store::ImportVersion(const std::string& node, const std::string& model_name,
+                          uint64_t version, std::vector<SourceLayout> layouts,
+                          std::vector<std::shared_ptr<Region>> slots) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& model = models_[model_name];
+  if (!model) {
+    model = std::make_unique<Model>();
+    model->name = model_name;
+  }
+  auto& remote = model->remotes[node];
+  bool same_layout = remote.sources.size() == layouts.size();
+  for (size_t i = 0; same_layout && i < layouts.size(); ++i) {
+    same_layout = remote.sources[i].buffer_id == layouts[i].buffer_id &&
+                  remote.sources[i].bytes == layouts[i].bytes;
+  }
+  if (!same_layout) model->plans.clear();
+  remote.imported.clear();
+  for (size_t i = 0; i < layouts.size() && i < slots.size(); ++i) {
+    remote.imported[layouts[i].buffer_id] = slots[i];
+  }
+  remote.sources = std::move(layouts);
+  remote.pieces.clear();
+  remote.deltas.clear();
+  remote.announced = version;
+  TryComplete(*model);
 }
 
 void Store::SetRemoteSources(const std::string& node, const std::string& model_name,

@@ -213,6 +213,14 @@ class Store {
   // from it fails.
   void ForgetRemoteVersions(const std::string& node);
 
+  // `node` (e.g. a storage bucket being followed) hands over `version` of `model` whole: its
+  // SOURCE layouts and, per layout, a slot holding every byte. The version completes here as
+  // if pulled from a peer (once any local sources published it too); `slots` are kept as the
+  // version's pieces.
+  void ImportVersion(const std::string& node, const std::string& model, uint64_t version,
+                     std::vector<SourceLayout> layouts,
+                     std::vector<std::shared_ptr<Region>> slots);
+
   // The data plane finished `job`: on success `staging[i]` holds job.fetches[i].ranges.
   void FinishPull(const PullJob& job, absl::Status result,
                   std::vector<std::shared_ptr<Region>> staging);

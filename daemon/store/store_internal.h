@@ -68,6 +68,8 @@ struct Store::Model {
     uint64_t announced = 0;  // newest version all its sources published; 0: none known
     std::vector<RemotePieceRef> pieces;
     std::vector<RemoteDeltaRef> deltas;
+    // Imported whole (ImportVersion): the slots of version `announced`, by buffer id.
+    std::map<std::string, std::shared_ptr<Region>> imported;
   };
   std::map<std::string, RemoteNode> remotes;  // by node name
   uint64_t local_ready = 0;                    // newest version all local sources published

@@ -1,0 +1,102 @@
+#pragma once
+
+// The daemon's side of the storage bucket: two workers that connect the store to a directory.
+//
+// BucketExport (--bucket-export=DIR): whenever every local SOURCE buffer of a model has
+// published a new version and its deltas are ready (DeltaSource), writes it with an Exporter
+// per model — the deltas DeltaSource made for peers are written as they are, so the bucket
+// costs no second encoding — and a full base every --bucket-full-every versions.
+//
+// BucketImport (--bucket-import=DIR): follows DIR with a DirWatcher (inotify, plus polling for
+// network file systems) and hands every new version that materializes and verifies to the
+// store (Store::ImportVersion) as if a peer had sent it. A corrupt or partial file is rejected
+// by the Importer (one log line, refit_bucket_rejected_total) and the node stays where it was.
+//
+// Thread-safety: each worker runs one thread of its own; Notify() may be called from any
+// thread (the store calls it with its lock held: it only sets a flag).
+
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "daemon/bucket/dir_watcher.h"
+#include "daemon/bucket/exporter.h"
+#include "daemon/bucket/importer.h"
+#include "daemon/metrics/metrics.h"
+#include "daemon/peer/delta_source.h"
+#include "daemon/store/store.h"
+
+namespace refit::bucket {
+
+class BucketExport {
+ public:
+  // `deltas` may be null (no delta sync: every version is written in full).
+  BucketExport(std::string dir, uint32_t full_every, uint32_t retain, Store* store,
+               peer::DeltaSource* deltas, Metrics* metrics);
+  ~BucketExport();  // Stop()
+  BucketExport(const BucketExport&) = delete;
+  BucketExport& operator=(const BucketExport&) = delete;
+
+  void Notify();
+  void Stop();
+
+ private:
+  void Run();
+  void Export(const std::string& model, uint64_t version);
+
+  const std::string dir_;
+  const ExporterOptions options_;
+  Store* const store_;
+  peer::DeltaSource* const deltas_;
+  Metrics* const metrics_;
+
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  bool pending_ = false;
+  // Worker thread only.
+  std::map<std::string, std::unique_ptr<Exporter>> exporters_;  // by model
+  std::map<std::string, uint64_t> exported_;                    // newest version written
+  std::thread thread_;
+};
+
+class BucketImport {
+ public:
+  // Creates DIR if missing and starts following it; errors when it can't.
+  static absl::StatusOr<std::unique_ptr<BucketImport>> Start(std::string dir, Store* store,
+                                                             Metrics* metrics);
+  ~BucketImport();  // Stop()
+  BucketImport(const BucketImport&) = delete;
+  BucketImport& operator=(const BucketImport&) = delete;
+
+  void Stop();
+  // The node name the store knows the bucket by: "bucket:DIR".
+  const std::string& node() const { return node_; }
+
+ private:
+  BucketImport(std::string dir, Store* store, Metrics* metrics);
+  void Run();
+  void ImportAll();
+
+  const std::string dir_;
+  const std::string node_;
+  Store* const store_;
+  Metrics* const metrics_;
+  Importer importer_;
+
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  bool pending_ = true;  // look once at start
+  // Worker thread only: the newest version imported per model (the base for its deltas).
+  std::map<std::string, ImportedVersion> current_;
+  std::unique_ptr<DirWatcher> watcher_;
+  std::thread thread_;
+};
+
+}  // namespace refit::bucket
