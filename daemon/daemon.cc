@@ -109,10 +109,21 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   auto status = PrepareSocketPath(options.socket_path);
   if (!status.ok()) return status;
 
+  StoreOptions store_options{options.retain, 4ull << 30, options.node};
+  if (options.slot_memory == "cuda") {
+    if (options.slot_device < 0 || options.slot_device >= cuda::DeviceCount()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--slot-memory=cuda needs CUDA device ", options.slot_device, "; this refitd has ",
+          cuda::Describe()));
+    }
+    store_options.slot_memory = MemoryKind::kCuda;
+    store_options.slot_device = options.slot_device;
+  } else if (options.slot_memory != "host") {
+    return absl::InvalidArgumentError("--slot-memory must be host or cuda");
+  }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  impl->store = std::make_unique<Store>(
-      StoreOptions{options.retain, 4ull << 30, options.node}, &impl->metrics);
+  impl->store = std::make_unique<Store>(store_options, &impl->metrics);
   // The data plane: UCX chooses the transport (UCX_TLS); without UCX this node can still serve
   // local clients, and pulls from it fail UNAVAILABLE.
   std::unique_ptr<transport::Transport> ucx;
@@ -255,9 +266,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   impl->peers->Start();
   Logger("daemon")->info(
       "refitd {} node={} serving socket={} listen port={} health port={} metrics port={} "
-      "retain={} {}",
+      "retain={} slots={} {}",
       kRefitVersion, options.node, options.socket_path, impl->listen_port, impl->health_port,
-      impl->metrics_server ? impl->metrics_server->port() : 0, options.retain, cuda::Describe());
+      impl->metrics_server ? impl->metrics_server->port() : 0, options.retain,
+      options.slot_memory == "cuda" ? absl::StrCat("cuda:", options.slot_device)
+                                    : std::string("host"),
+      cuda::Describe());
   return std::unique_ptr<Daemon>(new Daemon(std::move(impl)));
 }
 

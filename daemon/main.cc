@@ -88,6 +88,15 @@ int main(int argc, char** argv) {
                      "write a full base (not a delta) to --bucket-export every K versions")
           ->capture_default_str()
           ->check(CLI::Range(1u, 1000000u));
+  auto* slot_memory_opt =
+      app.add_option("--slot-memory", flags.slot_memory,
+                     "where version slots live: host (pinned when a GPU is seen) or cuda")
+          ->capture_default_str()
+          ->check(CLI::IsMember({"host", "cuda"}));
+  auto* slot_device_opt = app.add_option("--slot-device", flags.slot_device,
+                                         "the GPU holding the slots with --slot-memory=cuda")
+                              ->capture_default_str()
+                              ->check(CLI::Range(0, 1023));
   app.add_flag("--version", version, "print the version and CUDA support, then exit");
   CLI11_PARSE(app, argc, argv);
 
@@ -117,6 +126,8 @@ int main(int argc, char** argv) {
   if (*export_opt) options.bucket_export = flags.bucket_export;
   if (*import_opt) options.bucket_import = flags.bucket_import;
   if (*full_every_opt) options.bucket_full_every = flags.bucket_full_every;
+  if (*slot_memory_opt) options.slot_memory = flags.slot_memory;
+  if (*slot_device_opt) options.slot_device = flags.slot_device;
   refit::SetLogLevel(options.log_level);
 
   // Block the stop signals in every thread (gRPC's inherit this mask); this thread waits.

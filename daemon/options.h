@@ -28,6 +28,9 @@ struct DaemonOptions {
   std::string bucket_export;
   std::string bucket_import;
   uint32_t bucket_full_every = 8;
+  // Version slots: "host" (pinned when a GPU is seen) or "cuda" (on GPU slot_device).
+  std::string slot_memory = "host";
+  int slot_device = 0;
 };
 
 }  // namespace refit

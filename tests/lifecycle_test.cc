@@ -145,3 +145,31 @@ TEST_CASE("refitctl shows status and fails clearly without a daemon",
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+TEST_CASE("GPU version slots on a machine without a usable GPU: a clear refusal to start",
+          "[integration][lifecycle]") {
+  auto version = testing::RunCommand({testing::RunfilePath("daemon/refitd"), "--version"});
+  REQUIRE(version.exit_code == 0);
+  if (version.out.find("not compiled in") == std::string::npos &&
+      version.out.find(" 0 device(s)") == std::string::npos) {
+    WARN("this refitd sees a GPU (" << version.out << "); the refusal can't be tested here");
+    return;
+  }
+  const std::string dir = testing::UniqueShmName("slots");  // a name, used as a path suffix
+  auto result = testing::RunCommand({testing::RunfilePath("daemon/refitd"),
+                                     "--socket=/tmp/refit-" + dir.substr(1) + ".sock",
+                                     "--listen=127.0.0.1:0", "--slot-memory=cuda"});
+  CHECK(result.exit_code == 1);
+  CHECK(result.err.find("--slot-memory=cuda needs CUDA device 0") != std::string::npos);
+  // A bad value is a usage error.
+  auto bad = testing::RunCommand(
+      {testing::RunfilePath("daemon/refitd"), "--listen=127.0.0.1:0", "--slot-memory=disk"});
+  CHECK(bad.exit_code != 0);
+  CHECK(bad.exit_code != 1);
+}
+
+}  // namespace
+}  // namespace refit

@@ -103,6 +103,18 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
       } else {
         parsed.bucket_full_every = static_cast<uint32_t>(*value);
       }
+    } else if (key == "slot_memory") {
+      status = ReadString(node, origin, key, &parsed.slot_memory);
+      if (status.ok() && parsed.slot_memory != "host" && parsed.slot_memory != "cuda") {
+        status = Bad(origin, key, "must be \"host\" or \"cuda\"");
+      }
+    } else if (key == "slot_device") {
+      auto value = node.value<int64_t>();
+      if (!node.is_integer() || !value || *value < 0 || *value > 1023) {
+        status = Bad(origin, key, "must be an integer from 0 to 1023");
+      } else {
+        parsed.slot_device = static_cast<int>(*value);
+      }
     } else if (key == "peers") {
       parsed.peers.clear();
       if (node.is_string()) {
@@ -125,7 +137,8 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
       status = Bad(origin, key,
                    "is unknown (known: socket, listen, peers, node, retain, log_level, "
                    "metrics_listen, health_listen, chunk_bytes, inflight, delta_threshold, "
-                   "delta_chain, bucket_export, bucket_import, bucket_full_every)");
+                   "delta_chain, bucket_export, bucket_import, bucket_full_every, slot_memory, "
+                   "slot_device)");
     }
     if (!status.ok()) return status;
   }

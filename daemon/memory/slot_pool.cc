@@ -2,8 +2,8 @@
 
 namespace refit {
 
-std::shared_ptr<SlotPool> SlotPool::Create(uint64_t max_spare_bytes) {
-  return std::shared_ptr<SlotPool>(new SlotPool(max_spare_bytes));
+std::shared_ptr<SlotPool> SlotPool::Create(uint64_t max_spare_bytes, Allocator allocate) {
+  return std::shared_ptr<SlotPool>(new SlotPool(max_spare_bytes, std::move(allocate)));
 }
 
 absl::StatusOr<std::shared_ptr<Region>> SlotPool::Acquire(uint64_t size) {
@@ -18,7 +18,7 @@ absl::StatusOr<std::shared_ptr<Region>> SlotPool::Acquire(uint64_t size) {
     }
   }
   if (!region) {
-    auto allocated = AllocateHost(size);
+    auto allocated = allocate_(size);
     if (!allocated.ok()) return allocated.status();
     region = std::move(allocated).value();
   }
@@ -49,7 +49,7 @@ absl::Status SlotPool::Reserve(uint64_t size, int count) {
       std::lock_guard<std::mutex> lock(mu_);
       if (spare_bytes_ + size > max_spare_bytes_) break;
     }
-    auto region = AllocateHost(size);
+    auto region = allocate_(size);
     if (!region.ok()) return region.status();
     Release(std::move(region).value());
   }

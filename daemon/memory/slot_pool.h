@@ -7,6 +7,7 @@
 // Thread-safe. Slots handed out may outlive the pool (they are then simply freed).
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -18,8 +19,12 @@ namespace refit {
 
 class SlotPool : public std::enable_shared_from_this<SlotPool> {
  public:
+  // Makes a new slot (AllocateHost by default; e.g. pinned or GPU memory).
+  using Allocator = std::function<absl::StatusOr<std::unique_ptr<Region>>(uint64_t size)>;
+
   // Keeps at most `max_spare_bytes` of released slots for reuse.
-  static std::shared_ptr<SlotPool> Create(uint64_t max_spare_bytes);
+  static std::shared_ptr<SlotPool> Create(uint64_t max_spare_bytes,
+                                          Allocator allocate = AllocateHost);
 
   // A slot of exactly `size` bytes, reused when one is spare. Its contents are unspecified.
   absl::StatusOr<std::shared_ptr<Region>> Acquire(uint64_t size);
@@ -31,10 +36,12 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   uint64_t spare_bytes() const;
 
  private:
-  explicit SlotPool(uint64_t max_spare_bytes) : max_spare_bytes_(max_spare_bytes) {}
+  SlotPool(uint64_t max_spare_bytes, Allocator allocate)
+      : max_spare_bytes_(max_spare_bytes), allocate_(std::move(allocate)) {}
   void Release(std::unique_ptr<Region> region);
 
   const uint64_t max_spare_bytes_;
+  const Allocator allocate_;
   mutable std::mutex mu_;
   std::multimap<uint64_t, std::unique_ptr<Region>> spare_;  // by size
   uint64_t spare_bytes_ = 0;

@@ -71,7 +71,9 @@ void Store::NoteLocalReady(Model& model) {
   snapshot->model = model.name;
   snapshot->version = newest;
   for (const auto& [id, piece] : model.pending[newest]) {
-    if (model.sources.count(id)) snapshot->pieces.push_back({id, piece.slot});
+    if (model.sources.count(id)) {
+      snapshot->pieces.push_back({id, piece.host ? piece.host : piece.slot});
+    }
   }
   model.snapshots[newest] = std::move(snapshot);
   while (model.snapshots.size() > std::max<uint32_t>(1, options_.retain)) {

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cuda/cuda.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/plan/convert.h"
@@ -24,7 +25,13 @@ constexpr auto kWaitSlice = std::chrono::milliseconds(50);  // re-check of `canc
 Store::Store(StoreOptions options, Metrics* metrics)
     : options_(std::move(options)),
       metrics_(metrics),
-      pool_(SlotPool::Create(options_.max_spare_slot_bytes)) {}
+      pool_(SlotPool::Create(options_.max_spare_slot_bytes, cuda::AllocatePinnedHost)) {
+  if (options_.slot_memory == MemoryKind::kCuda) {
+    const int device = options_.slot_device;
+    gpu_pool_ = SlotPool::Create(options_.max_spare_slot_bytes,
+                                 [device](uint64_t size) { return cuda::AllocateDevice(size, device); });
+  }
+}
 
 Store::~Store() { Shutdown(); }
 
@@ -227,16 +234,25 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
   uint64_t bytes = 0;
   for (const auto& buffer : buffers) {
     const uint64_t size = buffer->span_end - buffer->span_begin;
-    auto slot = pool_->Acquire(size);
-    if (!slot.ok()) return slot.status();
-    {
-      std::lock_guard<std::mutex> io(buffer->io_mu);
-      std::memcpy((*slot)->data(), buffer->region->data() + buffer->span_begin, size);
-    }
     Piece piece;
     piece.buffer_id = buffer->id;
     piece.slices = buffer->snapshot_slices;
-    piece.slot = std::move(slot).value();
+    ASSIGN_OR_RETURN(piece.slot, (gpu_pool_ ? gpu_pool_ : pool_)->Acquire(size));
+    if (gpu_pool_) {
+      ASSIGN_OR_RETURN(piece.host, pool_->Acquire(size));
+    }
+    {
+      std::lock_guard<std::mutex> io(buffer->io_mu);
+      const Region& from = *buffer->region;
+      if (from.kind() == MemoryKind::kHost && piece.slot->kind() == MemoryKind::kHost) {
+        std::memcpy(piece.slot->data(), from.data() + buffer->span_begin, size);
+      } else {
+        RETURN_IF_ERROR(cuda::Copy(*piece.slot, 0, from, buffer->span_begin, size));
+      }
+      // The mirror comes from the slot, not the client's buffer: the buffer may change as
+      // soon as Publish returns.
+      if (piece.host) RETURN_IF_ERROR(cuda::Copy(*piece.host, 0, *piece.slot, 0, size));
+    }
     pieces.push_back(std::move(piece));
     bytes += size;
   }
@@ -377,12 +393,6 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     ASSIGN_OR_RETURN(cached, PlanFor(*model, *source, dests));
   }
   RETURN_IF_ERROR(CheckHeld(*source, cached->plan));
-  for (const auto& d : dests) {
-    if (d->region->kind() != MemoryKind::kHost) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("buffer ", d->id, " is in CUDA memory; this refitd has no CUDA support"));
-    }
-  }
 
   // Buffers are locked in id order (LookUpBuffers keeps request order; sort for safety).
   std::vector<Buffer*> order;
@@ -392,11 +402,27 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
   std::vector<std::unique_lock<std::mutex>> locks;
   for (Buffer* b : order) locks.emplace_back(b->io_mu);
 
-  std::vector<const uint8_t*> src;
-  for (const Piece& piece : source->pieces) src.push_back(piece.slot->data());
-  std::vector<uint8_t*> dst;
-  for (const auto& d : dests) dst.push_back(d->region->data());
-  plan::ExecuteOnHost(cached->plan, src, dst);
+  bool all_host = true;
+  for (const Piece& piece : source->pieces) {
+    all_host = all_host && (!piece.slot || piece.slot->kind() == MemoryKind::kHost);
+  }
+  for (const auto& d : dests) all_host = all_host && d->region->kind() == MemoryKind::kHost;
+  if (all_host) {
+    std::vector<const uint8_t*> src;
+    for (const Piece& piece : source->pieces) {
+      src.push_back(piece.slot ? piece.slot->data() : nullptr);
+    }
+    std::vector<uint8_t*> dst;
+    for (const auto& d : dests) dst.push_back(d->region->data());
+    plan::ExecuteOnHost(cached->plan, src, dst);
+  } else {
+    // GPU slots or GPU destinations: copies and kernels on the GPU (cuda/).
+    std::vector<const Region*> src;
+    for (const Piece& piece : source->pieces) src.push_back(piece.slot.get());
+    std::vector<const Region*> dst;
+    for (const auto& d : dests) dst.push_back(d->region.get());
+    RETURN_IF_ERROR(cuda::ExecutePlan(cached->plan, src, dst));
+  }
 
   metrics_->Add(kApplyBytes, static_cast<double>(cached->plan.dst_bytes));
   metrics_->Add(kApplies, 1);

@@ -42,6 +42,11 @@ struct StoreOptions {
   uint32_t retain = 2;                          // complete versions kept per model (>= 1)
   uint64_t max_spare_slot_bytes = 4ull << 30;  // released slots kept for reuse
   std::string node = "node";                    // used in buffer ids
+  // Where version slots live: host memory (pinned when CUDA is compiled in and a GPU is seen,
+  // so GPU buffers copy at PCIe speed) or GPU memory on `slot_device`. GPU slots keep a pinned
+  // host mirror, made at Publish, for what other nodes read (UCX here has no CUDA support).
+  MemoryKind slot_memory = MemoryKind::kHost;
+  int slot_device = 0;
 };
 
 struct PublishResult {
@@ -259,7 +264,8 @@ class Store {
 
   const StoreOptions options_;
   Metrics* const metrics_;
-  std::shared_ptr<SlotPool> pool_;
+  std::shared_ptr<SlotPool> pool_;      // host slots: local snapshots, staging, mirrors
+  std::shared_ptr<SlotPool> gpu_pool_;  // GPU slots (--slot-memory=cuda); null otherwise
 
   mutable std::mutex mu_;
   std::condition_variable changed_;  // a version completed, or Shutdown

@@ -35,6 +35,9 @@ struct Store::Piece {
   std::string buffer_id;
   std::shared_ptr<const std::vector<TensorSlice>> slices;
   std::shared_ptr<Region> slot;  // null: held by another node and not pulled here
+  // A host copy of a GPU slot (--slot-memory=cuda): what other nodes, deltas and checksums
+  // read. Null when `slot` is host memory.
+  std::shared_ptr<Region> host;
   // Byte ranges of `slot` that hold the version's bytes; null: all of it (a local snapshot).
   std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> valid;
   std::string node;        // empty: this node
