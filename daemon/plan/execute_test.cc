@@ -23,9 +23,12 @@ TensorSlice Part(const std::string& name, std::vector<int64_t> shape, std::vecto
 }
 
 TEST_CASE("large row-split and contiguous ops copy exactly", "[plan][execute]") {
-  // Tensor a [1024, 2048] split on columns over 4 sources (rows of 1 KiB), gathered into 2
-  // destinations; tensor b [2048, 1024] split on rows, 4 -> 2 (1 MiB contiguous pieces).
-  const int64_t R = 1024, C = 2048;
+  // Tensor a [R, 2048] split on columns over 4 sources (rows of 1 KiB), gathered into 2
+  // destinations; tensor b [2048, 1024] split on rows, 4 -> 2 (1 MiB contiguous pieces); tensor
+  // c, one long run from source 0 to destination 1. The large case (> 32 MiB) runs on several
+  // threads, with row groups and long runs cut into tasks.
+  const int64_t R = GENERATE(1024, 8192), C = 2048;
+  const int64_t K = R == 1024 ? 4096 : (int64_t{12} << 20);  // elements of c
   std::vector<std::vector<TensorSlice>> src(4), dst(2);
   std::vector<uint64_t> src_size(4), dst_size(2);
   for (int r = 0; r < 4; ++r) {
@@ -33,11 +36,15 @@ TEST_CASE("large row-split and contiguous ops copy exactly", "[plan][execute]") 
     src[r].push_back(Part("b", {2048, 1024}, {r * 512, 0}, {512, 1024}, R * C / 4 * 2));
     src_size[r] = R * C / 4 * 2 + 512 * 1024 * 2;
   }
+  src[0].push_back(Part("c", {K}, {0}, {K}, src_size[0]));
+  src_size[0] += K * 2;
   for (int d = 0; d < 2; ++d) {
     dst[d].push_back(Part("a", {R, C}, {0, d * C / 2}, {R, C / 2}, 0));
     dst[d].push_back(Part("b", {2048, 1024}, {d * 1024, 0}, {1024, 1024}, R * C / 2 * 2));
     dst_size[d] = R * C / 2 * 2 + 1024 * 1024 * 2;
   }
+  dst[1].push_back(Part("c", {K}, {0}, {K}, dst_size[1]));
+  dst_size[1] += K * 2;
   for (int r = 0; r < 4; ++r) REQUIRE(NormalizeAndValidateBuffer(src[r], src_size[r]).ok());
   for (int d = 0; d < 2; ++d) REQUIRE(NormalizeAndValidateBuffer(dst[d], dst_size[d]).ok());
   std::vector<PlacedSlice> sources, destinations;
@@ -83,6 +90,8 @@ TEST_CASE("large row-split and contiguous ops copy exactly", "[plan][execute]") 
       }
     }
   }
+  const int64_t c_src = (R * C / 4 * 2 + 512 * 1024 * 2) / 2, c_dst = (R * C / 2 * 2 + 1024 * 1024 * 2) / 2;
+  for (int64_t i = 0; i < K; ++i) wrong += out[1][c_dst + i] != in[0][c_src + i];
   CHECK(wrong == 0);
 }
 

@@ -9,10 +9,12 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -444,49 +446,115 @@ size_t RowGroupEnd(const std::vector<CopyOp>& ops, size_t first) {
 
 }  // namespace
 
-void ExecuteOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
-                   const std::vector<uint8_t*>& dst) {
-  const std::vector<CopyOp>& ops = plan.ops;
+namespace {
+
+// A piece of a plan's execution: ops [first, last) (one op, or a row group), rows
+// [row_begin, row_end) of it, and elements [elem_begin, elem_end) of each row.
+struct Task {
+  size_t first = 0, last = 0;
+  uint64_t row_begin = 0, row_end = 0;
+  uint64_t elem_begin = 0, elem_end = 0;
+  bool stream = false;
+};
+
+// Work is cut into tasks of about this many bytes, so that threads share it evenly.
+constexpr uint64_t kTaskBytes = 4 << 20;
+// Below this a plan runs on the calling thread: starting threads would cost more.
+constexpr uint64_t kParallelBytes = 32 << 20;
+
+std::vector<Task> CutTasks(const std::vector<CopyOp>& ops, uint64_t* total_bytes) {
+  std::vector<Task> tasks;
+  *total_bytes = 0;
   for (size_t first = 0; first < ops.size();) {
     const size_t last = RowGroupEnd(ops, first);
-    if (last - first > 1) {
-      const uint64_t elem = DTypeSize(ops[first].dst_dtype);
-      uint64_t group_bytes = 0;
-      for (size_t i = first; i < last; ++i) group_bytes += ops[i].rows * ops[i].count * elem;
-      const bool stream = group_bytes >= kStreamOpBytes;
-      for (uint64_t r = 0; r < ops[first].rows; ++r) {
-        for (size_t i = first; i < last; ++i) {
-          const CopyOp& op = ops[i];
-          Copy(dst[op.dst_location] + op.dst_offset +
-                   r * static_cast<uint64_t>(op.dst_row_stride) * elem,
-               src[op.src_location] + op.src_offset +
-                   r * static_cast<uint64_t>(op.src_row_stride) * elem,
-               op.count * elem, stream);
-        }
+    const CopyOp& op = ops[first];
+    const uint64_t elem = DTypeSize(op.dst_dtype);
+    uint64_t row_bytes = 0;
+    for (size_t i = first; i < last; ++i) row_bytes += ops[i].count * elem;
+    const uint64_t bytes = row_bytes * op.rows;
+    *total_bytes += bytes;
+    const bool stream =
+        bytes >= kStreamOpBytes && (last - first > 1 || IsMemcpyOp(op));
+    if (op.rows == 1 && last - first == 1) {
+      // One long run: cut it by elements.
+      const uint64_t step = std::max<uint64_t>(1, kTaskBytes / std::max<uint64_t>(1, elem));
+      for (uint64_t e = 0; e < op.count; e += step) {
+        tasks.push_back({first, last, 0, 1, e, std::min<uint64_t>(op.count, e + step), stream});
       }
-      first = last;
-      continue;
+    } else {
+      const uint64_t step = std::max<uint64_t>(1, kTaskBytes / std::max<uint64_t>(1, row_bytes));
+      for (uint64_t r = 0; r < op.rows; r += step) {
+        tasks.push_back({first, last, r, std::min<uint64_t>(op.rows, r + step), 0, op.count,
+                         stream});
+      }
     }
-    const CopyOp& op = ops[first++];
-    const uint64_t src_elem = DTypeSize(op.src_dtype);
-    const uint64_t dst_elem = DTypeSize(op.dst_dtype);
-    const uint8_t* from = src[op.src_location] + op.src_offset;
-    uint8_t* to = dst[op.dst_location] + op.dst_offset;
-    const bool stream = op.rows * op.count * src_elem >= kStreamOpBytes;
-    for (uint64_t r = 0; r < op.rows; ++r) {
-      const uint8_t* row_from = from + r * static_cast<uint64_t>(op.src_row_stride) * src_elem;
-      uint8_t* row_to = to + r * static_cast<uint64_t>(op.dst_row_stride) * dst_elem;
-      if (IsMemcpyOp(op)) {
-        Copy(row_to, row_from, op.count * src_elem, stream);
-      } else {
-        ConvertRun(row_from, op.src_dtype, op.src_stride, row_to, op.dst_dtype, op.dst_stride,
-                   op.count);
+    first = last;
+  }
+  return tasks;
+}
+
+void RunTask(const std::vector<CopyOp>& ops, const Task& t,
+             const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst) {
+  if (t.last - t.first > 1) {
+    // A row group: destination rows filled side by side, each kept hot while it fills.
+    const uint64_t elem = DTypeSize(ops[t.first].dst_dtype);
+    for (uint64_t r = t.row_begin; r < t.row_end; ++r) {
+      for (size_t i = t.first; i < t.last; ++i) {
+        const CopyOp& op = ops[i];
+        Copy(dst[op.dst_location] + op.dst_offset +
+                 r * static_cast<uint64_t>(op.dst_row_stride) * elem,
+             src[op.src_location] + op.src_offset +
+                 r * static_cast<uint64_t>(op.src_row_stride) * elem,
+             op.count * elem, t.stream);
       }
+    }
+    return;
+  }
+  const CopyOp& op = ops[t.first];
+  const uint64_t src_elem = DTypeSize(op.src_dtype);
+  const uint64_t dst_elem = DTypeSize(op.dst_dtype);
+  const uint64_t n = t.elem_end - t.elem_begin;
+  const uint8_t* from = src[op.src_location] + op.src_offset +
+                        t.elem_begin * static_cast<uint64_t>(op.src_stride) * src_elem;
+  uint8_t* to = dst[op.dst_location] + op.dst_offset +
+                t.elem_begin * static_cast<uint64_t>(op.dst_stride) * dst_elem;
+  for (uint64_t r = t.row_begin; r < t.row_end; ++r) {
+    const uint8_t* row_from = from + r * static_cast<uint64_t>(op.src_row_stride) * src_elem;
+    uint8_t* row_to = to + r * static_cast<uint64_t>(op.dst_row_stride) * dst_elem;
+    if (IsMemcpyOp(op)) {
+      Copy(row_to, row_from, n * src_elem, t.stream);
+    } else {
+      ConvertRun(row_from, op.src_dtype, op.src_stride, row_to, op.dst_dtype, op.dst_stride, n);
     }
   }
+}
+
+void Fence() {
 #if defined(__SSE2__)
   _mm_sfence();  // streamed stores are ordered before whatever reports the copy done
 #endif
+}
+
+}  // namespace
+
+void ExecuteOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
+                   const std::vector<uint8_t*>& dst) {
+  uint64_t total = 0;
+  const std::vector<Task> tasks = CutTasks(plan.ops, &total);
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const unsigned threads = total < kParallelBytes
+                               ? 1u
+                               : static_cast<unsigned>(std::min<uint64_t>(
+                                     {cores, 8u, std::max<uint64_t>(1, tasks.size())}));
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < tasks.size(); i = next++) RunTask(plan.ops, tasks[i], src, dst);
+    Fence();
+  };
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
 }
 
 }  // namespace refit::plan
