@@ -25,7 +25,9 @@
 #
 # Usage: scripts/bench-two-node.sh [--tls "tcp sm,tcp sm,tcp+eh"] [--tensors "1 20000"]
 #                                  [--versions 5] [--warmup 3] [--mib 1024] [--density 0]
-#                                  [--no-build] [--keep]
+#                                  [--engine-shard none|rows|cols] [--no-build] [--keep]
+# --engine-shard rows|cols: the engine holds half of one 2-D tensor, contiguous (rows) or
+# resharded (cols: one range per row); compare the two for resharded / unresharded.
 # Environment: BAZEL_OUTPUT_BASE=<dir> builds in that Bazel output base, without convenience
 # symlinks (for machines where other builds share the checkout).
 set -euo pipefail
@@ -37,6 +39,7 @@ versions=5
 warmup=3
 mib=1024
 density=0
+engine_shard=none
 build=1
 keep=0
 while [ $# -gt 0 ]; do
@@ -51,6 +54,8 @@ while [ $# -gt 0 ]; do
     --warmup=*) warmup="${1#*=}"; shift ;;
     --mib) mib="$2"; shift 2 ;;
     --mib=*) mib="${1#*=}"; shift ;;
+    --engine-shard) engine_shard="$2"; shift 2 ;;
+    --engine-shard=*) engine_shard="${1#*=}"; shift ;;
     --density) density="$2"; shift 2 ;;
     --density=*) density="${1#*=}"; shift ;;
     --no-build) build=0; shift ;;
@@ -191,7 +196,7 @@ for tls in $tls_list; do
     ok=1
     "$bin/tests/bench/two_node_bench" --trainer-socket="$work/$tag-$tensors-trainer.sock" \
       --engine-socket="$work/$tag-$tensors-engine.sock" --versions="$versions" \
-      --warmup="$warmup" --mib="$mib" --tensors="$tensors" --density="$density" --timeout=60 \
+      --warmup="$warmup" --mib="$mib" --tensors="$tensors" --density="$density" --engine-shard="$engine_shard" --timeout=60 \
       >"$work/bench-$tag-$tensors.out" 2>&1 || ok=0
     cat "$work/bench-$tag-$tensors.out"
     stop_daemons

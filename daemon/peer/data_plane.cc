@@ -7,6 +7,12 @@
 #include "daemon/common/logging.h"
 
 namespace refit::peer {
+namespace {
+
+// Reads posted at once by one pull, whatever their size (each holds a UCX request).
+constexpr int kMaxReadsInFlight = 1024;
+
+}  // namespace
 
 struct DataPlane::Transfer {
   struct Op {
@@ -17,6 +23,7 @@ struct DataPlane::Transfer {
   std::vector<Op> ops;
   size_t next = 0;
   int inflight = 0;
+  uint64_t bytes_inflight = 0;
   std::vector<std::shared_ptr<Region>> staging;
   std::vector<transport::LocalMemory*> local;  // owned by registrations_
   std::vector<std::unique_ptr<transport::RemoteMemory>> remote;
@@ -84,6 +91,7 @@ void DataPlane::Run() {
         InFlight done = std::move(it->second);
         by_cookie_.erase(it);
         done.transfer->inflight--;
+        done.transfer->bytes_inflight -= done.length;
         if (c.status.ok()) {
           metrics_->Add(kDataBytesReceived, static_cast<double>(done.length));
         } else {
@@ -174,7 +182,13 @@ void DataPlane::Fail(Transfer& t, absl::Status status) {
 void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
   Transfer& t = *transfer;
   if (t.finished) return;
-  while (t.status.ok() && t.next < t.ops.size() && t.inflight < options_.inflight) {
+  // In flight: up to --inflight reads' worth of bytes (--inflight x --chunk-bytes). Chunk-sized
+  // reads are --inflight at a time; the short reads of a resharded pull (a row-split tensor
+  // gives one range per row) may be many more, up to kMaxReadsInFlight, so their round trips
+  // overlap instead of adding up.
+  const uint64_t budget = static_cast<uint64_t>(options_.inflight) * options_.chunk_bytes;
+  while (t.status.ok() && t.next < t.ops.size() && t.inflight < kMaxReadsInFlight &&
+         (t.inflight == 0 || t.bytes_inflight + t.ops[t.next].length <= budget)) {
     const Transfer::Op& op = t.ops[t.next];
     const uint64_t cookie = next_cookie_++;
     absl::Status posted = t.endpoint[op.fetch]->PostGet(*t.local[op.fetch], op.offset,
@@ -186,6 +200,7 @@ void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
     }
     t.next++;
     t.inflight++;
+    t.bytes_inflight += op.length;
     by_cookie_[cookie] = InFlight{transfer, op.length};
   }
   if (t.inflight == 0 && (t.next >= t.ops.size() || !t.status.ok())) {

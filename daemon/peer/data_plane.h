@@ -30,7 +30,9 @@ namespace refit::peer {
 
 struct DataPlaneOptions {
   uint64_t chunk_bytes = 4ull << 20;  // largest single get
-  int inflight = 16;                  // gets in flight per pull
+  // Gets in flight per pull, in chunk-sized units: at most inflight x chunk_bytes bytes are in
+  // flight, so shorter gets (resharded ranges) may be more of them.
+  int inflight = 16;
 };
 
 class DataPlane {

@@ -13,7 +13,12 @@
 // (RESULT key=value ...) for scripts.
 //
 //   two_node_bench --trainer-socket=A.sock --engine-socket=B.sock [--versions=5] [--warmup=1]
-//                  [--mib=1024] [--tensors=1] [--density=0]
+//                  [--mib=1024] [--tensors=1] [--density=0] [--engine-shard=none]
+//
+// --engine-shard=rows|cols makes the model one [N/8192, 8192] tensor of which the engine's node
+// holds half: the first half of the rows (a contiguous range of the source: the same bytes,
+// not resharded) or the first half of the columns (one 8 KiB range per row, strided into the
+// engine's buffer: a tensor-parallel reshard). Run both for resharded ÷ unresharded.
 
 #include <unistd.h>
 
@@ -82,6 +87,7 @@ int main(int argc, char** argv) {
   int64_t tensors = 1;
   uint64_t mib = 1024;
   double density = 0;
+  std::string engine_shard = "none";
   CLI::App app{"refit two-node benchmark: publish on one daemon, receive on another"};
   app.add_option("--trainer-socket", trainer_socket, "the trainer node's refitd socket")
       ->required();
@@ -99,7 +105,12 @@ int main(int argc, char** argv) {
                  "fraction of elements changed per version by +-1 ulp (0: every byte changes)")
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
   app.add_option("--timeout", timeout_s, "seconds to wait for one version")->capture_default_str();
+  app.add_option("--engine-shard", engine_shard,
+                 "none: the engine holds the whole model; rows / cols: half of one 2-D tensor")
+      ->capture_default_str()->check(CLI::IsMember({"none", "rows", "cols"}));
   CLI11_PARSE(app, argc, argv);
+  const bool sharded = engine_shard != "none";
+  if (sharded) tensors = 1;
 
   const uint64_t total = mib << 20;
   const int64_t elements = static_cast<int64_t>(total / 2);
@@ -119,7 +130,10 @@ int main(int argc, char** argv) {
   const std::string tag = std::to_string(getpid());
   auto src = SharedMemory::Create("/refit-bench-trainer-" + tag, total);
   if (!src.ok()) return Fail("shared memory", src.status());
-  auto dst = SharedMemory::Create("/refit-bench-engine-" + tag, total);
+  constexpr int64_t kCols = 8192;
+  const int64_t rows = static_cast<int64_t>(total / 2 / kCols);
+  const uint64_t dst_total = sharded ? total / 2 : total;
+  auto dst = SharedMemory::Create("/refit-bench-engine-" + tag, dst_total);
   if (!dst.ok()) return Fail("shared memory", dst.status());
 
   // N 1-D tensors of (nearly) equal size, back to back, in the same order on both sides.
@@ -131,13 +145,36 @@ int main(int argc, char** argv) {
     slices.push_back(Slice(absl::StrFormat("model.tensor.%07d.weight", i), v1::BF16, {n}, offset));
     offset += static_cast<uint64_t>(n) * 2;
   }
+  std::vector<v1::TensorSlice> dst_slices = slices;
+  if (sharded) {
+    slices = {Slice("model.weight", v1::BF16, {rows, kCols}, 0)};
+    dst_slices = {engine_shard == "rows"
+                      ? Slice("model.weight", v1::BF16, {rows, kCols}, 0, {0, 0},
+                              {rows / 2, kCols})
+                      : Slice("model.weight", v1::BF16, {rows, kCols}, 0, {0, 0},
+                              {rows, kCols / 2})};
+  }
+  // The engine's expected bytes: all of the source, or the half it holds.
+  auto matches = [&](const uint8_t* dst_bytes, const uint8_t* src_bytes) {
+    if (!sharded || engine_shard == "rows") {
+      return std::memcmp(dst_bytes, src_bytes, dst_total) == 0;
+    }
+    const uint64_t half_row = kCols;  // bytes: kCols / 2 bf16 elements
+    for (int64_t r = 0; r < rows; ++r) {
+      if (std::memcmp(dst_bytes + r * half_row, src_bytes + r * 2 * half_row, half_row) != 0) {
+        return false;
+      }
+    }
+    return true;
+  };
   const std::string model_name =
-      tensors == 1 ? model : absl::StrFormat("%s-%dt", model, tensors);
+      sharded ? absl::StrCat(model, "-", engine_shard)
+              : tensors == 1 ? model : absl::StrFormat("%s-%dt", model, tensors);
   auto reg_start = Clock::now();
   auto src_id = (*trainer)->RegisterBuffer(model_name, v1::SOURCE, src->name(), slices,
                                            "bench-trainer");
   if (!src_id.ok()) return Fail("RegisterBuffer SOURCE", src_id.status());
-  auto dst_id = (*engine)->RegisterBuffer(model_name, v1::DESTINATION, dst->name(), slices,
+  auto dst_id = (*engine)->RegisterBuffer(model_name, v1::DESTINATION, dst->name(), dst_slices,
                                           "bench-engine");
   if (!dst_id.ok()) return Fail("RegisterBuffer DESTINATION", dst_id.status());
   const double register_s = Seconds(reg_start, Clock::now());
@@ -161,6 +198,7 @@ int main(int argc, char** argv) {
                                "apply s", "GB/s", "check");
   std::vector<double> publish_s, transfer_s, apply_s, e2e_s;
   const double gb = static_cast<double>(total) / 1e9;
+  const double gb_dst = static_cast<double>(dst_total) / 1e9;  // what the engine needs
   for (int i = 1; i <= warmup + versions; ++i) {
     const uint64_t version = base + static_cast<uint64_t>(i);
     const bool measured = i > warmup;
@@ -207,13 +245,13 @@ int main(int argc, char** argv) {
     auto applied = (*engine)->Apply(model_name, version, {*dst_id});
     const auto t3 = Clock::now();
     if (!applied.ok()) return Fail("Apply", applied.status());
-    const bool ok = std::memcmp(dst->data(), src->data(), total) == 0;
+    const bool ok = matches(dst->data(), src->data());
     const double pulled = Metric(**engine, "refit_data_bytes_received_total") - received_before;
 
     const double pub = Seconds(t0, t1), xfer = Seconds(t1, t_ready), app_s = Seconds(t2, t3);
     std::cout << absl::StrFormat("%-8s %14.0f %10.4f %10.2f %11.4f %10.2f %10.4f %10.2f %8s\n",
                                  absl::StrCat(version, measured ? "" : " (w)"), pulled, pub,
-                                 gb / pub, xfer, gb / xfer, app_s, gb / app_s,
+                                 gb / pub, xfer, gb_dst / xfer, app_s, gb_dst / app_s,
                                  ok ? "ok" : "WRONG");
     if (!ok) return 1;
     if (measured) {
@@ -224,8 +262,8 @@ int main(int argc, char** argv) {
     }
   }
 
-  const double publish_gbs = gb / Median(publish_s), transfer_gbs = gb / Median(transfer_s),
-               apply_gbs = gb / Median(apply_s), e2e_gbs = gb / Median(e2e_s);
+  const double publish_gbs = gb / Median(publish_s), transfer_gbs = gb_dst / Median(transfer_s),
+               apply_gbs = gb_dst / Median(apply_s), e2e_gbs = gb_dst / Median(e2e_s);
   std::cout << absl::StrFormat(
       "medians over %d versions of %.3f GB, %d tensors ((w) = warm-up, not counted):\n"
       "  publish   %8.4f s  %7.2f GB/s\n"
@@ -234,10 +272,15 @@ int main(int argc, char** argv) {
       "  publish+transfer %.4f s  %7.2f GB/s\n",
       versions, gb, tensors, Median(publish_s), publish_gbs, Median(transfer_s), transfer_gbs,
       Median(apply_s), apply_gbs, Median(e2e_s), e2e_gbs);
+  if (sharded) {
+    std::cout << absl::StrFormat(
+        "  (engine shard %s: transfer and apply GB/s over the %.3f GB the engine holds)\n",
+        engine_shard, gb_dst);
+  }
   std::cout << absl::StrFormat(
-      "RESULT density=%g tensors=%d bytes=%d versions=%d publish_s=%.6f transfer_s=%.6f apply_s=%.6f "
+      "RESULT shard=%s density=%g tensors=%d bytes=%d versions=%d publish_s=%.6f transfer_s=%.6f apply_s=%.6f "
       "e2e_s=%.6f transfer_gbs=%.4f apply_gbs=%.4f publish_gbs=%.4f\n",
-      density, tensors, total, versions, Median(publish_s), Median(transfer_s), Median(apply_s),
+      engine_shard, density, tensors, total, versions, Median(publish_s), Median(transfer_s), Median(apply_s),
       Median(e2e_s), transfer_gbs, apply_gbs, publish_gbs);
   (void)(*engine)->ReleaseBuffer(*dst_id);
   (void)(*trainer)->ReleaseBuffer(*src_id);
