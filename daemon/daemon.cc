@@ -82,11 +82,13 @@ struct Daemon::Impl {
   Metrics metrics;
   std::unique_ptr<Store> store;
   std::unique_ptr<server::RefitService> service;
-  std::unique_ptr<peer::DataPlane> data_plane;
+  // Destroyed in reverse order: the peer loops first (they use the data plane), then the data
+  // plane (it serves other nodes' reads of slots and deltas), then what owns that memory.
   std::unique_ptr<peer::DeltaSource> deltas;
   std::unique_ptr<bucket::BucketExport> bucket_export;
   std::unique_ptr<bucket::BucketImport> bucket_import;
   std::unique_ptr<peer::PeerService> peer_service;
+  std::unique_ptr<peer::DataPlane> data_plane;
   std::unique_ptr<peer::PeerManager> peers;
   std::unique_ptr<server::HealthService> health;
   std::unique_ptr<grpc::Server> health_server;  // --health-listen: health checks only
@@ -97,6 +99,14 @@ struct Daemon::Impl {
   int listen_port = 0;
   std::mutex shutdown_mu;
   bool shut_down = false;
+
+  // The worker threads call into the peer service and the store: stop them before any member
+  // goes (this also covers a Start that fails half-way).
+  ~Impl() {
+    if (bucket_import) bucket_import->Stop();
+    if (deltas) deltas->Stop();
+    if (bucket_export) bucket_export->Stop();
+  }
 };
 
 Daemon::Daemon(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -111,8 +111,10 @@ void DataPlane::Run() {
       t.done(t.status);
     }
   }
-  by_cookie_.clear();
+  // Endpoints first: closing them cancels the gets still in flight, before the staging slots
+  // they write into go with the transfers.
   endpoints_.clear();
+  by_cookie_.clear();
   registrations_.clear();
   transport_.reset();
 }

@@ -75,7 +75,8 @@ absl::Status PlanSteps(const PullJob& job, const PullJob& delta_job, DataPlane* 
     }
     const uint64_t es = step.index.element_size;
     for (const auto& [begin, end] : fetch.ranges) {
-      for (size_t c : delta::ChunksOverlapping(step.index, begin / es, (end - begin + es - 1) / es)) {
+      const uint64_t first = begin / es, last = (end + es - 1) / es;  // elements touched
+      for (size_t c : delta::ChunksOverlapping(step.index, first, last - first)) {
         if (step.chunks.empty() || step.chunks.back() < c) step.chunks.push_back(c);
       }
     }

@@ -156,7 +156,10 @@ void DeltaSource::Prepare(const std::string& model, const std::vector<SourceLayo
   std::lock_guard<std::mutex> lock(mu_);
   auto& held = deltas_[model];
   held.insert(held.end(), made.begin(), made.end());
-  // Keep the newest `chain` deltas of each piece the model still has.
+  // Keep the newest `chain` deltas of each piece the model still has. A delta dropped here may
+  // have been announced to a receiver that hasn't read it yet: it stays allocated for a pin's
+  // lease (a receiver's reads of freed memory would be served by this node's data plane).
+  const auto now = std::chrono::steady_clock::now();
   std::map<std::string, uint32_t> kept;
   for (const LocalSnapshot::Piece& piece : (*snapshot)->pieces) kept[piece.buffer_id] = 0;
   std::vector<EncodedDelta> trimmed;
@@ -164,10 +167,22 @@ void DeltaSource::Prepare(const std::string& model, const std::vector<SourceLayo
     auto count = kept.find(it->buffer_id);
     if (count != kept.end() && count->second++ < std::max<uint32_t>(1, options_.chain)) {
       trimmed.push_back(*it);
+    } else {
+      retired_.emplace_back(now, it->bytes);
     }
   }
   held.assign(trimmed.rbegin(), trimmed.rend());
+  while (!retired_.empty() && now - retired_.front().first > kRetiredGrace) retired_.pop_front();
   prepared_[model] = version;
+  prepared_snapshot_[model] = *snapshot;
+}
+
+std::shared_ptr<const LocalSnapshot> DeltaSource::PreparedSnapshot(const std::string& model,
+                                                                   uint64_t version) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = prepared_snapshot_.find(model);
+  if (it == prepared_snapshot_.end() || it->second->version != version) return nullptr;
+  return it->second;
 }
 
 }  // namespace refit::peer

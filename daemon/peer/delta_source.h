@@ -12,7 +12,9 @@
 // Thread-safety: public methods may be called from any thread. Notify() only sets a flag (the
 // store calls it with its lock held); encoding runs on DeltaSource's own thread.
 
+#include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -71,6 +73,11 @@ class DeltaSource {
   uint64_t Prepared(const std::string& model) const;
   // The deltas held for `model`, oldest first.
   std::vector<EncodedDelta> Deltas(const std::string& model) const;
+  // The snapshot of the prepared `version` of `model` (null if another version is prepared):
+  // kept here so that a version can be announced and read even after --retain dropped it from
+  // the store while it was being encoded.
+  std::shared_ptr<const LocalSnapshot> PreparedSnapshot(const std::string& model,
+                                                        uint64_t version) const;
 
  private:
   void Run();
@@ -87,6 +94,10 @@ class DeltaSource {
   bool pending_ = false;
   std::map<std::string, uint64_t> prepared_;  // by model
   std::map<std::string, std::vector<EncodedDelta>> deltas_;  // by model, oldest first
+  std::map<std::string, std::shared_ptr<const LocalSnapshot>> prepared_snapshot_;  // by model
+  // Deltas no longer offered, kept allocated until receivers can no longer be reading them.
+  static constexpr std::chrono::seconds kRetiredGrace{150};
+  std::deque<std::pair<std::chrono::steady_clock::time_point, std::shared_ptr<Region>>> retired_;
   // Encoder thread only: the last snapshot encoded against, per model.
   std::map<std::string, std::shared_ptr<const LocalSnapshot>> last_;
   std::thread thread_;

@@ -38,7 +38,8 @@ void PeerService::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopped_ = true;
-    pins_.clear();
+    // Pins stay until the service is destroyed, after the data plane: peers' reads in flight
+    // must not find their memory gone.
   }
   changed_.notify_all();
 }
@@ -66,9 +67,9 @@ bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceL
   const uint64_t version =
       deltas_ ? deltas_->Prepared(model) : store_->LatestLocalSnapshot(model);
   if (version == 0) return true;
-  auto snapshot = store_->GetLocalSnapshot(model, version);
-  if (!snapshot.ok()) return true;
-  for (const LocalSnapshot::Piece& p : (*snapshot)->pieces) {
+  auto snapshot = Snapshot(model, version);
+  if (!snapshot) return true;
+  for (const LocalSnapshot::Piece& p : snapshot->pieces) {
     auto key = data_plane_->Expose(p.slot);
     if (!key.ok()) {
       Logger("peer")->error("model={} version={} cannot expose {}: {}", model, version,
@@ -138,12 +139,14 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
 
 grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumRequest* request,
                                    v1::ChecksumResponse* response) {
-  auto snapshot = store_->GetLocalSnapshot(request->model(), request->version());
-  if (!snapshot.ok()) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND, std::string(snapshot.status().message()));
+  auto snapshot = Snapshot(request->model(), request->version());
+  if (!snapshot) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        absl::StrCat("model ", request->model(), ": version ", request->version(),
+                                     " is not held here"));
   }
   const LocalSnapshot::Piece* piece = nullptr;
-  for (const auto& p : (*snapshot)->pieces) {
+  for (const auto& p : snapshot->pieces) {
     if (p.buffer_id == request->buffer_id()) piece = &p;
   }
   if (!piece) {
@@ -171,22 +174,43 @@ void PeerService::ExpirePins() {
   }
 }
 
+std::shared_ptr<const LocalSnapshot> PeerService::Snapshot(const std::string& model,
+                                                          uint64_t version) {
+  // Each source is asked on its own, never under mu_: the store calls NotifyChanged (mu_)
+  // with its own lock held.
+  if (auto held = store_->GetLocalSnapshot(model, version); held.ok()) return *held;
+  if (deltas_) {
+    if (auto prepared = deltas_->PreparedSnapshot(model, version)) return prepared;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [key, pinned] : pins_) {
+    if (std::get<0>(key) == model && std::get<1>(key) == version) return pinned.snapshot;
+  }
+  return nullptr;
+}
+
 grpc::Status PeerService::Pin(grpc::ServerContext*, const v1::PinRequest* request,
                               v1::PinResponse*) {
   const auto key = std::make_tuple(request->model(), request->version(), request->node());
-  std::lock_guard<std::mutex> lock(mu_);
-  ExpirePins();
   if (request->release()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ExpirePins();
     pins_.erase(key);
     metrics_->Add(kDataBytesSent, static_cast<double>(request->bytes_read()));
     return grpc::Status::OK;
   }
-  auto snapshot = store_->GetLocalSnapshot(request->model(), request->version());
-  if (!snapshot.ok()) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND, std::string(snapshot.status().message()));
+  auto snapshot = Snapshot(request->model(), request->version());
+  if (!snapshot) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        absl::StrCat("model ", request->model(), ": version ", request->version(),
+                                     " is not held here"));
   }
+  std::vector<EncodedDelta> deltas;
+  if (deltas_) deltas = deltas_->Deltas(request->model());
   const uint32_t lease_ms = std::clamp<uint32_t>(request->lease_ms(), 1000, 600000);
-  pins_[key] = {*snapshot, deltas_ ? deltas_->Deltas(request->model()) : std::vector<EncodedDelta>(),
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpirePins();
+  pins_[key] = {std::move(snapshot), std::move(deltas),
                 std::chrono::steady_clock::now() + std::chrono::milliseconds(lease_ms)};
   return grpc::Status::OK;
 }

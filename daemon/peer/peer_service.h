@@ -51,6 +51,8 @@ class PeerService final : public v1::Peer::Service {
   bool BuildEvent(const std::string& model, const std::vector<SourceLayout>& layouts,
                   v1::PeerEvent* event);
   void ExpirePins();
+  // Version `version` of `model` held here: from the store, or the one DeltaSource prepared.
+  std::shared_ptr<const LocalSnapshot> Snapshot(const std::string& model, uint64_t version);
 
   const std::string node_;
   // Fault injection for tests: the first N Checksum replies are wrong
