@@ -7,11 +7,17 @@
 //   refit_demo --socket=/tmp/refit/refitd.sock [--versions=5] [--layers=8] [--hidden=2048]
 //   refit_demo --socket=A.sock --engine-socket=B.sock   (two daemons acting as two nodes: the
 //              "wait" column is then Publish returning on A -> the version complete on B)
+//
+// Each version after the first is an RL-like step (--density=0.004: that fraction of the bf16
+// weights moves by one unit in the last place), so between two daemons the "on the wire" column
+// shows delta sync at work; --density=0 changes every byte instead. The engine checks every
+// tensor byte for byte after each Apply.
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <iostream>
+#include <random>
 #include <thread>
 
 #include "CLI/CLI.hpp"
@@ -110,6 +116,12 @@ int main(int argc, char** argv) {
   app.add_option("--layers", layers, "transformer layers")->capture_default_str();
   app.add_option("--hidden", hidden, "hidden size")->capture_default_str();
   app.add_option("--vocab", vocab, "vocabulary size")->capture_default_str();
+  double density = 0.004;
+  app.add_option("--density", density,
+                 "an RL-like step: this fraction of the weights moves by one bf16 ulp per version "
+                 "(0: every byte changes)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
   CLI11_PARSE(app, argc, argv);
 
   const std::vector<Tensor> tensors = LlamaTensors(layers, hidden, vocab);
@@ -155,9 +167,17 @@ int main(int argc, char** argv) {
       "gate_up)\n",
       model, tensors.size(), static_cast<double>(total) / (1 << 30));
   const bool two_nodes = engine_socket != socket;
-  std::cout << absl::StrFormat("%-8s %14s %10s %8s %10s %8s %10s %8s %6s\n", "version", "bytes",
-                               "publish s", "GB/s", two_nodes ? "transfer s" : "wait s", "GB/s",
-                               "apply s", "GB/s", "check");
+  std::cout << absl::StrFormat("%-8s %14s %14s %10s %8s %10s %8s %10s %8s %6s\n", "version",
+                               "bytes", "on the wire", "publish s", "GB/s",
+                               two_nodes ? "transfer s" : "wait s", "GB/s", "apply s", "GB/s",
+                               "check");
+  auto received = [&]() -> double {
+    auto status = (*engine)->Status();
+    if (!status.ok()) return 0;
+    auto it = status->metrics().find("refit_data_bytes_received_total");
+    return it == status->metrics().end() ? 0 : it->second;
+  };
+  std::mt19937_64 rng(42);
   std::vector<double> publish_s, apply_s, transfer_s;
   uint64_t base = 0;
   {
@@ -170,10 +190,28 @@ int main(int argc, char** argv) {
   }
   for (int i = 1; i <= versions; ++i) {
     const uint64_t version = base + static_cast<uint64_t>(i);
-    // The "optimizer step": every weight changes; a pattern derived from the version lets the
-    // engine check what it got.
-    std::memset(src->data(), static_cast<int>(version & 0xff), total);
-    for (const Tensor& t : tensors) src->data()[src_offset[t.name]] = static_cast<uint8_t>(t.shape[0] + version);
+    if (density == 0) {
+      // The "optimizer step": every weight changes; a pattern derived from the version lets
+      // the engine check what it got.
+      std::memset(src->data(), static_cast<int>(version & 0xff), total);
+      for (const Tensor& t : tensors) {
+        src->data()[src_offset[t.name]] = static_cast<uint8_t>(t.shape[0] + version);
+      }
+    } else if (i == 1) {
+      for (uint64_t at = 0; at + 8 <= total; at += 8) {  // the initial weights
+        const uint64_t word = rng();
+        std::memcpy(src->data() + at, &word, 8);
+      }
+    } else {
+      // An RL fine-tuning step in bf16: a few weights move by one unit in the last place.
+      uint16_t* w = reinterpret_cast<uint16_t*>(src->data());
+      const uint64_t n = total / 2;
+      for (uint64_t c = 0; c < static_cast<uint64_t>(density * static_cast<double>(n)); ++c) {
+        const uint64_t r = rng();
+        w[r % n] = static_cast<uint16_t>(w[r % n] + ((r >> 63) ? 1 : -1));
+      }
+    }
+    const double received_before = two_nodes ? received() : 0;
 
     const auto t0 = Clock::now();
     auto published = (*trainer)->Publish(model, version, {*src_id});
@@ -186,20 +224,21 @@ int main(int argc, char** argv) {
     auto applied = (*engine)->Apply(model, version, {*dst_id});
     const auto t3 = Clock::now();
     if (!applied.ok()) return Fail(applied.status());
-    std::memset(src->data(), 0, total);  // the trainer's next step: the version stays intact
-
-    bool ok = true;
+    const double wire = two_nodes ? received() - received_before : 0;
+    bool ok = true;  // every tensor, byte for byte, in the engine's (fused) layout
     for (const Tensor& t : tensors) {
-      const uint8_t* p = dst->data() + dst_offset[t.name];
-      ok = ok && p[0] == static_cast<uint8_t>(t.shape[0] + version) &&
-           p[t.Bytes() - 1] == static_cast<uint8_t>(version & 0xff);
+      ok = ok && std::memcmp(dst->data() + dst_offset[t.name], src->data() + src_offset[t.name],
+                             t.Bytes()) == 0;
+    }
+    if (density == 0) {
+      std::memset(src->data(), 0, total);  // the trainer's next step: the version stays intact
     }
     publish_s.push_back(Seconds(t0, t1));
     transfer_s.push_back(Seconds(t1, t2));
     apply_s.push_back(Seconds(t2, t3));
     std::cout << absl::StrFormat(
-        "%-8d %14d %10.4f %8.2f %10.4f %8.2f %10.4f %8.2f %6s\n", version, published->bytes(),
-        publish_s.back(), published->bytes() / publish_s.back() / 1e9, transfer_s.back(),
+        "%-8d %14d %14.0f %10.4f %8.2f %10.4f %8.2f %10.4f %8.2f %6s\n", version,
+        published->bytes(), wire, publish_s.back(), published->bytes() / publish_s.back() / 1e9, transfer_s.back(),
         two_nodes ? total / transfer_s.back() / 1e9 : 0.0, apply_s.back(),
         applied->bytes_written() / apply_s.back() / 1e9, ok ? "ok" : "WRONG");
     if (!ok) return 1;
@@ -227,6 +266,14 @@ int main(int argc, char** argv) {
     std::cout << absl::StrFormat(
         "  publish -> complete on the engine's node: %.3f s median, %.2f GB/s\n",
         Median(transfer_s), gb / Median(transfer_s));
+    if (transfer_s.size() > 3) {
+      // The first versions also allocate the engine's staging slots (--retain + 1 of them).
+      const std::vector<double> steady(transfer_s.begin() + 3, transfer_s.end());
+      std::cout << absl::StrFormat(
+          "  publish -> complete, versions after the first 3: %.3f s median (%.2f GB of "
+          "weights/s)\n",
+          Median(steady), gb / Median(steady));
+    }
   }
   (void)(*trainer)->ReleaseBuffer(*src_id);
   (void)(*engine)->ReleaseBuffer(*dst_id);

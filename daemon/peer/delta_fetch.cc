@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <thread>
 #include <cstring>
@@ -220,6 +221,8 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
   // 1. The fixed part of every header, which says how long the header is.
   std::vector<Ranges> fixed(steps.size(), Ranges{{0, delta::kFixedHeaderBytes}});
   const PullJob delta_job = DeltaJob(job, steps, fixed);
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
   auto slots = data_plane->Pull(delta_job, Allocate).get();
   if (!slots.ok()) return fail_all(slots.status());
   for (size_t s = 0; s < steps.size(); ++s) steps[s].slot = (*slots)[s];
@@ -243,6 +246,7 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
       metrics->Add(kDeltaFallbacks, 1);
     }
   }
+  const auto t1 = Clock::now();
   // 3. The chunks.
   std::vector<std::future<absl::Status>> reads(steps.size());
   for (size_t s = 0; s < steps.size(); ++s) {
@@ -254,6 +258,7 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
   for (size_t s = 0; s < steps.size(); ++s) {
     if (reads[s].valid()) read_status[s] = reads[s].get();
   }
+  const auto t2 = Clock::now();
   // 4. Base + deltas -> staging, per fetch.
   for (size_t f = 0; f < job.fetches.size(); ++f) {
     if (!use[f]) continue;
@@ -279,10 +284,15 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
       continue;
     }
     metrics->Add(kDeltaBytesReceived, static_cast<double>(wire));
+    const auto ms = [](Clock::time_point a, Clock::time_point b) {
+      return std::chrono::duration<double, std::milli>(b - a).count();
+    };
     Logger("delta")->debug("model={} version={} buffer={}: {} delta bytes ({} step(s) from "
-                           "version {}) instead of the full ranges",
+                           "version {}) instead of the full ranges; headers {:.1f} ms, chunks "
+                           "{:.1f} ms, staging built {:.1f} ms",
                            job.model, job.version, job.fetches[f].buffer_id, wire, chain.size(),
-                           job.fetches[f].base_version);
+                           job.fetches[f].base_version, ms(t0, t1), ms(t1, t2),
+                           ms(t2, Clock::now()));
     result.staging[f] = std::move(built).value();
     result.wire[f] = wire;
     result.verified[f] = whole;
