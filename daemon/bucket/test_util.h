@@ -27,6 +27,7 @@
 #include "catch2/catch.hpp"
 #include "daemon/bucket/exporter.h"
 #include "daemon/bucket/importer.h"
+#include "daemon/bucket/temp_dir.h"
 #include "daemon/delta/delta.h"
 #include "daemon/memory/region.h"
 #include "nlohmann/json.hpp"
@@ -35,26 +36,6 @@ namespace refit::bucket::testing {
 
 using Bytes = std::vector<uint8_t>;
 
-// A fresh directory under $TEST_TMPDIR (or /tmp), removed with everything in it at the end.
-class TempDir {
- public:
-  TempDir() {
-    const char* base = std::getenv("TEST_TMPDIR");
-    std::string pattern = std::string(base != nullptr ? base : "/tmp") + "/bucket.XXXXXX";
-    REQUIRE(mkdtemp(pattern.data()) != nullptr);
-    path_ = pattern;
-  }
-  ~TempDir() {
-    nftw(
-        path_.c_str(),
-        [](const char* path, const struct stat*, int, struct FTW*) { return remove(path); }, 16,
-        FTW_DEPTH | FTW_PHYS);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 inline Allocator HostAllocator() {
   return [](uint64_t bytes) -> absl::StatusOr<std::shared_ptr<Region>> {
