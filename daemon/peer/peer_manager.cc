@@ -234,6 +234,7 @@ void PeerManager::RunPeer(Peer* peer) {
           layouts.push_back({s.buffer_id(), std::move(slices), s.bytes()});
         }
         store_->SetRemoteSources(node, event.model(), std::move(layouts));
+        store_->ReserveStaging(event.model());
         if (event.version() > 0) {
           std::vector<RemotePieceRef> pieces;
           for (const auto& p : event.pieces()) {

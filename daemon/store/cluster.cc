@@ -309,6 +309,28 @@ void Store::ImportVersion(const std::string& node, const std::string& model_name
   TryComplete(*model);
 }
 
+void Store::ReserveStaging(const std::string& model_name) {
+  std::vector<uint64_t> sizes;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Model* model = FindModel(model_name);
+    if (!model || model->destinations.empty()) return;
+    std::string key;
+    for (const auto& [node, remote] : model->remotes) {
+      for (const SourceLayout& l : remote.sources) {
+        if (remote.imported.count(l.buffer_id)) continue;  // a bucket hands over its own slots
+        sizes.push_back(l.bytes);
+        absl::StrAppend(&key, node, "/", l.buffer_id, ":", l.bytes, ",");
+      }
+    }
+    if (sizes.empty() || key == model->staging_reserved) return;
+    model->staging_reserved = key;
+  }
+  // Outside the lock (this faults memory in): the slots pulls will stage into, so that the
+  // first versions after a start don't pay for it. A failure only means they will.
+  for (uint64_t size : sizes) (void)pool_->Reserve(size, static_cast<int>(options_.retain) + 1);
+}
+
 void Store::SetRemoteSources(const std::string& node, const std::string& model_name,
                              std::vector<SourceLayout> sources) {
   std::lock_guard<std::mutex> lock(mu_);

@@ -143,6 +143,7 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   }
   const std::string id = buffer->id;
   lock.unlock();
+  if (role == Role::kDestination) ReserveStaging(model_name);
   if (role == Role::kSource) {
     // Warm the slot pool for the versions to come (retain + the one being published): a
     // failure here only means the first publishes fault their memory in.

@@ -206,6 +206,11 @@ class Store {
   absl::StatusOr<std::shared_ptr<const LocalSnapshot>> GetLocalSnapshot(const std::string& model,
                                                                      uint64_t version) const;
 
+  // Fills the slot pool with the staging slots pulls of `model` will need (--retain + 1 per
+  // remote piece), once per remote layout, when this node has DESTINATION buffers for it.
+  // Faults memory in: call it outside any lock the caller holds dear.
+  void ReserveStaging(const std::string& model);
+
   // `node` has these SOURCE buffers for `model` (replaces what it had before; empty: none).
   void SetRemoteSources(const std::string& node, const std::string& model,
                         std::vector<SourceLayout> sources);
