@@ -330,14 +330,17 @@ std::vector<size_t> ChunksOverlapping(const DeltaIndex& index, uint64_t first_el
   return chunks;
 }
 
-absl::Status ApplyChunk(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
-                        uint64_t chunk_size, uint8_t* base_inout, uint64_t base_bytes) {
+// The checks ApplyChunk and ApplyChunkWithin share: the chunk exists, the index is
+// consistent (a hand-made one may not be; one from ParseIndex always is), the base has the
+// buffer's size, and the payload matches its checksum.
+static absl::Status CheckChunkArguments(const DeltaIndex& index, size_t chunk,
+                                        const uint8_t* chunk_bytes,
+                                        uint64_t chunk_size, uint64_t base_bytes) {
   if (chunk >= index.chunks.size()) {
     return absl::InvalidArgumentError(absl::StrCat("no chunk ", chunk, "; the delta has ",
                                                    index.chunks.size()));
   }
   const ChunkInfo& info = index.chunks[chunk];
-  // Guards against a hand-made index; one from ParseIndex always passes.
   if (DTypeSize(index.dtype) != index.element_size || info.num_elements > kMaxChunkElements ||
       info.first_element > index.num_elements ||
       info.num_elements > index.num_elements - info.first_element) {
@@ -347,7 +350,13 @@ absl::Status ApplyChunk(const DeltaIndex& index, size_t chunk, const uint8_t* ch
   if (chunk_bytes == nullptr && chunk_size != 0) {
     return absl::InvalidArgumentError("null chunk bytes");
   }
-  RETURN_IF_ERROR(CheckPayload(index, chunk, chunk_bytes, chunk_size));
+  return CheckPayload(index, chunk, chunk_bytes, chunk_size);
+}
+
+absl::Status ApplyChunk(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
+                        uint64_t chunk_size, uint8_t* base_inout, uint64_t base_bytes) {
+  RETURN_IF_ERROR(CheckChunkArguments(index, chunk, chunk_bytes, chunk_size, base_bytes));
+  const ChunkInfo& info = index.chunks[chunk];
   const ChunkExpectation expect = ExpectationFor(index, info);
   uint8_t* base = base_inout + info.first_element * index.element_size;
   RETURN_IF_ERROR(WithChunk(ChunkDecoder::Verify(chunk_bytes, chunk_size, expect, base), chunk));
@@ -360,21 +369,8 @@ absl::Status ApplyChunkWithin(const DeltaIndex& index, size_t chunk, const uint8
                               uint64_t chunk_size,
                               const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
                               uint8_t* base_inout, uint64_t base_bytes) {
-  if (chunk >= index.chunks.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("no chunk ", chunk, "; the delta has ",
-                                                   index.chunks.size()));
-  }
+  RETURN_IF_ERROR(CheckChunkArguments(index, chunk, chunk_bytes, chunk_size, base_bytes));
   const ChunkInfo& info = index.chunks[chunk];
-  if (DTypeSize(index.dtype) != index.element_size || info.num_elements > kMaxChunkElements ||
-      info.first_element > index.num_elements ||
-      info.num_elements > index.num_elements - info.first_element) {
-    return absl::InvalidArgumentError("delta index is inconsistent; use ParseIndex");
-  }
-  RETURN_IF_ERROR(CheckBaseSize(index, base_bytes));
-  if (chunk_bytes == nullptr && chunk_size != 0) {
-    return absl::InvalidArgumentError("null chunk bytes");
-  }
-  RETURN_IF_ERROR(CheckPayload(index, chunk, chunk_bytes, chunk_size));
   // The ranges, clipped to the chunk and made relative to its first byte.
   const uint64_t first = info.first_element * index.element_size;
   const uint64_t last = first + info.num_elements * index.element_size;
