@@ -119,7 +119,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   auto status = PrepareSocketPath(options.socket_path);
   if (!status.ok()) return status;
 
-  StoreOptions store_options{options.retain, 4ull << 30, options.node};
+  StoreOptions store_options;
+  store_options.retain = options.retain;
+  store_options.node = options.node;
   if (options.slot_memory == "cuda") {
     if (options.slot_device < 0 || options.slot_device >= cuda::DeviceCount()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -133,7 +135,6 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  impl->store = std::make_unique<Store>(store_options, &impl->metrics);
   // The data plane: UCX chooses the transport (UCX_TLS); without UCX this node can still serve
   // local clients, and pulls from it fail UNAVAILABLE.
   std::unique_ptr<transport::Transport> ucx;
@@ -148,6 +149,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       std::move(ucx),
       peer::DataPlaneOptions{options.chunk_bytes, static_cast<int>(options.inflight)},
       &impl->metrics);
+  // Host slots: pinned where a GPU copies into them; otherwise the transport's own memory, which
+  // a peer daemon on this host maps and copies with memcpy (UCX shared memory).
+  if (cuda::DeviceCount() == 0) {
+    peer::DataPlane* data_plane = impl->data_plane.get();
+    store_options.host_slot_allocator = [data_plane](uint64_t size) {
+      return data_plane->AllocateSlot(size);
+    };
+  }
+  impl->store = std::make_unique<Store>(store_options, &impl->metrics);
   {
     Impl* raw = impl.get();
     peer::DeltaSourceOptions delta_options;

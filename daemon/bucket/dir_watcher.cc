@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/bucket/file_io.h"
-#include "daemon/bucket/xxh3.h"
+#include "daemon/common/xxh3.h"
 #include "daemon/common/logging.h"
 
 namespace refit::bucket {

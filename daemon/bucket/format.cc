@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/bucket/xxh3.h"
+#include "daemon/common/xxh3.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/plan/plan.h"
 #include "nlohmann/json.hpp"

@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/bucket/file_io.h"
 #include "daemon/bucket/format.h"
-#include "daemon/bucket/xxh3.h"
+#include "daemon/common/xxh3.h"
 
 namespace refit::bucket::internal {
 namespace {

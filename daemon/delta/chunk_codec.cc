@@ -25,7 +25,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/delta/rice.h"
 #include "daemon/delta/varint.h"
-#include "daemon/delta/xxh3.h"
+#include "daemon/common/xxh3.h"
 
 namespace refit::delta::internal {
 namespace {

@@ -13,7 +13,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/delta/chunk_codec.h"
 #include "daemon/delta/varint.h"
-#include "daemon/delta/xxh3.h"
+#include "daemon/common/xxh3.h"
 
 namespace refit::delta {
 namespace {

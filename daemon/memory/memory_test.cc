@@ -2,10 +2,15 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "catch2/catch.hpp"
+#include "daemon/memory/checksum.h"
 #include "daemon/memory/region.h"
 #include "daemon/memory/slot_pool.h"
 
@@ -110,6 +115,44 @@ TEST_CASE("SlotPool::Reserve pre-allocates spare slots within the limit", "[memo
   auto slot = pool->Acquire(4096);
   REQUIRE(slot.ok());
   CHECK(pool->spare_bytes() == 2 * 4096);
+}
+
+
+TEST_CASE("CopyAndHash copies and hashes each chunk like XXH3 over the copy", "[memory]") {
+  // 40 MiB + 123 bytes: above the threaded threshold, with a short last chunk.
+  const uint64_t size = (40ull << 20) + 123;
+  std::vector<uint8_t> src(size);
+  for (uint64_t i = 0; i < size; ++i) src[i] = static_cast<uint8_t>(i * 2654435761u >> 13);
+  std::vector<uint8_t> dst(size, 0);
+  const std::vector<uint64_t> sums = CopyAndHash(dst.data(), src.data(), size);
+  CHECK(dst == src);
+  REQUIRE(sums.size() == 11);
+  for (size_t i = 0; i < sums.size(); ++i) {
+    const uint64_t begin = i * kChecksumChunkBytes;
+    const uint64_t n = std::min<uint64_t>(kChecksumChunkBytes, size - begin);
+    CHECK(sums[i] == XXH3_64bits(src.data() + begin, n));
+  }
+  CHECK(HashChunks(src.data(), size) == sums);
+  // A small copy on the calling thread, with an odd chunk size.
+  std::vector<uint8_t> small(1000, 0);
+  const auto small_sums = CopyAndHash(small.data(), src.data(), 1000, 300);
+  CHECK(std::equal(small.begin(), small.end(), src.begin()));
+  REQUIRE(small_sums.size() == 4);
+  CHECK(small_sums[3] == XXH3_64bits(src.data() + 900, 100));
+}
+
+TEST_CASE("HashRanges hashes each range in order", "[memory]") {
+  std::vector<uint8_t> data(64ull << 20);
+  for (uint64_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i ^ (i >> 9));
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (uint64_t b = 7; b + 5000 < data.size(); b += 3ull << 20) ranges.emplace_back(b, b + 5000);
+  ranges.emplace_back(0, data.size());  // one large range among many small ones
+  const auto sums = HashRanges(data.data(), ranges);
+  REQUIRE(sums.size() == ranges.size());
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    CHECK(sums[i] == XXH3_64bits(data.data() + ranges[i].first,
+                                 ranges[i].second - ranges[i].first));
+  }
 }
 
 }  // namespace

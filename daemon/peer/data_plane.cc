@@ -2,15 +2,20 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/xxh3.h"
+#include "daemon/common/status_macros.h"
 
 namespace refit::peer {
 namespace {
 
 // Reads posted at once by one pull, whatever their size (each holds a UCX request).
 constexpr int kMaxReadsInFlight = 1024;
+// A peer's slot not used by any pull for this long is no longer imported (unmapped).
+constexpr auto kRemoteIdle = std::chrono::seconds(30);
 
 }  // namespace
 
@@ -26,8 +31,9 @@ struct DataPlane::Transfer {
   uint64_t bytes_inflight = 0;
   std::vector<std::shared_ptr<Region>> staging;
   std::vector<transport::LocalMemory*> local;  // owned by registrations_
-  std::vector<std::unique_ptr<transport::RemoteMemory>> remote;
+  std::vector<std::shared_ptr<transport::RemoteMemory>> remote;
   std::vector<transport::Endpoint*> endpoint;
+  std::shared_ptr<ReadHashes> hashes;  // null: don't hash
   absl::Status status;
   std::function<void(absl::Status)> done;
   bool finished = false;
@@ -84,6 +90,9 @@ void DataPlane::Run() {
     if (transport_) {
       completions.clear();
       transport_->Poll(&completions);
+      // Nothing came back: let other threads run (the transport's copy threads may be doing
+      // the work on these very cores) rather than spin through the next Poll at once.
+      if (completions.empty() && !busy) std::this_thread::yield();
       busy = busy || !completions.empty();
       for (const auto& c : completions) {
         auto it = by_cookie_.find(c.cookie);
@@ -94,6 +103,13 @@ void DataPlane::Run() {
         done.transfer->bytes_inflight -= done.length;
         if (c.status.ok()) {
           metrics_->Add(kDataBytesReceived, static_cast<double>(done.length));
+          Transfer& t = *done.transfer;
+          if (t.hashes && t.status.ok()) {
+            const auto* bytes = static_cast<const uint8_t*>(t.local[done.fetch]->address());
+            (*t.hashes)[done.fetch][done.offset] = {
+                done.length,
+                c.has_xxh3 ? c.xxh3 : XXH3_64bits(bytes + done.offset, done.length)};
+          }
         } else {
           Fail(*done.transfer, c.status);
         }
@@ -113,13 +129,31 @@ void DataPlane::Run() {
   }
   // Endpoints first: closing them cancels the gets still in flight, before the staging slots
   // they write into go with the transfers.
+  imported_.clear();
   endpoints_.clear();
   by_cookie_.clear();
   registrations_.clear();
+  std::lock_guard<std::mutex> lock(alloc_mu_);
   transport_.reset();
 }
 
+absl::StatusOr<std::unique_ptr<Region>> DataPlane::AllocateSlot(uint64_t size) {
+  std::unique_ptr<transport::LocalMemory> memory;
+  {
+    std::lock_guard<std::mutex> lock(alloc_mu_);
+    if (!transport_) return AllocateHost(size);
+    ASSIGN_OR_RETURN(memory, transport_->AllocateMemory(size));
+  }
+  // Fault every page in now, as AllocateHost does, so the first copy into the slot runs at
+  // memcpy speed.
+  std::memset(memory->address(), 0, size);
+  return std::unique_ptr<Region>(new transport::TransportRegion(std::move(memory)));
+}
+
 transport::LocalMemory* DataPlane::Registration(const std::shared_ptr<Region>& region) {
+  if (auto* allocated = dynamic_cast<const transport::TransportRegion*>(region.get())) {
+    return allocated->memory();
+  }
   // Forget registrations of slots that are gone.
   for (auto it = registrations_.begin(); it != registrations_.end();) {
     it = it->second.region.expired() ? registrations_.erase(it) : std::next(it);
@@ -158,6 +192,7 @@ absl::StatusOr<std::string> DataPlane::Expose(const std::shared_ptr<Region>& slo
 void DataPlane::Connect(const std::string& node, const std::string& address) {
   if (!transport_) return;
   Post([this, node, address] {
+    imported_.erase(node);  // imported on the endpoint this replaces
     auto endpoint = transport_->Connect(address);
     if (!endpoint.ok()) {
       Logger("transport")->error("peer={} cannot connect: {}", node, endpoint.status().ToString());
@@ -173,7 +208,10 @@ void DataPlane::Connect(const std::string& node, const std::string& address) {
 }
 
 void DataPlane::Disconnect(const std::string& node) {
-  Post([this, node] { endpoints_.erase(node); });
+  Post([this, node] {
+    imported_.erase(node);  // before the endpoint they were imported on
+    endpoints_.erase(node);
+  });
 }
 
 void DataPlane::Fail(Transfer& t, absl::Status status) {
@@ -203,7 +241,7 @@ void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
     t.next++;
     t.inflight++;
     t.bytes_inflight += op.length;
-    by_cookie_[cookie] = InFlight{transfer, op.length};
+    by_cookie_[cookie] = InFlight{transfer, op.fetch, op.offset, op.length};
   }
   if (t.inflight == 0 && (t.next >= t.ops.size() || !t.status.ok())) {
     t.finished = true;
@@ -218,23 +256,52 @@ absl::Status DataPlane::Prepare(Transfer& t, const PullJob::Fetch& fetch,
     return absl::UnavailableError(
         absl::StrCat("no data-plane connection to node ", fetch.node));
   }
-  auto remote = ep->second->ImportRemote(fetch.remote_key);
-  if (!remote.ok()) return remote.status();
-  if ((*remote)->length() < fetch.bytes) {
+  absl::Status imported;
+  std::shared_ptr<transport::RemoteMemory> remote =
+      Import(*ep->second, fetch.node, fetch.remote_key, &imported);
+  if (!remote) return imported;
+  if (remote->length() < fetch.bytes) {
     return absl::InvalidArgumentError(absl::StrCat("node ", fetch.node, " piece ",
                                                    fetch.buffer_id, " is smaller than announced"));
   }
   transport::LocalMemory* local = Registration(slot);
   if (!local) return absl::InternalError("cannot register a staging slot");
   t.endpoint.push_back(ep->second.get());
-  t.remote.push_back(std::move(remote).value());
+  t.remote.push_back(std::move(remote));
   t.local.push_back(local);
   t.staging.push_back(std::move(slot));
   return absl::OkStatus();
 }
 
+std::shared_ptr<transport::RemoteMemory> DataPlane::Import(transport::Endpoint& endpoint,
+                                                          const std::string& node,
+                                                          const std::string& descriptor,
+                                                          absl::Status* status) {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto& [name, by_descriptor] : imported_) {
+    for (auto it = by_descriptor.begin(); it != by_descriptor.end();) {
+      it = now - it->second.used > kRemoteIdle ? by_descriptor.erase(it) : std::next(it);
+    }
+  }
+  Imported& entry = imported_[node][descriptor];
+  if (!entry.memory) {
+    auto remote = endpoint.ImportRemote(descriptor);
+    if (!remote.ok()) {
+      imported_[node].erase(descriptor);
+      *status = remote.status();
+      return nullptr;
+    }
+    entry.memory = std::move(remote).value();
+    Logger("transport")->info("peer={} imported a {} B slot: {}", node, entry.memory->length(),
+                               entry.memory->mapped() ? "mapped here (shared memory, memcpy)"
+                                                      : "read through the transport");
+  }
+  entry.used = now;
+  return entry.memory;
+}
+
 std::future<absl::StatusOr<std::vector<std::shared_ptr<Region>>>> DataPlane::Pull(
-    const PullJob& job, Acquire acquire) {
+    const PullJob& job, Acquire acquire, std::shared_ptr<ReadHashes> hashes) {
   using Result = absl::StatusOr<std::vector<std::shared_ptr<Region>>>;
   auto promise = std::make_shared<std::promise<Result>>();
   auto future = promise->get_future();
@@ -242,8 +309,10 @@ std::future<absl::StatusOr<std::vector<std::shared_ptr<Region>>>> DataPlane::Pul
     promise->set_value(absl::UnavailableError("this refitd has no data plane"));
     return future;
   }
-  Post([this, job, acquire, promise] {
+  if (hashes) hashes->assign(job.fetches.size(), {});
+  Post([this, job, acquire, promise, hashes] {
     auto t = std::make_shared<Transfer>();
+    t->hashes = hashes;
     for (size_t f = 0; f < job.fetches.size(); ++f) {
       const PullJob::Fetch& fetch = job.fetches[f];
       auto slot = acquire(fetch.bytes);

@@ -8,6 +8,7 @@
 // Thread-safety: every public method may be called from any thread; work is handed to the
 // data-plane thread through a queue. Blocking methods wait for that thread.
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -46,6 +47,11 @@ class DataPlane {
   std::string LocalAddress() const;
   std::string TransportName() const;
 
+  // A host slot of `size` bytes from the transport's own allocator (Transport::AllocateMemory),
+  // faulted in, so that peers on this host map it instead of copying through UCX; plain
+  // AllocateHost memory without a transport. Any thread. The slot may outlive the data plane.
+  absl::StatusOr<std::unique_ptr<Region>> AllocateSlot(uint64_t size);
+
   // The remote descriptor of `slot`, registering it once (cached while the slot lives).
   absl::StatusOr<std::string> Expose(const std::shared_ptr<Region>& slot);
 
@@ -57,8 +63,15 @@ class DataPlane {
   // back through the future: OK with one slot per fetch, or the first error (UNAVAILABLE when a
   // peer failed).
   using Acquire = std::function<absl::StatusOr<std::shared_ptr<Region>>(uint64_t)>;
-  std::future<absl::StatusOr<std::vector<std::shared_ptr<Region>>>> Pull(const PullJob& job,
-                                                                         Acquire acquire);
+  // Per fetch: offset of a read -> {its length, XXH3-64 of the bytes it brought}. Each read is
+  // hashed as it completes, while its bytes are still in cache, so that verifying the pull
+  // against the source's checksums needs no second pass over memory. Reads start at each
+  // range's begin and step by --chunk-bytes, which is the checksum grid when --chunk-bytes is
+  // kChecksumChunkBytes (the default).
+  using ReadHashes = std::vector<std::map<uint64_t, std::pair<uint64_t, uint64_t>>>;
+  // `hashes` (optional) is filled before the future is ready.
+  std::future<absl::StatusOr<std::vector<std::shared_ptr<Region>>>> Pull(
+      const PullJob& job, Acquire acquire, std::shared_ptr<ReadHashes> hashes = nullptr);
 
   // Refetches `ranges` of fetch `fetch` of `job` into `slot` (after a checksum mismatch).
   std::future<absl::Status> Refetch(const PullJob& job, size_t fetch,
@@ -76,7 +89,10 @@ class DataPlane {
   void Pump(const std::shared_ptr<Transfer>& transfer);
   void Fail(Transfer& transfer, absl::Status status);
 
+  // Set at construction; reset by the data-plane thread as it stops, under alloc_mu_ (which
+  // AllocateSlot holds while it uses the transport from another thread).
   std::unique_ptr<transport::Transport> transport_;
+  std::mutex alloc_mu_;
   const DataPlaneOptions options_;
   Metrics* const metrics_;
 
@@ -92,8 +108,23 @@ class DataPlane {
   };
   std::map<const uint8_t*, Registered> registrations_;
   std::map<std::string, std::unique_ptr<transport::Endpoint>> endpoints_;  // by node
+  // Peers' slots imported on their endpoint, by node and descriptor, kept between pulls: a
+  // version slot comes back from the source's pool with the same descriptor, and importing it
+  // again would map a shared-memory slot again (and fault every page in again). Entries unused
+  // for kRemoteIdle are dropped, so a slot the source freed is unmapped here too.
+  struct Imported {
+    std::shared_ptr<transport::RemoteMemory> memory;
+    std::chrono::steady_clock::time_point used;
+  };
+  std::map<std::string, std::map<std::string, Imported>> imported_;
+  std::shared_ptr<transport::RemoteMemory> Import(transport::Endpoint& endpoint,
+                                                  const std::string& node,
+                                                  const std::string& descriptor,
+                                                  absl::Status* status);
   struct InFlight {
     std::shared_ptr<Transfer> transfer;
+    size_t fetch = 0;
+    uint64_t offset = 0;
     uint64_t length = 0;
   };
   std::map<uint64_t, InFlight> by_cookie_;

@@ -1,7 +1,5 @@
 #include "daemon/peer/peer_manager.h"
 
-#include <xxhash.h>
-
 #include <netdb.h>
 #include <sys/socket.h>
 #include <arpa/inet.h>
@@ -72,8 +70,10 @@ namespace {
 std::vector<std::pair<uint64_t, uint64_t>> VerifyChunks(const PullJob::Fetch& fetch) {
   std::vector<std::pair<uint64_t, uint64_t>> chunks;
   for (const auto& [begin, end] : fetch.ranges) {
-    for (uint64_t off = begin; off < end; off += 4ull << 20) {
-      chunks.emplace_back(off, std::min<uint64_t>(end, off + (4ull << 20)));
+    // On the source's checksum grid (whole pieces are ranges from 0): answered from the
+    // checksums it took at Publish.
+    for (uint64_t off = begin; off < end; off += kChecksumChunkBytes) {
+      chunks.emplace_back(off, std::min<uint64_t>(end, off + kChecksumChunkBytes));
     }
   }
   return chunks;
@@ -399,16 +399,23 @@ absl::Status PeerManager::Pull(const PullJob& job) {
   }
   const bool used_delta = full_index.size() < job.fetches.size();
   absl::Status status;
+  auto read_hashes = std::make_shared<DataPlane::ReadHashes>();
+  DataPlane::ReadHashes hashes(job.fetches.size());  // by the job's fetch index
   if (!full.fetches.empty()) {
-    auto result =
-        data_plane_->Pull(full, [this](uint64_t size) { return store_->AcquireSlot(size); }).get();
+    auto result = data_plane_
+                      ->Pull(full, [this](uint64_t size) { return store_->AcquireSlot(size); },
+                             read_hashes)
+                      .get();
     status = result.status();
     if (result.ok()) {
-      for (size_t i = 0; i < full_index.size(); ++i) staging[full_index[i]] = (*result)[i];
+      for (size_t i = 0; i < full_index.size(); ++i) {
+        staging[full_index[i]] = (*result)[i];
+        hashes[full_index[i]] = std::move((*read_hashes)[i]);
+      }
     }
   }
   auto sums = remote_sums.get();
-  if (status.ok()) status = Verify(job, staging, std::move(sums), verified);
+  if (status.ok()) status = Verify(job, staging, hashes, std::move(sums), verified);
   for (const auto& [node, bytes] : bytes_from) (void)pin(node, true);
   if (status.ok()) metrics_->Add(used_delta ? kDeltaVersions : kFullVersions, 1);
   return finish(status);
@@ -449,6 +456,7 @@ absl::StatusOr<std::vector<uint64_t>> PeerManager::RemoteChecksums(
 
 absl::Status PeerManager::Verify(const PullJob& job,
                                  const std::vector<std::shared_ptr<Region>>& staging,
+                                 const DataPlane::ReadHashes& read_hashes,
                                  std::vector<absl::StatusOr<std::vector<uint64_t>>> remote,
                                  const std::vector<bool>& verified) {
   for (size_t f = 0; f < job.fetches.size(); ++f) {
@@ -459,9 +467,25 @@ absl::Status PeerManager::Verify(const PullJob& job,
     for (int attempt = 1;; ++attempt) {
       if (!sums.ok()) return sums.status();
       std::vector<std::pair<uint64_t, uint64_t>> bad;
+      // The data plane hashed each read as it landed; a chunk no single read covered (another
+      // --chunk-bytes, a refetch) is hashed here.
+      std::vector<uint64_t> here(chunks.size());
+      std::vector<std::pair<uint64_t, uint64_t>> unhashed;
+      std::vector<size_t> unhashed_at;
       for (size_t i = 0; i < chunks.size(); ++i) {
-        const auto [b, e] = chunks[i];
-        if (XXH3_64bits(staging[f]->data() + b, e - b) != (*sums)[i]) bad.push_back(chunks[i]);
+        const auto& by_offset = read_hashes[f];
+        auto it = attempt == 1 ? by_offset.find(chunks[i].first) : by_offset.end();
+        if (it != by_offset.end() && it->second.first == chunks[i].second - chunks[i].first) {
+          here[i] = it->second.second;
+        } else {
+          unhashed.push_back(chunks[i]);
+          unhashed_at.push_back(i);
+        }
+      }
+      const std::vector<uint64_t> hashed = HashRanges(staging[f]->data(), unhashed);
+      for (size_t k = 0; k < hashed.size(); ++k) here[unhashed_at[k]] = hashed[k];
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        if (here[i] != (*sums)[i]) bad.push_back(chunks[i]);
       }
       if (bad.empty()) break;
       if (attempt >= kFetchTries) {

@@ -74,6 +74,7 @@ class PeerManager {
       const PullJob& job, size_t f, const std::vector<std::pair<uint64_t, uint64_t>>& chunks);
   // Checks every pulled range against `remote` (skipping fetches `verified` already).
   absl::Status Verify(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
+                      const DataPlane::ReadHashes& read_hashes,
                       std::vector<absl::StatusOr<std::vector<uint64_t>>> remote,
                       const std::vector<bool>& verified);
   v1::Peer::Stub* StubFor(const std::string& node);

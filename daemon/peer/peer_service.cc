@@ -1,7 +1,5 @@
 #include "daemon/peer/peer_service.h"
 
-#include <xxhash.h>
-
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
@@ -154,12 +152,26 @@ grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumReque
                         absl::StrCat("no piece ", request->buffer_id(), " in version ",
                                      request->version()));
   }
+  const uint64_t size = piece->slot->size();
+  std::vector<std::pair<uint64_t, uint64_t>> to_hash;  // ranges off the Publish-time grid
+  std::vector<int> hashed_at;
   for (const v1::ByteRange& r : request->ranges()) {
-    if (r.offset() > piece->slot->size() || r.length() > piece->slot->size() - r.offset()) {
+    if (r.offset() > size || r.length() > size - r.offset()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "range past the piece's end");
     }
-    response->add_xxh3(XXH3_64bits(piece->slot->data() + r.offset(), r.length()));
+    // A whole chunk of the grid was hashed at Publish (a full pull asks for exactly those).
+    const uint64_t chunk = r.offset() / kChecksumChunkBytes;
+    if (piece->xxh3 && r.offset() % kChecksumChunkBytes == 0 && chunk < piece->xxh3->size() &&
+        r.length() == std::min(kChecksumChunkBytes, size - r.offset()) && r.length() > 0) {
+      response->add_xxh3((*piece->xxh3)[chunk]);
+    } else {
+      hashed_at.push_back(response->xxh3_size());
+      response->add_xxh3(0);
+      to_hash.emplace_back(r.offset(), r.offset() + r.length());
+    }
   }
+  const std::vector<uint64_t> sums = HashRanges(piece->slot->data(), to_hash);
+  for (size_t i = 0; i < sums.size(); ++i) response->set_xxh3(hashed_at[i], sums[i]);
   if (corrupt_checksums_.load() > 0 && corrupt_checksums_.fetch_sub(1) > 0 &&
       response->xxh3_size() > 0) {
     response->set_xxh3(0, response->xxh3(0) ^ 1);

@@ -72,7 +72,7 @@ void Store::NoteLocalReady(Model& model) {
   snapshot->version = newest;
   for (const auto& [id, piece] : model.pending[newest]) {
     if (model.sources.count(id)) {
-      snapshot->pieces.push_back({id, piece.host ? piece.host : piece.slot});
+      snapshot->pieces.push_back({id, piece.host ? piece.host : piece.slot, piece.xxh3});
     }
   }
   model.snapshots[newest] = std::move(snapshot);

@@ -25,7 +25,9 @@ constexpr auto kWaitSlice = std::chrono::milliseconds(50);  // re-check of `canc
 Store::Store(StoreOptions options, Metrics* metrics)
     : options_(std::move(options)),
       metrics_(metrics),
-      pool_(SlotPool::Create(options_.max_spare_slot_bytes, cuda::AllocatePinnedHost)) {
+      pool_(SlotPool::Create(options_.max_spare_slot_bytes,
+                             options_.host_slot_allocator ? options_.host_slot_allocator
+                                                          : cuda::AllocatePinnedHost)) {
   if (options_.slot_memory == MemoryKind::kCuda) {
     const int device = options_.slot_device;
     gpu_pool_ = SlotPool::Create(options_.max_spare_slot_bytes,
@@ -245,14 +247,24 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
     {
       std::lock_guard<std::mutex> io(buffer->io_mu);
       const Region& from = *buffer->region;
+      // Host to host: copy and checksum in one pass over the cores, each block hashed while
+      // it is still in cache. Otherwise hash what peers will read once it is there.
       if (from.kind() == MemoryKind::kHost && piece.slot->kind() == MemoryKind::kHost) {
-        std::memcpy(piece.slot->data(), from.data() + buffer->span_begin, size);
+        piece.xxh3 = std::make_shared<const std::vector<uint64_t>>(
+            CopyAndHash(piece.slot->data(), from.data() + buffer->span_begin, size));
       } else {
         RETURN_IF_ERROR(cuda::Copy(*piece.slot, 0, from, buffer->span_begin, size));
       }
       // The mirror comes from the slot, not the client's buffer: the buffer may change as
       // soon as Publish returns.
       if (piece.host) RETURN_IF_ERROR(cuda::Copy(*piece.host, 0, *piece.slot, 0, size));
+      if (!piece.xxh3) {
+        const Region& served = piece.host ? *piece.host : *piece.slot;
+        if (served.kind() == MemoryKind::kHost) {
+          piece.xxh3 = std::make_shared<const std::vector<uint64_t>>(
+              HashChunks(served.data(), size));
+        }
+      }
     }
     pieces.push_back(std::move(piece));
     bytes += size;

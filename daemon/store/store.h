@@ -28,6 +28,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/common/types.h"
+#include "daemon/memory/checksum.h"
 #include "daemon/memory/region.h"
 #include "daemon/memory/slot_pool.h"
 #include "daemon/metrics/metrics.h"
@@ -47,6 +48,9 @@ struct StoreOptions {
   // host mirror, made at Publish, for what other nodes read (UCX here has no CUDA support).
   MemoryKind slot_memory = MemoryKind::kHost;
   int slot_device = 0;
+  // Makes host slots; null means pinned memory (cuda::AllocatePinnedHost). refitd passes the
+  // data plane's allocator when no GPU is seen, so that peers on this host map its slots.
+  SlotPool::Allocator host_slot_allocator;
 };
 
 struct PublishResult {
@@ -93,6 +97,8 @@ struct LocalSnapshot {
   struct Piece {
     std::string buffer_id;
     std::shared_ptr<Region> slot;
+    // XXH3-64 of each kChecksumChunkBytes chunk of `slot` (checksum.h), computed at Publish.
+    std::shared_ptr<const std::vector<uint64_t>> xxh3;
   };
   std::vector<Piece> pieces;
 };

@@ -42,6 +42,9 @@ struct Store::Piece {
   std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> valid;
   std::string node;        // empty: this node
   std::string remote_key;  // for pieces of other nodes
+  // XXH3-64 per kChecksumChunkBytes chunk of what other nodes read (`host` or else `slot`),
+  // computed at Publish; null for pieces of other nodes.
+  std::shared_ptr<const std::vector<uint64_t>> xxh3;
 };
 
 struct Store::Version {

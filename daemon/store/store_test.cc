@@ -8,6 +8,14 @@
 namespace refit {
 namespace {
 
+StoreOptions TestOptions(const std::string& node) {
+  StoreOptions options;
+  options.retain = 2;
+  options.max_spare_slot_bytes = 1ull << 30;
+  options.node = node;
+  return options;
+}
+
 using std::chrono::milliseconds;
 
 TensorSlice Whole(const std::string& name, DType dtype, std::vector<int64_t> shape,
@@ -48,7 +56,7 @@ Clock::time_point In(int ms) { return Clock::now() + milliseconds(ms); }
 
 struct Fixture {
   Metrics metrics;
-  Store store{StoreOptions{2, 1ull << 30, "test"}, &metrics};
+  Store store{TestOptions("test"), &metrics};
 };
 
 TEST_CASE_METHOD(Fixture, "publish then apply copies a version bit-exact", "[store]") {
@@ -230,7 +238,7 @@ namespace {
 // A receiving node: the pull jobs the store asks for, with the deltas it offers in them.
 struct Receiver {
   Metrics metrics;
-  Store store{StoreOptions{2, 1ull << 30, "engine"}, &metrics};
+  Store store{TestOptions("engine"), &metrics};
   std::vector<PullJob> jobs;
   std::shared_ptr<std::mutex> mu = std::make_shared<std::mutex>();
 

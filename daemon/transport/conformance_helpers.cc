@@ -108,8 +108,8 @@ void Settle(const std::vector<Transport*>& transports) {
   }
 }
 
-std::unique_ptr<PeerProcess> StartPeer(uint64_t size, uint64_t seed) {
-  auto peer = PeerProcess::Start(TestBackend().make, size, seed);
+std::unique_ptr<PeerProcess> StartPeer(uint64_t size, uint64_t seed, bool allocate) {
+  auto peer = PeerProcess::Start(TestBackend().make, size, seed, allocate);
   INFO(peer.status().ToString());
   REQUIRE(peer.ok());
   return *std::move(peer);

@@ -35,7 +35,7 @@ std::unique_ptr<LocalMemory> Register(Transport& transport, const Buffer& buffer
 std::unique_ptr<Endpoint> ConnectTo(Transport& self, const std::string& address);
 std::unique_ptr<RemoteMemory> Import(Endpoint& endpoint, const std::string& descriptor);
 // A PeerProcess of TestBackend(); call before this process makes a transport.
-std::unique_ptr<PeerProcess> StartPeer(uint64_t size, uint64_t seed);
+std::unique_ptr<PeerProcess> StartPeer(uint64_t size, uint64_t seed, bool allocate = false);
 
 // A cookie never used before in this process.
 uint64_t NextCookie();

@@ -10,7 +10,8 @@ const ConformanceBackend& TestBackend() {
       "inproc",
       []() -> absl::StatusOr<std::unique_ptr<Transport>> { return InprocTransport::Create(); },
       /*cross_process=*/false, /*detects_peer_failure=*/true,
-      [](Transport& peer) { static_cast<InprocTransport&>(peer).SimulateCrash(); }};
+      [](Transport& peer) { static_cast<InprocTransport&>(peer).SimulateCrash(); },
+      /*maps_peer_memory=*/false};
   return backend;
 }
 

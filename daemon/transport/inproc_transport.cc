@@ -50,9 +50,15 @@ Registry& GlobalRegistry() {
 
 class InprocTransport::InprocLocalMemory final : public LocalMemory {
  public:
+  // `owned`: AllocateMemory's memory, freed here; it may outlive the transport, so it holds the
+  // transport's Node itself and isn't counted among the objects that must go first.
   InprocLocalMemory(InprocTransport* owner, void* address, uint64_t length, MemoryKind kind,
-                    uint64_t region_id)
-      : LocalMemory(address, length, kind), owner_(owner), region_id_(region_id) {
+                    uint64_t region_id, bool owned)
+      : LocalMemory(address, length, kind),
+        owner_(owner),
+        node_(owner->node_),
+        region_id_(region_id),
+        owned_(owned) {
     WireDescriptor d;
     d.backend = WireBackend::kInproc;
     d.issuer = owner->identity_;
@@ -60,20 +66,26 @@ class InprocTransport::InprocLocalMemory final : public LocalMemory {
     d.length = length;
     d.payload.assign(reinterpret_cast<const char*>(&region_id_), sizeof(region_id_));
     set_descriptor(EncodeDescriptor(d));
-    ++owner_->live_objects_;
+    if (!owned_) ++owner_->live_objects_;
   }
   ~InprocLocalMemory() override {
     {
-      std::lock_guard<std::mutex> lock(owner_->node_->mu);
-      owner_->node_->regions.erase(region_id_);
+      std::lock_guard<std::mutex> lock(node_->mu);
+      node_->regions.erase(region_id_);
     }
-    --owner_->live_objects_;
+    if (owned_) {
+      std::free(address());
+    } else {
+      --owner_->live_objects_;
+    }
   }
   const InprocTransport* owner() const { return owner_; }
 
  private:
   InprocTransport* owner_;
+  std::shared_ptr<Node> node_;
   uint64_t region_id_;
+  bool owned_;
 };
 
 class InprocTransport::InprocRemoteMemory final : public RemoteMemory {
@@ -192,6 +204,21 @@ absl::StatusOr<std::unique_ptr<LocalMemory>> InprocTransport::RegisterMemory(voi
     return absl::UnimplementedError(
         absl::StrCat("the inproc transport can't register ", MemoryKindName(kind), " memory"));
   }
+  return Register(address, length, kind, /*owned=*/false);
+}
+
+absl::StatusOr<std::unique_ptr<LocalMemory>> InprocTransport::AllocateMemory(uint64_t length) {
+  if (length == 0) return absl::InvalidArgumentError("AllocateMemory needs a length");
+  constexpr uint64_t kPage = 4096;
+  void* memory = std::aligned_alloc(kPage, (length + kPage - 1) / kPage * kPage);
+  if (memory == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", length, " bytes"));
+  }
+  return Register(memory, length, MemoryKind::kHost, /*owned=*/true);
+}
+
+std::unique_ptr<LocalMemory> InprocTransport::Register(void* address, uint64_t length,
+                                                       MemoryKind kind, bool owned) {
   uint64_t region_id;
   {
     Registry& registry = GlobalRegistry();
@@ -203,7 +230,7 @@ absl::StatusOr<std::unique_ptr<LocalMemory>> InprocTransport::RegisterMemory(voi
     node_->regions[region_id] = {static_cast<uint8_t*>(address), length};
   }
   return std::unique_ptr<LocalMemory>(
-      new InprocLocalMemory(this, address, length, kind, region_id));
+      new InprocLocalMemory(this, address, length, kind, region_id, owned));
 }
 
 absl::StatusOr<std::unique_ptr<Endpoint>> InprocTransport::Connect(std::string_view peer_address) {

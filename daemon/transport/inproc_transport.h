@@ -46,6 +46,8 @@ class InprocTransport final : public Transport {
   const std::string& LocalAddress() const override { return address_; }
   absl::StatusOr<std::unique_ptr<LocalMemory>> RegisterMemory(void* address, uint64_t length,
                                                               MemoryKind kind) override;
+  // Plain aligned heap memory (a peer in this process reads it like any other).
+  absl::StatusOr<std::unique_ptr<LocalMemory>> AllocateMemory(uint64_t length) override;
   absl::StatusOr<std::unique_ptr<Endpoint>> Connect(std::string_view peer_address) override;
   size_t Poll(std::vector<Completion>* out) override;
   uint64_t outstanding() const override { return queue_.size(); }
@@ -82,6 +84,8 @@ class InprocTransport final : public Transport {
                     uint64_t length, uint64_t cookie);
   void Fail(const std::shared_ptr<EpState>& state, absl::Status status);
   absl::Status Execute(const Op& op);
+  std::unique_ptr<LocalMemory> Register(void* address, uint64_t length, MemoryKind kind,
+                                        bool owned);
 
   Capabilities capabilities_;
   std::string address_;

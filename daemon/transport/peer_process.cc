@@ -86,20 +86,30 @@ uint64_t ReadU64(const std::string& s, size_t at) {
 std::string U64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
 
 // The child: never returns.
-[[noreturn]] void Serve(const TransportFactory& make, uint64_t size, uint64_t seed, int fd) {
+[[noreturn]] void Serve(const TransportFactory& make, uint64_t size, uint64_t seed, bool allocate,
+                        int fd) {
   auto fail = [fd](const std::string& why) {
     WriteFrame(fd, "E" + why);
     _exit(2);
   };
-  void* mapped = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (mapped == MAP_FAILED) fail("mmap failed");
-  auto* buffer = static_cast<uint8_t*>(mapped);
-  FillPattern(buffer, size, seed, 0);
   {
     auto transport = make();
     if (!transport.ok()) fail(transport.status().ToString());
-    auto memory = (*transport)->RegisterMemory(buffer, size, MemoryKind::kHost);
-    if (!memory.ok()) fail(memory.status().ToString());
+    uint8_t* buffer = nullptr;
+    absl::StatusOr<std::unique_ptr<LocalMemory>> memory;
+    if (allocate) {
+      memory = (*transport)->AllocateMemory(size);
+      if (!memory.ok()) fail(memory.status().ToString());
+      buffer = static_cast<uint8_t*>((*memory)->address());
+    } else {
+      void* mapped =
+          mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (mapped == MAP_FAILED) fail("mmap failed");
+      buffer = static_cast<uint8_t*>(mapped);
+      memory = (*transport)->RegisterMemory(buffer, size, MemoryKind::kHost);
+      if (!memory.ok()) fail(memory.status().ToString());
+    }
+    FillPattern(buffer, size, seed, 0);
     if (!WriteFrame(fd, "A" + (*transport)->LocalAddress()) ||
         !WriteFrame(fd, "D" + (*memory)->descriptor())) {
       _exit(3);
@@ -185,7 +195,8 @@ int64_t FindPatternMismatch(const uint8_t* data, uint64_t length, uint64_t seed,
 uint64_t HashBytes(const uint8_t* data, uint64_t length) { return XXH3_64bits(data, length); }
 
 absl::StatusOr<std::unique_ptr<PeerProcess>> PeerProcess::Start(TransportFactory make,
-                                                                uint64_t size, uint64_t seed) {
+                                                                uint64_t size, uint64_t seed,
+                                                                bool allocate) {
   // The child gets only the forking thread: any other (a UCX progress thread, say) would leave
   // it with locks and state nobody owns.
   int threads = CountThreads();
@@ -210,7 +221,7 @@ absl::StatusOr<std::unique_ptr<PeerProcess>> PeerProcess::Start(TransportFactory
     close(fds[0]);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(4);
-    Serve(make, size, seed, fds[1]);
+    Serve(make, size, seed, allocate, fds[1]);
   }
   close(fds[1]);
   std::unique_ptr<PeerProcess> peer(new PeerProcess());

@@ -38,8 +38,10 @@ class PeerProcess {
  public:
   // Forks a child that creates a transport with `make`, registers `size` bytes filled with the
   // pattern for `seed`, and serves them until destroyed. Returns once the child is ready.
+  // `allocate`: the buffer comes from the child's Transport::AllocateMemory instead of an
+  // anonymous mapping registered with RegisterMemory.
   static absl::StatusOr<std::unique_ptr<PeerProcess>> Start(TransportFactory make, uint64_t size,
-                                                            uint64_t seed);
+                                                            uint64_t seed, bool allocate = false);
   ~PeerProcess();  // asks the child to exit; SIGKILL if it doesn't within a few seconds
 
   pid_t pid() const { return pid_; }

@@ -79,6 +79,11 @@ struct Capabilities {
 struct Completion {
   uint64_t cookie = 0;
   absl::Status status;
+  // XXH3-64 of the bytes an OK get brought, when the backend computed it on the way (UCX gets
+  // from mapped peer memory hash each block right after copying it, while it is in cache);
+  // otherwise has_xxh3 is false and the caller hashes the bytes itself if it needs to.
+  bool has_xxh3 = false;
+  uint64_t xxh3 = 0;
 };
 
 // A registered local buffer [address, address + length). Created by Transport::RegisterMemory;
@@ -117,6 +122,9 @@ class RemoteMemory {
 
   uint64_t remote_address() const { return remote_address_; }
   uint64_t length() const { return length_; }
+  // True when the backend mapped the peer's bytes into this process (a peer on this host whose
+  // memory came from AllocateMemory, with UCX shared memory): gets and puts are then memcpy.
+  virtual bool mapped() const { return false; }
 
  protected:
   RemoteMemory(uint64_t remote_address, uint64_t length)
@@ -176,6 +184,22 @@ class Endpoint {
   Endpoint() = default;
 };
 
+// A daemon-owned slot in memory from Transport::AllocateMemory: a Region whose LocalMemory is
+// already registered (register it again and peers lose the zero-copy path).
+class TransportRegion final : public Region {
+ public:
+  explicit TransportRegion(std::unique_ptr<LocalMemory> memory)
+      : Region(MemoryKind::kHost, -1, static_cast<uint8_t*>(memory->address()), memory->length()),
+        memory_(std::move(memory)) {}
+  LocalMemory* memory() const { return memory_.get(); }
+  std::string Describe() const override {
+    return "transport-allocated host [0, " + std::to_string(size()) + ")";
+  }
+
+ private:
+  std::unique_ptr<LocalMemory> memory_;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -191,6 +215,15 @@ class Transport {
   // address or zero length; UNIMPLEMENTED for CUDA memory when !capabilities().cuda_memory.
   [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<LocalMemory>> RegisterMemory(
       void* address, uint64_t length, MemoryKind kind) = 0;
+
+  // `length` bytes of host memory, page-aligned, owned and registered by the returned LocalMemory
+  // (freed with it), that the backend shares with peers where it can: with UCX's shared-memory
+  // transports a peer on this host maps it and reads it with memcpy instead of a protocol.
+  // Exceptions to the rules above: callable from any thread, and the LocalMemory may outlive
+  // the Transport (it may be destroyed from any thread, at any time after its ops completed).
+  // INVALID_ARGUMENT for length 0; RESOURCE_EXHAUSTED when the memory can't be had.
+  [[nodiscard]] virtual absl::StatusOr<std::unique_ptr<LocalMemory>> AllocateMemory(
+      uint64_t length) = 0;
 
   // Connects to the peer whose LocalAddress() is `peer_address`. Never blocks on the network:
   // a peer that isn't there shows up as a failed endpoint (UNAVAILABLE completions), not here.

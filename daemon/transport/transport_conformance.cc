@@ -69,6 +69,27 @@ TEST_CASE("RegisterMemory validates its input", "[transport][conformance]") {
   CHECK_FALSE(memory->descriptor().empty());
 }
 
+TEST_CASE("AllocateMemory gives registered memory that outlives the transport",
+          "[transport][conformance]") {
+  std::unique_ptr<LocalMemory> kept;
+  {
+    auto t = MakeTransport();
+    CHECK(t->AllocateMemory(0).status().code() == absl::StatusCode::kInvalidArgument);
+    auto memory = t->AllocateMemory(3 * kMiB + 5);
+    INFO(memory.status().ToString());
+    REQUIRE(memory.ok());
+    CHECK((*memory)->length() == 3 * kMiB + 5);
+    CHECK((*memory)->kind() == MemoryKind::kHost);
+    CHECK(!(*memory)->descriptor().empty());
+    CHECK(reinterpret_cast<uintptr_t>((*memory)->address()) % 4096 == 0);
+    std::memset((*memory)->address(), 0x5a, (*memory)->length());
+    kept = std::move(memory).value();
+  }
+  // The transport is gone; the memory is still there and is freed last.
+  CHECK(static_cast<const uint8_t*>(kept->address())[3 * kMiB + 4] == 0x5a);
+  kept.reset();
+}
+
 TEST_CASE("get copies remote bytes exactly, many ops in flight", "[transport][conformance]") {
   const uint64_t size = 8 * kMiB + 13;
   Pair p(size);

@@ -33,6 +33,8 @@ struct ConformanceBackend {
   // Makes `peer` behave like a crashed process, in this process; null when only a real kill
   // does (the cross-process cases cover that).
   std::function<void(Transport& peer)> crash;
+  // A peer process's AllocateMemory memory is mapped here on import (RemoteMemory::mapped()).
+  bool maps_peer_memory = false;
 };
 
 // Defined by each conformance test binary.

@@ -53,6 +53,41 @@ TEST_CASE("two processes: get is bit-exact up to 256 MiB in chunks",
   memory.reset();
 }
 
+TEST_CASE("two processes: get and put on memory the peer's transport allocated",
+          "[transport][conformance][process]") {
+  if (!TestBackend().cross_process) return;
+  const uint64_t size = 64 * kMiB + 4097;  // not a whole number of pages or chunks
+  auto peer = StartPeer(size, 33, /*allocate=*/true);
+  auto t = MakeTransport();
+  Buffer buffer(size);
+  auto memory = Register(*t, buffer);
+  auto endpoint = ConnectTo(*t, peer->address());
+  auto remote = Import(*endpoint, peer->descriptor());
+  REQUIRE(remote->length() == size);
+  // Shared memory must take the mapped path; anything else must not claim to.
+  CHECK(remote->mapped() == TestBackend().maps_peer_memory);
+  std::memset(buffer.data(), 0, size);
+  absl::Status s = Transfer(true, *t, {}, *endpoint, *memory, 0, *remote, 0, size, 4 * kMiB, 16);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  CHECK(FindPatternMismatch(buffer.data(), size, 33, 0) == -1);
+  // Short reads at odd offsets, many in flight.
+  std::memset(buffer.data(), 0, size);
+  s = Transfer(true, *t, {}, *endpoint, *memory, 12345, *remote, 12345, 8 * kMiB + 3, 8191, 64);
+  REQUIRE(s.ok());
+  CHECK(FindPatternMismatch(buffer.data() + 12345, 8 * kMiB + 3, 33, 12345) == -1);
+  // A put lands in the peer's memory: write a window of another pattern, then hash it there.
+  FillPattern(buffer.data(), size, 34, 0);
+  s = Transfer(false, *t, {}, *endpoint, *memory, kMiB, *remote, kMiB, 2 * kMiB, kMiB, 4);
+  REQUIRE(s.ok());
+  auto hash = peer->Hash(kMiB, 2 * kMiB);
+  REQUIRE(hash.ok());
+  CHECK(*hash == HashBytes(buffer.data() + kMiB, 2 * kMiB));
+  remote.reset();
+  endpoint.reset();
+  memory.reset();
+}
+
 TEST_CASE("two processes: put is bit-exact", "[transport][conformance][process]") {
   if (!TestBackend().cross_process) return;
   const uint64_t size = 64 * kMiB;

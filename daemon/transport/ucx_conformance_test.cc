@@ -1,6 +1,8 @@
 // The conformance suite against the UCX backend. The BUILD target picks the UCX transports with
 // UCX_TLS in the test's environment; REFIT_TEST_UCX_PEER_FAILURE=0 runs it without peer-failure
 // handling (what UCX 1.13's shared-memory transports need), which skips the failure cases.
+// REFIT_TEST_UCX_MAPPED=1 expects memory a peer process allocated through its transport to be
+// mapped here (UCX shared memory), so that gets and puts on it are plain memcpy.
 
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +19,13 @@ bool PeerFailureHandling() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
+// REFIT_TEST_UCX_MAPPED=1: the BUILD target's UCX_TLS includes shared memory, so a peer's
+// transport-allocated memory must be mapped (the zero-copy path).
+bool ExpectMapped() {
+  const char* v = std::getenv("REFIT_TEST_UCX_MAPPED");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 }  // namespace
 
 const ConformanceBackend& TestBackend() {
@@ -30,7 +39,8 @@ const ConformanceBackend& TestBackend() {
         if (!transport.ok()) return transport.status();
         return std::unique_ptr<Transport>(std::move(*transport));
       },
-      /*cross_process=*/true, /*detects_peer_failure=*/PeerFailureHandling(), nullptr};
+      /*cross_process=*/true, /*detects_peer_failure=*/PeerFailureHandling(), nullptr,
+      /*maps_peer_memory=*/ExpectMapped()};
   return backend;
 }
 

@@ -1,0 +1,69 @@
+#pragma once
+
+// A few threads that copy between two host mappings and report when each copy is done. The UCX
+// backend uses it for peer memory that ucp_rkey_ptr mapped into this process (a peer on the same
+// host whose memory UCX allocated as shared memory): such a get or put is a plain memcpy, and
+// running it here, on several cores, beats UCX's own protocol, which copies on the thread that
+// calls ucp_worker_progress.
+//
+// Submit never blocks. Threads start with the first job. Safe from any thread.
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace refit::transport {
+
+class CopyEngine {
+ public:
+  struct Job {
+    uint8_t* dst = nullptr;
+    const uint8_t* src = nullptr;
+    uint64_t length = 0;
+    void* tag = nullptr;  // handed back by Drain
+    // Set (by the owner of dst) when the copy is no longer wanted: a job not yet started is
+    // then skipped, though still handed back.
+    const std::atomic<bool>* abandon = nullptr;
+    // Decremented once the job will never touch dst again; the owner waits for it to reach
+    // zero before it frees dst.
+    std::atomic<uint64_t>* running = nullptr;
+    // Also compute XXH3-64 of the copied bytes (block by block, each right after its copy).
+    bool hash = false;
+  };
+  struct Finished {
+    void* tag;
+    bool hashed;    // copied (not skipped) with Job::hash: xxh3 is the copy's digest
+    uint64_t xxh3;
+  };
+
+  explicit CopyEngine(int threads);
+  ~CopyEngine();  // Stop()
+  // Joins the threads; jobs still queued are dropped (not handed back). Drain still works.
+  void Stop();
+  CopyEngine(const CopyEngine&) = delete;
+  CopyEngine& operator=(const CopyEngine&) = delete;
+
+  void Submit(const Job& job);
+  // Appends finished (or skipped) jobs; returns how many.
+  size_t Drain(std::vector<Finished>* out);
+
+  // min(hardware threads, 4): a memcpy is bound by memory bandwidth beyond a few cores.
+  static int DefaultThreads();
+
+ private:
+  void Run();
+
+  const int threads_wanted_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::deque<Job> queue_;
+  std::vector<Finished> done_;
+  std::vector<std::thread> threads_;
+  bool stop_ = false;
+};
+
+}  // namespace refit::transport
