@@ -146,11 +146,15 @@ TEST_CASE("a source killed mid-transfer leaves the engine on the previous versio
   const std::string listen = "--listen=127.0.0.1:" + std::to_string(port);
   auto source = DaemonProcess::Start({"--node=src", listen});
   REQUIRE(source.ok());
-  // Small reads, one at a time: a 64 MiB pull takes long enough to be interrupted.
-  auto engine = DaemonProcess::Start({"--node=dst", "--chunk-bytes=8192", "--inflight=1",
-                                      "--peers=127.0.0.1:" + std::to_string(port)});
+  // Small reads, one at a time, so that the pull takes long enough to be interrupted: 64 MiB
+  // over tcp; over shared memory, where a read is a memcpy from the source's mapped slot,
+  // 256 MiB in 4 KiB reads.
+  const char* tls = std::getenv("UCX_TLS");
+  const bool shm = tls != nullptr && std::string(tls).find("sm") != std::string::npos;
+  auto engine = DaemonProcess::Start({"--node=dst", shm ? "--chunk-bytes=4096" : "--chunk-bytes=8192",
+                                      "--inflight=1", "--peers=127.0.0.1:" + std::to_string(port)});
   REQUIRE(engine.ok());
-  constexpr int64_t kBytes = 64 << 20;
+  const int64_t kBytes = shm ? 256 << 20 : 64 << 20;
   SharedMemory src = MakeShm(kBytes), dst = MakeShm(kBytes);
   auto trainer = RegisterWhole(**source, v1::SOURCE, src, kBytes);
   auto inference = RegisterWhole(**engine, v1::DESTINATION, dst, kBytes);
@@ -162,7 +166,15 @@ TEST_CASE("a source killed mid-transfer leaves the engine on the previous versio
 
   std::memset(src.data(), 2, kBytes);
   REQUIRE(trainer.client->Publish("big", 2, {trainer.id}).ok());
-  std::this_thread::sleep_for(milliseconds(150));  // the pull of version 2 is under way
+  // Kill the source once the pull of version 2 is under way.
+  const auto started = std::chrono::steady_clock::now();
+  bool pulling = false;
+  while (!pulling && std::chrono::steady_clock::now() - started < std::chrono::seconds(10)) {
+    auto s = inference.client->Status();
+    REQUIRE(s.ok());
+    for (const auto& t : s->transfers()) pulling |= t.version() == 2 && t.bytes_done() > 0;
+  }
+  REQUIRE(pulling);
   (*source)->Stop(SIGKILL);
 
   // Version 2 never shows: waiting for it times out, applying it is refused, 1 is intact.

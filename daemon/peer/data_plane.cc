@@ -1,6 +1,10 @@
 #include "daemon/peer/data_plane.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 
@@ -14,6 +18,8 @@ namespace {
 
 // Reads posted at once by one pull, whatever their size (each holds a UCX request).
 constexpr int kMaxReadsInFlight = 1024;
+// madvise(MADV_POPULATE_WRITE), Linux 5.14; glibc 2.36's headers may lack the name.
+constexpr int kPopulateWrite = 23;
 // A peer's slot not used by any pull for this long is no longer imported (unmapped).
 constexpr auto kRemoteIdle = std::chrono::seconds(30);
 
@@ -73,6 +79,7 @@ void DataPlane::Post(std::function<void()> work) {
 void DataPlane::Run() {
   std::vector<transport::Completion> completions;
   auto idle_since = std::chrono::steady_clock::now();
+  uint64_t activity = 0;
   while (true) {
     std::deque<std::function<void()>> work;
     {
@@ -93,7 +100,8 @@ void DataPlane::Run() {
       // Nothing came back: let other threads run (the transport's copy threads may be doing
       // the work on these very cores) rather than spin through the next Poll at once.
       if (completions.empty() && !busy) std::this_thread::yield();
-      busy = busy || !completions.empty();
+      busy = busy || !completions.empty() || transport_->activity() != activity;
+      activity = transport_->activity();
       for (const auto& c : completions) {
         auto it = by_cookie_.find(c.cookie);
         if (it == by_cookie_.end()) continue;
@@ -145,8 +153,22 @@ absl::StatusOr<std::unique_ptr<Region>> DataPlane::AllocateSlot(uint64_t size) {
     ASSIGN_OR_RETURN(memory, transport_->AllocateMemory(size));
   }
   // Fault every page in now, as AllocateHost does, so the first copy into the slot runs at
-  // memcpy speed.
-  std::memset(memory->address(), 0, size);
+  // memcpy speed. Shared memory past what /dev/shm may hold (a container's default 64 MiB)
+  // would kill the process with SIGBUS at the first touch; MADV_POPULATE_WRITE (Linux 5.14)
+  // reports that as an error instead, and the slot then comes from ordinary memory.
+  const auto page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t populate = (size + page - 1) / page * page;
+  if (madvise(memory->address(), populate, kPopulateWrite) != 0) {
+    if (errno != EINVAL) {  // EINVAL: an older kernel; touch the pages instead
+      Logger("transport")->warn(
+          "cannot fault in {} B of transport memory ({}); this slot uses ordinary memory, "
+          "which peers on this host read through UCX (check the size of /dev/shm)",
+          size, std::strerror(errno));
+      memory.reset();
+      return AllocateHost(size);
+    }
+    std::memset(memory->address(), 0, size);
+  }
   return std::unique_ptr<Region>(new transport::TransportRegion(std::move(memory)));
 }
 

@@ -227,14 +227,17 @@ void PeerManager::RunPeer(Peer* peer) {
       auto reader = peer->stub->Subscribe(&context, request);
       v1::PeerEvent event;
       while (reader->Read(&event)) {
-        std::vector<SourceLayout> layouts;
-        for (const auto& s : event.sources()) {
-          auto slices = std::make_shared<std::vector<TensorSlice>>();
-          for (const auto& t : s.tensors()) slices->push_back(server::FromTrustedProto(t));
-          layouts.push_back({s.buffer_id(), std::move(slices), s.bytes()});
+        // Layouts come when they change; an event without them keeps the last ones.
+        if (!event.sources_unchanged()) {
+          std::vector<SourceLayout> layouts;
+          for (const auto& s : event.sources()) {
+            auto slices = std::make_shared<std::vector<TensorSlice>>();
+            for (const auto& t : s.tensors()) slices->push_back(server::FromTrustedProto(t));
+            layouts.push_back({s.buffer_id(), std::move(slices), s.bytes()});
+          }
+          store_->SetRemoteSources(node, event.model(), std::move(layouts));
+          store_->ReserveStaging(event.model());
         }
-        store_->SetRemoteSources(node, event.model(), std::move(layouts));
-        store_->ReserveStaging(event.model());
         if (event.version() > 0) {
           std::vector<RemotePieceRef> pieces;
           for (const auto& p : event.pieces()) {

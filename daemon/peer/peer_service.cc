@@ -54,9 +54,10 @@ grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloReq
 }
 
 bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceLayout>& layouts,
-                             v1::PeerEvent* event) {
+                             bool with_sources, v1::PeerEvent* event) {
   event->set_model(model);
-  for (const SourceLayout& layout : layouts) {
+  event->set_sources_unchanged(!with_sources);
+  for (const SourceLayout& layout : with_sources ? layouts : std::vector<SourceLayout>()) {
     v1::SourcePiece* piece = event->add_sources();
     piece->set_buffer_id(layout.buffer_id);
     piece->set_bytes(layout.bytes);
@@ -101,6 +102,9 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
                                     grpc::ServerWriter<v1::PeerEvent>* writer) {
   Logger("peer")->info("peer={} subscribed from {}", request->node(), context->peer());
   std::map<std::string, std::string> sent;  // model -> what was last sent (serialized)
+  // model -> identity of the layouts last sent: buffer ids, sizes and the slice vectors, which
+  // the store keeps (immutable) while a buffer stays registered.
+  std::map<std::string, std::string> sent_layouts;
   uint64_t seen = UINT64_MAX;
   while (true) {
     {
@@ -122,12 +126,21 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
       if (!layouts.count(model)) layouts[model] = {};  // all its sources went away
     }
     for (const auto& [model, model_layouts] : layouts) {
+      std::string identity;
+      for (const SourceLayout& l : model_layouts) {
+        absl::StrAppend(&identity, l.buffer_id, ":", l.bytes, ":",
+                        reinterpret_cast<uintptr_t>(l.slices.get()), ";");
+      }
+      auto layouts_sent = sent_layouts.find(model);
+      const bool with_sources = layouts_sent == sent_layouts.end() ||
+                                layouts_sent->second != identity;
       v1::PeerEvent event;
-      BuildEvent(model, model_layouts, &event);
+      BuildEvent(model, model_layouts, with_sources, &event);
       // Remote keys are stable per slot, so equal text means nothing new.
       std::string text = event.SerializeAsString();
       if (sent[model] == text) continue;
       if (!writer->Write(event)) return grpc::Status::OK;
+      sent_layouts[model] = std::move(identity);
       sent[model] = std::move(text);
       Logger("peer")->debug("peer={} told model={} sources={} version={}", request->node(), model,
                             event.sources_size(), event.version());

@@ -47,9 +47,10 @@ class PeerService final : public v1::Peer::Service {
                    v1::PinResponse* response) override;
 
  private:
-  // The event describing `model` now; false when there is nothing to say.
+  // The event describing `model` now (its layouts only `with_sources`); false when there is
+  // nothing to say.
   bool BuildEvent(const std::string& model, const std::vector<SourceLayout>& layouts,
-                  v1::PeerEvent* event);
+                  bool with_sources, v1::PeerEvent* event);
   void ExpirePins();
   // Version `version` of `model` held here: from the store, or the one DeltaSource prepared.
   std::shared_ptr<const LocalSnapshot> Snapshot(const std::string& model, uint64_t version);

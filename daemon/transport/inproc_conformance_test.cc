@@ -11,7 +11,7 @@ const ConformanceBackend& TestBackend() {
       []() -> absl::StatusOr<std::unique_ptr<Transport>> { return InprocTransport::Create(); },
       /*cross_process=*/false, /*detects_peer_failure=*/true,
       [](Transport& peer) { static_cast<InprocTransport&>(peer).SimulateCrash(); },
-      /*maps_peer_memory=*/false};
+      /*maps_peer_memory=*/false, /*survives_killed_writer=*/true};
   return backend;
 }
 

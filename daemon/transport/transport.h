@@ -239,6 +239,11 @@ class Transport {
   // Ops posted and not yet returned by Poll, over all endpoints.
   virtual uint64_t outstanding() const = 0;
 
+  // Grows whenever Poll got anything done, including serving peers' reads of this transport's
+  // memory (which completes nothing here). A caller that naps between Polls when idle naps only
+  // while this stands still, so a peer's pull isn't served one nap at a time.
+  virtual uint64_t activity() const { return 0; }
+
  protected:
   Transport() = default;
 };

@@ -35,6 +35,9 @@ struct ConformanceBackend {
   std::function<void(Transport& peer)> crash;
   // A peer process's AllocateMemory memory is mapped here on import (RemoteMemory::mapped()).
   bool maps_peer_memory = false;
+  // Ops with other peers still complete after a peer was killed mid-transfer (false: UCX 1.13
+  // shared memory with error handling, whose receive FIFO a killed writer can leave stuck).
+  bool survives_killed_writer = true;
 };
 
 // Defined by each conformance test binary.

@@ -190,12 +190,9 @@ class UcxTransport::UcxEndpoint final : public Endpoint {
 
 std::vector<std::pair<std::string, std::string>> UcxTransport::Options::DefaultConfig() {
   // Notice a dead peer on an idle connection within seconds rather than UCX's default 20 s.
-  // Let posix/sysv shared memory serve endpoints with peer-failure handling (UCX 1.13 refuses
-  // them otherwise, and two daemons on one host would talk TCP over loopback); the conformance
-  // suite's failure cases pass over shared memory with these (ucx_shm_eh_conformance_test).
-  return {{"KEEPALIVE_INTERVAL", "1s"},
-          {"POSIX_ERROR_HANDLING", "y"},
-          {"SYSV_ERROR_HANDLING", "y"}};
+  // Shared memory with peer-failure handling (UCX_POSIX_ERROR_HANDLING / _SYSV_) stays the
+  // operator's choice: see ucx_transport.h for what a peer killed mid-transfer can do to it.
+  return {{"KEEPALIVE_INTERVAL", "1s"}};
 }
 
 absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const Options& options) {
@@ -577,7 +574,10 @@ void UcxTransport::DrainCopier() {
 
 size_t UcxTransport::Poll(std::vector<Completion>* out) {
   // Bounded so one busy Poll can't starve the caller's loop.
-  for (int i = 0; i < 64 && ucp_worker_progress(worker_.get()) != 0; ++i) {
+  for (int i = 0; i < 64; ++i) {
+    const unsigned events = ucp_worker_progress(worker_.get());
+    if (events == 0) break;
+    activity_ += events;
   }
   if (in_copier_ != 0) DrainCopier();
   if (!pending_closes_.empty()) ReapCloses();

@@ -11,10 +11,14 @@
 //   rc/dc/ud (verbs)  InfiniBand/RoCE hosts; they support peer-failure handling.
 //   shared memory (posix, sysv, self): refused for endpoints with peer-failure handling
 //                  ("no peer failure handler") unless UCX_POSIX_ERROR_HANDLING=y and
-//                  UCX_SYSV_ERROR_HANDLING=y, which DefaultConfig() sets (the failure cases of
-//                  the conformance suite pass with them). cma has no active messages and UCP
-//                  1.13 doesn't use it for RMA. Only memory UCX allocated (AllocateMemory) is
-//                  shared memory a peer can map; gets from other memory take UCX's protocol.
+//                  UCX_SYSV_ERROR_HANDLING=y (the operator's choice; without them two daemons on
+//                  one host talk TCP over loopback). With them, a dead peer is detected, but a
+//                  peer killed while it writes into this worker's shared receive FIFO (replies
+//                  to gets of memory UCX did not allocate) can leave the FIFO stuck, and then
+//                  ops with OTHER peers stall too (seen in about half the runs of the
+//                  conformance case "survivor keeps working with another peer"). Gets of
+//                  AllocateMemory memory don't use the FIFO (they are memcpy, below). cma has no
+//                  active messages and UCP 1.13 doesn't use it for RMA.
 //   Known bug: UCX 1.13 aborts the process (an assertion) when a worker is destroyed while a
 //                  connection-setup reply to a peer is still queued (fixed upstream by
 //                  openucx/ucx#8175). ~UcxTransport flushes the worker first, bounded by
@@ -101,6 +105,7 @@ class UcxTransport final : public Transport {
   absl::StatusOr<std::unique_ptr<Endpoint>> Connect(std::string_view peer_address) override;
   size_t Poll(std::vector<Completion>* out) override;
   uint64_t outstanding() const override { return outstanding_; }
+  uint64_t activity() const override { return activity_; }
 
   // Implementation types, public only so that the .cc file's UCX callbacks can name them.
   struct MemHolder;
@@ -159,6 +164,7 @@ class UcxTransport final : public Transport {
   uint64_t outstanding_ = 0;  // posted, not yet returned by Poll
   uint64_t in_ucx_ = 0;       // UCX requests whose callback hasn't run
   uint64_t in_copier_ = 0;    // ops handed to copier_ and not yet drained
+  uint64_t activity_ = 0;     // events ucp_worker_progress reported
   std::vector<CopyEngine::Finished> copied_;
   uint64_t live_objects_ = 0;
 };
