@@ -20,6 +20,10 @@ namespace {
 constexpr int kMaxReadsInFlight = 1024;
 // madvise(MADV_POPULATE_WRITE), Linux 5.14; glibc 2.36's headers may lack the name.
 constexpr int kPopulateWrite = 23;
+// Reads shorter than this go out in batches of up to kSpansPerBatch (Endpoint::PostGetSpans)
+// where the transport can: a column-split tensor gives one short range per row.
+constexpr uint64_t kShortRead = 64ull << 10;
+constexpr size_t kSpansPerBatch = 256;
 // A peer's slot not used by any pull for this long is no longer imported (unmapped).
 constexpr auto kRemoteIdle = std::chrono::seconds(30);
 
@@ -47,7 +51,10 @@ struct DataPlane::Transfer {
 
 DataPlane::DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneOptions options,
                      Metrics* metrics)
-    : transport_(std::move(transport)), options_(options), metrics_(metrics) {
+    : transport_(std::move(transport)),
+      get_spans_(transport_ && transport_->capabilities().get_spans),
+      options_(options),
+      metrics_(metrics) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -112,7 +119,7 @@ void DataPlane::Run() {
         if (c.status.ok()) {
           metrics_->Add(kDataBytesReceived, static_cast<double>(done.length));
           Transfer& t = *done.transfer;
-          if (t.hashes && t.status.ok()) {
+          if (t.hashes && t.status.ok() && !done.batch) {
             const auto* bytes = static_cast<const uint8_t*>(t.local[done.fetch]->address());
             (*t.hashes)[done.fetch][done.offset] = {
                 done.length,
@@ -253,17 +260,43 @@ void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
          (t.inflight == 0 || t.bytes_inflight + t.ops[t.next].length <= budget)) {
     const Transfer::Op& op = t.ops[t.next];
     const uint64_t cookie = next_cookie_++;
-    absl::Status posted = t.endpoint[op.fetch]->PostGet(*t.local[op.fetch], op.offset,
-                                                        *t.remote[op.fetch], op.offset,
-                                                        op.length, cookie);
+    // Short reads of one fetch in a row: one batch (staging is laid out like the source piece,
+    // so each span's local and remote offsets are equal).
+    size_t n = 1;
+    uint64_t bytes = op.length;
+    if (get_spans_ && op.length < kShortRead) {
+      while (t.next + n < t.ops.size() && n < kSpansPerBatch) {
+        const Transfer::Op& more = t.ops[t.next + n];
+        if (more.fetch != op.fetch || more.length >= kShortRead ||
+            t.bytes_inflight + bytes + more.length > budget) {
+          break;
+        }
+        bytes += more.length;
+        ++n;
+      }
+    }
+    absl::Status posted;
+    if (n > 1) {
+      std::vector<transport::Span> spans(n);
+      for (size_t i = 0; i < n; ++i) {
+        const Transfer::Op& o = t.ops[t.next + i];
+        spans[i] = {o.offset, o.offset, o.length};
+      }
+      posted = t.endpoint[op.fetch]->PostGetSpans(*t.local[op.fetch], *t.remote[op.fetch],
+                                                  std::move(spans), cookie);
+    } else {
+      posted = t.endpoint[op.fetch]->PostGet(*t.local[op.fetch], op.offset, *t.remote[op.fetch],
+                                             op.offset, op.length, cookie);
+    }
     if (!posted.ok()) {
       Fail(t, posted);
       break;
     }
-    t.next++;
+    t.next += n;
     t.inflight++;
-    t.bytes_inflight += op.length;
-    by_cookie_[cookie] = InFlight{transfer, op.fetch, op.offset, op.length};
+    t.bytes_inflight += bytes;
+    // A batch's reads aren't hashed one by one (no single digest); Verify hashes them.
+    by_cookie_[cookie] = InFlight{transfer, op.fetch, op.offset, bytes, /*batch=*/n > 1};
   }
   if (t.inflight == 0 && (t.next >= t.ops.size() || !t.status.ok())) {
     t.finished = true;

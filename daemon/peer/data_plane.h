@@ -19,6 +19,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -93,6 +94,7 @@ class DataPlane {
   // AllocateSlot holds while it uses the transport from another thread).
   std::unique_ptr<transport::Transport> transport_;
   std::mutex alloc_mu_;
+  const bool get_spans_;  // the transport can batch short reads
   const DataPlaneOptions options_;
   Metrics* const metrics_;
 
@@ -126,8 +128,9 @@ class DataPlane {
     size_t fetch = 0;
     uint64_t offset = 0;
     uint64_t length = 0;
+    bool batch = false;  // a PostGetSpans of several reads from `offset` on
   };
-  std::map<uint64_t, InFlight> by_cookie_;
+  std::unordered_map<uint64_t, InFlight> by_cookie_;
   uint64_t next_cookie_ = 1;
   std::thread thread_;
 };

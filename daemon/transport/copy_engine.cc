@@ -61,6 +61,7 @@ void CopyEngine::Submit(const Job& job) {
       for (int i = 0; i < threads_wanted_; ++i) threads_.emplace_back([this] { Run(); });
     }
     queue_.push_back(job);
+    if (idle_ == 0) return;  // every thread is busy and will look at the queue again
   }
   wake_.notify_one();
 }
@@ -74,25 +75,49 @@ size_t CopyEngine::Drain(std::vector<Finished>* out) {
 }
 
 void CopyEngine::Run() {
+  // Short jobs (a resharded pull reads one short range per row) are taken in batches, so the
+  // lock and the hand-back cost once per batch rather than once per job.
+  constexpr size_t kMaxBatchJobs = 64;
+  constexpr uint64_t kMaxBatchBytes = 1ull << 20;
+  std::vector<Job> batch;
+  std::vector<Finished> finished;
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
+    ++idle_;
     wake_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    --idle_;
     if (stop_) return;
-    Job job = queue_.front();
-    queue_.pop_front();
-    lock.unlock();
-    Finished finished{job.tag, false, 0};
-    if (job.abandon == nullptr || !job.abandon->load(std::memory_order_acquire)) {
-      if (job.hash) {
-        finished.hashed = true;
-        finished.xxh3 = CopyAndHashBlocks(job.dst, job.src, job.length);
-      } else {
-        std::memcpy(job.dst, job.src, job.length);
-      }
+    batch.clear();
+    uint64_t bytes = 0;
+    while (!queue_.empty() && batch.size() < kMaxBatchJobs &&
+           (batch.empty() || bytes + queue_.front().length <= kMaxBatchBytes)) {
+      bytes += queue_.front().length;
+      batch.push_back(queue_.front());
+      queue_.pop_front();
     }
-    if (job.running) job.running->fetch_sub(1, std::memory_order_acq_rel);
+    // More left: let an idle thread take it while this one copies.
+    if (!queue_.empty() && idle_ > 0) wake_.notify_one();
+    lock.unlock();
+    finished.clear();
+    for (const Job& job : batch) {
+      Finished f{job.tag, false, 0};
+      if (job.abandon == nullptr || !job.abandon->load(std::memory_order_acquire)) {
+        if (job.spans) {
+          for (const Span& s : *job.spans) {
+            std::memcpy(job.dst + s.local_offset, job.src + s.remote_offset, s.length);
+          }
+        } else if (job.hash) {
+          f.hashed = true;
+          f.xxh3 = CopyAndHashBlocks(job.dst, job.src, job.length);
+        } else {
+          std::memcpy(job.dst, job.src, job.length);
+        }
+      }
+      if (job.running) job.running->fetch_sub(1, std::memory_order_acq_rel);
+      finished.push_back(f);
+    }
     lock.lock();
-    done_.push_back(finished);
+    done_.insert(done_.end(), finished.begin(), finished.end());
   }
 }
 

@@ -12,9 +12,12 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "daemon/transport/transport.h"
 
 namespace refit::transport {
 
@@ -33,6 +36,8 @@ class CopyEngine {
     std::atomic<uint64_t>* running = nullptr;
     // Also compute XXH3-64 of the copied bytes (block by block, each right after its copy).
     bool hash = false;
+    // When set: copy each span instead (dst and src are then the bases; no hash).
+    std::shared_ptr<const std::vector<Span>> spans;
   };
   struct Finished {
     void* tag;
@@ -63,6 +68,7 @@ class CopyEngine {
   std::deque<Job> queue_;
   std::vector<Finished> done_;
   std::vector<std::thread> threads_;
+  int idle_ = 0;  // threads waiting for a job
   bool stop_ = false;
 };
 

@@ -35,8 +35,9 @@ struct ConformanceBackend {
   std::function<void(Transport& peer)> crash;
   // A peer process's AllocateMemory memory is mapped here on import (RemoteMemory::mapped()).
   bool maps_peer_memory = false;
-  // Ops with other peers still complete after a peer was killed mid-transfer (false: UCX 1.13
-  // shared memory with error handling, whose receive FIFO a killed writer can leave stuck).
+  // Ops still complete (with errors for the dead peer) after a peer was killed mid-transfer
+  // (false: UCX 1.13 shared memory with error handling, whose receive FIFO a killed writer can
+  // leave stuck, so that neither the dead peer's ops nor other peers' ever complete).
   bool survives_killed_writer = true;
 };
 

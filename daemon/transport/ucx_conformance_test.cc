@@ -3,8 +3,8 @@
 // handling (what UCX 1.13's shared-memory transports need), which skips the failure cases.
 // REFIT_TEST_UCX_MAPPED=1 expects memory a peer process allocated through its transport to be
 // mapped here (UCX shared memory), so that gets and puts on it are plain memcpy. With
-// UCX_POSIX_ERROR_HANDLING set (shared memory with peer-failure handling) the survivor part of
-// the killed-peer case is skipped: see ucx_transport.h.
+// UCX_POSIX_ERROR_HANDLING set (shared memory with peer-failure handling) the case of a peer
+// killed mid-transfer is skipped: see ucx_transport.h (the idle-peer death case still runs).
 
 #include <cstdlib>
 #include <cstring>

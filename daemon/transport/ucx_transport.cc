@@ -43,12 +43,19 @@ struct UcxTransport::EpState {
   std::atomic<uint64_t> copying{0};
 };
 
+// The gets of one PostGetSpans posted one by one: a single completion when the last is done.
+struct UcxTransport::Group {
+  uint64_t remaining = 0;
+  ucs_status_t status = UCS_OK;  // the first error
+};
+
 struct UcxTransport::Op {
   std::shared_ptr<EpState> ep;
   std::shared_ptr<MemHolder> mem;
   std::shared_ptr<RkeyHolder> rkey;
   uint64_t cookie;
   uint64_t epoch;
+  std::shared_ptr<Group> group = nullptr;  // set for the gets of a PostGetSpans
 };
 
 namespace {
@@ -173,6 +180,10 @@ class UcxTransport::UcxEndpoint final : public Endpoint {
                        uint64_t remote_offset, uint64_t length, uint64_t cookie) override {
     return owner_->Post(false, this, local, local_offset, remote, remote_offset, length, cookie);
   }
+  absl::Status PostGetSpans(const LocalMemory& local, const RemoteMemory& remote,
+                            std::vector<Span> spans, uint64_t cookie) override {
+    return owner_->PostSpans(this, local, remote, std::move(spans), cookie);
+  }
 
   void Cancel() override { ++state_->epoch; }
   absl::Status status() const override { return state_->failure; }
@@ -272,6 +283,7 @@ absl::Status UcxTransport::Init(const Options& options) {
   capabilities_.name = "ucx";
   capabilities_.rma_get = true;
   capabilities_.rma_put = true;
+  capabilities_.get_spans = true;
   capabilities_.cuda_memory = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
   capabilities_.detail = absl::StrCat("UCX ", major, ".", minor, ".", release,
                                       ", memory types: ", MemoryTypesString(attr.memory_types));
@@ -450,18 +462,28 @@ void UcxTransport::ReapCloses() {
   pending_closes_.resize(kept);
 }
 
+absl::Status UcxTransport::CheckHandles(const UcxEndpoint& endpoint, const LocalMemory& local,
+                                        const RemoteMemory& remote,
+                                        const UcxLocalMemory** local_memory,
+                                        const UcxRemoteMemory** remote_memory) const {
+  *local_memory = dynamic_cast<const UcxLocalMemory*>(&local);
+  if (*local_memory == nullptr || (*local_memory)->owner() != this) {
+    return absl::InvalidArgumentError("local memory was registered with another transport");
+  }
+  *remote_memory = dynamic_cast<const UcxRemoteMemory*>(&remote);
+  if (*remote_memory == nullptr || (*remote_memory)->ep() != endpoint.state().get()) {
+    return absl::InvalidArgumentError("remote memory was imported on another endpoint");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status UcxTransport::Post(bool get, UcxEndpoint* endpoint, const LocalMemory& local,
                                 uint64_t local_offset, const RemoteMemory& remote,
                                 uint64_t remote_offset, uint64_t length, uint64_t cookie) {
-  auto* local_memory = dynamic_cast<const UcxLocalMemory*>(&local);
-  if (local_memory == nullptr || local_memory->owner() != this) {
-    return absl::InvalidArgumentError("local memory was registered with another transport");
-  }
+  const UcxLocalMemory* local_memory = nullptr;
+  const UcxRemoteMemory* remote_memory = nullptr;
+  RETURN_IF_ERROR(CheckHandles(*endpoint, local, remote, &local_memory, &remote_memory));
   const std::shared_ptr<EpState>& ep = endpoint->state();
-  auto* remote_memory = dynamic_cast<const UcxRemoteMemory*>(&remote);
-  if (remote_memory == nullptr || remote_memory->ep() != ep.get()) {
-    return absl::InvalidArgumentError("remote memory was imported on another endpoint");
-  }
   RETURN_IF_ERROR(
       CheckRanges(local_offset, local.length(), remote_offset, remote.length(), length));
   if (!ep->failure.ok()) return ep->failure;
@@ -471,11 +493,18 @@ absl::Status UcxTransport::Post(bool get, UcxEndpoint* endpoint, const LocalMemo
   } else if (remote_memory->mapped() && local.kind() == MemoryKind::kHost) {
     uint8_t* here = static_cast<uint8_t*>(local.address()) + local_offset;
     uint8_t* there = remote_memory->mapping() + remote_offset;
-    auto* op = new Op{ep, local_memory->mem(), remote_memory->rkey(), cookie, ep->epoch};
+    auto* op = new Op{ep, local_memory->mem(), remote_memory->rkey(), cookie, ep->epoch, nullptr};
     ep->copying.fetch_add(1, std::memory_order_acq_rel);
     ++in_copier_;
-    copier_->Submit({get ? here : there, get ? there : here, length, op, &ep->abandon,
-                     &ep->copying, /*hash=*/get});
+    CopyEngine::Job job;
+    job.dst = get ? here : there;
+    job.src = get ? there : here;
+    job.length = length;
+    job.tag = op;
+    job.abandon = &ep->abandon;
+    job.running = &ep->copying;
+    job.hash = get;
+    copier_->Submit(job);
   } else {
     ucp_request_param_t param;
     std::memset(&param, 0, sizeof(param));
@@ -487,7 +516,7 @@ absl::Status UcxTransport::Post(bool get, UcxEndpoint* endpoint, const LocalMemo
     uint8_t* buffer = static_cast<uint8_t*>(local.address()) + local_offset;
     uint64_t remote_address = remote.remote_address() + remote_offset;
     ucp_rkey_h rkey = remote_memory->rkey()->rkey.get();
-    auto* op = new Op{ep, local_memory->mem(), remote_memory->rkey(), cookie, ep->epoch};
+    auto* op = new Op{ep, local_memory->mem(), remote_memory->rkey(), cookie, ep->epoch, nullptr};
     ucs_status_ptr_t request;
     if (get) {
       // A get's callback means the bytes are here.
@@ -537,8 +566,95 @@ absl::Status UcxTransport::Post(bool get, UcxEndpoint* endpoint, const LocalMemo
 void UcxTransport::OnOpDone(Op* op, ucs_status_t status) {
   --in_ucx_;
   --op->ep->in_ucx;
-  done_.push_back({std::move(op->ep), op->cookie, op->epoch, status});
+  FinishOp(op, status);
+}
+
+void UcxTransport::FinishOp(Op* op, ucs_status_t status) {
+  if (op->group) {
+    Group& group = *op->group;
+    if (status != UCS_OK && group.status == UCS_OK) group.status = status;
+    if (--group.remaining == 0) {
+      done_.push_back({std::move(op->ep), op->cookie, op->epoch, group.status});
+    }
+  } else {
+    done_.push_back({std::move(op->ep), op->cookie, op->epoch, status});
+  }
   delete op;
+}
+
+absl::Status UcxTransport::PostSpans(UcxEndpoint* endpoint, const LocalMemory& local,
+                                     const RemoteMemory& remote, std::vector<Span> spans,
+                                     uint64_t cookie) {
+  const UcxLocalMemory* local_memory = nullptr;
+  const UcxRemoteMemory* remote_memory = nullptr;
+  RETURN_IF_ERROR(CheckHandles(*endpoint, local, remote, &local_memory, &remote_memory));
+  const std::shared_ptr<EpState>& ep = endpoint->state();
+  if (spans.empty()) return absl::InvalidArgumentError("PostGetSpans needs at least one span");
+  uint64_t total = 0;
+  for (const Span& s : spans) {
+    RETURN_IF_ERROR(CheckRanges(s.local_offset, local.length(), s.remote_offset,
+                                remote.length(), s.length));
+    total += s.length;
+  }
+  if (!ep->failure.ok()) return ep->failure;
+
+  auto* base = static_cast<uint8_t*>(local.address());
+  if (remote_memory->mapped() && local.kind() == MemoryKind::kHost) {
+    auto* op = new Op{ep, local_memory->mem(), remote_memory->rkey(), cookie, ep->epoch, nullptr};
+    ep->copying.fetch_add(1, std::memory_order_acq_rel);
+    ++in_copier_;
+    CopyEngine::Job job;
+    job.dst = base;
+    job.src = remote_memory->mapping();
+    job.length = total;
+    job.tag = op;
+    job.abandon = &ep->abandon;
+    job.running = &ep->copying;
+    job.spans = std::make_shared<const std::vector<Span>>(std::move(spans));
+    copier_->Submit(job);
+  } else {
+    auto group = std::make_shared<Group>();
+    group->remaining = spans.size();
+    for (size_t i = 0; i < spans.size(); ++i) {
+      const Span& s = spans[i];
+      auto* op = new Op{ep, local_memory->mem(), remote_memory->rkey(), cookie, ep->epoch, group};
+      ucp_request_param_t param;
+      std::memset(&param, 0, sizeof(param));
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_MEMH |
+                           UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_USER_DATA;
+      param.memh = local_memory->mem()->memh.get();
+      param.memory_type =
+          local.kind() == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+      param.cb.send = OpCallback;
+      param.user_data = op;
+      ucs_status_ptr_t request =
+          ucp_get_nbx(ep->ep, base + s.local_offset, s.length,
+                      remote.remote_address() + s.remote_offset,
+                      remote_memory->rkey()->rkey.get(), &param);
+      if (UCS_PTR_IS_ERR(request)) {
+        const ucs_status_t status = UCS_PTR_STATUS(request);
+        if (ucx::IsPeerFailure(status)) OnEpError(ep.get(), status);
+        if (i == 0) {  // nothing posted: no completion
+          delete op;
+          return ucx::ToStatus(status, "ucp_get_nbx");
+        }
+        // The spans not posted count as failed; the op completes with the error once the
+        // posted ones are done.
+        group->remaining -= spans.size() - i - 1;
+        FinishOp(op, status);
+        break;
+      }
+      if (request != nullptr) {
+        ++in_ucx_;
+        ++ep->in_ucx;
+      } else {
+        FinishOp(op, UCS_OK);
+      }
+    }
+  }
+  ++outstanding_;
+  ++ep->outstanding;
+  return absl::OkStatus();
 }
 
 void UcxTransport::OnEpError(EpState* ep, ucs_status_t status) {

@@ -15,10 +15,11 @@
 //                  one host talk TCP over loopback). With them, a dead peer is detected, but a
 //                  peer killed while it writes into this worker's shared receive FIFO (replies
 //                  to gets of memory UCX did not allocate) can leave the FIFO stuck, and then
-//                  ops with OTHER peers stall too (seen in about half the runs of the
-//                  conformance case "survivor keeps working with another peer"). Gets of
-//                  AllocateMemory memory don't use the FIFO (they are memcpy, below). cma has no
-//                  active messages and UCP 1.13 doesn't use it for RMA.
+//                  neither that peer's ops nor other peers' complete (seen in about half the
+//                  runs of the conformance case "a peer killed mid-transfer ..."). Gets of
+//                  AllocateMemory memory don't use the FIFO (they are memcpy, below), which is
+//                  what refitd reads on a host without a GPU. cma has no active messages and
+//                  UCP 1.13 doesn't use it for RMA.
 //   Known bug: UCX 1.13 aborts the process (an assertion) when a worker is destroyed while a
 //                  connection-setup reply to a peer is still queued (fixed upstream by
 //                  openucx/ucx#8175). ~UcxTransport flushes the worker first, bounded by
@@ -111,6 +112,7 @@ class UcxTransport final : public Transport {
   struct MemHolder;
   struct RkeyHolder;
   struct EpState;
+  struct Group;
   struct Op;
   void OnOpDone(Op* op, ucs_status_t status);
   void OnEpError(EpState* ep, ucs_status_t status);
@@ -140,6 +142,13 @@ class UcxTransport final : public Transport {
   absl::Status Post(bool get, UcxEndpoint* endpoint, const LocalMemory& local,
                     uint64_t local_offset, const RemoteMemory& remote, uint64_t remote_offset,
                     uint64_t length, uint64_t cookie);
+  absl::Status PostSpans(UcxEndpoint* endpoint, const LocalMemory& local,
+                         const RemoteMemory& remote, std::vector<Span> spans, uint64_t cookie);
+  void FinishOp(Op* op, ucs_status_t status);  // reports op (or its group) into done_
+  // INVALID_ARGUMENT unless `local` is this transport's and `remote` was imported on `endpoint`.
+  absl::Status CheckHandles(const UcxEndpoint& endpoint, const LocalMemory& local,
+                            const RemoteMemory& remote, const UcxLocalMemory** local_memory,
+                            const UcxRemoteMemory** remote_memory) const;
   absl::Status Resolve(const Done& done);
   void DrainCopier();  // finished CopyEngine ops -> done_
   // Wraps a fresh registration (owned: AllocateMemory's, which may outlive this transport).
