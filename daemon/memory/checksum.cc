@@ -2,6 +2,7 @@
 
 #define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
 #include "daemon/common/xxh3.h"
+#include "daemon/memory/stream_copy.h"
 
 #include <algorithm>
 #include <atomic>
@@ -13,7 +14,7 @@ namespace {
 
 // Below this much work the calling thread does it alone: starting threads would cost more.
 constexpr uint64_t kParallelBytes = 32ull << 20;
-// CopyAndHash copies and hashes in blocks of this size, so the hash reads from L2.
+// CopyAndHash hashes and copies in blocks of this size, so the copy reads from L2.
 constexpr uint64_t kBlockBytes = 256ull << 10;
 
 // Runs task(i) for i in [0, count) on up to 8 threads.
@@ -50,10 +51,14 @@ std::vector<uint64_t> CopyAndHash(uint8_t* dst, const uint8_t* src, uint64_t siz
     XXH3_64bits_reset(&state);
     for (uint64_t off = begin; off < end; off += kBlockBytes) {
       const uint64_t n = std::min(kBlockBytes, end - off);
-      std::memcpy(dst + off, src + off, n);
-      XXH3_64bits_update(&state, dst + off, n);
+      // Hashing brings the block into cache; streaming it out then costs no more than a
+      // memcpy (hash + copy at 1.00x a memcpy on the dev machine, against 0.88x for a cached
+      // copy followed by hashing the copy).
+      XXH3_64bits_update(&state, src + off, n);
+      StreamCopy(dst + off, src + off, n);
     }
     sums[i] = XXH3_64bits_digest(&state);
+    StoreFence();
   });
   return sums;
 }

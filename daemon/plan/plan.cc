@@ -4,10 +4,6 @@
 
 #include "daemon/plan/plan.h"
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -23,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/types.h"
+#include "daemon/memory/stream_copy.h"
 #include "daemon/plan/convert.h"
 
 namespace refit::plan {
@@ -381,34 +378,6 @@ namespace {
 // medium-sized pieces (under glibc's own streaming threshold) that resharding produces.
 constexpr uint64_t kStreamOpBytes = 1 << 20;
 
-void StreamCopy(uint8_t* to, const uint8_t* from, uint64_t n) {
-#if defined(__SSE2__)
-  const uint64_t head = (16 - (reinterpret_cast<uintptr_t>(to) & 15)) & 15;
-  if (n < head + 64) {
-    std::memcpy(to, from, n);
-    return;
-  }
-  std::memcpy(to, from, head);
-  to += head;
-  from += head;
-  n -= head;
-  uint64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i + 32));
-    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(to + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(to + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(to + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(to + i + 48), d);
-  }
-  std::memcpy(to + i, from + i, n - i);
-#else
-  std::memcpy(to, from, n);
-#endif
-}
-
 // Above this, glibc's memcpy streams by itself, faster than StreamCopy.
 constexpr uint64_t kLibcStreamBytes = 16 << 20;
 
@@ -529,11 +498,6 @@ void RunTask(const std::vector<CopyOp>& ops, const Task& t,
   }
 }
 
-void Fence() {
-#if defined(__SSE2__)
-  _mm_sfence();  // streamed stores are ordered before whatever reports the copy done
-#endif
-}
 
 }  // namespace
 
@@ -549,7 +513,7 @@ void ExecuteOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t i = next++; i < tasks.size(); i = next++) RunTask(plan.ops, tasks[i], src, dst);
-    Fence();
+    StoreFence();
   };
   std::vector<std::thread> pool;
   for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
