@@ -152,6 +152,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   // Host slots: pinned where a GPU copies into them; otherwise the transport's own memory, which
   // a peer daemon on this host maps and copies with memcpy (UCX shared memory).
   if (cuda::DeviceCount() == 0) {
+    // The store outlives the data plane (Impl's member order), but nothing allocates a slot
+    // once the data plane is gone: the servers are stopped and the peer loops, which pull into
+    // staging slots, go before it.
     peer::DataPlane* data_plane = impl->data_plane.get();
     store_options.host_slot_allocator = [data_plane](uint64_t size) {
       return data_plane->AllocateSlot(size);

@@ -16,10 +16,8 @@ namespace refit {
 inline constexpr uint64_t kChecksumChunkBytes = 4ull << 20;
 
 // Copies `size` bytes (host memory, non-overlapping) and returns the XXH3-64 of each chunk of
-// `chunk_bytes`, in order. Each block is hashed as it is read from `src` and then streamed to
-// `dst`, so the sums are of what was read: if `src` changes during the call (a client writing
-// its buffer during Publish), the copy may not match its sums, and readers that verify refuse
-// it instead of taking torn bytes.
+// `chunk_bytes` of the copy, in order (each block is read from `src` once, so the sums match the
+// copy even if `src` changes during the call).
 std::vector<uint64_t> CopyAndHash(uint8_t* dst, const uint8_t* src, uint64_t size,
                                   uint64_t chunk_bytes = kChecksumChunkBytes);
 

@@ -1,6 +1,7 @@
 #include "daemon/peer/data_plane.h"
 
 #include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -101,6 +102,10 @@ void DataPlane::Run() {
     }
     bool busy = !work.empty();
     for (auto& w : work) w();
+    // Unmap peers' slots nobody pulled for a while even when no pull comes to do it.
+    if (const auto now = std::chrono::steady_clock::now(); now - last_eviction_ > kRemoteIdle / 8) {
+      EvictImports(now);
+    }
     if (transport_) {
       completions.clear();
       transport_->Poll(&completions);
@@ -114,7 +119,7 @@ void DataPlane::Run() {
         if (it == by_cookie_.end()) continue;
         InFlight done = std::move(it->second);
         by_cookie_.erase(it);
-        done.transfer->inflight--;
+        done.transfer->inflight -= done.reads;
         done.transfer->bytes_inflight -= done.length;
         if (c.status.ok()) {
           metrics_->Add(kDataBytesReceived, static_cast<double>(done.length));
@@ -166,11 +171,17 @@ absl::StatusOr<std::unique_ptr<Region>> DataPlane::AllocateSlot(uint64_t size) {
   const auto page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t populate = (size + page - 1) / page * page;
   if (madvise(memory->address(), populate, kPopulateWrite) != 0) {
-    if (errno != EINVAL) {  // EINVAL: an older kernel; touch the pages instead
+    const int error = errno;
+    // EINVAL: a kernel before 5.14. Touch the pages instead, if /dev/shm has room for them
+    // (where UCX puts POSIX shared memory; touching past its limit would be a SIGBUS).
+    struct statvfs shm;
+    const bool room = error == EINVAL && statvfs("/dev/shm", &shm) == 0 &&
+                      static_cast<uint64_t>(shm.f_bavail) * shm.f_frsize >= populate;
+    if (!room) {
       Logger("transport")->warn(
           "cannot fault in {} B of transport memory ({}); this slot uses ordinary memory, "
           "which peers on this host read through UCX (check the size of /dev/shm)",
-          size, std::strerror(errno));
+          size, std::strerror(error));
       memory.reset();
       return AllocateHost(size);
     }
@@ -265,7 +276,11 @@ void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
     size_t n = 1;
     uint64_t bytes = op.length;
     if (get_spans_ && op.length < kShortRead) {
-      while (t.next + n < t.ops.size() && n < kSpansPerBatch) {
+      // A batch from a mapped slot is one copy job; otherwise each span is a transport read
+      // and counts against kMaxReadsInFlight.
+      const bool one_job = t.remote[op.fetch]->mapped();
+      while (t.next + n < t.ops.size() && n < kSpansPerBatch &&
+             (one_job || t.inflight + static_cast<int>(n) < kMaxReadsInFlight)) {
         const Transfer::Op& more = t.ops[t.next + n];
         if (more.fetch != op.fetch || more.length >= kShortRead ||
             t.bytes_inflight + bytes + more.length > budget) {
@@ -292,11 +307,12 @@ void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
       Fail(t, posted);
       break;
     }
+    const int reads = t.remote[op.fetch]->mapped() ? 1 : static_cast<int>(n);
     t.next += n;
-    t.inflight++;
+    t.inflight += reads;
     t.bytes_inflight += bytes;
     // A batch's reads aren't hashed one by one (no single digest); Verify hashes them.
-    by_cookie_[cookie] = InFlight{transfer, op.fetch, op.offset, bytes, /*batch=*/n > 1};
+    by_cookie_[cookie] = InFlight{transfer, op.fetch, op.offset, bytes, /*batch=*/n > 1, reads};
   }
   if (t.inflight == 0 && (t.next >= t.ops.size() || !t.status.ok())) {
     t.finished = true;
@@ -328,16 +344,22 @@ absl::Status DataPlane::Prepare(Transfer& t, const PullJob::Fetch& fetch,
   return absl::OkStatus();
 }
 
+void DataPlane::EvictImports(std::chrono::steady_clock::time_point now) {
+  for (auto& [name, by_descriptor] : imported_) {
+    for (auto it = by_descriptor.begin(); it != by_descriptor.end();) {
+      // Still used by a transfer in flight: the transfer holds it; only the cache lets go.
+      it = now - it->second.used > kRemoteIdle ? by_descriptor.erase(it) : std::next(it);
+    }
+  }
+  last_eviction_ = now;
+}
+
 std::shared_ptr<transport::RemoteMemory> DataPlane::Import(transport::Endpoint& endpoint,
                                                           const std::string& node,
                                                           const std::string& descriptor,
                                                           absl::Status* status) {
   const auto now = std::chrono::steady_clock::now();
-  for (auto& [name, by_descriptor] : imported_) {
-    for (auto it = by_descriptor.begin(); it != by_descriptor.end();) {
-      it = now - it->second.used > kRemoteIdle ? by_descriptor.erase(it) : std::next(it);
-    }
-  }
+  EvictImports(now);
   Imported& entry = imported_[node][descriptor];
   if (!entry.memory) {
     auto remote = endpoint.ImportRemote(descriptor);

@@ -119,6 +119,8 @@ class DataPlane {
     std::chrono::steady_clock::time_point used;
   };
   std::map<std::string, std::map<std::string, Imported>> imported_;
+  void EvictImports(std::chrono::steady_clock::time_point now);
+  std::chrono::steady_clock::time_point last_eviction_{};
   std::shared_ptr<transport::RemoteMemory> Import(transport::Endpoint& endpoint,
                                                   const std::string& node,
                                                   const std::string& descriptor,
@@ -129,6 +131,7 @@ class DataPlane {
     uint64_t offset = 0;
     uint64_t length = 0;
     bool batch = false;  // a PostGetSpans of several reads from `offset` on
+    int reads = 1;       // what it counts against kMaxReadsInFlight
   };
   std::unordered_map<uint64_t, InFlight> by_cookie_;
   uint64_t next_cookie_ = 1;

@@ -1,5 +1,6 @@
 #include "daemon/peer/peer_service.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
@@ -102,9 +103,17 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
                                     grpc::ServerWriter<v1::PeerEvent>* writer) {
   Logger("peer")->info("peer={} subscribed from {}", request->node(), context->peer());
   std::map<std::string, std::string> sent;  // model -> what was last sent (serialized)
-  // model -> identity of the layouts last sent: buffer ids, sizes and the slice vectors, which
-  // the store keeps (immutable) while a buffer stays registered.
-  std::map<std::string, std::string> sent_layouts;
+  // model -> the layouts last sent. The store keeps a buffer's slice vector (immutable) while
+  // it stays registered; holding them here keeps their addresses from being reused, so equal
+  // ids, sizes and vectors mean the same layout.
+  std::map<std::string, std::vector<SourceLayout>> sent_layouts;
+  auto same = [](const std::vector<SourceLayout>& a, const std::vector<SourceLayout>& b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                      [](const SourceLayout& x, const SourceLayout& y) {
+                        return x.buffer_id == y.buffer_id && x.bytes == y.bytes &&
+                               x.slices == y.slices;
+                      });
+  };
   uint64_t seen = UINT64_MAX;
   while (true) {
     {
@@ -126,21 +135,16 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
       if (!layouts.count(model)) layouts[model] = {};  // all its sources went away
     }
     for (const auto& [model, model_layouts] : layouts) {
-      std::string identity;
-      for (const SourceLayout& l : model_layouts) {
-        absl::StrAppend(&identity, l.buffer_id, ":", l.bytes, ":",
-                        reinterpret_cast<uintptr_t>(l.slices.get()), ";");
-      }
       auto layouts_sent = sent_layouts.find(model);
-      const bool with_sources = layouts_sent == sent_layouts.end() ||
-                                layouts_sent->second != identity;
+      const bool with_sources =
+          layouts_sent == sent_layouts.end() || !same(layouts_sent->second, model_layouts);
       v1::PeerEvent event;
       BuildEvent(model, model_layouts, with_sources, &event);
       // Remote keys are stable per slot, so equal text means nothing new.
       std::string text = event.SerializeAsString();
       if (sent[model] == text) continue;
       if (!writer->Write(event)) return grpc::Status::OK;
-      sent_layouts[model] = std::move(identity);
+      sent_layouts[model] = model_layouts;
       sent[model] = std::move(text);
       Logger("peer")->debug("peer={} told model={} sources={} version={}", request->node(), model,
                             event.sources_size(), event.version());

@@ -682,7 +682,11 @@ void UcxTransport::DrainCopier() {
   for (const CopyEngine::Finished& finished : copied_) {
     auto* op = static_cast<Op*>(finished.tag);
     --in_copier_;
-    done_.push_back({std::move(op->ep), op->cookie, op->epoch, UCS_OK, finished.hashed,
+    // The copy itself can't fail, but once the peer is known dead its ops report UNAVAILABLE,
+    // as every outstanding op of a failed endpoint must (transport.h).
+    const bool failed = !op->ep->failure.ok();
+    done_.push_back({std::move(op->ep), op->cookie, op->epoch,
+                     failed ? UCS_ERR_CONNECTION_RESET : UCS_OK, finished.hashed && !failed,
                      finished.xxh3});
     delete op;
   }
