@@ -5,6 +5,7 @@
 
 #define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
 #include "daemon/common/xxh3.h"
+#include "daemon/memory/stream_copy.h"
 
 namespace refit::transport {
 namespace {
@@ -103,9 +104,11 @@ void CopyEngine::Run() {
       Finished f{job.tag, false, 0};
       if (job.abandon == nullptr || !job.abandon->load(std::memory_order_acquire)) {
         if (job.spans) {
+          // Streaming stores: the destination (a staging slot) isn't read again soon.
           for (const Span& s : *job.spans) {
-            std::memcpy(job.dst + s.local_offset, job.src + s.remote_offset, s.length);
+            StreamCopy(job.dst + s.local_offset, job.src + s.remote_offset, s.length);
           }
+          StoreFence();
         } else if (job.hash) {
           f.hashed = true;
           f.xxh3 = CopyAndHashBlocks(job.dst, job.src, job.length);
