@@ -57,29 +57,44 @@ void WaitConnected(client::Client& client, int peers) {
   FAIL("peers did not connect");
 }
 
+// A trainer's node and an engine's node (--peers = the trainer's), connected, with a client
+// to each.
+struct TwoNodes {
+  TwoNodes() {
+    auto t = DaemonProcess::Start({"--node=trainer-node"});
+    REQUIRE(t.ok());
+    trainer_node = std::move(t).value();
+    auto e = DaemonProcess::Start(
+        {"--node=engine-node", "--peers=127.0.0.1:" + std::to_string(ListenPort(*trainer_node))});
+    REQUIRE(e.ok());
+    engine_node = std::move(e).value();
+    auto tc = trainer_node->Connect();
+    auto ec = engine_node->Connect();
+    REQUIRE(tc.ok());
+    REQUIRE(ec.ok());
+    trainer = std::move(tc).value();
+    engine = std::move(ec).value();
+    WaitConnected(*engine, 1);
+  }
+  std::unique_ptr<DaemonProcess> trainer_node, engine_node;
+  std::unique_ptr<client::Client> trainer, engine;
+};
+
 TEST_CASE("a version moves between two daemons bit-exact, resharded", "[integration][two]") {
-  auto trainer_node = DaemonProcess::Start({"--node=trainer-node"});
-  REQUIRE(trainer_node.ok());
-  const int trainer_port = ListenPort(**trainer_node);
-  auto engine_node = DaemonProcess::Start(
-      {"--node=engine-node", "--peers=127.0.0.1:" + std::to_string(trainer_port)});
-  REQUIRE(engine_node.ok());
-  auto trainer = (*trainer_node)->Connect();
-  auto engine = (*engine_node)->Connect();
-  REQUIRE(trainer.ok());
-  REQUIRE(engine.ok());
-  WaitConnected(**engine, 1);
+  TwoNodes nodes;
+  auto& trainer = nodes.trainer;
+  auto& engine = nodes.engine;
 
   // Trainer: two tensors, bf16 [1024, 512] and fp32 [3000] (1 MiB + 12 KB).
   const uint64_t a_bytes = 1024 * 512 * 2, b_bytes = 3000 * 4;
   SharedMemory src = MakeShm(a_bytes + b_bytes);
-  auto s = (*trainer)->RegisterBuffer(
+  auto s = trainer->RegisterBuffer(
       "m", v1::SOURCE, src.name(),
       {Slice("a", v1::BF16, {1024, 512}, 0), Slice("b", v1::FP32, {3000}, a_bytes)}, "trainer");
   REQUIRE(s.ok());
   // Engine: the second half of a's rows, and all of b.
   SharedMemory dst = MakeShm(512 * 512 * 2 + b_bytes);
-  auto d = (*engine)->RegisterBuffer(
+  auto d = engine->RegisterBuffer(
       "m", v1::DESTINATION, dst.name(),
       {Slice("a", v1::BF16, {1024, 512}, 0, {512, 0}, {512, 512}),
        Slice("b", v1::FP32, {3000}, 512 * 512 * 2)},
@@ -88,21 +103,21 @@ TEST_CASE("a version moves between two daemons bit-exact, resharded", "[integrat
 
   for (uint64_t v = 1; v <= 3; ++v) {
     Fill(src, static_cast<uint32_t>(v));
-    REQUIRE((*trainer)->Publish("m", v, {*s}).ok());
-    auto got = (*engine)->WaitForVersion("m", v, milliseconds(20000));
+    REQUIRE(trainer->Publish("m", v, {*s}).ok());
+    auto got = engine->WaitForVersion("m", v, milliseconds(20000));
     REQUIRE(got.ok());
     CHECK(*got == v);
-    auto applied = (*engine)->Apply("m", v, {*d});
+    auto applied = engine->Apply("m", v, {*d});
     REQUIRE(applied.ok());
     CHECK(std::memcmp(dst.data(), src.data() + 512 * 512 * 2, 512 * 512 * 2) == 0);
     CHECK(std::memcmp(dst.data() + 512 * 512 * 2, src.data() + a_bytes, b_bytes) == 0);
   }
   // Only the bytes the engine needs crossed: half of a, all of b, per version.
-  auto status = (*engine)->Status();
+  auto status = engine->Status();
   REQUIRE(status.ok());
   CHECK(status->metrics().at("refit_data_bytes_received_total") ==
         3.0 * (512 * 512 * 2 + b_bytes));
-  auto sent = (*trainer)->Status();
+  auto sent = trainer->Status();
   REQUIRE(sent.ok());
   CHECK(sent->metrics().at("refit_data_bytes_sent_total") == 3.0 * (512 * 512 * 2 + b_bytes));
 }
@@ -138,6 +153,49 @@ Registered RegisterWhole(DaemonProcess& daemon, v1::Role role, const SharedMemor
   auto id = (*c)->RegisterBuffer("big", role, shm.name(), {Slice("w", v1::UINT8, {elements})});
   REQUIRE(id.ok());
   return {std::move(c).value(), *id};
+}
+
+TEST_CASE("a source that registers again with another layout: the engine follows it",
+          "[integration][two]") {
+  // Layouts go to peers only when they change; this is the change.
+  TwoNodes nodes;
+  auto& trainer = nodes.trainer;
+  auto& engine = nodes.engine;
+
+  constexpr uint64_t kBytes = 256 * 256 * 2, kHalf = kBytes / 2;
+  SharedMemory dst = MakeShm(kBytes);
+  auto d = engine->RegisterBuffer("m", v1::DESTINATION, dst.name(),
+                                     {Slice("a", v1::BF16, {256, 256})}, "engine");
+  REQUIRE(d.ok());
+
+  // Version 1: the whole tensor, in order.
+  SharedMemory first = MakeShm(kBytes);
+  auto s1 = trainer->RegisterBuffer("m", v1::SOURCE, first.name(),
+                                       {Slice("a", v1::BF16, {256, 256})}, "t1");
+  REQUIRE(s1.ok());
+  Fill(first, 1);
+  REQUIRE(trainer->Publish("m", 1, {*s1}).ok());
+  REQUIRE(engine->WaitForVersion("m", 1, milliseconds(20000)).ok());
+  REQUIRE(engine->Apply("m", 1, {*d}).ok());
+  CHECK(std::memcmp(dst.data(), first.data(), kBytes) == 0);
+
+  // Version 2: another buffer, same size, the two halves of the rows swapped in memory.
+  REQUIRE(trainer->ReleaseBuffer(*s1).ok());
+  SharedMemory second = MakeShm(kBytes);
+  auto s2 = trainer->RegisterBuffer(
+      "m", v1::SOURCE, second.name(),
+      {Slice("a", v1::BF16, {256, 256}, 0, {128, 0}, {128, 256}),
+       Slice("a", v1::BF16, {256, 256}, kHalf, {0, 0}, {128, 256})},
+      "t2");
+  REQUIRE(s2.ok());
+  Fill(second, 2);
+  REQUIRE(trainer->Publish("m", 2, {*s2}).ok());
+  auto got = engine->WaitForVersion("m", 2, milliseconds(20000));
+  INFO(got.status().ToString());
+  REQUIRE(got.ok());
+  REQUIRE(engine->Apply("m", 2, {*d}).ok());
+  CHECK(std::memcmp(dst.data(), second.data() + kHalf, kHalf) == 0);
+  CHECK(std::memcmp(dst.data() + kHalf, second.data(), kHalf) == 0);
 }
 
 TEST_CASE("a source killed mid-transfer leaves the engine on the previous version; it recovers",
