@@ -21,8 +21,8 @@ namespace {
 constexpr int kMaxReadsInFlight = 1024;
 // madvise(MADV_POPULATE_WRITE), Linux 5.14; glibc 2.36's headers may lack the name.
 constexpr int kPopulateWrite = 23;
-// Reads shorter than this go out in batches of up to kSpansPerBatch (Endpoint::PostGetSpans)
-// where the transport can: a column-split tensor gives one short range per row.
+// Reads shorter than this go out in batches of up to kSpansPerBatch (Endpoint::PostGetSpans):
+// a column-split tensor gives one short range per row.
 constexpr uint64_t kShortRead = 64ull << 10;
 constexpr size_t kSpansPerBatch = 256;
 // A peer's slot not used by any pull for this long is no longer imported (unmapped).
@@ -53,7 +53,6 @@ struct DataPlane::Transfer {
 DataPlane::DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneOptions options,
                      Metrics* metrics)
     : transport_(std::move(transport)),
-      get_spans_(transport_ && transport_->capabilities().get_spans),
       options_(options),
       metrics_(metrics) {
   thread_ = std::thread([this] { Run(); });
@@ -275,7 +274,7 @@ void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
     // so each span's local and remote offsets are equal).
     size_t n = 1;
     uint64_t bytes = op.length;
-    if (get_spans_ && op.length < kShortRead) {
+    if (op.length < kShortRead) {
       // A batch from a mapped slot is one copy job; otherwise each span is a transport read
       // and counts against kMaxReadsInFlight.
       const bool one_job = t.remote[op.fetch]->mapped();

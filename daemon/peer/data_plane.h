@@ -94,7 +94,6 @@ class DataPlane {
   // AllocateSlot holds while it uses the transport from another thread).
   std::unique_ptr<transport::Transport> transport_;
   std::mutex alloc_mu_;
-  const bool get_spans_;  // the transport can batch short reads
   const DataPlaneOptions options_;
   Metrics* const metrics_;
 

@@ -93,6 +93,44 @@ absl::Status Transfer(bool get, Transport& self, const std::vector<Transport*>& 
   return first_error;
 }
 
+void CheckColumnSpans(Transport& self, const std::vector<Transport*>& others, Endpoint& endpoint,
+                      const LocalMemory& local, Buffer& buffer, const RemoteMemory& remote,
+                      uint64_t seed) {
+  constexpr uint64_t kRow = 4096, kHalf = kRow / 2;
+  const uint64_t rows = std::min(buffer.size, remote.length()) / kRow;
+  std::memset(buffer.data(), 0, buffer.size);
+  std::vector<std::vector<Span>> batches(1);
+  for (uint64_t row = 0; row < rows; ++row) {
+    if (batches.back().size() == 256) batches.emplace_back();
+    batches.back().push_back({row * kRow + kHalf, row * kRow + kHalf, kHalf});
+  }
+  Results posted;
+  for (auto& spans : batches) {
+    const uint64_t cookie = NextCookie();
+    REQUIRE(endpoint.PostGetSpans(local, remote, spans, cookie).ok());
+    posted[cookie];
+  }
+  Results done;
+  PollUntil(self, others, &done, posted.size());
+  REQUIRE(done.size() == batches.size());  // one completion per batch
+  for (const auto& [cookie, status] : done) {
+    CHECK(posted.count(cookie) == 1);
+    CHECK(status.ok());
+  }
+  for (uint64_t row = 0; row < rows; ++row) {
+    CHECK(FindPatternMismatch(buffer.data() + row * kRow + kHalf, kHalf, seed,
+                              row * kRow + kHalf) == -1);
+    CHECK(std::all_of(buffer.data() + row * kRow, buffer.data() + row * kRow + kHalf,
+                      [](uint8_t b) { return b == 0; }));
+  }
+  const uint64_t end = remote.length();
+  CHECK(endpoint.PostGetSpans(local, remote, {{0, 0, 16}, {end - 8, end - 8, 16}}, NextCookie())
+            .code() == absl::StatusCode::kInvalidArgument);
+  CHECK(endpoint.PostGetSpans(local, remote, {}, NextCookie()).code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(endpoint.outstanding() == 0);
+}
+
 void WireUp(Transport& self, Transport& peer, Endpoint& endpoint, const LocalMemory& local,
             const RemoteMemory& remote) {
   absl::Status s = Transfer(true, self, {&peer}, endpoint, local, 0, remote, 0, 1, 1, 1);

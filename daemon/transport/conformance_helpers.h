@@ -57,6 +57,14 @@ absl::Status Transfer(bool get, Transport& self, const std::vector<Transport*>& 
 // setup is over before the test goes on: UCX 1.13 aborts when a worker is destroyed with a
 // connection reply still queued (openucx/ucx#8175), which a test that tears down both ends at
 // once would otherwise hit at random.
+// Reads the column halves of a [rows x 4096 B] matrix from `remote` (the pattern of `seed`;
+// rows = its length / 4096) with PostGetSpans, 256 spans to a batch, and checks: one completion
+// per batch, every span bit-exact, the other halves untouched (zero), and that a batch with one
+// bad span, or none, is refused whole (INVALID_ARGUMENT, no completion).
+void CheckColumnSpans(Transport& self, const std::vector<Transport*>& others, Endpoint& endpoint,
+                      const LocalMemory& local, Buffer& buffer, const RemoteMemory& remote,
+                      uint64_t seed);
+
 void WireUp(Transport& self, Transport& peer, Endpoint& endpoint, const LocalMemory& local,
             const RemoteMemory& remote);
 

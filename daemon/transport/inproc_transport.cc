@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/transport/wire.h"
 
 namespace refit::transport {
@@ -142,6 +143,10 @@ class InprocTransport::InprocEndpoint final : public Endpoint {
                        uint64_t remote_offset, uint64_t length, uint64_t cookie) override {
     return owner_->Post(false, state_, local, local_offset, remote, remote_offset, length, cookie);
   }
+  absl::Status PostGetSpans(const LocalMemory& local, const RemoteMemory& remote,
+                            std::vector<Span> spans, uint64_t cookie) override {
+    return owner_->PostSpans(state_, local, remote, std::move(spans), cookie);
+  }
 
   void Cancel() override { ++state_->epoch; }
   absl::Status status() const override { return state_->failure; }
@@ -248,10 +253,9 @@ absl::StatusOr<std::unique_ptr<Endpoint>> InprocTransport::Connect(std::string_v
   return std::unique_ptr<Endpoint>(new InprocEndpoint(this, std::move(state)));
 }
 
-absl::Status InprocTransport::Post(bool get, const std::shared_ptr<EpState>& state,
-                                   const LocalMemory& local, uint64_t local_offset,
-                                   const RemoteMemory& remote, uint64_t remote_offset,
-                                   uint64_t length, uint64_t cookie) {
+absl::Status InprocTransport::CheckHandles(const std::shared_ptr<EpState>& state,
+                                           const LocalMemory& local,
+                                           const RemoteMemory& remote) const {
   auto* local_memory = dynamic_cast<const InprocLocalMemory*>(&local);
   if (local_memory == nullptr || local_memory->owner() != this) {
     return absl::InvalidArgumentError("local memory was registered with another transport");
@@ -260,6 +264,37 @@ absl::Status InprocTransport::Post(bool get, const std::shared_ptr<EpState>& sta
   if (remote_memory == nullptr || remote_memory->ep() != state.get()) {
     return absl::InvalidArgumentError("remote memory was imported on another endpoint");
   }
+  return absl::OkStatus();
+}
+
+absl::Status InprocTransport::PostSpans(const std::shared_ptr<EpState>& state,
+                                        const LocalMemory& local, const RemoteMemory& remote,
+                                        std::vector<Span> spans, uint64_t cookie) {
+  RETURN_IF_ERROR(CheckHandles(state, local, remote));
+  ASSIGN_OR_RETURN(const uint64_t total, CheckSpans(spans, local.length(), remote.length()));
+  if (!state->failure.ok()) return state->failure;
+  const auto& remote_memory = static_cast<const InprocRemoteMemory&>(remote);
+  Op op{state,
+        /*get=*/true,
+        static_cast<uint8_t*>(local.address()),
+        remote_memory.region_id(),
+        remote.remote_address(),
+        /*remote_offset=*/0,
+        total,
+        cookie,
+        state->epoch,
+        std::make_shared<const std::vector<Span>>(std::move(spans))};
+  ++state->outstanding;
+  queue_.push_back(std::move(op));
+  return absl::OkStatus();
+}
+
+absl::Status InprocTransport::Post(bool get, const std::shared_ptr<EpState>& state,
+                                   const LocalMemory& local, uint64_t local_offset,
+                                   const RemoteMemory& remote, uint64_t remote_offset,
+                                   uint64_t length, uint64_t cookie) {
+  RETURN_IF_ERROR(CheckHandles(state, local, remote));
+  const auto* remote_memory = static_cast<const InprocRemoteMemory*>(&remote);
   absl::Status range =
       CheckRanges(local_offset, local.length(), remote_offset, remote.length(), length);
   if (!range.ok()) return range;
@@ -273,7 +308,8 @@ absl::Status InprocTransport::Post(bool get, const std::shared_ptr<EpState>& sta
         remote_offset,
         length,
         cookie,
-        state->epoch};
+        state->epoch,
+        nullptr};
   ++state->outstanding;
   queue_.push_back(std::move(op));
   return absl::OkStatus();
@@ -311,7 +347,11 @@ absl::Status InprocTransport::Execute(const Op& op) {
     return absl::FailedPreconditionError("inproc: remote memory was deregistered");
   }
   uint8_t* remote = it->second.address + op.remote_offset;
-  if (op.length != 0) {
+  if (op.spans) {
+    for (const Span& s : *op.spans) {
+      std::memcpy(op.local + s.local_offset, remote + s.remote_offset, s.length);
+    }
+  } else if (op.length != 0) {
     if (op.get) {
       std::memcpy(op.local, remote, op.length);
     } else {

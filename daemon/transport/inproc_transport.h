@@ -71,6 +71,8 @@ class InprocTransport final : public Transport {
     uint64_t length;
     uint64_t cookie;
     uint64_t epoch;
+    // A PostGetSpans: `local` and the remote region are bases; each span is copied.
+    std::shared_ptr<const std::vector<Span>> spans;
   };
 
  private:
@@ -82,6 +84,11 @@ class InprocTransport final : public Transport {
   absl::Status Post(bool get, const std::shared_ptr<EpState>& state, const LocalMemory& local,
                     uint64_t local_offset, const RemoteMemory& remote, uint64_t remote_offset,
                     uint64_t length, uint64_t cookie);
+  absl::Status PostSpans(const std::shared_ptr<EpState>& state, const LocalMemory& local,
+                         const RemoteMemory& remote, std::vector<Span> spans, uint64_t cookie);
+  // INVALID_ARGUMENT unless `local` is this transport's and `remote` was imported on `state`.
+  absl::Status CheckHandles(const std::shared_ptr<EpState>& state, const LocalMemory& local,
+                            const RemoteMemory& remote) const;
   void Fail(const std::shared_ptr<EpState>& state, absl::Status status);
   absl::Status Execute(const Op& op);
   std::unique_ptr<LocalMemory> Register(void* address, uint64_t length, MemoryKind kind,

@@ -72,7 +72,6 @@ struct Capabilities {
   bool rma_get = false;      // PostGet works
   bool rma_put = false;      // PostPut works
   bool cuda_memory = false;  // RegisterMemory accepts MemoryKind::kCuda (else stage via host)
-  bool get_spans = false;    // PostGetSpans works
   std::string detail;        // backend specifics for logs, e.g. the UCX version and memory types
 };
 
@@ -170,13 +169,10 @@ class Endpoint {
   // per row, and per-op costs would dominate. Backends that can move the spans as one operation
   // do (UCX from mapped peer memory: one copy job); others post each span and count. Every span
   // is checked before anything is posted (INVALID_ARGUMENT, no completion, as for PostGet; also
-  // for no spans). Never blocks. UNIMPLEMENTED unless capabilities().get_spans. No digest.
+  // for no spans). Never blocks. No digest.
   [[nodiscard]] virtual absl::Status PostGetSpans(const LocalMemory& local,
                                                   const RemoteMemory& remote,
-                                                  std::vector<Span> spans, uint64_t cookie) {
-    (void)local, (void)remote, (void)spans, (void)cookie;
-    return absl::UnimplementedError("this transport has no PostGetSpans");
-  }
+                                                  std::vector<Span> spans, uint64_t cookie) = 0;
   // Copies local[local_offset, +length) into remote[remote_offset, +length). Never blocks. The
   // completion means the bytes have been delivered to the remote buffer.
   [[nodiscard]] virtual absl::Status PostPut(const LocalMemory& local, uint64_t local_offset,

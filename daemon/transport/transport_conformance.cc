@@ -123,6 +123,11 @@ TEST_CASE("get copies remote bytes exactly, many ops in flight", "[transport][co
   CHECK(p.endpoint->status().ok());
 }
 
+TEST_CASE("PostGetSpans moves many short ranges as one op", "[transport][conformance]") {
+  Pair p(4 * kMiB, 11);
+  CheckColumnSpans(*p.a, {p.b.get()}, *p.endpoint, *p.a_memory, p.a_buffer, *p.remote, 11);
+}
+
 TEST_CASE("get into a different local offset", "[transport][conformance]") {
   Pair p(kMiB);
   absl::Status s = Transfer(true, *p.a, {p.b.get()}, *p.endpoint, *p.a_memory, 0, *p.remote, 4096,

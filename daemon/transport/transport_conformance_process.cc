@@ -98,52 +98,11 @@ TEST_CASE("two processes: PostGetSpans moves many short ranges as one op",
   std::unique_ptr<PeerProcess> peers[] = {StartPeer(size, 41, false), StartPeer(size, 41, true)};
   for (auto& peer : peers) {
     auto t = MakeTransport();
-    if (!t->capabilities().get_spans) {
-      Buffer b(4096);
-      auto m = Register(*t, b);
-      auto e = ConnectTo(*t, peer->address());
-      auto r = Import(*e, peer->descriptor());
-      CHECK(e->PostGetSpans(*m, *r, {{0, 0, 16}}, NextCookie()).code() ==
-            absl::StatusCode::kUnimplemented);
-      continue;
-    }
     Buffer buffer(size);
     auto memory = Register(*t, buffer);
     auto endpoint = ConnectTo(*t, peer->address());
     auto remote = Import(*endpoint, peer->descriptor());
-    // Column halves of a 2048 x 4096-byte matrix, as a resharded pull reads them, in batches
-    // of 256; the other halves must stay untouched (zero).
-    std::vector<std::vector<Span>> batches(1);
-    for (uint64_t row = 0; row < 2048; ++row) {
-      if (batches.back().size() == 256) batches.emplace_back();
-      batches.back().push_back({row * 4096 + 2048, row * 4096 + 2048, 2048});
-    }
-    Results results;
-    for (auto& spans : batches) {
-      const uint64_t cookie = NextCookie();
-      REQUIRE(endpoint->PostGetSpans(*memory, *remote, spans, cookie).ok());
-      results[cookie];  // expected
-    }
-    Results done;
-    PollUntil(*t, {}, &done, results.size());
-    REQUIRE(done.size() == batches.size());  // one completion per batch
-    for (const auto& [cookie, status] : done) {
-      CHECK(results.count(cookie) == 1);
-      CHECK(status.ok());
-    }
-    for (uint64_t row = 0; row < 2048; ++row) {
-      CHECK(FindPatternMismatch(buffer.data() + row * 4096 + 2048, 2048, 41, row * 4096 + 2048) ==
-            -1);
-      CHECK(std::all_of(buffer.data() + row * 4096, buffer.data() + row * 4096 + 2048,
-                        [](uint8_t b) { return b == 0; }));
-    }
-    // One bad span refuses the whole batch, with no completion and nothing posted.
-    const uint64_t bad = NextCookie();
-    CHECK(endpoint->PostGetSpans(*memory, *remote, {{0, 0, 16}, {size - 8, size - 8, 16}}, bad)
-              .code() == absl::StatusCode::kInvalidArgument);
-    CHECK(endpoint->PostGetSpans(*memory, *remote, {}, bad).code() ==
-          absl::StatusCode::kInvalidArgument);
-    CHECK(endpoint->outstanding() == 0);
+    CheckColumnSpans(*t, {}, *endpoint, *memory, buffer, *remote, 41);
     remote.reset();
     endpoint.reset();
     memory.reset();

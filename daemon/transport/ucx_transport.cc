@@ -283,7 +283,6 @@ absl::Status UcxTransport::Init(const Options& options) {
   capabilities_.name = "ucx";
   capabilities_.rma_get = true;
   capabilities_.rma_put = true;
-  capabilities_.get_spans = true;
   capabilities_.cuda_memory = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
   capabilities_.detail = absl::StrCat("UCX ", major, ".", minor, ".", release,
                                       ", memory types: ", MemoryTypesString(attr.memory_types));
@@ -589,13 +588,7 @@ absl::Status UcxTransport::PostSpans(UcxEndpoint* endpoint, const LocalMemory& l
   const UcxRemoteMemory* remote_memory = nullptr;
   RETURN_IF_ERROR(CheckHandles(*endpoint, local, remote, &local_memory, &remote_memory));
   const std::shared_ptr<EpState>& ep = endpoint->state();
-  if (spans.empty()) return absl::InvalidArgumentError("PostGetSpans needs at least one span");
-  uint64_t total = 0;
-  for (const Span& s : spans) {
-    RETURN_IF_ERROR(CheckRanges(s.local_offset, local.length(), s.remote_offset,
-                                remote.length(), s.length));
-    total += s.length;
-  }
+  ASSIGN_OR_RETURN(const uint64_t total, CheckSpans(spans, local.length(), remote.length()));
   if (!ep->failure.ok()) return ep->failure;
 
   auto* base = static_cast<uint8_t*>(local.address());

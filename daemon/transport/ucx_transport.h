@@ -40,6 +40,8 @@
 //                  mapped and the local memory is host memory, a memcpy on the CopyEngine's
 //                  threads instead: UCX 1.13 moves such gets at ~5 GB/s on one core, a memcpy on
 //                  two cores at ~19 GB/s (measured on the 2-core dev machine).
+//   PostGetSpans   from a mapped slot: one CopyEngine job copying every span; otherwise one
+//                  ucp_get_nbx per span, counted by a Group that reports once when all are done.
 //   PostPut        ucp_put_nbx + ucp_ep_flush_nbx; the flush's callback means the bytes are in
 //                  the remote buffer (a put's own callback only frees the local buffer).
 //   Poll           ucp_worker_progress until idle (bounded), then hands out completions; an op

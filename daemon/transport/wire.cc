@@ -175,4 +175,17 @@ absl::Status CheckRanges(uint64_t local_offset, uint64_t local_length, uint64_t 
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint64_t> CheckSpans(const std::vector<Span>& spans, uint64_t local_length,
+                                    uint64_t remote_length) {
+  if (spans.empty()) return absl::InvalidArgumentError("PostGetSpans needs at least one span");
+  uint64_t total = 0;
+  for (const Span& s : spans) {
+    absl::Status fits =
+        CheckRanges(s.local_offset, local_length, s.remote_offset, remote_length, s.length);
+    if (!fits.ok()) return fits;
+    total += s.length;
+  }
+  return total;
+}
+
 }  // namespace refit::transport

@@ -18,9 +18,11 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/transport/transport.h"
 
 namespace refit::transport {
 
@@ -54,5 +56,10 @@ uint64_t NewTransportIdentity();
 // [remote_offset, +length) fits in remote_length (overflow-safe).
 absl::Status CheckRanges(uint64_t local_offset, uint64_t local_length, uint64_t remote_offset,
                          uint64_t remote_length, uint64_t length);
+
+// CheckRanges for every span of a PostGetSpans (INVALID_ARGUMENT also for none); the total
+// length of the spans.
+absl::StatusOr<uint64_t> CheckSpans(const std::vector<Span>& spans, uint64_t local_length,
+                                    uint64_t remote_length);
 
 }  // namespace refit::transport
