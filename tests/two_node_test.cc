@@ -122,6 +122,50 @@ TEST_CASE("a version moves between two daemons bit-exact, resharded", "[integrat
   CHECK(sent->metrics().at("refit_data_bytes_sent_total") == 3.0 * (512 * 512 * 2 + b_bytes));
 }
 
+TEST_CASE("a column-split pull is verified from sums the source took at Publish",
+          "[integration][two]") {
+  // The engine holds the right half of every row (4 KiB of each 8 KiB row): one short range per
+  // row, off the source's 4 MiB checksum grid. The source hashes those ranges for the first
+  // version a peer asks about, and from then on at Publish, while each block is in cache.
+  TwoNodes nodes;
+  constexpr int64_t kRows = 512, kCols = 4096;  // bf16
+  constexpr uint64_t kRow = kCols * 2, kHalf = kRow / 2;
+  SharedMemory src = MakeShm(kRows * kRow);
+  auto s = nodes.trainer->RegisterBuffer("m", v1::SOURCE, src.name(),
+                                         {Slice("w", v1::BF16, {kRows, kCols})}, "trainer");
+  REQUIRE(s.ok());
+  SharedMemory dst = MakeShm(kRows * kHalf);
+  auto d = nodes.engine->RegisterBuffer(
+      "m", v1::DESTINATION, dst.name(),
+      {Slice("w", v1::BF16, {kRows, kCols}, 0, {0, kCols / 2}, {kRows, kCols / 2})}, "engine");
+  REQUIRE(d.ok());
+
+  auto hashed_on_demand = [&] {
+    auto status = nodes.trainer->Status();
+    REQUIRE(status.ok());
+    auto it = status->metrics().find("refit_checksum_bytes_hashed_total");
+    return it == status->metrics().end() ? 0.0 : it->second;
+  };
+  for (uint64_t v = 1; v <= 4; ++v) {
+    Fill(src, static_cast<uint32_t>(100 + v));  // every byte changes: full pulls, no deltas
+    REQUIRE(nodes.trainer->Publish("m", v, {*s}).ok());
+    auto got = nodes.engine->WaitForVersion("m", v, milliseconds(20000));
+    REQUIRE(got.ok());
+    REQUIRE(*got == v);
+    REQUIRE(nodes.engine->Apply("m", v, {*d}).ok());
+    for (int64_t row = 0; row < kRows; ++row) {
+      INFO("version " << v << " row " << row);
+      REQUIRE(std::memcmp(dst.data() + row * kHalf, src.data() + row * kRow + kHalf, kHalf) ==
+              0);
+    }
+    // Version 1: every range hashed when asked for; later versions: none.
+    CHECK(hashed_on_demand() == static_cast<double>(kRows * kHalf));
+  }
+  auto status = nodes.engine->Status();
+  REQUIRE(status.ok());
+  CHECK(status->metrics().at("refit_data_bytes_received_total") == 4.0 * kRows * kHalf);
+}
+
 }  // namespace
 }  // namespace refit
 

@@ -42,28 +42,72 @@ size_t ChunkCount(uint64_t size, uint64_t chunk_bytes) {
 
 }  // namespace
 
+bool RangeSums::Find(uint64_t b, uint64_t l, uint64_t* out) const {
+  auto it = std::lower_bound(begin.begin(), begin.end(), b);
+  // Equal begins are possible (two receivers asking for different lengths at one offset).
+  for (; it != begin.end() && *it == b; ++it) {
+    const size_t i = static_cast<size_t>(it - begin.begin());
+    if (length[i] == l) {
+      *out = xxh3[i];
+      return true;
+    }
+  }
+  return false;
+}
+
 std::vector<uint64_t> CopyAndHash(uint8_t* dst, const uint8_t* src, uint64_t size,
                                   uint64_t chunk_bytes) {
+  return CopyAndHash(dst, src, size, {}, nullptr, chunk_bytes);
+}
+
+std::vector<uint64_t> CopyAndHash(uint8_t* dst, const uint8_t* src, uint64_t size,
+                                  const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
+                                  RangeSums* range_sums, uint64_t chunk_bytes) {
   std::vector<uint64_t> sums(ChunkCount(size, chunk_bytes));
+  const bool extra = range_sums != nullptr && !ranges.empty();
+  std::vector<uint64_t> extra_sums(extra ? ranges.size() : 0);
+  std::vector<uint8_t> taken(extra_sums.size(), 0);
   ParallelFor(sums.size(), size, [&](size_t i) {
     const uint64_t begin = i * chunk_bytes;
     const uint64_t end = std::min(size, begin + chunk_bytes);
-    // Each block is read from `src` once, into a buffer that stays in L2; the hash and the
-    // streaming store into `dst` both read that buffer, so the sums always describe the copy,
+    // Each block is read from `src` once, into a buffer that stays in L2; the hashes and the
+    // streaming store into `dst` all read that buffer, so the sums always describe the copy,
     // even if `src` changes meanwhile. Streaming stores skip reading `dst` into cache: the
     // whole costs about one memcpy.
     thread_local std::unique_ptr<uint8_t[]> block(new uint8_t[kBlockBytes]);
+    size_t r = 0;  // the first range that starts in this chunk
+    if (extra) {
+      r = static_cast<size_t>(
+          std::lower_bound(ranges.begin(), ranges.end(), std::make_pair(begin, uint64_t{0})) -
+          ranges.begin());
+    }
     XXH3_state_t state;
     XXH3_64bits_reset(&state);
     for (uint64_t off = begin; off < end; off += kBlockBytes) {
       const uint64_t n = std::min(kBlockBytes, end - off);
       std::memcpy(block.get(), src + off, n);
       XXH3_64bits_update(&state, block.get(), n);
+      for (; extra && r < ranges.size() && ranges[r].first < off + n; ++r) {
+        const auto& [b, e] = ranges[r];
+        if (b >= off && e <= off + n && b < e) {
+          extra_sums[r] = XXH3_64bits(block.get() + (b - off), e - b);
+          taken[r] = 1;
+        }
+      }
       StreamCopy(dst + off, block.get(), n);
     }
     sums[i] = XXH3_64bits_digest(&state);
     StoreFence();
   });
+  if (extra) {
+    *range_sums = RangeSums();
+    for (size_t r = 0; r < ranges.size(); ++r) {
+      if (!taken[r]) continue;
+      range_sums->begin.push_back(ranges[r].first);
+      range_sums->length.push_back(ranges[r].second - ranges[r].first);
+      range_sums->xxh3.push_back(extra_sums[r]);
+    }
+  }
   return sums;
 }
 

@@ -5,6 +5,7 @@
 // bytes are still in cache), and the receiver hashes the ranges it pulled (HashRanges). Both run
 // on up to 8 threads when there is enough work (>= 32 MiB), one otherwise.
 
+#include <cstddef>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -15,10 +16,31 @@ namespace refit {
 // the last one shorter.
 inline constexpr uint64_t kChecksumChunkBytes = 4ull << 20;
 
+// XXH3-64 digests of byte ranges off the grid, taken at Publish because receivers asked for
+// those ranges before (a resharded pull reads one short range per row of a tensor).
+struct RangeSums {
+  // Sorted by begin; the digest of [begin[i], begin[i] + length[i]) is xxh3[i].
+  std::vector<uint64_t> begin, length, xxh3;
+
+  // The digest of [begin, begin + length) if it was taken.
+  bool Find(uint64_t begin, uint64_t length, uint64_t* xxh3) const;
+  size_t size() const { return begin.size(); }
+};
+
 // Copies `size` bytes (host memory, non-overlapping) and returns the XXH3-64 of each chunk of
 // `chunk_bytes` of the copy, in order (each block is read from `src` once, so the sums match the
 // copy even if `src` changes during the call).
 std::vector<uint64_t> CopyAndHash(uint8_t* dst, const uint8_t* src, uint64_t size,
+                                  uint64_t chunk_bytes = kChecksumChunkBytes);
+
+// The same, and also the digest of each of `ranges` ([begin, end), sorted by begin, within
+// `size`) that lies inside one of the blocks the copy goes through (256 KiB, aligned to the
+// start), hashed from that block while it is in cache: about 1/30 of the copy's time per byte,
+// where hashing afterwards reads the bytes from memory again. Ranges across a block boundary
+// are left out of *range_sums; a caller hashes those itself if it needs them.
+std::vector<uint64_t> CopyAndHash(uint8_t* dst, const uint8_t* src, uint64_t size,
+                                  const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
+                                  RangeSums* range_sums,
                                   uint64_t chunk_bytes = kChecksumChunkBytes);
 
 // XXH3-64 of each chunk of `chunk_bytes` of [data, data + size).

@@ -141,6 +141,56 @@ TEST_CASE("CopyAndHash copies and hashes each chunk like XXH3 over the copy", "[
   CHECK(small_sums[3] == XXH3_64bits(src.data() + 900, 100));
 }
 
+TEST_CASE("CopyAndHash also hashes the ranges asked for that lie inside one of its blocks",
+          "[memory]") {
+  constexpr uint64_t kBlock = 256 << 10;  // CopyAndHash's block
+  const uint64_t size = (36ull << 20) + 4321;  // threaded, a short last chunk
+  std::vector<uint8_t> src(size);
+  for (uint64_t i = 0; i < size; ++i) src[i] = static_cast<uint8_t>(i * 40503u >> 7);
+  // Column ranges (8 KiB of every 16 KiB), one across a block boundary, one in the short last
+  // chunk, two at one begin, one empty and one past the end.
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (uint64_t b = 8192; b + 8192 <= size; b += 16384) ranges.emplace_back(b, b + 8192);
+  const std::pair<uint64_t, uint64_t> across{5 * kBlock - 100, 5 * kBlock + 100};
+  const std::pair<uint64_t, uint64_t> tail{size - 21, size - 1};
+  const std::pair<uint64_t, uint64_t> shorter{8192, 8192 + 7};
+  ranges.push_back(across);
+  ranges.push_back(tail);
+  ranges.push_back(shorter);
+  ranges.emplace_back(100, 100);
+  ranges.emplace_back(size - 10, size + 10);
+  std::sort(ranges.begin(), ranges.end());
+
+  std::vector<uint8_t> dst(size, 0);
+  RangeSums range_sums;
+  const auto sums = CopyAndHash(dst.data(), src.data(), size, ranges, &range_sums);
+  CHECK(dst == src);
+  CHECK(sums == HashChunks(src.data(), size));
+  auto digest = [&](std::pair<uint64_t, uint64_t> r) {
+    return XXH3_64bits(src.data() + r.first, r.second - r.first);
+  };
+  // Every range inside a block is there with its digest; the others are not.
+  CHECK(range_sums.size() == ranges.size() - 3);
+  uint64_t got = 0;
+  for (const auto& r : ranges) {
+    const bool inside = r.first < r.second && r.second <= size &&
+                        r.first / kBlock == (r.second - 1) / kBlock;
+    INFO("range " << r.first << ".." << r.second);
+    REQUIRE(range_sums.Find(r.first, r.second - r.first, &got) == inside);
+    if (inside) CHECK(got == digest(r));
+  }
+  CHECK(range_sums.Find(tail.first, tail.second - tail.first, &got));
+  CHECK(got == digest(tail));
+  CHECK(range_sums.Find(shorter.first, 7, &got));  // two lengths at one begin
+  CHECK(got == digest(shorter));
+  CHECK_FALSE(range_sums.Find(across.first, across.second - across.first, &got));
+  CHECK_FALSE(range_sums.Find(8192, 8191, &got));  // a length never asked for
+  // No ranges: the same copy, nothing else.
+  RangeSums none;
+  CHECK(CopyAndHash(dst.data(), src.data(), size, {}, &none) == sums);
+  CHECK(none.size() == 0);
+}
+
 TEST_CASE("HashRanges hashes each range in order", "[memory]") {
   std::vector<uint8_t> data(64ull << 20);
   for (uint64_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i ^ (i >> 9));

@@ -27,6 +27,7 @@ inline constexpr char kApplies[] = "refit_apply_total";
 inline constexpr char kVersionsDropped[] = "refit_versions_dropped_total";
 inline constexpr char kRequestErrors[] = "refit_request_errors_total";
 inline constexpr char kPeersConnected[] = "refit_peers_connected";
+inline constexpr char kChecksumBytesHashed[] = "refit_checksum_bytes_hashed_total";
 // Histograms (seconds).
 inline constexpr char kPublishSeconds[] = "refit_publish_seconds";
 inline constexpr char kApplySeconds[] = "refit_apply_seconds";

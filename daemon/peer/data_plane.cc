@@ -123,12 +123,7 @@ void DataPlane::Run() {
         if (c.status.ok()) {
           metrics_->Add(kDataBytesReceived, static_cast<double>(done.length));
           Transfer& t = *done.transfer;
-          if (t.hashes && t.status.ok() && !done.batch) {
-            const auto* bytes = static_cast<const uint8_t*>(t.local[done.fetch]->address());
-            (*t.hashes)[done.fetch][done.offset] = {
-                done.length,
-                c.has_xxh3 ? c.xxh3 : XXH3_64bits(bytes + done.offset, done.length)};
-          }
+          if (t.hashes && t.status.ok()) RecordHashes(t, done, c);
         } else {
           Fail(*done.transfer, c.status);
         }
@@ -310,12 +305,32 @@ void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
     t.next += n;
     t.inflight += reads;
     t.bytes_inflight += bytes;
-    // A batch's reads aren't hashed one by one (no single digest); Verify hashes them.
-    by_cookie_[cookie] = InFlight{transfer, op.fetch, op.offset, bytes, /*batch=*/n > 1, reads};
+    by_cookie_[cookie] = InFlight{transfer, op.fetch, op.offset, bytes, t.next - n, n, reads};
   }
   if (t.inflight == 0 && (t.next >= t.ops.size() || !t.status.ok())) {
     t.finished = true;
     t.done(t.status);
+  }
+}
+
+void DataPlane::RecordHashes(Transfer& t, const InFlight& done,
+                             const transport::Completion& c) {
+  // Each read's digest: from the transport when it hashed the bytes on the way, otherwise
+  // taken here while they are likely still in cache.
+  auto& by_offset = (*t.hashes)[done.fetch];
+  const auto* bytes = static_cast<const uint8_t*>(t.local[done.fetch]->address());
+  const bool given = c.span_xxh3.size() == done.count;
+  for (size_t i = 0; i < done.count; ++i) {
+    const Transfer::Op& op = t.ops[done.first_op + i];
+    uint64_t sum;
+    if (done.count == 1 && c.has_xxh3) {
+      sum = c.xxh3;
+    } else if (given && done.count > 1) {
+      sum = c.span_xxh3[i];
+    } else {
+      sum = XXH3_64bits(bytes + op.offset, op.length);
+    }
+    by_offset[op.offset] = {op.length, sum};
   }
 }
 
@@ -397,11 +412,13 @@ std::future<absl::StatusOr<std::vector<std::shared_ptr<Region>>>> DataPlane::Pul
         promise->set_value(ready);
         return;
       }
+      const size_t first = t->ops.size();
       for (const auto& [begin, end] : fetch.ranges) {
         for (uint64_t off = begin; off < end; off += options_.chunk_bytes) {
           t->ops.push_back({f, off, std::min(options_.chunk_bytes, end - off)});
         }
       }
+      if (hashes) (*hashes)[f].reserve(t->ops.size() - first);
     }
     t->done = [t_weak = std::weak_ptr<Transfer>(t), promise](absl::Status status) {
       auto held = t_weak.lock();

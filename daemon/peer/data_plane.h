@@ -69,7 +69,7 @@ class DataPlane {
   // against the source's checksums needs no second pass over memory. Reads start at each
   // range's begin and step by --chunk-bytes, which is the checksum grid when --chunk-bytes is
   // kChecksumChunkBytes (the default).
-  using ReadHashes = std::vector<std::map<uint64_t, std::pair<uint64_t, uint64_t>>>;
+  using ReadHashes = std::vector<std::unordered_map<uint64_t, std::pair<uint64_t, uint64_t>>>;
   // `hashes` (optional) is filled before the future is ready.
   std::future<absl::StatusOr<std::vector<std::shared_ptr<Region>>>> Pull(
       const PullJob& job, Acquire acquire, std::shared_ptr<ReadHashes> hashes = nullptr);
@@ -129,9 +129,13 @@ class DataPlane {
     size_t fetch = 0;
     uint64_t offset = 0;
     uint64_t length = 0;
-    bool batch = false;  // a PostGetSpans of several reads from `offset` on
-    int reads = 1;       // what it counts against kMaxReadsInFlight
+    size_t first_op = 0;  // Transfer::ops index of its (first) read
+    size_t count = 1;     // > 1: a PostGetSpans of ops [first_op, first_op + count)
+    int reads = 1;        // what it counts against kMaxReadsInFlight
   };
+  // Notes the digest of each read of `done` in the transfer's ReadHashes.
+  void RecordHashes(Transfer& t, const InFlight& done, const transport::Completion& c);
+
   std::unordered_map<uint64_t, InFlight> by_cookie_;
   uint64_t next_cookie_ = 1;
   std::thread thread_;

@@ -170,25 +170,39 @@ grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumReque
                                      request->version()));
   }
   const uint64_t size = piece->slot->size();
-  std::vector<std::pair<uint64_t, uint64_t>> to_hash;  // ranges off the Publish-time grid
-  std::vector<int> hashed_at;
   for (const v1::ByteRange& r : request->ranges()) {
     if (r.offset() > size || r.length() > size - r.offset()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "range past the piece's end");
     }
-    // A whole chunk of the grid was hashed at Publish (a full pull asks for exactly those).
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> off_grid;  // all of them, for the next Publishes
+  std::vector<std::pair<uint64_t, uint64_t>> to_hash;   // those no Publish-time table holds
+  std::vector<int> hashed_at;
+  uint64_t hashed_bytes = 0;
+  for (const v1::ByteRange& r : request->ranges()) {
+    // A whole chunk of the grid was hashed at Publish (a full pull asks for exactly those);
+    // so were ranges off it that peers asked for before (a resharded pull's, one per row).
     const uint64_t chunk = r.offset() / kChecksumChunkBytes;
+    uint64_t sum = 0;
     if (piece->xxh3 && r.offset() % kChecksumChunkBytes == 0 && chunk < piece->xxh3->size() &&
         r.length() == std::min(kChecksumChunkBytes, size - r.offset()) && r.length() > 0) {
       response->add_xxh3((*piece->xxh3)[chunk]);
+      continue;
+    }
+    off_grid.emplace_back(r.offset(), r.offset() + r.length());
+    if (piece->range_xxh3 && piece->range_xxh3->Find(r.offset(), r.length(), &sum)) {
+      response->add_xxh3(sum);
     } else {
       hashed_at.push_back(response->xxh3_size());
       response->add_xxh3(0);
       to_hash.emplace_back(r.offset(), r.offset() + r.length());
+      hashed_bytes += r.length();
     }
   }
   const std::vector<uint64_t> sums = HashRanges(piece->slot->data(), to_hash);
   for (size_t i = 0; i < sums.size(); ++i) response->set_xxh3(hashed_at[i], sums[i]);
+  if (!off_grid.empty()) store_->NoteChecksumRanges(piece->buffer_id, off_grid);
+  metrics_->Add(kChecksumBytesHashed, static_cast<double>(hashed_bytes));
   if (corrupt_checksums_.load() > 0 && corrupt_checksums_.fetch_sub(1) > 0 &&
       response->xxh3_size() > 0) {
     response->set_xxh3(0, response->xxh3(0) ^ 1);

@@ -72,7 +72,8 @@ void Store::NoteLocalReady(Model& model) {
   snapshot->version = newest;
   for (const auto& [id, piece] : model.pending[newest]) {
     if (model.sources.count(id)) {
-      snapshot->pieces.push_back({id, piece.host ? piece.host : piece.slot, piece.xxh3});
+      snapshot->pieces.push_back(
+          {id, piece.host ? piece.host : piece.slot, piece.xxh3, piece.range_xxh3});
     }
   }
   model.snapshots[newest] = std::move(snapshot);
@@ -369,6 +370,60 @@ void Store::ForgetRemoteVersions(const std::string& node) {
       it->second.deltas.clear();
     }
   }
+}
+
+namespace {
+// A range no peer asked about during this many Publishes of its buffer is no longer hashed.
+constexpr uint64_t kHintPublishes = 4;
+}  // namespace
+
+void Store::NoteChecksumRanges(const std::string& buffer_id,
+                               const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+  std::shared_ptr<Buffer> buffer;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = buffers_.find(buffer_id);
+    if (it == buffers_.end() || it->second->role != Role::kSource) return;
+    buffer = it->second;
+  }
+  ChecksumHints& hints = buffer->hints;
+  std::lock_guard<std::mutex> lock(hints.mu);
+  for (const auto& [begin, end] : ranges) {
+    if (begin >= end) continue;
+    auto it = hints.ranges.find(begin);
+    if (it == hints.ranges.end()) {
+      if (hints.ranges.size() >= kMaxChecksumHints) continue;
+      hints.ranges.emplace(begin, std::make_pair(end, hints.publishes));
+      hints.sorted.reset();
+    } else {
+      if (it->second.first != end) hints.sorted.reset();
+      it->second = {end, hints.publishes};
+    }
+  }
+}
+
+std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> Store::HintsForPublish(
+    Buffer& buffer, uint64_t size) {
+  ChecksumHints& hints = buffer.hints;
+  std::lock_guard<std::mutex> lock(hints.mu);
+  ++hints.publishes;
+  for (auto it = hints.ranges.begin(); it != hints.ranges.end();) {
+    const auto& [end, asked] = it->second;
+    if (asked + kHintPublishes < hints.publishes || end > size) {
+      it = hints.ranges.erase(it);
+      hints.sorted.reset();
+    } else {
+      ++it;
+    }
+  }
+  if (!hints.sorted) {
+    auto sorted = std::make_shared<std::vector<std::pair<uint64_t, uint64_t>>>();
+    sorted->reserve(hints.ranges.size());
+    for (const auto& [begin, entry] : hints.ranges) sorted->emplace_back(begin, entry.first);
+    std::sort(sorted->begin(), sorted->end());
+    hints.sorted = std::move(sorted);
+  }
+  return hints.sorted;
 }
 
 }  // namespace refit

@@ -250,8 +250,12 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
       // Host to host: copy and checksum in one pass over the cores, each block hashed while
       // it is still in cache. Otherwise hash what peers will read once it is there.
       if (from.kind() == MemoryKind::kHost && piece.slot->kind() == MemoryKind::kHost) {
+        const auto hints = HintsForPublish(*buffer, size);
+        auto range_sums = std::make_shared<RangeSums>();
         piece.xxh3 = std::make_shared<const std::vector<uint64_t>>(
-            CopyAndHash(piece.slot->data(), from.data() + buffer->span_begin, size));
+            CopyAndHash(piece.slot->data(), from.data() + buffer->span_begin, size, *hints,
+                        range_sums.get()));
+        if (range_sums->size() > 0) piece.range_xxh3 = std::move(range_sums);
       } else {
         RETURN_IF_ERROR(cuda::Copy(*piece.slot, 0, from, buffer->span_begin, size));
       }

@@ -99,6 +99,9 @@ struct LocalSnapshot {
     std::shared_ptr<Region> slot;
     // XXH3-64 of each kChecksumChunkBytes chunk of `slot` (checksum.h), computed at Publish.
     std::shared_ptr<const std::vector<uint64_t>> xxh3;
+    // Digests of ranges off that grid that peers asked for before (NoteChecksumRanges), also
+    // computed at Publish; null when none.
+    std::shared_ptr<const RangeSums> range_xxh3;
   };
   std::vector<Piece> pieces;
 };
@@ -212,6 +215,15 @@ class Store {
   absl::StatusOr<std::shared_ptr<const LocalSnapshot>> GetLocalSnapshot(const std::string& model,
                                                                      uint64_t version) const;
 
+  // A peer asked for the checksums of `ranges` ([begin, end) of a piece) of SOURCE buffer
+  // `buffer_id`, off the Publish-time grid. The next Publishes of the buffer hash these ranges
+  // too, while each block is in cache, so the next such request is answered from a table (a
+  // resharded pull asks for the same ranges every version). A range not asked for again during
+  // 4 Publishes is dropped; at most kMaxChecksumHints are kept per buffer, one per begin.
+  void NoteChecksumRanges(const std::string& buffer_id,
+                          const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
+  static constexpr size_t kMaxChecksumHints = 1u << 19;
+
   // Fills the slot pool with the staging slots pulls of `model` will need (--retain + 1 per
   // remote piece), once per remote layout, when this node has DESTINATION buffers for it.
   // Faults memory in: call it outside any lock the caller holds dear.
@@ -249,6 +261,7 @@ class Store {
 
  private:
   struct Buffer;
+  struct ChecksumHints;
   struct Piece;
   struct Version;
   struct Model;
@@ -265,6 +278,10 @@ class Store {
   // Sets fetch->base and ->deltas when this node can catch up by applying deltas.
   void OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fetch) const;
   void NoteLocalReady(Model& model);
+  // For a Publish of `buffer`: the ranges NoteChecksumRanges kept (sorted), less those not
+  // asked about lately or past `size`.
+  static std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> HintsForPublish(
+      Buffer& buffer, uint64_t size);
   void CompleteVersion(Model& model, uint64_t version, std::vector<Piece> pieces);
   absl::Status CheckHeld(const Version& version, const plan::Plan& plan) const;
   absl::StatusOr<std::shared_ptr<const CachedPlan>> PlanFor(

@@ -9,12 +9,22 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "daemon/plan/plan.h"
 #include "daemon/store/store.h"
 
 namespace refit {
+
+// Ranges peers asked checksums for, by begin: (end, `publishes` when last asked about).
+struct Store::ChecksumHints {
+  std::mutex mu;
+  uint64_t publishes = 0;  // of the buffer so far
+  std::unordered_map<uint64_t, std::pair<uint64_t, uint64_t>> ranges;
+  std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> sorted;  // null: rebuild
+};
 
 struct Store::Buffer {
   std::string id;
@@ -29,6 +39,7 @@ struct Store::Buffer {
   std::shared_ptr<const std::vector<TensorSlice>> snapshot_slices;
   uint64_t last_published = 0;  // guarded by Store::mu_
   std::mutex io_mu;             // one snapshot or one Apply at a time on this memory
+  ChecksumHints hints;          // SOURCE buffers; guarded by hints.mu
 };
 
 struct Store::Piece {
@@ -43,8 +54,10 @@ struct Store::Piece {
   std::string node;        // empty: this node
   std::string remote_key;  // for pieces of other nodes
   // XXH3-64 per kChecksumChunkBytes chunk of what other nodes read (`host` or else `slot`),
-  // computed at Publish; null for pieces of other nodes.
+  // computed at Publish; null for pieces of other nodes. `range_xxh3`: the ranges off that
+  // grid peers asked for before (LocalSnapshot::Piece).
   std::shared_ptr<const std::vector<uint64_t>> xxh3;
+  std::shared_ptr<const RangeSums> range_xxh3;
 };
 
 struct Store::Version {

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "catch2/catch.hpp"
+#include "daemon/common/xxh3.h"
 
 namespace refit::transport::testing {
 
@@ -40,7 +41,8 @@ uint64_t NextCookie() {
 }
 
 void PollUntil(Transport& self, const std::vector<Transport*>& others, Results* results,
-               size_t expected, std::chrono::seconds timeout) {
+               size_t expected, std::chrono::seconds timeout,
+               std::map<uint64_t, std::vector<uint64_t>>* span_sums) {
   auto deadline = Clock::now() + timeout;
   std::vector<Completion> completions;
   while (results->size() < expected && Clock::now() < deadline) {
@@ -50,6 +52,7 @@ void PollUntil(Transport& self, const std::vector<Transport*>& others, Results* 
       INFO("cookie " << c.cookie);
       REQUIRE(results->count(c.cookie) == 0);
       (*results)[c.cookie] = c.status;
+      if (span_sums) (*span_sums)[c.cookie] = c.span_xxh3;
     }
     std::vector<Completion> ignored;
     for (Transport* other : others) other->Poll(&ignored);
@@ -104,17 +107,18 @@ void CheckColumnSpans(Transport& self, const std::vector<Transport*>& others, En
     if (batches.back().size() == 256) batches.emplace_back();
     batches.back().push_back({row * kRow + kHalf, row * kRow + kHalf, kHalf});
   }
-  Results posted;
+  std::map<uint64_t, const std::vector<Span>*> posted;
   for (auto& spans : batches) {
     const uint64_t cookie = NextCookie();
     REQUIRE(endpoint.PostGetSpans(local, remote, spans, cookie).ok());
-    posted[cookie];
+    posted[cookie] = &spans;
   }
   Results done;
-  PollUntil(self, others, &done, posted.size());
+  std::map<uint64_t, std::vector<uint64_t>> sums;
+  PollUntil(self, others, &done, posted.size(), std::chrono::seconds(60), &sums);
   REQUIRE(done.size() == batches.size());  // one completion per batch
   for (const auto& [cookie, status] : done) {
-    CHECK(posted.count(cookie) == 1);
+    REQUIRE(posted.count(cookie) == 1);
     CHECK(status.ok());
   }
   for (uint64_t row = 0; row < rows; ++row) {
@@ -122,6 +126,18 @@ void CheckColumnSpans(Transport& self, const std::vector<Transport*>& others, En
                               row * kRow + kHalf) == -1);
     CHECK(std::all_of(buffer.data() + row * kRow, buffer.data() + row * kRow + kHalf,
                       [](uint8_t b) { return b == 0; }));
+  }
+  // Per-span digests, where the backend gives them (a copy from mapped peer memory must): one
+  // per span, in order, each the XXH3-64 of the bytes that landed.
+  for (const auto& [cookie, spans] : posted) {
+    const std::vector<uint64_t>& got = sums.at(cookie);
+    if (remote.mapped()) CHECK(!got.empty());
+    if (got.empty()) continue;
+    REQUIRE(got.size() == spans->size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      const Span& span = (*spans)[i];
+      CHECK(got[i] == XXH3_64bits(buffer.data() + span.local_offset, span.length));
+    }
   }
   const uint64_t end = remote.length();
   CHECK(endpoint.PostGetSpans(local, remote, {{0, 0, 16}, {end - 8, end - 8, 16}}, NextCookie())

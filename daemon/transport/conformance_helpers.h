@@ -42,8 +42,10 @@ uint64_t NextCookie();
 
 // Polls `self` (collecting completions, each cookie at most once) and `others` (which may have
 // to serve our ops) until `results` holds `expected` entries or `timeout` passes.
+// With `span_sums`, each completion's Completion::span_xxh3 is kept there too, by cookie.
 void PollUntil(Transport& self, const std::vector<Transport*>& others, Results* results,
-               size_t expected, std::chrono::seconds timeout = std::chrono::seconds(60));
+               size_t expected, std::chrono::seconds timeout = std::chrono::seconds(60),
+               std::map<uint64_t, std::vector<uint64_t>>* span_sums = nullptr);
 
 // Moves `length` bytes between local[local_base, ...) and remote[remote_base, ...) in
 // `chunk`-sized ops with up to `window` in flight, polling `self` and `others`. Returns the

@@ -34,15 +34,17 @@ class CopyEngine {
     // Decremented once the job will never touch dst again; the owner waits for it to reach
     // zero before it frees dst.
     std::atomic<uint64_t>* running = nullptr;
-    // Also compute XXH3-64 of the copied bytes (block by block, each right after its copy).
+    // Also compute XXH3-64 of the copied bytes (block by block, each right after its copy), or
+    // with `spans`, of each span.
     bool hash = false;
-    // When set: copy each span instead (dst and src are then the bases; no hash).
+    // When set: copy each span instead (dst and src are then the bases).
     std::shared_ptr<const std::vector<Span>> spans;
   };
   struct Finished {
     void* tag;
-    bool hashed;    // copied (not skipped) with Job::hash: xxh3 is the copy's digest
-    uint64_t xxh3;
+    bool hashed = false;  // copied (not skipped) with Job::hash: xxh3 is the copy's digest,
+    uint64_t xxh3 = 0;    // or span_xxh3 holds each span's
+    std::vector<uint64_t> span_xxh3{};
   };
 
   explicit CopyEngine(int threads);

@@ -91,6 +91,10 @@ struct Completion {
   // otherwise has_xxh3 is false and the caller hashes the bytes itself if it needs to.
   bool has_xxh3 = false;
   uint64_t xxh3 = 0;
+  // For an OK PostGetSpans: XXH3-64 of each span's bytes, in the order posted, when the backend
+  // computed them on the way (UCX copies from mapped peer memory hash each span right after
+  // copying it); empty otherwise.
+  std::vector<uint64_t> span_xxh3{};
 };
 
 // A registered local buffer [address, address + length). Created by Transport::RegisterMemory;

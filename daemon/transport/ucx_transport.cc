@@ -604,6 +604,7 @@ absl::Status UcxTransport::PostSpans(UcxEndpoint* endpoint, const LocalMemory& l
     job.abandon = &ep->abandon;
     job.running = &ep->copying;
     job.spans = std::make_shared<const std::vector<Span>>(std::move(spans));
+    job.hash = true;
     copier_->Submit(job);
   } else {
     auto group = std::make_shared<Group>();
@@ -672,7 +673,7 @@ absl::Status UcxTransport::Resolve(const Done& done) {
 void UcxTransport::DrainCopier() {
   copied_.clear();
   copier_->Drain(&copied_);
-  for (const CopyEngine::Finished& finished : copied_) {
+  for (CopyEngine::Finished& finished : copied_) {
     auto* op = static_cast<Op*>(finished.tag);
     --in_copier_;
     // The copy itself can't fail, but once the peer is known dead its ops report UNAVAILABLE,
@@ -680,7 +681,7 @@ void UcxTransport::DrainCopier() {
     const bool failed = !op->ep->failure.ok();
     done_.push_back({std::move(op->ep), op->cookie, op->epoch,
                      failed ? UCS_ERR_CONNECTION_RESET : UCS_OK, finished.hashed && !failed,
-                     finished.xxh3});
+                     finished.xxh3, std::move(finished.span_xxh3)});
     delete op;
   }
 }
@@ -697,10 +698,11 @@ size_t UcxTransport::Poll(std::vector<Completion>* out) {
 
   std::vector<Done> done;
   done.swap(done_);
-  for (const Done& d : done) {
+  for (Done& d : done) {
     absl::Status status = Resolve(d);
     const bool hashed = d.hashed && status.ok();
-    out->push_back({d.cookie, std::move(status), hashed, d.xxh3});
+    out->push_back({d.cookie, std::move(status), hashed && d.span_xxh3.empty(), d.xxh3,
+                    hashed ? std::move(d.span_xxh3) : std::vector<uint64_t>()});
     --outstanding_;
     --d.ep->outstanding;
   }

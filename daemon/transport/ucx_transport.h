@@ -129,8 +129,9 @@ class UcxTransport final : public Transport {
     uint64_t cookie;
     uint64_t epoch;
     ucs_status_t status;
-    bool hashed = false;  // a CopyEngine get: xxh3 is the digest of its bytes
-    uint64_t xxh3 = 0;
+    bool hashed = false;  // a CopyEngine get: xxh3 is the digest of its bytes (or span_xxh3
+    uint64_t xxh3 = 0;    // of each span's)
+    std::vector<uint64_t> span_xxh3{};
   };
   struct PendingClose {
     void* request;
