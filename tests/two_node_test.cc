@@ -8,12 +8,17 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <array>
 #include <cstring>
 #include <random>
 #include <thread>
 
+#include <xxhash.h>
+
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/refit/v1/peer.grpc.pb.h"
 #include "tests/testing/daemon_process.h"
 
 namespace refit {
@@ -164,6 +169,52 @@ TEST_CASE("a column-split pull is verified from sums the source took at Publish"
   auto status = nodes.engine->Status();
   REQUIRE(status.ok());
   CHECK(status->metrics().at("refit_data_bytes_received_total") == 4.0 * kRows * kHalf);
+
+  // The peer Checksum RPC itself: runs and plain ranges give XXH3 of the bytes; a run past the
+  // piece's end, or too long, is refused whole and the daemon keeps serving.
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(ListenPort(*nodes.trainer_node)),
+                                     grpc::InsecureChannelCredentials());
+  auto peer = v1::Peer::NewStub(channel);
+  auto ask = [&](const std::vector<std::array<uint64_t, 4>>& runs, v1::ChecksumResponse* response,
+                 const std::vector<std::array<uint64_t, 2>>& ranges = {}) {
+    v1::ChecksumRequest request;
+    request.set_model("m");
+    request.set_version(4);
+    request.set_buffer_id(*s);
+    for (const auto& [offset, length, stride, count] : runs) {
+      v1::RangeRun* run = request.add_runs();
+      run->set_offset(offset);
+      run->set_length(length);
+      run->set_stride(stride);
+      run->set_count(count);
+    }
+    for (const auto& [offset, length] : ranges) {
+      v1::ByteRange* range = request.add_ranges();
+      range->set_offset(offset);
+      range->set_length(length);
+    }
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    return peer->Checksum(&context, request, response).error_code();
+  };
+  v1::ChecksumResponse response;
+  REQUIRE(ask({{kHalf, kHalf, kRow, 3}, {5, 100, 0, 1}}, &response) == grpc::StatusCode::OK);
+  REQUIRE(response.sums_size() == 4);
+  for (int i = 0; i < 3; ++i) {
+    CHECK(response.sums(i) == XXH3_64bits(src.data() + kHalf + i * kRow, kHalf));
+  }
+  CHECK(response.sums(3) == XXH3_64bits(src.data() + 5, 100));
+  response.Clear();
+  REQUIRE(ask({}, &response, {{kRow + kHalf, kHalf}}) == grpc::StatusCode::OK);  // older peers
+  REQUIRE(response.xxh3_size() == 1);
+  CHECK(response.xxh3(0) == XXH3_64bits(src.data() + kRow + kHalf, kHalf));
+  const uint64_t size = kRows * kRow;
+  CHECK(ask({{kHalf, kHalf, kRow, kRows + 1}}, &response) == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(ask({{0, 1, size, 2}}, &response) == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(ask({{1, 1, ~0ull, 3}}, &response) == grpc::StatusCode::INVALID_ARGUMENT);  // overflow
+  CHECK(ask({{0, 1, 0, 1ull << 40}}, &response) == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(ask({}, &response, {{size - 1, 2}}) == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(nodes.trainer->Status().ok());
 }
 
 }  // namespace

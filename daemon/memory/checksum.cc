@@ -42,6 +42,37 @@ size_t ChunkCount(uint64_t size, uint64_t chunk_bytes) {
 
 }  // namespace
 
+std::vector<RangeRun> ToRuns(const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+  std::vector<RangeRun> runs;
+  for (const auto& [begin, end] : ranges) {
+    const uint64_t length = end - begin;
+    if (!runs.empty()) {
+      RangeRun& run = runs.back();
+      const uint64_t last = run.offset + (run.count - 1) * run.stride;
+      if (run.length == length) {
+        if (run.count == 1 && begin > last) {  // the second range sets the stride
+          run.stride = begin - last;
+          ++run.count;
+          continue;
+        }
+        if (run.count > 1 && begin > last && begin - last == run.stride) {
+          ++run.count;
+          continue;
+        }
+      }
+    }
+    runs.push_back({begin, length, 0, 1});
+  }
+  return runs;
+}
+
+void AppendRanges(const RangeRun& run, std::vector<std::pair<uint64_t, uint64_t>>* out) {
+  for (uint64_t i = 0; i < run.count; ++i) {
+    const uint64_t begin = run.offset + i * run.stride;
+    out->emplace_back(begin, begin + run.length);
+  }
+}
+
 bool RangeSums::Find(uint64_t b, uint64_t l, uint64_t* out) const {
   auto it = std::lower_bound(begin.begin(), begin.end(), b);
   // Equal begins are possible (two receivers asking for different lengths at one offset).

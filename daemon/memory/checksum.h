@@ -16,6 +16,19 @@ namespace refit {
 // the last one shorter.
 inline constexpr uint64_t kChecksumChunkBytes = 4ull << 20;
 
+// Equal-length ranges at a fixed stride: [offset + i * stride, + length) for i < count (the
+// short ranges of a resharded pull, one per row of a tensor, make few runs).
+struct RangeRun {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  uint64_t stride = 0;
+  uint64_t count = 0;
+};
+// `ranges` ([begin, end), in order) as runs that expand to the same list, in the same order.
+std::vector<RangeRun> ToRuns(const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
+// Appends the ranges of `run` to *out.
+void AppendRanges(const RangeRun& run, std::vector<std::pair<uint64_t, uint64_t>>* out);
+
 // XXH3-64 digests of byte ranges off the grid, taken at Publish because receivers asked for
 // those ranges before (a resharded pull reads one short range per row of a tensor).
 struct RangeSums {

@@ -22,7 +22,8 @@ using std::chrono::milliseconds;
 constexpr auto kHelloDeadline = milliseconds(2000);
 constexpr auto kCallDeadline = milliseconds(10000);
 constexpr auto kMaxBackoff = milliseconds(2000);
-constexpr size_t kRangesPerChecksumCall = 8192;
+// 8 B per range in the reply: 2 MiB, under gRPC's default 4 MiB message limit.
+constexpr size_t kRangesPerChecksumCall = 1u << 18;
 constexpr int kFetchTries = 3;
 
 std::chrono::system_clock::time_point In(milliseconds d) {
@@ -436,10 +437,14 @@ absl::StatusOr<std::vector<uint64_t>> PeerManager::RemoteChecksums(
     request.set_model(job.model);
     request.set_version(job.version);
     request.set_buffer_id(fetch.buffer_id);
-    for (size_t i = first; i < last; ++i) {
-      v1::ByteRange* r = request.add_ranges();
-      r->set_offset(chunks[i].first);
-      r->set_length(chunks[i].second - chunks[i].first);
+    const std::vector<std::pair<uint64_t, uint64_t>> slice(chunks.begin() + first,
+                                                           chunks.begin() + last);
+    for (const RangeRun& run : ToRuns(slice)) {
+      v1::RangeRun* r = request.add_runs();
+      r->set_offset(run.offset);
+      r->set_length(run.length);
+      r->set_stride(run.stride);
+      r->set_count(run.count);
     }
     v1::ChecksumResponse response;
     grpc::ClientContext context;
@@ -449,10 +454,10 @@ absl::StatusOr<std::vector<uint64_t>> PeerManager::RemoteChecksums(
       return absl::UnavailableError(
           absl::StrCat("node ", fetch.node, " checksum: ", s.error_message()));
     }
-    if (static_cast<size_t>(response.xxh3_size()) != last - first) {
+    if (static_cast<size_t>(response.sums_size()) != last - first) {
       return absl::DataLossError("checksum reply of the wrong length");
     }
-    sums.insert(sums.end(), response.xxh3().begin(), response.xxh3().end());
+    sums.insert(sums.end(), response.sums().begin(), response.sums().end());
   }
   return sums;
 }

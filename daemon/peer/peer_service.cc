@@ -152,6 +152,11 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
   }
 }
 
+namespace {
+// Ranges one Checksum call may ask about (a reader asks for at most 2^18 at a time).
+constexpr size_t kMaxChecksumRanges = 1u << 20;
+}  // namespace
+
 grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumRequest* request,
                                    v1::ChecksumResponse* response) {
   auto snapshot = Snapshot(request->model(), request->version());
@@ -170,42 +175,64 @@ grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumReque
                                      request->version()));
   }
   const uint64_t size = piece->slot->size();
+  // Every range asked for, checked before anything is read.
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
   for (const v1::ByteRange& r : request->ranges()) {
     if (r.offset() > size || r.length() > size - r.offset()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "range past the piece's end");
     }
+    ranges.emplace_back(r.offset(), r.offset() + r.length());
   }
+  for (const v1::RangeRun& run : request->runs()) {
+    if (run.count() == 0) continue;
+    if (run.count() > kMaxChecksumRanges - std::min(ranges.size(), kMaxChecksumRanges)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("more than ", kMaxChecksumRanges, " ranges in one call"));
+    }
+    const uint64_t steps = run.count() - 1;
+    if (run.offset() > size || (steps > 0 && run.stride() > (size - run.offset()) / steps)) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "range past the piece's end");
+    }
+    const uint64_t last = run.offset() + steps * run.stride();
+    if (run.length() > size - last) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "range past the piece's end");
+    }
+    AppendRanges({run.offset(), run.length(), run.stride(), run.count()}, &ranges);
+  }
+  std::vector<uint64_t> sums(ranges.size());
   std::vector<std::pair<uint64_t, uint64_t>> off_grid;  // all of them, for the next Publishes
   std::vector<std::pair<uint64_t, uint64_t>> to_hash;   // those no Publish-time table holds
-  std::vector<int> hashed_at;
+  std::vector<size_t> hashed_at;
   uint64_t hashed_bytes = 0;
-  for (const v1::ByteRange& r : request->ranges()) {
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const auto [begin, end] = ranges[i];
     // A whole chunk of the grid was hashed at Publish (a full pull asks for exactly those);
     // so were ranges off it that peers asked for before (a resharded pull's, one per row).
-    const uint64_t chunk = r.offset() / kChecksumChunkBytes;
-    uint64_t sum = 0;
-    if (piece->xxh3 && r.offset() % kChecksumChunkBytes == 0 && chunk < piece->xxh3->size() &&
-        r.length() == std::min(kChecksumChunkBytes, size - r.offset()) && r.length() > 0) {
-      response->add_xxh3((*piece->xxh3)[chunk]);
+    const uint64_t chunk = begin / kChecksumChunkBytes;
+    if (piece->xxh3 && begin % kChecksumChunkBytes == 0 && chunk < piece->xxh3->size() &&
+        end - begin == std::min(kChecksumChunkBytes, size - begin) && end > begin) {
+      sums[i] = (*piece->xxh3)[chunk];
       continue;
     }
-    off_grid.emplace_back(r.offset(), r.offset() + r.length());
-    if (piece->range_xxh3 && piece->range_xxh3->Find(r.offset(), r.length(), &sum)) {
-      response->add_xxh3(sum);
-    } else {
-      hashed_at.push_back(response->xxh3_size());
-      response->add_xxh3(0);
-      to_hash.emplace_back(r.offset(), r.offset() + r.length());
-      hashed_bytes += r.length();
+    off_grid.emplace_back(begin, end);
+    if (!piece->range_xxh3 || !piece->range_xxh3->Find(begin, end - begin, &sums[i])) {
+      hashed_at.push_back(i);
+      to_hash.emplace_back(begin, end);
+      hashed_bytes += end - begin;
     }
   }
-  const std::vector<uint64_t> sums = HashRanges(piece->slot->data(), to_hash);
-  for (size_t i = 0; i < sums.size(); ++i) response->set_xxh3(hashed_at[i], sums[i]);
-  if (!off_grid.empty()) store_->NoteChecksumRanges(piece->buffer_id, off_grid);
+  const std::vector<uint64_t> hashed = HashRanges(piece->slot->data(), to_hash);
+  for (size_t k = 0; k < hashed.size(); ++k) sums[hashed_at[k]] = hashed[k];
+  if (!off_grid.empty()) store_->NoteChecksumRanges(piece->buffer_id, ToRuns(off_grid));
   metrics_->Add(kChecksumBytesHashed, static_cast<double>(hashed_bytes));
-  if (corrupt_checksums_.load() > 0 && corrupt_checksums_.fetch_sub(1) > 0 &&
-      response->xxh3_size() > 0) {
-    response->set_xxh3(0, response->xxh3(0) ^ 1);
+  if (corrupt_checksums_.load() > 0 && corrupt_checksums_.fetch_sub(1) > 0 && !sums.empty()) {
+    sums[0] ^= 1;
+  }
+  // Older peers ask with `ranges` and read `xxh3`.
+  if (request->runs_size() == 0) {
+    response->mutable_xxh3()->Add(sums.begin(), sums.end());
+  } else {
+    response->mutable_sums()->Add(sums.begin(), sums.end());
   }
   return grpc::Status::OK;
 }

@@ -377,8 +377,7 @@ namespace {
 constexpr uint64_t kHintPublishes = 4;
 }  // namespace
 
-void Store::NoteChecksumRanges(const std::string& buffer_id,
-                               const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+void Store::NoteChecksumRanges(const std::string& buffer_id, const std::vector<RangeRun>& runs) {
   std::shared_ptr<Buffer> buffer;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -388,17 +387,24 @@ void Store::NoteChecksumRanges(const std::string& buffer_id,
   }
   ChecksumHints& hints = buffer->hints;
   std::lock_guard<std::mutex> lock(hints.mu);
-  for (const auto& [begin, end] : ranges) {
-    if (begin >= end) continue;
-    auto it = hints.ranges.find(begin);
-    if (it == hints.ranges.end()) {
-      if (hints.ranges.size() >= kMaxChecksumHints) continue;
-      hints.ranges.emplace(begin, std::make_pair(end, hints.publishes));
-      hints.sorted.reset();
-    } else {
-      if (it->second.first != end) hints.sorted.reset();
-      it->second = {end, hints.publishes};
+  for (const RangeRun& run : runs) {
+    if (run.count == 0 || run.length == 0) continue;
+    auto it = hints.runs.find(run.offset);
+    if (it != hints.runs.end()) {
+      const RangeRun& had = it->second.first;
+      if (had.length == run.length && had.stride == run.stride && had.count == run.count) {
+        it->second.second = hints.publishes;  // asked again: keep it
+        continue;
+      }
+      hints.ranges -= had.count;
+      hints.runs.erase(it);
     }
+    if (run.count > kMaxChecksumHints - std::min<uint64_t>(hints.ranges, kMaxChecksumHints)) {
+      continue;
+    }
+    hints.runs.emplace(run.offset, std::make_pair(run, hints.publishes));
+    hints.ranges += run.count;
+    hints.sorted.reset();
   }
 }
 
@@ -407,10 +413,12 @@ std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> Store::HintsFo
   ChecksumHints& hints = buffer.hints;
   std::lock_guard<std::mutex> lock(hints.mu);
   ++hints.publishes;
-  for (auto it = hints.ranges.begin(); it != hints.ranges.end();) {
-    const auto& [end, asked] = it->second;
+  for (auto it = hints.runs.begin(); it != hints.runs.end();) {
+    const auto& [run, asked] = it->second;
+    const uint64_t end = run.offset + (run.count - 1) * run.stride + run.length;
     if (asked + kHintPublishes < hints.publishes || end > size) {
-      it = hints.ranges.erase(it);
+      hints.ranges -= run.count;
+      it = hints.runs.erase(it);
       hints.sorted.reset();
     } else {
       ++it;
@@ -418,8 +426,8 @@ std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> Store::HintsFo
   }
   if (!hints.sorted) {
     auto sorted = std::make_shared<std::vector<std::pair<uint64_t, uint64_t>>>();
-    sorted->reserve(hints.ranges.size());
-    for (const auto& [begin, entry] : hints.ranges) sorted->emplace_back(begin, entry.first);
+    sorted->reserve(hints.ranges);
+    for (const auto& [offset, entry] : hints.runs) AppendRanges(entry.first, sorted.get());
     std::sort(sorted->begin(), sorted->end());
     hints.sorted = std::move(sorted);
   }

@@ -218,10 +218,10 @@ class Store {
   // A peer asked for the checksums of `ranges` ([begin, end) of a piece) of SOURCE buffer
   // `buffer_id`, off the Publish-time grid. The next Publishes of the buffer hash these ranges
   // too, while each block is in cache, so the next such request is answered from a table (a
-  // resharded pull asks for the same ranges every version). A range not asked for again during
-  // 4 Publishes is dropped; at most kMaxChecksumHints are kept per buffer, one per begin.
-  void NoteChecksumRanges(const std::string& buffer_id,
-                          const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
+  // resharded pull asks for the same ranges every version). Runs are kept by offset (a later
+  // one replaces an earlier one there); a run not asked for again during 4 Publishes is
+  // dropped; at most kMaxChecksumHints ranges are kept per buffer.
+  void NoteChecksumRanges(const std::string& buffer_id, const std::vector<RangeRun>& runs);
   static constexpr size_t kMaxChecksumHints = 1u << 19;
 
   // Fills the slot pool with the staging slots pulls of `model` will need (--retain + 1 per

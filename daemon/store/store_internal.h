@@ -18,11 +18,13 @@
 
 namespace refit {
 
-// Ranges peers asked checksums for, by begin: (end, `publishes` when last asked about).
+// Runs of ranges peers asked checksums for, by offset: (the run, `publishes` when last asked
+// about).
 struct Store::ChecksumHints {
   std::mutex mu;
   uint64_t publishes = 0;  // of the buffer so far
-  std::unordered_map<uint64_t, std::pair<uint64_t, uint64_t>> ranges;
+  uint64_t ranges = 0;     // in `runs`
+  std::unordered_map<uint64_t, std::pair<RangeRun, uint64_t>> runs;
   std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> sorted;  // null: rebuild
 };
 
