@@ -203,7 +203,21 @@ std::vector<std::pair<std::string, std::string>> UcxTransport::Options::DefaultC
   // Notice a dead peer on an idle connection within seconds rather than UCX's default 20 s.
   // Shared memory with peer-failure handling (UCX_POSIX_ERROR_HANDLING / _SYSV_) stays the
   // operator's choice: see ucx_transport.h for what a peer killed mid-transfer can do to it.
-  return {{"KEEPALIVE_INTERVAL", "1s"}};
+  std::vector<std::pair<std::string, std::string>> config = {{"KEEPALIVE_INTERVAL", "1s"}};
+  // TCP: 64 KiB send segments (UCX's default 8 KiB) carry a get's reply in 8x fewer pieces; a
+  // 1 GiB version over loopback tcp took 0.41 s against 0.65 s (same hour; ucx_perftest of
+  // 4 MiB gets: 1.96 against 1.03 GB/s). Receive segments are 64 KiB already. UCX hands a
+  // setting it doesn't know itself to its transports under the unprefixed name (TX_SEG_SIZE
+  // is tcp's), and warns when none takes it: only when tcp may be in use, and never over the
+  // operator's UCX_TCP_TX_SEG_SIZE.
+  const char* tls = std::getenv("UCX_TLS");
+  const std::string tls_list = tls ? tls : "";
+  if (std::getenv("UCX_TCP_TX_SEG_SIZE") != nullptr) return config;
+  if (tls_list.empty() || tls_list[0] == '^' || tls_list.find("tcp") != std::string::npos ||
+      tls_list.find("all") != std::string::npos) {
+    config.emplace_back("TX_SEG_SIZE", "64k");
+  }
+  return config;
 }
 
 absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const Options& options) {

@@ -61,6 +61,9 @@
 // kernel at once; a silent peer (host down, cable pulled) is found by UCX keepalive
 // (UCX_KEEPALIVE_INTERVAL, UCX default 20 s; DefaultConfig() sets 1 s unless the environment
 // sets it) and TCP's own timeouts (UCX_TCP_KEEPIDLE, UCX_TCP_KEEPINTVL).
+//
+// Tuning. DefaultConfig() also sets tcp's send segment to 64 KiB (UCX_TCP_TX_SEG_SIZE, UCX
+// default 8 KiB) unless the environment sets it: gets over tcp run ~1.6x faster.
 
 #include <chrono>
 #include <cstdint>
