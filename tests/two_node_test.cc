@@ -213,6 +213,12 @@ TEST_CASE("a column-split pull is verified from sums the source took at Publish"
   CHECK(ask({{0, 1, size, 2}}, &response) == grpc::StatusCode::INVALID_ARGUMENT);
   CHECK(ask({{1, 1, ~0ull, 3}}, &response) == grpc::StatusCode::INVALID_ARGUMENT);  // overflow
   CHECK(ask({{0, 1, 0, 1ull << 40}}, &response) == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(ask({{0, 100, 50, 3}}, &response) == grpc::StatusCode::INVALID_ARGUMENT);  // overlap
+  // More bytes than the piece holds in one call (each run alone is fine).
+  CHECK(ask({{0, kRow, kRow, kRows}, {0, kRow, kRow, kRows}}, &response) ==
+        grpc::StatusCode::INVALID_ARGUMENT);
+  REQUIRE(ask({{0, kRow, kRow, kRows}}, &response) == grpc::StatusCode::OK);
+  CHECK(response.sums_size() == kRows);
   CHECK(ask({}, &response, {{size - 1, 2}}) == grpc::StatusCode::INVALID_ARGUMENT);
   CHECK(nodes.trainer->Status().ok());
 }

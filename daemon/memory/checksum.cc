@@ -16,7 +16,7 @@ namespace {
 // Below this much work the calling thread does it alone: starting threads would cost more.
 constexpr uint64_t kParallelBytes = 32ull << 20;
 // CopyAndHash hashes and copies in blocks of this size, so the copy reads from L2.
-constexpr uint64_t kBlockBytes = 256ull << 10;
+constexpr uint64_t kBlockBytes = kCopyBlockBytes;
 
 // Runs task(i) for i in [0, count) on up to 8 threads.
 template <typename Task>
@@ -84,6 +84,29 @@ bool RangeSums::Find(uint64_t b, uint64_t l, uint64_t* out) const {
     }
   }
   return false;
+}
+
+uint64_t CopyAndHashRange(uint8_t* dst, const uint8_t* src, uint64_t size) {
+  // A bounce buffer that stays in L1: the extra copy then costs next to nothing (1 GiB on two
+  // threads: 0.10-0.11 s, as fast as hashing the source and streaming it; 0.11-0.12 s with a
+  // 256 KiB buffer in L2).
+  constexpr uint64_t kBounceBytes = 16 << 10;
+  thread_local std::unique_ptr<uint8_t[]> block(new uint8_t[kBounceBytes]);
+  if (size <= kBounceBytes) {  // the one-shot hash (a short span of a column shard)
+    std::memcpy(block.get(), src, size);
+    const uint64_t sum = XXH3_64bits(block.get(), size);
+    StreamCopy(dst, block.get(), size);
+    return sum;
+  }
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
+  for (uint64_t off = 0; off < size; off += kBounceBytes) {
+    const uint64_t n = std::min(kBounceBytes, size - off);
+    std::memcpy(block.get(), src + off, n);
+    XXH3_64bits_update(&state, block.get(), n);
+    StreamCopy(dst + off, block.get(), n);
+  }
+  return XXH3_64bits_digest(&state);
 }
 
 std::vector<uint64_t> CopyAndHash(uint8_t* dst, const uint8_t* src, uint64_t size,

@@ -46,9 +46,17 @@ struct RangeSums {
 std::vector<uint64_t> CopyAndHash(uint8_t* dst, const uint8_t* src, uint64_t size,
                                   uint64_t chunk_bytes = kChecksumChunkBytes);
 
+// CopyAndHash works in blocks of this size (aligned to the start of the copy).
+inline constexpr uint64_t kCopyBlockBytes = 256ull << 10;
+
+// CopyAndHash on the calling thread, for one range: returns the XXH3-64 of the bytes written.
+// Each 16 KiB is read from `src` once into an L1 buffer, hashed there and streamed into `dst`,
+// so the digest describes what landed even if `src` changes meanwhile. Streaming stores: call
+// StoreFence (stream_copy.h) before reporting the copy done to another thread.
+uint64_t CopyAndHashRange(uint8_t* dst, const uint8_t* src, uint64_t size);
+
 // The same, and also the digest of each of `ranges` ([begin, end), sorted by begin, within
-// `size`) that lies inside one of the blocks the copy goes through (256 KiB, aligned to the
-// start), hashed from that block while it is in cache: about 1/30 of the copy's time per byte,
+// `size`) that lies inside one of the blocks the copy goes through (kCopyBlockBytes), hashed from that block while it is in cache: about 1/30 of the copy's time per byte,
 // where hashing afterwards reads the bytes from memory again. Ranges across a block boundary
 // are left out of *range_sums; a caller hashes those itself if it needs them.
 std::vector<uint64_t> CopyAndHash(uint8_t* dst, const uint8_t* src, uint64_t size,

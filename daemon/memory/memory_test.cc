@@ -11,6 +11,7 @@
 
 #include "catch2/catch.hpp"
 #include "daemon/memory/checksum.h"
+#include "daemon/memory/stream_copy.h"
 #include "daemon/memory/region.h"
 #include "daemon/memory/slot_pool.h"
 
@@ -189,6 +190,23 @@ TEST_CASE("CopyAndHash also hashes the ranges asked for that lie inside one of i
   RangeSums none;
   CHECK(CopyAndHash(dst.data(), src.data(), size, {}, &none) == sums);
   CHECK(none.size() == 0);
+}
+
+TEST_CASE("CopyAndHashRange copies and returns the XXH3 of what it wrote", "[memory]") {
+  std::vector<uint8_t> src((1 << 20) + 77);
+  for (uint64_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 977 >> 3);
+  // One short span, one block exactly, several blocks with a short last one, odd offsets.
+  for (const auto& [offset, size] : std::vector<std::pair<uint64_t, uint64_t>>{
+           {0, 8192}, {3, kCopyBlockBytes}, {5, src.size() - 5}, {11, 1}}) {
+    INFO("offset " << offset << " size " << size);
+    std::vector<uint8_t> dst(size + 2, 0xee);
+    const uint64_t sum = CopyAndHashRange(dst.data() + 1, src.data() + offset, size);
+    StoreFence();
+    CHECK(sum == XXH3_64bits(src.data() + offset, size));
+    CHECK(std::memcmp(dst.data() + 1, src.data() + offset, size) == 0);
+    CHECK(dst.front() == 0xee);  // nothing written outside
+    CHECK(dst.back() == 0xee);
+  }
 }
 
 TEST_CASE("HashRanges hashes each range in order", "[memory]") {

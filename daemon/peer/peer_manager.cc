@@ -22,8 +22,14 @@ using std::chrono::milliseconds;
 constexpr auto kHelloDeadline = milliseconds(2000);
 constexpr auto kCallDeadline = milliseconds(10000);
 constexpr auto kMaxBackoff = milliseconds(2000);
-// 8 B per range in the reply: 2 MiB, under gRPC's default 4 MiB message limit.
-constexpr size_t kRangesPerChecksumCall = 1u << 18;
+// A reader's pin on a source's version lapses after kPinLeaseMs unless renewed; a pull renews
+// its pins every kPinRenewal.
+constexpr uint32_t kPinLeaseMs = 120000;
+constexpr auto kPinRenewal = std::chrono::seconds(30);
+// Per Checksum call: ranges (8 B each in the reply: 2 MiB, under gRPC's default 4 MiB message
+// limit) and runs (up to ~40 B each in the request).
+constexpr uint64_t kRangesPerChecksumCall = 1u << 18;
+constexpr size_t kRunsPerChecksumCall = 1u << 16;
 constexpr int kFetchTries = 3;
 
 std::chrono::system_clock::time_point In(milliseconds d) {
@@ -357,7 +363,7 @@ absl::Status PeerManager::Pull(const PullJob& job) {
     request.set_version(job.version);
     request.set_node(node_);
     request.set_release(release);
-    request.set_lease_ms(120000);
+    request.set_lease_ms(kPinLeaseMs);
     request.set_bytes_read(release ? bytes_from[node] : 0);
     v1::PinResponse response;
     grpc::ClientContext context;
@@ -406,10 +412,14 @@ absl::Status PeerManager::Pull(const PullJob& job) {
   auto read_hashes = std::make_shared<DataPlane::ReadHashes>();
   DataPlane::ReadHashes hashes(job.fetches.size());  // by the job's fetch index
   if (!full.fetches.empty()) {
-    auto result = data_plane_
-                      ->Pull(full, [this](uint64_t size) { return store_->AcquireSlot(size); },
-                             read_hashes)
-                      .get();
+    auto pulling = data_plane_->Pull(
+        full, [this](uint64_t size) { return store_->AcquireSlot(size); }, read_hashes);
+    // A long pull (a large model over a slow link) renews its pins before their lease lapses,
+    // so no source recycles a slot while it is being read.
+    while (pulling.wait_for(kPinRenewal) != std::future_status::ready) {
+      for (const auto& [node, bytes] : bytes_from) (void)pin(node, false);
+    }
+    auto result = pulling.get();
     status = result.status();
     if (result.ok()) {
       for (size_t i = 0; i < full_index.size(); ++i) {
@@ -428,38 +438,71 @@ absl::Status PeerManager::Pull(const PullJob& job) {
 absl::StatusOr<std::vector<uint64_t>> PeerManager::RemoteChecksums(
     const PullJob& job, size_t f, const std::vector<std::pair<uint64_t, uint64_t>>& chunks) {
   const PullJob::Fetch& fetch = job.fetches[f];
+  const std::vector<RangeRun> runs = ToRuns(chunks);
   std::vector<uint64_t> sums;
-  for (size_t first = 0; first < chunks.size(); first += kRangesPerChecksumCall) {
-    const size_t last = std::min(chunks.size(), first + kRangesPerChecksumCall);
+  sums.reserve(chunks.size());
+  size_t r = 0;
+  uint64_t done_of_run = 0;  // ranges of runs[r] already asked for
+  while (r < runs.size()) {
     v1::Peer::Stub* stub = StubFor(fetch.node);
     if (!stub) return absl::UnavailableError(absl::StrCat("node ", fetch.node, " went away"));
     v1::ChecksumRequest request;
     request.set_model(job.model);
     request.set_version(job.version);
     request.set_buffer_id(fetch.buffer_id);
-    const std::vector<std::pair<uint64_t, uint64_t>> slice(chunks.begin() + first,
-                                                           chunks.begin() + last);
-    for (const RangeRun& run : ToRuns(slice)) {
-      v1::RangeRun* r = request.add_runs();
-      r->set_offset(run.offset);
-      r->set_length(run.length);
-      r->set_stride(run.stride);
-      r->set_count(run.count);
+    uint64_t asked = 0;
+    while (r < runs.size() && static_cast<size_t>(request.runs_size()) < kRunsPerChecksumCall &&
+           asked < kRangesPerChecksumCall) {
+      const RangeRun& run = runs[r];
+      const uint64_t take = std::min(run.count - done_of_run, kRangesPerChecksumCall - asked);
+      v1::RangeRun* out = request.add_runs();
+      out->set_offset(run.offset + done_of_run * run.stride);
+      out->set_length(run.length);
+      out->set_stride(run.stride);
+      out->set_count(take);
+      asked += take;
+      done_of_run += take;
+      if (done_of_run == run.count) {
+        ++r;
+        done_of_run = 0;
+      }
     }
     v1::ChecksumResponse response;
-    grpc::ClientContext context;
-    context.set_deadline(In(kCallDeadline));
-    grpc::Status s = stub->Checksum(&context, request, &response);
+    grpc::Status s = CallChecksum(stub, request, &response);
+    if (s.ok() && response.sums_size() == 0 && response.xxh3_size() == 0 && asked > 0) {
+      // A source of an older release reads only plain ranges.
+      v1::ChecksumRequest plain = request;
+      plain.clear_runs();
+      std::vector<std::pair<uint64_t, uint64_t>> ranges;
+      for (const v1::RangeRun& run : request.runs()) {
+        AppendRanges({run.offset(), run.length(), run.stride(), run.count()}, &ranges);
+      }
+      for (const auto& [begin, end] : ranges) {
+        v1::ByteRange* range = plain.add_ranges();
+        range->set_offset(begin);
+        range->set_length(end - begin);
+      }
+      response.Clear();
+      s = CallChecksum(stub, plain, &response);
+      if (s.ok()) response.mutable_sums()->Add(response.xxh3().begin(), response.xxh3().end());
+    }
     if (!s.ok()) {
       return absl::UnavailableError(
           absl::StrCat("node ", fetch.node, " checksum: ", s.error_message()));
     }
-    if (static_cast<size_t>(response.sums_size()) != last - first) {
+    if (static_cast<uint64_t>(response.sums_size()) != asked) {
       return absl::DataLossError("checksum reply of the wrong length");
     }
     sums.insert(sums.end(), response.sums().begin(), response.sums().end());
   }
   return sums;
+}
+
+grpc::Status PeerManager::CallChecksum(v1::Peer::Stub* stub, const v1::ChecksumRequest& request,
+                                       v1::ChecksumResponse* response) {
+  grpc::ClientContext context;
+  context.set_deadline(In(kCallDeadline));
+  return stub->Checksum(&context, request, response);
 }
 
 absl::Status PeerManager::Verify(const PullJob& job,

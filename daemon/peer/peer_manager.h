@@ -72,6 +72,9 @@ class PeerManager {
   // The source's XXH3 of `chunks` of fetch `f` (asked while the bytes are still moving).
   absl::StatusOr<std::vector<uint64_t>> RemoteChecksums(
       const PullJob& job, size_t f, const std::vector<std::pair<uint64_t, uint64_t>>& chunks);
+  // One Checksum call, with its deadline.
+  static grpc::Status CallChecksum(v1::Peer::Stub* stub, const v1::ChecksumRequest& request,
+                                   v1::ChecksumResponse* response);
   // Checks every pulled range against `remote` (skipping fetches `verified` already).
   absl::Status Verify(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
                       const DataPlane::ReadHashes& read_hashes,

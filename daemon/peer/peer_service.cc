@@ -153,8 +153,9 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
 }
 
 namespace {
-// Ranges one Checksum call may ask about (a reader asks for at most 2^18 at a time).
-constexpr size_t kMaxChecksumRanges = 1u << 20;
+// Ranges one Checksum call may ask about: what a reader asks for at most (2^18: a 2 MiB
+// reply).
+constexpr size_t kMaxChecksumRanges = 1u << 18;
 }  // namespace
 
 grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumRequest* request,
@@ -175,28 +176,39 @@ grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumReque
                                      request->version()));
   }
   const uint64_t size = piece->slot->size();
-  // Every range asked for, checked before anything is read.
+  // Every range asked for, checked before anything is read. A reader asks about what it read:
+  // ranges that don't overlap within a run, and no more bytes than the piece holds, so one call
+  // costs at most one pass over the piece.
+  auto refuse = [](const std::string& why) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, why);
+  };
+  const std::string too_many = absl::StrCat("more than ", kMaxChecksumRanges,
+                                            " ranges, or more bytes than the piece, in one call");
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  uint64_t bytes = 0;
   for (const v1::ByteRange& r : request->ranges()) {
     if (r.offset() > size || r.length() > size - r.offset()) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "range past the piece's end");
+      return refuse("range past the piece's end");
     }
+    if (ranges.size() >= kMaxChecksumRanges || r.length() > size - bytes) return refuse(too_many);
+    bytes += r.length();
     ranges.emplace_back(r.offset(), r.offset() + r.length());
   }
   for (const v1::RangeRun& run : request->runs()) {
     if (run.count() == 0) continue;
-    if (run.count() > kMaxChecksumRanges - std::min(ranges.size(), kMaxChecksumRanges)) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("more than ", kMaxChecksumRanges, " ranges in one call"));
-    }
+    if (run.count() > kMaxChecksumRanges - ranges.size()) return refuse(too_many);
     const uint64_t steps = run.count() - 1;
+    if (steps > 0 && run.stride() < run.length()) {
+      return refuse("a run's ranges overlap (stride < length)");
+    }
     if (run.offset() > size || (steps > 0 && run.stride() > (size - run.offset()) / steps)) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "range past the piece's end");
+      return refuse("range past the piece's end");
     }
     const uint64_t last = run.offset() + steps * run.stride();
-    if (run.length() > size - last) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "range past the piece's end");
-    }
+    if (run.length() > size - last) return refuse("range past the piece's end");
+    // No overflow: count * length <= span of the run <= size.
+    if (run.count() * run.length() > size - bytes) return refuse(too_many);
+    bytes += run.count() * run.length();
     AppendRanges({run.offset(), run.length(), run.stride(), run.count()}, &ranges);
   }
   std::vector<uint64_t> sums(ranges.size());
@@ -223,7 +235,7 @@ grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumReque
   }
   const std::vector<uint64_t> hashed = HashRanges(piece->slot->data(), to_hash);
   for (size_t k = 0; k < hashed.size(); ++k) sums[hashed_at[k]] = hashed[k];
-  if (!off_grid.empty()) store_->NoteChecksumRanges(piece->buffer_id, ToRuns(off_grid));
+  if (!off_grid.empty()) store_->NoteChecksumRanges(piece->buffer_id, size, ToRuns(off_grid));
   metrics_->Add(kChecksumBytesHashed, static_cast<double>(hashed_bytes));
   if (corrupt_checksums_.load() > 0 && corrupt_checksums_.fetch_sub(1) > 0 && !sums.empty()) {
     sums[0] ^= 1;

@@ -377,7 +377,8 @@ namespace {
 constexpr uint64_t kHintPublishes = 4;
 }  // namespace
 
-void Store::NoteChecksumRanges(const std::string& buffer_id, const std::vector<RangeRun>& runs) {
+void Store::NoteChecksumRanges(const std::string& buffer_id, uint64_t piece_bytes,
+                               const std::vector<RangeRun>& runs) {
   std::shared_ptr<Buffer> buffer;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -387,8 +388,9 @@ void Store::NoteChecksumRanges(const std::string& buffer_id, const std::vector<R
   }
   ChecksumHints& hints = buffer->hints;
   std::lock_guard<std::mutex> lock(hints.mu);
+  const uint64_t max_bytes = 2 * piece_bytes;
   for (const RangeRun& run : runs) {
-    if (run.count == 0 || run.length == 0) continue;
+    if (run.count == 0 || run.length == 0 || run.length > kCopyBlockBytes) continue;
     auto it = hints.runs.find(run.offset);
     if (it != hints.runs.end()) {
       const RangeRun& had = it->second.first;
@@ -397,13 +399,19 @@ void Store::NoteChecksumRanges(const std::string& buffer_id, const std::vector<R
         continue;
       }
       hints.ranges -= had.count;
+      hints.bytes -= had.count * had.length;
       hints.runs.erase(it);
+      hints.sorted.reset();
     }
-    if (run.count > kMaxChecksumHints - std::min<uint64_t>(hints.ranges, kMaxChecksumHints)) {
+    // Callers pass validated runs (count * length <= the piece's size); no overflow below.
+    const uint64_t bytes = run.count * run.length;
+    if (run.count > kMaxChecksumHints - std::min<uint64_t>(hints.ranges, kMaxChecksumHints) ||
+        bytes > max_bytes - std::min(hints.bytes, max_bytes)) {
       continue;
     }
     hints.runs.emplace(run.offset, std::make_pair(run, hints.publishes));
     hints.ranges += run.count;
+    hints.bytes += bytes;
     hints.sorted.reset();
   }
 }
@@ -418,6 +426,7 @@ std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> Store::HintsFo
     const uint64_t end = run.offset + (run.count - 1) * run.stride + run.length;
     if (asked + kHintPublishes < hints.publishes || end > size) {
       hints.ranges -= run.count;
+      hints.bytes -= run.count * run.length;
       it = hints.runs.erase(it);
       hints.sorted.reset();
     } else {

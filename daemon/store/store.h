@@ -220,8 +220,10 @@ class Store {
   // too, while each block is in cache, so the next such request is answered from a table (a
   // resharded pull asks for the same ranges every version). Runs are kept by offset (a later
   // one replaces an earlier one there); a run not asked for again during 4 Publishes is
-  // dropped; at most kMaxChecksumHints ranges are kept per buffer.
-  void NoteChecksumRanges(const std::string& buffer_id, const std::vector<RangeRun>& runs);
+  // dropped. Kept per buffer: at most kMaxChecksumHints ranges, of at most kCopyBlockBytes each
+  // (longer ones are never hashed at Publish), and twice `piece_bytes` in all.
+  void NoteChecksumRanges(const std::string& buffer_id, uint64_t piece_bytes,
+                          const std::vector<RangeRun>& runs);
   static constexpr size_t kMaxChecksumHints = 1u << 19;
 
   // Fills the slot pool with the staging slots pulls of `model` will need (--retain + 1 per

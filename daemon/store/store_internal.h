@@ -24,6 +24,7 @@ struct Store::ChecksumHints {
   std::mutex mu;
   uint64_t publishes = 0;  // of the buffer so far
   uint64_t ranges = 0;     // in `runs`
+  uint64_t bytes = 0;      // in `runs`
   std::unordered_map<uint64_t, std::pair<RangeRun, uint64_t>> runs;
   std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> sorted;  // null: rebuild
 };

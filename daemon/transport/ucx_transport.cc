@@ -209,12 +209,16 @@ std::vector<std::pair<std::string, std::string>> UcxTransport::Options::DefaultC
   // 4 MiB gets: 1.96 against 1.03 GB/s). Receive segments are 64 KiB already. UCX hands a
   // setting it doesn't know itself to its transports under the unprefixed name (TX_SEG_SIZE
   // is tcp's), and warns when none takes it: only when tcp may be in use, and never over the
-  // operator's UCX_TCP_TX_SEG_SIZE.
+  // operator's tcp segment sizes (UCX refuses a send segment above the receive segment).
+  if (std::getenv("UCX_TCP_TX_SEG_SIZE") != nullptr || std::getenv("UCX_TCP_RX_SEG_SIZE")) {
+    return config;
+  }
   const char* tls = std::getenv("UCX_TLS");
-  const std::string tls_list = tls ? tls : "";
-  if (std::getenv("UCX_TCP_TX_SEG_SIZE") != nullptr) return config;
-  if (tls_list.empty() || tls_list[0] == '^' || tls_list.find("tcp") != std::string::npos ||
-      tls_list.find("all") != std::string::npos) {
+  const std::string list = tls ? tls : "";
+  const bool excluding = !list.empty() && list[0] == '^';  // "^a,b": all but a and b
+  const bool names_tcp = list.find("tcp") != std::string::npos;
+  const bool all = list.empty() || list.find("all") != std::string::npos;
+  if (all || (excluding ? !names_tcp : names_tcp)) {
     config.emplace_back("TX_SEG_SIZE", "64k");
   }
   return config;

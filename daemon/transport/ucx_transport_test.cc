@@ -5,6 +5,8 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "catch2/catch.hpp"
@@ -64,6 +66,42 @@ TEST_CASE("options apply UCX settings unless the environment sets them", "[trans
   t = UcxTransport::Create(options);
   INFO(t.status().ToString());
   CHECK(t.ok());
+}
+
+TEST_CASE("tcp's send segment is set only where tcp may run and the operator didn't",
+          "[transport][ucx]") {
+  auto sets_segment = [] {
+    for (const auto& [name, value] : UcxTransport::Options::DefaultConfig()) {
+      if (name == "TX_SEG_SIZE") return true;
+    }
+    return false;
+  };
+  const char* had = std::getenv("UCX_TLS");
+  const std::string saved = had ? had : "";
+  const std::vector<std::pair<std::string, bool>> cases = {
+      {"", true},          {"tcp", true},   {"sm,tcp", true}, {"all", true},
+      {"sm", false},       {"^tcp", false}, {"^sm", true},    {"rc,ud", false}};
+  for (const auto& [tls, expected] : cases) {
+    INFO("UCX_TLS=" << tls);
+    if (tls.empty()) {
+      unsetenv("UCX_TLS");
+    } else {
+      setenv("UCX_TLS", tls.c_str(), 1);
+    }
+    CHECK(sets_segment() == expected);
+  }
+  setenv("UCX_TLS", "tcp", 1);
+  setenv("UCX_TCP_RX_SEG_SIZE", "16k", 1);  // ours would exceed it: left alone
+  CHECK_FALSE(sets_segment());
+  unsetenv("UCX_TCP_RX_SEG_SIZE");
+  setenv("UCX_TCP_TX_SEG_SIZE", "32k", 1);
+  CHECK_FALSE(sets_segment());
+  unsetenv("UCX_TCP_TX_SEG_SIZE");
+  if (had) {
+    setenv("UCX_TLS", saved.c_str(), 1);
+  } else {
+    unsetenv("UCX_TLS");
+  }
 }
 
 TEST_CASE("UCX 1.13 shared memory refuses endpoints with peer-failure handling",
