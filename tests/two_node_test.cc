@@ -538,6 +538,37 @@ TEST_CASE("a restarted receiver pulls the newest version again", "[integration][
   CHECK(std::memcmp(src.data(), dst.data(), 1 << 20) == 0);
 }
 
+TEST_CASE("a source of an older release (plain checksum ranges only) still verifies pulls",
+          "[integration][two]") {
+  // The engine asks with RangeRun runs; this source ignores them (REFIT_FAULT_...), as a
+  // release before them would, and the engine asks again with plain ranges.
+  Pair p = StartPair({"REFIT_FAULT_CHECKSUM_WITHOUT_RUNS=1"});
+  constexpr int64_t kRows = 256, kCols = 2048;  // bf16, 4 KiB rows; the engine holds half
+  SharedMemory src = MakeShm(kRows * kCols * 2), dst = MakeShm(kRows * kCols);
+  auto s = p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(),
+                                     {Slice("w", v1::BF16, {kRows, kCols})});
+  auto d = p.inference->RegisterBuffer(
+      "m", v1::DESTINATION, dst.name(),
+      {Slice("w", v1::BF16, {kRows, kCols}, 0, {0, kCols / 2}, {kRows, kCols / 2})});
+  REQUIRE(s.ok());
+  REQUIRE(d.ok());
+  for (uint64_t v = 1; v <= 2; ++v) {
+    Fill(src, static_cast<uint32_t>(v + 7));
+    REQUIRE(p.trainer->Publish("m", v, {*s}).ok());
+    REQUIRE(p.inference->WaitForVersion("m", v, milliseconds(20000)).ok());
+    REQUIRE(p.inference->Apply("m", v, {*d}).ok());
+    for (int64_t row = 0; row < kRows; ++row) {
+      INFO("version " << v << " row " << row);
+      // The right half of each row (columns kCols / 2 on: kCols bytes in).
+      REQUIRE(std::memcmp(dst.data() + row * kCols, src.data() + row * kCols * 2 + kCols,
+                          kCols) == 0);
+    }
+  }
+  auto status = p.inference->Status();
+  REQUIRE(status.ok());
+  CHECK(status->metrics().at("refit_data_bytes_received_total") == 2.0 * kRows * kCols);
+}
+
 TEST_CASE("a checksum mismatch is fetched again; a persistent one fails the version",
           "[integration][two][failure]") {
   SECTION("one bad reply: the chunk is fetched again and the version completes") {

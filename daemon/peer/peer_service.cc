@@ -23,6 +23,10 @@ PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane,
     Logger("peer")->warn("fault injection: the first {} checksum replies will be wrong",
                          corrupt_checksums_.load());
   }
+  if (std::getenv("REFIT_FAULT_CHECKSUM_WITHOUT_RUNS") != nullptr) {
+    checksum_without_runs_ = true;
+    Logger("peer")->warn("fault injection: Checksum reads plain ranges only (an older release)");
+  }
 }
 
 void PeerService::NotifyChanged() {
@@ -195,6 +199,7 @@ grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumReque
     ranges.emplace_back(r.offset(), r.offset() + r.length());
   }
   for (const v1::RangeRun& run : request->runs()) {
+    if (checksum_without_runs_) break;  // unknown to an older release
     if (run.count() == 0) continue;
     if (run.count() > kMaxChecksumRanges - ranges.size()) return refuse(too_many);
     const uint64_t steps = run.count() - 1;
@@ -241,7 +246,7 @@ grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumReque
     sums[0] ^= 1;
   }
   // Older peers ask with `ranges` and read `xxh3`.
-  if (request->runs_size() == 0) {
+  if (request->runs_size() == 0 || checksum_without_runs_) {
     response->mutable_xxh3()->Add(sums.begin(), sums.end());
   } else {
     response->mutable_sums()->Add(sums.begin(), sums.end());

@@ -59,6 +59,9 @@ class PeerService final : public v1::Peer::Service {
   // Fault injection for tests: the first N Checksum replies are wrong
   // ($REFIT_FAULT_CORRUPT_CHECKSUMS; 0 in production).
   std::atomic<int64_t> corrupt_checksums_{0};
+  // Fault injection (REFIT_FAULT_CHECKSUM_WITHOUT_RUNS): answer Checksum as a release before
+  // RangeRun did, reading only plain ranges, so tests can check a newer reader falls back.
+  bool checksum_without_runs_ = false;
   Store* const store_;
   DataPlane* const data_plane_;
   DeltaSource* const deltas_;
