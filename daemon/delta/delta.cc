@@ -353,16 +353,35 @@ static absl::Status CheckChunkArguments(const DeltaIndex& index, size_t chunk,
   return CheckPayload(index, chunk, chunk_bytes, chunk_size);
 }
 
+// Applies checked chunk `chunk` to its elements at `elements`.
+static absl::Status ApplyChecked(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
+                                 uint64_t chunk_size, uint8_t* elements) {
+  const ChunkExpectation expect = ExpectationFor(index, index.chunks[chunk]);
+  RETURN_IF_ERROR(
+      WithChunk(ChunkDecoder::Verify(chunk_bytes, chunk_size, expect, elements), chunk));
+  // One decoder per thread: its zstd context and scratch are reused across chunks.
+  thread_local ChunkDecoder decoder;
+  return WithChunk(decoder.Apply(chunk_bytes, chunk_size, expect, elements), chunk);
+}
+
 absl::Status ApplyChunk(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
                         uint64_t chunk_size, uint8_t* base_inout, uint64_t base_bytes) {
   RETURN_IF_ERROR(CheckChunkArguments(index, chunk, chunk_bytes, chunk_size, base_bytes));
   const ChunkInfo& info = index.chunks[chunk];
-  const ChunkExpectation expect = ExpectationFor(index, info);
-  uint8_t* base = base_inout + info.first_element * index.element_size;
-  RETURN_IF_ERROR(WithChunk(ChunkDecoder::Verify(chunk_bytes, chunk_size, expect, base), chunk));
-  // One decoder per thread: its zstd context and scratch are reused across chunks.
-  thread_local ChunkDecoder decoder;
-  return WithChunk(decoder.Apply(chunk_bytes, chunk_size, expect, base), chunk);
+  return ApplyChecked(index, chunk, chunk_bytes, chunk_size,
+                      base_inout + info.first_element * index.element_size);
+}
+
+absl::Status ApplyChunkTo(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
+                          uint64_t chunk_size, uint8_t* chunk_inout, uint64_t chunk_inout_bytes) {
+  RETURN_IF_ERROR(
+      CheckChunkArguments(index, chunk, chunk_bytes, chunk_size, index.buffer_bytes()));
+  const uint64_t want = index.chunks[chunk].num_elements * index.element_size;
+  if (chunk_inout_bytes != want || (chunk_inout == nullptr && want != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("chunk ", chunk, " has ", want,
+                                                   " bytes; given ", chunk_inout_bytes));
+  }
+  return ApplyChecked(index, chunk, chunk_bytes, chunk_size, chunk_inout);
 }
 
 absl::Status ApplyChunkWithin(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,

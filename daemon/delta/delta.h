@@ -145,6 +145,12 @@ std::vector<size_t> ChunksOverlapping(const DeltaIndex& index, uint64_t first_el
 absl::Status ApplyChunk(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
                         uint64_t chunk_size, uint8_t* base_inout, uint64_t base_bytes);
 
+// ApplyChunk on a buffer holding only that chunk's elements: `chunk_inout` is
+// index.chunks[chunk].num_elements * index.element_size bytes (`chunk_inout_bytes`), e.g. a
+// copy in cache that the caller streams into place afterwards. Same checks and guarantees.
+absl::Status ApplyChunkTo(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
+                          uint64_t chunk_size, uint8_t* chunk_inout, uint64_t chunk_inout_bytes);
+
 // Like ApplyChunk for a receiver that holds only some bytes of the base (a resharded
 // destination needs only part of each source buffer): applies the chunk's changes to the
 // elements overlapping `ranges` (byte ranges of the buffer: sorted, disjoint, [begin, end))

@@ -28,6 +28,24 @@ Bytes MustEncode(const Bytes& base, const Bytes& target, DType dtype,
   return std::move(encoded).value();
 }
 
+// A bf16 base, a target with 2 % of it changed, and their delta in chunks of 4096 elements.
+struct Chunked {
+  Bytes base, target, delta;
+  DeltaIndex index;
+};
+Chunked MakeChunked(uint64_t elements, uint32_t seed) {
+  Chunked c;
+  c.base = RandomBytes(elements * 2, seed);
+  c.target = Mutate(c.base, 2, 0.02, Change::kMixed, seed + 1);
+  EncodeOptions options;
+  options.chunk_elements = 4096;
+  c.delta = MustEncode(c.base, c.target, DType::kBF16, options);
+  auto index = ParseIndex(c.delta.data(), c.delta.size());
+  REQUIRE(index.ok());
+  c.index = std::move(index).value();
+  return c;
+}
+
 // Encodes, checks the index, applies to a copy of base and checks the result.
 void CheckRoundTrip(const Bytes& base, const Bytes& target, DType dtype,
                     const EncodeOptions& options = {}) {
@@ -267,13 +285,11 @@ TEST_CASE("ChunksOverlapping names exactly the chunks a range touches", "[delta]
 
 TEST_CASE("applying only the chunks a range needs updates just those elements", "[delta]") {
   const uint64_t elements = 50000;
-  const Bytes base = RandomBytes(elements * 2, 21);
-  const Bytes target = Mutate(base, 2, 0.02, Change::kMixed, 22);
-  EncodeOptions options;
-  options.chunk_elements = 4096;
-  const Bytes delta = MustEncode(base, target, DType::kBF16, options);
-  auto index = ParseIndex(delta.data(), delta.size());
-  REQUIRE(index.ok());
+  const Chunked chunked = MakeChunked(elements, 21);
+  const Bytes& base = chunked.base;
+  const Bytes& target = chunked.target;
+  const Bytes& delta = chunked.delta;
+  const DeltaIndex* index = &chunked.index;
   const uint64_t first = 10000, count = 9000;
   const std::vector<size_t> chunks = ChunksOverlapping(*index, first, count);
   REQUIRE(chunks == std::vector<size_t>{2, 3, 4});
@@ -305,6 +321,36 @@ TEST_CASE("applying only the chunks a range needs updates just those elements", 
                 .ok());
   }
   CHECK((work == target));
+}
+
+TEST_CASE("ApplyChunkTo updates a copy of one chunk like ApplyChunk updates the buffer",
+          "[delta]") {
+  // 50,000 elements: 12 chunks of 4096 and a short last one.
+  const Chunked chunked = MakeChunked(50000, 31);
+  const Bytes& base = chunked.base;
+  const Bytes& target = chunked.target;
+  const Bytes& delta = chunked.delta;
+  const DeltaIndex* index = &chunked.index;
+  for (size_t c = 0; c < index->chunks.size(); ++c) {
+    const ChunkInfo& info = index->chunks[c];
+    const uint64_t lo = info.first_element * 2, n = info.num_elements * 2;
+    Bytes copy(base.begin() + static_cast<ptrdiff_t>(lo),
+               base.begin() + static_cast<ptrdiff_t>(lo + n));
+    const uint8_t* payload = delta.data() + info.encoded_offset;
+    INFO("chunk " << c);
+    REQUIRE(ApplyChunkTo(*index, c, payload, info.encoded_size, copy.data(), copy.size()).ok());
+    CHECK(std::memcmp(copy.data(), target.data() + lo, n) == 0);
+    // A buffer of another size, or the wrong base (already the target): refused, unchanged.
+    Bytes longer(n + 2, 0);
+    CHECK(ApplyChunkTo(*index, c, payload, info.encoded_size, longer.data(), longer.size())
+              .code() == absl::StatusCode::kInvalidArgument);
+    const Bytes before = copy;
+    if (std::memcmp(base.data() + lo, target.data() + lo, n) != 0) {
+      CHECK(ApplyChunkTo(*index, c, payload, info.encoded_size, copy.data(), copy.size())
+                .code() == absl::StatusCode::kFailedPrecondition);
+      CHECK((copy == before));
+    }
+  }
 }
 
 TEST_CASE("a receiver holding only some ranges of the base applies just those", "[delta]") {

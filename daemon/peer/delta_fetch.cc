@@ -13,6 +13,7 @@
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/delta/delta.h"
+#include "daemon/memory/stream_copy.h"
 
 namespace refit::peer {
 namespace {
@@ -138,15 +139,44 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
   std::atomic<uint64_t> next{0};
   std::mutex mu;
   absl::Status failed;
+  auto fail = [&](absl::Status status) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (failed.ok()) failed = std::move(status);
+    next = num_chunks;
+  };
   auto run = [&] {
+    // A changed chunk, with whole chunks, is built in this buffer (in cache: 512 KiB for bf16)
+    // and streamed into the slot: two passes over memory instead of three (a memcpy into the
+    // slot reads each line of it first).
+    std::vector<uint8_t> bounce;
     for (uint64_t c = next++; c < num_chunks; c = next++) {
       const uint64_t lo = c * chunk_bytes, hi = std::min(fetch.bytes, lo + chunk_bytes);
+      if (whole_chunks && !work[c].empty()) {
+        bounce.resize(hi - lo);
+        std::memcpy(bounce.data(), fetch.base->data() + lo, hi - lo);
+        for (const auto& [step, chunk] : work[c]) {
+          const delta::ChunkInfo& info = step->index.chunks[chunk];
+          if (info.first_element * first.element_size != lo) {
+            return fail(absl::FailedPreconditionError("a delta chunk is not where expected"));
+          }
+          absl::Status status = delta::ApplyChunkTo(
+              step->index, chunk, step->slot->data() + info.encoded_offset, info.encoded_size,
+              bounce.data(), bounce.size());
+          if (!status.ok()) return fail(std::move(status));
+        }
+        StreamCopy(slot->data() + lo, bounce.data(), hi - lo);
+        continue;
+      }
       // The needed ranges overlapping [lo, hi), copied from the base.
       auto it = std::partition_point(fetch.ranges.begin(), fetch.ranges.end(),
                                      [lo](const auto& r) { return r.second <= lo; });
       for (; it != fetch.ranges.end() && it->first < hi; ++it) {
         const uint64_t b = std::max(lo, it->first), e = std::min(hi, it->second);
-        std::memcpy(slot->data() + b, fetch.base->data() + b, e - b);
+        if (work[c].empty()) {
+          StreamCopy(slot->data() + b, fetch.base->data() + b, e - b);  // not read again soon
+        } else {
+          std::memcpy(slot->data() + b, fetch.base->data() + b, e - b);  // patched next
+        }
       }
       for (const auto& [step, chunk] : work[c]) {
         const delta::ChunkInfo& info = step->index.chunks[chunk];
@@ -157,20 +187,20 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
                                     slot->data(), slot->size())
                 : delta::ApplyChunkWithin(step->index, chunk, payload, info.encoded_size,
                                           fetch.ranges, slot->data(), slot->size());
-        if (!status.ok()) {
-          std::lock_guard<std::mutex> lock(mu);
-          if (failed.ok()) failed = status;
-          next = num_chunks;
-          return;
-        }
+        if (!status.ok()) return fail(std::move(status));
       }
     }
   };
   const unsigned threads =
       std::max(1u, std::min<unsigned>(std::thread::hardware_concurrency(), 16));
   std::vector<std::thread> pool;
-  for (unsigned t = 1; t < threads && t < num_chunks; ++t) pool.emplace_back(run);
-  run();
+  // Each thread orders its streaming stores before the slot is handed on.
+  auto fenced = [&] {
+    run();
+    StoreFence();
+  };
+  for (unsigned t = 1; t < threads && t < num_chunks; ++t) pool.emplace_back(fenced);
+  fenced();
   for (std::thread& t : pool) t.join();
   RETURN_IF_ERROR(failed);
   return slot;
