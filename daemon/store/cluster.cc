@@ -394,8 +394,12 @@ void Store::NoteChecksumRanges(const std::string& buffer_id, uint64_t piece_byte
     auto it = hints.runs.find(run.offset);
     if (it != hints.runs.end()) {
       const RangeRun& had = it->second.first;
-      if (had.length == run.length && had.stride == run.stride && had.count == run.count) {
-        it->second.second = hints.publishes;  // asked again: keep it
+      // The same run, or its first ranges (a reader asking again about a few chunks that
+      // failed their checksum): keep the run.
+      const bool same_grid = had.length == run.length &&
+                             (run.count == 1 || had.stride == run.stride);
+      if (same_grid && run.count <= had.count) {
+        it->second.second = hints.publishes;  // asked again
         continue;
       }
       hints.ranges -= had.count;

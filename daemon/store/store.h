@@ -219,8 +219,9 @@ class Store {
   // `buffer_id`, off the Publish-time grid. The next Publishes of the buffer hash these ranges
   // too, while each block is in cache, so the next such request is answered from a table (a
   // resharded pull asks for the same ranges every version). Runs are kept by offset (a later
-  // one replaces an earlier one there); a run not asked for again during 4 Publishes is
-  // dropped. Kept per buffer: at most kMaxChecksumHints ranges, of at most kCopyBlockBytes each
+  // one replaces an earlier one there, unless it is only that run's first ranges, as a reader
+  // asking again about chunks that failed would send); a run not asked for again during 4
+  // Publishes is dropped. Kept per buffer: at most kMaxChecksumHints ranges, of at most kCopyBlockBytes each
   // (longer ones are never hashed at Publish), and twice `piece_bytes` in all.
   void NoteChecksumRanges(const std::string& buffer_id, uint64_t piece_bytes,
                           const std::vector<RangeRun>& runs);

@@ -3,6 +3,8 @@
 #include <cstring>
 #include <thread>
 
+#include <xxhash.h>
+
 #include "catch2/catch.hpp"
 
 namespace refit {
@@ -84,6 +86,57 @@ TEST_CASE_METHOD(Fixture, "publish then apply copies a version bit-exact", "[sto
   CHECK(std::memcmp(dst.data + 64, src.data, 256) == 0);
   CHECK(metrics.Get(kVersionsCompleted) == 1);
   CHECK(metrics.Get(kApplyBytes) == 320);
+}
+
+TEST_CASE_METHOD(Fixture, "Publish hashes the ranges peers asked checksums for", "[store]") {
+  constexpr uint64_t kSize = 1 << 20;
+  // Snapshots for other nodes are kept only when something serves them.
+  StoreListener listener;
+  listener.local_version_ready = [](const std::string&, uint64_t) {};
+  store.SetListener(listener);
+  TestBuffer src(kSize);
+  auto s = store.RegisterBuffer("m", Role::kSource, src.Lend(),
+                                {Whole("w", DType::kUINT8, {static_cast<int64_t>(kSize)}, 0)}, "");
+  REQUIRE(s.ok());
+  uint64_t version = 0;
+  // Publishes a new version and returns its Publish-time range sums (null: none).
+  auto publish = [&]() -> std::shared_ptr<const RangeSums> {
+    ++version;
+    for (uint64_t i = 0; i < kSize; ++i) src.data[i] = static_cast<uint8_t>(i * version + i / 7);
+    REQUIRE(store.Publish("m", version, {*s}).ok());
+    auto snapshot = store.GetLocalSnapshot("m", version);
+    REQUIRE(snapshot.ok());
+    REQUIRE((*snapshot)->pieces.size() == 1);
+    return (*snapshot)->pieces[0].range_xxh3;
+  };
+  CHECK(publish() == nullptr);  // nobody asked yet
+  // One run of 100 ranges, and one Publish can never hash (longer than a copy block).
+  store.NoteChecksumRanges(*s, kSize, {{4096, 1024, 8192, 100}, {0, kCopyBlockBytes + 1, 0, 1}});
+  auto sums = publish();
+  REQUIRE(sums != nullptr);
+  REQUIRE(sums->size() == 100);
+  for (uint64_t i = 0; i < 100; ++i) {
+    uint64_t got = 0;
+    REQUIRE(sums->Find(4096 + i * 8192, 1024, &got));
+    CHECK(got == XXH3_64bits(src.data + 4096 + i * 8192, 1024));
+  }
+  // Asking again about its first ranges (a refetch) keeps the run.
+  store.NoteChecksumRanges(*s, kSize, {{4096, 1024, 8192, 3}});
+  sums = publish();
+  REQUIRE(sums != nullptr);
+  CHECK(sums->size() == 100);
+  // Another run at the same offset replaces it.
+  store.NoteChecksumRanges(*s, kSize, {{4096, 2048, 8192, 10}});
+  sums = publish();
+  REQUIRE(sums != nullptr);
+  CHECK(sums->size() == 10);
+  uint64_t got = 0;
+  CHECK(sums->Find(4096 + 9 * 8192, 2048, &got));
+  CHECK_FALSE(sums->Find(4096, 1024, &got));
+  // Not asked about again: dropped after a few Publishes.
+  int publishes = 0;
+  while (publish() != nullptr) REQUIRE(++publishes < 6);
+  CHECK(publishes >= 3);
 }
 
 TEST_CASE_METHOD(Fixture, "a version is a snapshot taken at Publish", "[store]") {
