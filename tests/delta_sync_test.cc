@@ -67,6 +67,9 @@ struct Cluster {
   std::unique_ptr<SharedMemory> source, dest;
   std::string source_id, dest_id;
   int port = 0;
+  // The engine holds the whole source buffer in the source's layout (whole delta chunks),
+  // instead of tensor-parallel rank 0.
+  bool whole = false;
 
   void StartEngine(const std::vector<std::string>& extra) {
     std::vector<std::string> args = {"--node=engine",
@@ -83,9 +86,11 @@ struct Cluster {
       if (s.ok() && s->peers_size() == 1 && s->peers(0).connected()) break;
       std::this_thread::sleep_for(milliseconds(50));
     }
+    const uint64_t bytes = whole ? data.versions[0].size() : engine.bytes;
     dest = std::make_unique<SharedMemory>(
-        SharedMemory::Create(testing::UniqueShmName("tp2"), engine.bytes).value());
-    auto id = client->RegisterBuffer("tiny-llama", v1::DESTINATION, dest->name(), engine.slices);
+        SharedMemory::Create(testing::UniqueShmName("tp2"), bytes).value());
+    auto id = client->RegisterBuffer("tiny-llama", v1::DESTINATION, dest->name(),
+                                     whole ? testing::SourceSlices(data) : engine.slices);
     REQUIRE(id.ok());
     dest_id = *id;
   }
@@ -123,7 +128,11 @@ struct Cluster {
     std::memset(dest->data(), 0xAB, dest->size());
     auto applied = client->Apply("tiny-llama", v + 1, {dest_id});
     REQUIRE(applied.ok());
-    CHECK(testing::CountWrongRuns(engine, dest->data(), data.versions[v]) == 0);
+    if (whole) {
+      CHECK(std::memcmp(dest->data(), data.versions[v].data(), data.versions[v].size()) == 0);
+    } else {
+      CHECK(testing::CountWrongRuns(engine, dest->data(), data.versions[v]) == 0);
+    }
   }
 
   double Received() { return Metric(*client, "refit_data_bytes_received_total"); }
@@ -215,6 +224,32 @@ TEST_CASE("a receiver that missed versions catches up through the deltas", "[int
   CHECK(Metric(*c.client, "refit_full_versions_total") == 1);
   CHECK(Metric(*c.client, "refit_delta_versions_total") >= 2);
   CHECK(c.Received() < 1.1 * static_cast<double>(c.engine.bytes));
+}
+
+TEST_CASE("an engine holding whole chunks builds each delta version in cache, bit-exact",
+          "[integration][delta]") {
+  // Whole delta chunks take the other build path: each changed chunk is copied from the base
+  // into a buffer, patched and checked there, and streamed into the staging slot.
+  Cluster c;
+  REQUIRE_FALSE(Load().versions.empty());
+  c.whole = true;
+  c.Start({});
+  c.Publish(0);
+  c.ReceiveAndCheck(0);
+  c.Publish(1);
+  c.ReceiveAndCheck(1);  // one step
+  // Two versions while the engine's daemon sleeps: a chain of two steps on one chunk buffer.
+  REQUIRE(kill(c.engine_node->pid(), SIGSTOP) == 0);
+  c.Publish(2);
+  c.Publish(3);
+  std::this_thread::sleep_for(milliseconds(500));
+  REQUIRE(kill(c.engine_node->pid(), SIGCONT) == 0);
+  c.ReceiveAndCheck(3);
+  CHECK(Metric(*c.client, "refit_full_versions_total") == 1);
+  CHECK(Metric(*c.client, "refit_delta_versions_total") >= 2);
+  CHECK(Metric(*c.client, "refit_delta_fallbacks_total") == 0);
+  // Full bytes once, then only deltas.
+  CHECK(c.Received() < 1.1 * static_cast<double>(c.data.versions[0].size()));
 }
 
 }  // namespace

@@ -567,6 +567,23 @@ TEST_CASE("a source of an older release (plain checksum ranges only) still verif
   auto status = p.inference->Status();
   REQUIRE(status.ok());
   CHECK(status->metrics().at("refit_data_bytes_received_total") == 2.0 * kRows * kCols);
+  // The source really ignores runs (so the pulls above went through the fallback).
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(ListenPort(*p.source)),
+                                     grpc::InsecureChannelCredentials());
+  v1::ChecksumRequest request;
+  request.set_model("m");
+  request.set_version(2);
+  request.set_buffer_id(*s);
+  v1::RangeRun* run = request.add_runs();
+  run->set_offset(0);
+  run->set_length(100);
+  run->set_count(1);
+  v1::ChecksumResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  REQUIRE(v1::Peer::NewStub(channel)->Checksum(&context, request, &response).ok());
+  CHECK(response.sums_size() == 0);
+  CHECK(response.xxh3_size() == 0);
 }
 
 TEST_CASE("a checksum mismatch is fetched again; a persistent one fails the version",

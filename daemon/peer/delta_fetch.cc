@@ -144,14 +144,18 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
     if (failed.ok()) failed = std::move(status);
     next = num_chunks;
   };
+  // A changed chunk, with whole chunks, is built in a buffer in cache (512 KiB for bf16 at the
+  // default 2^18 elements) and streamed into the slot: two passes over memory instead of three
+  // (a memcpy into the slot reads each line of it first). ApplyChunkTo checks the chunk's
+  // target checksum on that buffer; the slot gets exactly its bytes. Chunks larger than
+  // kBounceMax (a sender's choice) are patched in place in the slot, as before.
+  constexpr uint64_t kBounceMax = 4ull << 20;
+  const bool bounce_chunks = whole_chunks && chunk_bytes <= kBounceMax;
   auto run = [&] {
-    // A changed chunk, with whole chunks, is built in this buffer (in cache: 512 KiB for bf16)
-    // and streamed into the slot: two passes over memory instead of three (a memcpy into the
-    // slot reads each line of it first).
     std::vector<uint8_t> bounce;
     for (uint64_t c = next++; c < num_chunks; c = next++) {
       const uint64_t lo = c * chunk_bytes, hi = std::min(fetch.bytes, lo + chunk_bytes);
-      if (whole_chunks && !work[c].empty()) {
+      if (bounce_chunks && !work[c].empty()) {
         bounce.resize(hi - lo);
         std::memcpy(bounce.data(), fetch.base->data() + lo, hi - lo);
         for (const auto& [step, chunk] : work[c]) {
@@ -172,10 +176,12 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
                                      [lo](const auto& r) { return r.second <= lo; });
       for (; it != fetch.ranges.end() && it->first < hi; ++it) {
         const uint64_t b = std::max(lo, it->first), e = std::min(hi, it->second);
-        if (work[c].empty()) {
-          StreamCopy(slot->data() + b, fetch.base->data() + b, e - b);  // not read again soon
+        // Unchanged whole chunks aren't read again soon; anything else is patched or hashed
+        // next, while in cache.
+        if (bounce_chunks && work[c].empty()) {
+          StreamCopy(slot->data() + b, fetch.base->data() + b, e - b);
         } else {
-          std::memcpy(slot->data() + b, fetch.base->data() + b, e - b);  // patched next
+          std::memcpy(slot->data() + b, fetch.base->data() + b, e - b);
         }
       }
       for (const auto& [step, chunk] : work[c]) {

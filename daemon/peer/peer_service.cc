@@ -23,7 +23,8 @@ PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane,
     Logger("peer")->warn("fault injection: the first {} checksum replies will be wrong",
                          corrupt_checksums_.load());
   }
-  if (std::getenv("REFIT_FAULT_CHECKSUM_WITHOUT_RUNS") != nullptr) {
+  if (const char* fault = std::getenv("REFIT_FAULT_CHECKSUM_WITHOUT_RUNS");
+      fault != nullptr && std::string(fault) != "" && std::string(fault) != "0") {
     checksum_without_runs_ = true;
     Logger("peer")->warn("fault injection: Checksum reads plain ranges only (an older release)");
   }
