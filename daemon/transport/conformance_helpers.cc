@@ -35,6 +35,14 @@ std::unique_ptr<RemoteMemory> Import(Endpoint& endpoint, const std::string& desc
   return *std::move(remote);
 }
 
+PeerLink::PeerLink(uint64_t size, uint64_t seed, bool allocate)
+    : peer(StartPeer(size, seed, allocate)),
+      t(MakeTransport()),
+      buffer(size),
+      memory(Register(*t, buffer)),
+      endpoint(ConnectTo(*t, peer->address())),
+      remote(Import(*endpoint, peer->descriptor())) {}
+
 uint64_t NextCookie() {
   static uint64_t cookie = 1000;
   return ++cookie;

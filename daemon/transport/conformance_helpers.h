@@ -37,6 +37,20 @@ std::unique_ptr<RemoteMemory> Import(Endpoint& endpoint, const std::string& desc
 // A PeerProcess of TestBackend(); call before this process makes a transport.
 std::unique_ptr<PeerProcess> StartPeer(uint64_t size, uint64_t seed, bool allocate = false);
 
+// A peer process serving `size` pattern bytes (StartPeer) and, in this process, a transport, a
+// registered buffer of `size` bytes, an endpoint to the peer and the peer's memory imported.
+// The peer starts first (it forks before this process has a transport). Members go in reverse
+// order: imports and endpoints before the transport, the peer last.
+struct PeerLink {
+  PeerLink(uint64_t size, uint64_t seed, bool allocate = false);
+  std::unique_ptr<PeerProcess> peer;
+  std::unique_ptr<Transport> t;
+  Buffer buffer;
+  std::unique_ptr<LocalMemory> memory;
+  std::unique_ptr<Endpoint> endpoint;
+  std::unique_ptr<RemoteMemory> remote;
+};
+
 // A cookie never used before in this process.
 uint64_t NextCookie();
 

@@ -17,12 +17,8 @@ TEST_CASE("two processes: get is bit-exact up to 256 MiB in chunks",
           "[transport][conformance][process]") {
   if (!TestBackend().cross_process) return;
   const uint64_t size = 256 * kMiB;
-  auto peer = StartPeer(size, 21);  // before this process makes its transport
-  auto t = MakeTransport();
-  Buffer buffer(size);
-  auto memory = Register(*t, buffer);
-  auto endpoint = ConnectTo(*t, peer->address());
-  auto remote = Import(*endpoint, peer->descriptor());
+  PeerLink link(size, 21);  // before this process makes its transport
+  auto& [peer, t, buffer, memory, endpoint, remote] = link;
   REQUIRE(remote->length() == size);
   struct Case {
     uint64_t offset, length, chunk;
@@ -58,12 +54,8 @@ TEST_CASE("two processes: get and put on memory the peer's transport allocated",
           "[transport][conformance][process]") {
   if (!TestBackend().cross_process) return;
   const uint64_t size = 64 * kMiB + 4097;  // not a whole number of pages or chunks
-  auto peer = StartPeer(size, 33, /*allocate=*/true);
-  auto t = MakeTransport();
-  Buffer buffer(size);
-  auto memory = Register(*t, buffer);
-  auto endpoint = ConnectTo(*t, peer->address());
-  auto remote = Import(*endpoint, peer->descriptor());
+  PeerLink link(size, 33, /*allocate=*/true);
+  auto& [peer, t, buffer, memory, endpoint, remote] = link;
   REQUIRE(remote->length() == size);
   // Shared memory must take the mapped path; anything else must not claim to.
   CHECK(remote->mapped() == TestBackend().maps_peer_memory);
@@ -112,13 +104,9 @@ TEST_CASE("two processes: PostGetSpans moves many short ranges as one op",
 TEST_CASE("two processes: put is bit-exact", "[transport][conformance][process]") {
   if (!TestBackend().cross_process) return;
   const uint64_t size = 64 * kMiB;
-  auto peer = StartPeer(size, 5);
-  auto t = MakeTransport();
-  Buffer buffer(size);
+  PeerLink link(size, 5);
+  auto& [peer, t, buffer, memory, endpoint, remote] = link;
   FillPattern(buffer.data(), size, 77, 0);
-  auto memory = Register(*t, buffer);
-  auto endpoint = ConnectTo(*t, peer->address());
-  auto remote = Import(*endpoint, peer->descriptor());
   const uint64_t offset = 12345, length = size - 2 * offset;
   absl::Status s =
       Transfer(false, *t, {}, *endpoint, *memory, offset, *remote, offset, length, kMiB, 16);
@@ -252,12 +240,8 @@ TEST_CASE("two processes: an idle peer's death is noticed", "[transport][conform
     WARN(TestBackend().name << " does not detect peer failure: skipped");
     return;
   }
-  auto peer = StartPeer(kMiB, 41);
-  auto t = MakeTransport();
-  Buffer buffer(kMiB);
-  auto memory = Register(*t, buffer);
-  auto endpoint = ConnectTo(*t, peer->address());
-  auto remote = Import(*endpoint, peer->descriptor());
+  PeerLink link(kMiB, 41);
+  auto& [peer, t, buffer, memory, endpoint, remote] = link;
   REQUIRE(Transfer(true, *t, {}, *endpoint, *memory, 0, *remote, 0, kMiB, kMiB, 1).ok());
   int handler_calls = 0;
   endpoint->SetFailureHandler([&](const absl::Status&) { ++handler_calls; });
@@ -284,12 +268,8 @@ TEST_CASE("two processes: ops stuck on an unresponsive peer end when the endpoin
     WARN(TestBackend().name << " can't abort ops: skipped");
     return;
   }
-  auto peer = StartPeer(16 * kMiB, 61);
-  auto t = MakeTransport();
-  Buffer buffer(16 * kMiB);
-  auto memory = Register(*t, buffer);
-  auto endpoint = ConnectTo(*t, peer->address());
-  auto remote = Import(*endpoint, peer->descriptor());
+  PeerLink link(16 * kMiB, 61);
+  auto& [peer, t, buffer, memory, endpoint, remote] = link;
   REQUIRE(Transfer(true, *t, {}, *endpoint, *memory, 0, *remote, 0, kMiB, kMiB, 1).ok());
   peer->Stop();  // alive, its kernel still ACKs TCP, but it never serves anything
   std::vector<uint64_t> cookies;
