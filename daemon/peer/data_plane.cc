@@ -270,9 +270,10 @@ void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
     size_t n = 1;
     uint64_t bytes = op.length;
     if (op.length < kShortRead) {
-      // A batch from a mapped slot is one copy job; otherwise each span is a transport read
-      // and counts against kMaxReadsInFlight.
-      const bool one_job = t.remote[op.fetch]->mapped();
+      // A batch from a mapped slot is one copy job, and a gathering transport moves it as a
+      // few messages; otherwise each span is a transport read and counts against
+      // kMaxReadsInFlight.
+      const bool one_job = OneRead(t, op.fetch);
       while (t.next + n < t.ops.size() && n < kSpansPerBatch &&
              (one_job || t.inflight + static_cast<int>(n) < kMaxReadsInFlight)) {
         const Transfer::Op& more = t.ops[t.next + n];
@@ -301,7 +302,7 @@ void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
       Fail(t, posted);
       break;
     }
-    const int reads = t.remote[op.fetch]->mapped() ? 1 : static_cast<int>(n);
+    const int reads = OneRead(t, op.fetch) ? 1 : static_cast<int>(n);
     t.next += n;
     t.inflight += reads;
     t.bytes_inflight += bytes;
@@ -311,6 +312,11 @@ void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
     t.finished = true;
     t.done(t.status);
   }
+}
+
+bool DataPlane::OneRead(const Transfer& t, size_t fetch) const {
+  return t.remote[fetch]->mapped() || (transport_->capabilities().gathers_spans &&
+                                       t.local[fetch]->kind() == MemoryKind::kHost);
 }
 
 void DataPlane::RecordHashes(Transfer& t, const InFlight& done,

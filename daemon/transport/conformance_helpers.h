@@ -51,6 +51,9 @@ struct PeerLink {
   std::unique_ptr<RemoteMemory> remote;
 };
 
+// [offset, +length) as `count` equal spans (the same offsets on both sides).
+std::vector<Span> SplitRange(uint64_t offset, uint64_t length, uint64_t count);
+
 // A cookie never used before in this process.
 uint64_t NextCookie();
 

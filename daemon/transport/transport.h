@@ -72,6 +72,9 @@ struct Capabilities {
   bool rma_get = false;      // PostGet works
   bool rma_put = false;      // PostPut works
   bool cuda_memory = false;  // RegisterMemory accepts MemoryKind::kCuda (else stage via host)
+  // PostGetSpans into host memory moves all its spans as a few messages, not one op per span
+  // (UCX: gathers), so a caller may post large batches without holding a request per span.
+  bool gathers_spans = false;
   std::string detail;        // backend specifics for logs, e.g. the UCX version and memory types
 };
 

@@ -168,7 +168,11 @@ TEST_CASE(
   while ((next < size || results.size() < posted) && Clock::now() < deadline) {
     while (next < size && posted - results.size() < 64) {
       uint64_t cookie = NextCookie();
-      absl::Status s = endpoint->PostGet(*memory, next, *remote, next, chunk, cookie);
+      // Every other chunk as 256 short spans (PostGetSpans: UCX over tcp gathers them).
+      absl::Status s =
+          (next / chunk) % 2 == 1
+              ? endpoint->PostGetSpans(*memory, *remote, SplitRange(next, chunk, 256), cookie)
+              : endpoint->PostGet(*memory, next, *remote, next, chunk, cookie);
       next += chunk;
       if (!s.ok()) {
         INFO(s.ToString());
@@ -276,6 +280,9 @@ TEST_CASE("two processes: ops stuck on an unresponsive peer end when the endpoin
   for (uint64_t off = 0; off < 16 * kMiB; off += kMiB) {
     cookies.push_back(NextCookie());
     REQUIRE(endpoint->PostGet(*memory, off, *remote, off, kMiB, cookies.back()).ok());
+    cookies.push_back(NextCookie());
+    REQUIRE(endpoint->PostGetSpans(*memory, *remote, SplitRange(off, kMiB, 128), cookies.back())
+                .ok());
   }
   endpoint->Cancel();
   Results results;

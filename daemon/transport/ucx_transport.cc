@@ -10,53 +10,10 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/transport/ucx_internal.h"
 #include "daemon/transport/wire.h"
 
 namespace refit::transport {
-
-// A memory registration; ops in flight share it, so it outlives its LocalMemory if need be.
-struct UcxTransport::MemHolder {
-  std::shared_ptr<ucp_context> context;  // declared first: outlives memh
-  ucx::MemPtr memh;
-};
-
-// A remote key unpacked on one endpoint; shared with the ops that use it.
-struct UcxTransport::RkeyHolder {
-  ucx::RkeyPtr rkey;
-};
-
-// One ucp_ep and what its ops need even after the Endpoint object is gone.
-struct UcxTransport::EpState {
-  UcxTransport* owner = nullptr;
-  ucp_ep_h ep = nullptr;  // closed through UcxTransport::CloseEp
-  uint64_t peer_identity = 0;
-  std::weak_ptr<EpState> self;
-  absl::Status failure;      // UNAVAILABLE once UCX reported the peer failed
-  uint64_t epoch = 0;        // bumped by Cancel: ops of older epochs report CANCELLED
-  bool closed = false;       // the Endpoint was destroyed: every op reports CANCELLED
-  uint64_t outstanding = 0;  // posted, not yet returned by Poll
-  uint64_t in_ucx = 0;       // posted, UCX not done with them
-  std::function<void(const absl::Status&)> handler;
-  // Ops on the CopyEngine: `abandon` makes queued ones skip their copy (the Endpoint is going),
-  // `copying` counts those that may still touch their buffers.
-  std::atomic<bool> abandon{false};
-  std::atomic<uint64_t> copying{0};
-};
-
-// The gets of one PostGetSpans posted one by one: a single completion when the last is done.
-struct UcxTransport::Group {
-  uint64_t remaining = 0;
-  ucs_status_t status = UCS_OK;  // the first error
-};
-
-struct UcxTransport::Op {
-  std::shared_ptr<EpState> ep;
-  std::shared_ptr<MemHolder> mem;
-  std::shared_ptr<RkeyHolder> rkey;
-  uint64_t cookie;
-  uint64_t epoch;
-  std::shared_ptr<Group> group = nullptr;  // set for the gets of a PostGetSpans
-};
 
 namespace {
 
@@ -90,13 +47,29 @@ class UcxTransport::UcxLocalMemory final : public LocalMemory {
   // `counted`: must go before the transport (RegisterMemory); AllocateMemory's memory keeps the
   // context alive itself and never touches the transport again.
   UcxLocalMemory(UcxTransport* owner, void* address, uint64_t length, MemoryKind kind,
-                 std::shared_ptr<MemHolder> mem, std::string descriptor, bool counted)
+                 std::shared_ptr<MemHolder> mem, std::string descriptor, bool counted,
+                 std::shared_ptr<Registry> registry)
       : LocalMemory(address, length, kind), owner_(owner), mem_(std::move(mem)),
-        counted_(counted) {
+        counted_(counted), registry_(std::move(registry)) {
     set_descriptor(std::move(descriptor));
     if (counted_) ++owner_->live_objects_;
+    std::lock_guard<std::mutex> lock(registry_->mu);
+    registry_->by_address.emplace(reinterpret_cast<uint64_t>(address),
+                                  Registry::Entry{length, kind, mem_});
   }
   ~UcxLocalMemory() override {
+    {
+      // From now on peers' gathers can't read it (one already being sent keeps mem_ alive).
+      std::lock_guard<std::mutex> lock(registry_->mu);
+      auto [begin, end] =
+          registry_->by_address.equal_range(reinterpret_cast<uint64_t>(address()));
+      for (auto it = begin; it != end; ++it) {
+        if (it->second.mem.lock() == mem_) {
+          registry_->by_address.erase(it);
+          break;
+        }
+      }
+    }
     if (counted_) --owner_->live_objects_;
   }
   const UcxTransport* owner() const { return owner_; }
@@ -106,6 +79,7 @@ class UcxTransport::UcxLocalMemory final : public LocalMemory {
   UcxTransport* owner_;
   std::shared_ptr<MemHolder> mem_;
   bool counted_;
+  std::shared_ptr<Registry> registry_;
 };
 
 class UcxTransport::UcxRemoteMemory final : public RemoteMemory {
@@ -142,6 +116,7 @@ class UcxTransport::UcxEndpoint final : public Endpoint {
     // Copies already running finish within one chunk's memcpy; queued ones are skipped.
     state_->abandon.store(true, std::memory_order_release);
     while (state_->copying.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+    owner_->AbortGathers(state_.get(), UCS_ERR_CANCELED);
     owner_->CloseEp(state_);
     --owner_->live_objects_;
   }
@@ -234,6 +209,8 @@ absl::Status UcxTransport::Init(const Options& options) {
   identity_ = NewTransportIdentity();
   close_timeout_ = options.close_timeout;
   peer_failure_handling_ = options.peer_failure_handling;
+  serve_gathers_ = options.serve_gathers;
+  registry_ = std::make_shared<Registry>();
 
   ucp_config_t* raw_config = nullptr;
   ucs_status_t s = ucp_config_read(nullptr, nullptr, &raw_config);
@@ -258,7 +235,7 @@ absl::Status UcxTransport::Init(const Options& options) {
   std::memset(&params, 0, sizeof(params));
   params.field_mask =
       UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  params.features = UCP_FEATURE_RMA;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;  // AM: gathers (ucx_gather.cc)
   params.name = "refit";
   // AllocateMemory and freeing its memory happen on any thread: the context's own lock.
   params.mt_workers_shared = 1;
@@ -281,6 +258,7 @@ absl::Status UcxTransport::Init(const Options& options) {
         absl::StrCat("ucp_worker_create: ", ucs_status_string(s), " (check UCX_TLS)"));
   }
   worker_.reset(worker);
+  RETURN_IF_ERROR(InitGathers());
 
   ucp_address_t* raw_address = nullptr;
   size_t address_length = 0;
@@ -301,6 +279,7 @@ absl::Status UcxTransport::Init(const Options& options) {
   capabilities_.name = "ucx";
   capabilities_.rma_get = true;
   capabilities_.rma_put = true;
+  capabilities_.gathers_spans = true;
   capabilities_.cuda_memory = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
   capabilities_.detail = absl::StrCat("UCX ", major, ".", minor, ".", release,
                                       ", memory types: ", MemoryTypesString(attr.memory_types));
@@ -346,6 +325,9 @@ UcxTransport::~UcxTransport() {
   done_.clear();
   newly_failed_.clear();
   worker_.reset();
+  // Replies UCX never finished sending (a peer gone quiet): their requests went with the worker.
+  for (Serve* serve : serves_) delete serve;
+  serves_.clear();
   context_.reset();
 }
 
@@ -414,7 +396,8 @@ absl::StatusOr<std::unique_ptr<LocalMemory>> UcxTransport::MakeLocalMemory(
   d.length = length;
   d.payload.assign(static_cast<const char*>(packed), packed_size);
   return std::unique_ptr<LocalMemory>(new UcxLocalMemory(
-      this, address, length, kind, std::move(mem), EncodeDescriptor(d), /*counted=*/!owned));
+      this, address, length, kind, std::move(mem), EncodeDescriptor(d), /*counted=*/!owned,
+      registry_));
 }
 
 absl::StatusOr<std::unique_ptr<Endpoint>> UcxTransport::Connect(std::string_view peer_address) {
@@ -591,7 +574,9 @@ void UcxTransport::FinishOp(Op* op, ucs_status_t status) {
     Group& group = *op->group;
     if (status != UCS_OK && group.status == UCS_OK) group.status = status;
     if (--group.remaining == 0) {
-      done_.push_back({std::move(op->ep), op->cookie, op->epoch, group.status});
+      const bool hashed = group.hashed && group.status == UCS_OK;
+      done_.push_back({std::move(op->ep), op->cookie, op->epoch, group.status, hashed, 0,
+                       hashed ? std::move(group.span_xxh3) : std::vector<uint64_t>()});
     }
   } else {
     done_.push_back({std::move(op->ep), op->cookie, op->epoch, status});
@@ -624,49 +609,69 @@ absl::Status UcxTransport::PostSpans(UcxEndpoint* endpoint, const LocalMemory& l
     job.spans = std::make_shared<const std::vector<Span>>(std::move(spans));
     job.hash = true;
     copier_->Submit(job);
+  } else if (local.kind() == MemoryKind::kHost && !remote_memory->rkey()->no_gather) {
+    RETURN_IF_ERROR(PostGathers(ep, local_memory->mem(), remote_memory->rkey(), base,
+                                remote.remote_address(), std::move(spans), cookie));
+    return absl::OkStatus();  // counted by PostGathers
   } else {
     auto group = std::make_shared<Group>();
     group->remaining = spans.size();
-    for (size_t i = 0; i < spans.size(); ++i) {
-      const Span& s = spans[i];
-      auto* op = new Op{ep, local_memory->mem(), remote_memory->rkey(), cookie, ep->epoch, group};
-      ucp_request_param_t param;
-      std::memset(&param, 0, sizeof(param));
-      param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_MEMH |
-                           UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_USER_DATA;
-      param.memh = local_memory->mem()->memh.get();
-      param.memory_type =
-          local.kind() == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
-      param.cb.send = OpCallback;
-      param.user_data = op;
-      ucs_status_ptr_t request =
-          ucp_get_nbx(ep->ep, base + s.local_offset, s.length,
-                      remote.remote_address() + s.remote_offset,
-                      remote_memory->rkey()->rkey.get(), &param);
-      if (UCS_PTR_IS_ERR(request)) {
-        const ucs_status_t status = UCS_PTR_STATUS(request);
-        if (ucx::IsPeerFailure(status)) OnEpError(ep.get(), status);
-        if (i == 0) {  // nothing posted: no completion
-          delete op;
-          return ucx::ToStatus(status, "ucp_get_nbx");
-        }
-        // The spans not posted count as failed; the op completes with the error once the
-        // posted ones are done.
-        group->remaining -= spans.size() - i - 1;
-        FinishOp(op, status);
-        break;
-      }
-      if (request != nullptr) {
-        ++in_ucx_;
-        ++ep->in_ucx;
-      } else {
-        FinishOp(op, UCS_OK);
-      }
-    }
+    ucs_status_t failure = UCS_OK;
+    const size_t posted =
+        PostSpanGets(ep, local_memory->mem(), local.kind(), remote_memory->rkey(), base,
+                     remote.remote_address(), spans, 0, spans.size(), cookie, ep->epoch, group,
+                     /*refuse_first=*/true, &failure);
+    if (posted == 0 && failure != UCS_OK) return ucx::ToStatus(failure, "ucp_get_nbx");
   }
   ++outstanding_;
   ++ep->outstanding;
   return absl::OkStatus();
+}
+
+size_t UcxTransport::PostSpanGets(const std::shared_ptr<EpState>& ep,
+                                  const std::shared_ptr<MemHolder>& mem, MemoryKind kind,
+                                  const std::shared_ptr<RkeyHolder>& rkey, uint8_t* base,
+                                  uint64_t remote_address, const std::vector<Span>& spans,
+                                  size_t first, size_t last, uint64_t cookie, uint64_t epoch,
+                                  const std::shared_ptr<Group>& group, bool refuse_first,
+                                  ucs_status_t* failure) {
+  for (size_t i = first; i < last; ++i) {
+    const Span& s = spans[i];
+    auto* op = new Op{ep, mem, rkey, cookie, epoch, group};
+    ucp_request_param_t param;
+    std::memset(&param, 0, sizeof(param));
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_MEMH |
+                         UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.memh = mem->memh.get();
+    param.memory_type = kind == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+    param.cb.send = OpCallback;
+    param.user_data = op;
+    ucs_status_ptr_t request =
+        ep->failure.ok()
+            ? ucp_get_nbx(ep->ep, base + s.local_offset, s.length,
+                          remote_address + s.remote_offset, rkey->rkey.get(), &param)
+            : UCS_STATUS_PTR(UCS_ERR_CONNECTION_RESET);
+    if (UCS_PTR_IS_ERR(request)) {
+      *failure = UCS_PTR_STATUS(request);
+      if (ucx::IsPeerFailure(*failure)) OnEpError(ep.get(), *failure);
+      if (i == first && refuse_first) {  // nothing posted: the caller reports it, no completion
+        delete op;
+        return 0;
+      }
+      // The spans not posted count as failed; the op completes with the error once the
+      // posted ones are done.
+      group->remaining -= last - i - 1;
+      FinishOp(op, *failure);
+      return i - first;
+    }
+    if (request != nullptr) {
+      ++in_ucx_;
+      ++ep->in_ucx;
+    } else {
+      FinishOp(op, UCS_OK);
+    }
+  }
+  return last - first;
 }
 
 void UcxTransport::OnEpError(EpState* ep, ucs_status_t status) {
@@ -674,6 +679,8 @@ void UcxTransport::OnEpError(EpState* ep, ucs_status_t status) {
   absl::Status s = ucx::ToStatus(status, "peer failed");
   ep->failure = absl::IsUnavailable(s) ? s : absl::UnavailableError(std::string(s.message()));
   if (auto self = ep->self.lock()) newly_failed_.push_back(std::move(self));
+  // Gathers awaiting a reply from it have no UCX request that would report the failure.
+  AbortGathers(ep, status);
 }
 
 absl::Status UcxTransport::Resolve(const Done& done) {

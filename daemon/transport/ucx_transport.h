@@ -40,8 +40,17 @@
 //                  mapped and the local memory is host memory, a memcpy on the CopyEngine's
 //                  threads instead: UCX 1.13 moves such gets at ~5 GB/s on one core, a memcpy on
 //                  two cores at ~19 GB/s (measured on the 2-core dev machine).
-//   PostGetSpans   from a mapped slot: one CopyEngine job copying every span; otherwise one
-//                  ucp_get_nbx per span, counted by a Group that reports once when all are done.
+//   PostGetSpans   from a mapped slot: one CopyEngine job copying every span. Otherwise, into
+//                  host memory, a GATHER (ucx_gather.cc): one active message names the spans,
+//                  the target's handler answers with one message carrying their bytes packed
+//                  (a UCX iov over its registered memory), and the reply handler scatters them
+//                  into place, hashing each span on the way. Over tcp every ucp_get_nbx is an
+//                  active-message round trip of its own, so a column-split pull of 8 KiB rows
+//                  ran at ~0.45x of a contiguous one. Larger batches go in several gathers of
+//                  at most kGatherBytes. A target that can't serve a gather (its memory is on
+//                  a GPU, or it was built with serve_gathers = false) answers UNSUPPORTED and
+//                  the spans go as ucp_get_nbx, one per span, counted by a Group that reports
+//                  once when all are done; so do spans into CUDA memory.
 //   PostPut        ucp_put_nbx + ucp_ep_flush_nbx; the flush's callback means the bytes are in
 //                  the remote buffer (a put's own callback only frees the local buffer).
 //   Poll           ucp_worker_progress until idle (bounded), then hands out completions; an op
@@ -69,6 +78,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -93,6 +104,9 @@ class UcxTransport final : public Transport {
     bool peer_failure_handling = true;
     // Threads that copy to and from mapped peer memory; 0 means CopyEngine::DefaultThreads().
     int copy_threads = 0;
+    // Answer peers' gathers (PostGetSpans) with packed bytes. false answers UNSUPPORTED, which
+    // makes peers fall back to one get per span: tests of that fallback.
+    bool serve_gathers = true;
 
     static std::vector<std::pair<std::string, std::string>> DefaultConfig();
   };
@@ -113,14 +127,28 @@ class UcxTransport final : public Transport {
   uint64_t outstanding() const override { return outstanding_; }
   uint64_t activity() const override { return activity_; }
 
+  // Gathers this transport sent and served since it was created (each PostGetSpans that went
+  // as gathers counts each of its requests; tests and logs).
+  uint64_t gathers_sent() const { return gathers_sent_; }
+  uint64_t gathers_served() const { return gathers_served_; }
+
   // Implementation types, public only so that the .cc file's UCX callbacks can name them.
   struct MemHolder;
   struct RkeyHolder;
   struct EpState;
   struct Group;
   struct Op;
+  struct Gather;
+  struct Serve;
+  struct Registry;
   void OnOpDone(Op* op, ucs_status_t status);
   void OnEpError(EpState* ep, ucs_status_t status);
+  // Active-message handlers of the gather protocol (ucx_gather.cc).
+  ucs_status_t OnGatherRequest(const void* header, size_t header_length, const void* data,
+                               size_t length, const ucp_am_recv_param_t* param);
+  ucs_status_t OnGatherReply(const void* header, size_t header_length, const void* data,
+                             size_t length, const ucp_am_recv_param_t* param);
+  void OnServeDone(Serve* serve);
 
  private:
   class UcxLocalMemory;
@@ -151,6 +179,26 @@ class UcxTransport final : public Transport {
   absl::Status PostSpans(UcxEndpoint* endpoint, const LocalMemory& local,
                          const RemoteMemory& remote, std::vector<Span> spans, uint64_t cookie);
   void FinishOp(Op* op, ucs_status_t status);  // reports op (or its group) into done_
+  // Posts one ucp_get_nbx per span of spans[first, last), each an Op of `group` (which counts
+  // them already). Returns how many were posted and sets *failure on an error: the spans not
+  // posted count as failed and the group completes with it, except that with `refuse_first` a
+  // failure of the very first post finishes nothing (the caller refuses the whole call).
+  size_t PostSpanGets(const std::shared_ptr<EpState>& ep, const std::shared_ptr<MemHolder>& mem,
+                      MemoryKind kind, const std::shared_ptr<RkeyHolder>& rkey, uint8_t* base,
+                      uint64_t remote_address, const std::vector<Span>& spans, size_t first,
+                      size_t last, uint64_t cookie, uint64_t epoch,
+                      const std::shared_ptr<Group>& group, bool refuse_first,
+                      ucs_status_t* failure);
+  // ucx_gather.cc: registers the two handlers; posts the spans of one PostGetSpans as gathers
+  // (INVALID_ARGUMENT / UNAVAILABLE before anything is posted, as PostGetSpans); fails the
+  // gathers of an endpoint that failed or closed (their late replies are dropped).
+  absl::Status InitGathers();
+  absl::Status PostGathers(const std::shared_ptr<EpState>& ep,
+                           const std::shared_ptr<MemHolder>& mem,
+                           const std::shared_ptr<RkeyHolder>& rkey, uint8_t* base,
+                           uint64_t remote_address, std::vector<Span> spans, uint64_t cookie);
+  void AbortGathers(const EpState* ep, ucs_status_t status);
+  void FallBackToGets(Gather* gather);
   // INVALID_ARGUMENT unless `local` is this transport's and `remote` was imported on `endpoint`.
   absl::Status CheckHandles(const UcxEndpoint& endpoint, const LocalMemory& local,
                             const RemoteMemory& remote, const UcxLocalMemory** local_memory,
@@ -182,6 +230,18 @@ class UcxTransport final : public Transport {
   uint64_t activity_ = 0;     // events ucp_worker_progress reported
   std::vector<CopyEngine::Finished> copied_;
   uint64_t live_objects_ = 0;
+
+  // The gather protocol (ucx_gather.cc). registry_: this transport's registered memory by
+  // address, what a peer's gather may read (shared with AllocateMemory's memory, which may
+  // outlive the transport and unregisters itself). gathers_: sent, awaiting their reply.
+  // serves_: replies UCX is still sending.
+  std::shared_ptr<Registry> registry_;
+  bool serve_gathers_ = true;
+  uint64_t next_gather_id_ = 1;
+  std::unordered_map<uint64_t, Gather*> gathers_;
+  std::unordered_set<Serve*> serves_;
+  uint64_t gathers_sent_ = 0;
+  uint64_t gathers_served_ = 0;
 };
 
 }  // namespace refit::transport

@@ -1,0 +1,349 @@
+// The gather protocol of UcxTransport: PostGetSpans into host memory, from a peer whose memory
+// isn't mapped here, as active messages (ucx_transport.h, "PostGetSpans").
+//
+//   requester                                   target (the peer whose memory is read)
+//   GATHER   header {magic, count, id, base}  ->  looks `base` up among its registrations,
+//            data   count x {offset, length}      checks every span lies inside it, answers
+//   REPLY    header {magic, status, id}        <-  with the spans' bytes as one message (a UCX
+//            data   the spans' bytes, in order     iov over the registration; no copy of ours)
+//   scatters them into place, hashing each span on the way
+//
+// Both messages are eager (UCX fragments and reassembles them), sent with UCP_AM_SEND_FLAG_REPLY
+// so the target answers on the endpoint the request came from. Integers are in the host's byte
+// order: peers are daemons of one job on one architecture. A reply with an unknown id (its
+// gather was cancelled or its endpoint closed) is dropped without touching memory.
+//
+// What a target refuses, answered with a status and no bytes: a malformed request, a base that
+// is no registration of its own, a span past its end (INVALID_PARAM: a bug or a version
+// mismatch on the requester, which fails the op), and memory it can't send from the host
+// (a GPU's) or any gather while serve_gathers is off (UNSUPPORTED: the requester posts the
+// spans as ucp_get_nbx instead, and uses gets for that memory from then on).
+
+#include <cstring>
+#include <utility>
+
+#include "daemon/common/logging.h"
+#include "daemon/memory/checksum.h"
+#include "daemon/memory/stream_copy.h"
+#include "daemon/transport/ucx_internal.h"
+
+namespace refit::transport {
+namespace {
+
+constexpr unsigned kGatherAmId = 0x5246;  // "RF"
+constexpr unsigned kReplyAmId = 0x5247;
+constexpr uint32_t kRequestMagic = 0x31475246;  // "RFG1"
+constexpr uint32_t kReplyMagic = 0x31525246;    // "RFR1"
+// One gather asks for at most this many bytes (unless one span alone is longer) and spans:
+// big enough that per-message costs vanish, small enough that several are in flight.
+constexpr uint64_t kGatherBytes = 1ull << 20;
+constexpr size_t kGatherSpans = 4096;
+// What a target serves in one reply at most.
+constexpr uint64_t kServeBytesMax = 256ull << 20;
+constexpr uint32_t kServeSpansMax = 1u << 16;
+
+struct RequestHeader {
+  uint32_t magic;
+  uint32_t count;
+  uint64_t id;
+  uint64_t base;
+};
+struct WireSpan {
+  uint64_t offset;
+  uint64_t length;
+};
+struct ReplyHeader {
+  uint32_t magic;
+  int32_t status;
+  uint64_t id;
+};
+
+// A request on its way out: UCX reads the header and span list until the send completes.
+struct Outgoing {
+  RequestHeader header;
+  std::vector<WireSpan> spans;
+};
+
+void OutgoingDone(void* request, ucs_status_t /*status*/, void* user_data) {
+  delete static_cast<Outgoing*>(user_data);
+  ucp_request_free(request);
+}
+
+void ServeDone(void* request, ucs_status_t /*status*/, void* user_data) {
+  auto* serve = static_cast<UcxTransport::Serve*>(user_data);
+  serve->owner->OnServeDone(serve);
+  ucp_request_free(request);
+}
+
+ucs_status_t GatherRequestCallback(void* arg, const void* header, size_t header_length,
+                                   void* data, size_t length, const ucp_am_recv_param_t* param) {
+  return static_cast<UcxTransport*>(arg)->OnGatherRequest(header, header_length, data, length,
+                                                          param);
+}
+
+ucs_status_t GatherReplyCallback(void* arg, const void* header, size_t header_length, void* data,
+                                 size_t length, const ucp_am_recv_param_t* param) {
+  return static_cast<UcxTransport*>(arg)->OnGatherReply(header, header_length, data, length,
+                                                        param);
+}
+
+}  // namespace
+
+absl::Status UcxTransport::InitGathers() {
+  for (auto [id, callback] : {std::make_pair(kGatherAmId, &GatherRequestCallback),
+                              std::make_pair(kReplyAmId, &GatherReplyCallback)}) {
+    ucp_am_handler_param_t param;
+    std::memset(&param, 0, sizeof(param));
+    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                       UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    param.id = id;
+    param.flags = UCP_AM_FLAG_WHOLE_MSG;
+    param.cb = callback;
+    param.arg = this;
+    ucs_status_t s = ucp_worker_set_am_recv_handler(worker_.get(), &param);
+    if (s != UCS_OK) return ucx::ToStatus(s, "ucp_worker_set_am_recv_handler");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UcxTransport::PostGathers(const std::shared_ptr<EpState>& ep,
+                                       const std::shared_ptr<MemHolder>& mem,
+                                       const std::shared_ptr<RkeyHolder>& rkey, uint8_t* base,
+                                       uint64_t remote_address, std::vector<Span> spans,
+                                       uint64_t cookie) {
+  auto all = std::make_shared<const std::vector<Span>>(std::move(spans));
+  // Cut into gathers: [bounds[k], bounds[k + 1]).
+  std::vector<size_t> bounds = {0};
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < all->size(); ++i) {
+    const size_t in_this = i - bounds.back();
+    if (in_this > 0 && (in_this == kGatherSpans || bytes + (*all)[i].length > kGatherBytes)) {
+      bounds.push_back(i);
+      bytes = 0;
+    }
+    bytes += (*all)[i].length;
+  }
+  bounds.push_back(all->size());
+  const size_t count = bounds.size() - 1;
+
+  auto group = std::make_shared<Group>();
+  group->remaining = count;
+  group->hashed = true;
+  group->span_xxh3.assign(all->size(), 0);
+  for (size_t k = 0; k < count; ++k) {
+    auto gather = std::make_unique<Gather>();
+    gather->id = next_gather_id_++;
+    gather->base = base;
+    gather->remote_address = remote_address;
+    gather->spans = all;
+    gather->first = bounds[k];
+    gather->last = bounds[k + 1];
+    auto outgoing = std::make_unique<Outgoing>();
+    outgoing->spans.reserve(gather->last - gather->first);
+    for (size_t i = gather->first; i < gather->last; ++i) {
+      outgoing->spans.push_back({(*all)[i].remote_offset, (*all)[i].length});
+      gather->bytes += (*all)[i].length;
+    }
+    outgoing->header = {kRequestMagic, static_cast<uint32_t>(outgoing->spans.size()), gather->id,
+                        remote_address};
+
+    ucp_request_param_t param;
+    std::memset(&param, 0, sizeof(param));
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    param.cb.send = OutgoingDone;
+    param.user_data = outgoing.get();
+    ucs_status_ptr_t request =
+        ucp_am_send_nbx(ep->ep, kGatherAmId, &outgoing->header, sizeof(RequestHeader),
+                        outgoing->spans.data(), outgoing->spans.size() * sizeof(WireSpan), &param);
+    if (UCS_PTR_IS_ERR(request)) {
+      const ucs_status_t status = UCS_PTR_STATUS(request);
+      if (ucx::IsPeerFailure(status)) OnEpError(ep.get(), status);
+      if (k == 0) return ucx::ToStatus(status, "ucp_am_send_nbx");  // nothing posted
+      // The gathers not sent count as failed; the op completes with the error once the sent
+      // ones are done.
+      group->remaining -= count - k - 1;
+      FinishOp(new Op{ep, mem, rkey, cookie, ep->epoch, group}, status);
+      break;
+    }
+    if (request != nullptr) outgoing.release();  // OutgoingDone frees it
+    gather->op = new Op{ep, mem, rkey, cookie, ep->epoch, group};
+    const uint64_t id = gather->id;
+    gathers_.emplace(id, gather.release());
+    ++gathers_sent_;
+  }
+  ++outstanding_;
+  ++ep->outstanding;
+  return absl::OkStatus();
+}
+
+ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_length,
+                                           const void* data, size_t length,
+                                           const ucp_am_recv_param_t* param) {
+  RequestHeader request;
+  if (header_length != sizeof(request) ||
+      (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0) {
+    Logger("transport")->warn("dropped a malformed gather request ({} header bytes)",
+                              header_length);
+    return UCS_OK;
+  }
+  std::memcpy(&request, header, sizeof(request));
+  if (request.magic != kRequestMagic) {
+    Logger("transport")->warn("dropped a gather request with a wrong magic");
+    return UCS_OK;
+  }
+
+  auto serve = std::make_unique<Serve>();
+  serve->owner = this;
+  ucs_status_t status = UCS_OK;
+  if (!serve_gathers_) {
+    status = UCS_ERR_UNSUPPORTED;
+  } else if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 ||
+             request.count > kServeSpansMax || length != request.count * sizeof(WireSpan)) {
+    status = UCS_ERR_INVALID_PARAM;
+  } else {
+    // The registration that starts at `base` and holds every span (two registrations of one
+    // address may differ in length).
+    uint64_t end = 0;
+    uint64_t total = 0;
+    std::vector<WireSpan> spans(request.count);
+    if (request.count > 0) std::memcpy(spans.data(), data, length);
+    for (const WireSpan& span : spans) {
+      if (span.offset > UINT64_MAX - span.length) {
+        status = UCS_ERR_INVALID_PARAM;
+        break;
+      }
+      end = std::max(end, span.offset + span.length);
+      total += span.length;
+    }
+    if (total > kServeBytesMax) status = UCS_ERR_INVALID_PARAM;
+    const Registry::Entry* found = nullptr;
+    std::unique_lock<std::mutex> lock(registry_->mu);
+    if (status == UCS_OK) {
+      auto [begin, stop] = registry_->by_address.equal_range(request.base);
+      for (auto it = begin; it != stop; ++it) {
+        if (it->second.length >= end) found = &it->second;
+      }
+      if (found == nullptr) status = UCS_ERR_INVALID_PARAM;
+    }
+    if (status == UCS_OK && found->kind != MemoryKind::kHost) status = UCS_ERR_UNSUPPORTED;
+    if (status == UCS_OK) {
+      serve->mem = found->mem.lock();
+      if (serve->mem == nullptr) status = UCS_ERR_INVALID_PARAM;
+    }
+    lock.unlock();
+    if (status == UCS_OK) {
+      serve->iov.reserve(spans.size());
+      for (const WireSpan& span : spans) {
+        if (span.length == 0) continue;
+        serve->iov.push_back(
+            {reinterpret_cast<void*>(request.base + span.offset), span.length});
+      }
+    }
+  }
+  if (status == UCS_ERR_INVALID_PARAM) {
+    Logger("transport")->warn("refused a gather of {} spans at {:#x}: not within one registration",
+                              request.count, request.base);
+  }
+
+  ReplyHeader reply{kReplyMagic, static_cast<int32_t>(status), request.id};
+  serve->header.assign(reinterpret_cast<const char*>(&reply), sizeof(reply));
+  ucp_request_param_t send;
+  std::memset(&send, 0, sizeof(send));
+  send.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                      UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  send.flags = UCP_AM_SEND_FLAG_EAGER;
+  send.memory_type = UCS_MEMORY_TYPE_HOST;
+  send.cb.send = ServeDone;
+  send.user_data = serve.get();
+  const void* buffer = nullptr;
+  size_t count = 0;
+  if (!serve->iov.empty()) {
+    send.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    send.datatype = ucp_dt_make_iov();
+    buffer = serve->iov.data();
+    count = serve->iov.size();
+  }
+  ucs_status_ptr_t sent = ucp_am_send_nbx(param->reply_ep, kReplyAmId, serve->header.data(),
+                                          serve->header.size(), buffer, count, &send);
+  if (UCS_PTR_IS_ERR(sent)) {
+    // The requester is gone or going; its side fails the op.
+    Logger("transport")->debug("gather reply not sent: {}",
+                               ucs_status_string(UCS_PTR_STATUS(sent)));
+  } else if (sent != nullptr) {
+    serves_.insert(serve.release());  // ServeDone frees it
+  }
+  ++gathers_served_;
+  return UCS_OK;
+}
+
+void UcxTransport::OnServeDone(Serve* serve) {
+  serves_.erase(serve);
+  delete serve;
+}
+
+ucs_status_t UcxTransport::OnGatherReply(const void* header, size_t header_length,
+                                         const void* data, size_t length,
+                                         const ucp_am_recv_param_t* param) {
+  ReplyHeader reply;
+  if (header_length != sizeof(reply)) return UCS_OK;
+  std::memcpy(&reply, header, sizeof(reply));
+  auto it = gathers_.find(reply.id);
+  if (reply.magic != kReplyMagic || it == gathers_.end()) return UCS_OK;  // cancelled: dropped
+  std::unique_ptr<Gather> gather(it->second);
+  gathers_.erase(it);
+
+  ucs_status_t status = static_cast<ucs_status_t>(reply.status);
+  if (status == UCS_ERR_UNSUPPORTED) {
+    FallBackToGets(gather.get());
+    return UCS_OK;
+  }
+  if (status == UCS_OK && ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 ||
+                           length != gather->bytes)) {
+    Logger("transport")->warn("gather reply of {} bytes where {} were asked for", length,
+                              gather->bytes);
+    status = UCS_ERR_MESSAGE_TRUNCATED;
+  }
+  if (status == UCS_OK) {
+    Group& group = *gather->op->group;
+    const auto* in = static_cast<const uint8_t*>(data);
+    for (size_t i = gather->first; i < gather->last; ++i) {
+      const Span& span = (*gather->spans)[i];
+      group.span_xxh3[i] = CopyAndHashRange(gather->base + span.local_offset, in, span.length);
+      in += span.length;
+    }
+    StoreFence();
+  }
+  FinishOp(gather->op, status);
+  return UCS_OK;
+}
+
+void UcxTransport::FallBackToGets(Gather* gather) {
+  Op* op = gather->op;
+  op->rkey->no_gather = true;
+  Group& group = *op->group;
+  group.hashed = false;
+  // The gather counted once in the group; its spans count one each now.
+  group.remaining += gather->last - gather->first - 1;
+  ucs_status_t failure = UCS_OK;
+  PostSpanGets(op->ep, op->mem, MemoryKind::kHost, op->rkey, gather->base, gather->remote_address,
+               *gather->spans, gather->first, gather->last, op->cookie, op->epoch, op->group,
+               /*refuse_first=*/false, &failure);
+  delete op;
+}
+
+void UcxTransport::AbortGathers(const EpState* ep, ucs_status_t status) {
+  for (auto it = gathers_.begin(); it != gathers_.end();) {
+    Gather* gather = it->second;
+    if (gather->op->ep.get() != ep) {
+      ++it;
+      continue;
+    }
+    it = gathers_.erase(it);
+    FinishOp(gather->op, status);
+    delete gather;
+  }
+}
+
+}  // namespace refit::transport

@@ -1,0 +1,100 @@
+#pragma once
+
+// The state UcxTransport's two source files share (ucx_transport.cc: memory, endpoints, RMA;
+// ucx_gather.cc: the gather protocol). Internal to daemon/transport.
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "daemon/transport/ucx_transport.h"
+
+namespace refit::transport {
+
+// A memory registration; ops in flight share it, so it outlives its LocalMemory if need be.
+struct UcxTransport::MemHolder {
+  std::shared_ptr<ucp_context> context;  // declared first: outlives memh
+  ucx::MemPtr memh;
+};
+
+// A remote key unpacked on one endpoint; shared with the ops that use it.
+struct UcxTransport::RkeyHolder {
+  ucx::RkeyPtr rkey;
+  // The peer answered a gather on this memory with UNSUPPORTED: use gets from now on.
+  bool no_gather = false;
+};
+
+// One ucp_ep and what its ops need even after the Endpoint object is gone.
+struct UcxTransport::EpState {
+  UcxTransport* owner = nullptr;
+  ucp_ep_h ep = nullptr;  // closed through UcxTransport::CloseEp
+  uint64_t peer_identity = 0;
+  std::weak_ptr<EpState> self;
+  absl::Status failure;      // UNAVAILABLE once UCX reported the peer failed
+  uint64_t epoch = 0;        // bumped by Cancel: ops of older epochs report CANCELLED
+  bool closed = false;       // the Endpoint was destroyed: every op reports CANCELLED
+  uint64_t outstanding = 0;  // posted, not yet returned by Poll
+  uint64_t in_ucx = 0;       // posted, UCX not done with them
+  std::function<void(const absl::Status&)> handler;
+  // Ops on the CopyEngine: `abandon` makes queued ones skip their copy (the Endpoint is going),
+  // `copying` counts those that may still touch their buffers.
+  std::atomic<bool> abandon{false};
+  std::atomic<uint64_t> copying{0};
+};
+
+// The parts of one PostGetSpans (gets, or gathers): a single completion when the last is done.
+struct UcxTransport::Group {
+  uint64_t remaining = 0;
+  ucs_status_t status = UCS_OK;  // the first error
+  // Filled by gathers, one digest per span of the PostGetSpans; reported only if every span
+  // came by gather (`hashed` stays true).
+  std::vector<uint64_t> span_xxh3{};
+  bool hashed = false;
+};
+
+struct UcxTransport::Op {
+  std::shared_ptr<EpState> ep;
+  std::shared_ptr<MemHolder> mem;
+  std::shared_ptr<RkeyHolder> rkey;
+  uint64_t cookie;
+  uint64_t epoch;
+  std::shared_ptr<Group> group = nullptr;  // set for the parts of a PostGetSpans
+};
+
+// One gather sent and awaiting its reply: spans[first, last) of its PostGetSpans.
+struct UcxTransport::Gather {
+  Op* op = nullptr;  // owned; finished through FinishOp
+  uint64_t id = 0;
+  uint8_t* base = nullptr;  // the local (host) memory's first byte
+  uint64_t remote_address = 0;
+  std::shared_ptr<const std::vector<Span>> spans;
+  size_t first = 0;
+  size_t last = 0;
+  uint64_t bytes = 0;
+};
+
+// A reply UCX is sending: the iov over the served memory, which stays registered meanwhile.
+struct UcxTransport::Serve {
+  UcxTransport* owner = nullptr;
+  std::shared_ptr<MemHolder> mem;
+  std::vector<ucp_dt_iov_t> iov;
+  std::string header;
+};
+
+// This transport's registered memory, by address: what a peer's gather may read.
+struct UcxTransport::Registry {
+  struct Entry {
+    uint64_t length = 0;
+    MemoryKind kind = MemoryKind::kHost;
+    std::weak_ptr<MemHolder> mem;
+  };
+  std::mutex mu;
+  std::multimap<uint64_t, Entry> by_address;
+};
+
+}  // namespace refit::transport
