@@ -378,8 +378,15 @@ absl::Status PeerManager::Pull(const PullJob& job) {
     if (!pinned.ok()) return finish(pinned);
   }
 
+  // Where a pull's time goes, for the debug log.
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point pinned = Clock::now();
+  auto ms_since = [](Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  };
   // Pieces this node can bring up to date from an older version by deltas; the rest in full.
   DeltaResult deltas = FetchDeltas(job, data_plane_, store_, delta_threshold_, metrics_);
+  const double deltas_ms = ms_since(pinned);
   staging = std::move(deltas.staging);
   for (size_t f = 0; f < job.fetches.size(); ++f) {
     if (!staging[f]) continue;
@@ -428,8 +435,15 @@ absl::Status PeerManager::Pull(const PullJob& job) {
       }
     }
   }
+  const double data_ms = ms_since(pinned) - deltas_ms;
   auto sums = remote_sums.get();
+  const double sums_wait_ms = ms_since(pinned) - deltas_ms - data_ms;
   if (status.ok()) status = Verify(job, staging, hashes, std::move(sums), verified);
+  Logger("peer")->debug(
+      "model={} version={} pull phases: deltas {:.1f} ms, data {:.1f} ms, then waited {:.1f} ms "
+      "for the source's checksums, verify {:.1f} ms",
+      job.model, job.version, deltas_ms, data_ms, sums_wait_ms,
+      ms_since(pinned) - deltas_ms - data_ms - sums_wait_ms);
   for (const auto& [node, bytes] : bytes_from) (void)pin(node, true);
   if (status.ok()) metrics_->Add(used_delta ? kDeltaVersions : kFullVersions, 1);
   return finish(status);
