@@ -315,8 +315,7 @@ void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
 }
 
 bool DataPlane::OneRead(const Transfer& t, size_t fetch) const {
-  return t.remote[fetch]->mapped() || (transport_->capabilities().gathers_spans &&
-                                       t.local[fetch]->kind() == MemoryKind::kHost);
+  return t.remote[fetch]->BatchesSpans(t.local[fetch]->kind());
 }
 
 void DataPlane::RecordHashes(Transfer& t, const InFlight& done,

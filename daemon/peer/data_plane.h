@@ -135,8 +135,8 @@ class DataPlane {
   };
   // Notes the digest of each read of `done` in the transfer's ReadHashes.
   void RecordHashes(Transfer& t, const InFlight& done, const transport::Completion& c);
-  // Whether a batch of short reads of fetch `fetch` is one transport op (PostGetSpans from a
-  // mapped slot, or by a gathering transport into host memory) rather than one per span.
+  // Whether a batch of short reads of fetch `fetch` is one transport op or a few messages
+  // (RemoteMemory::BatchesSpans) rather than one op per span.
   bool OneRead(const Transfer& t, size_t fetch) const;
 
   std::unordered_map<uint64_t, InFlight> by_cookie_;

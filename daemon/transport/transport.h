@@ -14,9 +14,10 @@
 //   Poll             drives progress and hands back completions {cookie, status}.
 //
 // Completion contract. A Post* that returns OK yields exactly one Completion, from a later Poll,
-// carrying the caller's cookie: OK, UNAVAILABLE (the peer died or the link broke), or CANCELLED
-// (Endpoint::Cancel or the endpoint was destroyed); after anything but OK the bytes of the
-// destination range are unspecified. A Post* that returns an error yields no completion:
+// carrying the caller's cookie: OK, UNAVAILABLE (the peer died or the link broke), CANCELLED
+// (Endpoint::Cancel or the endpoint was destroyed), or INVALID_ARGUMENT (the peer refused a read
+// of ranges outside the memory it has registered: a descriptor of memory since released); after
+// anything but OK the bytes of the destination range are unspecified. A Post* that returns an error yields no completion:
 // INVALID_ARGUMENT for a range outside a region or a handle from another transport/endpoint,
 // UNAVAILABLE when the endpoint has already failed. Many ops may be in flight at once; a large
 // transfer is chunked by the caller. The order in which completions arrive is unspecified.
@@ -33,6 +34,10 @@
 // answered with INVALID_ARGUMENT and never reaches the backend unchecked: both carry a magic, a
 // version, the issuing transport's identity and a checksum. That catches truncation, corruption
 // and mix-ups (a descriptor of another peer), not forgery: peers are trusted daemons of one job.
+//
+// Registered memory is readable by peers for as long as it is registered: keep its bytes mapped
+// until its LocalMemory is destroyed (a peer's read that arrives late, after its pin, is served
+// from them).
 //
 // Ownership. The Transport owns its backend; every LocalMemory, Endpoint and RemoteMemory it
 // hands out is owned by the caller and MUST be destroyed before the Transport (the Transport
@@ -139,6 +144,10 @@ class RemoteMemory {
   // True when the backend mapped the peer's bytes into this process (a peer on this host whose
   // memory came from AllocateMemory, with UCX shared memory): gets and puts are then memcpy.
   virtual bool mapped() const { return false; }
+  // True when a PostGetSpans from this memory into local memory of `local` kind moves all its
+  // spans as one op or a few messages (a copy job from a mapped slot, UCX gathers), not one op
+  // per span: a caller may then post large batches without holding a request per span.
+  virtual bool BatchesSpans(MemoryKind /*local*/) const { return false; }
 
  protected:
   RemoteMemory(uint64_t remote_address, uint64_t length)
@@ -176,7 +185,8 @@ class Endpoint {
   // per row, and per-op costs would dominate. Backends that can move the spans as one operation
   // do (UCX from mapped peer memory: one copy job); others post each span and count. Every span
   // is checked before anything is posted (INVALID_ARGUMENT, no completion, as for PostGet; also
-  // for no spans). Never blocks. No digest.
+  // for no spans). Never blocks. A backend that copied or scattered the spans itself may give a
+  // digest per span (Completion::span_xxh3).
   [[nodiscard]] virtual absl::Status PostGetSpans(const LocalMemory& local,
                                                   const RemoteMemory& remote,
                                                   std::vector<Span> spans, uint64_t cookie) = 0;

@@ -14,15 +14,20 @@
 // gather was cancelled or its endpoint closed) is dropped without touching memory.
 //
 // What a target refuses, answered with a status and no bytes: a malformed request, a base that
-// is no registration of its own, a span past its end (INVALID_PARAM: a bug or a version
-// mismatch on the requester, which fails the op), and memory it can't send from the host
-// (a GPU's) or any gather while serve_gathers is off (UNSUPPORTED: the requester posts the
-// spans as ucp_get_nbx instead, and uses gets for that memory from then on).
+// is no registration of its own (memory since released), a span past its end (INVALID_PARAM:
+// the op completes INVALID_ARGUMENT), and memory it can't send from the host (a GPU's) or any
+// gather while serve_gathers is off (UNSUPPORTED: the requester posts the spans as ucp_get_nbx
+// instead, and uses gets for that memory from then on). A reply it couldn't send with the bytes
+// goes again without them (IO_ERROR: the op completes UNAVAILABLE). Any other status in a reply
+// is taken as IO_ERROR. Spans longer than kGatherBytes aren't gathered: such a PostGetSpans goes
+// as one ucp_get_nbx per span.
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
 #include "daemon/common/logging.h"
+#include "daemon/common/xxh3.h"
 #include "daemon/memory/checksum.h"
 #include "daemon/memory/stream_copy.h"
 #include "daemon/transport/ucx_internal.h"
@@ -30,16 +35,17 @@
 namespace refit::transport {
 namespace {
 
-constexpr unsigned kGatherAmId = 0x5246;  // "RF"
-constexpr unsigned kReplyAmId = 0x5247;
+// UCX keeps a table of handlers indexed by id: small ids (the magics tell the messages apart).
+constexpr unsigned kGatherAmId = 1;
+constexpr unsigned kReplyAmId = 2;
 constexpr uint32_t kRequestMagic = 0x31475246;  // "RFG1"
 constexpr uint32_t kReplyMagic = 0x31525246;    // "RFR1"
 // One gather asks for at most this many bytes (unless one span alone is longer) and spans:
 // big enough that per-message costs vanish, small enough that several are in flight.
 constexpr uint64_t kGatherBytes = 1ull << 20;
 constexpr size_t kGatherSpans = 4096;
-// What a target serves in one reply at most.
-constexpr uint64_t kServeBytesMax = 256ull << 20;
+// What a target serves in one reply at most (a requester asks for kGatherBytes).
+constexpr uint64_t kServeBytesMax = 4 * kGatherBytes;
 constexpr uint32_t kServeSpansMax = 1u << 16;
 
 struct RequestHeader {
@@ -58,15 +64,25 @@ struct ReplyHeader {
   uint64_t id;
 };
 
-// A request on its way out: UCX reads the header and span list until the send completes.
-struct Outgoing {
-  RequestHeader header;
-  std::vector<WireSpan> spans;
-};
+// The statuses a reply may carry; anything else from the network is taken as IO_ERROR.
+ucs_status_t ReplyStatus(int32_t status) {
+  switch (status) {
+    case UCS_OK:
+    case UCS_ERR_UNSUPPORTED:
+    case UCS_ERR_INVALID_PARAM:
+      return static_cast<ucs_status_t>(status);
+    default:
+      return UCS_ERR_IO_ERROR;
+  }
+}
 
-void OutgoingDone(void* request, ucs_status_t /*status*/, void* user_data) {
-  delete static_cast<Outgoing*>(user_data);
-  ucp_request_free(request);
+// Logs a refused or dropped request: the first few, then every thousandth (a peer with a stale
+// descriptor would otherwise log once per gather).
+void WarnThrottled(uint64_t* count, const std::string& what) {
+  ++*count;
+  if (*count <= 3 || *count % 1000 == 0) {
+    Logger("transport")->warn("{} ({} such so far)", what, *count);
+  }
 }
 
 void ServeDone(void* request, ucs_status_t /*status*/, void* user_data) {
@@ -88,6 +104,41 @@ ucs_status_t GatherReplyCallback(void* arg, const void* header, size_t header_le
 }
 
 }  // namespace
+
+// A request on its way out: UCX reads the header and span list until the send completes.
+struct UcxTransport::Outgoing {
+  std::shared_ptr<EpState> ep;
+  uint64_t id = 0;
+  RequestHeader header{};
+  std::vector<WireSpan> spans;
+};
+
+namespace {
+
+void OutgoingDone(void* request, ucs_status_t status, void* user_data) {
+  auto* outgoing = static_cast<UcxTransport::Outgoing*>(user_data);
+  outgoing->ep->owner->OnOutgoingDone(outgoing, status);
+  ucp_request_free(request);
+}
+
+}  // namespace
+
+void UcxTransport::DeleteOutgoing(Outgoing* outgoing) { delete outgoing; }
+
+void UcxTransport::OnOutgoingDone(Outgoing* outgoing, ucs_status_t status) {
+  std::unique_ptr<Outgoing> owned(outgoing);
+  outgoings_.erase(outgoing);
+  --in_ucx_;
+  --outgoing->ep->in_ucx;
+  if (status == UCS_OK) return;
+  // The request never reached the peer: no reply will come for it.
+  if (ucx::IsPeerFailure(status)) OnEpError(outgoing->ep.get(), status);  // fails all its gathers
+  auto it = gathers_.find(outgoing->id);
+  if (it == gathers_.end()) return;  // already aborted
+  std::unique_ptr<Gather> gather(it->second);
+  gathers_.erase(it);
+  FinishOp(gather->op, status);
+}
 
 absl::Status UcxTransport::InitGathers() {
   for (auto [id, callback] : {std::make_pair(kGatherAmId, &GatherRequestCallback),
@@ -112,6 +163,25 @@ absl::Status UcxTransport::PostGathers(const std::shared_ptr<EpState>& ep,
                                        uint64_t remote_address, std::vector<Span> spans,
                                        uint64_t cookie) {
   auto all = std::make_shared<const std::vector<Span>>(std::move(spans));
+  // One ucp_get_nbx per span instead (refuse_first: an error posting the first one refuses the
+  // call, as PostGetSpans must).
+  auto by_gets = [&]() -> absl::Status {
+    auto group = std::make_shared<Group>();
+    group->remaining = all->size();
+    ucs_status_t failure = UCS_OK;
+    const size_t posted =
+        PostSpanGets(ep, mem, MemoryKind::kHost, rkey, base, remote_address, *all, 0,
+                     all->size(), cookie, ep->epoch, group, /*refuse_first=*/true, &failure);
+    if (posted == 0 && failure != UCS_OK) return ucx::ToStatus(failure, "ucp_get_nbx");
+    ++outstanding_;
+    ++ep->outstanding;
+    return absl::OkStatus();
+  };
+  // A long span is better off as a get of its own (and a gather's reply stays small).
+  if (std::any_of(all->begin(), all->end(),
+                  [](const Span& span) { return span.length > kGatherBytes; })) {
+    return by_gets();
+  }
   // Cut into gathers: [bounds[k], bounds[k + 1]).
   std::vector<size_t> bounds = {0};
   uint64_t bytes = 0;
@@ -139,6 +209,8 @@ absl::Status UcxTransport::PostGathers(const std::shared_ptr<EpState>& ep,
     gather->first = bounds[k];
     gather->last = bounds[k + 1];
     auto outgoing = std::make_unique<Outgoing>();
+    outgoing->ep = ep;
+    outgoing->id = gather->id;
     outgoing->spans.reserve(gather->last - gather->first);
     for (size_t i = gather->first; i < gather->last; ++i) {
       outgoing->spans.push_back({(*all)[i].remote_offset, (*all)[i].length});
@@ -160,6 +232,10 @@ absl::Status UcxTransport::PostGathers(const std::shared_ptr<EpState>& ep,
     if (UCS_PTR_IS_ERR(request)) {
       const ucs_status_t status = UCS_PTR_STATUS(request);
       if (ucx::IsPeerFailure(status)) OnEpError(ep.get(), status);
+      if (k == 0 && status == UCS_ERR_UNSUPPORTED) {  // this connection has no active messages
+        rkey->no_gather = true;
+        return by_gets();
+      }
       if (k == 0) return ucx::ToStatus(status, "ucp_am_send_nbx");  // nothing posted
       // The gathers not sent count as failed; the op completes with the error once the sent
       // ones are done.
@@ -167,7 +243,11 @@ absl::Status UcxTransport::PostGathers(const std::shared_ptr<EpState>& ep,
       FinishOp(new Op{ep, mem, rkey, cookie, ep->epoch, group}, status);
       break;
     }
-    if (request != nullptr) outgoing.release();  // OutgoingDone frees it
+    if (request != nullptr) {  // OutgoingDone frees it
+      ++in_ucx_;
+      ++ep->in_ucx;
+      outgoings_.insert(outgoing.release());
+    }
     gather->op = new Op{ep, mem, rkey, cookie, ep->epoch, group};
     const uint64_t id = gather->id;
     gathers_.emplace(id, gather.release());
@@ -184,20 +264,20 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
   RequestHeader request;
   if (header_length != sizeof(request) ||
       (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0) {
-    Logger("transport")->warn("dropped a malformed gather request ({} header bytes)",
-                              header_length);
+    // Without an id or a way back there is nobody to answer.
+    WarnThrottled(&gathers_dropped_,
+                  "dropped a gather request of " + std::to_string(header_length) +
+                      " header bytes or without a reply endpoint");
     return UCS_OK;
   }
   std::memcpy(&request, header, sizeof(request));
-  if (request.magic != kRequestMagic) {
-    Logger("transport")->warn("dropped a gather request with a wrong magic");
-    return UCS_OK;
-  }
 
   auto serve = std::make_unique<Serve>();
   serve->owner = this;
   ucs_status_t status = UCS_OK;
-  if (!serve_gathers_) {
+  if (request.magic != kRequestMagic) {
+    status = UCS_ERR_INVALID_PARAM;
+  } else if (!serve_gathers_) {
     status = UCS_ERR_UNSUPPORTED;
   } else if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 ||
              request.count > kServeSpansMax || length != request.count * sizeof(WireSpan)) {
@@ -210,14 +290,13 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
     std::vector<WireSpan> spans(request.count);
     if (request.count > 0) std::memcpy(spans.data(), data, length);
     for (const WireSpan& span : spans) {
-      if (span.offset > UINT64_MAX - span.length) {
+      if (span.offset > UINT64_MAX - span.length || span.length > kServeBytesMax - total) {
         status = UCS_ERR_INVALID_PARAM;
         break;
       }
       end = std::max(end, span.offset + span.length);
       total += span.length;
     }
-    if (total > kServeBytesMax) status = UCS_ERR_INVALID_PARAM;
     const Registry::Entry* found = nullptr;
     std::unique_lock<std::mutex> lock(registry_->mu);
     if (status == UCS_OK) {
@@ -243,11 +322,35 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
     }
   }
   if (status == UCS_ERR_INVALID_PARAM) {
-    Logger("transport")->warn("refused a gather of {} spans at {:#x}: not within one registration",
-                              request.count, request.base);
+    WarnThrottled(&gathers_refused_,
+                  "refused a gather of " + std::to_string(request.count) +
+                      " spans: malformed, or not within one registration of this transport");
   }
+  ++gathers_served_;
 
-  ReplyHeader reply{kReplyMagic, static_cast<int32_t>(status), request.id};
+  ucs_status_ptr_t sent = SendReply(param->reply_ep, serve.get(), request.id, status);
+  if (UCS_PTR_IS_ERR(sent) && !serve->iov.empty() &&
+      !ucx::IsPeerFailure(UCS_PTR_STATUS(sent))) {
+    // The bytes couldn't go (UCX out of resources, say): tell the requester, or it would wait.
+    Logger("transport")->warn("gather reply not sent ({}); answering IO_ERROR",
+                              ucs_status_string(UCS_PTR_STATUS(sent)));
+    serve->iov.clear();
+    serve->mem.reset();
+    sent = SendReply(param->reply_ep, serve.get(), request.id, UCS_ERR_IO_ERROR);
+  }
+  if (UCS_PTR_IS_ERR(sent)) {
+    // The requester is gone or going; its side fails the op.
+    Logger("transport")->debug("gather reply not sent: {}",
+                               ucs_status_string(UCS_PTR_STATUS(sent)));
+  } else if (sent != nullptr) {
+    serves_.insert(serve.release());  // ServeDone frees it
+  }
+  return UCS_OK;
+}
+
+ucs_status_ptr_t UcxTransport::SendReply(ucp_ep_h reply_ep, Serve* serve, uint64_t id,
+                                         ucs_status_t status) {
+  ReplyHeader reply{kReplyMagic, static_cast<int32_t>(status), id};
   serve->header.assign(reinterpret_cast<const char*>(&reply), sizeof(reply));
   ucp_request_param_t send;
   std::memset(&send, 0, sizeof(send));
@@ -256,7 +359,7 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
   send.flags = UCP_AM_SEND_FLAG_EAGER;
   send.memory_type = UCS_MEMORY_TYPE_HOST;
   send.cb.send = ServeDone;
-  send.user_data = serve.get();
+  send.user_data = serve;
   const void* buffer = nullptr;
   size_t count = 0;
   if (!serve->iov.empty()) {
@@ -265,17 +368,8 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
     buffer = serve->iov.data();
     count = serve->iov.size();
   }
-  ucs_status_ptr_t sent = ucp_am_send_nbx(param->reply_ep, kReplyAmId, serve->header.data(),
-                                          serve->header.size(), buffer, count, &send);
-  if (UCS_PTR_IS_ERR(sent)) {
-    // The requester is gone or going; its side fails the op.
-    Logger("transport")->debug("gather reply not sent: {}",
-                               ucs_status_string(UCS_PTR_STATUS(sent)));
-  } else if (sent != nullptr) {
-    serves_.insert(serve.release());  // ServeDone frees it
-  }
-  ++gathers_served_;
-  return UCS_OK;
+  return ucp_am_send_nbx(reply_ep, kReplyAmId, serve->header.data(), serve->header.size(), buffer,
+                         count, &send);
 }
 
 void UcxTransport::OnServeDone(Serve* serve) {
@@ -290,11 +384,14 @@ ucs_status_t UcxTransport::OnGatherReply(const void* header, size_t header_lengt
   if (header_length != sizeof(reply)) return UCS_OK;
   std::memcpy(&reply, header, sizeof(reply));
   auto it = gathers_.find(reply.id);
-  if (reply.magic != kReplyMagic || it == gathers_.end()) return UCS_OK;  // cancelled: dropped
+  if (reply.magic != kReplyMagic || it == gathers_.end()) {  // its op already ended: dropped
+    ++replies_dropped_;
+    return UCS_OK;
+  }
   std::unique_ptr<Gather> gather(it->second);
   gathers_.erase(it);
 
-  ucs_status_t status = static_cast<ucs_status_t>(reply.status);
+  ucs_status_t status = ReplyStatus(reply.status);
   if (status == UCS_ERR_UNSUPPORTED) {
     FallBackToGets(gather.get());
     return UCS_OK;
@@ -303,13 +400,17 @@ ucs_status_t UcxTransport::OnGatherReply(const void* header, size_t header_lengt
                            length != gather->bytes)) {
     Logger("transport")->warn("gather reply of {} bytes where {} were asked for", length,
                               gather->bytes);
-    status = UCS_ERR_MESSAGE_TRUNCATED;
+    status = UCS_ERR_IO_ERROR;
   }
   if (status == UCS_OK) {
     Group& group = *gather->op->group;
     const auto* in = static_cast<const uint8_t*>(data);
     for (size_t i = gather->first; i < gather->last; ++i) {
       const Span& span = (*gather->spans)[i];
+      if (span.length == 0) {  // `data` may be null when every span is empty
+        group.span_xxh3[i] = XXH3_64bits(nullptr, 0);
+        continue;
+      }
       group.span_xxh3[i] = CopyAndHashRange(gather->base + span.local_offset, in, span.length);
       in += span.length;
     }

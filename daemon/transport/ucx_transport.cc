@@ -96,6 +96,9 @@ class UcxTransport::UcxRemoteMemory final : public RemoteMemory {
   // The remote bytes mapped into this process (valid while rkey() lives), or null.
   uint8_t* mapping() const { return mapped_; }
   bool mapped() const override { return mapped_ != nullptr; }
+  bool BatchesSpans(MemoryKind local) const override {
+    return local == MemoryKind::kHost && (mapped() || !rkey_->no_gather);
+  }
 
  private:
   UcxTransport* owner_;
@@ -325,9 +328,15 @@ UcxTransport::~UcxTransport() {
   done_.clear();
   newly_failed_.clear();
   worker_.reset();
-  // Replies UCX never finished sending (a peer gone quiet): their requests went with the worker.
+  // Replies and requests UCX never finished sending (a peer gone quiet): their UCX requests
+  // went with the worker. Every endpoint was closed, which ended every gather.
   for (Serve* serve : serves_) delete serve;
   serves_.clear();
+  for (Outgoing* outgoing : outgoings_) DeleteOutgoing(outgoing);
+  outgoings_.clear();
+  if (!gathers_.empty()) {
+    Logger("transport")->error("{} gathers outlived their endpoints", gathers_.size());
+  }
   context_.reset();
 }
 

@@ -127,10 +127,15 @@ class UcxTransport final : public Transport {
   uint64_t outstanding() const override { return outstanding_; }
   uint64_t activity() const override { return activity_; }
 
-  // Gathers this transport sent and served since it was created (each PostGetSpans that went
-  // as gathers counts each of its requests; tests and logs).
+  // The gather protocol's counters since creation (tests and logs): requests sent; requests
+  // answered (with bytes or a refusal); requests refused as malformed or outside this
+  // transport's memory; requests dropped unanswered (no id or no way back); replies dropped
+  // because their op had already ended (cancelled, endpoint closed or failed).
   uint64_t gathers_sent() const { return gathers_sent_; }
   uint64_t gathers_served() const { return gathers_served_; }
+  uint64_t gathers_refused() const { return gathers_refused_; }
+  uint64_t gathers_dropped() const { return gathers_dropped_; }
+  uint64_t replies_dropped() const { return replies_dropped_; }
 
   // Implementation types, public only so that the .cc file's UCX callbacks can name them.
   struct MemHolder;
@@ -141,6 +146,7 @@ class UcxTransport final : public Transport {
   struct Gather;
   struct Serve;
   struct Registry;
+  struct Outgoing;
   void OnOpDone(Op* op, ucs_status_t status);
   void OnEpError(EpState* ep, ucs_status_t status);
   // Active-message handlers of the gather protocol (ucx_gather.cc).
@@ -149,6 +155,8 @@ class UcxTransport final : public Transport {
   ucs_status_t OnGatherReply(const void* header, size_t header_length, const void* data,
                              size_t length, const ucp_am_recv_param_t* param);
   void OnServeDone(Serve* serve);
+  void OnOutgoingDone(Outgoing* outgoing, ucs_status_t status);
+  static void DeleteOutgoing(Outgoing* outgoing);
 
  private:
   class UcxLocalMemory;
@@ -199,6 +207,8 @@ class UcxTransport final : public Transport {
                            uint64_t remote_address, std::vector<Span> spans, uint64_t cookie);
   void AbortGathers(const EpState* ep, ucs_status_t status);
   void FallBackToGets(Gather* gather);
+  // Sends a gather's reply (header with `status`, and serve->iov's bytes if any) on `reply_ep`.
+  ucs_status_ptr_t SendReply(ucp_ep_h reply_ep, Serve* serve, uint64_t id, ucs_status_t status);
   // INVALID_ARGUMENT unless `local` is this transport's and `remote` was imported on `endpoint`.
   absl::Status CheckHandles(const UcxEndpoint& endpoint, const LocalMemory& local,
                             const RemoteMemory& remote, const UcxLocalMemory** local_memory,
@@ -240,8 +250,12 @@ class UcxTransport final : public Transport {
   uint64_t next_gather_id_ = 1;
   std::unordered_map<uint64_t, Gather*> gathers_;
   std::unordered_set<Serve*> serves_;
+  std::unordered_set<Outgoing*> outgoings_;  // requests UCX is still sending
   uint64_t gathers_sent_ = 0;
   uint64_t gathers_served_ = 0;
+  uint64_t gathers_refused_ = 0;
+  uint64_t gathers_dropped_ = 0;
+  uint64_t replies_dropped_ = 0;
 };
 
 }  // namespace refit::transport
