@@ -13,7 +13,10 @@ namespace {
 
 constexpr char kAddressMagic[4] = {'R', 'F', 'T', 'A'};
 constexpr char kDescriptorMagic[4] = {'R', 'F', 'T', 'M'};
-constexpr uint8_t kVersion = 1;
+// 2: the UCX backend's gathers (ucx_gather.cc). A peer speaking another version is refused at
+// Connect/ImportRemote, so that a cluster of mixed releases fails at once rather than waiting
+// on requests the other side doesn't know.
+constexpr uint8_t kVersion = 2;
 // A payload is a UCX worker address or packed rkey: a few hundred bytes, never megabytes.
 constexpr uint32_t kMaxPayload = 1 << 20;
 
@@ -90,7 +93,12 @@ absl::Status Unframe(std::string_view bytes, const char (&magic)[4], const char*
   Reader r(bytes);
   if (r.Bytes(4) != std::string_view(magic, 4)) return invalid("bad magic");
   uint64_t version = r.UInt(1);
-  if (!r.ok() || version != kVersion) return invalid(absl::StrCat("unknown version ", version));
+  if (!r.ok()) return invalid("truncated");
+  if (version != kVersion) {
+    return invalid(absl::StrCat("data-plane protocol version ", version, ", this refitd speaks ",
+                                static_cast<int>(kVersion),
+                                " (run the same refit release on every node)"));
+  }
   uint64_t backend = r.UInt(1);
   if (!r.ok()) return invalid("truncated");
   if (backend != static_cast<uint8_t>(expected)) {

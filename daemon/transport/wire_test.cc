@@ -42,6 +42,19 @@ TEST_CASE("every truncation and every flipped bit is rejected", "[transport][wir
   CHECK_FALSE(DecodeDescriptor(bytes + '\0', WireBackend::kUcx).ok());
 }
 
+TEST_CASE("another release's protocol version is refused with a message saying so",
+          "[transport][wire]") {
+  std::string bytes = EncodeAddress({WireBackend::kUcx, 5, "worker"});
+  REQUIRE(DecodeAddress(bytes, WireBackend::kUcx).ok());
+  CHECK(static_cast<int>(bytes[4]) == 2);  // the gathers' version
+  bytes[4] = 1;  // a release before gathers
+  const absl::Status s = DecodeAddress(bytes, WireBackend::kUcx).status();
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(s.message().find("protocol version 1") != std::string::npos);
+  CHECK(s.message().find("same refit release") != std::string::npos);
+}
+
 TEST_CASE("the wrong backend, kind or an impossible range is rejected", "[transport][wire]") {
   const std::string address = EncodeAddress({WireBackend::kInproc, 5, ""});
   CHECK_FALSE(DecodeAddress(address, WireBackend::kUcx).ok());
