@@ -105,6 +105,8 @@ void DataPlane::Run() {
     if (const auto now = std::chrono::steady_clock::now(); now - last_eviction_ > kRemoteIdle / 8) {
       EvictImports(now);
     }
+    // Let slots that only their registration still holds go (a handful of entries).
+    if (!registrations_.empty()) SweepRegistrations();
     if (transport_) {
       completions.clear();
       transport_->Poll(&completions);
@@ -188,14 +190,9 @@ transport::LocalMemory* DataPlane::Registration(const std::shared_ptr<Region>& r
   if (auto* allocated = dynamic_cast<const transport::TransportRegion*>(region.get())) {
     return allocated->memory();
   }
-  // Forget registrations of slots that are gone.
-  for (auto it = registrations_.begin(); it != registrations_.end();) {
-    it = it->second.region.expired() ? registrations_.erase(it) : std::next(it);
-  }
+  SweepRegistrations();
   auto it = registrations_.find(region->data());
-  if (it != registrations_.end() && it->second.region.lock() == region) {
-    return it->second.memory.get();
-  }
+  if (it != registrations_.end() && it->second.region == region) return it->second.memory.get();
   auto registered = transport_->RegisterMemory(region->data(), region->size(), region->kind());
   if (!registered.ok()) {
     Logger("transport")->error("cannot register {}: {}", region->Describe(),
@@ -203,9 +200,20 @@ transport::LocalMemory* DataPlane::Registration(const std::shared_ptr<Region>& r
     return nullptr;
   }
   auto& entry = registrations_[region->data()];
+  entry.memory = std::move(registered).value();  // replaces an alias's registration, if any
   entry.region = region;
-  entry.memory = std::move(registered).value();
   return entry.memory.get();
+}
+
+void DataPlane::SweepRegistrations() {
+  for (auto it = registrations_.begin(); it != registrations_.end();) {
+    if (it->second.region.use_count() == 1) {  // only the registration holds the slot
+      it->second.memory.reset();  // deregistered first: no peer reads it from now on
+      it = registrations_.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 absl::StatusOr<std::string> DataPlane::Expose(const std::shared_ptr<Region>& slot) {

@@ -103,10 +103,15 @@ class DataPlane {
   bool stop_ = false;
 
   // Data-plane thread only:
+  // A slot registered with the transport (one that AllocateSlot didn't make). The registration
+  // holds the slot: peers may read registered memory at any time (transport.h), so it is
+  // deregistered (memory first) by SweepRegistrations once nobody else holds the slot, and only
+  // then can the slot go back to its pool or be unmapped.
   struct Registered {
-    std::weak_ptr<Region> region;
-    std::unique_ptr<transport::LocalMemory> memory;
+    std::shared_ptr<Region> region;
+    std::unique_ptr<transport::LocalMemory> memory;  // destroyed before `region` is let go
   };
+  void SweepRegistrations();
   std::map<const uint8_t*, Registered> registrations_;
   std::map<std::string, std::unique_ptr<transport::Endpoint>> endpoints_;  // by node
   // Peers' slots imported on their endpoint, by node and descriptor, kept between pulls: a
