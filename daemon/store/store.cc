@@ -50,36 +50,50 @@ const Store::Model* Store::FindModel(const std::string& name) const {
 absl::Status Store::CheckAgainstModel(const Model& model, Role role,
                                       const std::vector<TensorSlice>& slices) const {
   // The model's tensors are what its SOURCE slices describe: dtype and global shape of every
-  // tensor must agree across buffers; destinations must agree on shape and be convertible.
+  // tensor must agree across buffers and within one; destinations must agree on shape and be
+  // convertible (whichever side registered first). The new buffer's slices join the tables as
+  // they pass, so two slices of one request are checked against each other too.
   std::map<std::string, const TensorSlice*> source_of;
-  std::map<std::string, const TensorSlice*> dest_of;
+  std::multimap<std::string, const TensorSlice*> dest_of;
   for (const auto* ids : {&model.sources, &model.destinations}) {
     for (const std::string& id : *ids) {
       const Buffer& buffer = *buffers_.at(id);
-      auto& table = buffer.role == Role::kSource ? source_of : dest_of;
-      for (const TensorSlice& s : buffer.slices) table.emplace(s.name, &s);
+      for (const TensorSlice& s : buffer.slices) {
+        if (buffer.role == Role::kSource) {
+          source_of.emplace(s.name, &s);
+        } else {
+          dest_of.emplace(s.name, &s);
+        }
+      }
     }
   }
   for (const TensorSlice& s : slices) {
     auto src = source_of.find(s.name);
-    auto dst = dest_of.find(s.name);
-    const TensorSlice* other = src != source_of.end()   ? src->second
-                               : dst != dest_of.end() ? dst->second
+    auto [dst_begin, dst_end] = dest_of.equal_range(s.name);
+    const TensorSlice* other = src != source_of.end() ? src->second
+                               : dst_begin != dst_end ? dst_begin->second
                                                       : nullptr;
     if (other && other->global_shape != s.global_shape) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor ", s.name, ": global_shape [", absl::StrJoin(s.global_shape, ", "),
           "] disagrees with [", absl::StrJoin(other->global_shape, ", "),
-          "] already registered for model ", model.name));
+          "] registered for model ", model.name));
     }
-    if (src == source_of.end()) continue;
-    if (role == Role::kSource && src->second->dtype != s.dtype) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor ", s.name, ": dtype ", DTypeName(s.dtype), " disagrees with ",
-          DTypeName(src->second->dtype), " already registered for model ", model.name));
-    }
-    if (role == Role::kDestination) {
-      RETURN_IF_ERROR(plan::CheckConvertible(src->second->dtype, s.dtype));
+    if (role == Role::kSource) {
+      if (src != source_of.end() && src->second->dtype != s.dtype) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor ", s.name, ": dtype ", DTypeName(s.dtype), " disagrees with ",
+            DTypeName(src->second->dtype), " registered for model ", model.name));
+      }
+      for (auto it = dst_begin; it != dst_end; ++it) {
+        RETURN_IF_ERROR(plan::CheckConvertible(s.dtype, it->second->dtype));
+      }
+      source_of.emplace(s.name, &s);
+    } else {
+      if (src != source_of.end()) {
+        RETURN_IF_ERROR(plan::CheckConvertible(src->second->dtype, s.dtype));
+      }
+      dest_of.emplace(s.name, &s);
     }
   }
   return absl::OkStatus();
@@ -397,7 +411,14 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     }
     auto it = model->complete.find(wanted);
     if (it == model->complete.end()) {
-      if (wanted < model->latest) {
+      // Dropped by --retain: it completed here once (or is older than the history kept).
+      // Otherwise it never completed here (a version a pull skipped for a newer one).
+      const bool dropped =
+          wanted < model->latest &&
+          (model->history.empty() || wanted < model->history.front() ||
+           std::find(model->history.begin(), model->history.end(), wanted) !=
+               model->history.end());
+      if (dropped) {
         return absl::NotFoundError(absl::StrCat(
             "model ", model_name, ": version ", wanted, " is no longer held (--retain=",
             options_.retain, "; oldest held is ", model->complete.begin()->first, ")"));

@@ -213,10 +213,15 @@ TEST_CASE_METHOD(Fixture, "retention drops old versions; codes tell dropped from
   CHECK(models[0].latest_version == 4);
   CHECK(store.Apply("m", 2, {*d}).status().code() == absl::StatusCode::kNotFound);
   CHECK(store.Apply("m", 5, {*d}).status().code() == absl::StatusCode::kFailedPrecondition);
-  auto applied = store.Apply("m", 3, {*d});
+  // A version this node skipped (never complete here) is not "dropped".
+  std::memset(src.data, 7, 16);
+  REQUIRE(store.Publish("m", 7, {*s}).ok());
+  CHECK(store.Apply("m", 6, {*d}).status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(store.Apply("m", 3, {*d}).status().code() == absl::StatusCode::kNotFound);
+  auto applied = store.Apply("m", 4, {*d});
   REQUIRE(applied.ok());
-  CHECK(dst.data[0] == 3);
-  CHECK(metrics.Get(kVersionsDropped) == 2);
+  CHECK(dst.data[0] == 4);
+  CHECK(metrics.Get(kVersionsDropped) == 3);
 }
 
 TEST_CASE_METHOD(Fixture, "publish rejects stale versions and foreign buffers", "[store]") {
@@ -252,6 +257,32 @@ TEST_CASE_METHOD(Fixture, "registration checks tensors against the model", "[sto
                              {Whole("w", DType::kFP16, {32}, 0)}, "").ok());
   CHECK(store.Models()[0].source_buffers == 1);
   CHECK(store.Models()[0].destination_buffers == 1);
+}
+
+TEST_CASE_METHOD(Fixture, "slices of one request, and a source after its destinations, agree",
+                 "[store]") {
+  TestBuffer a(64), b(64), c(64), d(64), e(64);
+  // One request, two row halves of one tensor with different dtypes: the model's first buffer.
+  CHECK(store.RegisterBuffer("m", Role::kSource, a.Lend(),
+                             {Rows("w", DType::kBF16, {2, 8}, 0, 1, 0),
+                              Rows("w", DType::kFP16, {2, 8}, 1, 1, 16)}, "")
+            .status().code() == absl::StatusCode::kInvalidArgument);
+  // ... or with different global shapes.
+  CHECK(store.RegisterBuffer("m", Role::kDestination, b.Lend(),
+                             {Rows("w", DType::kBF16, {2, 8}, 0, 1, 0),
+                              Rows("w", DType::kBF16, {4, 4}, 1, 1, 16)}, "")
+            .status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(store.Models().empty());  // nothing registered
+  // A destination first, then a source it can't be converted from.
+  REQUIRE(store.RegisterBuffer("m", Role::kDestination, c.Lend(),
+                               {Whole("w", DType::kFP16, {16}, 0)}, "").ok());
+  const auto refused = store.RegisterBuffer("m", Role::kSource, d.Lend(),
+                                            {Whole("w", DType::kINT32, {16}, 0)}, "");
+  INFO(refused.status().ToString());
+  CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(store.RegisterBuffer("m", Role::kSource, e.Lend(), {Whole("w", DType::kBF16, {16}, 0)}, "")
+            .ok());
+  CHECK(store.Models()[0].source_buffers == 1);
 }
 
 TEST_CASE_METHOD(Fixture, "waiters see completions in order and wake at shutdown", "[store]") {
