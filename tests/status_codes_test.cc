@@ -101,6 +101,19 @@ TEST_CASE_METHOD(Fixture, "malformed slices are INVALID_ARGUMENT", "[integration
     ExpectRegisterFails({Slice("x", v1::FP32, {4})}, StatusCode::kInvalidArgument, v1::SOURCE,
                         "");
   }
+  SECTION("two slices of one tensor disagreeing in one request") {
+    ExpectRegisterFails({Slice("x", v1::FP32, {2, 4}, 0, {0, 0}, {1, 4}),
+                         Slice("x", v1::BF16, {2, 4}, 64, {1, 0}, {1, 4})},
+                        StatusCode::kInvalidArgument);
+  }
+  SECTION("malformed slices with a missing shm object: the slices are what's wrong") {
+    auto id = client->RegisterBuffer("m", v1::SOURCE, "/refit-no-such-object",
+                                     {Slice("x", v1::FP32, {8, 8}, 0, {4, 0}, {8, 8})});
+    CHECK(id.status().code() == StatusCode::kInvalidArgument);
+    id = client->RegisterBuffer("m", v1::ROLE_UNSPECIFIED, "/refit-no-such-object",
+                                {Slice("x", v1::FP32, {4})});
+    CHECK(id.status().code() == StatusCode::kInvalidArgument);
+  }
   SECTION("a memory window past the shm object's end") {
     auto id = client->RegisterBuffer("m", v1::SOURCE, src->name(), {Slice("x", v1::FP32, {4})},
                                      "", 4000, 200);

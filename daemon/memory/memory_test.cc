@@ -53,6 +53,10 @@ TEST_CASE("MapHostShm maps the requested window of a shared-memory object", "[me
   (*region)->data()[10] = 0xAB;  // writes reach the client's mapping
   CHECK(shm.data[5010] == 0xAB);
 
+  // Python's SharedMemory.name has no leading '/': the same object.
+  auto unslashed = MapHostShm(shm.name.substr(1), 5000, 6000);
+  REQUIRE(unslashed.ok());
+  CHECK(std::memcmp((*unslashed)->data(), (*region)->data(), 6000) == 0);
   auto whole = MapHostShm(shm.name, 100, 0);
   REQUIRE(whole.ok());
   CHECK((*whole)->size() == shm.length - 100);
@@ -62,7 +66,10 @@ TEST_CASE("MapHostShm rejects missing objects, bad names and windows past the en
   TestShm shm(4096);
   CHECK(MapHostShm("/refit-does-not-exist-xyz", 0, 16).status().code() ==
         absl::StatusCode::kNotFound);
-  CHECK(MapHostShm("no-slash", 0, 16).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(MapHostShm("refit-does-not-exist-xyz", 0, 16).status().code() ==
+        absl::StatusCode::kNotFound);  // the leading '/' may be left out
+  CHECK(MapHostShm("", 0, 16).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(MapHostShm("/", 0, 16).status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(MapHostShm("/a/b", 0, 16).status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(MapHostShm(shm.name, 0, 4097).status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(MapHostShm(shm.name, 4000, 97).status().code() == absl::StatusCode::kInvalidArgument);

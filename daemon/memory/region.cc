@@ -59,12 +59,14 @@ const char* MemoryKindName(MemoryKind kind) {
   return kind == MemoryKind::kCuda ? "cuda" : "host";
 }
 
-absl::StatusOr<std::unique_ptr<Region>> MapHostShm(const std::string& name, uint64_t offset,
+absl::StatusOr<std::unique_ptr<Region>> MapHostShm(const std::string& given, uint64_t offset,
                                                    uint64_t size) {
-  if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos ||
-      name.size() > 255) {
+  // "/trainer-rank3", or without the leading '/' as Python's SharedMemory.name gives it (glibc's
+  // shm_open takes both the same way).
+  const std::string name = !given.empty() && given[0] != '/' ? "/" + given : given;
+  if (name.size() < 2 || name.find('/', 1) != std::string::npos || name.size() > 255) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "host_shm name '", name, "' is not a POSIX shm name (one leading '/', no other '/')"));
+        "host_shm name '", given, "' is not a POSIX shm name (one leading '/', no other '/')"));
   }
   int fd = shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) {

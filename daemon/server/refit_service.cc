@@ -4,6 +4,7 @@
 #include "cuda/cuda.h"
 #include "daemon/common/logging.h"
 #include "daemon/memory/region.h"
+#include "daemon/plan/plan.h"
 #include "daemon/server/convert.h"
 #include "daemon/version.h"
 
@@ -50,6 +51,20 @@ grpc::Status RefitService::RegisterBuffer(grpc::ServerContext*,
   if (!slices.ok()) return Finish("RegisterBuffer", slices.status());
   if (request->model().empty()) {
     return Finish("RegisterBuffer", absl::InvalidArgumentError("model name is empty"));
+  }
+  if (request->role() != v1::SOURCE && request->role() != v1::DESTINATION) {
+    return Finish("RegisterBuffer",
+                  absl::InvalidArgumentError("role must be SOURCE or DESTINATION"));
+  }
+  // What can be checked without the memory first, so a malformed request is INVALID_ARGUMENT
+  // whatever its memory handle says (the region's size is checked once it is open).
+  if (slices->empty()) {
+    return Finish("RegisterBuffer",
+                  absl::InvalidArgumentError("a buffer needs at least one tensor"));
+  }
+  std::vector<TensorSlice> check = *slices;
+  if (absl::Status valid = plan::NormalizeAndValidateBuffer(check, UINT64_MAX); !valid.ok()) {
+    return Finish("RegisterBuffer", valid);
   }
   auto region = OpenRegion(request->memory());
   if (!region.ok()) return Finish("RegisterBuffer", region.status());
