@@ -87,6 +87,10 @@ void PrintStatus(const v1::StatusResponse& status) {
                                  m.versions().empty() ? "-" : absl::StrJoin(m.versions(), ","),
                                  m.source_buffers(), m.destination_buffers(),
                                  HumanBytes(static_cast<double>(m.version_bytes())));
+    if (m.abandoned_version() != 0) {
+      std::cout << absl::StrFormat("  version %d abandoned: %s\n", m.abandoned_version(),
+                                   m.abandoned_error());
+    }
     for (const auto& b : m.buffers()) {
       std::cout << absl::StrFormat(
           "  %-34s %-11s %-4s %10s %5d tensors  client=%s%s\n", b.buffer_id(),

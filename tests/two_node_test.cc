@@ -339,8 +339,12 @@ TEST_CASE("a source killed mid-transfer leaves the engine on the previous versio
   // Version 2 never shows: waiting for it times out, applying it is refused, 1 is intact.
   auto waited = inference.client->WaitForVersion("big", 2, milliseconds(3000));
   CHECK(waited.status().code() == absl::StatusCode::kDeadlineExceeded);
-  CHECK(inference.client->Apply("big", 2, {inference.id}).status().code() ==
-        absl::StatusCode::kFailedPrecondition);
+  const absl::Status refused = inference.client->Apply("big", 2, {inference.id}).status();
+  CHECK(refused.code() == absl::StatusCode::kFailedPrecondition);
+  // The error says why: the version was abandoned because the peer went away.
+  INFO(refused.ToString());
+  CHECK(refused.message().find("abandoned") != std::string::npos);
+  CHECK(refused.message().find("UNAVAILABLE") != std::string::npos);
   auto applied = inference.client->Apply("big", 0, {inference.id});
   REQUIRE(applied.ok());
   CHECK(applied->version() == 1);
@@ -349,6 +353,9 @@ TEST_CASE("a source killed mid-transfer leaves the engine on the previous versio
   REQUIRE(status.ok());
   REQUIRE(status->peers_size() == 1);
   CHECK_FALSE(status->peers(0).connected());
+  REQUIRE(status->models_size() == 1);
+  CHECK(status->models(0).abandoned_version() == 2);
+  CHECK(status->models(0).abandoned_error().rfind("UNAVAILABLE", 0) == 0);
 
   // The source comes back on the same address and publishes version 3.
   auto again = DaemonProcess::Start({"--node=src", listen});
@@ -361,6 +368,9 @@ TEST_CASE("a source killed mid-transfer leaves the engine on the previous versio
   CHECK(*recovered == 3);
   REQUIRE(inference.client->Apply("big", 3, {inference.id}).ok());
   CHECK(std::all_of(dst.data(), dst.data() + kBytes, [](uint8_t b) { return b == 3; }));
+  status = inference.client->Status();
+  REQUIRE(status.ok());
+  CHECK(status->models(0).abandoned_version() == 0);  // a newer version completed since
 }
 
 TEST_CASE("a receiver killed mid-transfer doesn't stop the source serving another",

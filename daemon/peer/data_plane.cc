@@ -105,7 +105,7 @@ void DataPlane::Run() {
     if (const auto now = std::chrono::steady_clock::now(); now - last_eviction_ > kRemoteIdle / 8) {
       EvictImports(now);
     }
-    // Let slots that only their registration still holds go (a handful of entries).
+    // Let slots that only their registration still holds go (a few per version and piece).
     if (!registrations_.empty()) SweepRegistrations();
     if (transport_) {
       completions.clear();
@@ -251,6 +251,19 @@ void DataPlane::Connect(const std::string& node, const std::string& address) {
 
 void DataPlane::Disconnect(const std::string& node) {
   Post([this, node] {
+    if (auto it = endpoints_.find(node); it != endpoints_.end()) {
+      // Pulls reading from it fail for what happened (their ops then end CANCELLED as the
+      // endpoint goes), and post nothing more through it.
+      const absl::Status gone = absl::UnavailableError(
+          absl::StrCat("node ", node, " went away during the pull (its connection closed)"));
+      for (auto& [cookie, in_flight] : by_cookie_) {
+        Transfer& t = *in_flight.transfer;
+        if (std::find(t.endpoint.begin(), t.endpoint.end(), it->second.get()) !=
+            t.endpoint.end()) {
+          Fail(t, gone);
+        }
+      }
+    }
     imported_.erase(node);  // before the endpoint they were imported on
     endpoints_.erase(node);
   });
@@ -415,6 +428,7 @@ std::future<absl::StatusOr<std::vector<std::shared_ptr<Region>>>> DataPlane::Pul
   }
   if (hashes) hashes->assign(job.fetches.size(), {});
   Post([this, job, acquire, promise, hashes] {
+    SweepRegistrations();  // slots only their registration holds go back to the pool first
     auto t = std::make_shared<Transfer>();
     t->hashes = hashes;
     for (size_t f = 0; f < job.fetches.size(); ++f) {

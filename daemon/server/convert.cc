@@ -55,6 +55,8 @@ void ToProto(const ModelInfo& info, v1::ModelStatus* out) {
   out->set_source_buffers(info.source_buffers);
   out->set_destination_buffers(info.destination_buffers);
   out->set_version_bytes(info.version_bytes);
+  out->set_abandoned_version(info.abandoned_version);
+  out->set_abandoned_error(info.abandoned_error);
   for (const BufferInfo& b : info.buffers) {
     v1::BufferStatus* bs = out->add_buffers();
     bs->set_buffer_id(b.id);

@@ -151,6 +151,7 @@ void Store::TryCompleteWithRemotes(Model& model) {
     Logger("store")->warn("model={} version={} cannot be planned: {}", model.name, candidate,
                           cached.status().ToString());
     model.failed = candidate;
+    model.failed_status = cached.status();
     return;
   }
   if (all_here) {
@@ -236,6 +237,7 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
     Logger("store")->error("model={} version={} abandoned, staying on version {}: {}",
                            job.model, job.version, model->latest, result.ToString());
     model->failed = job.version;
+    model->failed_status = result.ok() ? absl::InternalError("a pull returned no staging") : result;
     model->pending.erase(job.version);
     changed_.notify_all();
     return;

@@ -423,6 +423,11 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
             "model ", model_name, ": version ", wanted, " is no longer held (--retain=",
             options_.retain, "; oldest held is ", model->complete.begin()->first, ")"));
       }
+      if (wanted == model->failed) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "model ", model_name, ": version ", wanted, " was abandoned on this node (",
+            model->failed_status.ToString(), "); latest complete: ", model->latest));
+      }
       return absl::FailedPreconditionError(
           absl::StrCat("model ", model_name, ": version ", wanted,
                        " is not complete on this node (latest complete: ", model->latest, ")"));
@@ -546,6 +551,10 @@ std::vector<ModelInfo> Store::Models() const {
     for (const auto& [v, version] : model->complete) {
       info.versions.push_back(v);
       info.version_bytes = version->bytes;
+    }
+    if (model->failed > model->latest) {
+      info.abandoned_version = model->failed;
+      info.abandoned_error = model->failed_status.ToString();
     }
     info.source_buffers = static_cast<uint32_t>(model->sources.size());
     info.destination_buffers = static_cast<uint32_t>(model->destinations.size());

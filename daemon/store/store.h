@@ -81,6 +81,8 @@ struct ModelInfo {
   uint32_t destination_buffers = 0;
   uint64_t version_bytes = 0;  // bytes of the newest held version's snapshot
   std::vector<BufferInfo> buffers;
+  uint64_t abandoned_version = 0;  // newer than latest_version and given up on; 0: none
+  std::string abandoned_error;
 };
 
 // One SOURCE buffer's snapshot layout: slices relative to the snapshot's first byte.

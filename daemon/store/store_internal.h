@@ -99,6 +99,7 @@ struct Store::Model {
   uint64_t pulling = 0;                        // version being pulled; 0: none
   std::vector<Piece> pulling_pieces;           // its pieces, remote ones not yet staged
   uint64_t failed = 0;                         // newest version whose pull failed
+  absl::Status failed_status;                  // why (OK when it couldn't be planned)
   std::string staging_reserved;                // the remote layout staging slots were reserved for
 
   bool HasRemoteSources() const {

@@ -16,7 +16,8 @@
 // Completion contract. A Post* that returns OK yields exactly one Completion, from a later Poll,
 // carrying the caller's cookie: OK, UNAVAILABLE (the peer died or the link broke), CANCELLED
 // (Endpoint::Cancel or the endpoint was destroyed), or INVALID_ARGUMENT (the peer refused a read
-// of ranges outside the memory it has registered: a descriptor of memory since released); after
+// of ranges outside the memory it has registered, a descriptor of memory since released, or
+// answered it malformed); after
 // anything but OK the bytes of the destination range are unspecified. A Post* that returns an error yields no completion:
 // INVALID_ARGUMENT for a range outside a region or a handle from another transport/endpoint,
 // UNAVAILABLE when the endpoint has already failed. Many ops may be in flight at once; a large

@@ -17,9 +17,11 @@
 // is no registration of its own (memory since released), a span past its end (INVALID_PARAM:
 // the op completes INVALID_ARGUMENT), and memory it can't send from the host (a GPU's) or any
 // gather while serve_gathers is off (UNSUPPORTED: the requester posts the spans as ucp_get_nbx
-// instead, and uses gets for that memory from then on). A reply it couldn't send with the bytes
-// goes again without them (IO_ERROR: the op completes UNAVAILABLE). Any other status in a reply
-// is taken as IO_ERROR. Spans longer than kGatherBytes aren't gathered: such a PostGetSpans goes
+// instead, and uses gets for that memory from then on). A reply it couldn't send goes again
+// without bytes (BUSY: the op completes UNAVAILABLE, the connection stays up). A reply of the
+// wrong length or with another status fails the op INVALID_ARGUMENT. Memory UCX allocated is
+// sent from in place (an iov); memory the caller registered is copied into the reply first, as
+// it may be unmapped once deregistered, while a reply is still going out. Spans longer than kGatherBytes aren't gathered: such a PostGetSpans goes
 // as one ucp_get_nbx per span.
 
 #include <algorithm>
@@ -64,15 +66,18 @@ struct ReplyHeader {
   uint64_t id;
 };
 
-// The statuses a reply may carry; anything else from the network is taken as IO_ERROR.
+// The statuses a reply may carry; anything else from the network is a malformed reply
+// (MESSAGE_TRUNCATED: the op fails INVALID_ARGUMENT). None of them is a peer failure, which
+// would fail the whole connection (ucx::IsPeerFailure).
 ucs_status_t ReplyStatus(int32_t status) {
   switch (status) {
     case UCS_OK:
     case UCS_ERR_UNSUPPORTED:
     case UCS_ERR_INVALID_PARAM:
+    case UCS_ERR_BUSY:
       return static_cast<ucs_status_t>(status);
     default:
-      return UCS_ERR_IO_ERROR;
+      return UCS_ERR_MESSAGE_TRUNCATED;
   }
 }
 
@@ -307,18 +312,34 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
       if (found == nullptr) status = UCS_ERR_INVALID_PARAM;
     }
     if (status == UCS_OK && found->kind != MemoryKind::kHost) status = UCS_ERR_UNSUPPORTED;
+    bool owned = false;
     if (status == UCS_OK) {
       serve->mem = found->mem.lock();
+      owned = found->owned;
       if (serve->mem == nullptr) status = UCS_ERR_INVALID_PARAM;
     }
     lock.unlock();
-    if (status == UCS_OK) {
+    if (status == UCS_OK && owned) {
+      // Memory UCX allocated: the registration (serve->mem) keeps the bytes, so UCX may send
+      // straight from them however long the reply takes.
       serve->iov.reserve(spans.size());
       for (const WireSpan& span : spans) {
         if (span.length == 0) continue;
         serve->iov.push_back(
             {reinterpret_cast<void*>(request.base + span.offset), span.length});
       }
+    } else if (status == UCS_OK) {
+      // Memory the caller registered may be unmapped once it is deregistered, which can happen
+      // while a reply is still going out: copy the spans now (this handler and the
+      // deregistration run on the same thread) and send the copy.
+      serve->packed.resize(total);
+      uint8_t* to = serve->packed.data();
+      for (const WireSpan& span : spans) {
+        std::memcpy(to, reinterpret_cast<const void*>(request.base + span.offset), span.length);
+        to += span.length;
+      }
+      serve->mem.reset();
+      if (total > 0) serve->iov.push_back({serve->packed.data(), total});
     }
   }
   if (status == UCS_ERR_INVALID_PARAM) {
@@ -329,14 +350,15 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
   ++gathers_served_;
 
   ucs_status_ptr_t sent = SendReply(param->reply_ep, serve.get(), request.id, status);
-  if (UCS_PTR_IS_ERR(sent) && !serve->iov.empty() &&
-      !ucx::IsPeerFailure(UCS_PTR_STATUS(sent))) {
-    // The bytes couldn't go (UCX out of resources, say): tell the requester, or it would wait.
-    Logger("transport")->warn("gather reply not sent ({}); answering IO_ERROR",
+  if (UCS_PTR_IS_ERR(sent) && !ucx::IsPeerFailure(UCS_PTR_STATUS(sent))) {
+    // The reply couldn't go (UCX out of resources, say): tell the requester, or it would wait.
+    // BUSY: its op fails UNAVAILABLE, and its connection stays up.
+    Logger("transport")->warn("gather reply not sent ({}); answering BUSY",
                               ucs_status_string(UCS_PTR_STATUS(sent)));
     serve->iov.clear();
+    serve->packed.clear();
     serve->mem.reset();
-    sent = SendReply(param->reply_ep, serve.get(), request.id, UCS_ERR_IO_ERROR);
+    sent = SendReply(param->reply_ep, serve.get(), request.id, UCS_ERR_BUSY);
   }
   if (UCS_PTR_IS_ERR(sent)) {
     // The requester is gone or going; its side fails the op.
@@ -400,7 +422,7 @@ ucs_status_t UcxTransport::OnGatherReply(const void* header, size_t header_lengt
                            length != gather->bytes)) {
     Logger("transport")->warn("gather reply of {} bytes where {} were asked for", length,
                               gather->bytes);
-    status = UCS_ERR_IO_ERROR;
+    status = UCS_ERR_MESSAGE_TRUNCATED;
   }
   if (status == UCS_OK) {
     Group& group = *gather->op->group;

@@ -252,6 +252,8 @@ class RawPeer {
     std::vector<uint8_t> data;
   };
 
+  // With an empty `target_address` it connects nowhere (a target for a real transport to read:
+  // AnswerGathers).
   explicit RawPeer(const std::string& target_address) {
     ucp_config_t* config = nullptr;
     REQUIRE(ucp_config_read(nullptr, nullptr, &config) == UCS_OK);
@@ -259,7 +261,7 @@ class RawPeer {
     ucp_params_t params;
     std::memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
-    params.features = UCP_FEATURE_AM;
+    params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA;
     REQUIRE(ucp_init(&params, config, &context_) == UCS_OK);
     ucp_config_release(config);
     ucp_worker_params_t worker_params;
@@ -284,6 +286,7 @@ class RawPeer {
     };
     handler.arg = this;
     REQUIRE(ucp_worker_set_am_recv_handler(worker_, &handler) == UCS_OK);
+    if (target_address.empty()) return;
     auto address = DecodeAddress(target_address, WireBackend::kUcx);
     REQUIRE(address.ok());
     ucp_ep_params_t ep_params;
@@ -293,6 +296,12 @@ class RawPeer {
     REQUIRE(ucp_ep_create(worker_, &ep_params, &ep_) == UCS_OK);
   }
   ~RawPeer() {
+    if (memh_ != nullptr) ucp_mem_unmap(context_, memh_);
+    if (ep_ == nullptr) {
+      ucp_worker_destroy(worker_);
+      ucp_cleanup(context_);
+      return;
+    }
     ucp_request_param_t param;
     std::memset(&param, 0, sizeof(param));
     ucs_status_ptr_t close = ucp_ep_close_nbx(ep_, &param);
@@ -334,7 +343,86 @@ class RawPeer {
     return replies_;
   }
 
+  // Serves `memory` bytes of pattern (byte i = i * 3) to a real transport: its address and a
+  // descriptor of that memory, then answers every gather with `status` and the bytes asked for
+  // plus `extra` (a negative `extra`: fewer).
+  std::string Address() const {
+    ucp_address_t* raw = nullptr;
+    size_t length = 0;
+    REQUIRE(ucp_worker_get_address(worker_, &raw, &length) == UCS_OK);
+    std::string address = EncodeAddress(
+        {WireBackend::kUcx, kIdentity, std::string(reinterpret_cast<const char*>(raw), length)});
+    ucp_worker_release_address(worker_, raw);
+    return address;
+  }
+  std::string Descriptor(uint64_t memory) {
+    pattern_.resize(memory);
+    for (uint64_t i = 0; i < memory; ++i) pattern_[i] = static_cast<uint8_t>(i * 3);
+    ucp_mem_map_params_t params;
+    std::memset(&params, 0, sizeof(params));
+    params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    params.address = pattern_.data();
+    params.length = memory;
+    REQUIRE(ucp_mem_map(context_, &params, &memh_) == UCS_OK);
+    void* rkey = nullptr;
+    size_t rkey_length = 0;
+    REQUIRE(ucp_rkey_pack(context_, memh_, &rkey, &rkey_length) == UCS_OK);
+    WireDescriptor d{WireBackend::kUcx, kIdentity, reinterpret_cast<uint64_t>(pattern_.data()),
+                     memory, std::string(static_cast<const char*>(rkey), rkey_length)};
+    ucp_rkey_buffer_release(rkey);
+    return EncodeDescriptor(d);
+  }
+  void AnswerGathers(int32_t status, int64_t extra) {
+    answer_status_ = status;
+    answer_extra_ = extra;
+    ucp_am_handler_param_t handler;
+    std::memset(&handler, 0, sizeof(handler));
+    handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                         UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    handler.id = 1;  // the request id
+    handler.cb = [](void* arg, const void* header, size_t, void* data, size_t length,
+                    const ucp_am_recv_param_t* param) {
+      auto* self = static_cast<RawPeer*>(arg);
+      // Header: magic, count, id, base; data: (offset, length) pairs.
+      uint64_t id = 0;
+      std::memcpy(&id, static_cast<const uint8_t*>(header) + 8, 8);
+      self->answer_.clear();
+      for (size_t at = 0; at + 16 <= length; at += 16) {
+        uint64_t span[2];
+        std::memcpy(span, static_cast<const uint8_t*>(data) + at, 16);
+        self->answer_.insert(self->answer_.end(), self->pattern_.begin() + span[0],
+                             self->pattern_.begin() + span[0] + span[1]);
+      }
+      self->answer_.resize(self->answer_.size() + self->answer_extra_, 0);
+      self->answer_header_.assign(16, 0);
+      const uint32_t magic = 0x31525246;
+      std::memcpy(self->answer_header_.data(), &magic, 4);
+      std::memcpy(self->answer_header_.data() + 4, &self->answer_status_, 4);
+      std::memcpy(self->answer_header_.data() + 8, &id, 8);
+      ucp_request_param_t send;
+      std::memset(&send, 0, sizeof(send));
+      send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK;
+      send.flags = UCP_AM_SEND_FLAG_EAGER;
+      send.cb.send = [](void* request, ucs_status_t, void*) { ucp_request_free(request); };
+      ucs_status_ptr_t sent =
+          ucp_am_send_nbx(param->reply_ep, 2, self->answer_header_.data(), 16,
+                          self->answer_.data(), self->answer_.size(), &send);
+      CHECK_FALSE(UCS_PTR_IS_ERR(sent));
+      return UCS_OK;
+    };
+    handler.arg = this;
+    REQUIRE(ucp_worker_set_am_recv_handler(worker_, &handler) == UCS_OK);
+  }
+  void Progress() { ucp_worker_progress(worker_); }
+
  private:
+  static constexpr uint64_t kIdentity = 0x5eed;
+  ucp_mem_h memh_ = nullptr;
+  std::vector<uint8_t> pattern_;
+  std::vector<uint8_t> answer_;
+  std::vector<uint8_t> answer_header_;
+  int32_t answer_status_ = UCS_OK;
+  int64_t answer_extra_ = 0;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   ucp_ep_h ep_ = nullptr;
@@ -419,6 +507,68 @@ TEST_CASE("a reply nobody asked for (its op ended) is dropped without writing",
            std::chrono::milliseconds(300), /*am_id=*/2);
   CHECK(p.self->replies_dropped() == 1);
   CHECK(std::all_of(p.sink.begin(), p.sink.end(), [](uint8_t b) { return b == 0; }));
+}
+
+TEST_CASE("a target's malformed or busy replies fail the op, not the connection",
+          "[transport][ucx][gather]") {
+  auto self = Tcp();
+  std::vector<uint8_t> sink(kMiB, 0);
+  auto sink_memory = self->RegisterMemory(sink.data(), sink.size(), MemoryKind::kHost);
+  REQUIRE(sink_memory.ok());
+  RawPeer target("");
+  const std::string descriptor = target.Descriptor(kMiB);
+  auto endpoint = self->Connect(target.Address());
+  REQUIRE(endpoint.ok());
+  auto remote = (*endpoint)->ImportRemote(descriptor);
+  REQUIRE(remote.ok());
+  const std::vector<Span> spans = Columns(64, 4096);
+  auto gather = [&](int32_t status, int64_t extra) {
+    target.AnswerGathers(status, extra);
+    std::fill(sink.begin(), sink.end(), 0);
+    REQUIRE((*endpoint)->PostGetSpans(**sink_memory, **remote, spans, 1).ok());
+    std::vector<Completion> got;
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    while (got.empty() && Clock::now() < deadline) {
+      self->Poll(&got);
+      target.Progress();
+    }
+    REQUIRE(got.size() == 1);
+    return got[0].status;
+  };
+  struct Case {
+    const char* what;
+    int32_t status;
+    int64_t extra;
+    absl::StatusCode code;
+  };
+  for (const Case& c : {Case{"BUSY: the target couldn't send", UCS_ERR_BUSY, 0,
+                             absl::StatusCode::kUnavailable},
+                        Case{"bytes missing", UCS_OK, -100, absl::StatusCode::kInvalidArgument},
+                        Case{"bytes extra", UCS_OK, 100, absl::StatusCode::kInvalidArgument},
+                        Case{"a status nobody sends", 12345, 0,
+                             absl::StatusCode::kInvalidArgument},
+                        Case{"a peer-failure status", UCS_ERR_CONNECTION_RESET, 0,
+                             absl::StatusCode::kInvalidArgument}}) {
+    INFO(c.what);
+    const absl::Status status = gather(c.status, c.extra);
+    INFO(status.ToString());
+    CHECK(status.code() == c.code);
+    CHECK((*endpoint)->status().ok());
+  }
+  // A good answer after all that: the bytes, bit-exact.
+  REQUIRE(gather(UCS_OK, 0).ok());
+  for (const Span& span : spans) {
+    for (uint64_t i = 0; i < span.length; ++i) {
+      REQUIRE(sink[span.local_offset + i] == static_cast<uint8_t>((span.remote_offset + i) * 3));
+    }
+  }
+  remote->reset();
+  endpoint->reset();
+  std::vector<Completion> ignored;
+  for (int i = 0; i < 100; ++i) {
+    self->Poll(&ignored);
+    target.Progress();
+  }
 }
 
 }  // namespace

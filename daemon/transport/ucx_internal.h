@@ -78,10 +78,12 @@ struct UcxTransport::Gather {
   uint64_t bytes = 0;
 };
 
-// A reply UCX is sending: the iov over the served memory, which stays registered meanwhile.
+// A reply UCX is sending: an iov over memory UCX allocated (`mem` keeps it), or over `packed`,
+// a copy of the spans of memory the caller registered.
 struct UcxTransport::Serve {
   UcxTransport* owner = nullptr;
   std::shared_ptr<MemHolder> mem;
+  std::vector<uint8_t> packed;
   std::vector<ucp_dt_iov_t> iov;
   std::string header;
 };
@@ -92,6 +94,7 @@ struct UcxTransport::Registry {
     uint64_t length = 0;
     MemoryKind kind = MemoryKind::kHost;
     std::weak_ptr<MemHolder> mem;
+    bool owned = false;  // AllocateMemory's: the registration owns the bytes
   };
   std::mutex mu;
   std::multimap<uint64_t, Entry> by_address;

@@ -55,7 +55,7 @@ class UcxTransport::UcxLocalMemory final : public LocalMemory {
     if (counted_) ++owner_->live_objects_;
     std::lock_guard<std::mutex> lock(registry_->mu);
     registry_->by_address.emplace(reinterpret_cast<uint64_t>(address),
-                                  Registry::Entry{length, kind, mem_});
+                                  Registry::Entry{length, kind, mem_, !counted_});
   }
   ~UcxLocalMemory() override {
     {
