@@ -102,7 +102,7 @@ struct Completion {
   uint64_t xxh3 = 0;
   // For an OK PostGetSpans: XXH3-64 of each span's bytes, in the order posted, when the backend
   // computed them on the way (UCX copies from mapped peer memory hash each span right after
-  // copying it); empty otherwise.
+  // copying it; UCX gathers hash each span as they scatter it); empty otherwise.
   std::vector<uint64_t> span_xxh3{};
 };
 
