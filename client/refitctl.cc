@@ -110,7 +110,8 @@ std::string Bar(uint64_t done, uint64_t total) {
 }
 
 // Prints each version of `model` as it completes. On a terminal, a progress bar shows the pull
-// in flight (from Status, polled every 200 ms) on the line below.
+// in flight (from Status, polled every 200 ms) on the line below, and a version the node gave
+// up on gets a line saying why.
 int Watch(Client& client, const std::string& model, bool json) {
   auto watcher = client.Watch(model);
   if (!watcher.ok()) return Fail(watcher.status());
@@ -128,6 +129,7 @@ int Watch(Client& client, const std::string& model, bool json) {
   });
   const bool tty = !json && isatty(STDOUT_FILENO);
   bool bar_shown = false;
+  uint64_t abandoned_shown = 0;
   while (true) {
     std::deque<v1::VersionEvent> ready;
     bool done;
@@ -150,6 +152,14 @@ int Watch(Client& client, const std::string& model, bool json) {
     if (tty) {
       auto status = client.Status();
       if (status.ok()) {
+        for (const auto& m : status->models()) {
+          if (m.model() != model || m.abandoned_version() <= abandoned_shown) continue;
+          if (bar_shown) std::cout << "\r\033[K";
+          bar_shown = false;
+          std::cout << model << " version " << m.abandoned_version()
+                    << " abandoned: " << m.abandoned_error() << std::endl;
+          abandoned_shown = m.abandoned_version();
+        }
         for (const auto& t : status->transfers()) {
           if (t.model() != model) continue;
           std::cout << "\r\033[K" << absl::StrFormat(

@@ -356,6 +356,13 @@ TEST_CASE("a source killed mid-transfer leaves the engine on the previous versio
   REQUIRE(status->models_size() == 1);
   CHECK(status->models(0).abandoned_version() == 2);
   CHECK(status->models(0).abandoned_error().rfind("UNAVAILABLE", 0) == 0);
+  // `refitctl watch` on a terminal says so too (script(1) gives it a pty).
+  const std::string refitctl = testing::RunfilePath("client/refitctl");
+  auto watched = testing::RunCommand(
+      {"/usr/bin/timeout", "2", "/usr/bin/script", "-qec",
+       refitctl + " --socket=" + (*engine)->socket() + " watch big", "/dev/null"});
+  INFO(watched.out);
+  CHECK(watched.out.find("big version 2 abandoned: UNAVAILABLE") != std::string::npos);
 
   // The source comes back on the same address and publishes version 3.
   auto again = DaemonProcess::Start({"--node=src", listen});
