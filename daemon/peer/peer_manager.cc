@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -22,10 +23,17 @@ using std::chrono::milliseconds;
 constexpr auto kHelloDeadline = milliseconds(2000);
 constexpr auto kCallDeadline = milliseconds(10000);
 constexpr auto kMaxBackoff = milliseconds(2000);
-// A reader's pin on a source's version lapses after kPinLeaseMs unless renewed; a pull renews
-// its pins every kPinRenewal.
+// A reader's pin on a source's version lapses after its lease unless renewed; a pull renews its
+// pins every quarter lease. 2 minutes; tests shorten it with $REFIT_TEST_PIN_LEASE_MS (the
+// source takes at least 1 s).
 constexpr uint32_t kPinLeaseMs = 120000;
-constexpr auto kPinRenewal = std::chrono::seconds(30);
+
+uint32_t PinLeaseMs() {
+  if (const char* test = std::getenv("REFIT_TEST_PIN_LEASE_MS")) {
+    if (const long ms = std::strtol(test, nullptr, 10); ms > 0) return static_cast<uint32_t>(ms);
+  }
+  return kPinLeaseMs;
+}
 // Per Checksum call: ranges (8 B each in the reply: 2 MiB, under gRPC's default 4 MiB message
 // limit) and runs (up to ~40 B each in the request).
 constexpr uint64_t kRangesPerChecksumCall = 1u << 18;
@@ -105,7 +113,8 @@ PeerManager::PeerManager(std::string node, std::vector<std::string> addresses, S
       data_plane_(data_plane),
       metrics_(metrics),
       delta_threshold_(delta_threshold),
-      configured_(std::move(addresses)) {}
+      configured_(std::move(addresses)),
+      pin_lease_ms_(PinLeaseMs()) {}
 
 PeerManager::~PeerManager() { Stop(); }
 
@@ -363,7 +372,7 @@ absl::Status PeerManager::Pull(const PullJob& job) {
     request.set_version(job.version);
     request.set_node(node_);
     request.set_release(release);
-    request.set_lease_ms(kPinLeaseMs);
+    request.set_lease_ms(pin_lease_ms_);
     request.set_bytes_read(release ? bytes_from[node] : 0);
     v1::PinResponse response;
     grpc::ClientContext context;
@@ -423,7 +432,8 @@ absl::Status PeerManager::Pull(const PullJob& job) {
         full, [this](uint64_t size) { return store_->AcquireSlot(size); }, read_hashes);
     // A long pull (a large model over a slow link) renews its pins before their lease lapses,
     // so no source recycles a slot while it is being read.
-    while (pulling.wait_for(kPinRenewal) != std::future_status::ready) {
+    while (pulling.wait_for(std::chrono::milliseconds(pin_lease_ms_ / 4)) !=
+           std::future_status::ready) {
       for (const auto& [node, bytes] : bytes_from) (void)pin(node, false);
     }
     auto result = pulling.get();

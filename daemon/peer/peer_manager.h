@@ -88,6 +88,7 @@ class PeerManager {
   Metrics* const metrics_;
   const double delta_threshold_;
   const std::vector<std::string> configured_;    // --peers as given
+  const uint32_t pin_lease_ms_;                  // a pull's pins, renewed every quarter of it
   std::vector<std::unique_ptr<Peer>> peers_;     // guarded by mu_ (grows only)
   std::thread resolver_thread_;
   bool started_ = false;

@@ -121,14 +121,19 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
   };
   uint64_t seen = UINT64_MAX;
   while (true) {
+    // Lapsed pins (a reader that died mid-pull) let go of their version's slots within a tick,
+    // not only at the next Pin call; they are released here, outside the lock.
+    std::vector<Pinned> lapsed;
     {
       std::unique_lock<std::mutex> lock(mu_);
       const bool changed = changed_.wait_for(lock, std::chrono::milliseconds(200), [&] {
         return stopped_ || generation_ != seen;
       });
       if (stopped_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is stopping");
+      lapsed = ExpirePins();
       if (!changed) {
         lock.unlock();
+        lapsed.clear();
         if (context->IsCancelled()) return grpc::Status::CANCELLED;
         continue;
       }
@@ -255,11 +260,21 @@ grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumReque
   return grpc::Status::OK;
 }
 
-void PeerService::ExpirePins() {
+std::vector<PeerService::Pinned> PeerService::ExpirePins() {
   const auto now = std::chrono::steady_clock::now();
+  std::vector<Pinned> lapsed;
   for (auto it = pins_.begin(); it != pins_.end();) {
-    it = it->second.until < now ? pins_.erase(it) : std::next(it);
+    if (it->second.until < now) {
+      Logger("peer")->info("model={} version={} pin of node {} lapsed (not renewed)",
+                           std::get<0>(it->first), std::get<1>(it->first),
+                           std::get<2>(it->first));
+      lapsed.push_back(std::move(it->second));
+      it = pins_.erase(it);
+    } else {
+      ++it;
+    }
   }
+  return lapsed;
 }
 
 std::shared_ptr<const LocalSnapshot> PeerService::Snapshot(const std::string& model,
@@ -280,9 +295,10 @@ std::shared_ptr<const LocalSnapshot> PeerService::Snapshot(const std::string& mo
 grpc::Status PeerService::Pin(grpc::ServerContext*, const v1::PinRequest* request,
                               v1::PinResponse*) {
   const auto key = std::make_tuple(request->model(), request->version(), request->node());
+  std::vector<Pinned> lapsed;  // released after the lock
   if (request->release()) {
     std::lock_guard<std::mutex> lock(mu_);
-    ExpirePins();
+    lapsed = ExpirePins();
     pins_.erase(key);
     metrics_->Add(kDataBytesSent, static_cast<double>(request->bytes_read()));
     return grpc::Status::OK;
@@ -297,7 +313,9 @@ grpc::Status PeerService::Pin(grpc::ServerContext*, const v1::PinRequest* reques
   if (deltas_) deltas = deltas_->Deltas(request->model());
   const uint32_t lease_ms = std::clamp<uint32_t>(request->lease_ms(), 1000, 600000);
   std::lock_guard<std::mutex> lock(mu_);
-  ExpirePins();
+  lapsed = ExpirePins();
+  Logger("peer")->debug("model={} version={} pinned by node {} for {} ms", request->model(),
+                        request->version(), request->node(), lease_ms);
   pins_[key] = {std::move(snapshot), std::move(deltas),
                 std::chrono::steady_clock::now() + std::chrono::milliseconds(lease_ms)};
   return grpc::Status::OK;

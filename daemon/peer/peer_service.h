@@ -51,7 +51,9 @@ class PeerService final : public v1::Peer::Service {
   // nothing to say.
   bool BuildEvent(const std::string& model, const std::vector<SourceLayout>& layouts,
                   bool with_sources, v1::PeerEvent* event);
-  void ExpirePins();
+  struct Pinned;
+  // Takes the pins whose lease lapsed out of pins_ (mu_ held); the caller lets them go.
+  std::vector<Pinned> ExpirePins();
   // Version `version` of `model` held here: from the store, or the one DeltaSource prepared.
   std::shared_ptr<const LocalSnapshot> Snapshot(const std::string& model, uint64_t version);
 
