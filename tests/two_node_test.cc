@@ -269,6 +269,36 @@ Registered RegisterWhole(DaemonProcess& daemon, v1::Role role, const SharedMemor
   return {std::move(c).value(), *id};
 }
 
+// Whether UCX_TLS names shared memory (the two_node_shm_test variant).
+bool SharedMemoryTls() {
+  const char* tls = std::getenv("UCX_TLS");
+  return tls != nullptr && std::string(tls).find("sm") != std::string::npos;
+}
+
+// One `bytes`-sized tensor of model "big": a SOURCE on `source`, a DESTINATION on `engine`,
+// whose daemon is connected to its one peer.
+struct BigModel {
+  BigModel(DaemonProcess& source, DaemonProcess& engine, int64_t bytes)
+      : bytes(bytes),
+        src(MakeShm(bytes)),
+        dst(MakeShm(bytes)),
+        trainer(RegisterWhole(source, v1::SOURCE, src, bytes)),
+        inference(RegisterWhole(engine, v1::DESTINATION, dst, bytes)) {
+    WaitConnected(*inference.client, 1);
+  }
+  // Fills the source buffer with `value` and publishes it as `version`.
+  void Publish(uint64_t version, int value) {
+    std::memset(src.data(), value, bytes);
+    REQUIRE(trainer.client->Publish("big", version, {trainer.id}).ok());
+  }
+  bool DestinationIs(uint8_t value) const {
+    return std::all_of(dst.data(), dst.data() + bytes, [&](uint8_t b) { return b == value; });
+  }
+  int64_t bytes;
+  SharedMemory src, dst;
+  Registered trainer, inference;
+};
+
 TEST_CASE("a source that registers again with another layout: the engine follows it",
           "[integration][two]") {
   // Layouts go to peers only when they change; this is the change.
@@ -321,23 +351,18 @@ TEST_CASE("a source killed mid-transfer leaves the engine on the previous versio
   // Small reads, one at a time, so that the pull takes long enough to be interrupted: 64 MiB
   // over tcp; over shared memory, where a read is a memcpy from the source's mapped slot,
   // 256 MiB in 4 KiB reads.
-  const char* tls = std::getenv("UCX_TLS");
-  const bool shm = tls != nullptr && std::string(tls).find("sm") != std::string::npos;
+  const bool shm = SharedMemoryTls();
   auto engine = DaemonProcess::Start({"--node=dst", shm ? "--chunk-bytes=4096" : "--chunk-bytes=8192",
                                       "--inflight=1", "--peers=127.0.0.1:" + std::to_string(port)});
   REQUIRE(engine.ok());
   const int64_t kBytes = shm ? 256 << 20 : 64 << 20;
-  SharedMemory src = MakeShm(kBytes), dst = MakeShm(kBytes);
-  auto trainer = RegisterWhole(**source, v1::SOURCE, src, kBytes);
-  auto inference = RegisterWhole(**engine, v1::DESTINATION, dst, kBytes);
-  WaitConnected(*inference.client, 1);
+  BigModel big(**source, **engine, kBytes);
+  auto& inference = big.inference;
 
-  std::memset(src.data(), 1, kBytes);
-  REQUIRE(trainer.client->Publish("big", 1, {trainer.id}).ok());
+  big.Publish(1, 1);
   REQUIRE(inference.client->WaitForVersion("big", 1, milliseconds(60000)).ok());
 
-  std::memset(src.data(), 2, kBytes);
-  REQUIRE(trainer.client->Publish("big", 2, {trainer.id}).ok());
+  big.Publish(2, 2);
   // Kill the source once the pull of version 2 is under way.
   WaitPulling(*inference.client, 2);
   (*source)->Stop(SIGKILL);
@@ -354,7 +379,7 @@ TEST_CASE("a source killed mid-transfer leaves the engine on the previous versio
   auto applied = inference.client->Apply("big", 0, {inference.id});
   REQUIRE(applied.ok());
   CHECK(applied->version() == 1);
-  CHECK(std::all_of(dst.data(), dst.data() + kBytes, [](uint8_t b) { return b == 1; }));
+  CHECK(big.DestinationIs(1));
   auto status = inference.client->Status();
   REQUIRE(status.ok());
   REQUIRE(status->peers_size() == 1);
@@ -373,14 +398,14 @@ TEST_CASE("a source killed mid-transfer leaves the engine on the previous versio
   // The source comes back on the same address and publishes version 3.
   auto again = DaemonProcess::Start({"--node=src", listen});
   REQUIRE(again.ok());
-  auto trainer2 = RegisterWhole(**again, v1::SOURCE, src, kBytes);
-  std::memset(src.data(), 3, kBytes);
+  auto trainer2 = RegisterWhole(**again, v1::SOURCE, big.src, kBytes);
+  std::memset(big.src.data(), 3, kBytes);
   REQUIRE(trainer2.client->Publish("big", 3, {trainer2.id}).ok());
   auto recovered = inference.client->WaitForVersion("big", 3, milliseconds(60000));
   REQUIRE(recovered.ok());
   CHECK(*recovered == 3);
   REQUIRE(inference.client->Apply("big", 3, {inference.id}).ok());
-  CHECK(std::all_of(dst.data(), dst.data() + kBytes, [](uint8_t b) { return b == 3; }));
+  CHECK(big.DestinationIs(3));
   status = inference.client->Status();
   REQUIRE(status.ok());
   CHECK(status->models(0).abandoned_version() == 0);  // a newer version completed since
@@ -388,8 +413,7 @@ TEST_CASE("a source killed mid-transfer leaves the engine on the previous versio
 
 TEST_CASE("a pull longer than its pin's lease renews it: retention can't recycle the slot",
           "[integration][two][failure]") {
-  const char* tls = std::getenv("UCX_TLS");
-  if (tls != nullptr && std::string(tls).find("sm") != std::string::npos) {
+  if (SharedMemoryTls()) {
     WARN("shared memory pulls too fast to outlast a lease here: covered by the tcp variant");
     return;
   }
@@ -403,25 +427,16 @@ TEST_CASE("a pull longer than its pin's lease renews it: retention can't recycle
        "--peers=127.0.0.1:" + std::to_string(ListenPort(**source))},
       /*socket=*/"", {"REFIT_TEST_PIN_LEASE_MS=1000"});
   REQUIRE(engine.ok());
-  constexpr int64_t kBytes = 128 << 20;
-  SharedMemory src = MakeShm(kBytes), dst = MakeShm(kBytes);
-  auto trainer = RegisterWhole(**source, v1::SOURCE, src, kBytes);
-  auto inference = RegisterWhole(**engine, v1::DESTINATION, dst, kBytes);
-  WaitConnected(*inference.client, 1);
-
-  std::memset(src.data(), 1, kBytes);
-  REQUIRE(trainer.client->Publish("big", 1, {trainer.id}).ok());
+  BigModel big(**source, **engine, 128 << 20);
+  auto& inference = big.inference;
+  big.Publish(1, 1);
   WaitPulling(*inference.client, 1);
   // Newer versions drop version 1 from the source's store at once; only the engine's pin holds
   // its slot. Past the lease, more versions would take that slot from the pool and overwrite
   // it, had the pin lapsed.
-  std::memset(src.data(), 2, kBytes);
-  REQUIRE(trainer.client->Publish("big", 2, {trainer.id}).ok());
+  big.Publish(2, 2);
   std::this_thread::sleep_for(milliseconds(1500));
-  for (uint64_t v = 3; v <= 6; ++v) {
-    std::memset(src.data(), static_cast<int>(v), kBytes);
-    REQUIRE(trainer.client->Publish("big", v, {trainer.id}).ok());
-  }
+  for (uint64_t v = 3; v <= 6; ++v) big.Publish(v, static_cast<int>(v));
   auto status = inference.client->Status();
   REQUIRE(status.ok());
   bool still_pulling_1 = false;
@@ -443,7 +458,7 @@ TEST_CASE("a pull longer than its pin's lease renews it: retention can't recycle
   }
   REQUIRE(held);
   REQUIRE(inference.client->Apply("big", 1, {inference.id}).ok());
-  CHECK(std::all_of(dst.data(), dst.data() + kBytes, [](uint8_t b) { return b == 1; }));
+  CHECK(big.DestinationIs(1));
 }
 
 TEST_CASE("a receiver killed mid-transfer doesn't stop the source serving another",

@@ -25,6 +25,8 @@ constexpr int kPopulateWrite = 23;
 // a column-split tensor gives one short range per row.
 constexpr uint64_t kShortRead = 64ull << 10;
 constexpr size_t kSpansPerBatch = 256;
+// How often the loop lets slots that only their registration holds go.
+constexpr auto kSweepEvery = std::chrono::milliseconds(5);
 // A peer's slot not used by any pull for this long is no longer imported (unmapped).
 constexpr auto kRemoteIdle = std::chrono::seconds(30);
 
@@ -101,12 +103,15 @@ void DataPlane::Run() {
     }
     bool busy = !work.empty();
     for (auto& w : work) w();
+    const auto now = std::chrono::steady_clock::now();
     // Unmap peers' slots nobody pulled for a while even when no pull comes to do it.
-    if (const auto now = std::chrono::steady_clock::now(); now - last_eviction_ > kRemoteIdle / 8) {
-      EvictImports(now);
+    if (now - last_eviction_ > kRemoteIdle / 8) EvictImports(now);
+    // Let slots that only their registration still holds go back to their pool (a few per
+    // version and piece); every few ms, not on every turn of this loop. Pulls sweep first too.
+    if (!registrations_.empty() && now - last_sweep_ > kSweepEvery) {
+      SweepRegistrations();
+      last_sweep_ = now;
     }
-    // Let slots that only their registration still holds go (a few per version and piece).
-    if (!registrations_.empty()) SweepRegistrations();
     if (transport_) {
       completions.clear();
       transport_->Poll(&completions);

@@ -125,6 +125,7 @@ class DataPlane {
   std::map<std::string, std::map<std::string, Imported>> imported_;
   void EvictImports(std::chrono::steady_clock::time_point now);
   std::chrono::steady_clock::time_point last_eviction_{};
+  std::chrono::steady_clock::time_point last_sweep_{};
   std::shared_ptr<transport::RemoteMemory> Import(transport::Endpoint& endpoint,
                                                   const std::string& node,
                                                   const std::string& descriptor,
