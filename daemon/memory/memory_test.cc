@@ -71,6 +71,9 @@ TEST_CASE("MapHostShm rejects missing objects, bad names and windows past the en
   CHECK(MapHostShm("", 0, 16).status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(MapHostShm("/", 0, 16).status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(MapHostShm("/a/b", 0, 16).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(MapHostShm("/..", 0, 16).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(MapHostShm("..", 0, 16).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(MapHostShm("/.", 0, 16).status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(MapHostShm(shm.name, 0, 4097).status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(MapHostShm(shm.name, 4000, 97).status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(MapHostShm(shm.name, 5000, 0).status().code() == absl::StatusCode::kInvalidArgument);

@@ -64,15 +64,25 @@ absl::StatusOr<std::unique_ptr<Region>> MapHostShm(const std::string& given, uin
   // "/trainer-rank3", or without the leading '/' as Python's SharedMemory.name gives it (glibc's
   // shm_open takes both the same way).
   const std::string name = !given.empty() && given[0] != '/' ? "/" + given : given;
-  if (name.size() < 2 || name.find('/', 1) != std::string::npos || name.size() > 255) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "host_shm name '", given, "' is not a POSIX shm name (one leading '/', no other '/')"));
+  if (name.size() < 2 || name.find('/', 1) != std::string::npos || name.size() > 255 ||
+      name == "/." || name == "/..") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host_shm name '", given,
+                     "' is not a POSIX shm name (one leading '/', no other '/', not . or ..)"));
   }
   int fd = shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) {
     int err = errno;
     if (err == ENOENT) {
       return absl::NotFoundError(absl::StrCat("shm object ", name, " does not exist"));
+    }
+    if (err == EINVAL || err == ENAMETOOLONG) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("host_shm name '", given, "' is not a POSIX shm name: ", std::strerror(err)));
+    }
+    if (err == EMFILE || err == ENFILE) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot open shm object ", name, ": ", std::strerror(err)));
     }
     return absl::PermissionDeniedError(
         absl::StrCat("cannot open shm object ", name, ": ", std::strerror(err)));

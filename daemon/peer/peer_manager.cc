@@ -10,7 +10,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/peer/delta_fetch.h"
+#include "daemon/plan/plan.h"
 #include "daemon/server/convert.h"
 #include "daemon/version.h"
 #include "grpcpp/grpcpp.h"
@@ -27,6 +29,27 @@ constexpr auto kMaxBackoff = milliseconds(2000);
 // pins every quarter lease. 2 minutes; tests shorten it with $REFIT_TEST_PIN_LEASE_MS (the
 // source takes at least 1 s).
 constexpr uint32_t kPinLeaseMs = 120000;
+
+// A peer's SOURCE layouts, checked as this daemon checks its own clients' (daemons of one
+// release send normalized, valid ones; anything else is a bug or not a refitd): every slice
+// inside its piece's bytes, no two sharing a byte.
+absl::Status PeerLayouts(const v1::PeerEvent& event, std::vector<SourceLayout>* layouts) {
+  for (const v1::SourcePiece& source : event.sources()) {
+    ASSIGN_OR_RETURN(std::vector<TensorSlice> slices, server::FromProto(source.tensors()));
+    if (slices.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("piece ", source.buffer_id(), " has no tensors"));
+    }
+    absl::Status valid = plan::NormalizeAndValidateBuffer(slices, source.bytes());
+    if (!valid.ok()) {
+      return absl::Status(valid.code(), absl::StrCat("piece ", source.buffer_id(), " of ",
+                                                     source.bytes(), " bytes: ", valid.message()));
+    }
+    layouts->push_back({source.buffer_id(),
+                        std::make_shared<std::vector<TensorSlice>>(std::move(slices)),
+                        source.bytes()});
+  }
+  return absl::OkStatus();
+}
 
 uint32_t PinLeaseMs() {
   if (const char* test = std::getenv("REFIT_TEST_PIN_LEASE_MS")) {
@@ -246,10 +269,13 @@ void PeerManager::RunPeer(Peer* peer) {
         // Layouts come when they change; an event without them keeps the last ones.
         if (!event.sources_unchanged()) {
           std::vector<SourceLayout> layouts;
-          for (const auto& s : event.sources()) {
-            auto slices = std::make_shared<std::vector<TensorSlice>>();
-            for (const auto& t : s.tensors()) slices->push_back(server::FromTrustedProto(t));
-            layouts.push_back({s.buffer_id(), std::move(slices), s.bytes()});
+          absl::Status valid = PeerLayouts(event, &layouts);
+          if (!valid.ok()) {
+            // Planned from, it could have this node copy outside a slot: nothing of the model
+            // is taken from that node until it sends a layout that holds.
+            Logger("peer")->error("peer={} model={}: layout refused, its versions are ignored: {}",
+                                  node, event.model(), valid.ToString());
+            layouts.clear();
           }
           store_->SetRemoteSources(node, event.model(), std::move(layouts));
           store_->ReserveStaging(event.model());

@@ -71,9 +71,17 @@ void ToProto(const ModelInfo& info, v1::ModelStatus* out) {
 
 grpc::Status ToGrpc(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  // absl and gRPC share the canonical code numbering.
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
+  // absl and gRPC share the canonical code numbering. Messages quote names from the request;
+  // a long one is cut so that the reply stays within what clients accept as metadata (8 KiB
+  // by default, beyond which the caller would see RESOURCE_EXHAUSTED instead of our code).
+  constexpr size_t kMaxMessage = 1024;
+  std::string message(status.message());
+  if (message.size() > kMaxMessage) {
+    const size_t cut = message.size() - kMaxMessage;
+    message.resize(kMaxMessage);
+    absl::StrAppend(&message, "... (", cut, " more bytes)");
+  }
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), message);
 }
 
 Clock::time_point SteadyDeadline(const grpc::ServerContext& context) {

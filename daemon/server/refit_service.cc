@@ -32,6 +32,22 @@ absl::StatusOr<std::unique_ptr<Region>> OpenRegion(const v1::MemoryHandle& memor
   return absl::InvalidArgumentError("memory names neither host_shm nor cuda_ipc");
 }
 
+// Names end up in buffer ids, Status, logs and metrics labels: a bound keeps them all sane.
+constexpr size_t kMaxNameBytes = 1024;
+
+absl::Status CheckNameLengths(const v1::RegisterBufferRequest& request) {
+  auto too_long = [](const char* what, const std::string& name) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " of ", name.size(),
+                                                   " bytes is longer than ", kMaxNameBytes));
+  };
+  if (request.model().size() > kMaxNameBytes) return too_long("model name", request.model());
+  if (request.client().size() > kMaxNameBytes) return too_long("client name", request.client());
+  for (const v1::TensorSlice& slice : request.tensors()) {
+    if (slice.name().size() > kMaxNameBytes) return too_long("tensor name", slice.name());
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 grpc::Status RefitService::Finish(const char* rpc, const absl::Status& status) {
@@ -51,6 +67,9 @@ grpc::Status RefitService::RegisterBuffer(grpc::ServerContext*,
   if (!slices.ok()) return Finish("RegisterBuffer", slices.status());
   if (request->model().empty()) {
     return Finish("RegisterBuffer", absl::InvalidArgumentError("model name is empty"));
+  }
+  if (absl::Status names = CheckNameLengths(*request); !names.ok()) {
+    return Finish("RegisterBuffer", names);
   }
   if (request->role() != v1::SOURCE && request->role() != v1::DESTINATION) {
     return Finish("RegisterBuffer",
