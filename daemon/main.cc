@@ -128,6 +128,11 @@ int main(int argc, char** argv) {
   if (*full_every_opt) options.bucket_full_every = flags.bucket_full_every;
   if (*slot_memory_opt) options.slot_memory = flags.slot_memory;
   if (*slot_device_opt) options.slot_device = flags.slot_device;
+  // Peers tell pieces apart by node name; an empty one would read as this node's own.
+  if (options.node.empty() || options.node.size() > 255) {
+    std::cerr << "refitd: --node must be 1 to 255 bytes (default: the host name)\n";
+    return 2;
+  }
   refit::SetLogLevel(options.log_level);
 
   // Block the stop signals in every thread (gRPC's inherit this mask); this thread waits.

@@ -14,6 +14,7 @@
 // $REFIT_FUZZ_SEED and $REFIT_FUZZ_ROUNDS explore further; a failure prints the seed, the round
 // and the request.
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
@@ -707,6 +708,44 @@ class HostilePeer final : public v1::Peer::Service {
   std::vector<std::string> ids_;  // the sources of the last layout sent
 };
 
+// A peer that names itself "" and announces a version of the model this node's destinations
+// want. Pieces without a node are a node's own, so such a version would look complete here
+// without a byte pulled: the peer is refused at Hello.
+class NamelessPeer final : public v1::Peer::Service {
+ public:
+  grpc::Status Hello(grpc::ServerContext*, const v1::HelloRequest* request,
+                     v1::HelloResponse* response) override {
+    ++hellos_;
+    response->set_version(request->version());
+    response->set_transport("ucx");
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Subscribe(grpc::ServerContext* context, const v1::SubscribeRequest*,
+                         grpc::ServerWriter<v1::PeerEvent>* writer) override {
+    v1::PeerEvent event;
+    event.set_model("m");
+    v1::SourcePiece* source = event.add_sources();
+    source->set_buffer_id("src");
+    source->set_bytes(8192);
+    *source->add_tensors() = Slice("w", v1::FP32, {32, 32}, 0, {0, 0}, {32, 32}, {32, 1});
+    *source->add_tensors() = Slice("v", v1::BF16, {64}, 4096, {0}, {64}, {1});
+    event.set_version(1);
+    v1::VersionPiece* piece = event.add_pieces();
+    piece->set_buffer_id("src");
+    piece->set_remote_key("not a key");
+    piece->set_bytes(8192);
+    writer->Write(event);
+    while (!context->IsCancelled()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return grpc::Status::OK;
+  }
+
+  int hellos() const { return hellos_.load(); }
+
+ private:
+  std::atomic<int> hellos_{0};
+};
+
 void PrintCodes(const char* what, uint64_t seed, const std::map<int, int>& codes) {
   std::string line;
   for (const auto& [code, count] : codes) {
@@ -791,6 +830,39 @@ TEST_CASE("a peer that sends garbage completes no version here, and the daemon s
   auto applied = (*c)->Apply("m", 0, {*id});
   CHECK(applied.status().code() == absl::StatusCode::kFailedPrecondition);
   local.ExpectStillServing();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+}
+
+TEST_CASE("a peer without a node name is refused, and its version never completes here",
+          "[integration][fuzz]") {
+  NamelessPeer peer;
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&peer);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  REQUIRE(server);
+  auto daemon = testing::DaemonProcess::Start({"--peers=127.0.0.1:" + std::to_string(port)});
+  REQUIRE(daemon.ok());
+  auto c = (*daemon)->Connect();
+  REQUIRE(c.ok());
+  auto dst = SharedMemory::Create(testing::UniqueShmName("nameless"), 8192);
+  REQUIRE(dst.ok());
+  REQUIRE((*c)->RegisterBuffer("m", v1::DESTINATION, dst->name(),
+                               {Slice("w", v1::FP32, {32, 32}), Slice("v", v1::BF16, {64}, 4096)})
+              .ok());
+  // Asked twice: refused the first time, and retried.
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (peer.hellos() < 2 && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  CHECK(peer.hellos() >= 2);
+  CHECK((*c)->WaitForVersion("m", 1, std::chrono::milliseconds(300)).status().code() ==
+        absl::StatusCode::kDeadlineExceeded);
+  auto status = (*c)->Status();
+  REQUIRE(status.ok());
+  REQUIRE(status->peers_size() == 1);
+  CHECK_FALSE(status->peers(0).connected());
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
 }
 

@@ -142,6 +142,12 @@ TEST_CASE("the config file sets options; flags override it; bad files stop the s
                                       "--socket=" + std::string(dir_template) + "/x.sock"});
   CHECK(refused.exit_code == 2);
   CHECK(refused.err.find("'retian' is unknown") != std::string::npos);
+  // An empty node name would make this node's pieces look like its peers' own.
+  auto nameless = testing::RunCommand({testing::RunfilePath("daemon/refitd"), "--node", "",
+                                       "--listen=127.0.0.1:0",
+                                       "--socket=" + std::string(dir_template) + "/y.sock"});
+  CHECK(nameless.exit_code == 2);
+  CHECK(nameless.err.find("--node must be 1 to 255 bytes") != std::string::npos);
   std::filesystem::remove_all(dir_template);
 }
 

@@ -235,6 +235,13 @@ void PeerManager::RunPeer(Peer* peer) {
     grpc::ClientContext hello_context;
     hello_context.set_deadline(In(kHelloDeadline));
     grpc::Status status = stub->Hello(&hello_context, hello, &who);
+    if (status.ok() && (who.node().empty() || who.node().size() > 255)) {
+      // Pieces without a node are this node's own: such a peer's versions would look complete
+      // here without a byte pulled.
+      status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("it names itself '", who.node().substr(0, 64),
+                                         "' (a node name is 1 to 255 bytes)"));
+    }
     if (status.ok() && who.node() == node_) {
       // A name that resolves to every daemon (a headless Service) includes this one.
       Logger("peer")->info("peer at {} is this node; not connecting to it", peer->address);
@@ -307,8 +314,13 @@ void PeerManager::RunPeer(Peer* peer) {
                            status.error_message().empty() ? "stream ended"
                                                           : status.error_message());
     } else if (!reported_down) {
-      Logger("peer")->warn("peer at {} not answering ({}); retrying", peer->address,
-                           status.error_message());
+      if (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT) {
+        Logger("peer")->error("peer at {} refused: {}; retrying", peer->address,
+                              status.error_message());
+      } else {
+        Logger("peer")->warn("peer at {} not answering ({}); retrying", peer->address,
+                             status.error_message());
+      }
       reported_down = true;
     }
     std::unique_lock<std::mutex> lock(mu_);
