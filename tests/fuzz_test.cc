@@ -746,6 +746,17 @@ class NamelessPeer final : public v1::Peer::Service {
   std::atomic<int> hellos_{0};
 };
 
+// Serves a fake peer on 127.0.0.1 and a free port.
+std::unique_ptr<grpc::Server> ServeOnLoopback(grpc::Service* service, int* port) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port);
+  builder.RegisterService(service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  REQUIRE(server);
+  REQUIRE(*port > 0);
+  return server;
+}
+
 void PrintCodes(const char* what, uint64_t seed, const std::map<int, int>& codes) {
   std::string line;
   for (const auto& [code, count] : codes) {
@@ -797,12 +808,7 @@ TEST_CASE("a peer that sends garbage completes no version here, and the daemon s
   const uint64_t events = EnvOr("REFIT_FUZZ_ROUNDS", 3000) / 3;
   HostilePeer peer(seed, events);
   int port = 0;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&peer);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  REQUIRE(server);
-  REQUIRE(port > 0);
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&peer, &port);
   auto daemon = testing::DaemonProcess::Start(
       {"--retain=2", "--peers=127.0.0.1:" + std::to_string(port)});
   REQUIRE(daemon.ok());
@@ -837,11 +843,7 @@ TEST_CASE("a peer without a node name is refused, and its version never complete
           "[integration][fuzz]") {
   NamelessPeer peer;
   int port = 0;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&peer);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  REQUIRE(server);
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(&peer, &port);
   auto daemon = testing::DaemonProcess::Start({"--peers=127.0.0.1:" + std::to_string(port)});
   REQUIRE(daemon.ok());
   auto c = (*daemon)->Connect();
