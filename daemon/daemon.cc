@@ -122,6 +122,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   StoreOptions store_options;
   store_options.retain = options.retain;
   store_options.node = options.node;
+  store_options.max_slot_bytes = options.max_slot_memory;
   if (options.slot_memory == "cuda") {
     if (options.slot_device < 0 || options.slot_device >= cuda::DeviceCount()) {
       return absl::FailedPreconditionError(absl::StrCat(

@@ -31,6 +31,9 @@ struct DaemonOptions {
   // Version slots: "host" (pinned when a GPU is seen) or "cuda" (on GPU slot_device).
   std::string slot_memory = "host";
   int slot_device = 0;
+  // Most bytes of version slots (published, pulled, being pulled or kept for reuse) in host
+  // memory; 0: no limit. Past it Publish answers RESOURCE_EXHAUSTED and pulls are abandoned.
+  uint64_t max_slot_memory = 0;
 };
 
 }  // namespace refit

@@ -185,5 +185,53 @@ TEST_CASE_METHOD(Fixture, "buffers of the wrong role or model are INVALID_ARGUME
   ExpectStillServing();
 }
 
+TEST_CASE("a Publish past --max-slot-memory is RESOURCE_EXHAUSTED and changes nothing",
+          "[integration][codes]") {
+  // 192 KiB of slots: model a (64 KiB, retain 1) holds its version and a spare; model b's
+  // 128 KiB version then takes a's spare's room, and a's next version has none left.
+  auto started = testing::DaemonProcess::Start({"--retain=1", "--max-slot-memory=192KiB"});
+  REQUIRE(started.ok());
+  auto connected = (*started)->Connect();
+  REQUIRE(connected.ok());
+  client::Client& c = **connected;
+  auto a = SharedMemory::Create(testing::UniqueShmName("limit-a"), 64 << 10);
+  auto b = SharedMemory::Create(testing::UniqueShmName("limit-b"), 128 << 10);
+  auto d = SharedMemory::Create(testing::UniqueShmName("limit-d"), 64 << 10);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  REQUIRE(d.ok());
+  auto a_id = c.RegisterBuffer("a", v1::SOURCE, a->name(), {Slice("w", v1::UINT8, {64 << 10})});
+  auto d_id =
+      c.RegisterBuffer("a", v1::DESTINATION, d->name(), {Slice("w", v1::UINT8, {64 << 10})});
+  auto b_id = c.RegisterBuffer("b", v1::SOURCE, b->name(), {Slice("w", v1::UINT8, {128 << 10})});
+  REQUIRE(a_id.ok());
+  REQUIRE(d_id.ok());
+  REQUIRE(b_id.ok());
+  std::memset(a->data(), 1, 64 << 10);
+  REQUIRE(c.Publish("a", 1, {*a_id}).ok());
+  std::memset(a->data(), 2, 64 << 10);
+  REQUIRE(c.Publish("a", 2, {*a_id}).ok());
+  REQUIRE(c.Publish("b", 1, {*b_id}).ok());
+
+  std::memset(a->data(), 3, 64 << 10);
+  auto refused = c.Publish("a", 3, {*a_id});
+  INFO(refused.status().ToString());
+  CHECK(refused.status().code() == StatusCode::kResourceExhausted);
+  CHECK(refused.status().message().find("--max-slot-memory") != std::string::npos);
+  auto status = c.Status();
+  REQUIRE(status.ok());
+  for (const v1::ModelStatus& m : status->models()) {
+    if (m.model() == "a") CHECK(m.latest_version() == 2);
+  }
+  CHECK(status->metrics().at("refit_slot_memory_bytes") == 192 << 10);
+  CHECK(status->metrics().at("refit_slot_memory_limit_bytes") == 192 << 10);
+  // Still serving what it holds, and version 3 may come once there is room.
+  auto applied = c.Apply("a", 0, {*d_id});
+  REQUIRE(applied.ok());
+  CHECK(applied->version() == 2);
+  CHECK(d->data()[0] == 2);
+  CHECK(d->data()[(64 << 10) - 1] == 2);
+}
+
 }  // namespace
 }  // namespace refit

@@ -71,6 +71,13 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
       } else {
         parsed.chunk_bytes = static_cast<uint64_t>(*value);
       }
+    } else if (key == "max_slot_memory") {
+      auto value = node.value<int64_t>();
+      if (!node.is_integer() || !value || *value < 0) {
+        status = Bad(origin, key, "must be a number of bytes (0: no limit)");
+      } else {
+        parsed.max_slot_memory = static_cast<uint64_t>(*value);
+      }
     } else if (key == "inflight") {
       auto value = node.value<int64_t>();
       if (!node.is_integer() || !value || *value < 1 || *value > 1024) {

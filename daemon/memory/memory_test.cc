@@ -128,6 +128,38 @@ TEST_CASE("SlotPool::Reserve pre-allocates spare slots within the limit", "[memo
   CHECK(pool->spare_bytes() == 2 * 4096);
 }
 
+TEST_CASE("SlotPool with a byte limit frees spare slots for room, then refuses", "[memory]") {
+  std::vector<uint64_t> observed;
+  auto pool = SlotPool::Create(/*max_spare_bytes=*/1 << 20, AllocateHost,
+                               /*max_bytes=*/3 * 4096,
+                               [&](uint64_t held) { observed.push_back(held); });
+  auto a = pool->Acquire(4096);
+  auto b = pool->Acquire(4096);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  CHECK(pool->held_bytes() == 2 * 4096);
+  // 4096 + 8192 = 12288 fits exactly; 1 byte more doesn't, and changes nothing.
+  auto too_big = pool->Acquire(2 * 4096 + 1);
+  CHECK(too_big.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK(too_big.status().message().find("--max-slot-memory") != std::string::npos);
+  CHECK(pool->held_bytes() == 2 * 4096);
+  // A released slot stays spare (still held) until a slot of another size needs its room.
+  a->reset();
+  CHECK(pool->spare_bytes() == 4096);
+  CHECK(pool->held_bytes() == 2 * 4096);
+  auto c = pool->Acquire(2 * 4096);
+  REQUIRE(c.ok());
+  CHECK(pool->spare_bytes() == 0);
+  CHECK(pool->held_bytes() == 3 * 4096);
+  // Reserve stays within the limit without freeing anything.
+  REQUIRE(pool->Reserve(4096, 2).ok());
+  CHECK(pool->spare_bytes() == 0);
+  b->reset();
+  c->reset();
+  CHECK(pool->held_bytes() == 3 * 4096);  // spare, for reuse
+  CHECK(observed.back() == 3 * 4096);
+  CHECK(std::find(observed.begin(), observed.end(), 2 * 4096) != observed.end());
+}
 
 TEST_CASE("CopyAndHash copies and hashes each chunk like XXH3 over the copy", "[memory]") {
   // 40 MiB + 123 bytes: above the threaded threshold, with a short last chunk.

@@ -1,9 +1,15 @@
 #include "daemon/memory/slot_pool.h"
 
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
 namespace refit {
 
-std::shared_ptr<SlotPool> SlotPool::Create(uint64_t max_spare_bytes, Allocator allocate) {
-  return std::shared_ptr<SlotPool>(new SlotPool(max_spare_bytes, std::move(allocate)));
+std::shared_ptr<SlotPool> SlotPool::Create(uint64_t max_spare_bytes, Allocator allocate,
+                                           uint64_t max_bytes, Observer observe) {
+  return std::shared_ptr<SlotPool>(
+      new SlotPool(max_spare_bytes, std::move(allocate), max_bytes, std::move(observe)));
 }
 
 absl::StatusOr<std::shared_ptr<Region>> SlotPool::Acquire(uint64_t size) {
@@ -18,7 +24,7 @@ absl::StatusOr<std::shared_ptr<Region>> SlotPool::Acquire(uint64_t size) {
     }
   }
   if (!region) {
-    auto allocated = allocate_(size);
+    auto allocated = Allocate(size);
     if (!allocated.ok()) return allocated.status();
     region = std::move(allocated).value();
   }
@@ -30,10 +36,48 @@ absl::StatusOr<std::shared_ptr<Region>> SlotPool::Acquire(uint64_t size) {
   });
 }
 
+absl::StatusOr<std::unique_ptr<Region>> SlotPool::Allocate(uint64_t size) {
+  std::vector<std::unique_ptr<Region>> evicted;  // freed outside the lock
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (max_bytes_ > 0) {
+      // Spare slots of other sizes go first: they are what a limit is meant to squeeze.
+      while (held_bytes_ + size > max_bytes_ && !spare_.empty()) {
+        auto it = std::prev(spare_.end());  // the largest
+        spare_bytes_ -= it->first;
+        held_bytes_ -= it->first;
+        evicted.push_back(std::move(it->second));
+        spare_.erase(it);
+      }
+      if (held_bytes_ + size > max_bytes_) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "a ", size, "-byte slot would take this daemon's version slots to ",
+            held_bytes_ + size, " bytes, over its limit of ", max_bytes_,
+            " (--max-slot-memory; every version held, being published or pulled takes one: "
+            "lower --retain or raise the limit)"));
+      }
+    }
+    held_bytes_ += size;  // counted now, so that concurrent calls can't both pass the limit
+    Observe();
+  }
+  evicted.clear();
+  auto allocated = allocate_(size);
+  if (!allocated.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_bytes_ -= size;
+    Observe();
+  }
+  return allocated;
+}
+
 void SlotPool::Release(std::unique_ptr<Region> region) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t size = region->size();
-  if (spare_bytes_ + size > max_spare_bytes_) return;  // freed on return
+  if (spare_bytes_ + size > max_spare_bytes_) {
+    held_bytes_ -= size;
+    Observe();
+    return;  // freed on return
+  }
   spare_bytes_ += size;
   spare_.emplace(size, std::move(region));
 }
@@ -48,8 +92,9 @@ absl::Status SlotPool::Reserve(uint64_t size, int count) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (spare_bytes_ + size > max_spare_bytes_) break;
+      if (max_bytes_ > 0 && held_bytes_ + size > max_bytes_) break;  // no eviction for this
     }
-    auto region = allocate_(size);
+    auto region = Allocate(size);
     if (!region.ok()) return region.status();
     Release(std::move(region).value());
   }
@@ -59,6 +104,15 @@ absl::Status SlotPool::Reserve(uint64_t size, int count) {
 uint64_t SlotPool::spare_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return spare_bytes_;
+}
+
+uint64_t SlotPool::held_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return held_bytes_;
+}
+
+void SlotPool::Observe() const {
+  if (observe_) observe_(held_bytes_);
 }
 
 }  // namespace refit

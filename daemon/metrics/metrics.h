@@ -28,6 +28,10 @@ inline constexpr char kVersionsDropped[] = "refit_versions_dropped_total";
 inline constexpr char kRequestErrors[] = "refit_request_errors_total";
 inline constexpr char kPeersConnected[] = "refit_peers_connected";
 inline constexpr char kChecksumBytesHashed[] = "refit_checksum_bytes_hashed_total";
+// Host version slots held (published, pulled, in flight, kept for reuse), and the limit
+// (--max-slot-memory; 0: none). Gauges.
+inline constexpr char kSlotMemoryBytes[] = "refit_slot_memory_bytes";
+inline constexpr char kSlotMemoryLimitBytes[] = "refit_slot_memory_limit_bytes";
 // Histograms (seconds).
 inline constexpr char kPublishSeconds[] = "refit_publish_seconds";
 inline constexpr char kApplySeconds[] = "refit_apply_seconds";

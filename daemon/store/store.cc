@@ -25,9 +25,14 @@ constexpr auto kWaitSlice = std::chrono::milliseconds(50);  // re-check of `canc
 Store::Store(StoreOptions options, Metrics* metrics)
     : options_(std::move(options)),
       metrics_(metrics),
-      pool_(SlotPool::Create(options_.max_spare_slot_bytes,
-                             options_.host_slot_allocator ? options_.host_slot_allocator
-                                                          : cuda::AllocatePinnedHost)) {
+      pool_(SlotPool::Create(
+          options_.max_spare_slot_bytes,
+          options_.host_slot_allocator ? options_.host_slot_allocator : cuda::AllocatePinnedHost,
+          options_.max_slot_bytes, [metrics](uint64_t held) {
+            metrics->Set(kSlotMemoryBytes, static_cast<double>(held));
+          })) {
+  metrics_->Set(kSlotMemoryBytes, 0);
+  metrics_->Set(kSlotMemoryLimitBytes, static_cast<double>(options_.max_slot_bytes));
   if (options_.slot_memory == MemoryKind::kCuda) {
     const int device = options_.slot_device;
     gpu_pool_ = SlotPool::Create(options_.max_spare_slot_bytes,

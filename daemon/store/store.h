@@ -51,6 +51,8 @@ struct StoreOptions {
   // Makes host slots; null means pinned memory (cuda::AllocatePinnedHost). refitd passes the
   // data plane's allocator when no GPU is seen, so that peers on this host map its slots.
   SlotPool::Allocator host_slot_allocator;
+  // Most bytes of host slots held (in use and spare); 0: no limit.
+  uint64_t max_slot_bytes = 0;
 };
 
 struct PublishResult {
