@@ -189,7 +189,9 @@ TEST_CASE("a Publish past --max-slot-memory is RESOURCE_EXHAUSTED and changes no
           "[integration][codes]") {
   // 192 KiB of slots: model a (64 KiB, retain 1) holds its version and a spare; model b's
   // 128 KiB version then takes a's spare's room, and a's next version has none left.
-  auto started = testing::DaemonProcess::Start({"--retain=1", "--max-slot-memory=192KiB"});
+  // No deltas: their encoder would hold a version's slot for a while after the next.
+  auto started = testing::DaemonProcess::Start(
+      {"--retain=1", "--max-slot-memory=192KiB", "--delta-threshold=0"});
   REQUIRE(started.ok());
   auto connected = (*started)->Connect();
   REQUIRE(connected.ok());
@@ -218,14 +220,21 @@ TEST_CASE("a Publish past --max-slot-memory is RESOURCE_EXHAUSTED and changes no
   INFO(refused.status().ToString());
   CHECK(refused.status().code() == StatusCode::kResourceExhausted);
   CHECK(refused.status().message().find("--max-slot-memory") != std::string::npos);
+  // Nothing changed: the buffer may publish version 3 again (and is refused the same way).
+  auto again = c.Publish("a", 3, {*a_id});
+  CHECK(again.status().code() == StatusCode::kResourceExhausted);
   auto status = c.Status();
   REQUIRE(status.ok());
   for (const v1::ModelStatus& m : status->models()) {
-    if (m.model() == "a") CHECK(m.latest_version() == 2);
+    if (m.model() != "a") continue;
+    CHECK(m.latest_version() == 2);
+    for (const v1::BufferStatus& buffer : m.buffers()) {
+      if (buffer.buffer_id() == *a_id) CHECK(buffer.last_published_version() == 2);
+    }
   }
   CHECK(status->metrics().at("refit_slot_memory_bytes") == 192 << 10);
   CHECK(status->metrics().at("refit_slot_memory_limit_bytes") == 192 << 10);
-  // Still serving what it holds, and version 3 may come once there is room.
+  // Still serving what it holds.
   auto applied = c.Apply("a", 0, {*d_id});
   REQUIRE(applied.ok());
   CHECK(applied->version() == 2);

@@ -41,20 +41,23 @@ absl::StatusOr<std::unique_ptr<Region>> SlotPool::Allocate(uint64_t size) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (max_bytes_ > 0) {
-      // Spare slots of other sizes go first: they are what a limit is meant to squeeze.
-      while (held_bytes_ + size > max_bytes_ && !spare_.empty()) {
-        auto it = std::prev(spare_.end());  // the largest
+      // Spare slots can make room; slots in use can't. Refused before anything is freed, and
+      // compared without sums that could wrap (a size may come from a peer's announcement).
+      const uint64_t in_use = held_bytes_ - spare_bytes_;
+      if (size > max_bytes_ || in_use > max_bytes_ - size) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "a ", size, "-byte slot would take this daemon's version slots past its limit of ",
+            max_bytes_, " bytes (", in_use,
+            " in use; --max-slot-memory: every version held, being published or pulled takes "
+            "one; lower --retain or raise the limit)"));
+      }
+      // Spare slots of other sizes go (largest first) until it fits.
+      while (held_bytes_ > max_bytes_ - size) {
+        auto it = std::prev(spare_.end());
         spare_bytes_ -= it->first;
         held_bytes_ -= it->first;
         evicted.push_back(std::move(it->second));
         spare_.erase(it);
-      }
-      if (held_bytes_ + size > max_bytes_) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "a ", size, "-byte slot would take this daemon's version slots to ",
-            held_bytes_ + size, " bytes, over its limit of ", max_bytes_,
-            " (--max-slot-memory; every version held, being published or pulled takes one: "
-            "lower --retain or raise the limit)"));
       }
     }
     held_bytes_ += size;  // counted now, so that concurrent calls can't both pass the limit
@@ -73,7 +76,7 @@ absl::StatusOr<std::unique_ptr<Region>> SlotPool::Allocate(uint64_t size) {
 void SlotPool::Release(std::unique_ptr<Region> region) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t size = region->size();
-  if (spare_bytes_ + size > max_spare_bytes_) {
+  if (size > max_spare_bytes_ || spare_bytes_ > max_spare_bytes_ - size) {
     held_bytes_ -= size;
     Observe();
     return;  // freed on return
@@ -91,8 +94,9 @@ absl::Status SlotPool::Reserve(uint64_t size, int count) {
   for (; have < count; ++have) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (spare_bytes_ + size > max_spare_bytes_) break;
-      if (max_bytes_ > 0 && held_bytes_ + size > max_bytes_) break;  // no eviction for this
+      if (size > max_spare_bytes_ || spare_bytes_ > max_spare_bytes_ - size) break;
+      // Within the limit without freeing anything.
+      if (max_bytes_ > 0 && (size > max_bytes_ || held_bytes_ > max_bytes_ - size)) break;
     }
     auto region = Allocate(size);
     if (!region.ok()) return region.status();

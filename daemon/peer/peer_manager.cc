@@ -34,7 +34,17 @@ constexpr uint32_t kPinLeaseMs = 120000;
 // release send normalized, valid ones; anything else is a bug or not a refitd): every slice
 // inside its piece's bytes, no two sharing a byte.
 absl::Status PeerLayouts(const v1::PeerEvent& event, std::vector<SourceLayout>* layouts) {
+  constexpr uint64_t kMaxPieceBytes = uint64_t{1} << 44;  // 16 TiB: no GPU rank's buffer
+  std::set<std::string> ids;
   for (const v1::SourcePiece& source : event.sources()) {
+    if (!ids.insert(source.buffer_id()).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("piece ", source.buffer_id(), " is described twice"));
+    }
+    if (source.bytes() > kMaxPieceBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("piece ", source.buffer_id(), " claims ", source.bytes(), " bytes"));
+    }
     ASSIGN_OR_RETURN(std::vector<TensorSlice> slices, server::FromProto(source.tensors()));
     if (slices.empty()) {
       return absl::InvalidArgumentError(absl::StrCat("piece ", source.buffer_id(), " has no tensors"));
@@ -278,11 +288,14 @@ void PeerManager::RunPeer(Peer* peer) {
           std::vector<SourceLayout> layouts;
           absl::Status valid = PeerLayouts(event, &layouts);
           if (!valid.ok()) {
-            // Planned from, it could have this node copy outside a slot: nothing of the model
-            // is taken from that node until it sends a layout that holds.
-            Logger("peer")->error("peer={} model={}: layout refused, its versions are ignored: {}",
-                                  node, event.model(), valid.ToString());
-            layouts.clear();
+            // Planned from, it could have this node copy outside a slot; taken as "no sources
+            // there", it could let a version complete without that node's shards. The peer is
+            // dropped as if it had failed (its layout so far stays, and its versions are
+            // forgotten), and reconnected with backoff.
+            Logger("peer")->error("peer={} model={}: layout refused, disconnecting: {}", node,
+                                  event.model(), valid.ToString());
+            context.TryCancel();
+            break;
           }
           store_->SetRemoteSources(node, event.model(), std::move(layouts));
           store_->ReserveStaging(event.model());

@@ -223,37 +223,8 @@ absl::StatusOr<std::vector<std::shared_ptr<Store::Buffer>>> Store::LookUpBuffers
   return out;
 }
 
-absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint64_t version,
-                                             const std::vector<std::string>& buffer_ids) {
-  if (version == 0) return absl::InvalidArgumentError("version must be >= 1");
-  std::vector<std::shared_ptr<Buffer>> buffers;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (shutdown_) return absl::UnavailableError("refitd is shutting down");
-    Model* model = FindModel(model_name);
-    if (!model) return absl::NotFoundError(absl::StrCat("model ", model_name, " does not exist"));
-    ASSIGN_OR_RETURN(buffers, LookUpBuffers(model_name, Role::kSource, buffer_ids));
-    if (version <= model->latest) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("model ", model_name, ": version ", version,
-                       " is not newer than the latest complete version ", model->latest));
-    }
-    for (const auto& buffer : buffers) {
-      if (version <= buffer->last_published) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("buffer ", buffer->id, ": version ", version,
-                         " is not newer than its last published version ",
-                         buffer->last_published));
-      }
-    }
-    // Reserve the version so a concurrent Publish of the same buffer can't take it too.
-    for (const auto& buffer : buffers) buffer->last_published = version;
-  }
-
-  // Snapshot outside the store lock: other models and readers keep going meanwhile.
-  const auto started = Clock::now();
-  std::vector<Piece> pieces;
-  uint64_t bytes = 0;
+absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& buffers,
+                                    std::vector<Piece>* pieces, uint64_t* bytes) {
   for (const auto& buffer : buffers) {
     const uint64_t size = buffer->span_end - buffer->span_begin;
     Piece piece;
@@ -289,8 +260,55 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
         }
       }
     }
-    pieces.push_back(std::move(piece));
-    bytes += size;
+    pieces->push_back(std::move(piece));
+    *bytes += size;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint64_t version,
+                                             const std::vector<std::string>& buffer_ids) {
+  if (version == 0) return absl::InvalidArgumentError("version must be >= 1");
+  std::vector<std::shared_ptr<Buffer>> buffers;
+  std::vector<uint64_t> previous;  // each buffer's last published version before this call
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (shutdown_) return absl::UnavailableError("refitd is shutting down");
+    Model* model = FindModel(model_name);
+    if (!model) return absl::NotFoundError(absl::StrCat("model ", model_name, " does not exist"));
+    ASSIGN_OR_RETURN(buffers, LookUpBuffers(model_name, Role::kSource, buffer_ids));
+    if (version <= model->latest) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("model ", model_name, ": version ", version,
+                       " is not newer than the latest complete version ", model->latest));
+    }
+    for (const auto& buffer : buffers) {
+      if (version <= buffer->last_published) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("buffer ", buffer->id, ": version ", version,
+                         " is not newer than its last published version ",
+                         buffer->last_published));
+      }
+    }
+    // Reserve the version so a concurrent Publish of the same buffer can't take it too.
+    for (const auto& buffer : buffers) {
+      previous.push_back(buffer->last_published);
+      buffer->last_published = version;
+    }
+  }
+
+  // Snapshot outside the store lock: other models and readers keep going meanwhile.
+  const auto started = Clock::now();
+  std::vector<Piece> pieces;
+  uint64_t bytes = 0;
+  absl::Status snapped = SnapshotBuffers(buffers, &pieces, &bytes);
+  if (!snapped.ok()) {
+    // A refused Publish changes nothing: the buffers may publish this version again.
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      if (buffers[i]->last_published == version) buffers[i]->last_published = previous[i];
+    }
+    return snapped;
   }
   metrics_->Add(kPublishBytes, static_cast<double>(bytes));
   metrics_->Add(kPublishes, 1);

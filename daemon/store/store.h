@@ -289,6 +289,9 @@ class Store {
   // asked about lately or past `size`.
   static std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> HintsForPublish(
       Buffer& buffer, uint64_t size);
+  // Publish's copies: a slot per buffer, filled and hashed (no store lock held).
+  absl::Status SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& buffers,
+                               std::vector<Piece>* pieces, uint64_t* bytes);
   void CompleteVersion(Model& model, uint64_t version, std::vector<Piece> pieces);
   absl::Status CheckHeld(const Version& version, const plan::Plan& plan) const;
   absl::StatusOr<std::shared_ptr<const CachedPlan>> PlanFor(
