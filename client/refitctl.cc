@@ -75,6 +75,16 @@ void PrintStatus(const v1::StatusResponse& status) {
             << (status.cuda_enabled() ? absl::StrFormat("yes, %d device(s)", status.cuda_devices())
                                       : std::string("not compiled in"))
             << "\n";
+  // Version slots held in host memory, against --max-slot-memory.
+  const auto& metrics = status.metrics();
+  if (auto held = metrics.find("refit_slot_memory_bytes"); held != metrics.end()) {
+    auto limit = metrics.find("refit_slot_memory_limit_bytes");
+    const double max = limit == metrics.end() ? 0 : limit->second;
+    std::cout << "slot memory: " << HumanBytes(held->second) << " held"
+              << (max > 0 ? " of " + HumanBytes(max) + " (--max-slot-memory)"
+                          : std::string(", no limit"))
+              << "\n";
+  }
   PrintPeers(status);
   if (status.models().empty()) {
     std::cout << "models: none\n";

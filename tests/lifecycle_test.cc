@@ -104,7 +104,8 @@ TEST_CASE("refitctl shows status and fails clearly without a daemon",
         std::string::npos);
   CHECK(std::count(none.err.begin(), none.err.end(), '\n') == 1);
 
-  auto daemon = testing::DaemonProcess::Start({"--node=ctl-node", "--peers=10.9.9.9:7070"});
+  auto daemon = testing::DaemonProcess::Start(
+      {"--node=ctl-node", "--peers=10.9.9.9:7070", "--max-slot-memory=1MiB", "--retain=1"});
   REQUIRE(daemon.ok());
   auto client = (*daemon)->Connect();
   REQUIRE(client.ok());
@@ -122,6 +123,9 @@ TEST_CASE("refitctl shows status and fails clearly without a daemon",
   CHECK(human.out.find("llama") != std::string::npos);
   CHECK(human.out.find("trainer-0") != std::string::npos);
   CHECK(human.out.find("10.9.9.9:7070") != std::string::npos);
+  // Version 4's 1 KiB slot and one spare (retain 1: the pool keeps retain + 1 ready).
+  CHECK(human.out.find("slot memory: 2.0 KiB held of 1.0 MiB (--max-slot-memory)") !=
+        std::string::npos);
 
   auto json = testing::RunCommand({refitctl, socket_flag, "status", "--json"});
   CHECK(json.exit_code == 0);
