@@ -25,6 +25,7 @@ CONFIG_KEYS = {
     "health_listen": "--health-listen",
     "chunk_bytes": "--chunk-bytes",
     "inflight": "--inflight",
+    "max_slot_memory": "--max-slot-memory",
 }
 FLAG_TO_KEY = {flag: key for key, flag in CONFIG_KEYS.items()}
 LOG_LEVELS = {"trace", "debug", "info", "warn", "error"}
@@ -111,6 +112,10 @@ def check_config_values(test, config, origin):
             test.assertIsInstance(value, int, "%s: retain" % origin)
             test.assertFalse(isinstance(value, bool), "%s: retain" % origin)
             test.assertTrue(1 <= value <= 1000000, "%s: retain=%r" % (origin, value))
+        elif key == "max_slot_memory":
+            test.assertIsInstance(value, int, "%s: max_slot_memory" % origin)
+            test.assertFalse(isinstance(value, bool), "%s: max_slot_memory" % origin)
+            test.assertTrue(value >= 0, "%s: max_slot_memory=%r" % (origin, value))
         elif key == "log_level":
             test.assertIn(value, LOG_LEVELS, "%s: log_level" % origin)
         else:
