@@ -58,6 +58,12 @@ class UnavailableError(RefitError, ConnectionError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ResourceExhaustedError(RefitError):
+    """The daemon's version slots would pass --max-slot-memory (a Publish changed nothing)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class CancelledError(RefitError):
     """The call was cancelled (e.g. a Watch ended by `cancel()`)."""
 
@@ -67,7 +73,7 @@ class CancelledError(RefitError):
 _BY_CODE: Dict[grpc.StatusCode, Type[RefitError]] = {
     cls.code: cls
     for cls in (InvalidArgumentError, NotFoundError, FailedPreconditionError,
-                DeadlineExceededError, UnavailableError, CancelledError)
+                DeadlineExceededError, UnavailableError, ResourceExhaustedError, CancelledError)
 }
 
 

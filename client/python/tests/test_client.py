@@ -242,6 +242,29 @@ class WatchTest(DaemonTestCase):
         self.assertEqual(list(watch), [])
 
 
+class ErrorMappingTest(unittest.TestCase):
+    class FakeRpcError(grpc.RpcError):
+        def __init__(self, code, details):
+            super().__init__()
+            self._code, self._details = code, details
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return self._details
+
+    def test_each_code_maps_to_its_class(self):
+        from refit.errors import from_rpc_error
+        for code, cls in ((grpc.StatusCode.RESOURCE_EXHAUSTED, refit.ResourceExhaustedError),
+                          (grpc.StatusCode.NOT_FOUND, refit.NotFoundError),
+                          (grpc.StatusCode.INTERNAL, refit.RefitError)):
+            error = from_rpc_error(self.FakeRpcError(code, "why"), "Publish")
+            self.assertIs(type(error), cls)
+            self.assertEqual(error.code, code)
+            self.assertEqual(str(error), f"Publish: {code.name}: why")
+
+
 class StatusCodeTest(DaemonTestCase):
     def setUp(self):
         self.model = fresh_model("codes")
