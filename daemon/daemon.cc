@@ -20,6 +20,8 @@
 #include "daemon/metrics/prometheus.h"
 #include "daemon/server/health_service.h"
 #include "daemon/peer/data_plane.h"
+#include "daemon/peer/delta_fetch.h"
+#include "daemon/peer/delta_source.h"
 #include "daemon/peer/peer_manager.h"
 #include "daemon/peer/peer_service.h"
 #include "daemon/transport/ucx_transport.h"
@@ -162,6 +164,23 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     };
   }
   impl->store = std::make_unique<Store>(store_options, &impl->metrics);
+  // Every counter api.md documents is listed from the start (at 0), not once it first moves.
+  for (const char* name : {peer::kDeltaVersions, peer::kFullVersions, peer::kDeltaBytesReceived,
+                           peer::kDeltaFallbacks, peer::kDeltaEncodedBytes}) {
+    impl->metrics.Add(name, 0);
+  }
+  if (!options.bucket_export.empty()) {
+    for (const char* name : {bucket::kBucketVersionsExported, bucket::kBucketBytesWritten,
+                             bucket::kBucketFilesPruned, bucket::kBucketExportErrors}) {
+      impl->metrics.Add(name, 0);
+    }
+  }
+  if (!options.bucket_import.empty()) {
+    for (const char* name : {bucket::kBucketVersionsImported, bucket::kBucketBytesRead,
+                             bucket::kBucketRejected}) {
+      impl->metrics.Add(name, 0);
+    }
+  }
   {
     Impl* raw = impl.get();
     peer::DeltaSourceOptions delta_options;
@@ -290,11 +309,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   impl->peers->Start();
   Logger("daemon")->info(
       "refitd {} node={} serving socket={} listen port={} health port={} metrics port={} "
-      "retain={} slots={} {}",
+      "retain={} slots={} max slot memory={} {}",
       kRefitVersion, options.node, options.socket_path, impl->listen_port, impl->health_port,
       impl->metrics_server ? impl->metrics_server->port() : 0, options.retain,
       options.slot_memory == "cuda" ? absl::StrCat("cuda:", options.slot_device)
                                     : std::string("host"),
+      options.max_slot_memory == 0 ? std::string("unlimited")
+                                   : absl::StrCat(options.max_slot_memory, " B"),
       cuda::Describe());
   return std::unique_ptr<Daemon>(new Daemon(std::move(impl)));
 }

@@ -92,8 +92,10 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
 }
 
 double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
+  const size_t mid = v.size() / 2;
+  return v.size() % 2 == 1 ? v[mid] : (v[mid - 1] + v[mid]) / 2;  // even: the middle two's mean
 }
 
 int Fail(const absl::Status& status) {
