@@ -42,6 +42,11 @@ using testing::Gen;
 using testing::kShmBytes;
 using testing::PrintCodes;
 
+// What RegisterBuffer, Publish and Apply may answer (docs/api.md).
+const std::set<StatusCode> kChangeCodes = {StatusCode::OK, StatusCode::INVALID_ARGUMENT,
+                                           StatusCode::NOT_FOUND,
+                                           StatusCode::FAILED_PRECONDITION};
+
 // What a refused request must leave alone: every model's versions and buffers.
 std::string Fingerprint(const v1::StatusResponse& status) {
   std::string out;
@@ -234,6 +239,12 @@ class ClientFuzz {
     return status;
   }
 
+  // A deadline of 1-20 ms, for calls that block (WaitForVersion, Watch).
+  void ShortDeadline(grpc::ClientContext* c) {
+    c->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(1 + gen_.Below(20)));
+  }
+
   v1::StatusResponse StatusNow() {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -246,12 +257,9 @@ class ClientFuzz {
   void Register() {
     const v1::RegisterBufferRequest request = RegisterRequest();
     v1::RegisterBufferResponse response;
-    grpc::Status s = Check(request,
-                           {StatusCode::OK, StatusCode::INVALID_ARGUMENT, StatusCode::NOT_FOUND,
-                            StatusCode::FAILED_PRECONDITION},
-                           [&](grpc::ClientContext* c) {
-                             return stub_->RegisterBuffer(c, request, &response);
-                           });
+    grpc::Status s = Check(request, kChangeCodes, [&](grpc::ClientContext* c) {
+      return stub_->RegisterBuffer(c, request, &response);
+    });
     if (s.ok()) buffers_.push_back({response.buffer_id(), request.model(), request.role()});
   }
 
@@ -265,8 +273,7 @@ class ClientFuzz {
     std::memset(src_->data(), static_cast<int>(request.version() & 0xff), 8192);
     v1::PublishResponse response;
     Check(request,
-          {StatusCode::OK, StatusCode::INVALID_ARGUMENT, StatusCode::NOT_FOUND,
-           StatusCode::FAILED_PRECONDITION},
+          kChangeCodes,
           [&](grpc::ClientContext* c) { return stub_->Publish(c, request, &response); });
   }
 
@@ -277,8 +284,7 @@ class ClientFuzz {
     for (const std::string& id : Ids()) request.add_buffer_ids(id);
     v1::ApplyResponse response;
     Check(request,
-          {StatusCode::OK, StatusCode::INVALID_ARGUMENT, StatusCode::NOT_FOUND,
-           StatusCode::FAILED_PRECONDITION},
+          kChangeCodes,
           [&](grpc::ClientContext* c) { return stub_->Apply(c, request, &response); });
   }
 
@@ -289,8 +295,7 @@ class ClientFuzz {
     v1::WaitForVersionResponse response;
     Check(request, {StatusCode::OK, StatusCode::DEADLINE_EXCEEDED, StatusCode::INVALID_ARGUMENT},
           [&](grpc::ClientContext* c) {
-            c->set_deadline(std::chrono::system_clock::now() +
-                            std::chrono::milliseconds(1 + gen_.Below(20)));
+            ShortDeadline(c);
             return stub_->WaitForVersion(c, request, &response);
           });
   }
@@ -316,8 +321,7 @@ class ClientFuzz {
     request.set_after_version(gen_.U64(next_version_[request.model()] + 2));
     Check(request, {StatusCode::OK, StatusCode::DEADLINE_EXCEEDED, StatusCode::INVALID_ARGUMENT},
           [&](grpc::ClientContext* c) {
-            c->set_deadline(std::chrono::system_clock::now() +
-                            std::chrono::milliseconds(1 + gen_.Below(20)));
+            ShortDeadline(c);
             auto reader = stub_->Watch(c, request);
             v1::VersionEvent event;
             uint64_t last = request.after_version();
