@@ -227,6 +227,22 @@ absl::StatusOr<uint64_t> Client::WaitForVersion(const std::string& model, uint64
   return response.version();
 }
 
+absl::StatusOr<v1::WaitForReplicasResponse> Client::WaitForReplicas(
+    const std::string& model, uint64_t version, uint32_t min_nodes,
+    std::chrono::milliseconds timeout) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  v1::WaitForReplicasRequest request;
+  request.set_model(model);
+  request.set_version(version);
+  request.set_min_nodes(min_nodes);
+  v1::WaitForReplicasResponse response;
+  auto status =
+      FromGrpc(stub_->WaitForReplicas(&context, request, &response), "WaitForReplicas");
+  if (!status.ok()) return status;
+  return response;
+}
+
 absl::StatusOr<v1::ApplyResponse> Client::Apply(const std::string& model, uint64_t version,
                                                 const std::vector<std::string>& buffer_ids) {
   grpc::ClientContext context;

@@ -98,6 +98,13 @@ class Client {
                                           std::chrono::milliseconds timeout);
   absl::StatusOr<v1::ApplyResponse> Apply(const std::string& model, uint64_t version,
                                           const std::vector<std::string>& buffer_ids);
+  // Blocks until `version` or newer is complete on at least `min_nodes` of the nodes with
+  // DESTINATION buffers for `model` (0: all of them), as this node's daemon knows them; a
+  // trainer's staleness control. DEADLINE_EXCEEDED after `timeout`, naming who is behind.
+  absl::StatusOr<v1::WaitForReplicasResponse> WaitForReplicas(const std::string& model,
+                                                              uint64_t version,
+                                                              uint32_t min_nodes,
+                                                              std::chrono::milliseconds timeout);
   absl::StatusOr<v1::StatusResponse> Status();
   // Starts a watch; returns once the daemon has it in place, so no later completion is missed.
   // `after_version` > 0 also replays retained versions newer than it.

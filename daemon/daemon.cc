@@ -19,8 +19,10 @@
 #include "daemon/metrics/metrics.h"
 #include "daemon/metrics/prometheus.h"
 #include "daemon/server/health_service.h"
-#include "daemon/peer/data_plane.h"
-#include "daemon/peer/delta_fetch.h"
+#include "daemon/dataplane/data_plane.h"
+#include "daemon/fleet/relay_board.h"
+#include "daemon/fleet/replicas.h"
+#include "daemon/pull/delta_fetch.h"
 #include "daemon/peer/delta_source.h"
 #include "daemon/peer/peer_manager.h"
 #include "daemon/peer/peer_service.h"
@@ -83,6 +85,10 @@ struct Daemon::Impl {
   DaemonOptions options;
   Metrics metrics;
   std::unique_ptr<Store> store;
+  // What this node serves to other pullers (slots from the store's pool: it goes first), and
+  // which nodes hold which versions.
+  fleet::RelayBoard relay_board;
+  fleet::ReplicaTable replicas;
   std::unique_ptr<server::RefitService> service;
   // Destroyed in reverse order: the peer loops first (they use the data plane), then the data
   // plane (it serves other nodes' reads of slots and deltas), then what owns that memory.
@@ -90,7 +96,7 @@ struct Daemon::Impl {
   std::unique_ptr<bucket::BucketExport> bucket_export;
   std::unique_ptr<bucket::BucketImport> bucket_import;
   std::unique_ptr<peer::PeerService> peer_service;
-  std::unique_ptr<peer::DataPlane> data_plane;
+  std::unique_ptr<dataplane::DataPlane> data_plane;
   std::unique_ptr<peer::PeerManager> peers;
   std::unique_ptr<server::HealthService> health;
   std::unique_ptr<grpc::Server> health_server;  // --health-listen: health checks only
@@ -148,9 +154,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     Logger("transport")->error("no data plane: {}", created.status().ToString());
   }
   impl->data_plane =
-      std::make_unique<peer::DataPlane>(
+      std::make_unique<dataplane::DataPlane>(
       std::move(ucx),
-      peer::DataPlaneOptions{options.chunk_bytes, static_cast<int>(options.inflight)},
+      dataplane::DataPlaneOptions{options.chunk_bytes, static_cast<int>(options.inflight)},
       &impl->metrics);
   // Host slots: pinned where a GPU copies into them; otherwise the transport's own memory, which
   // a peer daemon on this host maps and copies with memcpy (UCX shared memory).
@@ -158,15 +164,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     // The store outlives the data plane (Impl's member order), but nothing allocates a slot
     // once the data plane is gone: the servers are stopped and the peer loops, which pull into
     // staging slots, go before it.
-    peer::DataPlane* data_plane = impl->data_plane.get();
+    dataplane::DataPlane* data_plane = impl->data_plane.get();
     store_options.host_slot_allocator = [data_plane](uint64_t size) {
       return data_plane->AllocateSlot(size);
     };
   }
   impl->store = std::make_unique<Store>(store_options, &impl->metrics);
   // Every counter api.md documents is listed from the start (at 0), not once it first moves.
-  for (const char* name : {peer::kDeltaVersions, peer::kFullVersions, peer::kDeltaBytesReceived,
-                           peer::kDeltaFallbacks, peer::kDeltaEncodedBytes}) {
+  for (const char* name : {pull::kDeltaVersions, pull::kFullVersions, pull::kDeltaBytesReceived,
+                           pull::kDeltaFallbacks, peer::kDeltaEncodedBytes}) {
     impl->metrics.Add(name, 0);
   }
   if (!options.bucket_export.empty()) {
@@ -205,10 +211,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   impl->peer_service = std::make_unique<peer::PeerService>(
       options.node, impl->store.get(), impl->data_plane.get(), impl->deltas.get(),
-      &impl->metrics);
-  impl->peers = std::make_unique<peer::PeerManager>(options.node, options.peers,
-                                                    impl->store.get(), impl->data_plane.get(),
-                                                    &impl->metrics, options.delta_threshold);
+      &impl->metrics, &impl->relay_board, &impl->replicas, options.relay);
+  impl->peers = std::make_unique<peer::PeerManager>(
+      peer::PeerManagerOptions{options.node, options.delta_threshold, options.relay},
+      options.peers, impl->store.get(), impl->data_plane.get(), &impl->metrics,
+      &impl->relay_board, &impl->replicas);
   {
     peer::PeerService* service = impl->peer_service.get();
     peer::DeltaSource* deltas = impl->deltas.get();
@@ -222,6 +229,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     };
     listener.local_layout_changed = [service](const std::string&) { service->NotifyChanged(); };
     listener.pull = [manager](PullJob job) { manager->OnPull(std::move(job)); };
+    listener.version_complete = [manager](const std::string&, uint64_t) {
+      manager->OnVersionComplete();
+    };
     impl->store->SetListener(std::move(listener));
   }
 
@@ -230,6 +240,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   context.node = options.node;
   context.store = impl->store.get();
   context.metrics = &impl->metrics;
+  context.replicas = &impl->replicas;
   context.peers = [raw] {
     std::vector<server::PeerInfo> out;
     for (const auto& p : raw->peers->Peers()) out.push_back({p.node, p.address, p.connected});
@@ -327,6 +338,7 @@ void Daemon::Shutdown(double grace_seconds) {
   Logger("daemon")->info("node={} shutting down", impl_->options.node);
   impl_->health->SetServing(false);
   impl_->store->Shutdown();  // blocked WaitForVersion/Watch calls return now
+  impl_->replicas.Shutdown();  // and WaitForReplicas
   impl_->peers->Stop();
   if (impl_->bucket_import) impl_->bucket_import->Stop();
   impl_->deltas->Stop();

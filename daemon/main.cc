@@ -102,6 +102,11 @@ int main(int argc, char** argv) {
                                          "the GPU holding the slots with --slot-memory=cuda")
                               ->capture_default_str()
                               ->check(CLI::Range(0, 1023));
+  auto* relay_opt =
+      app.add_option("--relay", flags.relay,
+                     "serve versions this node pulled to other nodes pulling them, and read "
+                     "from them (true, false)")
+          ->capture_default_str();
   app.add_flag("--version", version, "print the version and CUDA support, then exit");
   CLI11_PARSE(app, argc, argv);
 
@@ -134,6 +139,7 @@ int main(int argc, char** argv) {
   if (*full_every_opt) options.bucket_full_every = flags.bucket_full_every;
   if (*slot_memory_opt) options.slot_memory = flags.slot_memory;
   if (*slot_device_opt) options.slot_device = flags.slot_device;
+  if (*relay_opt) options.relay = flags.relay;
   // Peers tell pieces apart by node name; an empty one would read as this node's own.
   if (options.node.empty() || options.node.size() > 255) {
     std::cerr << "refitd: --node must be 1 to 255 bytes (default: the host name)\n";

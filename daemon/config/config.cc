@@ -122,6 +122,13 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
       } else {
         parsed.slot_device = static_cast<int>(*value);
       }
+    } else if (key == "relay") {
+      auto value = node.value<bool>();
+      if (!node.is_boolean() || !value) {
+        status = Bad(origin, key, "must be true or false");
+      } else {
+        parsed.relay = *value;
+      }
     } else if (key == "peers") {
       parsed.peers.clear();
       if (node.is_string()) {
@@ -145,7 +152,7 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
                    "is unknown (known: socket, listen, peers, node, retain, log_level, "
                    "metrics_listen, health_listen, chunk_bytes, inflight, delta_threshold, "
                    "delta_chain, bucket_export, bucket_import, bucket_full_every, slot_memory, "
-                   "slot_device)");
+                   "slot_device, max_slot_memory, relay)");
     }
     if (!status.ok()) return status;
   }

@@ -36,7 +36,8 @@ std::map<std::string, HistogramSnapshot> Metrics::Histograms() const {
 Metrics::Metrics() {
   for (const char* name : {kDataBytesReceived, kDataBytesSent, kVersionsCompleted, kApplyBytes,
                            kPublishBytes, kPublishes, kApplies, kVersionsDropped,
-                           kPeersConnected, kChecksumBytesHashed}) {
+                           kPeersConnected, kChecksumBytesHashed, kRelayBytesSent,
+                           kRelayBytesReceived, kRelayChunksRejected}) {
     Find(name);
   }
 }

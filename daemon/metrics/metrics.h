@@ -20,6 +20,8 @@ inline constexpr char kDataBytesReceived[] = "refit_data_bytes_received_total";
 inline constexpr char kDataBytesSent[] = "refit_data_bytes_sent_total";
 inline constexpr char kVersionsCompleted[] = "refit_versions_completed_total";
 inline constexpr char kApplyBytes[] = "refit_apply_bytes_total";
+// Data-plane bytes this node sent from versions it pulled rather than published (relaying).
+inline constexpr char kRelayBytesSent[] = "refit_relay_bytes_sent_total";
 // Added by refit.
 inline constexpr char kPublishBytes[] = "refit_publish_bytes_total";
 inline constexpr char kPublishes[] = "refit_publish_total";
@@ -27,6 +29,10 @@ inline constexpr char kApplies[] = "refit_apply_total";
 inline constexpr char kVersionsDropped[] = "refit_versions_dropped_total";
 inline constexpr char kRequestErrors[] = "refit_request_errors_total";
 inline constexpr char kPeersConnected[] = "refit_peers_connected";
+// Data-plane bytes this node read from relays (other pullers) instead of the origin, and
+// chunks a relay served that failed the origin's checksum (refetched from the origin).
+inline constexpr char kRelayBytesReceived[] = "refit_relay_bytes_received_total";
+inline constexpr char kRelayChunksRejected[] = "refit_relay_chunks_rejected_total";
 inline constexpr char kChecksumBytesHashed[] = "refit_checksum_bytes_hashed_total";
 // Host version slots held (published, pulled, in flight, kept for reuse), and the limit
 // (--max-slot-memory; 0: none). Gauges.

@@ -11,9 +11,10 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
-#include "daemon/peer/delta_fetch.h"
+#include "daemon/pull/delta_fetch.h"
+#include "daemon/pull/puller.h"
 #include "daemon/plan/plan.h"
-#include "daemon/server/convert.h"
+#include "daemon/convert/convert.h"
 #include "daemon/version.h"
 #include "grpcpp/grpcpp.h"
 
@@ -23,7 +24,10 @@ namespace {
 using std::chrono::milliseconds;
 
 constexpr auto kHelloDeadline = milliseconds(2000);
-constexpr auto kCallDeadline = milliseconds(10000);
+// Replica reports: on every completion here, and at least this often (a heartbeat: a node
+// silent for fleet::kReplicaTtl reads as gone).
+constexpr auto kReportEvery = milliseconds(1000);
+constexpr auto kReportDeadline = milliseconds(2000);
 constexpr auto kMaxBackoff = milliseconds(2000);
 // A reader's pin on a source's version lapses after its lease unless renewed; a pull renews its
 // pins every quarter lease. 2 minutes; tests shorten it with $REFIT_TEST_PIN_LEASE_MS (the
@@ -45,7 +49,7 @@ absl::Status PeerLayouts(const v1::PeerEvent& event, std::vector<SourceLayout>* 
       return absl::InvalidArgumentError(
           absl::StrCat("piece ", source.buffer_id(), " claims ", source.bytes(), " bytes"));
     }
-    ASSIGN_OR_RETURN(std::vector<TensorSlice> slices, server::FromProto(source.tensors()));
+    ASSIGN_OR_RETURN(std::vector<TensorSlice> slices, convert::FromProto(source.tensors()));
     if (slices.empty()) {
       return absl::InvalidArgumentError(absl::StrCat("piece ", source.buffer_id(), " has no tensors"));
     }
@@ -67,11 +71,6 @@ uint32_t PinLeaseMs() {
   }
   return kPinLeaseMs;
 }
-// Per Checksum call: ranges (8 B each in the reply: 2 MiB, under gRPC's default 4 MiB message
-// limit) and runs (up to ~40 B each in the request).
-constexpr uint64_t kRangesPerChecksumCall = 1u << 18;
-constexpr size_t kRunsPerChecksumCall = 1u << 16;
-constexpr int kFetchTries = 3;
 
 std::chrono::system_clock::time_point In(milliseconds d) {
   return std::chrono::system_clock::now() + d;
@@ -112,22 +111,6 @@ std::vector<std::string> ResolvePeerAddress(const std::string& address) {
   return {out.begin(), out.end()};
 }
 
-namespace {
-
-// Verification works in the data plane's chunk units, so a mismatch refetches little.
-std::vector<std::pair<uint64_t, uint64_t>> VerifyChunks(const PullJob::Fetch& fetch) {
-  std::vector<std::pair<uint64_t, uint64_t>> chunks;
-  for (const auto& [begin, end] : fetch.ranges) {
-    // On the source's checksum grid (whole pieces are ranges from 0): answered from the
-    // checksums it took at Publish.
-    for (uint64_t off = begin; off < end; off += kChecksumChunkBytes) {
-      chunks.emplace_back(off, std::min<uint64_t>(end, off + kChecksumChunkBytes));
-    }
-  }
-  return chunks;
-}
-
-}  // namespace
 
 struct PeerManager::Peer {
   std::string address;
@@ -139,15 +122,24 @@ struct PeerManager::Peer {
   std::thread thread;
 };
 
-PeerManager::PeerManager(std::string node, std::vector<std::string> addresses, Store* store,
-                         DataPlane* data_plane, Metrics* metrics, double delta_threshold)
-    : node_(std::move(node)),
+PeerManager::PeerManager(PeerManagerOptions options, std::vector<std::string> addresses,
+                         Store* store, DataPlane* data_plane, Metrics* metrics,
+                         fleet::RelayBoard* board, fleet::ReplicaTable* replicas)
+    : node_(options.node),
+      relay_(options.relay),
       store_(store),
       data_plane_(data_plane),
       metrics_(metrics),
-      delta_threshold_(delta_threshold),
-      configured_(std::move(addresses)),
-      pin_lease_ms_(PinLeaseMs()) {}
+      replicas_(replicas),
+      configured_(std::move(addresses)) {
+  pull::PullerOptions pull_options;
+  pull_options.node = options.node;
+  pull_options.delta_threshold = options.delta_threshold;
+  pull_options.pin_lease_ms = PinLeaseMs();
+  pull_options.relay = options.relay;
+  puller_ = std::make_unique<pull::Puller>(pull_options, store, data_plane, metrics, this, board,
+                                           replicas);
+}
 
 PeerManager::~PeerManager() { Stop(); }
 
@@ -172,6 +164,7 @@ void PeerManager::Start() {
   }
   pull_thread_ = std::thread([this] { RunPulls(); });
   resolver_thread_ = std::thread([this] { RunResolver(); });
+  report_thread_ = std::thread([this] { RunReports(); });
 }
 
 void PeerManager::RunResolver() {
@@ -204,6 +197,7 @@ void PeerManager::Stop() {
   }
   wake_.notify_all();
   if (resolver_thread_.joinable()) resolver_thread_.join();
+  if (report_thread_.joinable()) report_thread_.join();
   for (auto& peer : peers_) {  // no longer grows: stop_ is set
     if (peer->thread.joinable()) peer->thread.join();
   }
@@ -322,6 +316,7 @@ void PeerManager::RunPeer(Peer* peer) {
       }
       metrics_->Add(kPeersConnected, -1);
       store_->ForgetRemoteVersions(node);
+      if (replicas_) replicas_->Forget(node);
       data_plane_->Disconnect(node);
       Logger("peer")->warn("peer={} at {} disconnected: {}", node, peer->address,
                            status.error_message().empty() ? "stream ended"
@@ -359,6 +354,63 @@ void PeerManager::OnPull(PullJob job) {
   wake_.notify_all();
 }
 
+void PeerManager::OnVersionComplete() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    report_due_ = true;
+  }
+  wake_.notify_all();
+}
+
+void PeerManager::RunReports() {
+  bool reported = false;  // the last report held a model
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait_for(lock, kReportEvery, [this] { return stop_ || report_due_; });
+      if (stop_) return;
+      report_due_ = false;
+    }
+    v1::ReplicaReport report;
+    report.set_node(node_);
+    report.set_relay(relay_);
+    std::vector<fleet::ReplicaEntry> entries;
+    for (const ModelInfo& model : store_->Models()) {
+      if (model.destination_buffers == 0) continue;
+      entries.push_back({model.name, model.latest_version});
+      v1::ReplicaReport::Model* m = report.add_models();
+      m->set_model(model.name);
+      m->set_latest_version(model.latest_version);
+    }
+    if (entries.empty() && !reported) continue;  // a trainer's node has nothing to say
+    reported = !entries.empty();
+    if (replicas_) {
+      if (entries.empty()) {
+        replicas_->Forget(node_);
+      } else {
+        replicas_->Report(node_, relay_, entries);
+      }
+    }
+    std::vector<std::pair<std::string, v1::Peer::Stub*>> stubs;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& peer : peers_) {
+        if (peer->connected && peer->stub) stubs.emplace_back(peer->node, peer->stub.get());
+      }
+    }
+    for (const auto& [node, stub] : stubs) {
+      grpc::ClientContext context;
+      context.set_deadline(In(kReportDeadline));
+      v1::ReplicaReportResponse response;
+      grpc::Status status = stub->Report(&context, report, &response);
+      if (!status.ok() && status.error_code() != grpc::StatusCode::UNAVAILABLE) {
+        Logger("peer")->debug("peer={} refused this node's replica report: {}", node,
+                              status.error_message());
+      }
+    }
+  }
+}
+
 v1::Peer::Stub* PeerManager::StubFor(const std::string& node) {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& peer : peers_) {
@@ -383,11 +435,13 @@ void PeerManager::RunPulls() {
       current_ = Transfer{job.model, job.version, job.Bytes(), 0};
       received_at_start_ = metrics_->Get(kDataBytesReceived);
     }
-    absl::Status status = Pull(job);
+    pull::PullOutcome outcome = puller_->Pull(job);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      current_.reset();
+      current_.reset();  // before the store shows the version: no stale progress after it
     }
+    store_->FinishPull(job, outcome.status, std::move(outcome.staging));
+    const absl::Status& status = outcome.status;
     metrics_->Observe(kTransferSeconds,
                       std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
                           .count());
@@ -398,237 +452,6 @@ void PeerManager::RunPulls() {
                                .count());
     }
   }
-}
-
-absl::Status PeerManager::Pull(const PullJob& job) {
-  std::vector<std::shared_ptr<Region>> staging;
-  auto finish = [&](absl::Status status) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      current_.reset();  // before the store shows the version: no stale progress after it
-    }
-    store_->FinishPull(job, status, status.ok() ? staging : std::vector<std::shared_ptr<Region>>());
-    return status;
-  };
-  // Pin the version on every node we read from, so --retain there can't free it under us.
-  std::map<std::string, uint64_t> bytes_from;
-  for (const auto& f : job.fetches) {
-    for (const auto& [b, e] : f.ranges) bytes_from[f.node] += e - b;
-  }
-  auto pin = [&](const std::string& node, bool release) -> absl::Status {
-    v1::Peer::Stub* stub = StubFor(node);
-    if (!stub) return absl::UnavailableError(absl::StrCat("node ", node, " is not connected"));
-    v1::PinRequest request;
-    request.set_model(job.model);
-    request.set_version(job.version);
-    request.set_node(node_);
-    request.set_release(release);
-    request.set_lease_ms(pin_lease_ms_);
-    request.set_bytes_read(release ? bytes_from[node] : 0);
-    v1::PinResponse response;
-    grpc::ClientContext context;
-    context.set_deadline(In(kCallDeadline));
-    grpc::Status s = stub->Pin(&context, request, &response);
-    if (s.ok()) return absl::OkStatus();
-    return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                        absl::StrCat("node ", node, ": ", s.error_message()));
-  };
-  for (const auto& [node, bytes] : bytes_from) {
-    absl::Status pinned = pin(node, false);
-    if (!pinned.ok()) return finish(pinned);
-  }
-
-  // Where a pull's time goes, for the debug log.
-  using Clock = std::chrono::steady_clock;
-  const Clock::time_point pinned = Clock::now();
-  auto ms_since = [](Clock::time_point t) {
-    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-  };
-  // Pieces this node can bring up to date from an older version by deltas; the rest in full.
-  DeltaResult deltas = FetchDeltas(job, data_plane_, store_, delta_threshold_, metrics_);
-  const double deltas_ms = ms_since(pinned);
-  staging = std::move(deltas.staging);
-  for (size_t f = 0; f < job.fetches.size(); ++f) {
-    if (!staging[f]) continue;
-    uint64_t full_bytes = 0;
-    for (const auto& [b, e] : job.fetches[f].ranges) full_bytes += e - b;
-    bytes_from[job.fetches[f].node] += deltas.wire[f];
-    bytes_from[job.fetches[f].node] -= full_bytes;
-  }
-  // The source hashes what we read while the bytes are still moving (not what deltas already
-  // verified chunk by chunk).
-  const std::vector<bool> verified = deltas.verified;
-  auto remote_sums = std::async(std::launch::async, [this, &job, verified] {
-    std::vector<absl::StatusOr<std::vector<uint64_t>>> sums;
-    for (size_t f = 0; f < job.fetches.size(); ++f) {
-      sums.push_back(verified[f] ? std::vector<uint64_t>()
-                                 : RemoteChecksums(job, f, VerifyChunks(job.fetches[f])));
-    }
-    return sums;
-  });
-  PullJob full = job;
-  full.fetches.clear();
-  std::vector<size_t> full_index;
-  for (size_t f = 0; f < job.fetches.size(); ++f) {
-    if (staging[f]) continue;
-    full.fetches.push_back(job.fetches[f]);
-    full_index.push_back(f);
-  }
-  const bool used_delta = full_index.size() < job.fetches.size();
-  absl::Status status;
-  auto read_hashes = std::make_shared<DataPlane::ReadHashes>();
-  DataPlane::ReadHashes hashes(job.fetches.size());  // by the job's fetch index
-  if (!full.fetches.empty()) {
-    auto pulling = data_plane_->Pull(
-        full, [this](uint64_t size) { return store_->AcquireSlot(size); }, read_hashes);
-    // A long pull (a large model over a slow link) renews its pins before their lease lapses,
-    // so no source recycles a slot while it is being read.
-    while (pulling.wait_for(std::chrono::milliseconds(pin_lease_ms_ / 4)) !=
-           std::future_status::ready) {
-      for (const auto& [node, bytes] : bytes_from) (void)pin(node, false);
-    }
-    auto result = pulling.get();
-    status = result.status();
-    if (result.ok()) {
-      for (size_t i = 0; i < full_index.size(); ++i) {
-        staging[full_index[i]] = (*result)[i];
-        hashes[full_index[i]] = std::move((*read_hashes)[i]);
-      }
-    }
-  }
-  const double data_ms = ms_since(pinned) - deltas_ms;
-  auto sums = remote_sums.get();
-  const double sums_wait_ms = ms_since(pinned) - deltas_ms - data_ms;
-  if (status.ok()) status = Verify(job, staging, hashes, std::move(sums), verified);
-  Logger("peer")->debug(
-      "model={} version={} pull phases: deltas {:.1f} ms, data {:.1f} ms, then waited {:.1f} ms "
-      "for the source's checksums, verify {:.1f} ms",
-      job.model, job.version, deltas_ms, data_ms, sums_wait_ms,
-      ms_since(pinned) - deltas_ms - data_ms - sums_wait_ms);
-  for (const auto& [node, bytes] : bytes_from) (void)pin(node, true);
-  if (status.ok()) metrics_->Add(used_delta ? kDeltaVersions : kFullVersions, 1);
-  return finish(status);
-}
-
-absl::StatusOr<std::vector<uint64_t>> PeerManager::RemoteChecksums(
-    const PullJob& job, size_t f, const std::vector<std::pair<uint64_t, uint64_t>>& chunks) {
-  const PullJob::Fetch& fetch = job.fetches[f];
-  const std::vector<RangeRun> runs = ToRuns(chunks);
-  std::vector<uint64_t> sums;
-  sums.reserve(chunks.size());
-  size_t r = 0;
-  uint64_t done_of_run = 0;  // ranges of runs[r] already asked for
-  while (r < runs.size()) {
-    v1::Peer::Stub* stub = StubFor(fetch.node);
-    if (!stub) return absl::UnavailableError(absl::StrCat("node ", fetch.node, " went away"));
-    v1::ChecksumRequest request;
-    request.set_model(job.model);
-    request.set_version(job.version);
-    request.set_buffer_id(fetch.buffer_id);
-    uint64_t asked = 0;
-    while (r < runs.size() && static_cast<size_t>(request.runs_size()) < kRunsPerChecksumCall &&
-           asked < kRangesPerChecksumCall) {
-      const RangeRun& run = runs[r];
-      const uint64_t take = std::min(run.count - done_of_run, kRangesPerChecksumCall - asked);
-      v1::RangeRun* out = request.add_runs();
-      out->set_offset(run.offset + done_of_run * run.stride);
-      out->set_length(run.length);
-      out->set_stride(run.stride);
-      out->set_count(take);
-      asked += take;
-      done_of_run += take;
-      if (done_of_run == run.count) {
-        ++r;
-        done_of_run = 0;
-      }
-    }
-    v1::ChecksumResponse response;
-    grpc::Status s = CallChecksum(stub, request, &response);
-    if (s.ok() && response.sums_size() == 0 && response.xxh3_size() == 0 && asked > 0) {
-      // A source of an older release reads only plain ranges.
-      v1::ChecksumRequest plain = request;
-      plain.clear_runs();
-      std::vector<std::pair<uint64_t, uint64_t>> ranges;
-      for (const v1::RangeRun& run : request.runs()) {
-        AppendRanges({run.offset(), run.length(), run.stride(), run.count()}, &ranges);
-      }
-      for (const auto& [begin, end] : ranges) {
-        v1::ByteRange* range = plain.add_ranges();
-        range->set_offset(begin);
-        range->set_length(end - begin);
-      }
-      response.Clear();
-      s = CallChecksum(stub, plain, &response);
-      if (s.ok()) response.mutable_sums()->Add(response.xxh3().begin(), response.xxh3().end());
-    }
-    if (!s.ok()) {
-      return absl::UnavailableError(
-          absl::StrCat("node ", fetch.node, " checksum: ", s.error_message()));
-    }
-    if (static_cast<uint64_t>(response.sums_size()) != asked) {
-      return absl::DataLossError("checksum reply of the wrong length");
-    }
-    sums.insert(sums.end(), response.sums().begin(), response.sums().end());
-  }
-  return sums;
-}
-
-grpc::Status PeerManager::CallChecksum(v1::Peer::Stub* stub, const v1::ChecksumRequest& request,
-                                       v1::ChecksumResponse* response) {
-  grpc::ClientContext context;
-  context.set_deadline(In(kCallDeadline));
-  return stub->Checksum(&context, request, response);
-}
-
-absl::Status PeerManager::Verify(const PullJob& job,
-                                 const std::vector<std::shared_ptr<Region>>& staging,
-                                 const DataPlane::ReadHashes& read_hashes,
-                                 std::vector<absl::StatusOr<std::vector<uint64_t>>> remote,
-                                 const std::vector<bool>& verified) {
-  for (size_t f = 0; f < job.fetches.size(); ++f) {
-    if (verified[f]) continue;
-    const PullJob::Fetch& fetch = job.fetches[f];
-    std::vector<std::pair<uint64_t, uint64_t>> chunks = VerifyChunks(fetch);
-    absl::StatusOr<std::vector<uint64_t>> sums = std::move(remote[f]);
-    for (int attempt = 1;; ++attempt) {
-      if (!sums.ok()) return sums.status();
-      std::vector<std::pair<uint64_t, uint64_t>> bad;
-      // The data plane hashed each read as it landed; a chunk no single read covered (another
-      // --chunk-bytes, a refetch) is hashed here.
-      std::vector<uint64_t> here(chunks.size());
-      std::vector<std::pair<uint64_t, uint64_t>> unhashed;
-      std::vector<size_t> unhashed_at;
-      for (size_t i = 0; i < chunks.size(); ++i) {
-        const auto& by_offset = read_hashes[f];
-        auto it = attempt == 1 ? by_offset.find(chunks[i].first) : by_offset.end();
-        if (it != by_offset.end() && it->second.first == chunks[i].second - chunks[i].first) {
-          here[i] = it->second.second;
-        } else {
-          unhashed.push_back(chunks[i]);
-          unhashed_at.push_back(i);
-        }
-      }
-      const std::vector<uint64_t> hashed = HashRanges(staging[f]->data(), unhashed);
-      for (size_t k = 0; k < hashed.size(); ++k) here[unhashed_at[k]] = hashed[k];
-      for (size_t i = 0; i < chunks.size(); ++i) {
-        if (here[i] != (*sums)[i]) bad.push_back(chunks[i]);
-      }
-      if (bad.empty()) break;
-      if (attempt >= kFetchTries) {
-        return absl::DataLossError(absl::StrCat(
-            "model ", job.model, " version ", job.version, ": ", bad.size(),
-            " chunks from node ", fetch.node, " still fail their checksum after ", attempt,
-            " fetches"));
-      }
-      Logger("peer")->warn("model={} version={} node={} {} chunks failed their checksum; "
-                           "fetching them again", job.model, job.version, fetch.node, bad.size());
-      absl::Status again = data_plane_->Refetch(job, f, bad, staging[f]).get();
-      if (!again.ok()) return again;
-      chunks = bad;
-      sums = RemoteChecksums(job, f, chunks);
-    }
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace refit::peer

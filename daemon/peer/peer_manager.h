@@ -1,9 +1,11 @@
 #pragma once
 
 // The other daemons, seen from this one: one connection loop per --peers address (Hello, then a
-// Subscribe stream whose events feed the store), reconnecting with backoff; and the pull worker,
-// which runs the store's PullJobs: pin the version on its sources, pull through the data plane,
-// verify every pulled range against the source's XXH3, and hand the result to the store.
+// Subscribe stream whose events feed the store), reconnecting with backoff; the pull worker,
+// which runs the store's PullJobs one at a time through a pull::Puller and hands the outcome to
+// the store; and the reporter, which tells every connected daemon which versions this node's
+// DESTINATION buffers' models are complete at (Peer.Report: on every completion and every
+// second), for replica status, WaitForReplicas and the choice of relays.
 //
 // Thread-safety: public methods may be called from any thread. The store's listener hooks
 // (OnPull) only queue work.
@@ -20,12 +22,17 @@
 #include <thread>
 #include <vector>
 
+#include "daemon/dataplane/data_plane.h"
+#include "daemon/fleet/relay_board.h"
+#include "daemon/fleet/replicas.h"
 #include "daemon/metrics/metrics.h"
-#include "daemon/peer/data_plane.h"
+#include "daemon/pull/puller.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
 namespace refit::peer {
+
+using dataplane::DataPlane;
 
 struct PeerState {
   std::string address;
@@ -37,19 +44,31 @@ struct PeerState {
 // doesn't resolve). A headless Kubernetes Service resolves to every daemon.
 std::vector<std::string> ResolvePeerAddress(const std::string& address);
 
-class PeerManager {
+struct PeerManagerOptions {
+  std::string node;  // this node
+  // Use a source's deltas when they are at most this fraction of the bytes a pull needs (0:
+  // always pull full bytes).
+  double delta_threshold = 0.5;
+  bool relay = true;  // --relay
+};
+
+class PeerManager final : public pull::PeerChannels {
  public:
-  // `delta_threshold`: use a source's deltas when they are at most this fraction of the bytes
-  // a pull needs (0: always pull full bytes).
-  PeerManager(std::string node, std::vector<std::string> addresses, Store* store,
-              DataPlane* data_plane, Metrics* metrics, double delta_threshold = 0.5);
-  ~PeerManager();  // Stop()
+  // Nothing is owned; `board` and `replicas` may be null (no relaying, no replica reports).
+  PeerManager(PeerManagerOptions options, std::vector<std::string> addresses, Store* store,
+              DataPlane* data_plane, Metrics* metrics, fleet::RelayBoard* board = nullptr,
+              fleet::ReplicaTable* replicas = nullptr);
+  ~PeerManager() override;  // Stop()
 
   void Start();
   void Stop();
 
   // Queues `job` (called by the store, under its lock).
   void OnPull(PullJob job);
+  // A version became complete here (called by the store, under its lock): report it.
+  void OnVersionComplete();
+
+  v1::Peer::Stub* StubFor(const std::string& node) override;
 
   std::vector<PeerState> Peers() const;
 
@@ -68,27 +87,15 @@ class PeerManager {
   void RunResolver();
   void AddPeer(const std::string& address);  // with mu_ held
   void RunPulls();
-  absl::Status Pull(const PullJob& job);
-  // The source's XXH3 of `chunks` of fetch `f` (asked while the bytes are still moving).
-  absl::StatusOr<std::vector<uint64_t>> RemoteChecksums(
-      const PullJob& job, size_t f, const std::vector<std::pair<uint64_t, uint64_t>>& chunks);
-  // One Checksum call, with its deadline.
-  static grpc::Status CallChecksum(v1::Peer::Stub* stub, const v1::ChecksumRequest& request,
-                                   v1::ChecksumResponse* response);
-  // Checks every pulled range against `remote` (skipping fetches `verified` already).
-  absl::Status Verify(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
-                      const DataPlane::ReadHashes& read_hashes,
-                      std::vector<absl::StatusOr<std::vector<uint64_t>>> remote,
-                      const std::vector<bool>& verified);
-  v1::Peer::Stub* StubFor(const std::string& node);
-
+  void RunReports();
   const std::string node_;
+  const bool relay_;
   Store* const store_;
   DataPlane* const data_plane_;
   Metrics* const metrics_;
-  const double delta_threshold_;
+  fleet::ReplicaTable* const replicas_;
   const std::vector<std::string> configured_;    // --peers as given
-  const uint32_t pin_lease_ms_;                  // a pull's pins, renewed every quarter of it
+  std::unique_ptr<pull::Puller> puller_;
   std::vector<std::unique_ptr<Peer>> peers_;     // guarded by mu_ (grows only)
   std::thread resolver_thread_;
   bool started_ = false;
@@ -101,6 +108,8 @@ class PeerManager {
   std::optional<Transfer> current_;
   double received_at_start_ = 0;
   std::thread pull_thread_;
+  bool report_due_ = false;  // a version completed since the last report
+  std::thread report_thread_;
 };
 
 }  // namespace refit::peer

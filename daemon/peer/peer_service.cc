@@ -2,22 +2,32 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/common/logging.h"
-#include "daemon/server/convert.h"
+#include "daemon/convert/convert.h"
 #include "daemon/version.h"
 
 namespace refit::peer {
 
 PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane,
-                         DeltaSource* deltas, Metrics* metrics)
+                         DeltaSource* deltas, Metrics* metrics, fleet::RelayBoard* board,
+                         fleet::ReplicaTable* replicas, bool relay)
     : node_(std::move(node)),
       store_(store),
       data_plane_(data_plane),
       deltas_(deltas),
-      metrics_(metrics) {
+      metrics_(metrics),
+      board_(board),
+      replicas_(replicas),
+      relay_(relay && board != nullptr) {
+  if (const char* fault = std::getenv("REFIT_FAULT_RELAY_FLIP")) {
+    relay_flips_ = std::atoll(fault);
+    Logger("peer")->warn("fault injection: the first {} relayed ranges get a flipped byte",
+                         relay_flips_.load());
+  }
   if (const char* fault = std::getenv("REFIT_FAULT_CORRUPT_CHECKSUMS")) {
     corrupt_checksums_ = std::atoll(fault);
     Logger("peer")->warn("fault injection: the first {} checksum replies will be wrong",
@@ -67,7 +77,7 @@ bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceL
     v1::SourcePiece* piece = event->add_sources();
     piece->set_buffer_id(layout.buffer_id);
     piece->set_bytes(layout.bytes);
-    for (const TensorSlice& s : *layout.slices) server::ToProto(s, piece->add_tensors());
+    for (const TensorSlice& s : *layout.slices) convert::ToProto(s, piece->add_tensors());
   }
   const uint64_t version =
       deltas_ ? deltas_->Prepared(model) : store_->LatestLocalSnapshot(model);
@@ -296,6 +306,15 @@ grpc::Status PeerService::Pin(grpc::ServerContext*, const v1::PinRequest* reques
                               v1::PinResponse*) {
   const auto key = std::make_tuple(request->model(), request->version(), request->node());
   std::vector<Pinned> lapsed;  // released after the lock
+  if (request->relay()) {
+    // A reader done with what it read from this node's relayed copy (Relay): that copy is held
+    // by the relay stream, not by a pin; only the bytes are counted.
+    if (request->release()) {
+      metrics_->Add(kDataBytesSent, static_cast<double>(request->bytes_read()));
+      metrics_->Add(kRelayBytesSent, static_cast<double>(request->bytes_read()));
+    }
+    return grpc::Status::OK;
+  }
   if (request->release()) {
     std::lock_guard<std::mutex> lock(mu_);
     lapsed = ExpirePins();
@@ -318,6 +337,134 @@ grpc::Status PeerService::Pin(grpc::ServerContext*, const v1::PinRequest* reques
                         request->version(), request->node(), lease_ms);
   pins_[key] = {std::move(snapshot), std::move(deltas),
                 std::chrono::steady_clock::now() + std::chrono::milliseconds(lease_ms)};
+  return grpc::Status::OK;
+}
+
+namespace {
+// How long a Relay call waits for this node to start pulling the piece it asks for (the
+// announcement reaches every node at about the same time), and the longest quiet gap in its
+// stream.
+constexpr auto kRelayStartWait = std::chrono::milliseconds(2000);
+constexpr auto kRelayHeartbeat = std::chrono::milliseconds(500);
+constexpr auto kRelayLongest = std::chrono::minutes(30);
+constexpr size_t kMaxName = 1024;
+
+void AddRanges(const fleet::Ranges& ranges, google::protobuf::RepeatedPtrField<v1::ByteRange>* out) {
+  for (const auto& [begin, end] : ranges) {
+    v1::ByteRange* r = out->Add();
+    r->set_offset(begin);
+    r->set_length(end - begin);
+  }
+}
+}  // namespace
+
+grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayRequest* request,
+                                grpc::ServerWriter<v1::RelayProgress>* writer) {
+  if (!relay_) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("node ", node_, " does not relay (--relay=false)"));
+  }
+  if (request->model().empty() || request->model().size() > kMaxName ||
+      request->origin().size() > 255 || request->buffer_id().size() > kMaxName ||
+      request->node().size() > 255) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "malformed relay request");
+  }
+  const fleet::RelayKey key{request->model(), request->version(), request->origin(),
+                            request->buffer_id()};
+  const auto start = std::chrono::steady_clock::now();
+  auto view = board_->Wait(key, 0, start + kRelayStartWait);
+  if (!view.ok() || view->state == fleet::RelayState::kFailed) {
+    return grpc::Status(
+        grpc::StatusCode::NOT_FOUND,
+        absl::StrCat("node ", node_, " is not pulling piece ", request->buffer_id(), " of model ",
+                     request->model(), " version ", request->version(), " from ",
+                     request->origin()));
+  }
+  const std::shared_ptr<Region> slot = view->slot;  // held while the stream lasts
+  auto remote_key = data_plane_->Expose(slot);
+  if (!remote_key.ok()) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(remote_key.status().message()));
+  }
+  Logger("peer")->debug("model={} version={} relaying piece {} of node {} to node {}",
+                        request->model(), request->version(), request->buffer_id(),
+                        request->origin(), request->node());
+  v1::RelayProgress progress;
+  progress.set_remote_key(*remote_key);
+  progress.set_bytes(view->bytes);
+  AddRanges(view->planned, progress.mutable_planned());
+  bool complete = false;
+  size_t cursor = 0;
+  while (true) {
+    if (view->state == fleet::RelayState::kFailed) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          absl::StrCat("node ", node_, "'s own pull of that version failed"));
+    }
+    for (const auto& [begin, end] : view->landed) {
+      if (relay_flips_.load() > 0 && relay_flips_.fetch_sub(1) > 0 && end > begin) {
+        slot->data()[begin] += 1;  // a relay serving wrong bytes (tests only; adds up, never undoes)
+      }
+    }
+    AddRanges(view->landed, progress.mutable_landed());
+    complete = complete || view->state == fleet::RelayState::kComplete;
+    progress.set_complete(complete);
+    cursor = view->cursor;
+    if (!writer->Write(progress)) return grpc::Status::OK;
+    progress.Clear();
+    if (context->IsCancelled()) return grpc::Status::CANCELLED;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopped_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is stopping");
+    }
+    if (std::chrono::steady_clock::now() - start > kRelayLongest) return grpc::Status::OK;
+    view = board_->Wait(key, cursor, std::chrono::steady_clock::now() + kRelayHeartbeat);
+    if (!view.ok()) {
+      // Its entry went: a newer version's pull began here. Once complete was sent the reader
+      // only finishes its reads, from the slot this stream still holds.
+      if (!complete) {
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            "this node moved on to a newer version");
+      }
+      std::this_thread::sleep_for(kRelayHeartbeat);
+      view = fleet::RelayView{};
+      view->state = fleet::RelayState::kComplete;
+      view->cursor = cursor;
+    }
+  }
+}
+
+grpc::Status PeerService::Report(grpc::ServerContext*, const v1::ReplicaReport* request,
+                                 v1::ReplicaReportResponse*) {
+  if (!replicas_) return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "no replica table");
+  constexpr int kMaxModels = 10000;
+  if (request->node().empty() || request->node().size() > 255 || request->node() == node_ ||
+      request->models_size() > kMaxModels) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "a replica report names a node (1 to 255 bytes, not this one) and at "
+                        "most 10,000 models");
+  }
+  std::vector<fleet::ReplicaEntry> entries;
+  for (const auto& m : request->models()) {
+    if (m.model().empty() || m.model().size() > kMaxName) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a model name is 1 to 1024 bytes");
+    }
+    // A version of a model published here that this node never published is a lie or a
+    // confusion (another run under the same name): refused, and nothing changes.
+    const uint64_t published = store_->LatestLocalSnapshot(m.model());
+    if (published > 0 && m.latest_version() > published) {
+      const std::string why = absl::StrCat("node ", request->node(), " reports version ",
+                                           m.latest_version(), " of model ", m.model(),
+                                           ", but the newest published here is ", published);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (refused_reports_.insert(request->node()).second) {
+          Logger("peer")->warn("replica report refused: {}", why);
+        }
+      }
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, why);
+    }
+    entries.push_back({m.model(), m.latest_version()});
+  }
+  replicas_->Report(request->node(), request->relay(), std::move(entries));
   return grpc::Status::OK;
 }
 

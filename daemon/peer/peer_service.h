@@ -14,23 +14,31 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <tuple>
 
+#include "daemon/fleet/relay_board.h"
+#include "daemon/fleet/replicas.h"
 #include "daemon/metrics/metrics.h"
-#include "daemon/peer/data_plane.h"
+#include "daemon/dataplane/data_plane.h"
 #include "daemon/peer/delta_source.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
 namespace refit::peer {
 
+using dataplane::DataPlane;
+
 class PeerService final : public v1::Peer::Service {
  public:
   // `deltas` (may be null: no delta sync) says which versions may be announced and which
   // deltas to offer with them.
+  // `board` and `replicas` may be null (no relaying; replica reports refused). With `relay`
+  // false, Relay answers FAILED_PRECONDITION.
   PeerService(std::string node, Store* store, DataPlane* data_plane, DeltaSource* deltas,
-              Metrics* metrics);
+              Metrics* metrics, fleet::RelayBoard* board = nullptr,
+              fleet::ReplicaTable* replicas = nullptr, bool relay = false);
 
   // Something a subscriber should hear about changed (a layout or a new local version).
   void NotifyChanged();
@@ -45,6 +53,10 @@ class PeerService final : public v1::Peer::Service {
                         v1::ChecksumResponse* response) override;
   grpc::Status Pin(grpc::ServerContext* context, const v1::PinRequest* request,
                    v1::PinResponse* response) override;
+  grpc::Status Relay(grpc::ServerContext* context, const v1::RelayRequest* request,
+                     grpc::ServerWriter<v1::RelayProgress>* writer) override;
+  grpc::Status Report(grpc::ServerContext* context, const v1::ReplicaReport* request,
+                      v1::ReplicaReportResponse* response) override;
 
  private:
   // The event describing `model` now (its layouts only `with_sources`); false when there is
@@ -68,6 +80,12 @@ class PeerService final : public v1::Peer::Service {
   DataPlane* const data_plane_;
   DeltaSource* const deltas_;
   Metrics* const metrics_;
+  fleet::RelayBoard* const board_;
+  fleet::ReplicaTable* const replicas_;
+  const bool relay_;
+  // Fault injection for tests ($REFIT_FAULT_RELAY_FLIP): a relay flips one byte in each of the
+  // first N ranges it announces, as a relay serving wrong bytes would (0 in production).
+  std::atomic<int64_t> relay_flips_{0};
 
   std::mutex mu_;
   std::condition_variable changed_;
@@ -81,6 +99,7 @@ class PeerService final : public v1::Peer::Service {
     std::chrono::steady_clock::time_point until;
   };
   std::map<std::tuple<std::string, uint64_t, std::string>, Pinned> pins_;  // (model, version, reader)
+  std::set<std::string> refused_reports_;  // nodes whose report was refused (logged once)
 };
 
 }  // namespace refit::peer

@@ -5,10 +5,16 @@
 #include "daemon/common/logging.h"
 #include "daemon/memory/region.h"
 #include "daemon/plan/plan.h"
-#include "daemon/server/convert.h"
+#include "daemon/convert/convert.h"
 #include "daemon/version.h"
 
 namespace refit::server {
+
+using convert::FromProto;
+using convert::SteadyDeadline;
+using convert::ToGrpc;
+using convert::ToProto;
+
 namespace {
 
 std::vector<std::string> Ids(const google::protobuf::RepeatedPtrField<std::string>& ids) {
@@ -163,7 +169,17 @@ grpc::Status RefitService::Watch(grpc::ServerContext* context, const v1::WatchRe
 grpc::Status RefitService::Status(grpc::ServerContext*, const v1::StatusRequest*,
                                   v1::StatusResponse* response) {
   response->set_node(context_.node);
-  for (const ModelInfo& info : context_.store->Models()) ToProto(info, response->add_models());
+  for (const ModelInfo& info : context_.store->Models()) {
+    v1::ModelStatus* model = response->add_models();
+    ToProto(info, model);
+    if (!context_.replicas) continue;
+    for (const fleet::Replica& r : context_.replicas->ReplicasOf(info.name)) {
+      v1::ReplicaStatus* replica = model->add_replicas();
+      replica->set_node(r.node);
+      replica->set_latest_version(r.latest_version);
+      replica->set_relay(r.relay);
+    }
+  }
   if (context_.peers) {
     for (const PeerInfo& peer : context_.peers()) {
       v1::PeerStatus* ps = response->add_peers();
@@ -179,6 +195,24 @@ grpc::Status RefitService::Status(grpc::ServerContext*, const v1::StatusRequest*
   response->set_cuda_enabled(cuda::CompiledIn());
   response->set_cuda_devices(cuda::DeviceCount());
   if (context_.add_runtime) context_.add_runtime(response);
+  return grpc::Status::OK;
+}
+
+grpc::Status RefitService::WaitForReplicas(grpc::ServerContext* context,
+                                           const v1::WaitForReplicasRequest* request,
+                                           v1::WaitForReplicasResponse* response) {
+  if (request->model().empty() || request->model().size() > 1024) {
+    return Finish("WaitForReplicas", absl::InvalidArgumentError("model name is 1 to 1024 bytes"));
+  }
+  if (!context_.replicas) {
+    return Finish("WaitForReplicas", absl::UnimplementedError("this refitd keeps no replicas"));
+  }
+  auto reached =
+      context_.replicas->WaitFor(request->model(), request->version(), request->min_nodes(),
+                                 SteadyDeadline(*context), CancelledOf(context));
+  if (!reached.ok()) return Finish("WaitForReplicas", reached.status());
+  response->set_version(reached->version);
+  for (const std::string& node : reached->nodes) response->add_nodes(node);
   return grpc::Status::OK;
 }
 

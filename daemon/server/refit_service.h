@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/fleet/replicas.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/refit.grpc.pb.h"
@@ -26,6 +27,7 @@ struct ServiceContext {
   std::string node;
   Store* store = nullptr;      // not owned
   Metrics* metrics = nullptr;  // not owned
+  fleet::ReplicaTable* replicas = nullptr;  // not owned; null: WaitForReplicas UNIMPLEMENTED
   std::function<std::vector<PeerInfo>()> peers;  // may be empty
   // What only the Daemon knows: bound ports, transfers in flight.
   std::function<void(v1::StatusResponse*)> add_runtime;  // may be empty
@@ -52,6 +54,9 @@ class RefitService final : public v1::Refit::Service {
                      grpc::ServerWriter<v1::VersionEvent>* writer) override;
   grpc::Status Status(grpc::ServerContext* context, const v1::StatusRequest* request,
                       v1::StatusResponse* response) override;
+  grpc::Status WaitForReplicas(grpc::ServerContext* context,
+                               const v1::WaitForReplicasRequest* request,
+                               v1::WaitForReplicasResponse* response) override;
 
  private:
   // Converts, counts errors by code, and logs client errors at debug level.

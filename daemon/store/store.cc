@@ -380,6 +380,7 @@ void Store::CompleteVersion(Model& model, uint64_t number, std::vector<Piece> pi
   metrics_->Add(kVersionsCompleted, 1);
   Logger("store")->info("model={} version={} complete: {} pieces, {} bytes held here",
                         model.name, number, version->pieces.size(), version->bytes);
+  if (listener_.version_complete) listener_.version_complete(model.name, number);
   changed_.notify_all();
 }
 

@@ -156,6 +156,8 @@ struct StoreListener {
   std::function<void(const std::string& model)> local_layout_changed;
   // Start fetching; answer with Store::FinishPull.
   std::function<void(PullJob job)> pull;
+  // `version` of `model` became complete on this node.
+  std::function<void(const std::string& model, uint64_t version)> version_complete;
 };
 
 // Checks whether the caller has gone away (e.g. a cancelled RPC).

@@ -1,10 +1,10 @@
-#include "daemon/server/convert.h"
+#include "daemon/convert/convert.h"
 
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
 
-namespace refit::server {
+namespace refit::convert {
 
 absl::StatusOr<TensorSlice> FromProto(const v1::TensorSlice& in) {
   if (!v1::DType_IsValid(in.dtype())) {
@@ -91,4 +91,4 @@ Clock::time_point SteadyDeadline(const grpc::ServerContext& context) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(remaining);
 }
 
-}  // namespace refit::server
+}  // namespace refit::convert

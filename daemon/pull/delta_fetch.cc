@@ -1,4 +1,4 @@
-#include "daemon/peer/delta_fetch.h"
+#include "daemon/pull/delta_fetch.h"
 
 #include <algorithm>
 #include <atomic>
@@ -15,7 +15,7 @@
 #include "daemon/delta/delta.h"
 #include "daemon/memory/stream_copy.h"
 
-namespace refit::peer {
+namespace refit::pull {
 namespace {
 
 using Ranges = std::vector<std::pair<uint64_t, uint64_t>>;
@@ -336,4 +336,4 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
   return result;
 }
 
-}  // namespace refit::peer
+}  // namespace refit::pull

@@ -12,7 +12,7 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/refit/v1/refit.pb.h"
 
-namespace refit::server {
+namespace refit::convert {
 
 // INVALID_ARGUMENT for an unknown dtype value.
 absl::StatusOr<TensorSlice> FromProto(const v1::TensorSlice& slice);
@@ -29,4 +29,4 @@ grpc::Status ToGrpc(const absl::Status& status);
 // The remaining time of a call as a steady-clock deadline (far future when it has none).
 Clock::time_point SteadyDeadline(const grpc::ServerContext& context);
 
-}  // namespace refit::server
+}  // namespace refit::convert

@@ -1,4 +1,4 @@
-#include "daemon/peer/data_plane.h"
+#include "daemon/dataplane/data_plane.h"
 
 #include <sys/mman.h>
 #include <sys/statvfs.h>
@@ -14,7 +14,7 @@
 #include "daemon/common/xxh3.h"
 #include "daemon/common/status_macros.h"
 
-namespace refit::peer {
+namespace refit::dataplane {
 namespace {
 
 // Reads posted at once by one pull, whatever their size (each holds a UCX request).
@@ -47,6 +47,7 @@ struct DataPlane::Transfer {
   std::vector<std::shared_ptr<transport::RemoteMemory>> remote;
   std::vector<transport::Endpoint*> endpoint;
   std::shared_ptr<ReadHashes> hashes;  // null: don't hash
+  Landed landed;                       // null: nobody to tell
   absl::Status status;
   std::function<void(absl::Status)> done;
   bool finished = false;
@@ -131,6 +132,12 @@ void DataPlane::Run() {
           metrics_->Add(kDataBytesReceived, static_cast<double>(done.length));
           Transfer& t = *done.transfer;
           if (t.hashes && t.status.ok()) RecordHashes(t, done, c);
+          if (t.landed && t.status.ok()) {
+            for (size_t i = 0; i < done.count; ++i) {
+              const Transfer::Op& op = t.ops[done.first_op + i];
+              t.landed(op.offset, op.length);
+            }
+          }
         } else {
           Fail(*done.transfer, c.status);
         }
@@ -465,18 +472,18 @@ std::future<absl::StatusOr<std::vector<std::shared_ptr<Region>>>> DataPlane::Pul
   return future;
 }
 
-std::future<absl::Status> DataPlane::Refetch(const PullJob& job, size_t fetch,
-                                             std::vector<std::pair<uint64_t, uint64_t>> ranges,
-                                             std::shared_ptr<Region> slot) {
+std::future<absl::Status> DataPlane::Read(const PullJob::Fetch& from,
+                                          std::vector<std::pair<uint64_t, uint64_t>> ranges,
+                                          std::shared_ptr<Region> slot, Landed landed) {
   auto promise = std::make_shared<std::promise<absl::Status>>();
   auto future = promise->get_future();
   if (!transport_) {
     promise->set_value(absl::UnavailableError("this refitd has no data plane"));
     return future;
   }
-  Post([this, job, fetch, ranges, slot, promise] {
+  Post([this, from, ranges = std::move(ranges), slot, promise, landed = std::move(landed)] {
     auto t = std::make_shared<Transfer>();
-    absl::Status ready = Prepare(*t, job.fetches[fetch], slot);
+    absl::Status ready = Prepare(*t, from, slot);
     if (!ready.ok()) {
       promise->set_value(ready);
       return;
@@ -486,10 +493,17 @@ std::future<absl::Status> DataPlane::Refetch(const PullJob& job, size_t fetch,
         t->ops.push_back({0, off, std::min(options_.chunk_bytes, end - off)});
       }
     }
+    t->landed = landed;
     t->done = [promise](absl::Status status) { promise->set_value(status); };
     Pump(t);
   });
   return future;
 }
 
-}  // namespace refit::peer
+std::future<absl::Status> DataPlane::Refetch(const PullJob& job, size_t fetch,
+                                             std::vector<std::pair<uint64_t, uint64_t>> ranges,
+                                             std::shared_ptr<Region> slot) {
+  return Read(job.fetches[fetch], std::move(ranges), std::move(slot));
+}
+
+}  // namespace refit::dataplane

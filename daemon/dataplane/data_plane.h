@@ -28,7 +28,7 @@
 #include "daemon/store/store.h"
 #include "daemon/transport/transport.h"
 
-namespace refit::peer {
+namespace refit::dataplane {
 
 struct DataPlaneOptions {
   uint64_t chunk_bytes = 4ull << 20;  // largest single get
@@ -73,6 +73,16 @@ class DataPlane {
   // `hashes` (optional) is filled before the future is ready.
   std::future<absl::StatusOr<std::vector<std::shared_ptr<Region>>>> Pull(
       const PullJob& job, Acquire acquire, std::shared_ptr<ReadHashes> hashes = nullptr);
+
+  // Called on the data-plane thread as each read of Read lands: [offset, offset + length) of
+  // the slot holds the source's bytes now. Must only note it (a lock and a notify).
+  using Landed = std::function<void(uint64_t offset, uint64_t length)>;
+  // Reads `ranges` of the piece `from` names (node, remote key, size) into `slot`, at the same
+  // offsets, --inflight chunks at a time; `landed` (optional) hears of each read as it
+  // completes. The future says OK once every range is in, or the first error.
+  std::future<absl::Status> Read(const PullJob::Fetch& from,
+                                 std::vector<std::pair<uint64_t, uint64_t>> ranges,
+                                 std::shared_ptr<Region> slot, Landed landed = nullptr);
 
   // Refetches `ranges` of fetch `fetch` of `job` into `slot` (after a checksum mismatch).
   std::future<absl::Status> Refetch(const PullJob& job, size_t fetch,
@@ -150,4 +160,4 @@ class DataPlane {
   std::thread thread_;
 };
 
-}  // namespace refit::peer
+}  // namespace refit::dataplane

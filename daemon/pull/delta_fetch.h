@@ -18,10 +18,12 @@
 
 #include "daemon/memory/region.h"
 #include "daemon/metrics/metrics.h"
-#include "daemon/peer/data_plane.h"
+#include "daemon/dataplane/data_plane.h"
 #include "daemon/store/store.h"
 
-namespace refit::peer {
+namespace refit::pull {
+
+using dataplane::DataPlane;
 
 inline constexpr char kDeltaVersions[] = "refit_delta_versions_total";
 inline constexpr char kFullVersions[] = "refit_full_versions_total";
@@ -40,4 +42,4 @@ struct DeltaResult {
 DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
                         double threshold, Metrics* metrics);
 
-}  // namespace refit::peer
+}  // namespace refit::pull

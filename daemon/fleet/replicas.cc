@@ -1,0 +1,103 @@
+#include "daemon/fleet/replicas.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace refit::fleet {
+
+ReplicaTable::ReplicaTable(std::function<Clock::time_point()> now) : now_(std::move(now)) {}
+
+void ReplicaTable::Report(const std::string& node, bool relay, std::vector<ReplicaEntry> entries) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Node& n = nodes_[node];
+    n.relay = relay;
+    n.heard = now_();
+    n.latest.clear();
+    for (const ReplicaEntry& e : entries) n.latest[e.model] = e.latest_version;
+  }
+  changed_.notify_all();
+}
+
+void ReplicaTable::Forget(const std::string& node) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    nodes_.erase(node);
+  }
+  changed_.notify_all();
+}
+
+std::vector<Replica> ReplicaTable::LiveLocked(const std::string& model) const {
+  std::vector<Replica> out;
+  const auto now = now_();
+  for (const auto& [name, node] : nodes_) {
+    if (now - node.heard > kReplicaTtl) continue;
+    auto it = node.latest.find(model);
+    if (it == node.latest.end()) continue;
+    out.push_back({name, it->second, node.relay});
+  }
+  return out;  // map order: sorted by node
+}
+
+std::vector<Replica> ReplicaTable::ReplicasOf(const std::string& model) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return LiveLocked(model);
+}
+
+std::vector<std::string> ReplicaTable::Relays(const std::string& model) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> out;
+  for (const Replica& r : LiveLocked(model)) {
+    if (r.relay) out.push_back(r.node);
+  }
+  return out;
+}
+
+absl::StatusOr<ReplicasReached> ReplicaTable::WaitFor(const std::string& model,
+                                                      uint64_t version, uint32_t min_nodes,
+                                                      Clock::time_point deadline,
+                                                      const std::function<bool()>& cancelled) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    if (shutdown_) return absl::UnavailableError("refitd is shutting down");
+    const std::vector<Replica> live = LiveLocked(model);
+    ReplicasReached reached;
+    reached.version = UINT64_MAX;
+    std::vector<std::string> behind;
+    for (const Replica& r : live) {
+      if (r.latest_version >= version && r.latest_version > 0) {
+        reached.nodes.push_back(r.node);
+        reached.version = std::min(reached.version, r.latest_version);
+      } else {
+        behind.push_back(absl::StrCat(r.node, " at ", r.latest_version));
+      }
+    }
+    const size_t needed = min_nodes == 0 ? std::max<size_t>(1, live.size()) : min_nodes;
+    if (reached.nodes.size() >= needed) return reached;
+    if (cancelled && cancelled()) return absl::CancelledError("the caller went away");
+    if (Clock::now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "model ", model, ": version ", version, " is complete on ", reached.nodes.size(),
+          " of the ", needed, " replica nodes waited for",
+          live.empty() ? " (no node with DESTINATION buffers for this model has reported to "
+                         "this daemon)"
+                       : "",
+          behind.empty() ? "" : absl::StrCat("; behind: ", absl::StrJoin(behind, ", "))));
+    }
+    // Reports arrive at least every heartbeat; a replica that goes silent leaves the live set
+    // after kReplicaTtl, which a wake-up every 50 ms notices.
+    changed_.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
+  }
+}
+
+void ReplicaTable::Shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutdown_ = true;
+  }
+  changed_.notify_all();
+}
+
+}  // namespace refit::fleet

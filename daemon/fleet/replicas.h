@@ -1,0 +1,82 @@
+#pragma once
+
+// Which nodes hold which complete version of each model: every node with DESTINATION buffers
+// reports its newest complete version per model to the daemons it is connected to (Peer.Report,
+// on every change and as a heartbeat), and each daemon keeps what it heard here. A node that
+// stops reporting for kReplicaTtl is taken as gone. Feeds ModelStatus.replicas,
+// WaitForReplicas, and the choice of relays (only nodes that report relaying).
+//
+// Thread-safety: every method may be called from any thread.
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace refit::fleet {
+
+inline constexpr auto kReplicaTtl = std::chrono::seconds(6);
+
+struct ReplicaEntry {
+  std::string model;
+  uint64_t latest_version = 0;  // newest complete version there (0: none yet)
+};
+
+struct Replica {
+  std::string node;
+  uint64_t latest_version = 0;
+  bool relay = false;  // serves what it pulled to other nodes
+};
+
+struct ReplicasReached {
+  uint64_t version = 0;            // the oldest version among `nodes` (>= the one waited for)
+  std::vector<std::string> nodes;  // the nodes that hold it or newer, sorted
+};
+
+class ReplicaTable {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit ReplicaTable(std::function<Clock::time_point()> now = Clock::now);
+
+  // `node` holds DESTINATION buffers of the models in `entries` (replacing what it said
+  // before) and relays or not.
+  void Report(const std::string& node, bool relay, std::vector<ReplicaEntry> entries);
+  // `node` is gone (its connection ended, or it said so).
+  void Forget(const std::string& node);
+
+  // The live replicas of `model`, sorted by node.
+  std::vector<Replica> ReplicasOf(const std::string& model) const;
+  // The live replicas of `model` that relay, sorted.
+  std::vector<std::string> Relays(const std::string& model) const;
+
+  // Blocks until `version` or newer is complete on at least `min_nodes` live replicas of
+  // `model` (0: on all of them, and at least one). DEADLINE_EXCEEDED past `deadline` (the
+  // message says which replicas are behind), CANCELLED when `cancelled()`, UNAVAILABLE after
+  // Shutdown.
+  absl::StatusOr<ReplicasReached> WaitFor(const std::string& model, uint64_t version,
+                                          uint32_t min_nodes, Clock::time_point deadline,
+                                          const std::function<bool()>& cancelled);
+  void Shutdown();
+
+ private:
+  struct Node {
+    bool relay = false;
+    Clock::time_point heard;
+    std::map<std::string, uint64_t> latest;  // model -> version
+  };
+  std::vector<Replica> LiveLocked(const std::string& model) const;
+
+  const std::function<Clock::time_point()> now_;
+  mutable std::mutex mu_;
+  std::condition_variable changed_;
+  std::map<std::string, Node> nodes_;
+  bool shutdown_ = false;
+};
+
+}  // namespace refit::fleet

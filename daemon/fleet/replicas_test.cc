@@ -1,0 +1,60 @@
+#include "daemon/fleet/replicas.h"
+
+#include <catch2/catch.hpp>
+
+#include <thread>
+
+namespace refit::fleet {
+namespace {
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+}  // namespace
+
+TEST_CASE("replicas: reports, relays, and nodes that go silent", "[fleet]") {
+  Clock::time_point now = Clock::now();
+  ReplicaTable table([&] { return now; });
+  table.Report("e1", true, {{"m", 4}});
+  table.Report("e2", false, {{"m", 3}, {"other", 9}});
+  auto replicas = table.ReplicasOf("m");
+  REQUIRE(replicas.size() == 2);
+  REQUIRE(replicas[0].node == "e1");
+  REQUIRE(replicas[0].latest_version == 4);
+  REQUIRE(replicas[1].latest_version == 3);
+  REQUIRE(table.Relays("m") == std::vector<std::string>{"e1"});
+  REQUIRE(table.ReplicasOf("nope").empty());
+  now += kReplicaTtl + milliseconds(1);
+  REQUIRE(table.ReplicasOf("m").empty());
+  table.Report("e2", true, {{"m", 5}});
+  REQUIRE(table.Relays("m") == std::vector<std::string>{"e2"});
+  table.Forget("e2");
+  REQUIRE(table.ReplicasOf("m").empty());
+}
+
+TEST_CASE("replicas: WaitFor a quorum, all of them, and past the deadline", "[fleet]") {
+  ReplicaTable table;
+  table.Report("e1", true, {{"m", 2}});
+  table.Report("e2", true, {{"m", 1}});
+  auto one = table.WaitFor("m", 2, 1, Clock::now() + milliseconds(100), nullptr);
+  REQUIRE(one.ok());
+  REQUIRE(one->nodes == std::vector<std::string>{"e1"});
+  auto late = table.WaitFor("m", 2, 0, Clock::now() + milliseconds(100), nullptr);
+  REQUIRE(late.status().code() == absl::StatusCode::kDeadlineExceeded);
+  REQUIRE(std::string(late.status().message()).find("e2 at 1") != std::string::npos);
+  std::thread reporter([&] {
+    std::this_thread::sleep_for(milliseconds(30));
+    table.Report("e2", true, {{"m", 3}});
+  });
+  auto all = table.WaitFor("m", 2, 0, Clock::now() + milliseconds(5000), nullptr);
+  reporter.join();
+  REQUIRE(all.ok());
+  REQUIRE(all->nodes.size() == 2);
+  REQUIRE(all->version == 2);
+  auto none = table.WaitFor("unknown", 1, 0, Clock::now() + milliseconds(20), nullptr);
+  REQUIRE(none.status().code() == absl::StatusCode::kDeadlineExceeded);
+  REQUIRE(std::string(none.status().message()).find("no node") != std::string::npos);
+  table.Shutdown();
+  REQUIRE(table.WaitFor("m", 9, 1, Clock::now() + milliseconds(5000), nullptr).status().code() ==
+          absl::StatusCode::kUnavailable);
+}
+
+}  // namespace refit::fleet

@@ -1,0 +1,429 @@
+#include "daemon/pull/puller.h"
+
+#include <algorithm>
+#include <chrono>
+#include <future>
+#include <map>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/logging.h"
+#include "daemon/memory/checksum.h"
+#include "daemon/pull/delta_fetch.h"
+#include "daemon/pull/relay_read.h"
+#include "grpcpp/grpcpp.h"
+
+namespace refit::pull {
+namespace {
+
+using std::chrono::milliseconds;
+constexpr auto kCallDeadline = milliseconds(10000);
+// Per Checksum call: ranges (8 B each in the reply: 2 MiB, under gRPC's default 4 MiB message
+// limit) and runs (up to ~40 B each in the request).
+constexpr uint64_t kRangesPerChecksumCall = 1u << 18;
+constexpr size_t kRunsPerChecksumCall = 1u << 16;
+constexpr int kFetchTries = 3;
+
+std::chrono::system_clock::time_point In(milliseconds d) {
+  return std::chrono::system_clock::now() + d;
+}
+
+// Verification works in the data plane's chunk units, so a mismatch refetches little.
+std::vector<std::pair<uint64_t, uint64_t>> VerifyChunks(const PullJob::Fetch& fetch) {
+  std::vector<std::pair<uint64_t, uint64_t>> chunks;
+  for (const auto& [begin, end] : fetch.ranges) {
+    // On the source's checksum grid (whole pieces are ranges from 0): answered from the
+    // checksums it took at Publish.
+    for (uint64_t off = begin; off < end; off += kChecksumChunkBytes) {
+      chunks.emplace_back(off, std::min<uint64_t>(end, off + kChecksumChunkBytes));
+    }
+  }
+  return chunks;
+}
+
+grpc::Status CallChecksum(v1::Peer::Stub* stub, const v1::ChecksumRequest& request,
+                          v1::ChecksumResponse* response) {
+  grpc::ClientContext context;
+  context.set_deadline(In(kCallDeadline));
+  return stub->Checksum(&context, request, response);
+}
+
+// `ranges` cut on the checksum grid and dealt to the node each stripe is read from.
+std::map<std::string, Ranges> ByParent(const PullJob::Fetch& fetch, const std::string& self,
+                                       const std::vector<std::string>& pullers, int fanout) {
+  const int stripes = fleet::StripeCount(pullers.size(), fanout);
+  const uint64_t salt = fleet::PieceSalt(fetch.node, fetch.buffer_id);
+  std::map<std::string, Ranges> out;
+  for (const auto& [begin, end] : fetch.ranges) {
+    for (uint64_t off = begin; off < end;) {
+      const uint64_t chunk = off / kChecksumChunkBytes;
+      const uint64_t stop = std::min(end, (chunk + 1) * kChecksumChunkBytes);
+      const int stripe = fleet::StripeOf(chunk, salt, stripes);
+      Ranges& to = out[fleet::ParentFor(pullers, fetch.node, self, stripe, stripes, fanout)];
+      if (!to.empty() && to.back().second == off) {
+        to.back().second = stop;
+      } else {
+        to.emplace_back(off, stop);
+      }
+      off = stop;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+struct Puller::Sources {
+  // Per job fetch: the ranges read from each relay.
+  std::vector<std::map<std::string, Ranges>> relayed;
+};
+
+Puller::Puller(PullerOptions options, Store* store, dataplane::DataPlane* data_plane,
+               Metrics* metrics, PeerChannels* channels, fleet::RelayBoard* board,
+               fleet::ReplicaTable* replicas)
+    : options_(std::move(options)),
+      store_(store),
+      data_plane_(data_plane),
+      metrics_(metrics),
+      channels_(channels),
+      board_(board),
+      replicas_(replicas) {}
+
+absl::Status Puller::PinOn(const std::string& node, const PullJob& job, bool release,
+                           uint64_t bytes_read, bool relay) {
+  v1::Peer::Stub* stub = channels_->StubFor(node);
+  if (!stub) return absl::UnavailableError(absl::StrCat("node ", node, " is not connected"));
+  v1::PinRequest request;
+  request.set_model(job.model);
+  request.set_version(job.version);
+  request.set_node(options_.node);
+  request.set_release(release);
+  request.set_lease_ms(options_.pin_lease_ms);
+  request.set_bytes_read(release ? bytes_read : 0);
+  request.set_relay(relay);
+  v1::PinResponse response;
+  grpc::ClientContext context;
+  context.set_deadline(In(kCallDeadline));
+  grpc::Status s = stub->Pin(&context, request, &response);
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat("node ", node, ": ", s.error_message()));
+}
+
+std::vector<std::string> Puller::Pullers(const std::string& model) {
+  std::vector<std::string> out = {options_.node};
+  if (!options_.relay || !replicas_) return out;
+  for (const std::string& node : replicas_->Relays(model)) {
+    if (node != options_.node && channels_->StubFor(node)) out.push_back(node);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+PullOutcome Puller::Pull(const PullJob& job) {
+  PullOutcome outcome;
+  std::vector<std::shared_ptr<Region>>& staging = outcome.staging;
+  auto finish = [&](absl::Status status) {
+    if (board_) board_->End(job.model, job.version, status.ok());
+    outcome.status = std::move(status);
+    if (!outcome.status.ok()) staging.clear();
+    return std::move(outcome);
+  };
+  // Pin the version on every node we read from, so --retain there can't free it under us.
+  std::map<std::string, uint64_t> bytes_from;
+  for (const auto& f : job.fetches) {
+    for (const auto& [b, e] : f.ranges) bytes_from[f.node] += e - b;
+  }
+  for (const auto& [node, bytes] : bytes_from) {
+    absl::Status pinned = PinOn(node, job, false, 0, false);
+    if (!pinned.ok()) return finish(pinned);
+  }
+
+  // Where a pull's time goes, for the debug log.
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point pinned = Clock::now();
+  auto ms_since = [](Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  };
+  // Pieces this node can bring up to date from an older version by deltas; the rest in full.
+  DeltaResult deltas = FetchDeltas(job, data_plane_, store_, options_.delta_threshold, metrics_);
+  const double deltas_ms = ms_since(pinned);
+  staging = std::move(deltas.staging);
+  for (size_t f = 0; f < job.fetches.size(); ++f) {
+    if (!staging[f]) continue;
+    bytes_from[job.fetches[f].node] += deltas.wire[f];
+    bytes_from[job.fetches[f].node] -= Total(job.fetches[f].ranges);
+  }
+  // The origin hashes what we read while the bytes are still moving (not what deltas already
+  // verified chunk by chunk).
+  const std::vector<bool> verified = deltas.verified;
+  auto remote_sums = std::async(std::launch::async, [this, &job, verified] {
+    std::vector<absl::StatusOr<std::vector<uint64_t>>> sums;
+    for (size_t f = 0; f < job.fetches.size(); ++f) {
+      sums.push_back(verified[f] ? std::vector<uint64_t>()
+                                 : RemoteChecksums(job, f, VerifyChunks(job.fetches[f])));
+    }
+    return sums;
+  });
+  std::vector<size_t> full_index;
+  for (size_t f = 0; f < job.fetches.size(); ++f) {
+    if (!staging[f]) full_index.push_back(f);
+  }
+  const bool used_delta = full_index.size() < job.fetches.size();
+  absl::Status status;
+  dataplane::DataPlane::ReadHashes hashes(job.fetches.size());  // by the job's fetch index
+  Sources sources;
+  sources.relayed.resize(job.fetches.size());
+  const std::vector<std::string> pullers =
+      full_index.empty() ? std::vector<std::string>() : Pullers(job.model);
+  if (pullers.size() > 1) {
+    status = PullStriped(job, full_index, pullers, &staging, &sources);
+    for (size_t f : full_index) {
+      for (const auto& [relay, ranges] : sources.relayed[f]) {
+        bytes_from[job.fetches[f].node] -= Total(ranges);
+      }
+    }
+  } else if (!full_index.empty()) {
+    PullJob full = job;
+    full.fetches.clear();
+    for (size_t f : full_index) full.fetches.push_back(job.fetches[f]);
+    auto read_hashes = std::make_shared<dataplane::DataPlane::ReadHashes>();
+    auto pulling = data_plane_->Pull(
+        full, [this](uint64_t size) { return store_->AcquireSlot(size); }, read_hashes);
+    // A long pull (a large model over a slow link) renews its pins before their lease lapses,
+    // so no source recycles a slot while it is being read.
+    while (pulling.wait_for(milliseconds(options_.pin_lease_ms / 4)) !=
+           std::future_status::ready) {
+      for (const auto& [node, bytes] : bytes_from) (void)PinOn(node, job, false, 0, false);
+    }
+    auto result = pulling.get();
+    status = result.status();
+    if (result.ok()) {
+      for (size_t i = 0; i < full_index.size(); ++i) {
+        staging[full_index[i]] = (*result)[i];
+        hashes[full_index[i]] = std::move((*read_hashes)[i]);
+      }
+    }
+  }
+  const double data_ms = ms_since(pinned) - deltas_ms;
+  auto sums = remote_sums.get();
+  const double sums_wait_ms = ms_since(pinned) - deltas_ms - data_ms;
+  if (status.ok()) status = Verify(job, staging, hashes, std::move(sums), verified, sources);
+  Logger("peer")->debug(
+      "model={} version={} pull phases: deltas {:.1f} ms, data {:.1f} ms, then waited {:.1f} ms "
+      "for the source's checksums, verify {:.1f} ms",
+      job.model, job.version, deltas_ms, data_ms, sums_wait_ms,
+      ms_since(pinned) - deltas_ms - data_ms - sums_wait_ms);
+  for (const auto& [node, bytes] : bytes_from) (void)PinOn(node, job, true, bytes, false);
+  if (status.ok()) metrics_->Add(used_delta ? kDeltaVersions : kFullVersions, 1);
+  return finish(status);
+}
+
+absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& full,
+                                 const std::vector<std::string>& pullers,
+                                 std::vector<std::shared_ptr<Region>>* staging,
+                                 Sources* sources) {
+  struct Part {
+    size_t fetch;
+    std::string relay;
+    Ranges ranges;
+  };
+  std::vector<Part> relay_parts;
+  std::vector<std::pair<size_t, std::future<absl::Status>>> origin_reads;
+  std::vector<dataplane::DataPlane::Landed> landed(job.fetches.size());
+  for (size_t f : full) {
+    const PullJob::Fetch& fetch = job.fetches[f];
+    auto slot = store_->AcquireSlot(fetch.bytes);
+    if (!slot.ok()) return slot.status();
+    (*staging)[f] = *slot;
+    const fleet::RelayKey key{job.model, job.version, fetch.node, fetch.buffer_id};
+    if (board_) {
+      board_->Begin(key, *slot, fetch.bytes, fetch.ranges);
+      landed[f] = [board = board_, key](uint64_t offset, uint64_t length) {
+        board->Landed(key, offset, length);
+      };
+    }
+    for (auto& [parent, ranges] : ByParent(fetch, options_.node, pullers, options_.fanout)) {
+      if (parent == fetch.node) {
+        origin_reads.emplace_back(f, data_plane_->Read(fetch, ranges, *slot, landed[f]));
+      } else {
+        relay_parts.push_back({f, parent, std::move(ranges)});
+      }
+    }
+  }
+  // Each relay's stripes on a thread of their own: their reads are posted as the relay
+  // announces what landed there.
+  std::vector<std::future<RelayReadResult>> relayed;
+  for (const Part& part : relay_parts) {
+    RelayReadRequest request{options_.node, job.model, job.version, job.fetches[part.fetch],
+                             part.relay,    part.ranges, (*staging)[part.fetch],
+                             landed[part.fetch]};
+    relayed.push_back(std::async(std::launch::async, [this, request] {
+      return ReadFromRelay(request, channels_->StubFor(request.relay), data_plane_);
+    }));
+  }
+  absl::Status status;
+  for (auto& [f, read] : origin_reads) {
+    absl::Status s = read.get();
+    if (status.ok() && !s.ok()) status = s;
+  }
+  std::vector<std::pair<size_t, std::future<absl::Status>>> again;
+  for (size_t i = 0; i < relay_parts.size(); ++i) {
+    const Part& part = relay_parts[i];
+    RelayReadResult result = relayed[i].get();
+    if (result.bytes > 0) {
+      sources->relayed[part.fetch][part.relay] = result.read;
+      metrics_->Add(kRelayBytesReceived, static_cast<double>(result.bytes));
+      (void)PinOn(part.relay, job, true, result.bytes, true);
+    }
+    if (!result.leftover.empty()) {
+      // A relay of another layout holding only part of this node's ranges is normal (debug);
+      // one that failed, stalled or went away is worth a warning.
+      Logger("peer")->log(
+          result.failed ? spdlog::level::warn : spdlog::level::debug,
+          "model={} version={} relay={}: reading {} bytes of piece {} from node {} instead "
+          "({})",
+          job.model, job.version, part.relay, Total(result.leftover),
+          job.fetches[part.fetch].buffer_id, job.fetches[part.fetch].node, result.why);
+      if (status.ok()) {
+        again.emplace_back(part.fetch,
+                           data_plane_->Read(job.fetches[part.fetch], result.leftover,
+                                             (*staging)[part.fetch], landed[part.fetch]));
+      }
+    }
+  }
+  for (auto& [f, read] : again) {
+    absl::Status s = read.get();
+    if (status.ok() && !s.ok()) status = s;
+  }
+  return status;
+}
+
+absl::StatusOr<std::vector<uint64_t>> Puller::RemoteChecksums(
+    const PullJob& job, size_t f, const std::vector<std::pair<uint64_t, uint64_t>>& chunks) {
+  const PullJob::Fetch& fetch = job.fetches[f];
+  const std::vector<RangeRun> runs = ToRuns(chunks);
+  std::vector<uint64_t> sums;
+  sums.reserve(chunks.size());
+  size_t r = 0;
+  uint64_t done_of_run = 0;  // ranges of runs[r] already asked for
+  while (r < runs.size()) {
+    v1::Peer::Stub* stub = channels_->StubFor(fetch.node);
+    if (!stub) return absl::UnavailableError(absl::StrCat("node ", fetch.node, " went away"));
+    v1::ChecksumRequest request;
+    request.set_model(job.model);
+    request.set_version(job.version);
+    request.set_buffer_id(fetch.buffer_id);
+    uint64_t asked = 0;
+    while (r < runs.size() && static_cast<size_t>(request.runs_size()) < kRunsPerChecksumCall &&
+           asked < kRangesPerChecksumCall) {
+      const RangeRun& run = runs[r];
+      const uint64_t take = std::min(run.count - done_of_run, kRangesPerChecksumCall - asked);
+      v1::RangeRun* out = request.add_runs();
+      out->set_offset(run.offset + done_of_run * run.stride);
+      out->set_length(run.length);
+      out->set_stride(run.stride);
+      out->set_count(take);
+      asked += take;
+      done_of_run += take;
+      if (done_of_run == run.count) {
+        ++r;
+        done_of_run = 0;
+      }
+    }
+    v1::ChecksumResponse response;
+    grpc::Status s = CallChecksum(stub, request, &response);
+    if (s.ok() && response.sums_size() == 0 && response.xxh3_size() == 0 && asked > 0) {
+      // A source of an older release reads only plain ranges.
+      v1::ChecksumRequest plain = request;
+      plain.clear_runs();
+      std::vector<std::pair<uint64_t, uint64_t>> ranges;
+      for (const v1::RangeRun& run : request.runs()) {
+        AppendRanges({run.offset(), run.length(), run.stride(), run.count()}, &ranges);
+      }
+      for (const auto& [begin, end] : ranges) {
+        v1::ByteRange* range = plain.add_ranges();
+        range->set_offset(begin);
+        range->set_length(end - begin);
+      }
+      response.Clear();
+      s = CallChecksum(stub, plain, &response);
+      if (s.ok()) response.mutable_sums()->Add(response.xxh3().begin(), response.xxh3().end());
+    }
+    if (!s.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("node ", fetch.node, " checksum: ", s.error_message()));
+    }
+    if (static_cast<uint64_t>(response.sums_size()) != asked) {
+      return absl::DataLossError("checksum reply of the wrong length");
+    }
+    sums.insert(sums.end(), response.sums().begin(), response.sums().end());
+  }
+  return sums;
+}
+
+absl::Status Puller::Verify(const PullJob& job,
+                            const std::vector<std::shared_ptr<Region>>& staging,
+                            const dataplane::DataPlane::ReadHashes& read_hashes,
+                            std::vector<absl::StatusOr<std::vector<uint64_t>>> remote,
+                            const std::vector<bool>& verified, const Sources& sources) {
+  for (size_t f = 0; f < job.fetches.size(); ++f) {
+    if (verified[f]) continue;
+    const PullJob::Fetch& fetch = job.fetches[f];
+    std::vector<std::pair<uint64_t, uint64_t>> chunks = VerifyChunks(fetch);
+    absl::StatusOr<std::vector<uint64_t>> sums = std::move(remote[f]);
+    for (int attempt = 1;; ++attempt) {
+      if (!sums.ok()) return sums.status();
+      std::vector<std::pair<uint64_t, uint64_t>> bad;
+      // The data plane hashed each read as it landed; a chunk no single read covered (another
+      // --chunk-bytes, a refetch, a striped pull) is hashed here.
+      std::vector<uint64_t> here(chunks.size());
+      std::vector<std::pair<uint64_t, uint64_t>> unhashed;
+      std::vector<size_t> unhashed_at;
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        const auto& by_offset = read_hashes[f];
+        auto it = attempt == 1 ? by_offset.find(chunks[i].first) : by_offset.end();
+        if (it != by_offset.end() && it->second.first == chunks[i].second - chunks[i].first) {
+          here[i] = it->second.second;
+        } else {
+          unhashed.push_back(chunks[i]);
+          unhashed_at.push_back(i);
+        }
+      }
+      const std::vector<uint64_t> hashed = HashRanges(staging[f]->data(), unhashed);
+      for (size_t k = 0; k < hashed.size(); ++k) here[unhashed_at[k]] = hashed[k];
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        if (here[i] != (*sums)[i]) bad.push_back(chunks[i]);
+      }
+      if (bad.empty()) break;
+      if (attempt == 1) {
+        // A relay that served bytes the origin's checksums refuse is not trusted again for
+        // this version: what failed is fetched from the origin below.
+        for (const auto& [relay, ranges] : sources.relayed[f]) {
+          const uint64_t rejected = Intersect(bad, ranges).size();
+          if (rejected == 0) continue;
+          metrics_->Add(kRelayChunksRejected, static_cast<double>(rejected));
+          Logger("peer")->warn(
+              "model={} version={} relay={} served {} chunks of piece {} that fail node {}'s "
+              "checksums; reading them from node {}",
+              job.model, job.version, relay, rejected, fetch.buffer_id, fetch.node, fetch.node);
+        }
+      }
+      if (attempt >= kFetchTries) {
+        return absl::DataLossError(absl::StrCat(
+            "model ", job.model, " version ", job.version, ": ", bad.size(),
+            " chunks from node ", fetch.node, " still fail their checksum after ", attempt,
+            " fetches"));
+      }
+      Logger("peer")->warn("model={} version={} node={} {} chunks failed their checksum; "
+                           "fetching them again", job.model, job.version, fetch.node, bad.size());
+      absl::Status again = data_plane_->Refetch(job, f, bad, staging[f]).get();
+      if (!again.ok()) return again;
+      chunks = bad;
+      sums = RemoteChecksums(job, f, chunks);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace refit::pull

@@ -1,0 +1,88 @@
+#pragma once
+
+// Runs one PullJob of the store to its end: pins the version on every origin it reads from,
+// brings what it can up to date by deltas (delta_fetch.h), reads the rest in full — stripe by
+// stripe from relays (other nodes pulling the same version, daemon/fleet) where there are any,
+// else from the origin — verifies every byte against the origin's XXH3 (refetching from the
+// origin what fails, wherever it came from), and unpins. While it runs, what has landed here
+// is on the RelayBoard for other nodes to read.
+//
+// Thread-safety: Pull may be called from several threads at once (one job each).
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "daemon/dataplane/data_plane.h"
+#include "daemon/fleet/relay_board.h"
+#include "daemon/fleet/replicas.h"
+#include "daemon/fleet/stripes.h"
+#include "daemon/metrics/metrics.h"
+#include "daemon/store/store.h"
+#include "proto/refit/v1/peer.grpc.pb.h"
+
+namespace refit::pull {
+
+// The other daemons' control channels, by node name (daemon/peer keeps them).
+class PeerChannels {
+ public:
+  virtual ~PeerChannels() = default;
+  // The stub of the connected node `node`, or null.
+  virtual v1::Peer::Stub* StubFor(const std::string& node) = 0;
+};
+
+struct PullerOptions {
+  std::string node;  // this node
+  // Use a source's deltas when they are at most this fraction of the bytes a pull needs.
+  double delta_threshold = 0.5;
+  uint32_t pin_lease_ms = 120000;  // a pull's pins, renewed every quarter of it
+  bool relay = true;               // read stripes from other pullers, and let them read here
+  int fanout = fleet::kDefaultFanout;
+};
+
+struct PullOutcome {
+  absl::Status status;
+  std::vector<std::shared_ptr<Region>> staging;  // one per job fetch, on success
+};
+
+class Puller {
+ public:
+  // Nothing is owned; everything outlives the Puller.
+  Puller(PullerOptions options, Store* store, dataplane::DataPlane* data_plane, Metrics* metrics,
+         PeerChannels* channels, fleet::RelayBoard* board, fleet::ReplicaTable* replicas);
+
+  // Blocks until `job` is pulled and verified, or failed. The caller hands the outcome to
+  // Store::FinishPull.
+  PullOutcome Pull(const PullJob& job);
+
+ private:
+  struct Sources;  // where each full fetch's bytes came from
+  absl::Status PinOn(const std::string& node, const PullJob& job, bool release,
+                     uint64_t bytes_read, bool relay);
+  // The nodes pulling `model` that this one reads stripes from (itself included), sorted;
+  // just this node when relaying is off or nobody else pulls it.
+  std::vector<std::string> Pullers(const std::string& model);
+  // Full bytes of `full` (indices into job.fetches) with every stripe read from its parent.
+  absl::Status PullStriped(const PullJob& job, const std::vector<size_t>& full,
+                           const std::vector<std::string>& pullers,
+                           std::vector<std::shared_ptr<Region>>* staging, Sources* sources);
+  // The origin's XXH3 of `chunks` of fetch `f`.
+  absl::StatusOr<std::vector<uint64_t>> RemoteChecksums(
+      const PullJob& job, size_t f, const std::vector<std::pair<uint64_t, uint64_t>>& chunks);
+  absl::Status Verify(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
+                      const dataplane::DataPlane::ReadHashes& read_hashes,
+                      std::vector<absl::StatusOr<std::vector<uint64_t>>> remote,
+                      const std::vector<bool>& verified, const Sources& sources);
+
+  const PullerOptions options_;
+  Store* const store_;
+  dataplane::DataPlane* const data_plane_;
+  Metrics* const metrics_;
+  PeerChannels* const channels_;
+  fleet::RelayBoard* const board_;
+  fleet::ReplicaTable* const replicas_;
+};
+
+}  // namespace refit::pull

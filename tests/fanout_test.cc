@@ -1,0 +1,358 @@
+// One trainer's node and several engine nodes (refitd processes on this machine): engine nodes
+// relay each version to each other stripe by stripe, so the trainer's node sends each version
+// about once; every engine still gets it bit-exact, verified against the trainer's checksums,
+// whichever node its bytes came from — also when a relay serves wrong bytes or dies
+// mid-transfer. Replica status and WaitForReplicas say which nodes hold which version.
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "catch2/catch.hpp"
+#include "client/refit_client.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/refit/v1/peer.grpc.pb.h"
+#include "tests/testing/daemon_process.h"
+
+namespace refit {
+namespace {
+
+using client::SharedMemory;
+using client::Slice;
+using std::chrono::milliseconds;
+using testing::DaemonProcess;
+
+// A TCP port nothing listens on now (the daemons need each other's ports before they start:
+// every engine lists every other one in --peers).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  socklen_t len = sizeof(addr);
+  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string At(int port) { return "127.0.0.1:" + std::to_string(port); }
+
+double Metric(client::Client& c, const std::string& name) {
+  auto s = c.Status();
+  REQUIRE(s.ok());
+  auto it = s->metrics().find(name);
+  return it == s->metrics().end() ? 0 : it->second;
+}
+
+void Fill(SharedMemory& shm, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto* p = reinterpret_cast<uint64_t*>(shm.data());
+  for (uint64_t i = 0; i < shm.size() / 8; ++i) p[i] = rng();
+}
+
+// One bf16 tensor [rows, 4096]; engines hold all of it, or (half = true) its second half of
+// rows, as a TP2 rank would.
+constexpr int64_t kCols = 4096;
+
+struct Engine {
+  std::unique_ptr<DaemonProcess> daemon;
+  std::unique_ptr<client::Client> client;
+  std::unique_ptr<SharedMemory> memory;
+  std::string buffer;
+  bool half = false;
+};
+
+struct Fleet {
+  // `engine_args[i]`: extra flags of engine i; `engine_env[i]`: its environment.
+  Fleet(int engines, int64_t rows, std::vector<bool> half = {},
+        std::vector<std::vector<std::string>> engine_args = {},
+        std::vector<std::vector<std::string>> engine_env = {})
+      : rows(rows) {
+    const int trainer_port = FreePort();
+    std::vector<int> ports;
+    for (int i = 0; i < engines; ++i) ports.push_back(FreePort());
+    auto t = DaemonProcess::Start({"--node=trainer", "--listen=" + At(trainer_port),
+                                   "--retain=1"});
+    REQUIRE(t.ok());
+    trainer_node = std::move(t).value();
+    trainer = trainer_node->Connect().value();
+    for (int i = 0; i < engines; ++i) {
+      std::string peers = "--peers=" + At(trainer_port);
+      for (int j = 0; j < engines; ++j) {
+        if (j != i) peers += "," + At(ports[j]);
+      }
+      std::vector<std::string> args = {"--node=engine-" + std::to_string(i),
+                                       "--listen=" + At(ports[i]), peers, "--retain=1"};
+      if (i < static_cast<int>(engine_args.size())) {
+        args.insert(args.end(), engine_args[i].begin(), engine_args[i].end());
+      }
+      auto d = DaemonProcess::Start(args, "",
+                                    i < static_cast<int>(engine_env.size()) ? engine_env[i]
+                                                                            : std::vector<std::string>());
+      REQUIRE(d.ok());
+      Engine e;
+      e.daemon = std::move(d).value();
+      e.client = e.daemon->Connect().value();
+      e.half = i < static_cast<int>(half.size()) && half[i];
+      this->engines.push_back(std::move(e));
+    }
+    const uint64_t bytes = static_cast<uint64_t>(rows) * kCols * 2;
+    source = std::make_unique<SharedMemory>(
+        SharedMemory::Create(testing::UniqueShmName("fan-src"), bytes).value());
+    auto id = trainer->RegisterBuffer("m", v1::SOURCE, source->name(),
+                                      {Slice("w", v1::BF16, {rows, kCols}, 0)}, "trainer");
+    REQUIRE(id.ok());
+    source_id = *id;
+    for (size_t i = 0; i < this->engines.size(); ++i) {
+      Engine& e = this->engines[i];
+      const int64_t first = e.half ? rows / 2 : 0, count = e.half ? rows / 2 : rows;
+      e.memory = std::make_unique<SharedMemory>(
+          SharedMemory::Create(testing::UniqueShmName("fan-dst"), count * kCols * 2).value());
+      auto d = e.client->RegisterBuffer(
+          "m", v1::DESTINATION, e.memory->name(),
+          {Slice("w", v1::BF16, {rows, kCols}, 0, {first, 0}, {count, kCols})},
+          "engine-" + std::to_string(i));
+      REQUIRE(d.ok());
+      e.buffer = *d;
+    }
+    WaitForFleet();
+  }
+
+  // Every engine connected to every other daemon and knowing every engine as a replica, and
+  // the trainer knowing them all: relaying is possible from the first version on.
+  void WaitForFleet() {
+    const size_t n = engines.size();
+    for (int round = 0; round < 300; ++round) {
+      bool ready = true;
+      for (Engine& e : engines) {
+        auto s = e.client->Status();
+        REQUIRE(s.ok());
+        int connected = 0;
+        for (const auto& p : s->peers()) connected += p.connected();
+        size_t replicas = 0;
+        for (const auto& m : s->models()) {
+          if (m.model() == "m") replicas = static_cast<size_t>(m.replicas_size());
+        }
+        ready = ready && connected == static_cast<int>(n) && replicas == n;
+      }
+      auto ts = trainer->Status();
+      REQUIRE(ts.ok());
+      for (const auto& m : ts->models()) {
+        if (m.model() == "m") ready = ready && static_cast<size_t>(m.replicas_size()) == n;
+      }
+      if (ready) return;
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    FAIL("the fleet did not connect and report replicas");
+  }
+
+  uint64_t ModelBytes() const { return source->size(); }
+
+  // Publishes `version` (every byte changed), and checks that every live engine completes it
+  // and holds exactly the trainer's bytes after Apply.
+  void PublishAndCheck(uint64_t version, const std::vector<size_t>& skip = {}) {
+    Fill(*source, version * 7919);
+    REQUIRE(trainer->Publish("m", version, {source_id}).ok());
+    CheckEngines(version, skip);
+  }
+
+  void CheckEngines(uint64_t version, const std::vector<size_t>& skip = {}) {
+    for (size_t i = 0; i < engines.size(); ++i) {
+      if (std::find(skip.begin(), skip.end(), i) != skip.end()) continue;
+      Engine& e = engines[i];
+      INFO("engine-" << i);
+      auto got = e.client->WaitForVersion("m", version, milliseconds(60000));
+      REQUIRE(got.ok());
+      REQUIRE(*got == version);
+      REQUIRE(e.client->Apply("m", version, {e.buffer}).ok());
+      const uint64_t offset = e.half ? ModelBytes() / 2 : 0;
+      REQUIRE(std::memcmp(e.memory->data(), source->data() + offset, e.memory->size()) == 0);
+    }
+  }
+
+  double RelaySent() {
+    double total = 0;
+    for (Engine& e : engines) {
+      if (e.daemon->running()) total += Metric(*e.client, "refit_relay_bytes_sent_total");
+    }
+    return total;
+  }
+
+  int64_t rows;
+  std::unique_ptr<DaemonProcess> trainer_node;
+  std::unique_ptr<client::Client> trainer;
+  std::vector<Engine> engines;
+  std::unique_ptr<SharedMemory> source;
+  std::string source_id;
+};
+
+}  // namespace
+
+TEST_CASE("four engine nodes relay each version: the trainer's node sends it about once",
+          "[integration][fanout]") {
+  Fleet fleet(4, 8192);  // 64 MiB
+  const double model = static_cast<double>(fleet.ModelBytes());
+  for (uint64_t v = 1; v <= 3; ++v) {
+    const double sent_before = Metric(*fleet.trainer, "refit_data_bytes_sent_total");
+    const double relayed_before = fleet.RelaySent();
+    fleet.PublishAndCheck(v);
+    // The pins' releases (where the bytes are counted) follow completion by a moment.
+    std::this_thread::sleep_for(milliseconds(300));
+    const double sent = Metric(*fleet.trainer, "refit_data_bytes_sent_total") - sent_before;
+    const double relayed = fleet.RelaySent() - relayed_before;
+    INFO("version " << v << ": trainer sent " << sent / model << " models, relays "
+                    << relayed / model);
+    REQUIRE(sent <= 1.1 * model);
+    REQUIRE(sent >= 0.9 * model);
+    REQUIRE(relayed >= 2.5 * model);  // 3/4 of the model to each of 4 nodes
+  }
+  // Replicas: the trainer knows every engine and its version; WaitForReplicas answers at once
+  // for what is there and past its deadline (naming who is behind) for what is not.
+  auto status = fleet.trainer->Status();
+  REQUIRE(status.ok());
+  REQUIRE(status->models_size() == 1);
+  REQUIRE(status->models(0).replicas_size() == 4);
+  for (const auto& r : status->models(0).replicas()) {
+    REQUIRE(r.latest_version() == 3);
+    REQUIRE(r.relay());
+  }
+  auto all = fleet.trainer->WaitForReplicas("m", 3, 0, milliseconds(5000));
+  REQUIRE(all.ok());
+  REQUIRE(all->version() == 3);
+  REQUIRE(all->nodes_size() == 4);
+  const auto asked = std::chrono::steady_clock::now();
+  auto later = fleet.trainer->WaitForReplicas("m", 4, 1, milliseconds(500));
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count();
+  REQUIRE(later.status().code() == absl::StatusCode::kDeadlineExceeded);
+  REQUIRE(waited >= 0.45);
+  REQUIRE(waited < 3.0);
+  auto more = fleet.trainer->WaitForReplicas("m", 3, 5, milliseconds(300));
+  REQUIRE(more.status().code() == absl::StatusCode::kDeadlineExceeded);
+  // A quorum: the next version, waited for by 2 of 4 while it is on its way.
+  Fill(*fleet.source, 4 * 7919);
+  REQUIRE(fleet.trainer->Publish("m", 4, {fleet.source_id}).ok());
+  auto quorum = fleet.trainer->WaitForReplicas("m", 4, 2, milliseconds(30000));
+  REQUIRE(quorum.ok());
+  REQUIRE(quorum->nodes_size() >= 2);
+  fleet.CheckEngines(4);
+}
+
+TEST_CASE("engines of different layouts share relays; each gets exactly its bytes",
+          "[integration][fanout]") {
+  Fleet fleet(4, 8192, {false, true, false, true});
+  const double model = static_cast<double>(fleet.ModelBytes());
+  const double sent_before = Metric(*fleet.trainer, "refit_data_bytes_sent_total");
+  fleet.PublishAndCheck(1);
+  std::this_thread::sleep_for(milliseconds(300));
+  const double sent = Metric(*fleet.trainer, "refit_data_bytes_sent_total") - sent_before;
+  INFO("trainer sent " << sent / model << " models");
+  REQUIRE(sent <= 1.6 * model);  // half-row engines don't relay the rows they don't hold
+  REQUIRE(fleet.RelaySent() > 0.5 * model);
+}
+
+TEST_CASE("a relay serving wrong bytes is caught: those chunks come from the trainer",
+          "[integration][fanout]") {
+  Fleet fleet(3, 8192, {}, {}, {{"REFIT_FAULT_RELAY_FLIP=1000"}});
+  fleet.PublishAndCheck(1);
+  double rejected = 0;
+  for (size_t i = 1; i < fleet.engines.size(); ++i) {
+    rejected += Metric(*fleet.engines[i].client, "refit_relay_chunks_rejected_total");
+  }
+  REQUIRE(rejected > 0);
+  fleet.PublishAndCheck(2);
+}
+
+TEST_CASE("a relay killed mid-transfer: the others take its stripes from the trainer",
+          "[integration][fanout]") {
+  Fleet fleet(4, 32768);  // 256 MiB: long enough to kill a relay while it pulls
+  fleet.PublishAndCheck(1);
+  Fill(*fleet.source, 2 * 7919);
+  REQUIRE(fleet.trainer->Publish("m", 2, {fleet.source_id}).ok());
+  // Kill engine-0 once bytes of version 2 are moving on it.
+  for (int i = 0; i < 2000; ++i) {
+    auto s = fleet.engines[0].client->Status();
+    REQUIRE(s.ok());
+    bool moving = false;
+    for (const auto& t : s->transfers()) moving = moving || (t.version() == 2 && t.bytes_done() > 0);
+    if (moving) break;
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+  fleet.engines[0].daemon->Stop(SIGKILL);
+  const auto killed = std::chrono::steady_clock::now();
+  fleet.CheckEngines(2, {0});
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count();
+  INFO("the others completed " << took << " s after the kill");
+  REQUIRE(took < 20);
+  fleet.PublishAndCheck(3, {0});
+}
+
+TEST_CASE("--relay=false: every byte comes from the trainer's node", "[integration][fanout]") {
+  Fleet fleet(2, 4096, {}, {{"--relay=false"}, {"--relay=false"}});
+  const double model = static_cast<double>(fleet.ModelBytes());
+  fleet.PublishAndCheck(1);
+  std::this_thread::sleep_for(milliseconds(300));
+  REQUIRE(Metric(*fleet.trainer, "refit_data_bytes_sent_total") >= 1.9 * model);
+  REQUIRE(fleet.RelaySent() == 0);
+}
+
+TEST_CASE("bad relay and replica requests get clear codes and change nothing",
+          "[integration][fanout]") {
+  Fleet fleet(2, 1024);
+  fleet.PublishAndCheck(1);
+  auto status = fleet.engines[0].client->Status();
+  REQUIRE(status.ok());
+  auto channel = grpc::CreateChannel(At(status->listen_port()), grpc::InsecureChannelCredentials());
+  auto stub = v1::Peer::NewStub(channel);
+  {  // a version it never pulled
+    grpc::ClientContext context;
+    v1::RelayRequest request;
+    request.set_model("m");
+    request.set_version(99);
+    request.set_node("stranger");
+    request.set_origin("trainer");
+    request.set_buffer_id("nope");
+    auto reader = stub->Relay(&context, request);
+    v1::RelayProgress progress;
+    REQUIRE_FALSE(reader->Read(&progress));
+    REQUIRE(reader->Finish().error_code() == grpc::StatusCode::NOT_FOUND);
+  }
+  auto trainer_status = fleet.trainer->Status();
+  REQUIRE(trainer_status.ok());
+  auto trainer_stub = v1::Peer::NewStub(
+      grpc::CreateChannel(At(trainer_status->listen_port()), grpc::InsecureChannelCredentials()));
+  {  // a replica claiming a version the trainer never published
+    grpc::ClientContext context;
+    v1::ReplicaReport report;
+    report.set_node("liar");
+    report.set_relay(true);
+    auto* m = report.add_models();
+    m->set_model("m");
+    m->set_latest_version(1000);
+    v1::ReplicaReportResponse response;
+    REQUIRE(trainer_stub->Report(&context, report, &response).error_code() ==
+            grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {  // a report in this node's own name
+    grpc::ClientContext context;
+    v1::ReplicaReport report;
+    report.set_node("trainer");
+    v1::ReplicaReportResponse response;
+    REQUIRE(trainer_stub->Report(&context, report, &response).error_code() ==
+            grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  auto after = fleet.trainer->Status();
+  REQUIRE(after.ok());
+  REQUIRE(after->models(0).replicas_size() == 2);
+  for (const auto& r : after->models(0).replicas()) REQUIRE(r.node() != "liar");
+  fleet.PublishAndCheck(2);
+}
+
+}  // namespace refit
