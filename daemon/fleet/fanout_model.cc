@@ -26,15 +26,15 @@ enum ChunkState : uint8_t { kMissing, kRequested, kHave };
 
 // One puller's progress on one piece.
 struct Pull {
-  std::vector<uint8_t> state;          // ChunkState per chunk.
-  std::vector<int> requested_from;     // The node a kRequested chunk was asked of.
-  std::vector<int> source;             // Per stripe: the node this puller reads it from.
+  std::vector<uint8_t> state;       // ChunkState per chunk.
+  std::vector<int> requested_from;  // The node a kRequested chunk was asked of.
+  std::vector<int> source;          // Per stripe: the node this puller reads it from.
 };
 
 struct PieceRouting {
   int stripes = 1;
-  std::vector<int> stripe_of;                       // Per chunk.
-  std::vector<int> slot_of;                         // Per node: index into pullers, or -1.
+  std::vector<int> stripe_of;                           // Per chunk.
+  std::vector<int> slot_of;                             // Per node: index into pullers, or -1.
   std::vector<std::vector<std::vector<int>>> children;  // [stripe][slot]: nodes served.
   std::vector<std::vector<std::vector<int>>> below;     // [stripe][slot]: whole subtree.
 };
@@ -62,8 +62,7 @@ struct Edge {
   double last_target = 0;
   bool listed = false;
   // (target, flow id), smallest target on top.
-  std::priority_queue<std::pair<double, int>, std::vector<std::pair<double, int>>,
-                      std::greater<>>
+  std::priority_queue<std::pair<double, int>, std::vector<std::pair<double, int>>, std::greater<>>
       flows;
 };
 
@@ -84,9 +83,7 @@ struct Event {
   int b;  // sender / parent / dead node
   int piece;
   int chunk;  // For kDetect: the stripe.
-  bool operator>(const Event& o) const {
-    return time != o.time ? time > o.time : seq > o.seq;
-  }
+  bool operator>(const Event& o) const { return time != o.time ? time > o.time : seq > o.seq; }
 };
 
 class Simulator {
@@ -287,8 +284,8 @@ class Simulator {
     const Flow& flow = flows_[edge.flows.top().second];
     edge.flows.pop();
     rates_dirty_ = true;
-    Push(now_ + Latency(edge.sender, edge.receiver), EventType::kLand, edge.receiver,
-         edge.sender, flow.piece, flow.chunk);
+    Push(now_ + Latency(edge.sender, edge.receiver), EventType::kLand, edge.receiver, edge.sender,
+         flow.piece, flow.chunk);
   }
 
   void OnLand(const Event& e) {
@@ -332,8 +329,8 @@ class Simulator {
       if (edge.sender != dead && edge.receiver != dead) continue;
       while (!edge.flows.empty()) {
         const Flow& flow = flows_[edge.flows.top().second];
-        const double left = std::clamp(flow.target - edge.served, 0.0,
-                                       static_cast<double>(flow.bytes));
+        const double left =
+            std::clamp(flow.target - edge.served, 0.0, static_cast<double>(flow.bytes));
         out_[edge.sender].bytes_aborted += static_cast<uint64_t>(flow.bytes - left);
         edge.flows.pop();
       }
@@ -348,8 +345,7 @@ class Simulator {
         const auto& notify =
             s_.failover == Failover::kChildren ? r.children[st][slot] : r.below[st][slot];
         for (int node : notify) {
-          Push(now_ + s_.detect_delay_s, EventType::kDetect, node, dead, static_cast<int>(p),
-               st);
+          Push(now_ + s_.detect_delay_s, EventType::kDetect, node, dead, static_cast<int>(p), st);
         }
       }
     }
@@ -408,8 +404,8 @@ class Simulator {
       double level = kInfinity;
       for (int id : open) {
         const Edge& edge = edges_[id];
-        level = std::min({level, Share(cap_up_, w_up_, edge.sender),
-                          Share(cap_down_, w_down_, edge.receiver)});
+        level = std::min(
+            {level, Share(cap_up_, w_up_, edge.sender), Share(cap_down_, w_down_, edge.receiver)});
       }
       const double limit = level * (1 + 1e-9);
       frozen.clear();
@@ -477,11 +473,21 @@ class Simulator {
         queue_.pop();
         ++events_;
         switch (e.type) {
-          case EventType::kAnnounce: OnAnnounce(e); break;
-          case EventType::kRequestArrive: OnRequestArrive(e); break;
-          case EventType::kLand: OnLand(e); break;
-          case EventType::kKill: OnKill(e); break;
-          case EventType::kDetect: OnDetect(e); break;
+          case EventType::kAnnounce:
+            OnAnnounce(e);
+            break;
+          case EventType::kRequestArrive:
+            OnRequestArrive(e);
+            break;
+          case EventType::kLand:
+            OnLand(e);
+            break;
+          case EventType::kKill:
+            OnKill(e);
+            break;
+          case EventType::kDetect:
+            OnDetect(e);
+            break;
         }
       }
     }
@@ -514,9 +520,8 @@ absl::StatusOr<SimResult> Simulate(const SimScenario& scenario) {
 }
 
 absl::StatusOr<SimScenario> MakeFleet(const FleetSpec& spec) {
-  if (spec.trainers < 1 || spec.pieces_per_trainer < 1 || spec.engines < 1 ||
-      spec.replicas < 0 || spec.model_bytes == 0 || !(spec.link_bytes_per_s > 0) ||
-      spec.latency_s < 0) {
+  if (spec.trainers < 1 || spec.pieces_per_trainer < 1 || spec.engines < 1 || spec.replicas < 0 ||
+      spec.model_bytes == 0 || !(spec.link_bytes_per_s > 0) || spec.latency_s < 0) {
     return absl::InvalidArgumentError("bad fleet");
   }
   if (spec.replicas > 0 && spec.engines % spec.replicas != 0) {

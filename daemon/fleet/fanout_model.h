@@ -13,8 +13,8 @@
 // uplink and their receiver's downlink max-min fair (progressive filling), recomputed whenever
 // a transfer starts or ends. Between one sender and one receiver the transfers are either one
 // ordered stream (a connection: reads queued on it are served in order, and the stream counts
-// once in the sharing) or each a flow of its own (see SimScenario::pair_sharing). A killed node drops
-// its transfers; after `detect_delay_s` the nodes below it re-source whatever they still lack
+// once in the sharing) or each a flow of its own (see SimScenario::pair_sharing). A killed node
+// drops its transfers; after `detect_delay_s` the nodes below it re-source whatever they still lack
 // from the piece's origin.
 //
 // Not modelled: the core network (only access links limit), TCP/UCX ramp-up and loss, CPU,
@@ -68,8 +68,8 @@ struct SimScenario {
   std::vector<SimPiece> pieces;
   uint64_t chunk_bytes = uint64_t{4} << 20;
   int fanout = 8;
-  int inflight = 16;   // Chunk reads outstanding per (child, parent).
-  bool relay = true;   // false: every puller reads every chunk from the origin (no trees).
+  int inflight = 16;  // Chunk reads outstanding per (child, parent).
+  bool relay = true;  // false: every puller reads every chunk from the origin (no trees).
   double detect_delay_s = 0.2;
   Failover failover = Failover::kChildren;
   PairSharing pair_sharing = PairSharing::kInOrder;

@@ -1,7 +1,6 @@
 #include "daemon/fleet/fanout_model.h"
 
 #include <catch2/catch.hpp>
-
 #include <map>
 #include <string>
 #include <vector>
@@ -47,16 +46,16 @@ bool IsOrigin(const SimScenario& s, int node) {
 TEST_CASE("one engine: the model's bytes over the link plus a round trip", "[fanout]") {
   const uint64_t bytes = 64 * kMiB;
   for (PairSharing sharing : {PairSharing::kInOrder, PairSharing::kFair})
-  for (double latency : {0.0, 1e-3, 20e-3}) {
-    SimScenario s = Fleet(1, bytes, 1, 1, latency);
-    s.pair_sharing = sharing;
-    const SimResult r = Run(s);
-    // The request takes one latency to reach the origin, the last byte one more to land; with
-    // 16 reads in flight the link never idles in between.
-    INFO("latency " << latency);
-    REQUIRE(r.time_s == Approx(bytes / kGbit + 2 * latency).epsilon(1e-9));
-    REQUIRE(r.nodes[1].bytes_received == bytes);
-  }
+    for (double latency : {0.0, 1e-3, 20e-3}) {
+      SimScenario s = Fleet(1, bytes, 1, 1, latency);
+      s.pair_sharing = sharing;
+      const SimResult r = Run(s);
+      // The request takes one latency to reach the origin, the last byte one more to land; with
+      // 16 reads in flight the link never idles in between.
+      INFO("latency " << latency);
+      REQUIRE(r.time_s == Approx(bytes / kGbit + 2 * latency).epsilon(1e-9));
+      REQUIRE(r.nodes[1].bytes_received == bytes);
+    }
 }
 
 TEST_CASE("without failures the origin sends each chunk exactly once", "[fanout]") {
@@ -100,7 +99,8 @@ TEST_CASE("engines upload exactly what ParentFor routes through them", "[fanout]
       const uint64_t salt = PieceSalt(origin, p.buffer_id);
       std::vector<uint64_t> stripe_bytes(stripes, 0);
       for (uint64_t c = 0; c * s.chunk_bytes < p.bytes; ++c) {
-        stripe_bytes[StripeOf(c, salt, stripes)] += std::min(s.chunk_bytes, p.bytes - c * s.chunk_bytes);
+        stripe_bytes[StripeOf(c, salt, stripes)] +=
+            std::min(s.chunk_bytes, p.bytes - c * s.chunk_bytes);
       }
       for (const std::string& n : names) {
         for (int st = 0; st < stripes; ++st) {

@@ -6,7 +6,7 @@
 // explains the model and its assumptions.
 
 #include <CLI/CLI.hpp>
-
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -41,7 +41,8 @@ struct Options {
   std::string calibrate_measured;
   std::string calibrate_k = "1,2,4";
   bool kimi = true;
-  uint64_t kimi_chunk_bytes = uint64_t{256} << 20;
+  uint64_t kimi_chunk_bytes = uint64_t{64} << 20;
+  bool sensitivity = true;
   std::string kimi_replicas = "1,2,4,8";
 };
 
@@ -92,8 +93,7 @@ bool Simulate(const SimScenario& s, Run* run) {
   }
   run->result = *std::move(result);
   run->scenario = s;
-  run->seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  run->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return true;
 }
 
@@ -157,18 +157,16 @@ void PrintAssumptions(const Options& o) {
       o.relay ? "on" : "off (all from origin)",
       o.kill_time_s >= 0 ? (std::to_string(o.kill_time_s) + " s").c_str()
                          : (std::to_string(o.kill_fraction) + " x T(K)").c_str(),
-      o.detect_delay_s,
-      o.failover == "subtree" ? "subtree's nodes" : "children");
+      o.detect_delay_s, o.failover == "subtree" ? "subtree's nodes" : "children");
 }
 
 bool PrintTable(const Options& o, const std::vector<int>& ks) {
   const double model = static_cast<double>(o.model_bytes);
   const double floor_s = model / (o.link_gbit * 1e9 / 8);
-  std::printf("%5s %8s %7s %8s %8s %9s | %8s %7s %8s %10s %8s\n", "K", "T(K) s", "T/T(1)",
-              "origin", "max eng", "no-relay", "T kill s", "/T(1)", "origin", "killed",
-              "kill at");
-  std::printf("%5s %8s %7s %8s %8s %9s | %8s %7s %8s %10s %8s\n", "", "", "", "models",
-              "up model", "T(K) s", "", "", "models", "", "s");
+  std::printf("%5s %8s %7s %8s %8s %9s | %8s %7s %8s %10s %8s\n", "K", "T(K) s", "T/T(1)", "origin",
+              "max eng", "no-relay", "T kill s", "/T(1)", "origin", "killed", "kill at");
+  std::printf("%5s %8s %7s %8s %8s %9s | %8s %7s %8s %10s %8s\n", "", "", "", "models", "up model",
+              "T(K) s", "", "", "models", "", "s");
   Run one;
   if (!RunFleet(o, Fleet(o, 1), o.relay, &one)) return false;
   const double t1 = one.result.time_s;
@@ -197,14 +195,16 @@ bool PrintTable(const Options& o, const std::vector<int>& ks) {
       done += r.done_s >= 0 ? 1 : 0;
     }
     std::printf(" %8.3f %7.3f %8.3f %10s %8.3f   (%d/%d live engines done, sim %.1f s)\n",
-                failed.result.time_s, failed.result.time_s / t1,
-                UploadsOf(failed).origins / model, s.nodes[victim].name.c_str(), at,
-                done, live - o.trainers, base.seconds + failed.seconds);
+                failed.result.time_s, failed.result.time_s / t1, UploadsOf(failed).origins / model,
+                s.nodes[victim].name.c_str(), at, done, live - o.trainers,
+                base.seconds + failed.seconds);
   }
-  std::printf("\n  floor (model / link): %.3f s. origin models: bytes the trainer node(s) "
-              "uploaded per version / model bytes.\n  max eng up: the most one engine node "
-              "uploaded, in models. no-relay: every engine reads everything from the origin "
-              "(today's pull).\n\n", floor_s);
+  std::printf(
+      "\n  floor (model / link): %.3f s. origin models: bytes the trainer node(s) "
+      "uploaded per version / model bytes.\n  max eng up: the most one engine node "
+      "uploaded, in models. no-relay: every engine reads everything from the origin "
+      "(today's pull).\n\n",
+      floor_s);
   return true;
 }
 
@@ -219,8 +219,9 @@ bool PrintKimi(const Options& o) {
       "Perplexity reports < 1.3 s (BF16 training on 256 GPUs, FP8 inference on 128 GPUs; each\n"
       "inference GPU is written only the FP8 weights of its own shard).\n",
       node_bytes_per_s / 1e9, k.chunk_bytes / kMiB, o.latency_us);
-  std::printf("  %-44s %8s %8s %10s %9s\n", "case", "T s", "floor s", "trainers", "per node");
-  std::printf("  %-44s %8s %8s %10s %9s\n", "", "", "", "models", "GB in");
+  std::printf("  %-44s %8s %8s %10s %9s %9s\n", "case", "T s", "floor s", "trainers", "per node",
+              "no-relay");
+  std::printf("  %-44s %8s %8s %10s %9s %9s\n", "", "", "", "models", "GB in", "T s");
   struct Case {
     std::string name;
     double bytes;
@@ -243,13 +244,76 @@ bool PrintKimi(const Options& o) {
     f.model_bytes = static_cast<uint64_t>(c.bytes);
     f.link_bytes_per_s = node_bytes_per_s;
     f.latency_s = o.latency_us * 1e-6;
-    Run run;
-    if (!RunFleet(k, f, o.relay, &run)) return false;
+    Run run, plain;
+    if (!RunFleet(k, f, o.relay, &run) || !RunFleet(k, f, false, &plain)) return false;
     const double per_node = c.replicas == 0 ? c.bytes : c.bytes * c.replicas / 16;
-    std::printf("  %-44s %8.3f %8.3f %10.3f %9.1f\n", c.name.c_str(), run.result.time_s,
-                per_node / node_bytes_per_s, UploadsOf(run).origins / c.bytes, per_node / 1e9);
+    std::printf("  %-44s %8.3f %8.3f %10.3f %9.1f %9.3f\n", c.name.c_str(), run.result.time_s,
+                per_node / node_bytes_per_s, UploadsOf(run).origins / c.bytes, per_node / 1e9,
+                plain.result.time_s);
   }
-  std::printf("  floor: bytes one engine node must receive / its downlink.\n\n");
+  std::printf(
+      "  floor: bytes one engine node must receive / its downlink. trainers models: "
+      "bytes the 32 trainer\n  nodes uploaded / model bytes. no-relay: every engine "
+      "reads its pieces from their origins.\n\n");
+  return true;
+}
+
+// Relay hops below a stripe's root, at most, for `pullers` nodes (from PathTo).
+int TreeDepth(int pullers, int fanout) {
+  std::vector<std::string> names;
+  for (int i = 0; i < pullers; ++i) names.push_back(std::to_string(100000 + i));
+  const int stripes = StripeCount(names.size(), fanout);
+  size_t longest = 1;
+  for (int st = 0; st < stripes; ++st) {
+    for (const std::string& n : names) {
+      longest = std::max(longest, PathTo(names, n, st, stripes, fanout).size());
+    }
+  }
+  return static_cast<int>(longest) - 1;
+}
+
+// How T(K)/T(1) depends on the pipelining depth: a relay forwards a chunk only once it has
+// landed, so each hop below the root delays a stripe by what lands at once on that hop.
+bool PrintSensitivity(const Options& o, int k) {
+  struct Variant {
+    const char* what;
+    std::string sharing;
+    int inflight;
+    uint64_t chunk_bytes;
+  };
+  const std::vector<Variant> variants = {
+      {"as above", o.pair_sharing, o.inflight, o.chunk_bytes},
+      {"in-order per pair", "in-order", o.inflight, o.chunk_bytes},
+      {"fair per read", "fair", o.inflight, o.chunk_bytes},
+      {"fair per read, 2 in flight", "fair", 2, o.chunk_bytes},
+      {"fair per read, 1 in flight", "fair", 1, o.chunk_bytes},
+      {"in-order, chunks / 4", "in-order", o.inflight, std::max<uint64_t>(1, o.chunk_bytes / 4)},
+      {"fair, 2 in flight, chunks / 4", "fair", 2, std::max<uint64_t>(1, o.chunk_bytes / 4)},
+  };
+  const int depth = TreeDepth(k, o.fanout);
+  const int stripes = StripeCount(static_cast<size_t>(k), o.fanout);
+  const double piece = static_cast<double>(o.model_bytes) / (o.trainers * o.pieces_per_trainer);
+  std::printf("Pipelining depth at K=%d (%d stripes, %d relay hops below the root):\n", k, stripes,
+              depth);
+  std::printf("  %-32s %9s %9s %8s %11s\n", "variant", "chunk MiB", "in flight", "T/T(1)",
+              "1+hops*S*w*c/piece");
+  for (const Variant& v : variants) {
+    Options x = o;
+    x.pair_sharing = v.sharing;
+    x.inflight = v.inflight;
+    x.chunk_bytes = v.chunk_bytes;
+    Run one, many;
+    if (!RunFleet(x, Fleet(x, 1), true, &one) || !RunFleet(x, Fleet(x, k), true, &many)) {
+      return false;
+    }
+    // What lands at once on a hop: one chunk in order, else every read in flight of the stripe.
+    const double chunks_per_stripe = std::ceil(piece / v.chunk_bytes / stripes);
+    const double w = v.sharing == "fair" ? std::min<double>(v.inflight, chunks_per_stripe) : 1;
+    std::printf("  %-32s %9.2f %9d %8.3f %11.3f\n", v.what, v.chunk_bytes / kMiB, v.inflight,
+                many.result.time_s / one.result.time_s,
+                1 + depth * stripes * w * v.chunk_bytes / piece);
+  }
+  std::printf("\n");
   return true;
 }
 
@@ -258,11 +322,13 @@ bool PrintCalibration(const Options& o) {
   std::vector<int> ks;
   if (!ParseInts(o.calibrate_k, &ks)) return false;
   const std::vector<std::string> measured = Split(o.calibrate_measured);
-  std::printf("Calibration against the real run (%.0f MiB, %.3g Gbit/s, %.0f us, %.0f MiB "
-              "chunks, relay %s):\n", o.model_bytes / kMiB, o.link_gbit, o.latency_us,
-              o.chunk_bytes / kMiB, o.relay ? "on" : "off");
-  std::printf("  %4s %10s %10s %8s %12s %8s\n", "K", "sim T s", "measured", "diff",
-              "sim x eff", "diff");
+  std::printf(
+      "Calibration against the real run (%.0f MiB, %.3g Gbit/s, %.0f us, %.0f MiB "
+      "chunks, relay %s):\n",
+      o.model_bytes / kMiB, o.link_gbit, o.latency_us, o.chunk_bytes / kMiB,
+      o.relay ? "on" : "off");
+  std::printf("  %4s %10s %10s %8s %12s %8s\n", "K", "sim T s", "measured", "diff", "sim x eff",
+              "diff");
   double efficiency = 0;  // Goodput / line rate, fitted on the first measured figure.
   for (size_t i = 0; i < ks.size(); ++i) {
     Run run;
@@ -350,6 +416,9 @@ int main(int argc, char** argv) {
   app.add_option("--calibrate-k", o.calibrate_k, "K of the measured figures")
       ->capture_default_str();
   app.add_option("--kimi", o.kimi, "print the Kimi-K2-sized case")->capture_default_str();
+  app.add_option("--sensitivity", o.sensitivity,
+                 "print T(K)/T(1) at the largest K for other pair sharing, reads and chunks")
+      ->capture_default_str();
   app.add_option("--kimi-chunk-bytes", o.kimi_chunk_bytes, "chunk size for the Kimi-K2 case")
       ->transform(CLI::AsSizeValue(false))
       ->capture_default_str();
@@ -366,6 +435,10 @@ int main(int argc, char** argv) {
   refit::fleet::PrintAssumptions(o);
   if (!o.calibrate_measured.empty() && !refit::fleet::PrintCalibration(o)) return 1;
   if (!refit::fleet::PrintTable(o, ks)) return 1;
+  if (o.sensitivity &&
+      !refit::fleet::PrintSensitivity(o, *std::max_element(ks.begin(), ks.end()))) {
+    return 1;
+  }
   if (o.kimi && !refit::fleet::PrintKimi(o)) return 1;
   return 0;
 }
