@@ -144,20 +144,25 @@ bool RunFleet(const Options& o, const FleetSpec& f, bool relay, Run* run) {
 }
 
 void PrintAssumptions(const Options& o) {
+  char kill_at[64];
+  if (o.kill_time_s >= 0) {
+    std::snprintf(kill_at, sizeof(kill_at), "%.3f s", o.kill_time_s);
+  } else {
+    std::snprintf(kill_at, sizeof(kill_at), "%.2f x T(K)", o.kill_fraction);
+  }
   std::printf(
       "fan-out simulator (daemon/fleet/fanout_model.h; routing from daemon/fleet/stripes.h)\n"
       "  model %.0f MiB in %d piece(s) on %d trainer node(s); chunks %.0f MiB; every node's\n"
       "  uplink and downlink %.3g Gbit/s; one-way latency %.0f us; fanout %d; %d reads in\n"
-      "  flight per (child, parent), %s; relay %s; every engine pulls the whole model.\n"
+      "  flight per (child, parent), %s; relay %s;\n"
+      "  every engine pulls the whole model.\n"
       "  Failure case: the root of stripe 0 of piece 0 (the relay with the largest subtree) is\n"
       "  killed at %s; after %.2f s its %s re-source what they lack from the origin.\n\n",
       o.model_bytes / kMiB, o.trainers * o.pieces_per_trainer, o.trainers, o.chunk_bytes / kMiB,
       o.link_gbit, o.latency_us, o.fanout, o.inflight,
       o.pair_sharing == "fair" ? "each read a flow of its own" : "served in order per pair",
-      o.relay ? "on" : "off (all from origin)",
-      o.kill_time_s >= 0 ? (std::to_string(o.kill_time_s) + " s").c_str()
-                         : (std::to_string(o.kill_fraction) + " x T(K)").c_str(),
-      o.detect_delay_s, o.failover == "subtree" ? "subtree's nodes" : "children");
+      o.relay ? "on" : "off (all from origin)", kill_at, o.detect_delay_s,
+      o.failover == "subtree" ? "subtree's nodes" : "children");
 }
 
 bool PrintTable(const Options& o, const std::vector<int>& ks) {
@@ -194,16 +199,16 @@ bool PrintTable(const Options& o, const std::vector<int>& ks) {
       ++live;
       done += r.done_s >= 0 ? 1 : 0;
     }
-    std::printf(" %8.3f %7.3f %8.3f %10s %8.3f   (%d/%d live engines done, sim %.1f s)\n",
+    std::printf(" %8.3f %7.3f %8.3f %10s %8.3f   (%d/%d live done, sim %.1f s)\n",
                 failed.result.time_s, failed.result.time_s / t1, UploadsOf(failed).origins / model,
                 s.nodes[victim].name.c_str(), at, done, live - o.trainers,
                 base.seconds + failed.seconds);
   }
   std::printf(
-      "\n  floor (model / link): %.3f s. origin models: bytes the trainer node(s) "
-      "uploaded per version / model bytes.\n  max eng up: the most one engine node "
-      "uploaded, in models. no-relay: every engine reads everything from the origin "
-      "(today's pull).\n\n",
+      "\n  floor (model / link): %.3f s. origin models: bytes the trainer node(s) uploaded per\n"
+      "  version / model bytes. max eng up: the most one engine node uploaded, in models.\n"
+      "  no-relay: every engine reads everything from the origin (today's pull). sim: wall time\n"
+      "  of the two runs. Without --kill-time the kill is at --kill-at x T(K).\n\n",
       floor_s);
   return true;
 }
