@@ -14,11 +14,12 @@
 // a transfer starts or ends. Between one sender and one receiver the transfers are either one
 // ordered stream (a connection: reads queued on it are served in order, and the stream counts
 // once in the sharing) or each a flow of its own (see SimScenario::pair_sharing). A killed node
-// drops its transfers; after `detect_delay_s` the nodes below it re-source whatever they still lack
-// from the piece's origin.
+// drops its transfers; after `detect_delay_s` the nodes below it re-source whatever they still
+// lack from the piece's origin.
 //
 // Not modelled: the core network (only access links limit), TCP/UCX ramp-up and loss, CPU,
-// memory copies and checksum time, control traffic.
+// memory copies and checksum time, the bandwidth of control traffic (it has latency only).
+// docs/fanout-simulator.md describes the model and what it predicts.
 //
 // Pure and single-threaded: Simulate() owns all of its state; any thread may call it.
 

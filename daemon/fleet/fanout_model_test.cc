@@ -115,6 +115,23 @@ TEST_CASE("engines upload exactly what ParentFor routes through them", "[fanout]
   }
 }
 
+TEST_CASE("relays forward chunk by chunk: the pipeline costs a few chunks, not a stripe",
+          "[fanout]") {
+  // 256 MiB in 8 stripes of 8 chunks; each stripe flows at 1/8 of a link, so one hop costs
+  // 8 chunk-times when served in order, and the whole stripe when 16 fair-shared reads land
+  // together.
+  const double chunk_time = 8 * 4 * kMiB / kGbit;
+  const double one = Run(Fleet(1, 256 * kMiB)).time_s;
+  SimScenario s = Fleet(8, 256 * kMiB);
+  const double in_order = Run(s).time_s;
+  REQUIRE(in_order < one + 1.5 * chunk_time);
+  s.pair_sharing = PairSharing::kFair;
+  const double fair = Run(s).time_s;
+  REQUIRE(fair > one + 6 * chunk_time);
+  s.inflight = 1;
+  REQUIRE(Run(s).time_s < one + 1.5 * chunk_time);
+}
+
 TEST_CASE("a relay killed mid-transfer: every live engine still completes", "[fanout]") {
   for (Failover failover : {Failover::kChildren, Failover::kSubtree}) {
     for (int k : {2, 8, 64}) {
