@@ -1,7 +1,6 @@
 #include "daemon/fleet/fanout_model.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <deque>
 #include <limits>
