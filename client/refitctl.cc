@@ -3,6 +3,7 @@
 //   refitctl status            node, peers, models (latest version, versions held, buffers)
 //   refitctl versions MODEL    versions held of one model
 //   refitctl peers             the other daemons and whether they are connected
+//   refitctl replicas MODEL    the nodes holding MODEL's versions, and how far behind each is
 //   refitctl watch MODEL       one line per version as it completes (Ctrl-C to stop)
 //   refitctl metrics           the daemon's counters
 //   refitctl health            SERVING / NOT_SERVING
@@ -12,6 +13,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <deque>
 #include <mutex>
@@ -187,6 +189,51 @@ int Watch(Client& client, const std::string& model, bool json) {
   return end.ok() ? 0 : Fail(end);
 }
 
+std::string JsonString(const std::string& text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += absl::StrFormat("\\u%04x", static_cast<unsigned char>(c));
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+// One line (or JSON object) per node with DESTINATION buffers for the model: its newest
+// complete version and how many versions it is behind the newest this node knows of.
+int PrintReplicas(const v1::ModelStatus& model, bool json) {
+  uint64_t newest = model.latest_version();
+  for (const auto& r : model.replicas()) newest = std::max<uint64_t>(newest, r.latest_version());
+  if (json) {
+    std::cout << "[";
+    for (int i = 0; i < model.replicas_size(); ++i) {
+      const auto& r = model.replicas(i);
+      std::cout << (i ? ",\n " : "\n ") << "{\"node\": " << JsonString(r.node())
+                << ", \"latest_version\": " << r.latest_version()
+                << ", \"behind\": " << newest - r.latest_version()
+                << ", \"relay\": " << (r.relay() ? "true" : "false") << "}";
+    }
+    std::cout << (model.replicas_size() ? "\n]\n" : "]\n");
+    return 0;
+  }
+  if (model.replicas().empty()) {
+    std::cout << "no replicas: no node with DESTINATION buffers for " << model.model()
+              << " has reported to this daemon\n";
+    return 0;
+  }
+  std::cout << absl::StrFormat("%-32s %10s %8s %s\n", "node", "latest", "behind", "relay");
+  for (const auto& r : model.replicas()) {
+    std::cout << absl::StrFormat("%-32s %10d %8d %s\n", r.node(), r.latest_version(),
+                                 newest - r.latest_version(), r.relay() ? "yes" : "no");
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -206,6 +253,9 @@ int main(int argc, char** argv) {
   auto* versions_cmd = app.add_subcommand("versions", "versions held of one model");
   versions_cmd->add_option("MODEL", model, "model name")->required();
   auto* peers_cmd = app.add_subcommand("peers", "the other daemons");
+  auto* replicas_cmd =
+      app.add_subcommand("replicas", "the nodes holding MODEL and how far behind each is");
+  replicas_cmd->add_option("MODEL", model, "model name")->required();
   auto* watch_cmd = app.add_subcommand("watch", "print each version of MODEL as it completes");
   watch_cmd->add_option("MODEL", model, "model name")->required();
   auto* metrics_cmd = app.add_subcommand("metrics", "the daemon's counters");
@@ -238,7 +288,7 @@ int main(int argc, char** argv) {
     } else {
       PrintStatus(*status);
     }
-  } else if (versions_cmd->parsed()) {
+  } else if (versions_cmd->parsed() || replicas_cmd->parsed()) {
     const v1::ModelStatus* found = nullptr;
     for (const auto& m : status->models()) {
       if (m.model() == model) found = &m;
@@ -248,6 +298,7 @@ int main(int argc, char** argv) {
                 << "\n";
       return kExitError;
     }
+    if (replicas_cmd->parsed()) return PrintReplicas(*found, json);
     if (json) {
       std::cout << Json(*found);
     } else {

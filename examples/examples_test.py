@@ -87,6 +87,20 @@ class ExamplesTest(unittest.TestCase):
         self.assertEqual(model.latest_version, STEPS)
         self.assertGreater(status.metrics["refit_data_bytes_received_total"], 0)
 
+    def test_trainer_stays_within_one_version_of_the_engines(self):
+        engine = self.start_engine()
+        trainer = subprocess.run(
+            script("trainer.py", f"--socket={self.trainer_node.socket}", f"--steps={STEPS}",
+                   "--max-ahead=1", "--quorum=0", "--replica-timeout=60"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+        self.assertEqual(trainer.returncode, 0, trainer.stdout)
+        # Before publishing N the trainer waited for N - 1 on the engine's node.
+        reached = re.findall(r"version (\d+) is on 1 engine node\(s\) \(engine-node\)",
+                             trainer.stdout)
+        self.assertEqual([int(v) for v in reached], list(range(1, STEPS)), trainer.stdout)
+        out, _ = engine.communicate(timeout=60)
+        self.assertEqual(engine.returncode, 0, out)
+
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and not sys.argv[1].startswith("-"):

@@ -36,6 +36,14 @@ def main() -> int:
     parser.add_argument("--shards", type=int, default=1, help="tensor-parallel ranks to mimic")
     parser.add_argument("--interval", type=float, default=0.0, help="seconds between steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-ahead", type=int, default=None,
+                        help="staleness control: before publishing version N, wait until "
+                        "N - MAX_AHEAD is complete on --quorum engine nodes (WaitForReplicas)")
+    parser.add_argument("--quorum", type=int, default=0,
+                        help="engine nodes that must hold it (0: every one with DESTINATION "
+                        "buffers for the model)")
+    parser.add_argument("--replica-timeout", type=float, default=60.0,
+                        help="seconds to wait for the quorum before giving up")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -65,6 +73,14 @@ def main() -> int:
             for buf in buffers:
                 buf.copy_from(state)  # each buffer takes its own slices
             version = first + i
+            if args.max_ahead is not None and version - args.max_ahead >= first:
+                # Don't run more than --max-ahead steps ahead of the engines: the rollouts
+                # they generate would be too stale for on-policy RL.
+                reached = client.wait_for_replicas(args.model, version - args.max_ahead,
+                                                   min_nodes=args.quorum,
+                                                   timeout=args.replica_timeout)
+                print(f"trainer: version {reached.version} is on {len(reached.nodes)} "
+                      f"engine node(s) ({', '.join(reached.nodes)})", flush=True)
             published = client.publish(args.model, version, buffers)
             print(f"trainer: published version {version} bytes={published.bytes} "
                   f"loss={loss.item():.4f} digest={tiny_lm.digest(state)}", flush=True)

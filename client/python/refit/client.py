@@ -219,6 +219,24 @@ class Client:
             raise errors.from_rpc_error(e, "WaitForVersion") from None
         return response.version
 
+    def wait_for_replicas(self, model: str, version: int, min_nodes: int = 0,
+                          timeout: Optional[float] = None) -> refit_pb2.WaitForReplicasResponse:
+        """Blocks until `version` or newer is complete on at least `min_nodes` of the nodes
+        holding DESTINATION buffers for `model` (0: all of them), as this node's refitd knows
+        them; returns `.version` (the oldest among them) and `.nodes`.
+
+        A trainer's staleness control: before publishing step N + 1, wait until a quorum of
+        engines holds N. refit.DeadlineExceededError (also a TimeoutError) after `timeout`
+        seconds, naming the replicas that are behind.
+        """
+        try:
+            return self._stub.WaitForReplicas(
+                refit_pb2.WaitForReplicasRequest(model=model, version=version,
+                                                 min_nodes=min_nodes),
+                timeout=timeout)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e, "WaitForReplicas") from None
+
     def apply(self, model: str, buffers: Union[BufferArg, Iterable[BufferArg]],
               version: int = 0) -> refit_pb2.ApplyResponse:
         """Writes `version` (0: the newest complete) into the DESTINATION `buffers`,
