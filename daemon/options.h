@@ -34,6 +34,8 @@ struct DaemonOptions {
   // Most bytes of version slots (published, pulled, being pulled or kept for reuse) in host
   // memory; 0: no limit. Past it Publish answers RESOURCE_EXHAUSTED and pulls are abandoned.
   uint64_t max_slot_memory = 0;
+  // The same for slots in GPU memory (--slot-memory=cuda), which max_slot_memory does not count.
+  uint64_t max_gpu_slot_memory = 0;
 };
 
 }  // namespace refit
