@@ -2,16 +2,18 @@
 # Builds the GPU bundle (docs/cuda.md "The GPU bundle"): on a machine with the CUDA toolkit
 # ($CUDA_PATH, else /usr/local/cuda; no GPU needed), builds the GPU tests, the GPU benchmark and
 # a CUDA refitd with --config=cuda, and packs them with every shared library they load (but the
-# driver's libcuda) and the real bf16 deltas that fit into DIR (default gpu-bundle/), at most
-# 64 MiB in all. DIR/run.sh then runs the checks on a machine with a GPU and nothing else.
+# driver's libcuda) and the real bf16 deltas that fit into DIR (default gpu-bundle/ in the
+# checkout; a relative DIR is taken from the current directory), at most 64 MiB in all.
+# DIR/run.sh then runs the checks on a machine with a GPU and nothing else.
 #
 # Usage: scripts/gpu-bundle.sh [DIR]
 #   REFIT_SHARED_DIR=DIR   where data/deltas is (default ../shared beside the checkout)
 #   GPU_BUNDLE_MAX_BYTES=N the size limit (default 64 MiB)
 set -euo pipefail
+caller=$PWD
 cd "$(dirname "$0")/.."
 root=$PWD
-dir="${1:-gpu-bundle}"
+dir="${1:-$root/gpu-bundle}"
 max_bytes=${GPU_BUNDLE_MAX_BYTES:-$((64 << 20))}
 cuda="${CUDA_PATH:-/usr/local/cuda}"
 say() { echo "gpu-bundle: $*"; }
@@ -37,9 +39,14 @@ say "building ${targets[*]} with ${build_flags[*]}"
 bazel build "${build_flags[@]}" --experimental_convenience_symlinks=ignore "${targets[@]}"
 bin=$(bazel info "${build_flags[@]}" bazel-bin 2>/dev/null)
 
-case "$dir" in /*) ;; *) dir="$root/$dir" ;; esac
+case "$dir" in /*) ;; *) dir="$caller/$dir" ;; esac
+# Replaces an earlier bundle, never anything else.
+if [ -e "$dir" ] && [ -n "$(ls -A "$dir")" ] && [ ! -f "$dir/MANIFEST.txt" ]; then
+  die "$dir exists and is not a GPU bundle; give an empty or new directory"
+fi
 rm -rf "$dir"
 mkdir -p "$dir/libexec" "$dir/lib/ucx" "$dir/lib/glibc"
+echo "refit GPU bundle, being built" >"$dir/MANIFEST.txt"  # marks it as one from the start
 
 # ---- binaries: stripped into libexec/, a wrapper at the path the tests expect ----
 for path in "${!targets[@]}"; do
