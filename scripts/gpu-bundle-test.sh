@@ -76,5 +76,24 @@ if [ -f "$out/summary.txt" ] && head -n 1 "$out/summary.txt" | grep -q '^refit G
 else
   fail "no summary.txt, or not run.sh's"
 fi
+# Without a GPU: a dry run, every step, to see each binary start and get as far as asking for
+# a device (libraries, wrappers, the tests finding daemon/refitd and cuda/ipc_exporter).
+if [ "$want" -eq 77 ]; then
+  dry="$work/dry"
+  env -i PATH=/usr/bin:/bin HOME="$work" OUT="$dry" REFIT_BUNDLE_DRY_RUN=1 timeout 600 \
+    "$copy/run.sh" >"$work/dry.log" 2>&1
+  rc=$?
+  expect "dry run exited 1" "dry run exited $rc, want 1: $(cat "$work/dry.log")" [ "$rc" -eq 1 ]
+  for log in kernels.log runtime.log e2e.log; do
+    expect "dry run: $log reached the GPU check" "dry run: $log did not: $(head -c 2000 "$dry/$log")" \
+      grep -q 'HaveGpu\|DeviceCount() >= 1' "$dry/$log"
+  done
+  expect "dry run: gpu_bench said why" "dry run: bench.txt: $(head -c 2000 "$dry/bench.txt")" \
+    grep -q 'no usable CUDA device' "$dry/bench.txt"
+  files=$(find "$dry" -type f | wc -l)
+  expect "dry run: $files result files" "dry run: $files result files, more than 8" [ "$files" -le 8 ]
+  expect "the bundle's own glibc runs refitd too" "REFIT_BUNDLE_LOADER=1 refitd --version failed" \
+    env REFIT_BUNDLE_LOADER=1 "$copy/daemon/refitd" --version
+fi
 [ "$failures" -eq 0 ] && echo "gpu-bundle-test: PASS" || echo "gpu-bundle-test: $failures check(s) FAILED"
 [ "$failures" -eq 0 ]
