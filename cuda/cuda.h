@@ -35,6 +35,22 @@ int DeviceCount();
 // (cudaErrorInsufficientDriver)", for --version and logs.
 std::string Describe();
 
+// The ordinal, in this process, of the GPU whose UUID is `uuid` (CudaIpc.device_uuid: any form
+// ParseGpuUuid in device_uuid.h reads, e.g. "GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a"). Clients
+// send UUIDs because their ordinals are not refitd's under CUDA_VISIBLE_DEVICES.
+// INVALID_ARGUMENT for a malformed UUID; FAILED_PRECONDITION where there is no CUDA support or
+// this node has no GPU with that UUID (the message lists the ones it has).
+absl::StatusOr<int> DeviceByUuid(const std::string& uuid);
+
+// nvidia-smi's form of device `device`'s UUID; empty without CUDA or without that device.
+std::string DeviceUuid(int device);
+
+// OK until this process meets a sticky CUDA error (cudaErrorIllegalAddress, a launch failure, an
+// uncorrectable ECC error...): from then on, the first such error, for good. Every later CUDA
+// call of the process fails the same way, so refitd reports NOT_SERVING and must be restarted.
+// Always OK without CUDA support.
+absl::Status StickyError();
+
 // Opens [offset, offset + size) of the allocation behind a cudaIpcMemHandle_t (the raw 64 bytes,
 // as CudaIpc.handle carries them) on `device`; `size` 0 means "to the end of the allocation".
 // The region is kind kCuda on `device`. Opening the same handle again (another window of one

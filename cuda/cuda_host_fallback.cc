@@ -2,6 +2,7 @@
 // clearly; host-to-host copies and plans still work, on the CPU.
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda.h"
+#include "cuda/device_uuid.h"
 #include "cuda/transfer.h"
 
 namespace refit::cuda {
@@ -19,6 +20,17 @@ bool CompiledIn() { return false; }
 int DeviceCount() { return 0; }
 
 std::string Describe() { return "cuda: not compiled in"; }
+
+absl::StatusOr<int> DeviceByUuid(const std::string& uuid) {
+  // Malformed input is INVALID_ARGUMENT here as in the CUDA build.
+  auto parsed = ParseGpuUuid(uuid);
+  if (!parsed.ok()) return parsed.status();
+  return NeedsCuda(absl::StrCat("GPU ", FormatGpuUuid(*parsed)));
+}
+
+std::string DeviceUuid(int /*device*/) { return ""; }
+
+absl::Status StickyError() { return absl::OkStatus(); }
 
 absl::StatusOr<std::unique_ptr<Region>> OpenIpc(const std::string& handle, int device,
                                                 uint64_t /*offset*/, uint64_t /*size*/) {

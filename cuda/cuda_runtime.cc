@@ -11,20 +11,70 @@
 #include <map>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "cuda/cuda.h"
 #include "cuda/cuda_internal.h"
+#include "cuda/device_uuid.h"
+#include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 
 namespace refit::cuda {
 namespace internal {
 
+namespace {
+
+std::mutex& StickyMutex() {
+  static auto* mutex = new std::mutex;
+  return *mutex;
+}
+
+absl::Status& Sticky() {
+  static auto* sticky = new absl::Status;
+  return *sticky;
+}
+
+}  // namespace
+
+bool IsSticky(cudaError_t error) {
+  switch (error) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorContained:
+    case cudaErrorTensorMemoryLeak:
+    case cudaErrorMpsClientTerminated:
+    case cudaErrorExternalDevice:
+      return true;
+    default:
+      return false;
+  }
+}
+
 absl::Status CudaStatus(cudaError_t error, const char* what) {
   if (error == cudaSuccess) return absl::OkStatus();
   cudaGetLastError();  // clears the error where it isn't sticky, so the next call starts clean
-  return absl::InternalError(
+  absl::Status status = absl::InternalError(
       absl::StrCat(what, ": ", cudaGetErrorName(error), " (", cudaGetErrorString(error), ")"));
+  if (IsSticky(error)) {
+    std::lock_guard<std::mutex> lock(StickyMutex());
+    if (Sticky().ok()) {
+      Sticky() = absl::InternalError(absl::StrCat("sticky CUDA error, this process's CUDA context "
+                                                  "is lost: ", status.message()));
+      Logger("cuda")->critical("{}; every later CUDA call fails the same way: health is "
+                               "NOT_SERVING, restart refitd", std::string(Sticky().message()));
+    }
+  }
+  return status;
 }
 
 absl::Status CheckDevice(int device) {
@@ -220,6 +270,52 @@ std::string Describe() {
   cudaDriverGetVersion(&driver);
   return absl::StrCat("cuda: ", VersionString(runtime), ", ", count, " device(s), driver ",
                       VersionString(driver));
+}
+
+namespace {
+
+// Every device's UUID, read once: the devices a process sees don't change while it runs.
+const std::vector<GpuUuid>& DeviceUuids() {
+  static const auto* uuids = [] {
+    auto* out = new std::vector<GpuUuid>;
+    for (int device = 0; device < DeviceCount(); ++device) {
+      cudaDeviceProp properties{};
+      GpuUuid uuid{};
+      if (CudaStatus(cudaGetDeviceProperties(&properties, device), "cudaGetDeviceProperties")
+              .ok()) {
+        std::memcpy(uuid.data(), properties.uuid.bytes, uuid.size());
+      }
+      out->push_back(uuid);  // all zero if unreadable: matches no client's
+    }
+    return out;
+  }();
+  return *uuids;
+}
+
+}  // namespace
+
+absl::StatusOr<int> DeviceByUuid(const std::string& text) {
+  ASSIGN_OR_RETURN(const GpuUuid uuid, ParseGpuUuid(text));
+  const std::vector<GpuUuid>& uuids = DeviceUuids();
+  std::vector<std::string> seen;
+  for (size_t device = 0; device < uuids.size(); ++device) {
+    if (uuids[device] == uuid) return static_cast<int>(device);
+    seen.push_back(FormatGpuUuid(uuids[device]));
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("this node has no GPU ", FormatGpuUuid(uuid), "; refitd sees ", uuids.size(),
+                   " device(s)", seen.empty() ? "" : ": ", absl::StrJoin(seen, ", ")));
+}
+
+std::string DeviceUuid(int device) {
+  const std::vector<GpuUuid>& uuids = DeviceUuids();
+  if (device < 0 || static_cast<size_t>(device) >= uuids.size()) return "";
+  return FormatGpuUuid(uuids[device]);
+}
+
+absl::Status StickyError() {
+  std::lock_guard<std::mutex> lock(internal::StickyMutex());
+  return internal::Sticky();
 }
 
 absl::StatusOr<std::unique_ptr<Region>> OpenIpc(const std::string& handle, int device,

@@ -101,6 +101,10 @@ absl::Status RunOp(DeviceOps& ops, const plan::CopyOp& op, Place sp, const uint8
         ASSIGN_OR_RETURN(uint8_t * landed, ops.Scratch(dp, 1, nr * packed_pitch));
         RETURN_IF_ERROR(
             ops.Copy2D(dp, landed, packed_pitch, sp, moved, moved_pitch, packed_pitch, nr));
+        // A copy into host scratch is queued on the source device's stream, and the host
+        // scatters at once: it must wait for the bytes to land. (Into a device, the scatter is
+        // queued behind the copy on the same stream.)
+        if (dp == kHost) RETURN_IF_ERROR(ops.Synchronize());
         RETURN_IF_ERROR(ops.Convert(dp, landed, op.dst_dtype, dst_piece, op.dst_dtype,
                                     {nc, nr, 1, op.dst_stride, packed_columns, op.dst_row_stride}));
       }

@@ -30,8 +30,11 @@ inline Place PlaceOf(const Region& region) {
   return region.kind() == MemoryKind::kCuda ? region.device() : kHost;
 }
 
-// The primitives. Work on a device may be queued (it must then run in call order per place);
-// work on the host is done when the call returns. Synchronize() waits for everything queued.
+// The primitives. Work that touches a device may be queued on that device's stream and run
+// later, in call order per stream but in no particular order across streams: Convert on its
+// place's stream, Copy2D on the destination's (the source's when the destination is the host).
+// Work on the host alone is done when the call returns. Nothing queued is known to have
+// happened, its bytes included, until Synchronize() returns, which waits for all of it.
 class DeviceOps {
  public:
   virtual ~DeviceOps() = default;

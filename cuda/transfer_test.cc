@@ -1,10 +1,12 @@
 // The transfer logic behind cuda::Copy and cuda::ExecutePlan, without a GPU: regions of host
-// memory pose as CUDA memory on "devices" 0 and 1, and HostMemoryOps stands in for streams and
-// kernels. Every plan must write exactly what plan::ExecuteOnHost writes, whatever the places,
-// and however small the staging. Also the host fallback's answers.
+// memory pose as CUDA memory on "devices" 0 and 1, and QueuedOps stands in for streams and
+// kernels, as asynchronous as CUDA's. Every plan must write exactly what plan::ExecuteOnHost
+// writes, whatever the places, and however small the staging. Also the host fallback's answers.
 
 #include "cuda/transfer.h"
 
+#include <algorithm>
+#include <functional>
 #include <memory>
 #include <random>
 #include <vector>
@@ -18,6 +20,76 @@ namespace refit::cuda {
 namespace {
 
 using testing::HostBackedRegion;
+
+// DeviceOps that behave like CUDA streams (transfer.h): work touching a "device" is only queued,
+// per stream, and happens at the next Synchronize(), which drains the streams in a random order;
+// host-only work happens at once; scratch starts out as garbage. A step that reads bytes before
+// the queued work delivering them is known to be done reads the wrong ones, so the plans' bytes
+// no longer match ExecuteOnHost's. The CPU kernels (HostMemoryOps) do the actual work.
+class QueuedOps final : public internal::DeviceOps {
+ public:
+  explicit QueuedOps(uint64_t seed) : rng_(seed) {}
+
+  absl::Status Convert(internal::Place place, const uint8_t* src, DType src_dtype, uint8_t* dst,
+                       DType dst_dtype, const ElementRun& run) override {
+    if (place == internal::kHost) return host_.Convert(place, src, src_dtype, dst, dst_dtype, run);
+    streams_[place].push_back(
+        [=] { return host_.Convert(place, src, src_dtype, dst, dst_dtype, run); });
+    return absl::OkStatus();
+  }
+
+  absl::Status Copy2D(internal::Place dst_place, uint8_t* dst, uint64_t dst_pitch,
+                      internal::Place src_place, const uint8_t* src, uint64_t src_pitch,
+                      uint64_t row_bytes, uint64_t rows) override {
+    auto copy = [=] {
+      return host_.Copy2D(dst_place, dst, dst_pitch, src_place, src, src_pitch, row_bytes, rows);
+    };
+    if (dst_place == internal::kHost && src_place == internal::kHost) return copy();
+    streams_[dst_place != internal::kHost ? dst_place : src_place].push_back(copy);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<uint8_t*> Scratch(internal::Place place, int slot, uint64_t bytes) override {
+    std::unique_ptr<testing::Bytes>& buffer = scratch_[{place, slot}];
+    if (!buffer || buffer->size() < bytes) {
+      // Queued work may still point into the old buffer: it goes at the next Synchronize().
+      if (buffer) retired_.push_back(std::move(buffer));
+      buffer = std::make_unique<testing::Bytes>(testing::RandomBytes(bytes, rng_()));
+    }
+    return buffer->data();
+  }
+
+  absl::Status Synchronize() override {
+    std::vector<internal::Place> order;
+    for (const auto& [place, work] : streams_) order.push_back(place);
+    std::shuffle(order.begin(), order.end(), rng_);
+    absl::Status first = absl::OkStatus();
+    for (const internal::Place place : order) {
+      for (const auto& work : streams_[place]) {
+        const absl::Status status = work();
+        if (first.ok()) first = status;
+      }
+    }
+    streams_.clear();
+    retired_.clear();
+    return first;
+  }
+
+  // Queued work not yet run: 0 after every call that returned.
+  size_t pending() const {
+    size_t n = 0;
+    for (const auto& [place, work] : streams_) n += work.size();
+    return n;
+  }
+  uint64_t cross_place_copies() const { return host_.cross_place_copies(); }
+
+ private:
+  internal::HostMemoryOps host_;
+  std::mt19937_64 rng_;
+  std::map<internal::Place, std::vector<std::function<absl::Status()>>> streams_;
+  std::map<std::pair<internal::Place, int>, std::unique_ptr<testing::Bytes>> scratch_;
+  std::vector<std::unique_ptr<testing::Bytes>> retired_;
+};
 
 std::unique_ptr<Region> Make(internal::Place place, uint64_t size, uint64_t seed) {
   auto region = std::make_unique<HostBackedRegion>(
@@ -99,14 +171,43 @@ TEST_CASE("plans across host and device places write what ExecuteOnHost writes",
         const testing::Bytes original = testing::RandomBytes(p.dst_sizes[i], seed * 1000 + i);
         std::copy(original.begin(), original.end(), dst[i]->data());
       }
-      internal::HostMemoryOps ops;
+      QueuedOps ops(seed * 31 + staging);
       REQUIRE(internal::ExecutePlanWith(ops, p.plan, src_regions, dst_regions, staging).ok());
+      CHECK(ops.pending() == 0);
       INFO("seed " << seed << ", staging " << staging);
       for (size_t i = 0; i < dst.size(); ++i) {
         INFO("destination " << i);
         REQUIRE(std::equal(dst[i]->data(), dst[i]->data() + dst[i]->size(), want[i]->data()));
       }
       if (staging == 1) CHECK(ops.cross_place_copies() > 0);
+    }
+  }
+}
+
+// The case a read of the code found racing: the bytes move from the device into host scratch on
+// the device's stream, then the host scatters them into its strides.
+TEST_CASE("a device-to-host op with a strided destination scatters what landed", "[transfer]") {
+  for (const DType to : {DType::kBF16, DType::kFP32}) {
+    plan::CopyOp op;
+    op.src_dtype = DType::kBF16;
+    op.dst_dtype = to;
+    op.count = 1000;
+    op.rows = 3;
+    op.src_row_stride = 1000;
+    op.dst_stride = 2;
+    op.dst_row_stride = 2001;
+    plan::Plan plan;
+    plan.ops.push_back(op);
+    auto src = Make(0, 3000 * 2, 11);
+    auto dst = Make(internal::kHost, 6003 * DTypeSize(to), 12);
+    testing::Bytes want(dst->data(), dst->data() + dst->size());
+    plan::ExecuteOnHost(plan, {src->data()}, {want.data()});
+    for (const uint64_t staging : {uint64_t{256}, uint64_t{1} << 20}) {
+      QueuedOps ops(staging);
+      REQUIRE(internal::ExecutePlanWith(ops, plan, {src.get()}, {dst.get()}, staging).ok());
+      CHECK(ops.pending() == 0);
+      CHECK(ops.cross_place_copies() > 0);
+      CHECK(std::equal(want.begin(), want.end(), dst->data()));
     }
   }
 }
@@ -119,7 +220,7 @@ TEST_CASE("ExecutePlanWith refuses ops outside their regions", "[transfer]") {
   op.count = 25;
   plan::Plan plan;
   plan.ops.push_back(op);
-  internal::HostMemoryOps ops;
+  QueuedOps ops(3);
   CHECK(internal::ExecutePlanWith(ops, plan, {src.get()}, {dst.get()}, 64).ok());
   plan.ops[0].src_offset = 4;  // one element past the end
   CHECK(internal::ExecutePlanWith(ops, plan, {src.get()}, {dst.get()}, 64).code() ==
@@ -142,8 +243,9 @@ TEST_CASE("ExecutePlanWith refuses ops outside their regions", "[transfer]") {
 TEST_CASE("CopyWith copies windows between places and checks both ends", "[transfer]") {
   auto a = Make(1, 1000, 1);
   auto b = Make(internal::kHost, 1000, 2);
-  internal::HostMemoryOps ops;
+  QueuedOps ops(7);
   REQUIRE(internal::CopyWith(ops, *b, 10, *a, 500, 490).ok());
+  CHECK(ops.pending() == 0);
   CHECK(std::equal(a->data() + 500, a->data() + 990, b->data() + 10));
   CHECK(ops.cross_place_copies() == 1);
   CHECK(internal::CopyWith(ops, *b, 511, *a, 0, 490).code() == absl::StatusCode::kInvalidArgument);

@@ -131,6 +131,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   store_options.retain = options.retain;
   store_options.node = options.node;
   store_options.max_slot_bytes = options.max_slot_memory;
+  store_options.max_gpu_slot_bytes = options.max_gpu_slot_memory;
   if (options.slot_memory == "cuda") {
     if (options.slot_device < 0 || options.slot_device >= cuda::DeviceCount()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -262,6 +263,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
 
   impl->health = std::make_unique<server::HealthService>(
       std::set<std::string>{"refit.v1.Refit", "refit.v1.Peer"});
+  // A sticky CUDA error poisons every later CUDA call of this process: only a restart helps.
+  impl->health->SetFaultCheck(cuda::StickyError);
 
   grpc::EnableDefaultHealthCheckService(false);
   {
@@ -323,8 +326,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       "retain={} slots={} max slot memory={} {}",
       kRefitVersion, options.node, options.socket_path, impl->listen_port, impl->health_port,
       impl->metrics_server ? impl->metrics_server->port() : 0, options.retain,
-      options.slot_memory == "cuda" ? absl::StrCat("cuda:", options.slot_device)
-                                    : std::string("host"),
+      options.slot_memory == "cuda"
+          ? absl::StrCat("cuda:", options.slot_device, " (", cuda::DeviceUuid(options.slot_device),
+                         ", max ",
+                         options.max_gpu_slot_memory == 0
+                             ? std::string("unlimited")
+                             : absl::StrCat(options.max_gpu_slot_memory, " B"),
+                         ")")
+          : std::string("host"),
       options.max_slot_memory == 0 ? std::string("unlimited")
                                    : absl::StrCat(options.max_slot_memory, " B"),
       cuda::Describe());

@@ -71,6 +71,11 @@ int main(int argc, char** argv) {
                      "most bytes of version slots in host memory, e.g. 64GiB (default 0: no "
                      "limit); past it Publish is RESOURCE_EXHAUSTED")
           ->transform(CLI::AsSizeValue(false));
+  auto* max_gpu_slot_opt =
+      app.add_option("--max-gpu-slot-memory", flags.max_gpu_slot_memory,
+                     "most bytes of version slots in GPU memory (--slot-memory=cuda), e.g. "
+                     "40GiB (default 0: no limit); past it Publish is RESOURCE_EXHAUSTED")
+          ->transform(CLI::AsSizeValue(false));
   auto* inflight_opt = app.add_option("--inflight", flags.inflight, "RMA reads in flight per pull")
                            ->capture_default_str()
                            ->check(CLI::Range(1u, 1024u));
@@ -132,6 +137,7 @@ int main(int argc, char** argv) {
   if (*chunk_opt) options.chunk_bytes = flags.chunk_bytes;
   if (*inflight_opt) options.inflight = flags.inflight;
   if (*max_slot_opt) options.max_slot_memory = flags.max_slot_memory;
+  if (*max_gpu_slot_opt) options.max_gpu_slot_memory = flags.max_gpu_slot_memory;
   if (*threshold_opt) options.delta_threshold = flags.delta_threshold;
   if (*chain_opt) options.delta_chain = flags.delta_chain;
   if (*export_opt) options.bucket_export = flags.bucket_export;

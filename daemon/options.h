@@ -34,6 +34,8 @@ struct DaemonOptions {
   // Most bytes of version slots (published, pulled, being pulled or kept for reuse) in host
   // memory; 0: no limit. Past it Publish answers RESOURCE_EXHAUSTED and pulls are abandoned.
   uint64_t max_slot_memory = 0;
+  // The same for slots in GPU memory (--slot-memory=cuda), which max_slot_memory does not count.
+  uint64_t max_gpu_slot_memory = 0;
   // Fan-out: serve what this node pulled to other nodes pulling the same version, and read
   // from them (daemon/fleet); false: every byte comes from the node that published it.
   bool relay = true;

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Runs every refit test: installs what is missing (Debian 12, as root), then `bazel test //...`.
 # Usage: scripts/test.sh [extra bazel test arguments]
+#   REFIT_TEST_GPU_BUNDLE=1   then also scripts/gpu-bundle-test.sh: builds the GPU bundle with
+#                             the CUDA toolkit (a few minutes more) and checks a copy of it
+#                             outside the checkout (run.sh exits 77 without a GPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,4 +25,7 @@ set -e
 passed=$(grep -cE '^//.* PASSED( in|$)| \(cached\) PASSED' "$log" || true)
 failed=$(grep -cE '^//.* (FAILED|TIMEOUT|FAILED TO BUILD|NO STATUS|INCOMPLETE)' "$log" || true)
 echo "tests: ${passed} passed, ${failed} failed"
+if [ "${REFIT_TEST_GPU_BUNDLE:-0}" = 1 ]; then
+  ./scripts/gpu-bundle-test.sh || rc=1
+fi
 exit "$rc"

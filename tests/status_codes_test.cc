@@ -173,6 +173,16 @@ TEST_CASE_METHOD(Fixture, "a CUDA IPC handle without CUDA support is FAILED_PREC
   request.mutable_memory()->set_size(4096);
   *request.add_tensors() = Slice("w", v1::FP32, {32, 32});
   CHECK(client->RegisterBuffer(request).status().code() == StatusCode::kFailedPrecondition);
+  // By UUID: one that names a GPU is as unservable here; a malformed one is bad input anywhere.
+  request.mutable_memory()->mutable_cuda_ipc()->set_device_uuid(
+      "GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a");
+  CHECK(client->RegisterBuffer(request).status().code() == StatusCode::kFailedPrecondition);
+  for (const char* uuid : {"GPU-6b1c9f2e", "MIG-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a", "0"}) {
+    request.mutable_memory()->mutable_cuda_ipc()->set_device_uuid(uuid);
+    auto registered = client->RegisterBuffer(request);
+    INFO(uuid << ": " << registered.status().ToString());
+    CHECK(registered.status().code() == StatusCode::kInvalidArgument);
+  }
   ExpectStillServing();
 }
 

@@ -22,6 +22,17 @@ absl::Status ReadString(const toml::node& node, const std::string& origin, const
   return absl::OkStatus();
 }
 
+// A number of bytes, 0 meaning no limit (max_slot_memory, max_gpu_slot_memory).
+absl::Status ReadByteLimit(const toml::node& node, const std::string& origin,
+                           const std::string& key, uint64_t* out) {
+  auto value = node.value<int64_t>();
+  if (!node.is_integer() || !value || *value < 0) {
+    return Bad(origin, key, "must be a number of bytes (0: no limit)");
+  }
+  *out = static_cast<uint64_t>(*value);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ParseConfig(const std::string& text, const std::string& origin,
@@ -72,12 +83,9 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
         parsed.chunk_bytes = static_cast<uint64_t>(*value);
       }
     } else if (key == "max_slot_memory") {
-      auto value = node.value<int64_t>();
-      if (!node.is_integer() || !value || *value < 0) {
-        status = Bad(origin, key, "must be a number of bytes (0: no limit)");
-      } else {
-        parsed.max_slot_memory = static_cast<uint64_t>(*value);
-      }
+      status = ReadByteLimit(node, origin, key, &parsed.max_slot_memory);
+    } else if (key == "max_gpu_slot_memory") {
+      status = ReadByteLimit(node, origin, key, &parsed.max_gpu_slot_memory);
     } else if (key == "inflight") {
       auto value = node.value<int64_t>();
       if (!node.is_integer() || !value || *value < 1 || *value > 1024) {
@@ -152,7 +160,7 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
                    "is unknown (known: socket, listen, peers, node, retain, log_level, "
                    "metrics_listen, health_listen, chunk_bytes, inflight, delta_threshold, "
                    "delta_chain, bucket_export, bucket_import, bucket_full_every, slot_memory, "
-                   "slot_device, max_slot_memory, relay)");
+                   "slot_device, max_slot_memory, max_gpu_slot_memory, relay)");
     }
     if (!status.ok()) return status;
   }

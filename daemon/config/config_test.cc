@@ -16,6 +16,8 @@ retain = 3
 log_level = "debug"
 metrics_listen = "0.0.0.0:9464"
 health_listen = "0.0.0.0:7071"
+max_slot_memory = 1073741824
+max_gpu_slot_memory = 2147483648
 )",
                             "test.toml", &options);
   REQUIRE(status.ok());
@@ -27,6 +29,8 @@ health_listen = "0.0.0.0:7071"
   CHECK(options.log_level == "debug");
   CHECK(options.metrics_listen == "0.0.0.0:9464");
   CHECK(options.health_listen == "0.0.0.0:7071");
+  CHECK(options.max_slot_memory == uint64_t{1} << 30);
+  CHECK(options.max_gpu_slot_memory == uint64_t{2} << 30);
 }
 
 TEST_CASE("peers may be one comma-separated string (a headless Service name)", "[config]") {
@@ -53,6 +57,8 @@ TEST_CASE("unknown keys and bad values are rejected naming the key, changing not
   check("peers = [1, 2]\n", "'peers'");
   check("retain = 2\nsocket = 7\n", "'socket'");
   check("retain = = 2\n", "not valid TOML");
+  check("max_gpu_slot_memory = -1\n", "'max_gpu_slot_memory'");
+  check("max_gpu_slot_memory = \"40GiB\"\n", "'max_gpu_slot_memory'");
 }
 
 TEST_CASE("a missing file is NOT_FOUND", "[config]") {

@@ -3,15 +3,28 @@
 #include <chrono>
 #include <thread>
 
+#include "daemon/common/logging.h"
+
 namespace refit::server {
 
 using grpc::health::v1::HealthCheckResponse;
+
+bool HealthService::Faulted() const {
+  if (faulted_) return true;
+  if (!fault_check_) return false;
+  const absl::Status fault = fault_check_();
+  if (fault.ok()) return false;
+  if (!faulted_.exchange(true)) {
+    Logger("server")->error("health is NOT_SERVING from now on: {}", fault.ToString());
+  }
+  return true;
+}
 
 HealthCheckResponse::ServingStatus HealthService::StatusOf(const std::string& service) const {
   if (!service.empty() && services_.count(service) == 0) {
     return HealthCheckResponse::SERVICE_UNKNOWN;
   }
-  return serving_ ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING;
+  return serving_ && !Faulted() ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING;
 }
 
 grpc::Status HealthService::Check(grpc::ServerContext*,
@@ -39,7 +52,7 @@ grpc::Status HealthService::Watch(grpc::ServerContext* context,
       if (!writer->Write(response)) break;
       last = now;
       first = false;
-      if (now == HealthCheckResponse::NOT_SERVING) break;  // the daemon is stopping
+      if (now == HealthCheckResponse::NOT_SERVING) break;  // stopping, or a CUDA fault
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }

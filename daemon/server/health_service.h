@@ -7,8 +7,11 @@
 // Thread-safety: SetServing may be called from any thread; gRPC calls the handlers concurrently.
 
 #include <atomic>
+#include <functional>
 #include <set>
 #include <string>
+
+#include "absl/status/status.h"
 
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 
@@ -21,6 +24,11 @@ class HealthService final : public grpc::health::v1::Health::Service {
 
   void SetServing(bool serving) { serving_ = serving; }
 
+  // Asked on every check: a non-OK answer (a sticky CUDA error: cuda::StickyError) means the
+  // process can no longer do its work, so health is NOT_SERVING from then on, whatever
+  // SetServing says; the first such answer is logged. Set before serving starts.
+  void SetFaultCheck(std::function<absl::Status()> check) { fault_check_ = std::move(check); }
+
   grpc::Status Check(grpc::ServerContext* context,
                      const grpc::health::v1::HealthCheckRequest* request,
                      grpc::health::v1::HealthCheckResponse* response) override;
@@ -31,8 +39,12 @@ class HealthService final : public grpc::health::v1::Health::Service {
  private:
   grpc::health::v1::HealthCheckResponse::ServingStatus StatusOf(const std::string& service) const;
 
+  bool Faulted() const;
+
   const std::set<std::string> services_;
   std::atomic<bool> serving_{false};
+  std::function<absl::Status()> fault_check_;
+  mutable std::atomic<bool> faulted_{false};  // latched
 };
 
 }  // namespace refit::server

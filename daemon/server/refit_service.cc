@@ -29,9 +29,17 @@ absl::StatusOr<std::unique_ptr<Region>> OpenRegion(const v1::MemoryHandle& memor
   switch (memory.kind_case()) {
     case v1::MemoryHandle::kHostShm:
       return MapHostShm(memory.host_shm().name(), memory.offset(), memory.size());
-    case v1::MemoryHandle::kCudaIpc:
-      return cuda::OpenIpc(memory.cuda_ipc().handle(), memory.cuda_ipc().device(),
-                           memory.offset(), memory.size());
+    case v1::MemoryHandle::kCudaIpc: {
+      const v1::CudaIpc& ipc = memory.cuda_ipc();
+      int device = ipc.device();
+      if (!ipc.device_uuid().empty()) {
+        // The client's ordinal is its own; the UUID names the same GPU in every process.
+        auto mapped = cuda::DeviceByUuid(ipc.device_uuid());
+        if (!mapped.ok()) return mapped.status();
+        device = *mapped;
+      }
+      return cuda::OpenIpc(ipc.handle(), device, memory.offset(), memory.size());
+    }
     case v1::MemoryHandle::KIND_NOT_SET:
       break;
   }

@@ -35,8 +35,10 @@ Store::Store(StoreOptions options, Metrics* metrics)
   metrics_->Set(kSlotMemoryLimitBytes, static_cast<double>(options_.max_slot_bytes));
   if (options_.slot_memory == MemoryKind::kCuda) {
     const int device = options_.slot_device;
-    gpu_pool_ = SlotPool::Create(options_.max_spare_slot_bytes,
-                                 [device](uint64_t size) { return cuda::AllocateDevice(size, device); });
+    gpu_pool_ = SlotPool::Create(
+        options_.max_spare_slot_bytes,
+        [device](uint64_t size) { return cuda::AllocateDevice(size, device); },
+        options_.max_gpu_slot_bytes);
   }
 }
 

@@ -53,6 +53,8 @@ struct StoreOptions {
   SlotPool::Allocator host_slot_allocator;
   // Most bytes of host slots held (in use and spare); 0: no limit.
   uint64_t max_slot_bytes = 0;
+  // The same for GPU slots (slot_memory kCuda), counted apart from host slots.
+  uint64_t max_gpu_slot_bytes = 0;
 };
 
 struct PublishResult {

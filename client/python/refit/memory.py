@@ -105,6 +105,27 @@ def require_cuda(device: torch.device) -> None:
                            f"({torch.cuda.device_count()} visible)")
 
 
+def gpu_uuid(properties) -> str:
+    """nvidia-smi's form of a device's UUID ("GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a") from
+    torch.cuda.get_device_properties(i), or "" where this torch does not expose it (torch < 2.0):
+    refitd then falls back to the ordinal, which is only right without CUDA_VISIBLE_DEVICES
+    remapping."""
+    uuid = getattr(properties, "uuid", None)
+    if uuid is None:
+        return ""
+    raw = getattr(uuid, "bytes", None)
+    if isinstance(raw, (bytes, bytearray)) and len(raw) == 16:
+        text = bytes(raw).hex()
+    else:  # str(uuid) is the UUID's text, with or without the "GPU-" prefix and dashes
+        text = str(uuid).lower()
+        if text.startswith("gpu-"):
+            text = text[4:]
+        text = text.replace("-", "")
+    if not re.fullmatch(r"[0-9a-f]{32}", text):
+        return ""
+    return f"GPU-{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+
+
 def _untyped_storage(tensor: torch.Tensor):
     if hasattr(tensor, "untyped_storage"):  # torch >= 2.0
         return tensor.untyped_storage()
@@ -132,6 +153,7 @@ class CudaRegion:
         self.device = int(shared[0])
         self.handle = bytes(shared[1])
         self.offset = int(shared[3])
+        self.device_uuid = gpu_uuid(torch.cuda.get_device_properties(self.device))
         if len(self.handle) != CUDA_IPC_HANDLE_BYTES:
             raise RuntimeError(
                 f"refit: torch gave a {len(self.handle)}-byte CUDA IPC handle, not a "
@@ -140,7 +162,8 @@ class CudaRegion:
 
     def memory_handle(self) -> refit_pb2.MemoryHandle:
         return refit_pb2.MemoryHandle(
-            cuda_ipc=refit_pb2.CudaIpc(handle=self.handle, device=self.device),
+            cuda_ipc=refit_pb2.CudaIpc(handle=self.handle, device=self.device,
+                                       device_uuid=self.device_uuid),
             offset=self.offset, size=self.size)
 
     def synchronize(self) -> None:

@@ -367,6 +367,30 @@ class ClientSideTest(unittest.TestCase):
         self.assertEqual([lay.buffer_offset for lay in layouts], [0, 64, 128])
         self.assertEqual(size, 132)
 
+    def test_gpu_uuid_from_torch_device_properties(self):
+        want = "GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a"
+        raw = bytes.fromhex("6b1c9f2e0d3a4c7e9a513f0e2d1c4b5a")
+
+        class Uuid:  # torch >= 2.0's _CUuuid: .bytes, and str() the dashed text
+            bytes = raw
+
+            def __str__(self):
+                return want[4:]
+
+        class TextUuid:  # a torch whose uuid has no .bytes
+            def __str__(self):
+                return want.upper()
+
+        class Properties:
+            def __init__(self, uuid):
+                self.uuid = uuid
+
+        gpu_uuid = refit.memory.gpu_uuid
+        self.assertEqual(gpu_uuid(Properties(Uuid())), want)
+        self.assertEqual(gpu_uuid(Properties(TextUuid())), want)
+        self.assertEqual(gpu_uuid(object()), "")  # torch 1.13: no uuid, the ordinal is used
+        self.assertEqual(gpu_uuid(Properties("not-a-uuid")), "")
+
     @unittest.skipIf(torch.cuda.is_available(), "a GPU is present")
     def test_cuda_without_cuda_is_a_clear_error(self):
         with self.assertRaisesRegex(RuntimeError, "torch.cuda.is_available"):
