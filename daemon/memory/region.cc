@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/memory/fault_guard.h"
 
 namespace refit {
 namespace {
@@ -27,18 +28,25 @@ class HostShmRegion final : public Region {
         name_(std::move(name)),
         map_base_(map_base),
         map_length_(map_length),
-        offset_(offset) {}
-  ~HostShmRegion() override { munmap(map_base_, map_length_); }
+        offset_(offset),
+        guard_(std::make_unique<FaultGuard>(map_base, map_length)) {}
+  ~HostShmRegion() override {
+    guard_.reset();  // before the mapping goes: a later fault there is not this region's
+    munmap(map_base_, map_length_);
+  }
 
   std::string Describe() const override {
     return absl::StrCat("host shm ", name_, " [", offset_, ", ", offset_ + size(), ")");
   }
+  bool Broken() const override { return guard_->Broken(); }
+  bool guarded() const { return guard_->ok(); }
 
  private:
   std::string name_;
   void* map_base_;
   uint64_t map_length_;
   uint64_t offset_;
+  std::unique_ptr<FaultGuard> guard_;
 };
 
 // Anonymous private memory owned by the daemon.
@@ -112,8 +120,13 @@ absl::StatusOr<std::unique_ptr<Region>> MapHostShm(const std::string& given, uin
         absl::StrCat("mmap of ", name, " failed: ", std::strerror(err)));
   }
   uint8_t* data = static_cast<uint8_t*>(base) + (offset - map_offset);
-  return std::unique_ptr<Region>(
-      new HostShmRegion(name, base, map_length, offset, size, data));
+  auto region = std::make_unique<HostShmRegion>(name, base, map_length, offset, size, data);
+  if (!region->guarded()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot map shm object ", name, ": ", FaultGuard::kMaxGuarded,
+        " client regions are registered already"));
+  }
+  return std::unique_ptr<Region>(std::move(region));
 }
 
 absl::StatusOr<std::unique_ptr<Region>> AllocateHost(uint64_t size) {

@@ -31,6 +31,10 @@ class Region {
   uint64_t size() const { return size_; }
   // "host shm /trainer-0 [0, 4096)", for logs and errors.
   virtual std::string Describe() const = 0;
+  // The memory went away under the daemon (a client truncated its shm object): its bytes are
+  // zeros now, and whatever was read from or written to it since is not the client's
+  // (fault_guard.h). Client buffers only; never true for the daemon's own slots.
+  virtual bool Broken() const { return false; }
 
  protected:
   Region(MemoryKind kind, int device, uint8_t* data, uint64_t size)
@@ -45,7 +49,9 @@ class Region {
 
 // Maps [offset, offset + size) of the POSIX shared-memory object `name` read-write. `size` 0
 // means "to the end of the object". NOT_FOUND when the object doesn't exist; INVALID_ARGUMENT
-// for a malformed name or when the object (fstat) is smaller than offset + size.
+// for a malformed name or when the object (fstat) is smaller than offset + size. The mapping is
+// guarded (fault_guard.h): if the client shrinks the object later, Broken() turns true instead
+// of the daemon dying of SIGBUS.
 absl::StatusOr<std::unique_ptr<Region>> MapHostShm(const std::string& name, uint64_t offset,
                                                    uint64_t size);
 

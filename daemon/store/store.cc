@@ -225,6 +225,15 @@ absl::StatusOr<std::vector<std::shared_ptr<Store::Buffer>>> Store::LookUpBuffers
   return out;
 }
 
+absl::Status Store::MemoryWentAway(const Buffer& buffer, const std::string& more) {
+  Logger("store")->warn("buffer={} model={} client={}: its memory went away under refitd ({})",
+                        buffer.id, buffer.model, buffer.client, buffer.region->Describe());
+  return absl::FailedPreconditionError(absl::StrCat(
+      "buffer ", buffer.id, " (", buffer.region->Describe(),
+      "): its memory went away while refitd used it (the shm object was truncated or "
+      "shrunk)", more, "; nothing else changed: release the buffer and register it again"));
+}
+
 absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& buffers,
                                     std::vector<Piece>* pieces, uint64_t* bytes) {
   for (const auto& buffer : buffers) {
@@ -239,6 +248,7 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
     {
       std::lock_guard<std::mutex> io(buffer->io_mu);
       const Region& from = *buffer->region;
+      if (from.Broken()) return MemoryWentAway(*buffer, "");
       // Host to host: copy and checksum in one pass over the cores, each block hashed while
       // it is still in cache. Otherwise hash what peers will read once it is there.
       if (from.kind() == MemoryKind::kHost && piece.slot->kind() == MemoryKind::kHost) {
@@ -254,6 +264,9 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
       // The mirror comes from the slot, not the client's buffer: the buffer may change as
       // soon as Publish returns.
       if (piece.host) RETURN_IF_ERROR(cuda::Copy(*piece.host, 0, *piece.slot, 0, size));
+      // A client that shrank its memory while it was copied: the slot holds zeros from there
+      // on, not the client's bytes. Nothing of it is kept.
+      if (from.Broken()) return MemoryWentAway(*buffer, "");
       if (!piece.xxh3) {
         const Region& served = piece.host ? *piece.host : *piece.slot;
         if (served.kind() == MemoryKind::kHost) {
@@ -470,6 +483,9 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
             [](const Buffer* a, const Buffer* b) { return a->id < b->id; });
   std::vector<std::unique_lock<std::mutex>> locks;
   for (Buffer* b : order) locks.emplace_back(b->io_mu);
+  for (const auto& d : dests) {
+    if (d->region->Broken()) return MemoryWentAway(*d, "");
+  }
 
   bool all_host = true;
   for (const Piece& piece : source->pieces) {
@@ -493,6 +509,12 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     RETURN_IF_ERROR(cuda::ExecutePlan(cached->plan, src, dst));
   }
 
+  for (const auto& d : dests) {
+    if (d->region->Broken()) {
+      return MemoryWentAway(*d, absl::StrCat(" (the other destination buffers hold version ",
+                                             source->number, ")"));
+    }
+  }
   metrics_->Add(kApplyBytes, static_cast<double>(cached->plan.dst_bytes));
   metrics_->Add(kApplies, 1);
   metrics_->Observe(kApplySeconds, std::chrono::duration<double>(Clock::now() - started).count());

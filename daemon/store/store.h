@@ -293,6 +293,8 @@ class Store {
   // asked about lately or past `size`.
   static std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> HintsForPublish(
       Buffer& buffer, uint64_t size);
+  // FAILED_PRECONDITION for a buffer whose memory went away (Region::Broken), logged.
+  static absl::Status MemoryWentAway(const Buffer& buffer, const std::string& more);
   // Publish's copies: a slot per buffer, filled and hashed (no store lock held).
   absl::Status SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& buffers,
                                std::vector<Piece>* pieces, uint64_t* bytes);
