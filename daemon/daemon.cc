@@ -15,9 +15,11 @@
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda.h"
 #include "daemon/bucket/bucket_sync.h"
+#include "daemon/callers/local_listener.h"
 #include "daemon/common/logging.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/metrics/prometheus.h"
+#include "daemon/server/denied_service.h"
 #include "daemon/server/health_service.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
@@ -102,7 +104,8 @@ struct Daemon::Impl {
   std::unique_ptr<grpc::Server> health_server;  // --health-listen: health checks only
   std::unique_ptr<MetricsHttpServer> metrics_server;
   int health_port = 0;
-  std::unique_ptr<grpc::Server> local_server;
+  std::unique_ptr<callers::LocalListener> local_listener;  // --socket
+  server::ServiceContext service_context;  // what each local caller's RefitService starts from
   std::unique_ptr<grpc::Server> peer_server;
   int listen_port = 0;
   std::mutex shutdown_mu;
@@ -259,6 +262,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       ts->set_bytes_done(t.bytes_done);
     }
   };
+  impl->service_context = context;
   impl->service = std::make_unique<server::RefitService>(std::move(context));
 
   impl->health = std::make_unique<server::HealthService>(
@@ -268,35 +272,63 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
 
   grpc::EnableDefaultHealthCheckService(false);
   {
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("unix:" + options.socket_path, grpc::InsecureServerCredentials());
-    builder.RegisterService(impl->service.get());
-    builder.RegisterService(impl->health.get());
-    builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
-    builder.SetMaxSendMessageSize(kMaxMessageBytes);
-    impl->local_server = builder.BuildAndStart();
-    if (!impl->local_server) {
-      return absl::UnavailableError(absl::StrCat("cannot serve ", options.socket_path));
+    // Local callers: each connection is served by the RefitService of its uid, or refused.
+    callers::Policy policy;
+    policy.daemon_uid = geteuid();
+    policy.allow_uids.assign(options.allow_uids.begin(), options.allow_uids.end());
+    if (options.allow_gids.empty()) {
+      policy.allow_gids = {getegid()};  // the socket's group: it is created with refitd's
+    } else {
+      policy.allow_gids.assign(options.allow_gids.begin(), options.allow_gids.end());
     }
-  }
-  if (chmod(options.socket_path.c_str(), 0660) != 0) {
-    Logger("daemon")->warn("chmod 0660 {}: {}", options.socket_path, std::strerror(errno));
+    auto owners = std::make_shared<server::Owners>();
+    server::HealthService* health = impl->health.get();
+    const std::string refused = absl::StrCat(
+        "this local caller is not allowed to use refitd on node ", options.node, " (allowed: ",
+        policy.Describe(), "; see --allow-uids and --allow-gids)");
+    auto factory = [raw, owners, health, refused](const callers::Caller* caller,
+                                                  grpc::ServerBuilder* builder) {
+      std::vector<std::shared_ptr<void>> keep;
+      builder->RegisterService(health);
+      if (!caller) {
+        auto denied = std::make_shared<server::DeniedService>(refused);
+        builder->RegisterCallbackGenericService(denied.get());
+        keep.push_back(denied);
+        return keep;
+      }
+      server::ServiceContext context = raw->service_context;
+      context.caller = *caller;
+      context.owners = owners;
+      auto service = std::make_shared<server::RefitService>(std::move(context));
+      builder->RegisterService(service.get());
+      keep.push_back(service);
+      return keep;
+    };
+    auto local = callers::LocalListener::Start(options.socket_path, 0660, policy, factory);
+    if (!local.ok()) return local.status();
+    impl->local_listener = std::move(local).value();
   }
   {
     grpc::ServerBuilder builder;
     builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(),
                              &impl->listen_port);
+    // Peers ping every second (keepalive, PeerManager) to notice a dead node within ~3 s; by
+    // default gRPC's server would answer that with GOAWAY "too_many_pings", closing the channel
+    // under a pull's last calls (its pin release, which carries the byte count, got lost).
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     builder.RegisterService(impl->peer_service.get());
     builder.RegisterService(impl->health.get());
     impl->peer_server = builder.BuildAndStart();
     if (!impl->peer_server || impl->listen_port == 0) {
-      impl->local_server->Shutdown();
+      impl->local_listener->Shutdown();
       unlink(options.socket_path.c_str());
       return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
     }
   }
   auto fail = [&](absl::Status status) {
-    impl->local_server->Shutdown();
+    impl->local_listener->Shutdown();
     impl->peer_server->Shutdown();
     if (impl->health_server) impl->health_server->Shutdown();
     unlink(options.socket_path.c_str());
@@ -355,10 +387,10 @@ void Daemon::Shutdown(double grace_seconds) {
   impl_->peer_service->Stop();
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000));
-  impl_->local_server->Shutdown(deadline);
+  impl_->local_listener->Shutdown(std::chrono::milliseconds(
+      static_cast<int64_t>(grace_seconds * 1000)));
   impl_->peer_server->Shutdown(deadline);
   if (impl_->health_server) impl_->health_server->Shutdown(deadline);
-  impl_->local_server->Wait();
   impl_->peer_server->Wait();
   impl_->metrics_server.reset();
   unlink(impl_->options.socket_path.c_str());

@@ -112,6 +112,15 @@ int main(int argc, char** argv) {
                      "serve versions this node pulled to other nodes pulling them, and read "
                      "from them (true, false)")
           ->capture_default_str();
+  auto* allow_uids_opt =
+      app.add_option("--allow-uids", flags.allow_uids,
+                     "local callers (by uid) allowed besides refitd's own uid, e.g. 1000,1001")
+          ->delimiter(',');
+  auto* allow_gids_opt =
+      app.add_option("--allow-gids", flags.allow_gids,
+                     "local callers allowed by group (primary or supplementary; default: the "
+                     "socket's group)")
+          ->delimiter(',');
   app.add_flag("--version", version, "print the version and CUDA support, then exit");
   CLI11_PARSE(app, argc, argv);
 
@@ -146,6 +155,8 @@ int main(int argc, char** argv) {
   if (*slot_memory_opt) options.slot_memory = flags.slot_memory;
   if (*slot_device_opt) options.slot_device = flags.slot_device;
   if (*relay_opt) options.relay = flags.relay;
+  if (*allow_uids_opt) options.allow_uids = flags.allow_uids;
+  if (*allow_gids_opt) options.allow_gids = flags.allow_gids;
   // Peers tell pieces apart by node name; an empty one would read as this node's own.
   if (options.node.empty() || options.node.size() > 255) {
     std::cerr << "refitd: --node must be 1 to 255 bytes (default: the host name)\n";

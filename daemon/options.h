@@ -39,6 +39,10 @@ struct DaemonOptions {
   // Fan-out: serve what this node pulled to other nodes pulling the same version, and read
   // from them (daemon/fleet); false: every byte comes from the node that published it.
   bool relay = true;
+  // Local callers (SO_PEERCRED) allowed on --socket besides the daemon's own uid; empty
+  // allow_gids: the socket's group. Others get PERMISSION_DENIED on every RPC but health.
+  std::vector<uint32_t> allow_uids;
+  std::vector<uint32_t> allow_gids;
 };
 
 }  // namespace refit

@@ -1,6 +1,6 @@
 """integration_test: a Catch2 test that starts real refitd processes (and may run refitctl)."""
 
-def integration_test(name, srcs, env = {}, tags = [], deps = []):
+def integration_test(name, srcs, env = {}, tags = [], deps = [], data = []):
     native.cc_test(
         name = name,
         size = "medium",
@@ -8,7 +8,7 @@ def integration_test(name, srcs, env = {}, tags = [], deps = []):
         data = [
             "//client:refitctl",
             "//daemon:refitd",
-        ],
+        ] + data,
         env = env,
         tags = tags,
         deps = [

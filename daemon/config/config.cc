@@ -130,6 +130,19 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
       } else {
         parsed.slot_device = static_cast<int>(*value);
       }
+    } else if (key == "allow_uids" || key == "allow_gids") {
+      std::vector<uint32_t>& ids = key == "allow_uids" ? parsed.allow_uids : parsed.allow_gids;
+      ids.clear();
+      const toml::array* array = node.as_array();
+      if (!array) status = Bad(origin, key, "must be an array of integer ids");
+      for (size_t i = 0; array && i < array->size(); ++i) {
+        auto value = (*array)[i].value<int64_t>();
+        if (!(*array)[i].is_integer() || !value || *value < 0 || *value > 4294967294) {
+          status = Bad(origin, key, "must be an array of integer ids");
+          break;
+        }
+        ids.push_back(static_cast<uint32_t>(*value));
+      }
     } else if (key == "relay") {
       auto value = node.value<bool>();
       if (!node.is_boolean() || !value) {
@@ -160,7 +173,7 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
                    "is unknown (known: socket, listen, peers, node, retain, log_level, "
                    "metrics_listen, health_listen, chunk_bytes, inflight, delta_threshold, "
                    "delta_chain, bucket_export, bucket_import, bucket_full_every, slot_memory, "
-                   "slot_device, max_slot_memory, max_gpu_slot_memory, relay)");
+                   "slot_device, max_slot_memory, max_gpu_slot_memory, relay, allow_uids, allow_gids)");
     }
     if (!status.ok()) return status;
   }

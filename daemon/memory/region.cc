@@ -67,8 +67,9 @@ const char* MemoryKindName(MemoryKind kind) {
   return kind == MemoryKind::kCuda ? "cuda" : "host";
 }
 
-absl::StatusOr<std::unique_ptr<Region>> MapHostShm(const std::string& given, uint64_t offset,
-                                                   uint64_t size) {
+absl::StatusOr<std::unique_ptr<Region>> MapHostShm(
+    const std::string& given, uint64_t offset, uint64_t size,
+    const std::function<absl::Status(const struct stat&)>& allow) {
   // "/trainer-rank3", or without the leading '/' as Python's SharedMemory.name gives it (glibc's
   // shm_open takes both the same way).
   const std::string name = !given.empty() && given[0] != '/' ? "/" + given : given;
@@ -100,6 +101,13 @@ absl::StatusOr<std::unique_ptr<Region>> MapHostShm(const std::string& given, uin
     int err = errno;
     close(fd);
     return absl::InternalError(absl::StrCat("fstat of ", name, ": ", std::strerror(err)));
+  }
+  if (allow) {
+    absl::Status allowed = allow(st);
+    if (!allowed.ok()) {
+      close(fd);
+      return allowed;
+    }
   }
   const uint64_t object_size = static_cast<uint64_t>(st.st_size);
   if (size == 0) size = offset < object_size ? object_size - offset : 0;

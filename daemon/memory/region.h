@@ -8,7 +8,10 @@
 // A Region is immutable after construction and may be used from any thread; the bytes it points
 // to are synchronized by its users (the store).
 
+#include <sys/stat.h>
+
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -52,8 +55,11 @@ class Region {
 // for a malformed name or when the object (fstat) is smaller than offset + size. The mapping is
 // guarded (fault_guard.h): if the client shrinks the object later, Broken() turns true instead
 // of the daemon dying of SIGBUS.
-absl::StatusOr<std::unique_ptr<Region>> MapHostShm(const std::string& name, uint64_t offset,
-                                                   uint64_t size);
+// `allow` (optional) sees the object's fstat first and may refuse it (PERMISSION_DENIED for a
+// caller who couldn't open it itself).
+absl::StatusOr<std::unique_ptr<Region>> MapHostShm(
+    const std::string& name, uint64_t offset, uint64_t size,
+    const std::function<absl::Status(const struct stat&)>& allow = nullptr);
 
 // `size` bytes of daemon-owned, page-aligned host memory, faulted in up front so that the first
 // copy into it runs at memcpy speed. RESOURCE_EXHAUSTED when the memory can't be had.

@@ -1,5 +1,7 @@
 #include "daemon/server/refit_service.h"
 
+#include <unistd.h>
+
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda.h"
 #include "daemon/common/logging.h"
@@ -25,10 +27,21 @@ CancelledFn CancelledOf(grpc::ServerContext* context) {
   return [context] { return context->IsCancelled(); };
 }
 
-absl::StatusOr<std::unique_ptr<Region>> OpenRegion(const v1::MemoryHandle& memory) {
+absl::StatusOr<std::unique_ptr<Region>> OpenRegion(const v1::MemoryHandle& memory,
+                                                   const std::optional<callers::Caller>& caller,
+                                                   bool write) {
   switch (memory.kind_case()) {
-    case v1::MemoryHandle::kHostShm:
-      return MapHostShm(memory.host_shm().name(), memory.offset(), memory.size());
+    case v1::MemoryHandle::kHostShm: {
+      std::function<absl::Status(const struct stat&)> allow;
+      if (caller) {
+        // refitd may open what its caller can't: lend it only what the caller could open.
+        allow = [&](const struct stat& st) {
+          return callers::CheckAccess(*caller, st, write,
+                                      absl::StrCat("shm object ", memory.host_shm().name()));
+        };
+      }
+      return MapHostShm(memory.host_shm().name(), memory.offset(), memory.size(), allow);
+    }
     case v1::MemoryHandle::kCudaIpc: {
       const v1::CudaIpc& ipc = memory.cuda_ipc();
       int device = ipc.device();
@@ -99,25 +112,46 @@ grpc::Status RefitService::RegisterBuffer(grpc::ServerContext*,
   if (absl::Status valid = plan::NormalizeAndValidateBuffer(check, UINT64_MAX); !valid.ok()) {
     return Finish("RegisterBuffer", valid);
   }
-  auto region = OpenRegion(request->memory());
+  auto region = OpenRegion(request->memory(), context_.caller,
+                           request->role() == v1::DESTINATION);
   if (!region.ok()) return Finish("RegisterBuffer", region.status());
   auto id = context_.store->RegisterBuffer(request->model(),
                                            static_cast<Role>(request->role()),
                                            std::move(region).value(), std::move(slices).value(),
                                            request->client());
   if (!id.ok()) return Finish("RegisterBuffer", id.status());
+  if (context_.owners && context_.caller) context_.owners->Set(*id, context_.caller->uid);
   response->set_buffer_id(*id);
   return grpc::Status::OK;
+}
+
+absl::Status RefitService::CheckOwner(const google::protobuf::RepeatedPtrField<std::string>& ids,
+                                      const char* what) const {
+  if (!context_.owners || !context_.caller) return absl::OkStatus();
+  return context_.owners->Check({ids.begin(), ids.end()}, context_.caller->uid, what);
 }
 
 grpc::Status RefitService::ReleaseBuffer(grpc::ServerContext*,
                                          const v1::ReleaseBufferRequest* request,
                                          v1::ReleaseBufferResponse*) {
-  return Finish("ReleaseBuffer", context_.store->ReleaseBuffer(request->buffer_id()));
+  // The daemon's own uid (an operator cleaning up) may release any buffer.
+  if (!context_.caller || context_.caller->uid != geteuid()) {
+    google::protobuf::RepeatedPtrField<std::string> ids;
+    ids.Add()->assign(request->buffer_id());
+    if (absl::Status owned = CheckOwner(ids, "release"); !owned.ok()) {
+      return Finish("ReleaseBuffer", owned);
+    }
+  }
+  absl::Status released = context_.store->ReleaseBuffer(request->buffer_id());
+  if (released.ok() && context_.owners) context_.owners->Forget(request->buffer_id());
+  return Finish("ReleaseBuffer", released);
 }
 
 grpc::Status RefitService::Publish(grpc::ServerContext*, const v1::PublishRequest* request,
                                    v1::PublishResponse* response) {
+  if (absl::Status owned = CheckOwner(request->buffer_ids(), "publish"); !owned.ok()) {
+    return Finish("Publish", owned);
+  }
   auto result =
       context_.store->Publish(request->model(), request->version(), Ids(request->buffer_ids()));
   if (!result.ok()) return Finish("Publish", result.status());
@@ -138,6 +172,9 @@ grpc::Status RefitService::WaitForVersion(grpc::ServerContext* context,
 
 grpc::Status RefitService::Apply(grpc::ServerContext*, const v1::ApplyRequest* request,
                                  v1::ApplyResponse* response) {
+  if (absl::Status owned = CheckOwner(request->buffer_ids(), "apply into"); !owned.ok()) {
+    return Finish("Apply", owned);
+  }
   auto result =
       context_.store->Apply(request->model(), request->version(), Ids(request->buffer_ids()));
   if (!result.ok()) return Finish("Apply", result.status());

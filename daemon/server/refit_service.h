@@ -7,10 +7,14 @@
 // Thread-safety: gRPC calls the handlers from its own threads, concurrently.
 
 #include <functional>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "daemon/callers/caller.h"
 #include "daemon/fleet/replicas.h"
+#include "daemon/server/owners.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/refit.grpc.pb.h"
@@ -27,6 +31,10 @@ struct ServiceContext {
   std::string node;
   Store* store = nullptr;      // not owned
   Metrics* metrics = nullptr;  // not owned
+  // The local caller this instance serves (daemon/callers routes each connection to the
+  // instance of its uid); empty: no checks (in-process use).
+  std::optional<callers::Caller> caller;
+  std::shared_ptr<Owners> owners;  // shared by every instance; null: no ownership checks
   fleet::ReplicaTable* replicas = nullptr;  // not owned; null: WaitForReplicas UNIMPLEMENTED
   std::function<std::vector<PeerInfo>()> peers;  // may be empty
   // What only the Daemon knows: bound ports, transfers in flight.
@@ -59,6 +67,9 @@ class RefitService final : public v1::Refit::Service {
                                v1::WaitForReplicasResponse* response) override;
 
  private:
+  // PERMISSION_DENIED unless the caller registered every one of `ids` (what: "publish", ...).
+  absl::Status CheckOwner(const google::protobuf::RepeatedPtrField<std::string>& ids,
+                          const char* what) const;
   // Converts, counts errors by code, and logs client errors at debug level.
   grpc::Status Finish(const char* rpc, const absl::Status& status);
 

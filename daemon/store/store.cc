@@ -1,5 +1,9 @@
 #include "daemon/store/store.h"
 
+#include <sys/random.h>
+
+#include <random>
+
 #include <algorithm>
 #include <cstring>
 #include <deque>
@@ -149,8 +153,13 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
     }
     return consistent;
   }
+  // A random part makes ids unguessable: another local caller can't name a buffer it wasn't
+  // told about (ownership is checked too, in daemon/server).
+  uint64_t nonce = 0;
+  if (getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce)) nonce = std::random_device{}();
   buffer->id = absl::StrCat(options_.node, "/", model_name, "/",
-                            role == Role::kSource ? "src" : "dst", "-", next_buffer_++);
+                            role == Role::kSource ? "src" : "dst", "-", next_buffer_++, "-",
+                            absl::Hex(nonce, absl::kZeroPad16));
   (role == Role::kSource ? model->sources : model->destinations).insert(buffer->id);
   model->plans.clear();
   if (role == Role::kSource && listener_.local_layout_changed) {

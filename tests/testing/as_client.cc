@@ -1,0 +1,72 @@
+// A refit client for tests that run it under another uid (setpriv): one operation, its outcome
+// on stdout as "OK <value>" or "<STATUS_CODE> <message>". Exit 0 unless the usage is wrong.
+//
+//   as_client SOCKET status | health | release ID | publish MODEL VERSION ID
+//   as_client SOCKET register ROLE MODEL SHM_NAME      (ROLE: SOURCE or DESTINATION)
+//   as_client SOCKET register-own ROLE MODEL           (creates its own 512 KiB shm object
+//                                                       and registers it; refitd keeps it
+//                                                       mapped after this process exits)
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "client/refit_client.h"
+
+namespace {
+
+using refit::client::Slice;
+namespace v1 = refit::v1;
+
+int Print(const absl::Status& status, const std::string& value = "") {
+  if (status.ok()) {
+    std::cout << "OK " << value << std::endl;
+  } else {
+    std::cout << absl::StatusCodeToString(status.code()) << " " << status.message() << std::endl;
+  }
+  return 0;
+}
+
+std::vector<v1::TensorSlice> Tensors() { return {Slice("w", v1::BF16, {256, 1024}, 0)}; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::cerr << "usage: as_client SOCKET OP ARGS...\n";
+    return 2;
+  }
+  const std::string socket = argv[1], op = argv[2];
+  auto client = refit::client::Client::Connect(socket, std::chrono::milliseconds(5000));
+  if (!client.ok()) return Print(client.status());
+  auto& c = **client;
+  if (op == "status") return Print(c.Status().status());
+  if (op == "health") {
+    auto healthy = c.Healthy();
+    return Print(healthy.status(), healthy.ok() && *healthy ? "SERVING" : "NOT_SERVING");
+  }
+  if (op == "release" && argc == 4) return Print(c.ReleaseBuffer(argv[3]));
+  if (op == "publish" && argc == 6) {
+    return Print(c.Publish(argv[3], std::stoull(argv[4]), {argv[5]}).status());
+  }
+  if ((op == "register" && argc == 6) || (op == "register-own" && argc == 5)) {
+    const v1::Role role = std::string(argv[3]) == "SOURCE" ? v1::SOURCE : v1::DESTINATION;
+    std::optional<refit::client::SharedMemory> own;
+    std::string name = op == "register" ? argv[5] : "";
+    if (op == "register-own") {
+      auto shm = refit::client::SharedMemory::Create(
+          "/refit-as-client-" + std::to_string(getpid()), 256 * 1024 * 2);
+      if (!shm.ok()) return Print(shm.status());
+      own.emplace(std::move(shm).value());
+      name = own->name();
+    }
+    auto id = c.RegisterBuffer(argv[4], role, name, Tensors(), "as_client");
+    return Print(id.status(), id.ok() ? *id : "");
+  }
+  std::cerr << "as_client: unknown operation " << op << "\n";
+  return 2;
+}
