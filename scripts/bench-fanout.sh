@@ -29,10 +29,11 @@
 #
 # Usage: scripts/bench-fanout.sh [--engines "1 2 4"] [--mib 256 | --gib] [--versions 5]
 #                                [--gloo-rounds 5] [--rate 1gbit] [--no-gloo] [--no-build]
-#                                [--keep]
+#                                [--refitd-args "--relay=false"] [--keep]
 # --engines: the K values, run in this order (8 is skipped, with a message, when the machine's
 # available memory can't hold it); --gib: a 1 GiB model; --keep: keep the logs (the daemons'
-# logs say what each pull did).
+# logs say what each pull did); --refitd-args: more flags for every refitd (split on spaces),
+# e.g. to compare a daemon option on and off in the same topology.
 # Environment: BAZEL_OUTPUT_BASE=<dir> builds in that Bazel output base, without convenience
 # symlinks.
 set -euo pipefail
@@ -48,6 +49,7 @@ latency=20ms
 gloo=1
 build=1
 keep=0
+refitd_args=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --engines) engines_list="$2"; shift 2 ;;
@@ -62,6 +64,8 @@ while [ $# -gt 0 ]; do
     --rate) rate="$2"; shift 2 ;;
     --rate=*) rate="${1#*=}"; shift ;;
     --no-gloo) gloo=0; shift ;;
+    --refitd-args) refitd_args="$2"; shift 2 ;;
+    --refitd-args=*) refitd_args="${1#*=}"; shift ;;
     --no-build) build=0; shift ;;
     --keep) keep=1; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
@@ -186,7 +190,7 @@ done
 started=$(date +%s)
 echo "bench-fanout: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r), load $(cut -d' ' -f1-3 /proc/loadavg), ${avail_mib} MiB available"
 echo "  model ${mib} MiB (one bf16 tensor), ${versions} versions per K, engines: ${runs[*]}; links: tbf rate $rate burst $burst latency $latency on both ends of each veth"
-echo "  refitd --retain=1, UCX_TLS=tcp, UCX_NET_DEVICES=eth0; $(ucx_info -v | head -1 | sed 's/# //')"
+echo "  refitd --retain=1 ${refitd_args:+$refitd_args }(full mesh of --peers), UCX_TLS=tcp, UCX_NET_DEVICES=eth0; $(ucx_info -v | head -1 | sed 's/# //')"
 
 wait_healthy() {
   for _ in $(seq 100); do
@@ -202,7 +206,8 @@ tx_bytes() { ip netns exec "$(node_ns 0)" cat /sys/class/net/eth0/statistics/tx_
 
 # refitd on nodes 0..$1, every one peering all the others; then fanout_bench.
 run_refit() {
-  local k="$1" i j peers sockets=""
+  local k="$1" i j peers sockets="" extra_args=()
+  read -r -a extra_args <<<"$refitd_args"
   for i in $(seq 0 "$k"); do
     peers=""
     for j in $(seq 0 "$k"); do
@@ -211,7 +216,7 @@ run_refit() {
     ip netns exec "$(node_ns "$i")" env UCX_TLS=tcp UCX_NET_DEVICES=eth0 \
       UCX_WARN_UNUSED_ENV_VARS=n "$bin/daemon/refitd" --node="$(node_name "$i")" \
       --listen="$(node_ip "$i"):$port" --peers="$peers" --socket="$work/k$k-$i.sock" \
-      --retain=1 >"$work/k$k-$(node_name "$i").log" 2>&1 &
+      --retain=1 "${extra_args[@]}" >"$work/k$k-$(node_name "$i").log" 2>&1 &
     pids+=("$!")
   done
   for i in $(seq 0 "$k"); do
