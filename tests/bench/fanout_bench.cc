@@ -182,7 +182,7 @@ int main(int argc, char** argv) {
   std::cout << absl::StrFormat("%-8s %9s %9s %9s %12s %12s\n", "", "", "engine", "last engine",
                                "models", "models");
   std::vector<double> t_last, trainer_models, engine_models;
-  double first_t = 0, first_trainer = 0, first_engines = 0;
+  double first_t = 0, first_trainer = 0, first_engines = 0, trainer_all = 0;
   for (int i = 1; i <= versions; ++i) {
     const uint64_t version = base + static_cast<uint64_t>(i);
     NextVersion(src->data(), total, version);
@@ -238,6 +238,7 @@ int main(int argc, char** argv) {
                 << ": an engine's bytes differ from the source after Apply\n";
       return 1;
     }
+    trainer_all += trainer_sent;
     if (i == 1) {
       first_t = t;
       first_trainer = trainer_sent;
@@ -257,9 +258,10 @@ int main(int argc, char** argv) {
       k, versions, Median(t_last), first_t, Median(trainer_models), Median(engine_models));
   std::cout << absl::StrFormat(
       "RESULT k=%d bytes=%d versions=%d t_s=%.6f first_s=%.6f trainer_models=%.4f "
-      "engines_models=%.4f first_trainer_models=%.4f first_engines_models=%.4f times=%s\n",
+      "engines_models=%.4f first_trainer_models=%.4f first_engines_models=%.4f "
+      "trainer_mean_models=%.4f times=%s\n",
       k, total, versions, Median(t_last), first_t, Median(trainer_models), Median(engine_models),
-      first_trainer, first_engines, absl::StrJoin(times, ","));
+      first_trainer, first_engines, trainer_all / versions, absl::StrJoin(times, ","));
   for (int e = 0; e < k; ++e) (void)engines[e]->ReleaseBuffer(dst_ids[e]);
   (void)(*trainer)->ReleaseBuffer(*src_id);
   return 0;
