@@ -83,12 +83,6 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 1
 fi
 
-exec 9>/run/lock/refit-bench-fanout.lock
-if ! flock -n 9; then
-  echo "bench-fanout: another bench-fanout run holds /run/lock/refit-bench-fanout.lock" >&2
-  exit 1
-fi
-
 bazel_cmd=(bazel)
 build_flags=()
 if [ -n "${BAZEL_OUTPUT_BASE:-}" ]; then
@@ -101,6 +95,13 @@ if [ "$build" = 1 ]; then
     //tests/bench:fanout_bench
 fi
 bin="$("${bazel_cmd[@]}" info bazel-bin 2>/dev/null)"
+# The lock is fd 9 of this shell only: every process started below gets "9>&-", so one
+# that outlives a killed run (and the Bazel server) never holds it.
+exec 9>/run/lock/refit-bench-fanout.lock
+if ! flock -n 9; then
+  echo "bench-fanout: another bench-fanout run holds /run/lock/refit-bench-fanout.lock" >&2
+  exit 1
+fi
 python=/usr/bin/python3
 prefix=rfan
 switch=$prefix-sw
@@ -216,7 +217,7 @@ run_refit() {
     ip netns exec "$(node_ns "$i")" env UCX_TLS=tcp UCX_NET_DEVICES=eth0 \
       UCX_WARN_UNUSED_ENV_VARS=n "$bin/daemon/refitd" --node="$(node_name "$i")" \
       --listen="$(node_ip "$i"):$port" --peers="$peers" --socket="$work/k$k-$i.sock" \
-      --retain=1 "${extra_args[@]}" >"$work/k$k-$(node_name "$i").log" 2>&1 &
+      --retain=1 "${extra_args[@]}" >"$work/k$k-$(node_name "$i").log" 2>&1 9>&- &
     pids+=("$!")
   done
   for i in $(seq 0 "$k"); do
@@ -227,7 +228,7 @@ run_refit() {
   tx0=$(tx_bytes)
   ip netns exec "$(node_ns 0)" "$bin/tests/bench/fanout_bench" \
     --trainer-socket="$work/k$k-0.sock" --engine-sockets="$sockets" --versions="$versions" \
-    --mib="$mib" --timeout=$((60 + 3 * k * mib / 100)) >"$work/refit-k$k.out" 2>&1 || ok=0
+    --mib="$mib" --timeout=$((60 + 3 * k * mib / 100)) >"$work/refit-k$k.out" 2>&1 9>&- || ok=0
   local wire
   wire=$(awk -v a="$tx0" -v b="$(tx_bytes)" -v n="$versions" -v m="$mib" \
          'BEGIN { printf "%.3f", (b - a) / n / (m * 1048576) }')
@@ -257,13 +258,14 @@ run_gloo() {
   for r in $(seq 1 "$k"); do
     ip netns exec "$(node_ns "$r")" timeout "$limit" "$python" tests/bench/gloo_broadcast.py \
       --rank "$r" --world-size $((k + 1)) --master-addr "$(node_ip 0)" --port "$gloo_port" \
-      --ifname eth0 --mib "$mib" --rounds "$gloo_rounds" --warmup 1 >"$work/gloo-k$k-$r.out" 2>&1 &
+      --ifname eth0 --mib "$mib" --rounds "$gloo_rounds" --warmup 1 >"$work/gloo-k$k-$r.out" \
+      2>&1 9>&- &
     pids+=("$!")
   done
   ip netns exec "$(node_ns 0)" timeout "$limit" "$python" \
     tests/bench/gloo_broadcast.py --rank 0 --world-size $((k + 1)) --master-addr "$(node_ip 0)" \
     --port "$gloo_port" --ifname eth0 --mib "$mib" --rounds "$gloo_rounds" --warmup 1 \
-    >"$work/gloo-k$k-0.out" 2>&1 || ok=0
+    >"$work/gloo-k$k-0.out" 2>&1 9>&- || ok=0
   for pid in "${pids[@]}"; do wait "$pid" || ok=0; done
   pids=()
   cat "$work/gloo-k$k-0.out"
