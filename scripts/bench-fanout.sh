@@ -228,7 +228,9 @@ run_refit() {
   tx0=$(tx_bytes)
   ip netns exec "$(node_ns 0)" "$bin/tests/bench/fanout_bench" \
     --trainer-socket="$work/k$k-0.sock" --engine-sockets="$sockets" --versions="$versions" \
-    --mib="$mib" --timeout=$((60 + 3 * k * mib / 100)) >"$work/refit-k$k.out" 2>&1 9>&- || ok=0
+    --mib="$mib" --timeout=$((60 + 3 * k * mib / 100)) >"$work/refit-k$k.out" 2>&1 9>&- &
+  pids+=("$!")
+  wait "$!" || ok=0  # in the background: a signal's trap runs at once, not after the bench
   local wire
   wire=$(awk -v a="$tx0" -v b="$(tx_bytes)" -v n="$versions" -v m="$mib" \
          'BEGIN { printf "%.3f", (b - a) / n / (m * 1048576) }')
@@ -265,7 +267,8 @@ run_gloo() {
   ip netns exec "$(node_ns 0)" timeout "$limit" "$python" \
     tests/bench/gloo_broadcast.py --rank 0 --world-size $((k + 1)) --master-addr "$(node_ip 0)" \
     --port "$gloo_port" --ifname eth0 --mib "$mib" --rounds "$gloo_rounds" --warmup 1 \
-    >"$work/gloo-k$k-0.out" 2>&1 9>&- || ok=0
+    >"$work/gloo-k$k-0.out" 2>&1 9>&- &
+  pids+=("$!")
   for pid in "${pids[@]}"; do wait "$pid" || ok=0; done
   pids=()
   cat "$work/gloo-k$k-0.out"
