@@ -32,6 +32,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
 #include "client/refit_client.h"
+#include "tests/bench/bench_util.h"
 
 namespace {
 
@@ -39,44 +40,19 @@ namespace v1 = refit::v1;
 using refit::client::Client;
 using refit::client::SharedMemory;
 using refit::client::Slice;
-using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
+using refit::bench::Clock;
+using refit::bench::Median;
+using refit::bench::Seconds;
+using refit::bench::WaitConnected;
 
 int Fail(const std::string& what, const absl::Status& status) {
   std::cerr << "two_node_bench: " << what << ": " << status.ToString() << "\n";
   return 1;
 }
 
-double Metric(Client& client, const char* name) {
-  auto status = client.Status();
-  if (!status.ok()) return 0;
-  auto it = status->metrics().find(name);
-  return it == status->metrics().end() ? 0 : it->second;
-}
-
-// Until `client`'s daemon reports `peers` connected peers (false after `timeout`).
-bool WaitConnected(Client& client, int peers, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (Clock::now() < deadline) {
-    auto s = client.Status();
-    if (s.ok()) {
-      int connected = 0;
-      for (const auto& p : s->peers()) connected += p.connected();
-      if (connected >= peers) return true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return false;
+// What the engine's node has pulled so far (0 if its Status fails).
+double Received(Client& engine) {
+  return refit::bench::Metric(engine, "refit_data_bytes_received_total").value_or(0);
 }
 
 }  // namespace
@@ -224,7 +200,7 @@ int main(int argc, char** argv) {
         e[r % n] = static_cast<uint16_t>(e[r % n] + ((r >> 63) ? 1 : -1));
       }
     }
-    const double received_before = Metric(**engine, "refit_data_bytes_received_total");
+    const double received_before = Received(**engine);
 
     // The engine waits from before Publish, as an inference engine's refit loop would.
     absl::StatusOr<uint64_t> ready = absl::UnknownError("not waited");
@@ -246,7 +222,7 @@ int main(int argc, char** argv) {
     const auto t3 = Clock::now();
     if (!applied.ok()) return Fail("Apply", applied.status());
     const bool ok = matches(dst->data(), src->data());
-    const double pulled = Metric(**engine, "refit_data_bytes_received_total") - received_before;
+    const double pulled = Received(**engine) - received_before;
 
     const double pub = Seconds(t0, t1), xfer = Seconds(t1, t_ready), app_s = Seconds(t2, t3);
     std::cout << absl::StrFormat("%-8s %14.0f %10.4f %10.2f %11.4f %10.2f %10.4f %10.2f %8s\n",

@@ -1,0 +1,348 @@
+#!/usr/bin/env bash
+# The fan-out benchmark (issue 16): one trainer node and K engine nodes, each a network
+# namespace on one bridge, each node's link limited to --rate (default 1 Gbit/s) in both
+# directions. For each K it starts one refitd per node (a full mesh of --peers: the trainer and
+# every engine know each other, as relays need), runs tests/bench:fanout_bench, stops them, and
+# runs a torch gloo broadcast of the same bytes in the same topology (rank 0 on the trainer's
+# node, one receiver per engine's node). It prints per K:
+#   T(K)      Publish returned on the trainer -> the version complete on the LAST engine node
+#             (median over versions 2..N; the first version, which also allocates slots, apart);
+#   T(K)/T(1);
+#   trainer   what the trainer node's refit_data_bytes_sent_total grew by per version, in models
+#             (and the same over all engines: what they served each other), and the trainer
+#             link's transmitted bytes per version (IP level, control traffic included);
+#   gloo T(K) and refit T(K) / gloo T(K),
+# with the issue's goals beside them (printed, not asserted). Every engine Applies every
+# version and its bytes are compared with the source; every gloo receiver checks its bytes.
+#
+# Network: namespaces rfan-sw (the bridge br0 and the switch ends p0..pK of the veth pairs),
+# rfan-t (the trainer, 198.18.0.1) and rfan-e1..rfan-eK (198.18.0.2..; RFC 2544 benchmark
+# addresses), each node's end named eth0. A tbf qdisc on both ends of each veth: on eth0 it
+# caps the node's upload, on pN (the bridge side) its download. burst 256 KiB (~2 ms at
+# 1 Gbit/s: above a 64 KiB GSO packet, so tbf never has to split one, and a negligible lead
+# over a 2 s transfer), latency 20 ms (a ~2.5 MiB queue at 1 Gbit/s: TCP is not dropped into
+# retransmits by a short queue). The daemons run with UCX_TLS=tcp UCX_NET_DEVICES=eth0 and
+# --retain=1; nothing crosses the root namespace.
+# Everything is removed on exit (trap), also after a failure; a run first removes what a killed
+# run left (namespaces rfan-*, their processes, /dev/shm/refit-fanout-*). One run at a time
+# (flock on /run/lock/refit-bench-fanout.lock). Needs root and iproute2.
+#
+# Usage: scripts/bench-fanout.sh [--engines "1 2 4"] [--mib 256 | --gib] [--versions 5]
+#                                [--gloo-rounds 5] [--rate 1gbit] [--no-gloo] [--no-build]
+#                                [--refitd-args "--relay=false"] [--keep]
+# --engines: the K values, run in this order (8 is skipped, with a message, when the machine's
+# available memory can't hold it); --gib: a 1 GiB model; --keep: keep the logs (the daemons'
+# logs say what each pull did); --refitd-args: more flags for every refitd (split on spaces),
+# e.g. to compare a daemon option on and off in the same topology.
+# Environment: BAZEL_OUTPUT_BASE=<dir> builds in that Bazel output base, without convenience
+# symlinks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+engines_list="1 2 4"
+mib=256
+versions=5
+gloo_rounds=5
+rate=1gbit
+burst=256kb
+latency=20ms
+gloo=1
+build=1
+keep=0
+refitd_args=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --engines) engines_list="$2"; shift 2 ;;
+    --engines=*) engines_list="${1#*=}"; shift ;;
+    --mib) mib="$2"; shift 2 ;;
+    --mib=*) mib="${1#*=}"; shift ;;
+    --gib) mib=1024; shift ;;
+    --versions) versions="$2"; shift 2 ;;
+    --versions=*) versions="${1#*=}"; shift ;;
+    --gloo-rounds) gloo_rounds="$2"; shift 2 ;;
+    --gloo-rounds=*) gloo_rounds="${1#*=}"; shift ;;
+    --rate) rate="$2"; shift 2 ;;
+    --rate=*) rate="${1#*=}"; shift ;;
+    --no-gloo) gloo=0; shift ;;
+    --refitd-args) refitd_args="$2"; shift 2 ;;
+    --refitd-args=*) refitd_args="${1#*=}"; shift ;;
+    --no-build) build=0; shift ;;
+    --keep) keep=1; shift ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+    *) echo "bench-fanout: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+for k in $engines_list; do
+  case "$k" in
+    [1-9]|[1-9][0-9]) ;;
+    *) echo "bench-fanout: --engines takes numbers 1-99, not '$k'" >&2; exit 2 ;;
+  esac
+done
+if [ "$(id -u)" -ne 0 ]; then
+  echo "bench-fanout: needs root (network namespaces, tc)" >&2
+  exit 1
+fi
+
+bazel_cmd=(bazel)
+build_flags=()
+if [ -n "${BAZEL_OUTPUT_BASE:-}" ]; then
+  bazel_cmd+=(--output_base="$BAZEL_OUTPUT_BASE")
+  build_flags+=(--experimental_convenience_symlinks=ignore)
+fi
+if [ "$build" = 1 ]; then
+  ./scripts/install-deps.sh
+  "${bazel_cmd[@]}" build "${build_flags[@]}" //daemon:refitd //client:refitctl \
+    //tests/bench:fanout_bench
+fi
+bin="$("${bazel_cmd[@]}" info bazel-bin 2>/dev/null)"
+# The lock is fd 9 of this shell only: every process started below gets "9>&-", so one
+# that outlives a killed run (and the Bazel server) never holds it.
+exec 9>/run/lock/refit-bench-fanout.lock
+if ! flock -n 9; then
+  echo "bench-fanout: another bench-fanout run holds /run/lock/refit-bench-fanout.lock" >&2
+  exit 1
+fi
+python=/usr/bin/python3
+prefix=rfan
+switch=$prefix-sw
+port=7070
+gloo_port=29500
+
+node_name() { if [ "$1" = 0 ]; then echo trainer; else echo "engine$1"; fi; }
+node_ns() { if [ "$1" = 0 ]; then echo "$prefix-t"; else echo "$prefix-e$1"; fi; }
+node_ip() { echo "198.18.0.$(($1 + 1))"; }
+
+# Removes every namespace named $prefix-* with the processes in it, and our shared memory.
+remove_network() {
+  local ns pid
+  for ns in $(ip netns list | awk '{print $1}' | grep "^$prefix-" || true); do
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -TERM "$pid" 2>/dev/null || true; done
+    for _ in $(seq 50); do
+      [ -z "$(ip netns pids "$ns" 2>/dev/null)" ] && break
+      sleep 0.1
+    done
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
+    ip netns del "$ns" 2>/dev/null || true
+  done
+  rm -f /dev/shm/refit-fanout-*
+}
+
+work=$(mktemp -d /tmp/refit-fanout-XXXXXX)
+pids=()
+stop_pids() {
+  local pid
+  for pid in "${pids[@]:-}"; do
+    if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; fi
+  done
+  for pid in "${pids[@]:-}"; do
+    if [ -n "$pid" ]; then wait "$pid" 2>/dev/null || true; fi
+  done
+  pids=()
+}
+cleanup() {
+  stop_pids
+  remove_network
+  if [ "$keep" = 1 ]; then echo "bench-fanout: logs kept in $work"; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Memory: per node the model's buffer plus retain+1 = 2 version slots; gloo holds one copy per
+# rank plus torch. A K that would leave under 2 GiB available is skipped.
+avail_mib=$(awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo)
+max_k=0
+runs=()
+for k in $engines_list; do
+  need=$(( (k + 1) * 3 * mib + 2048 ))
+  if [ "$need" -gt "$avail_mib" ]; then
+    echo "bench-fanout: skipping K=$k: needs ~${need} MiB, ${avail_mib} MiB available"
+    continue
+  fi
+  runs+=("$k")
+  [ "$k" -gt "$max_k" ] && max_k=$k
+done
+if [ "${#runs[@]}" -eq 0 ]; then
+  echo "bench-fanout: nothing to run" >&2
+  exit 1
+fi
+
+remove_network  # what a killed run left
+ip netns add "$switch"
+ip -n "$switch" link set lo up
+ip -n "$switch" link add br0 type bridge
+ip -n "$switch" link set br0 up
+for i in $(seq 0 "$max_k"); do
+  ns=$(node_ns "$i")
+  ip netns add "$ns"
+  ip -n "$switch" link add "p$i" type veth peer name "n$i"
+  ip -n "$switch" link set "n$i" netns "$ns"
+  ip -n "$ns" link set "n$i" name eth0
+  ip -n "$ns" addr add "$(node_ip "$i")/24" dev eth0
+  ip -n "$ns" link set lo up
+  ip -n "$ns" link set eth0 up
+  ip -n "$switch" link set "p$i" master br0
+  ip -n "$switch" link set "p$i" up
+  ip netns exec "$ns" tc qdisc replace dev eth0 root tbf rate "$rate" burst "$burst" \
+    latency "$latency"
+  ip netns exec "$switch" tc qdisc replace dev "p$i" root tbf rate "$rate" burst "$burst" \
+    latency "$latency"
+done
+
+started=$(date +%s)
+echo "bench-fanout: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r), load $(cut -d' ' -f1-3 /proc/loadavg), ${avail_mib} MiB available"
+echo "  model ${mib} MiB (one bf16 tensor), ${versions} versions per K, engines: ${runs[*]}; links: tbf rate $rate burst $burst latency $latency on both ends of each veth"
+echo "  refitd --retain=1 ${refitd_args:+$refitd_args }(full mesh of --peers), UCX_TLS=tcp, UCX_NET_DEVICES=eth0; $(ucx_info -v | head -1 | sed 's/# //')"
+
+wait_healthy() {
+  for _ in $(seq 100); do
+    "$bin/client/refitctl" --socket="$1" --timeout=0.2 health >/dev/null 2>&1 && return 0
+    sleep 0.1
+  done
+  echo "bench-fanout: refitd at $1 did not come up:" >&2
+  cat "$2" >&2
+  return 1
+}
+
+tx_bytes() { ip netns exec "$(node_ns 0)" cat /sys/class/net/eth0/statistics/tx_bytes; }
+
+# refitd on nodes 0..$1, every one peering all the others; then fanout_bench.
+run_refit() {
+  local k="$1" i j peers sockets="" extra_args=()
+  read -r -a extra_args <<<"$refitd_args"
+  for i in $(seq 0 "$k"); do
+    peers=""
+    for j in $(seq 0 "$k"); do
+      [ "$j" = "$i" ] || peers+="${peers:+,}$(node_ip "$j"):$port"
+    done
+    ip netns exec "$(node_ns "$i")" env UCX_TLS=tcp UCX_NET_DEVICES=eth0 \
+      UCX_WARN_UNUSED_ENV_VARS=n "$bin/daemon/refitd" --node="$(node_name "$i")" \
+      --listen="$(node_ip "$i"):$port" --peers="$peers" --socket="$work/k$k-$i.sock" \
+      --retain=1 "${extra_args[@]}" >"$work/k$k-$(node_name "$i").log" 2>&1 9>&- &
+    pids+=("$!")
+  done
+  for i in $(seq 0 "$k"); do
+    wait_healthy "$work/k$k-$i.sock" "$work/k$k-$(node_name "$i").log"
+    [ "$i" = 0 ] || sockets+="${sockets:+,}$work/k$k-$i.sock"
+  done
+  local tx0 ok=1
+  tx0=$(tx_bytes)
+  ip netns exec "$(node_ns 0)" "$bin/tests/bench/fanout_bench" \
+    --trainer-socket="$work/k$k-0.sock" --engine-sockets="$sockets" --versions="$versions" \
+    --mib="$mib" --timeout=$((60 + 3 * k * mib / 100)) >"$work/refit-k$k.out" 2>&1 9>&- &
+  pids+=("$!")
+  wait "$!" || ok=0  # in the background: a signal's trap runs at once, not after the bench
+  local wire
+  wire=$(awk -v a="$tx0" -v b="$(tx_bytes)" -v n="$versions" -v m="$mib" \
+         'BEGIN { printf "%.3f", (b - a) / n / (m * 1048576) }')
+  stop_pids
+  cat "$work/refit-k$k.out"
+  if [ "$ok" = 0 ]; then
+    echo "fanout_bench FAILED for K=$k; the daemons' warnings and errors:"
+    grep -hE ' [EW] \[|UCX  ERROR' "$work"/k"$k"-*.log | sort -u | head -10 | sed 's/^/  /' ||
+      true
+    echo "k=$k refit_failed=1" >>"$work/results.txt"
+    return 0
+  fi
+  # A peer channel closed by its server (gRPC GOAWAY) loses the calls on it, among them the pin
+  # release that carries a puller's byte count to refit_data_bytes_sent_total.
+  local goaways
+  goaways=$(cat "$work"/k"$k"-*.log | grep -c 'GOAWAY' || true)
+  echo "trainer link (eth0) transmitted ${wire} models per version (IP level, all traffic);" \
+    "gRPC GOAWAYs in the daemons' logs: $goaways"
+  echo "$(grep '^RESULT' "$work/refit-k$k.out" | sed 's/^RESULT //') wire_models=$wire" \
+    "goaways=$goaways" >>"$work/results.txt"
+}
+
+# A gloo broadcast from rank 0 on the trainer's node to ranks 1..$1 on the engines' nodes.
+run_gloo() {
+  local k="$1" r ok=1
+  local limit=$((300 + 3 * k * mib * gloo_rounds / 100))
+  for r in $(seq 1 "$k"); do
+    ip netns exec "$(node_ns "$r")" timeout "$limit" "$python" tests/bench/gloo_broadcast.py \
+      --rank "$r" --world-size $((k + 1)) --master-addr "$(node_ip 0)" --port "$gloo_port" \
+      --ifname eth0 --mib "$mib" --rounds "$gloo_rounds" --warmup 1 >"$work/gloo-k$k-$r.out" \
+      2>&1 9>&- &
+    pids+=("$!")
+  done
+  ip netns exec "$(node_ns 0)" timeout "$limit" "$python" \
+    tests/bench/gloo_broadcast.py --rank 0 --world-size $((k + 1)) --master-addr "$(node_ip 0)" \
+    --port "$gloo_port" --ifname eth0 --mib "$mib" --rounds "$gloo_rounds" --warmup 1 \
+    >"$work/gloo-k$k-0.out" 2>&1 9>&- &
+  pids+=("$!")
+  for pid in "${pids[@]}"; do wait "$pid" || ok=0; done
+  pids=()
+  cat "$work/gloo-k$k-0.out"
+  if [ "$ok" = 0 ]; then
+    echo "gloo broadcast FAILED for K=$k:"
+    tail -n 3 "$work"/gloo-k"$k"-*.out | sed 's/^/  /'
+    echo "k=$k gloo_failed=1" >>"$work/results.txt"
+    return 0
+  fi
+  echo "k=$k $(grep '^RESULT' "$work/gloo-k$k-0.out" | sed 's/^RESULT //')" >>"$work/results.txt"
+}
+
+: >"$work/results.txt"
+for k in "${runs[@]}"; do
+  echo
+  echo "=== K=$k: refit, 1 trainer node -> $k engine node(s)"
+  run_refit "$k"
+  if [ "$gloo" = 1 ]; then
+    echo "--- K=$k: gloo broadcast (torch $("$python" -c 'import torch; print(torch.__version__)'))"
+    run_gloo "$k"
+  fi
+done
+
+echo
+echo "=== summary: model ${mib} MiB, links $rate; medians; $(date -u '+%Y-%m-%d %H:%M UTC'), $(( $(date +%s) - started )) s"
+"$python" - "$work/results.txt" <<'EOF'
+import sys
+by_k = {}
+for line in open(sys.argv[1]):
+    fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+    by_k.setdefault(int(fields["k"]), {}).update(fields)
+one = float(by_k.get(1, {}).get("t_s", 0) or 0)
+print(f"{'K':>3} {'T(K) s':>8} {'1st s':>7} {'T(K)/T(1)':>9} {'trainer':>8} {'engines':>8} "
+      f"{'trainer':>8} {'gloo':>7} {'refit/':>6}")
+print(f"{'':>3} {'':>8} {'':>7} {'':>9} {'models':>8} {'models':>8} {'link':>8} {'T(K) s':>7} "
+      f"{'gloo':>6}")
+for k in sorted(by_k):
+    r = by_k[k]
+    if r.get("refit_failed"):
+        refit = f"{'FAILED':>8} {'':>7} {'':>9} {'':>8} {'':>8} {'':>8}"
+        t = 0.0
+    else:
+        t = float(r["t_s"])
+        ratio = f"{t / one:.2f}" if one else "n/a"
+        refit = (f"{t:>8.3f} {float(r['first_s']):>7.3f} {ratio:>9} "
+                 f"{float(r['trainer_models']):>8.3f} {float(r['engines_models']):>8.3f} "
+                 f"{float(r['wire_models']):>8.3f}")
+    if r.get("gloo_s"):
+        g = float(r["gloo_s"])
+        gloo = f"{g:>7.3f} {t / g if t else 0:>6.2f}"
+    else:
+        gloo = f"{'FAILED' if r.get('gloo_failed') else '-':>7} {'':>6}"
+    print(f"{k:>3} {refit} {gloo}")
+print("trainer/engines models: refit_data_bytes_sent_total per version / model bytes "
+      "(engines: summed); trainer link: eth0 tx bytes per version / model bytes")
+for k in sorted(by_k):
+    r = by_k[k]
+    if r.get("trainer_mean_models") and float(r["wire_models"]) > 0:
+        counted, wire = float(r["trainer_mean_models"]), float(r["wire_models"])
+        if abs(counted - wire) > 0.05 * wire:
+            print(f"WARNING K={k}: the trainer's refit_data_bytes_sent_total grew by {counted:.2f} "
+                  f"models per version (mean of all versions), its link carried {wire:.2f}; the "
+                  f"daemons' logs have "
+                  f"{r['goaways']} gRPC GOAWAY(s) (a pin release lost on a closed peer channel "
+                  f"is a puller's bytes not counted)")
+print("goals (issue 16, not asserted): T(4)/T(1) <= 1.15; trainer <= 1.1 models per version; "
+      "refit T(4) <= 0.35x gloo T(4)")
+if 4 in by_k and one and by_k[4].get("t_s"):
+    r = by_k[4]
+    t4 = float(r["t_s"])
+    met = lambda ok: "met" if ok else "NOT met"
+    print(f"  K=4: T(4)/T(1) = {t4 / one:.2f} ({met(t4 / one <= 1.15)}); trainer "
+          f"{float(r['trainer_models']):.2f} models, link {float(r['wire_models']):.2f} "
+          f"({met(max(float(r['trainer_models']), float(r['wire_models'])) <= 1.1)})"
+          + (f"; refit/gloo = {t4 / float(r['gloo_s']):.2f} "
+             f"({met(t4 / float(r['gloo_s']) <= 0.35)})" if r.get("gloo_s") else ""))
+EOF
