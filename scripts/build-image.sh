@@ -14,7 +14,7 @@
 # (docs/deploy.md, "The image").
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# shellcheck source=lib/ship.sh
+# shellcheck source=scripts/lib/ship.sh
 . "$root/scripts/lib/ship.sh"
 
 out_dir="${1:-$root/dist}"
@@ -69,7 +69,8 @@ put() {
 multiarch=/usr/lib/x86_64-linux-gnu
 modules=("$multiarch"/ucx/libuct_*.so.0 "$multiarch"/libibverbs/*.so)
 libs="$(ldd "$rootfs/usr/bin/refitd" "$rootfs/usr/bin/refitctl" "${modules[@]}" |
-  awk '$2 == "=>" && $3 ~ /^\// {print $3} NF == 2 && $1 ~ /^\// && $2 ~ /^\(/ {print $1}' | sort -u)"
+  awk '$2 == "=>" && $3 ~ /^\// {print $3}
+       NF == 2 && $1 ~ /^\// && $2 ~ /^\(/ {print $1}' | sort -u)"
 if grep -q "not found" <(ldd "$rootfs/usr/bin/refitd" "$rootfs/usr/bin/refitctl"); then
   echo "build-image.sh: a library of refitd or refitctl is not installed:" >&2
   ldd "$rootfs/usr/bin/refitd" "$rootfs/usr/bin/refitctl" | grep "not found" >&2
@@ -80,6 +81,7 @@ for p in $libs "${modules[@]}" /etc/libibverbs.d/*.driver; do
 done
 
 # The copyright file of each Debian package a library comes from.
+# shellcheck disable=SC2086  # one argument per library
 for pkg in $(dpkg-query -S $libs 2> /dev/null | cut -d: -f1 | tr ',' '\n' | sort -u); do
   if [ -f "/usr/share/doc/$pkg/copyright" ]; then
     install -D -m 0644 "/usr/share/doc/$pkg/copyright" "$rootfs/usr/share/doc/$pkg/copyright"
@@ -88,8 +90,10 @@ done
 
 install -d -m 0755 "$rootfs/etc" "$rootfs/run/refit" "$rootfs/etc/refit" "$rootfs/var/cache/refit"
 install -d -m 1777 "$rootfs/tmp"
-printf 'root:x:0:0:root:/:/sbin/nologin\nrefit:x:65532:65532:refit weight-sync daemon:/:/sbin/nologin\n' \
-  > "$rootfs/etc/passwd"
+{
+  echo 'root:x:0:0:root:/:/sbin/nologin'
+  echo 'refit:x:65532:65532:refit weight-sync daemon:/:/sbin/nologin'
+} > "$rootfs/etc/passwd"
 printf 'root:x:0:\nrefit:x:65532:\n' > "$rootfs/etc/group"
 printf 'passwd: files\ngroup: files\nhosts: files dns\n' > "$rootfs/etc/nsswitch.conf"
 chmod 0644 "$rootfs/etc/passwd" "$rootfs/etc/group" "$rootfs/etc/nsswitch.conf"
@@ -104,7 +108,7 @@ buildah "${storage[@]}" config \
   --port 7070/tcp --port 7071/tcp --port 9464/tcp \
   --os linux --arch amd64 \
   --label org.opencontainers.image.title=refitd \
-  --label "org.opencontainers.image.description=refit: moves policy weights from RL trainers to inference engines" \
+  --label "org.opencontainers.image.description=refit: policy weights from trainers to engines" \
   --label "org.opencontainers.image.version=$tag" \
   --label "io.refit.version=$REFIT_VERSION" \
   "$ctr"

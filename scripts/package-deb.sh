@@ -13,7 +13,7 @@
 # needs only Debian packages (bazel-bootstrap, dpkg-dev, binutils). See docs/deploy.md.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# shellcheck source=lib/ship.sh
+# shellcheck source=scripts/lib/ship.sh
 . "$root/scripts/lib/ship.sh"
 
 out_dir="${1:-$root/dist}"
@@ -55,7 +55,8 @@ man_page() {  # man_page BINARY SECTION SUMMARY OUT
   } | gzip -9n > "$4"
 }
 install -d -m 0755 "$pkg/usr/share/man/man8" "$pkg/usr/share/man/man1"
-man_page "$pkg/usr/bin/refitd" 8 "the per-node refit daemon: moves policy weights from trainers to inference engines" \
+man_page "$pkg/usr/bin/refitd" 8 \
+  "the per-node refit daemon: moves policy weights from trainers to inference engines" \
   "$pkg/usr/share/man/man8/refitd.8.gz"
 man_page "$pkg/usr/bin/refitctl" 1 "look at and follow the node's refitd" \
   "$pkg/usr/share/man/man1/refitctl.1.gz"

@@ -19,7 +19,7 @@
 # installed already (REFIT_TEST_PACKAGES_REPLACE=1: purge that first). Takes about a minute.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# shellcheck source=lib/ship.sh
+# shellcheck source=scripts/lib/ship.sh
 . "$root/scripts/lib/ship.sh"
 
 fail() { echo "test-packages: FAIL: $*" >&2; exit 1; }
@@ -31,11 +31,14 @@ same() {  # same WHAT GOT WANT
 [ "$(id -u)" -eq 0 ] || fail "run as root: this installs a .deb and chroots into the image"
 for need in "bazel bazel-bootstrap" "dpkg-deb dpkg" "dpkg-shlibdeps dpkg-dev" \
   "lintian lintian" "systemd-analyze systemd" "buildah buildah" "skopeo skopeo" "umoci umoci" \
-  "chroot coreutils" "runuser util-linux" "setpriv util-linux" "mount mount" "/usr/bin/python3 python3"; do
+  "chroot coreutils" "runuser util-linux" "setpriv util-linux" "mount mount" \
+  "/usr/bin/python3 python3"; do
+  # shellcheck disable=SC2086  # "COMMAND PACKAGE", two arguments
   ship_need $need
 done
 /usr/bin/python3 -c 'import venv, ensurepip, setuptools, wheel' 2> /dev/null ||
-  fail "python3 venv/setuptools/wheel missing: install python3-venv python3-setuptools python3-wheel"
+  fail "python3's venv/setuptools/wheel missing: install python3-venv python3-setuptools" \
+    "python3-wheel"
 if dpkg-query -W -f='${db:Status-Abbrev}' refit 2> /dev/null | grep -q '^[ic]'; then
   if [ "${REFIT_TEST_PACKAGES_REPLACE:-}" = 1 ]; then
     dpkg --purge refit > /dev/null
@@ -51,9 +54,14 @@ daemon_pid=""
 mounted=()
 installed=""
 cleanup() {
-  if [ -n "$daemon_pid" ]; then kill "$daemon_pid" 2> /dev/null || true; wait "$daemon_pid" 2> /dev/null || true; fi
+  if [ -n "$daemon_pid" ]; then
+    kill "$daemon_pid" 2> /dev/null || true
+    wait "$daemon_pid" 2> /dev/null || true
+  fi
   local i
-  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount -R "${mounted[$i]}" 2> /dev/null || true; done
+  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do
+    umount -R "${mounted[$i]}" 2> /dev/null || true
+  done
   if [ -n "$installed" ]; then dpkg --purge refit > /dev/null 2>&1 || true; fi
   rm -rf "$work"
 }
@@ -88,13 +96,14 @@ dist="$work/dist"
 # ---- the version and its marks, in a clone of the checkout ------------------------------------
 if git -C "$root" rev-parse --verify -q HEAD > /dev/null; then
   git clone -q --no-hardlinks "$root" "$work/clone"
-  same "version of a clean clone" "$("$work/clone/scripts/version.sh")" "$base"
+  cv="$work/clone/scripts/version.sh"
+  same "version of a clean clone" "$("$cv")" "$base"
   touch "$work/clone/untracked-file"
-  same "version of a dirty clone" "$("$work/clone/scripts/version.sh")" "$base~dirty"
-  same "image tag of a dirty clone" "$("$work/clone/scripts/version.sh" --image-tag)" "$base-dirty"
-  same "Python version of a dirty clone" "$("$work/clone/scripts/version.sh" --python)" "$base+dirty"
+  same "version of a dirty clone" "$("$cv")" "$base~dirty"
+  same "image tag of a dirty clone" "$("$cv" --image-tag)" "$base-dirty"
+  same "Python version of a dirty clone" "$("$cv" --python)" "$base+dirty"
   echo "0.2" > "$work/clone/VERSION"
-  if "$work/clone/scripts/version.sh" > /dev/null 2>&1; then fail "VERSION '0.2' was accepted"; fi
+  if "$cv" > /dev/null 2>&1; then fail "VERSION '0.2' was accepted"; fi
   rm -rf "$work/clone"
   ok "scripts/version.sh: $base clean, ~dirty/-dirty/+dirty marks, a malformed VERSION refused"
 fi
@@ -125,11 +134,13 @@ deb="$dist/refit_${version}_amd64.deb"
 archive="$dist/refitd-$tag.oci.tar"
 [ -f "$deb" ] || fail "no $deb"
 [ -f "$archive" ] || fail "no $archive"
-ok "built $(basename "$deb") ($(du -h "$deb" | cut -f1)) and $(basename "$archive") ($(du -h "$archive" | cut -f1))"
+ok "built $(basename "$deb") ($(du -h "$deb" | cut -f1))," \
+  "$(basename "$archive") ($(du -h "$archive" | cut -f1))"
 
 . "$root/scripts/lib/test-deb.sh"
 . "$root/scripts/lib/test-image.sh"
 
 now="$(git -C "$root" status --porcelain --untracked-files=normal 2> /dev/null || true)"
-same "git status after the test (the builds must leave the checkout as it was)" "$now" "$tree_before"
+same "git status after the test (the builds must leave the checkout as it was)" "$now" \
+  "$tree_before"
 echo "test-packages: all passed (refit $version)"

@@ -19,7 +19,8 @@ if ! [[ "$base" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
 fi
 
 dirty=""
-if command -v git > /dev/null && git -C "$root" rev-parse --is-inside-work-tree > /dev/null 2>&1; then
+if command -v git > /dev/null && git -C "$root" rev-parse --is-inside-work-tree > /dev/null 2>&1
+then
   if [ -n "$(git -C "$root" status --porcelain --untracked-files=normal 2> /dev/null)" ]; then
     dirty=1
   fi

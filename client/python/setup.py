@@ -65,7 +65,7 @@ class BuildPyWithStubs(build_py):
                         f"--grpc_python_out={self.build_lib}", checkout_file(PROTO)], check=True)
         package = os.path.join(self.build_lib, "refit")
         with open(os.path.join(package, "v1", "__init__.py"), "w", encoding="utf-8") as f:
-            f.write('"""Generated gRPC stubs of refit.v1 (built from proto/refit/v1/refit.proto)."""\n')
+            f.write('"""Generated gRPC stubs of refit.v1, from proto/refit/v1/refit.proto."""\n')
         with open(os.path.join(package, "_version.py"), "w", encoding="utf-8") as f:
             f.write(f'"""The version this package was built as."""\n__version__ = "{VERSION}"\n')
 

@@ -18,8 +18,9 @@ ship_build_binaries() {
   (cd "$root" && bazel build //daemon:refitd //client:refitctl)
   bin="$(cd "$root" && bazel info bazel-bin 2> /dev/null)"
   install -d -m 0755 "$dest/usr/bin"
-  strip --strip-unneeded --remove-section=.comment -o "$dest/usr/bin/refitd" "$bin/daemon/refitd"
-  strip --strip-unneeded --remove-section=.comment -o "$dest/usr/bin/refitctl" "$bin/client/refitctl"
+  local flags=(--strip-unneeded --remove-section=.comment)
+  strip "${flags[@]}" -o "$dest/usr/bin/refitd" "$bin/daemon/refitd"
+  strip "${flags[@]}" -o "$dest/usr/bin/refitctl" "$bin/client/refitctl"
   chmod 0755 "$dest/usr/bin/refitd" "$dest/usr/bin/refitctl"
 
   REFIT_VERSION="$("$dest/usr/bin/refitd" --version | awk '{print $2}')"

@@ -1,11 +1,13 @@
+# shellcheck shell=bash disable=SC2154,SC2034  # its variables are test-packages.sh's
 # Part of scripts/test-packages.sh (sourced; uses its variables and helpers): the Debian
 # package installed, run, upgraded, removed and purged on this machine.
 
 # What lies where a package could leave something, by name (contents that change anyway —
 # dpkg's database and logs, man-db's index, the account files' backups — are left out).
 snapshot() {
-  find /etc /usr /lib /var -xdev \( -path /var/lib/dpkg -o -path /var/log -o -path /var/cache \
-    -o -path /var/tmp -o -path /var/lib/apt -o -path /var/cache/man \) -prune -o -print 2> /dev/null |
+  find /etc /usr /lib /var -xdev \( -path /var/lib/dpkg -o -path /var/lib/apt -o -path /var/log \
+    -o -path /var/cache/man -o -path /var/cache/apt -o -path /var/tmp \) -prune -o -print \
+    2> /dev/null |
     grep -v -E '^/etc/(passwd|group|shadow|gshadow)-$|^/etc/\.pwd\.lock$' | sort
 }
 
@@ -25,7 +27,8 @@ same "conffiles" "$(dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles)" /etc/
 # lintian runs as nobody (it warns against root) and must find no error and no warning; the
 # informational tags it prints are explained in docs/deploy.md.
 lintian_rc=0
-runuser -u nobody -- lintian --fail-on error,warning "$deb" > "$work/lintian.txt" 2>&1 || lintian_rc=$?
+runuser -u nobody -- lintian --fail-on error,warning "$deb" > "$work/lintian.txt" 2>&1 ||
+  lintian_rc=$?
 grep -v '^running with root' "$work/lintian.txt" | sed 's/^/  lintian: /' || true
 [ "$lintian_rc" -eq 0 ] || fail "lintian found errors or warnings (above)"
 ok "the .deb: version $version, Depends from dpkg-shlibdeps, its files, lintian clean"
@@ -52,13 +55,13 @@ ok "installed: refitd/refitctl $version in /usr/bin, user refit, the unit verifi
 rundir="$work/run"
 install -d -o refit -g refit -m 0750 "$rundir"
 sock="$rundir/refitd.sock"
-setpriv --reuid=refit --regid=refit --init-groups refitd --config=/etc/refit/refitd.toml --socket="$sock" \
-  --listen=127.0.0.1:0 --health-listen=127.0.0.1:0 --metrics-listen=127.0.0.1:0 \
+setpriv --reuid=refit --regid=refit --init-groups \
+  refitd --config=/etc/refit/refitd.toml --socket="$sock" --listen=127.0.0.1:0 --health-listen=127.0.0.1:0 --metrics-listen=127.0.0.1:0 \
   > "$work/refitd-deb.log" 2>&1 &
 daemon_pid=$!
 wait_for_socket "$sock" "$daemon_pid"
 status="$(refitctl --socket="$sock" status)" || fail "refitctl status against the installed refitd"
-[[ "$status" == *"refitd $version"* ]] || fail "refitctl status does not name refitd $version: $status"
+[[ "$status" == *"refitd $version"* ]] || fail "refitctl status names no refitd $version: $status"
 . "$root/scripts/lib/test-pip.sh"
 stop_daemon
 rm -rf "$rundir"
@@ -72,7 +75,8 @@ dpkg-deb --root-owner-group -b "$work/upgrade" "$work/refit_upgrade.deb" > /dev/
 dpkg -i "$work/refit_upgrade.deb" < /dev/null > "$work/dpkg-upgrade.log" 2>&1 ||
   { cat "$work/dpkg-upgrade.log" >&2; fail "dpkg -i (upgrade)"; }
 same "version after upgrade" "$(dpkg-query -W -f='${Version}' refit)" "$version+test1"
-grep -qx "# edited by the operator" /etc/refit/refitd.toml || fail "the upgrade replaced the edited conffile"
+grep -qx "# edited by the operator" /etc/refit/refitd.toml ||
+  fail "the upgrade replaced the edited conffile"
 [ -L /etc/systemd/system/multi-user.target.wants/refitd.service ] ||
   fail "refitd.service no longer enabled after upgrade"
 ok "upgrade to $version+test1 keeps the edited /etc/refit/refitd.toml and the enablement"
@@ -87,7 +91,7 @@ done
 ok "remove: the files go, the conffile stays"
 
 dpkg -P refit > "$work/dpkg-P.log" 2>&1 || { cat "$work/dpkg-P.log" >&2; fail "dpkg -P"; }
-installed=""
+installed=""  # nothing for cleanup to purge
 if dpkg-query -W refit > /dev/null 2>&1; then fail "dpkg still knows refit after purge"; fi
 after="$(snapshot)"
 left="$(comm -13 <(echo "$before") <(echo "$after"))"

@@ -1,10 +1,12 @@
+# shellcheck shell=bash disable=SC2154  # its variables are test-packages.sh's
 # Part of scripts/test-packages.sh (sourced; uses its variables and helpers): the OCI archive
 # inspected with skopeo, unpacked with umoci and run from its root file system with chroot.
 
-ref="$(tar -xOf "$archive" index.json | /usr/bin/python3 -c \
-  'import json,sys; print(json.load(sys.stdin)["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"])')"
+ref="$(tar -xOf "$archive" index.json | /usr/bin/python3 -c 'import json, sys
+print(json.load(sys.stdin)["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"])')"
 same "the archive's image name" "$ref" "refit/refitd:$tag"
-manifest_image="$(sed -n 's/^ *image: \(refit\/refitd:.*\)$/\1/p' "$root/deploy/k8s/daemonset.yaml")"
+manifest_image="$(sed -n 's/^ *image: \(refit\/refitd:.*\)$/\1/p' \
+  "$root/deploy/k8s/daemonset.yaml")"
 same "the image deploy/k8s/daemonset.yaml runs" "$manifest_image" "refit/refitd:$base"
 skopeo inspect --config "oci-archive:$archive" > "$work/image-config.json"
 /usr/bin/python3 - "$work/image-config.json" "$version" <<'PY' || fail "the image's config"
@@ -22,9 +24,9 @@ skopeo copy -q "oci-archive:$archive" "oci:$work/layout:$tag"
 umoci unpack --image "$work/layout:$tag" "$work/bundle" > "$work/umoci.log" 2>&1 ||
   { cat "$work/umoci.log" >&2; fail "umoci unpack"; }
 rootfs="$work/bundle/rootfs"
-[ ! -e "$rootfs/bin/sh" ] || fail "the image has a shell: it should hold only refitd, refitctl and their libraries"
-uid="$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["config"]["User"])' \
-  "$work/image-config.json")"
+[ ! -e "$rootfs/bin/sh" ] || fail "the image has a shell; it should hold refitd, refitctl, libraries"
+uid="$(/usr/bin/python3 -c 'import json, sys
+print(json.load(open(sys.argv[1]))["config"]["User"])' "$work/image-config.json")"
 ok "the image: refit/refitd:$tag, $size_mib MiB, entrypoint /usr/bin/refitd, user $uid, no shell"
 
 # What a container runtime provides: /proc, /sys, /dev. The binds are made slaves, so that
@@ -38,8 +40,8 @@ for d in sys dev; do
   mounted+=("$rootfs/$d")
 done
 
-same "refitd --version in the image" \
-  "$(chroot --userspec="$uid" "$rootfs" /usr/bin/refitd --version 2> /dev/null | awk '{print $2}')" "$version"
+in_image="$(chroot --userspec="$uid" "$rootfs" /usr/bin/refitd --version 2> /dev/null)"
+same "refitd --version in the image" "$(awk '{print $2}' <<< "$in_image")" "$version"
 chroot --userspec="$uid" "$rootfs" /usr/bin/refitd --socket=/tmp/refitd.sock \
   --listen=127.0.0.1:0 > "$work/refitd-image.log" 2>&1 &
 daemon_pid=$!
