@@ -65,7 +65,8 @@ put() {
   fi
 }
 
-# What UCX and libibverbs dlopen, besides what the binaries link.
+# What UCX and libibverbs dlopen, besides what the binaries link (none where not installed).
+shopt -s nullglob
 multiarch=/usr/lib/x86_64-linux-gnu
 modules=("$multiarch"/ucx/libuct_*.so.0 "$multiarch"/libibverbs/*.so)
 libs="$(ldd "$rootfs/usr/bin/refitd" "$rootfs/usr/bin/refitctl" "${modules[@]}" |

@@ -106,6 +106,8 @@ if git -C "$root" rev-parse --verify -q HEAD > /dev/null; then
   if "$cv" > /dev/null 2>&1; then fail "VERSION '0.2' was accepted"; fi
   rm -rf "$work/clone"
   ok "scripts/version.sh: $base clean, ~dirty/-dirty/+dirty marks, a malformed VERSION refused"
+else
+  echo "test-packages: NOT CHECKED: the dirty marks of scripts/version.sh (not a git checkout)"
 fi
 
 # ---- a build script without its tools names the package and stops ----------------------------
