@@ -16,6 +16,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/lib/ship.sh
 . "$root/scripts/lib/ship.sh"
 
+ship_args "$@"
 out_dir="${1:-$root/dist}"
 ship_need bazel bazel-bootstrap
 ship_need dpkg-deb dpkg

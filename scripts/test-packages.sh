@@ -125,7 +125,14 @@ expect_missing build-image.sh bazel-bootstrap
 ln -s "$(command -v bazel)" "$work/bin/bazel"
 expect_missing package-deb.sh dpkg
 expect_missing build-image.sh buildah
-ok "without their tools, package-deb.sh and build-image.sh name the Debian package and stop"
+for s in package-deb.sh build-image.sh; do
+  "$root/scripts/$s" --help | grep -q "DIR" || fail "$s --help does not describe DIR"
+  rc=0
+  "$root/scripts/$s" --bogus 2> /dev/null || rc=$?
+  same "$s --bogus exit status" "$rc" 2
+done
+ok "without their tools, package-deb.sh and build-image.sh name the Debian package and stop;" \
+  "--help describes them, an unknown option is refused"
 
 # ---- build ------------------------------------------------------------------------------------
 "$root/scripts/package-deb.sh" "$dist" > "$work/package-deb.log" 2>&1 ||

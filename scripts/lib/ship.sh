@@ -1,6 +1,25 @@
 # Shared by scripts/package-deb.sh and scripts/build-image.sh (sourced, not run): checking for
 # tools, building the two binaries and staging them stripped, the version they carry.
 
+# ship_args "$@": the one argument a build script takes is DIR; -h/--help prints the script's
+# leading comment, any other option is refused (exit 2).
+ship_args() {
+  case "${1:-}" in
+    -h | --help)
+      sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"
+      exit 0
+      ;;
+    -*)
+      echo "usage: $(basename "$0") [DIR]   (see --help)" >&2
+      exit 2
+      ;;
+  esac
+  if [ "$#" -gt 1 ]; then
+    echo "usage: $(basename "$0") [DIR]   (see --help)" >&2
+    exit 2
+  fi
+}
+
 # ship_need COMMAND DEBIAN_PACKAGE: stop, naming the package to install, if COMMAND is missing.
 ship_need() {
   if ! command -v "$1" > /dev/null 2>&1; then
