@@ -51,6 +51,7 @@ fi
 work="$(mktemp -d /tmp/refit-test-packages.XXXXXX)"
 chmod 0755 "$work"
 daemon_pid=""
+lintian_pid=""
 mounted=()
 installed=""
 cleanup() {
@@ -58,6 +59,7 @@ cleanup() {
     kill "$daemon_pid" 2> /dev/null || true
     wait "$daemon_pid" 2> /dev/null || true
   fi
+  if [ -n "$lintian_pid" ]; then kill "$lintian_pid" 2> /dev/null || true; fi
   local i
   for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do
     umount -R "${mounted[$i]}" 2> /dev/null || true
@@ -145,6 +147,28 @@ archive="$dist/refitd-$tag.oci.tar"
 [ -f "$archive" ] || fail "no $archive"
 ok "built $(basename "$deb") ($(du -h "$deb" | cut -f1))," \
   "$(basename "$archive") ($(du -h "$archive" | cut -f1))"
+
+# lintian (a few seconds) runs meanwhile, as nobody (it warns against root); lib/test-deb.sh
+# reads its verdict.
+runuser -u nobody -- lintian --fail-on error,warning "$deb" > "$work/lintian.txt" 2>&1 &
+lintian_pid=$!
+
+# Built again from the same commit: the same image (manifest digest), and from a clean tree the
+# same .deb, byte for byte (a dirty tree's changelog entry is dated at build time).
+"$root/scripts/build-image.sh" "$work/again" > "$work/build-image-again.log" 2>&1 ||
+  { tail -20 "$work/build-image-again.log" >&2; fail "scripts/build-image.sh, again"; }
+again_index="$(tar -xOf "$work/again/$(basename "$archive")" index.json)"
+same "the image's manifest, built again" "$again_index" "$(tar -xOf "$archive" index.json)"
+if [ "$version" = "$base" ]; then
+  "$root/scripts/package-deb.sh" "$work/again" > "$work/package-deb-again.log" 2>&1 ||
+    { tail -20 "$work/package-deb-again.log" >&2; fail "scripts/package-deb.sh, again"; }
+  same "the .deb's sha256, built again" \
+    "$(sha256sum < "$work/again/$(basename "$deb")")" "$(sha256sum < "$deb")"
+  ok "built again: the same image manifest and the same .deb"
+else
+  ok "built again: the same image manifest (the .deb is compared only from a clean tree)"
+fi
+rm -rf "$work/again"
 
 . "$root/scripts/lib/test-deb.sh"
 . "$root/scripts/lib/test-image.sh"

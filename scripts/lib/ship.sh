@@ -35,7 +35,9 @@ ship_need() {
 ship_build_binaries() {
   local root="$1" dest="$2" bin
   (cd "$root" && bazel build //daemon:refitd //client:refitctl)
-  bin="$(cd "$root" && bazel info bazel-bin 2> /dev/null)"
+  # The convenience link saves a second Bazel call; bazel info where it is not made.
+  bin="$root/bazel-bin"
+  [ -d "$bin/daemon" ] || bin="$(cd "$root" && bazel info bazel-bin 2> /dev/null)"
   install -d -m 0755 "$dest/usr/bin"
   local flags=(--strip-unneeded --remove-section=.comment)
   strip "${flags[@]}" -o "$dest/usr/bin/refitd" "$bin/daemon/refitd"
