@@ -28,6 +28,7 @@ same "conffiles" "$(dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles)" /etc/
 # tags it can print are explained in docs/packaging.md.
 lintian_rc=0
 wait "$lintian_pid" || lintian_rc=$?
+lintian_pid=""
 grep -v '^running with root' "$work/lintian.txt" | sed 's/^/  lintian: /' || true
 [ "$lintian_rc" -eq 0 ] || fail "lintian found errors or warnings (above)"
 ok "the .deb: version $version, Depends from dpkg-shlibdeps, its files, lintian clean"
