@@ -8,8 +8,8 @@
 //   refitctl metrics           the daemon's counters
 //   refitctl health            SERVING / NOT_SERVING
 //
-// --json prints machine-readable output. Exit codes: 0 success, 1 the daemon answered with an
-// error, 2 bad usage, 3 no daemon answers at the socket.
+// --json prints machine-readable output; --version prints the version. Exit codes: 0 success,
+// 1 the daemon answered with an error, 2 bad usage, 3 no daemon answers at the socket.
 
 #include <unistd.h>
 
@@ -25,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/refit_client.h"
+#include "daemon/version.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace {
@@ -247,6 +248,7 @@ int main(int argc, char** argv) {
                                      "/run/refit/refitd.sock)");
   app.add_flag("--json", json, "machine-readable output");
   app.add_option("--timeout", timeout_s, "seconds to wait for the daemon")->capture_default_str();
+  app.set_version_flag("--version", std::string("refitctl ") + refit::kRefitVersion);
   app.require_subcommand(1);
   app.fallthrough();  // --json and --socket may follow the subcommand
   auto* status_cmd = app.add_subcommand("status", "node, peers and models");

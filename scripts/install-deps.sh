@@ -17,6 +17,9 @@ packages=(
   python3 python3-grpcio python3-protobuf python3-torch python3-yaml
   # multi-node tests and operations tooling
   iproute2 procps systemd
+  # shipping (scripts/package-deb.sh, build-image.sh, test-packages.sh, client/python for pip)
+  binutils dpkg-dev lintian buildah skopeo umoci python3-venv python3-setuptools python3-wheel
+  util-linux mount
 )
 
 missing=()

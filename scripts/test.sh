@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every refit test: installs what is missing (Debian 12, as root), then `bazel test //...`.
+# Runs every refit test: installs what is missing (Debian 12, as root), then `bazel test //...`,
+# then scripts/test-packages.sh (the .deb, the image and the pip package installed and checked).
 # Usage: scripts/test.sh [extra bazel test arguments]
 #   REFIT_TEST_GPU_BUNDLE=1   then also scripts/gpu-bundle-test.sh: builds the GPU bundle with
 #                             the CUDA toolkit (a few minutes more) and checks a copy of it
@@ -25,7 +26,16 @@ set -e
 passed=$(grep -cE '^//.* PASSED( in|$)| \(cached\) PASSED' "$log" || true)
 failed=$(grep -cE '^//.* (FAILED|TIMEOUT|FAILED TO BUILD|NO STATUS|INCOMPLETE)' "$log" || true)
 echo "tests: ${passed} passed, ${failed} failed"
+
+# What an operator installs, built and installed as they would: the .deb, the container image,
+# the pip package (root; about 1.5 minutes; it installs and purges the package refit here).
+packages_rc=0
+./scripts/test-packages.sh || packages_rc=$?
+if [ "$packages_rc" -ne 0 ]; then
+  echo "tests: scripts/test-packages.sh FAILED"
+fi
 if [ "${REFIT_TEST_GPU_BUNDLE:-0}" = 1 ]; then
   ./scripts/gpu-bundle-test.sh || rc=1
 fi
-exit "$rc"
+if [ "$rc" -ne 0 ]; then exit "$rc"; fi
+exit "$packages_rc"

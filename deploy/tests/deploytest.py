@@ -35,10 +35,9 @@ PEER_PORT = 7070
 HEALTH_PORT = 7071
 METRICS_PORT = 9464
 
-DAEMON_BINARY = "/usr/local/bin/refitd"
+DAEMON_BINARY = "/usr/bin/refitd"
 CONFIG_PATH = "/etc/refit/refitd.toml"
 SOCKET_PATH = "/run/refit/refitd.sock"
-IMAGE = "refit/refitd:0.1.0"
 
 
 def workspace_root():
@@ -53,6 +52,16 @@ def workspace_root():
         if os.path.isdir(os.path.join(c, "deploy", "k8s")):
             return c
     raise RuntimeError("cannot find deploy/ (looked in %s)" % ", ".join(candidates))
+
+
+def version():
+    """The VERSION file at the workspace root (the image tag; scripts/version.sh)."""
+    with open(os.path.join(workspace_root(), "VERSION"), encoding="utf-8") as f:
+        return f.read().strip()
+
+
+# The image the manifests run: scripts/build-image.sh builds it, tagged with VERSION.
+IMAGE = "refit/refitd:" + version()
 
 
 ROOT = workspace_root()

@@ -287,6 +287,12 @@ class K8sManifestsTest(unittest.TestCase):
         self.assertEqual(len(ds), 1)
         return ds[0]
 
+    def test_daemonset_version_label_is_the_image_tag(self):
+        # Both say which release runs: VERSION, what scripts/build-image.sh tags the image with.
+        labels = self.daemonset()["metadata"]["labels"]
+        self.assertEqual(labels.get("app.kubernetes.io/version"), dt.version())
+        self.assertEqual(dt.IMAGE.rsplit(":", 1)[1], dt.version())
+
     def test_daemonset_on_gpu_nodes(self):
         ds = self.daemonset()
         spec = pod_spec(ds)

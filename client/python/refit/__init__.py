@@ -26,8 +26,19 @@ try:
     from refit.v1 import refit_pb2, refit_pb2_grpc  # noqa: F401
 except ImportError as e:  # pragma: no cover
     raise ImportError(
-        "refit: the gRPC stubs refit/v1/refit_pb2.py are missing; run "
-        "client/python/generate.sh (or use the Bazel target //client/python:refit)") from e
+        "refit: the gRPC stubs refit/v1/refit_pb2.py are missing; pip install ./client/python, "
+        "or in a checkout run client/python/generate.sh (Bazel: //client/python:refit)") from e
+
+try:
+    from refit._version import __version__  # written by the pip build (setup.py)
+except ImportError:  # a checkout on PYTHONPATH: the repository's VERSION
+    import os as _os
+    try:
+        with open(_os.path.join(_os.path.dirname(__file__), "..", "..", "..", "VERSION"),
+                  encoding="utf-8") as _f:
+            __version__ = _f.read().strip()
+    except OSError:
+        __version__ = "unknown"
 
 from refit.buffer import Buffer, Slice, SliceLayout
 from refit.client import Client, Watch, default_socket_path
@@ -44,5 +55,5 @@ __all__ = [
     "Buffer", "CancelledError", "Client", "DeadlineExceededError", "DESTINATION",
     "FailedPreconditionError", "InvalidArgumentError", "NotFoundError", "REFIT_TO_TORCH",
     "RefitError", "ResourceExhaustedError", "SOURCE", "Slice", "SliceLayout", "TORCH_TO_REFIT", "UnavailableError", "Watch",
-    "default_socket_path", "pb",
+    "__version__", "default_socket_path", "pb",
 ]

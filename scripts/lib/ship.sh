@@ -1,0 +1,62 @@
+# Shared by scripts/package-deb.sh and scripts/build-image.sh (sourced, not run): checking for
+# tools, building the two binaries and staging them stripped, the version they carry.
+
+# ship_args "$@": the one argument a build script takes is DIR; -h/--help prints the script's
+# leading comment, any other option is refused (exit 2).
+ship_args() {
+  case "${1:-}" in
+    -h | --help)
+      sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"
+      exit 0
+      ;;
+    -*)
+      echo "usage: $(basename "$0") [DIR]   (see --help)" >&2
+      exit 2
+      ;;
+  esac
+  if [ "$#" -gt 1 ]; then
+    echo "usage: $(basename "$0") [DIR]   (see --help)" >&2
+    exit 2
+  fi
+}
+
+# ship_need COMMAND DEBIAN_PACKAGE: stop, naming the package to install, if COMMAND is missing.
+ship_need() {
+  if ! command -v "$1" > /dev/null 2>&1; then
+    echo "$(basename "$0"): '$1' not found: install the Debian package $2" \
+      "(apt-get install $2, or scripts/install-deps.sh as root)" >&2
+    exit 1
+  fi
+}
+
+# ship_build_binaries ROOT DEST: builds //daemon:refitd and //client:refitctl in ROOT and puts
+# them, stripped, in DEST/usr/bin. Sets REFIT_VERSION to what `refitd --version` says, after
+# checking it equals scripts/version.sh (so the binaries and the thing shipped agree).
+ship_build_binaries() {
+  local root="$1" dest="$2" bin
+  (cd "$root" && bazel build //daemon:refitd //client:refitctl)
+  # The convenience link saves a second Bazel call; bazel info where it is not made.
+  bin="$root/bazel-bin"
+  [ -d "$bin/daemon" ] || bin="$(cd "$root" && bazel info bazel-bin 2> /dev/null)"
+  install -d -m 0755 "$dest/usr/bin"
+  local flags=(--strip-unneeded --remove-section=.comment)
+  strip "${flags[@]}" -o "$dest/usr/bin/refitd" "$bin/daemon/refitd"
+  strip "${flags[@]}" -o "$dest/usr/bin/refitctl" "$bin/client/refitctl"
+  chmod 0755 "$dest/usr/bin/refitd" "$dest/usr/bin/refitctl"
+
+  REFIT_VERSION="$("$dest/usr/bin/refitd" --version | awk '{print $2}')"
+  local expected ctl
+  expected="$("$root/scripts/version.sh")"
+  ctl="$("$dest/usr/bin/refitctl" --version | awk '{print $2}')"
+  if [ "$REFIT_VERSION" != "$expected" ] || [ "$ctl" != "$expected" ]; then
+    echo "$(basename "$0"): refitd says version '$REFIT_VERSION', refitctl '$ctl'," \
+      "scripts/version.sh '$expected' (the tree changed during the build?)" >&2
+    exit 1
+  fi
+}
+
+# ship_source_date_epoch ROOT: seconds since the epoch of the commit checked out (so that two
+# builds of one commit carry the same dates), else now.
+ship_source_date_epoch() {
+  git -C "$1" log -1 --format=%ct 2> /dev/null || date +%s
+}
