@@ -17,6 +17,7 @@
 #include "daemon/bucket/bucket_sync.h"
 #include "daemon/callers/local_listener.h"
 #include "daemon/common/logging.h"
+#include "daemon/tls/peer_tls.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/metrics/prometheus.h"
 #include "daemon/server/denied_service.h"
@@ -105,6 +106,7 @@ struct Daemon::Impl {
   std::unique_ptr<MetricsHttpServer> metrics_server;
   int health_port = 0;
   std::unique_ptr<callers::LocalListener> local_listener;  // --socket
+  tls::PeerTlsFiles tls;  // --tls-*: the peer plane's mutual TLS (none: plaintext)
   server::ServiceContext service_context;  // what each local caller's RefitService starts from
   std::unique_ptr<grpc::Server> peer_server;
   int listen_port = 0;
@@ -213,11 +215,21 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     if (!import.ok()) return import.status();
     impl->bucket_import = std::move(import).value();
   }
+  impl->tls = tls::PeerTlsFiles{options.tls_cert, options.tls_key, options.tls_ca};
+  if (impl->tls.enabled()) {
+    if (absl::Status files = tls::CheckFiles(impl->tls); !files.ok()) return files;
+  } else {
+    Logger("daemon")->warn(
+        "the peer plane is unauthenticated: any host that reaches --listen={} can read every "
+        "weight held here and announce versions (give --tls-cert, --tls-key and --tls-ca)",
+        options.listen);
+  }
   impl->peer_service = std::make_unique<peer::PeerService>(
       options.node, impl->store.get(), impl->data_plane.get(), impl->deltas.get(),
-      &impl->metrics, &impl->relay_board, &impl->replicas, options.relay);
+      &impl->metrics, &impl->relay_board, &impl->replicas, options.relay,
+      impl->tls.enabled());
   impl->peers = std::make_unique<peer::PeerManager>(
-      peer::PeerManagerOptions{options.node, options.delta_threshold, options.relay},
+      peer::PeerManagerOptions{options.node, options.delta_threshold, options.relay, impl->tls},
       options.peers, impl->store.get(), impl->data_plane.get(), &impl->metrics,
       &impl->relay_board, &impl->replicas);
   {
@@ -272,6 +284,23 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
 
   grpc::EnableDefaultHealthCheckService(false);
   {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(options.listen, tls::ServerCredentials(impl->tls),
+                             &impl->listen_port);
+    // Peers ping every second (keepalive, PeerManager) to notice a dead node within ~3 s; by
+    // default gRPC's server would answer that with GOAWAY "too_many_pings", closing the channel
+    // under a pull's last calls (its pin release, which carries the byte count, got lost).
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    builder.RegisterService(impl->peer_service.get());
+    builder.RegisterService(impl->health.get());
+    impl->peer_server = builder.BuildAndStart();
+    if (!impl->peer_server || impl->listen_port == 0) {
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
+    }
+  }
+  {
     // Local callers: each connection is served by the RefitService of its uid, or refused.
     callers::Policy policy;
     policy.daemon_uid = geteuid();
@@ -305,27 +334,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       return keep;
     };
     auto local = callers::LocalListener::Start(options.socket_path, 0660, policy, factory);
-    if (!local.ok()) return local.status();
-    impl->local_listener = std::move(local).value();
-  }
-  {
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(),
-                             &impl->listen_port);
-    // Peers ping every second (keepalive, PeerManager) to notice a dead node within ~3 s; by
-    // default gRPC's server would answer that with GOAWAY "too_many_pings", closing the channel
-    // under a pull's last calls (its pin release, which carries the byte count, got lost).
-    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500);
-    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-    builder.RegisterService(impl->peer_service.get());
-    builder.RegisterService(impl->health.get());
-    impl->peer_server = builder.BuildAndStart();
-    if (!impl->peer_server || impl->listen_port == 0) {
-      impl->local_listener->Shutdown();
-      unlink(options.socket_path.c_str());
-      return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
+    if (!local.ok()) {
+      impl->peer_server->Shutdown();
+      return local.status();
     }
+    impl->local_listener = std::move(local).value();
   }
   auto fail = [&](absl::Status status) {
     impl->local_listener->Shutdown();

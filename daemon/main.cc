@@ -121,6 +121,11 @@ int main(int argc, char** argv) {
                      "local callers allowed by group (primary or supplementary; default: the "
                      "socket's group)")
           ->delimiter(',');
+  auto* tls_cert_opt = app.add_option("--tls-cert", flags.tls_cert,
+                                      "PEM certificate of this node (peer plane, mutual TLS)");
+  auto* tls_key_opt = app.add_option("--tls-key", flags.tls_key, "PEM private key of --tls-cert");
+  auto* tls_ca_opt = app.add_option("--tls-ca", flags.tls_ca,
+                                    "PEM CA that every peer's certificate must chain to");
   app.add_flag("--version", version, "print the version and CUDA support, then exit");
   CLI11_PARSE(app, argc, argv);
 
@@ -157,6 +162,9 @@ int main(int argc, char** argv) {
   if (*relay_opt) options.relay = flags.relay;
   if (*allow_uids_opt) options.allow_uids = flags.allow_uids;
   if (*allow_gids_opt) options.allow_gids = flags.allow_gids;
+  if (*tls_cert_opt) options.tls_cert = flags.tls_cert;
+  if (*tls_key_opt) options.tls_key = flags.tls_key;
+  if (*tls_ca_opt) options.tls_ca = flags.tls_ca;
   // Peers tell pieces apart by node name; an empty one would read as this node's own.
   if (options.node.empty() || options.node.size() > 255) {
     std::cerr << "refitd: --node must be 1 to 255 bytes (default: the host name)\n";

@@ -43,6 +43,10 @@ struct DaemonOptions {
   // allow_gids: the socket's group. Others get PERMISSION_DENIED on every RPC but health.
   std::vector<uint32_t> allow_uids;
   std::vector<uint32_t> allow_gids;
+  // Mutual TLS on the peer plane (PEM paths; all three or none).
+  std::string tls_cert;
+  std::string tls_key;
+  std::string tls_ca;
 };
 
 }  // namespace refit

@@ -143,6 +143,12 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
         }
         ids.push_back(static_cast<uint32_t>(*value));
       }
+    } else if (key == "tls_cert") {
+      status = ReadString(node, origin, key, &parsed.tls_cert);
+    } else if (key == "tls_key") {
+      status = ReadString(node, origin, key, &parsed.tls_key);
+    } else if (key == "tls_ca") {
+      status = ReadString(node, origin, key, &parsed.tls_ca);
     } else if (key == "relay") {
       auto value = node.value<bool>();
       if (!node.is_boolean() || !value) {
@@ -173,7 +179,7 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
                    "is unknown (known: socket, listen, peers, node, retain, log_level, "
                    "metrics_listen, health_listen, chunk_bytes, inflight, delta_threshold, "
                    "delta_chain, bucket_export, bucket_import, bucket_full_every, slot_memory, "
-                   "slot_device, max_slot_memory, max_gpu_slot_memory, relay, allow_uids, allow_gids)");
+                   "slot_device, max_slot_memory, max_gpu_slot_memory, relay, allow_uids, allow_gids, tls_cert, tls_key, tls_ca)");
     }
     if (!status.ok()) return status;
   }

@@ -127,6 +127,7 @@ PeerManager::PeerManager(PeerManagerOptions options, std::vector<std::string> ad
                          fleet::RelayBoard* board, fleet::ReplicaTable* replicas)
     : node_(options.node),
       relay_(options.relay),
+      tls_(options.tls),
       store_(store),
       data_plane_(data_plane),
       metrics_(metrics),
@@ -229,7 +230,7 @@ void PeerManager::RunPeer(Peer* peer) {
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
     args.SetMaxReceiveMessageSize(64 << 20);
-    auto channel = grpc::CreateCustomChannel(peer->address, grpc::InsecureChannelCredentials(),
+    auto channel = grpc::CreateCustomChannel(peer->address, tls::ChannelCredentials(tls_),
                                              args);
     auto stub = v1::Peer::NewStub(channel);
     v1::HelloRequest hello;
@@ -245,6 +246,16 @@ void PeerManager::RunPeer(Peer* peer) {
       status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                             absl::StrCat("it names itself '", who.node().substr(0, 64),
                                          "' (a node name is 1 to 255 bytes)"));
+    }
+    if (status.ok() && tls_.enabled()) {
+      // Its identity is its certificate: a peer may not call itself another node.
+      if (auto auth = hello_context.auth_context(); auth) {
+        absl::Status identity = tls::CheckIdentity(*auth, who.node());
+        if (!identity.ok()) {
+          status = grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                                std::string(identity.message()));
+        }
+      }
     }
     if (status.ok() && who.node() == node_) {
       // A name that resolves to every daemon (a headless Service) includes this one.

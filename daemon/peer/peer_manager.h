@@ -28,6 +28,7 @@
 #include "daemon/metrics/metrics.h"
 #include "daemon/pull/puller.h"
 #include "daemon/store/store.h"
+#include "daemon/tls/peer_tls.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
 namespace refit::peer {
@@ -50,6 +51,7 @@ struct PeerManagerOptions {
   // always pull full bytes).
   double delta_threshold = 0.5;
   bool relay = true;  // --relay
+  tls::PeerTlsFiles tls;  // mutual TLS on every channel to a peer (none: plaintext)
 };
 
 class PeerManager final : public pull::PeerChannels {
@@ -90,6 +92,7 @@ class PeerManager final : public pull::PeerChannels {
   void RunReports();
   const std::string node_;
   const bool relay_;
+  const tls::PeerTlsFiles tls_;
   Store* const store_;
   DataPlane* const data_plane_;
   Metrics* const metrics_;

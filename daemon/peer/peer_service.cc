@@ -8,13 +8,14 @@
 #include "absl/strings/str_join.h"
 #include "daemon/common/logging.h"
 #include "daemon/convert/convert.h"
+#include "daemon/tls/peer_tls.h"
 #include "daemon/version.h"
 
 namespace refit::peer {
 
 PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane,
                          DeltaSource* deltas, Metrics* metrics, fleet::RelayBoard* board,
-                         fleet::ReplicaTable* replicas, bool relay)
+                         fleet::ReplicaTable* replicas, bool relay, bool tls)
     : node_(std::move(node)),
       store_(store),
       data_plane_(data_plane),
@@ -22,7 +23,8 @@ PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane,
       metrics_(metrics),
       board_(board),
       replicas_(replicas),
-      relay_(relay && board != nullptr) {
+      relay_(relay && board != nullptr),
+      tls_(tls) {
   if (const char* fault = std::getenv("REFIT_FAULT_RELAY_FLIP")) {
     relay_flips_ = std::atoll(fault);
     Logger("peer")->warn("fault injection: the first {} relayed ranges get a flipped byte",
@@ -58,10 +60,21 @@ void PeerService::Stop() {
   changed_.notify_all();
 }
 
+absl::Status PeerService::Authenticate(const grpc::ServerContext& context,
+                                      const std::string& node) const {
+  if (!tls_) return absl::OkStatus();
+  auto auth = context.auth_context();
+  if (!auth) return absl::PermissionDeniedError("no TLS identity");
+  return tls::CheckIdentity(*auth, node);
+}
+
 grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloRequest* request,
                                 v1::HelloResponse* response) {
   Logger("peer")->debug("peer={} hello (refitd {}) from {}", request->node(), request->version(),
                         context->peer());
+  if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
+  }
   response->set_node(node_);
   response->set_version(kRefitVersion);
   response->set_transport_address(data_plane_->LocalAddress());
@@ -116,6 +129,9 @@ bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceL
 grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
                                     const v1::SubscribeRequest* request,
                                     grpc::ServerWriter<v1::PeerEvent>* writer) {
+  if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
+  }
   Logger("peer")->info("peer={} subscribed from {}", request->node(), context->peer());
   std::map<std::string, std::string> sent;  // model -> what was last sent (serialized)
   // model -> the layouts last sent. The store keeps a buffer's slice vector (immutable) while
@@ -302,8 +318,17 @@ std::shared_ptr<const LocalSnapshot> PeerService::Snapshot(const std::string& mo
   return nullptr;
 }
 
-grpc::Status PeerService::Pin(grpc::ServerContext*, const v1::PinRequest* request,
+namespace {
+// A reader pins one version per model it pulls; these bound what a peer can hold alive here.
+constexpr size_t kMaxPinsPerNode = 64;
+constexpr uint32_t kMaxLeaseMs = 300000;
+}  // namespace
+
+grpc::Status PeerService::Pin(grpc::ServerContext* context, const v1::PinRequest* request,
                               v1::PinResponse*) {
+  if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
+  }
   const auto key = std::make_tuple(request->model(), request->version(), request->node());
   std::vector<Pinned> lapsed;  // released after the lock
   if (request->relay()) {
@@ -330,9 +355,16 @@ grpc::Status PeerService::Pin(grpc::ServerContext*, const v1::PinRequest* reques
   }
   std::vector<EncodedDelta> deltas;
   if (deltas_) deltas = deltas_->Deltas(request->model());
-  const uint32_t lease_ms = std::clamp<uint32_t>(request->lease_ms(), 1000, 600000);
+  const uint32_t lease_ms = std::clamp<uint32_t>(request->lease_ms(), 1000, kMaxLeaseMs);
   std::lock_guard<std::mutex> lock(mu_);
   lapsed = ExpirePins();
+  size_t held = 0;
+  for (const auto& [k, pinned] : pins_) held += std::get<2>(k) == request->node() && k != key;
+  if (held >= kMaxPinsPerNode) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("node ", request->node(), " holds ", held,
+                                     " pins here already (at most ", kMaxPinsPerNode, ")"));
+  }
   Logger("peer")->debug("model={} version={} pinned by node {} for {} ms", request->model(),
                         request->version(), request->node(), lease_ms);
   pins_[key] = {std::move(snapshot), std::move(deltas),
@@ -360,6 +392,9 @@ void AddRanges(const fleet::Ranges& ranges, google::protobuf::RepeatedPtrField<v
 
 grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayRequest* request,
                                 grpc::ServerWriter<v1::RelayProgress>* writer) {
+  if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
+  }
   if (!relay_) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         absl::StrCat("node ", node_, " does not relay (--relay=false)"));
@@ -432,8 +467,11 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
   }
 }
 
-grpc::Status PeerService::Report(grpc::ServerContext*, const v1::ReplicaReport* request,
+grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::ReplicaReport* request,
                                  v1::ReplicaReportResponse*) {
+  if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
+  }
   if (!replicas_) return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "no replica table");
   constexpr int kMaxModels = 10000;
   if (request->node().empty() || request->node().size() > 255 || request->node() == node_ ||

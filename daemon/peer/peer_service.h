@@ -38,7 +38,7 @@ class PeerService final : public v1::Peer::Service {
   // false, Relay answers FAILED_PRECONDITION.
   PeerService(std::string node, Store* store, DataPlane* data_plane, DeltaSource* deltas,
               Metrics* metrics, fleet::RelayBoard* board = nullptr,
-              fleet::ReplicaTable* replicas = nullptr, bool relay = false);
+              fleet::ReplicaTable* replicas = nullptr, bool relay = false, bool tls = false);
 
   // Something a subscriber should hear about changed (a layout or a new local version).
   void NotifyChanged();
@@ -83,6 +83,9 @@ class PeerService final : public v1::Peer::Service {
   fleet::RelayBoard* const board_;
   fleet::ReplicaTable* const replicas_;
   const bool relay_;
+  const bool tls_;  // callers are authenticated: a claimed node name must be the certificate's
+  // PERMISSION_DENIED when TLS is on and `node` is not the caller's certificate's name.
+  absl::Status Authenticate(const grpc::ServerContext& context, const std::string& node) const;
   // Fault injection for tests ($REFIT_FAULT_RELAY_FLIP): a relay flips one byte in each of the
   // first N ranges it announces, as a relay serving wrong bytes would (0 in production).
   std::atomic<int64_t> relay_flips_{0};

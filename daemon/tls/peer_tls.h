@@ -1,0 +1,42 @@
+#pragma once
+
+// Mutual TLS for the peer plane (--tls-cert, --tls-key, --tls-ca): the peer gRPC port and every
+// daemon-to-daemon channel. A daemon's identity is its certificate: the node name it gives in
+// Hello, Pin, Relay and Report must be the certificate's common name or one of its DNS names.
+// Certificates are reread when their files change (cert-manager rotates them in place).
+// Without the flags everything is plaintext, and refitd says so at startup.
+//
+// Thread-safety: the credentials objects are gRPC's (thread-safe); the functions are pure.
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "grpcpp/grpcpp.h"
+
+namespace refit::tls {
+
+struct PeerTlsFiles {
+  std::string cert;  // PEM: this node's certificate (chain)
+  std::string key;   // PEM: its private key
+  std::string ca;    // PEM: the CA every peer's certificate must chain to
+  bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
+};
+
+// INVALID_ARGUMENT unless all three are given and readable PEM files.
+absl::Status CheckFiles(const PeerTlsFiles& files);
+
+// The peer server's credentials: TLS requiring a client certificate that chains to the CA, or
+// plaintext without files.
+std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const PeerTlsFiles& files);
+// A channel's: TLS presenting this node's certificate and verifying the server's chain (not its
+// host name: peers are dialled by address, their identity is checked against Hello), or
+// plaintext without files.
+std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials(const PeerTlsFiles& files);
+
+// OK when `node` is the common name or a DNS name of the peer certificate in `auth`;
+// PERMISSION_DENIED otherwise (no certificate: PERMISSION_DENIED too).
+absl::Status CheckIdentity(const grpc::AuthContext& auth, const std::string& node);
+
+}  // namespace refit::tls
