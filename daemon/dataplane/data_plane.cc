@@ -24,6 +24,8 @@ constexpr int kPopulateWrite = 23;
 // Reads shorter than this go out in batches of up to kSpansPerBatch (Endpoint::PostGetSpans):
 // a column-split tensor gives one short range per row.
 constexpr uint64_t kShortRead = 64ull << 10;
+// Spans of a long read sent as gathers: the most one gather carries (ucx_gather.cc).
+constexpr uint64_t kGatherSpanBytes = 1ull << 20;
 constexpr size_t kSpansPerBatch = 256;
 // How often the loop lets slots that only their registration holds go.
 constexpr auto kSweepEvery = std::chrono::milliseconds(5);
@@ -319,7 +321,21 @@ void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
       }
     }
     absl::Status posted;
-    if (n > 1) {
+    // A long read from an unmapped peer slot over a gathering transport goes as gathers too
+    // (active messages of at most kGatherSpanBytes each, served by refit's handler) rather than
+    // UCX's software get: UCX 1.13 aborts the serving process when a get's requester dies while
+    // it is being answered (ucp_get_req_handler: "unexpected error: Endpoint timeout"), and the
+    // gather handler checks every span against the server's own registrations.
+    if (n == 1 && op.length >= kShortRead && OneRead(t, op.fetch) &&
+        !t.remote[op.fetch]->mapped()) {
+      std::vector<transport::Span> spans;
+      for (uint64_t at = 0; at < op.length; at += kGatherSpanBytes) {
+        const uint64_t length = std::min(kGatherSpanBytes, op.length - at);
+        spans.push_back({op.offset + at, op.offset + at, length});
+      }
+      posted = t.endpoint[op.fetch]->PostGetSpans(*t.local[op.fetch], *t.remote[op.fetch],
+                                                  std::move(spans), cookie);
+    } else if (n > 1) {
       std::vector<transport::Span> spans(n);
       for (size_t i = 0; i < n; ++i) {
         const Transfer::Op& o = t.ops[t.next + i];
@@ -474,14 +490,17 @@ std::future<absl::StatusOr<std::vector<std::shared_ptr<Region>>>> DataPlane::Pul
 
 std::future<absl::Status> DataPlane::Read(const PullJob::Fetch& from,
                                           std::vector<std::pair<uint64_t, uint64_t>> ranges,
-                                          std::shared_ptr<Region> slot, Landed landed) {
+                                          std::shared_ptr<Region> slot, Landed landed,
+                                          std::shared_ptr<ReadHashes> hashes) {
   auto promise = std::make_shared<std::promise<absl::Status>>();
   auto future = promise->get_future();
   if (!transport_) {
     promise->set_value(absl::UnavailableError("this refitd has no data plane"));
     return future;
   }
-  Post([this, from, ranges = std::move(ranges), slot, promise, landed = std::move(landed)] {
+  if (hashes) hashes->assign(1, {});
+  Post([this, from, ranges = std::move(ranges), slot, promise, landed = std::move(landed),
+        hashes] {
     auto t = std::make_shared<Transfer>();
     absl::Status ready = Prepare(*t, from, slot);
     if (!ready.ok()) {
@@ -494,6 +513,7 @@ std::future<absl::Status> DataPlane::Read(const PullJob::Fetch& from,
       }
     }
     t->landed = landed;
+    t->hashes = hashes;
     t->done = [promise](absl::Status status) { promise->set_value(status); };
     Pump(t);
   });

@@ -80,9 +80,11 @@ class DataPlane {
   // Reads `ranges` of the piece `from` names (node, remote key, size) into `slot`, at the same
   // offsets, --inflight chunks at a time; `landed` (optional) hears of each read as it
   // completes. The future says OK once every range is in, or the first error.
+  // `hashes` (optional, one entry) gets each read's digest as Pull's do.
   std::future<absl::Status> Read(const PullJob::Fetch& from,
                                  std::vector<std::pair<uint64_t, uint64_t>> ranges,
-                                 std::shared_ptr<Region> slot, Landed landed = nullptr);
+                                 std::shared_ptr<Region> slot, Landed landed = nullptr,
+                                 std::shared_ptr<ReadHashes> hashes = nullptr);
 
   // Refetches `ranges` of fetch `fetch` of `job` into `slot` (after a checksum mismatch).
   std::future<absl::Status> Refetch(const PullJob& job, size_t fetch,

@@ -177,7 +177,7 @@ PullOutcome Puller::Pull(const PullJob& job) {
   const std::vector<std::string> pullers =
       full_index.empty() ? std::vector<std::string>() : Pullers(job.model);
   if (pullers.size() > 1) {
-    status = PullStriped(job, full_index, pullers, &staging, &sources);
+    status = PullStriped(job, full_index, pullers, &staging, &sources, &hashes);
     for (size_t f : full_index) {
       for (const auto& [relay, ranges] : sources.relayed[f]) {
         bytes_from[job.fetches[f].node] -= Total(ranges);
@@ -222,14 +222,21 @@ PullOutcome Puller::Pull(const PullJob& job) {
 absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& full,
                                  const std::vector<std::string>& pullers,
                                  std::vector<std::shared_ptr<Region>>* staging,
-                                 Sources* sources) {
+                                 Sources* sources, dataplane::DataPlane::ReadHashes* hashes) {
   struct Part {
     size_t fetch;
     std::string relay;
     Ranges ranges;
   };
   std::vector<Part> relay_parts;
-  std::vector<std::pair<size_t, std::future<absl::Status>>> origin_reads;
+  // Each read hashes what it brought as it lands, as a plain pull does, so verifying needs no
+  // second pass over what came from the origin.
+  struct OriginRead {
+    size_t fetch;
+    std::future<absl::Status> done;
+    std::shared_ptr<dataplane::DataPlane::ReadHashes> hashes;
+  };
+  std::vector<OriginRead> origin_reads;
   std::vector<dataplane::DataPlane::Landed> landed(job.fetches.size());
   for (size_t f : full) {
     const PullJob::Fetch& fetch = job.fetches[f];
@@ -245,7 +252,9 @@ absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& 
     }
     for (auto& [parent, ranges] : ByParent(fetch, options_.node, pullers, options_.fanout)) {
       if (parent == fetch.node) {
-        origin_reads.emplace_back(f, data_plane_->Read(fetch, ranges, *slot, landed[f]));
+        auto hashes = std::make_shared<dataplane::DataPlane::ReadHashes>();
+        origin_reads.push_back(
+            {f, data_plane_->Read(fetch, ranges, *slot, landed[f], hashes), hashes});
       } else {
         relay_parts.push_back({f, parent, std::move(ranges)});
       }
@@ -263,9 +272,12 @@ absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& 
     }));
   }
   absl::Status status;
-  for (auto& [f, read] : origin_reads) {
-    absl::Status s = read.get();
+  for (OriginRead& read : origin_reads) {
+    absl::Status s = read.done.get();
     if (status.ok() && !s.ok()) status = s;
+    if (s.ok() && !read.hashes->empty()) {
+      for (auto& [offset, sum] : (*read.hashes)[0]) (*hashes)[read.fetch][offset] = sum;
+    }
   }
   std::vector<std::pair<size_t, std::future<absl::Status>>> again;
   for (size_t i = 0; i < relay_parts.size(); ++i) {
@@ -273,6 +285,7 @@ absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& 
     RelayReadResult result = relayed[i].get();
     if (result.bytes > 0) {
       sources->relayed[part.fetch][part.relay] = result.read;
+      for (auto& [offset, sum] : result.hashes) (*hashes)[part.fetch][offset] = sum;
       metrics_->Add(kRelayBytesReceived, static_cast<double>(result.bytes));
       (void)PinOn(part.relay, job, true, result.bytes, true);
     }

@@ -67,7 +67,8 @@ class Puller {
   // Full bytes of `full` (indices into job.fetches) with every stripe read from its parent.
   absl::Status PullStriped(const PullJob& job, const std::vector<size_t>& full,
                            const std::vector<std::string>& pullers,
-                           std::vector<std::shared_ptr<Region>>* staging, Sources* sources);
+                           std::vector<std::shared_ptr<Region>>* staging, Sources* sources,
+                           dataplane::DataPlane::ReadHashes* hashes);
   // The origin's XXH3 of `chunks` of fetch `f`.
   absl::StatusOr<std::vector<uint64_t>> RemoteChecksums(
       const PullJob& job, size_t f, const std::vector<std::pair<uint64_t, uint64_t>>& chunks);

@@ -108,6 +108,7 @@ RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* s
   struct Posted {
     Ranges ranges;
     std::future<absl::Status> done;
+    std::shared_ptr<dataplane::DataPlane::ReadHashes> hashes;
   };
   std::vector<Posted> posted;
   PullJob::Fetch from = request.fetch;
@@ -117,7 +118,9 @@ RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* s
     Ranges now = Intersect(pending, landed);
     if (now.empty()) return;
     pending = Subtract(pending, now);
-    posted.push_back({now, data_plane->Read(from, now, request.slot, request.landed)});
+    auto hashes = std::make_shared<dataplane::DataPlane::ReadHashes>();
+    posted.push_back(
+        {now, data_plane->Read(from, now, request.slot, request.landed, hashes), hashes});
   };
 
   v1::RelayProgress message;
@@ -170,6 +173,7 @@ RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* s
     absl::Status status = p.done.get();
     if (status.ok()) {
       result.read.insert(result.read.end(), p.ranges.begin(), p.ranges.end());
+      if (!p.hashes->empty()) result.hashes.insert((*p.hashes)[0].begin(), (*p.hashes)[0].end());
     } else {
       result.leftover.insert(result.leftover.end(), p.ranges.begin(), p.ranges.end());
       result.failed = true;

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "daemon/dataplane/data_plane.h"
@@ -30,6 +31,8 @@ struct RelayReadResult {
   uint64_t bytes = 0;  // the bytes of `read`
   std::string why;     // why there is a leftover, for the log ("" when none)
   bool failed = false;  // the relay failed, stalled or went away (not just another layout)
+  // Offset of each read of `read` -> {length, XXH3-64 of what it brought}, for Verify.
+  std::unordered_map<uint64_t, std::pair<uint64_t, uint64_t>> hashes;
 };
 
 struct RelayReadRequest {
