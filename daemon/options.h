@@ -37,6 +37,11 @@ struct DaemonOptions {
   // Fan-out: serve what this node pulled to other nodes pulling the same version, and read
   // from them (daemon/fleet); false: every byte comes from the node that published it.
   bool relay = true;
+  // Where refitd keeps what outlives a restart (each model's newest published version); empty:
+  // nowhere (main.cc defaults it to $STATE_DIRECTORY).
+  std::string state_dir;
+  // UCX's tcp listening ports ("LOW-HIGH", UCX_TCP_PORT_RANGE); empty: any port.
+  std::string data_ports;
 };
 
 }  // namespace refit

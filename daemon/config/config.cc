@@ -103,6 +103,10 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
       status = ReadString(node, origin, key, &parsed.bucket_export);
     } else if (key == "bucket_import") {
       status = ReadString(node, origin, key, &parsed.bucket_import);
+    } else if (key == "state_dir") {
+      status = ReadString(node, origin, key, &parsed.state_dir);
+    } else if (key == "data_ports") {
+      status = ReadString(node, origin, key, &parsed.data_ports);
     } else if (key == "bucket_full_every") {
       auto value = node.value<int64_t>();
       if (!node.is_integer() || !value || *value < 1 || *value > 1000000) {
