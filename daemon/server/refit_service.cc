@@ -1,5 +1,8 @@
 #include "daemon/server/refit_service.h"
 
+#include <algorithm>
+#include <chrono>
+
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda.h"
 #include "daemon/common/logging.h"
@@ -135,8 +138,14 @@ grpc::Status RefitService::Publish(grpc::ServerContext*, const v1::PublishReques
 grpc::Status RefitService::WaitForVersion(grpc::ServerContext* context,
                                           const v1::WaitForVersionRequest* request,
                                           v1::WaitForVersionResponse* response) {
+  // Answer a little before the caller's deadline, so that it reads this daemon's reason
+  // (e.g. "no node has SOURCE buffers") rather than its own bare DEADLINE_EXCEEDED.
+  const Clock::time_point deadline = SteadyDeadline(*context);
+  const auto margin = std::clamp<Clock::duration>((deadline - Clock::now()) / 10,
+                                                  Clock::duration::zero(),
+                                                  std::chrono::milliseconds(100));
   auto version = context_.store->WaitForVersion(request->model(), request->min_version(),
-                                                SteadyDeadline(*context), CancelledOf(context));
+                                                deadline - margin, CancelledOf(context));
   if (!version.ok()) return Finish("WaitForVersion", version.status());
   response->set_version(*version);
   return grpc::Status::OK;
