@@ -169,14 +169,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   {
     auto binding = transport::UcxBindingConfig(options.listen, options.data_ports);
     if (!binding.ok()) return binding.status();
-    for (const auto& [name, value] : *binding) {
-      if (std::getenv(("UCX_" + name).c_str()) != nullptr) {
-        Logger("transport")->info("UCX_{} is set: the data plane follows it, not --listen",
-                                  name);
+    for (const transport::UcxSetting& setting : *binding) {
+      if (std::getenv(setting.env.c_str()) != nullptr) {
+        Logger("transport")->info("{} is set: the data plane follows it", setting.env);
         continue;
       }
-      Logger("transport")->info("data plane bound by UCX_{}={}", name, value);
-      ucx_options.config.emplace_back(name, value);
+      Logger("transport")->info("data plane bound by {}={}", setting.env, setting.value);
+      ucx_options.config.emplace_back(setting.name, setting.value);
     }
     if (binding->empty()) {
       Logger("transport")->warn(

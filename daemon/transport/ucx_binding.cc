@@ -115,9 +115,9 @@ absl::StatusOr<std::string> ParsePortRange(const std::string& range) {
   return absl::StrCat(low, "-", high);
 }
 
-absl::StatusOr<std::vector<std::pair<std::string, std::string>>> UcxBindingConfig(
-    const std::string& listen, const std::string& data_ports) {
-  std::vector<std::pair<std::string, std::string>> config;
+absl::StatusOr<std::vector<UcxSetting>> UcxBindingConfig(const std::string& listen,
+                                                         const std::string& data_ports) {
+  std::vector<UcxSetting> config;
   const auto colon = listen.rfind(':');
   const std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
   auto interface = InterfaceForHost(host);
@@ -125,12 +125,13 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> UcxBindingConfi
   if (!interface->empty()) {
     std::vector<std::string> devices = {*interface};
     for (const std::string& rdma : RdmaDevices()) devices.push_back(rdma);
-    config.emplace_back("NET_DEVICES", absl::StrJoin(devices, ","));
+    config.push_back({"NET_DEVICES", absl::StrJoin(devices, ","), "UCX_NET_DEVICES"});
   }
   if (!data_ports.empty()) {
     auto range = ParsePortRange(data_ports);
     if (!range.ok()) return range.status();
-    config.emplace_back("TCP_PORT_RANGE", *range);
+    // Set through ucp_config_modify, a tcp setting goes by its unprefixed name.
+    config.push_back({"PORT_RANGE", *range, "UCX_TCP_PORT_RANGE"});
   }
   return config;
 }

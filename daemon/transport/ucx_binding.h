@@ -24,10 +24,17 @@ absl::StatusOr<std::string> InterfaceForHost(const std::string& host);
 // "LO-HI" -> ("LO-HI"), checked: 1 <= LO <= HI <= 65535. INVALID_ARGUMENT otherwise.
 absl::StatusOr<std::string> ParsePortRange(const std::string& range);
 
-// UCX settings (unprefixed names) that bind the data plane as described above, for `listen`
-// (HOST:PORT) and `data_ports` (empty: any port). What is returned is also what the startup
-// line reports.
-absl::StatusOr<std::vector<std::pair<std::string, std::string>>> UcxBindingConfig(
-    const std::string& listen, const std::string& data_ports);
+// One UCX setting: `name` as ucp_config_modify takes it, and the environment variable that,
+// when set, overrides it.
+struct UcxSetting {
+  std::string name;   // e.g. "NET_DEVICES", "PORT_RANGE" (tcp's, unprefixed)
+  std::string value;
+  std::string env;    // e.g. "UCX_NET_DEVICES", "UCX_TCP_PORT_RANGE"
+};
+
+// The UCX settings that bind the data plane as described above, for `listen` (HOST:PORT) and
+// `data_ports` (empty: any port).
+absl::StatusOr<std::vector<UcxSetting>> UcxBindingConfig(const std::string& listen,
+                                                         const std::string& data_ports);
 
 }  // namespace refit::transport

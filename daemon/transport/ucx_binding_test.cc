@@ -27,9 +27,12 @@ TEST_CASE("UcxBindingConfig: the interface, and the port range when given", "[uc
   auto config = UcxBindingConfig("127.0.0.1:7070", "7100-7199");
   REQUIRE(config.ok());
   REQUIRE(config->size() == 2);
-  CHECK((*config)[0].first == "NET_DEVICES");
-  CHECK((*config)[0].second.rfind("lo", 0) == 0);
-  CHECK((*config)[1] == std::make_pair(std::string("TCP_PORT_RANGE"), std::string("7100-7199")));
+  CHECK((*config)[0].name == "NET_DEVICES");
+  CHECK((*config)[0].env == "UCX_NET_DEVICES");
+  CHECK((*config)[0].value.rfind("lo", 0) == 0);
+  CHECK((*config)[1].name == "PORT_RANGE");
+  CHECK((*config)[1].env == "UCX_TCP_PORT_RANGE");
+  CHECK((*config)[1].value == "7100-7199");
   auto everywhere = UcxBindingConfig("0.0.0.0:7070", "");
   REQUIRE(everywhere.ok());
   CHECK(everywhere->empty());
