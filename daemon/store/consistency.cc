@@ -80,7 +80,16 @@ absl::Status Store::CheckAgainstModel(const Model& model, Role role,
     if (!r.sources.empty()) remote[node] = r.sources;
   }
   std::map<std::string, Registered> sources = SourcesOf(buffers_, model.sources, remote);
+  std::map<std::string, const TensorSlice*> request;  // this request's slices, by tensor
   for (const TensorSlice& s : slices) {
+    auto [mine, first] = request.emplace(s.name, &s);
+    if (!first && (mine->second->global_shape != s.global_shape ||
+                   mine->second->dtype != s.dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", s.name, ": two slices of this request disagree (global_shape ",
+          Shape(mine->second->global_shape), " ", DTypeName(mine->second->dtype), " and ",
+          Shape(s.global_shape), " ", DTypeName(s.dtype), ")"));
+    }
     auto src = sources.find(s.name);
     if (role == Role::kDestination) {
       if (src == sources.end()) continue;  // no source of it yet: checked when one comes
@@ -109,8 +118,6 @@ absl::Status Store::CheckAgainstModel(const Model& model, Role role,
       }
       continue;
     }
-    // The request's own slices are checked against each other too.
-    sources.emplace(s.name, Registered{&s, "another slice of this request"});
   }
   return absl::OkStatus();
 }
