@@ -25,11 +25,11 @@ TEST_CASE("64-bit numbers are JSON numbers, defaults included", "[json]") {
   CHECK(model["latest_version"].get<uint64_t>() == 18446744073709551615ull);
   CHECK(model["versions"] == nlohmann::ordered_json::array({7, 8}));
   CHECK(model["version_bytes"].get<uint64_t>() == (uint64_t{5} << 40));
-  CHECK(model["abandoned_version"] == 0);        // default still printed
+  CHECK(model["abandoned_version"] == 0);  // default still printed
   CHECK(model["buffers"][0]["role"] == "DESTINATION");
   CHECK(model["buffers"][0]["client"] == "");
   CHECK(json["metrics"]["a"] == 1.0);
-  CHECK(json["metrics"].begin().key() == "a");   // map keys sorted
+  CHECK(json["metrics"].begin().key() == "a");  // map keys sorted
   CHECK(json["listen_port"].is_number_integer());
   const std::string text = JsonText(json);
   CHECK(text.find("\"latest_version\": 18446744073709551615") != std::string::npos);

@@ -2,13 +2,13 @@
 // refitctl), every listening port of a daemon on --listen's address, --data-ports, shared
 // memory between daemons on one host, and refitctl's --json, help, --version and "pulled by".
 
+#include <dirent.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <cstring>
-#include <dirent.h>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -155,9 +155,9 @@ TEST_CASE("every port a daemon listens on follows --listen's address, UCX's too"
   CHECK(bad.exit_code == 1);
   CHECK(Contains(bad.err, "e.g. --data-ports=7100-7199"));
   // So is a --listen address no interface here has.
-  auto elsewhere = testing::RunCommand({testing::RunfilePath("daemon/refitd"), "--node=x",
-                                        "--socket=" + dir + "/y.sock",
-                                        "--listen=192.0.2.254:7070"});
+  auto elsewhere =
+      testing::RunCommand({testing::RunfilePath("daemon/refitd"), "--node=x",
+                           "--socket=" + dir + "/y.sock", "--listen=192.0.2.254:7070"});
   CHECK(elsewhere.exit_code == 1);
   CHECK(Contains(elsewhere.err, "not an address of any interface"));
 }
@@ -227,8 +227,8 @@ TEST_CASE("refitctl: JSON numbers, peers as a list, pulled by, global flags, --v
           "[integration][first_hour]") {
   OneHost host({"UCX_TLS=tcp"});
   const std::string refitctl = testing::RunfilePath("client/refitctl");
-  auto status = testing::RunCommand(
-      {refitctl, "status", "--json", "--socket=" + host.engine_node->socket()});
+  auto status =
+      testing::RunCommand({refitctl, "status", "--json", "--socket=" + host.engine_node->socket()});
   REQUIRE(status.exit_code == 0);
   const auto json = nlohmann::json::parse(status.out);
   CHECK(json["models"][0]["latest_version"] == 1);
@@ -236,8 +236,8 @@ TEST_CASE("refitctl: JSON numbers, peers as a list, pulled by, global flags, --v
   CHECK(json["models"][0]["version_bytes"] == 1 << 20);
   CHECK(json["listen_port"].is_number_integer());
   // The trainer's node knows who pulls from it.
-  auto peers = testing::RunCommand(
-      {refitctl, "--json", "--socket=" + host.trainer_node->socket(), "peers"});
+  auto peers =
+      testing::RunCommand({refitctl, "--json", "--socket=" + host.trainer_node->socket(), "peers"});
   REQUIRE(peers.exit_code == 0);
   const auto list = nlohmann::json::parse(peers.out);
   REQUIRE(list.is_array());
@@ -245,8 +245,8 @@ TEST_CASE("refitctl: JSON numbers, peers as a list, pulled by, global flags, --v
   CHECK(list[0]["node"] == "engine");
   CHECK(list[0]["direction"] == "pulled_by");
   CHECK(list[0]["connected"] == true);
-  auto engine_peers = testing::RunCommand(
-      {refitctl, "peers", "--json", "--socket=" + host.engine_node->socket()});
+  auto engine_peers =
+      testing::RunCommand({refitctl, "peers", "--json", "--socket=" + host.engine_node->socket()});
   const auto engine_list = nlohmann::json::parse(engine_peers.out);
   REQUIRE(engine_list.size() == 1);
   CHECK(engine_list[0]["node"] == "trainer");
@@ -254,8 +254,8 @@ TEST_CASE("refitctl: JSON numbers, peers as a list, pulled by, global flags, --v
   auto text = testing::RunCommand({refitctl, "--socket=" + host.trainer_node->socket(), "peers"});
   CHECK(Contains(text.out, "engine"));
   CHECK(Contains(text.out, "pulled by"));
-  for (const char* sub : {"status", "versions", "peers", "replicas", "watch", "metrics", "health",
-                          "drop"}) {
+  for (const char* sub :
+       {"status", "versions", "peers", "replicas", "watch", "metrics", "health", "drop"}) {
     auto help = testing::RunCommand({refitctl, sub, "--help"});
     INFO(sub << ": " << help.out);
     CHECK(help.exit_code == 0);
@@ -266,8 +266,8 @@ TEST_CASE("refitctl: JSON numbers, peers as a list, pulled by, global flags, --v
   auto version = testing::RunCommand({refitctl, "--version"});
   CHECK(version.exit_code == 0);
   CHECK(Contains(version.out, "refitctl 0."));
-  auto replicas = testing::RunCommand(
-      {refitctl, "replicas", "m", "--socket=" + host.trainer_node->socket()});
+  auto replicas =
+      testing::RunCommand({refitctl, "replicas", "m", "--socket=" + host.trainer_node->socket()});
   CHECK(replicas.exit_code == 0);
 }
 

@@ -92,11 +92,14 @@ TEST_CASE("a peer with this node's --node name is refused, naming both addresses
   // The second one also lists itself, as a headless Service resolving to every daemon would.
   const int own_port = FreePort();
   const std::string own_address = "127.0.0.1:" + std::to_string(own_port);
-  auto second = StartDaemon({"--node=same", "--listen=" + own_address,
-                             "--peers=" + first_address + "," + own_address});
+  auto second = StartDaemon(
+      {"--node=same", "--listen=" + own_address, "--peers=" + first_address + "," + own_address});
   auto client = ClientOf(*second);
   const auto status = WaitForStatus(
-      *client, [](const v1::StatusResponse& s) { return s.peers_size() == 1 && !s.peers(0).error().empty(); },
+      *client,
+      [](const v1::StatusResponse& s) {
+        return s.peers_size() == 1 && !s.peers(0).error().empty();
+      },
       "the refusal");
   // Only the other daemon is listed: this daemon itself is skipped quietly.
   const v1::PeerStatus& peer = status.peers(0);
@@ -137,13 +140,14 @@ TEST_CASE("with --state-dir a restarted trainer's node refuses version numbers a
   };
   { run(1, 3); }  // stopped at the end of the scope
   auto [node, trainer] = run(1, 0);
-  auto id = trainer->RegisterBuffer("llama", v1::SOURCE, src.name(),
-                                    {Slice("w", v1::FP32, {1024})}, "trainer-2");
+  auto id = trainer->RegisterBuffer("llama", v1::SOURCE, src.name(), {Slice("w", v1::FP32, {1024})},
+                                    "trainer-2");
   REQUIRE(id.ok());
   for (uint64_t reused : {1, 3}) {
     auto refused = trainer->Publish("llama", reused, {*id});
     REQUIRE(refused.status().code() == absl::StatusCode::kFailedPrecondition);
-    CHECK(Contains(std::string(refused.status().message()), "newest published for it on this node is 3"));
+    CHECK(Contains(std::string(refused.status().message()),
+                   "newest published for it on this node is 3"));
     CHECK(Contains(std::string(refused.status().message()), state + "/state.json"));
   }
   CHECK(trainer->Publish("llama", 4, {*id}).ok());
@@ -151,8 +155,8 @@ TEST_CASE("with --state-dir a restarted trainer's node refuses version numbers a
   // A damaged state file stops refitd at startup with a message saying what to do.
   { std::ofstream(state + "/state.json") << "{\"format\": \"refit-state\", \"models\": 7}"; }
   auto damaged = testing::RunCommand({testing::RunfilePath("daemon/refitd"), "--node=t2",
-                                      "--socket=" + state + "/t2.sock",
-                                      "--listen=127.0.0.1:0", "--state-dir=" + state});
+                                      "--socket=" + state + "/t2.sock", "--listen=127.0.0.1:0",
+                                      "--state-dir=" + state});
   CHECK(damaged.exit_code == 1);
   CHECK(Contains(damaged.err, "is not a valid refit state file"));
   CHECK(Contains(damaged.err, "move it away"));
@@ -165,11 +169,10 @@ TEST_CASE("an engine's node skips reused numbers from a restarted trainer's node
   SharedMemory src = MakeShm(4096);
   SharedMemory dst = MakeShm(4096);
   auto trainer_node = StartDaemon({"--node=trainer", trainer_listen});
-  auto engine_node =
-      StartDaemon({"--node=engine", "--peers=127.0.0.1:" + std::to_string(port)});
+  auto engine_node = StartDaemon({"--node=engine", "--peers=127.0.0.1:" + std::to_string(port)});
   auto engine = ClientOf(*engine_node);
-  auto d = engine->RegisterBuffer("m", v1::DESTINATION, dst.name(),
-                                  {Slice("w", v1::FP32, {1024})}, "engine");
+  auto d = engine->RegisterBuffer("m", v1::DESTINATION, dst.name(), {Slice("w", v1::FP32, {1024})},
+                                  "engine");
   REQUIRE(d.ok());
   {
     auto trainer = ClientOf(*trainer_node);
@@ -216,11 +219,12 @@ TEST_CASE("waiting on a model no node has sources for says so and names the near
   auto engine = ClientOf(*engine_node);
   SharedMemory src = MakeShm(4096);
   SharedMemory dst = MakeShm(4096);
-  auto s = trainer->RegisterBuffer("llama", v1::SOURCE, src.name(),
-                                   {Slice("w", v1::FP32, {1024})}, "trainer");
+  auto s = trainer->RegisterBuffer("llama", v1::SOURCE, src.name(), {Slice("w", v1::FP32, {1024})},
+                                   "trainer");
   REQUIRE(s.ok());
-  WaitForStatus(*engine, [](const v1::StatusResponse& st) { return ModelIn(st, "llama"); },
-                "the trainer's model");
+  WaitForStatus(
+      *engine, [](const v1::StatusResponse& st) { return ModelIn(st, "llama"); },
+      "the trainer's model");
   auto d = engine->RegisterBuffer("lama", v1::DESTINATION, dst.name(),
                                   {Slice("w", v1::FP32, {1024})}, "engine");
   REQUIRE(d.ok());
@@ -278,7 +282,8 @@ TEST_CASE("refitctl drop releases a model's versions once no buffer of it is lef
   auto still = trainer->Status();
   REQUIRE(still.ok());
   CHECK(ModelIn(*still, "m") != nullptr);  // versions stay held until dropped
-  auto dropped = testing::RunCommand({refitctl, "--socket=" + node->socket(), "--json", "drop", "m"});
+  auto dropped =
+      testing::RunCommand({refitctl, "--socket=" + node->socket(), "--json", "drop", "m"});
   CHECK(dropped.exit_code == 0);
   CHECK(Contains(dropped.out, "\"forgotten_version\": 3"));
   CHECK(Contains(dropped.out, "\"released_versions\": [\n    2,\n    3\n  ]"));
@@ -349,14 +354,14 @@ TEST_CASE("a source disagreeing with another names the buffer and client that ca
   SharedMemory a = MakeShm(4096);
   SharedMemory b = MakeShm(8192);
   SharedMemory d = MakeShm(8192);
-  auto dst = c->RegisterBuffer("m", v1::DESTINATION, d.name(), {Slice("w", v1::FP32, {2048})},
-                               "engine");
+  auto dst =
+      c->RegisterBuffer("m", v1::DESTINATION, d.name(), {Slice("w", v1::FP32, {2048})}, "engine");
   REQUIRE(dst.ok());
-  auto first = c->RegisterBuffer("m", v1::SOURCE, a.name(), {Slice("w", v1::FP32, {1024})},
-                                 "rank0");
+  auto first =
+      c->RegisterBuffer("m", v1::SOURCE, a.name(), {Slice("w", v1::FP32, {1024})}, "rank0");
   REQUIRE(first.ok());
-  auto second = c->RegisterBuffer("m", v1::SOURCE, b.name(), {Slice("w", v1::FP32, {2048})},
-                                  "rank1");
+  auto second =
+      c->RegisterBuffer("m", v1::SOURCE, b.name(), {Slice("w", v1::FP32, {2048})}, "rank1");
   REQUIRE(second.status().code() == absl::StatusCode::kInvalidArgument);
   const std::string message(second.status().message());
   CHECK(Contains(message, *first));

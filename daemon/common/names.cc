@@ -44,8 +44,8 @@ std::string KnownModelsHint(const std::string& name, const std::vector<std::stri
   }
   if (others.empty()) return " (this node knows no other model)";
   constexpr size_t kListed = 10;
-  std::string list = absl::StrJoin(others.begin(),
-                                   others.begin() + std::min(kListed, others.size()), ", ");
+  std::string list =
+      absl::StrJoin(others.begin(), others.begin() + std::min(kListed, others.size()), ", ");
   if (others.size() > kListed) absl::StrAppend(&list, ", … ", others.size() - kListed, " more");
   const std::string nearest = NearestName(name, others);
   return absl::StrCat(" (known models: ", list,

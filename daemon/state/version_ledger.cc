@@ -57,7 +57,8 @@ absl::StatusOr<std::unique_ptr<VersionLedger>> VersionLedger::Open(const std::st
         "newest published version is then forgotten, so make sure trainers publish numbers "
         "above the ones their engines hold)"));
   };
-  const nlohmann::json json = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json json =
+      nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
   if (json.is_discarded()) return invalid("not JSON");
   if (!json.is_object() || json.value("format", "") != kFormat) {
     return invalid("no \"format\": \"refit-state\"");
@@ -71,8 +72,8 @@ absl::StatusOr<std::unique_ptr<VersionLedger>> VersionLedger::Open(const std::st
     if (name.empty() || !entry.is_object() || !entry.contains("newest_published") ||
         !entry["newest_published"].is_number_unsigned() ||
         entry["newest_published"].get<uint64_t>() == 0) {
-      return invalid(absl::StrCat("model '", name.substr(0, 64),
-                                  "' has no newest_published version >= 1"));
+      return invalid(
+          absl::StrCat("model '", name.substr(0, 64), "' has no newest_published version >= 1"));
     }
     ledger->models_[name].newest = entry["newest_published"].get<uint64_t>();
   }

@@ -18,9 +18,7 @@ std::string TempDir() {
   return pattern;
 }
 
-void WriteFile(const std::string& path, const std::string& text) {
-  std::ofstream(path) << text;
-}
+void WriteFile(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
 
 TEST_CASE("the newest published version outlives the process", "[state]") {
   const std::string dir = TempDir();

@@ -244,6 +244,9 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
     model->failed_status = result.ok() ? absl::InternalError("a pull returned no staging") : result;
     model->pending.erase(job.version);
     changed_.notify_all();
+    // A newer version announced during the pull waited for it to end: take it now, rather
+    // than at the next announcement (which may never come).
+    TryComplete(*model);
     return;
   }
   for (size_t f = 0; f < job.fetches.size(); ++f) {

@@ -37,8 +37,7 @@ std::string Shape(const std::vector<int64_t>& shape) {
 std::string DestinationConflict(const TensorSlice& slice, const Registered& source) {
   if (source.slice->global_shape != slice.global_shape) {
     return absl::StrCat("tensor ", slice.name, ": global_shape ", Shape(slice.global_shape),
-                        " disagrees with ", Shape(source.slice->global_shape), " of ",
-                        source.who);
+                        " disagrees with ", Shape(source.slice->global_shape), " of ", source.who);
   }
   absl::Status convertible = plan::CheckConvertible(source.slice->dtype, slice.dtype);
   if (!convertible.ok()) {
@@ -83,12 +82,12 @@ absl::Status Store::CheckAgainstModel(const Model& model, Role role,
   std::map<std::string, const TensorSlice*> request;  // this request's slices, by tensor
   for (const TensorSlice& s : slices) {
     auto [mine, first] = request.emplace(s.name, &s);
-    if (!first && (mine->second->global_shape != s.global_shape ||
-                   mine->second->dtype != s.dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor ", s.name, ": two slices of this request disagree (global_shape ",
-          Shape(mine->second->global_shape), " ", DTypeName(mine->second->dtype), " and ",
-          Shape(s.global_shape), " ", DTypeName(s.dtype), ")"));
+    if (!first &&
+        (mine->second->global_shape != s.global_shape || mine->second->dtype != s.dtype)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", s.name, ": two slices of this request disagree (global_shape ",
+                       Shape(mine->second->global_shape), " ", DTypeName(mine->second->dtype),
+                       " and ", Shape(s.global_shape), " ", DTypeName(s.dtype), ")"));
     }
     auto src = sources.find(s.name);
     if (role == Role::kDestination) {
@@ -127,8 +126,7 @@ void Store::RecheckDestinations(Model& model) {
   for (const auto& [node, r] : model.remotes) {
     if (!r.sources.empty()) remote[node] = r.sources;
   }
-  const std::map<std::string, Registered> sources =
-      SourcesOf(buffers_, model.sources, remote);
+  const std::map<std::string, Registered> sources = SourcesOf(buffers_, model.sources, remote);
   bool changed = false;
   for (const std::string& id : model.destinations) {
     Buffer& buffer = *buffers_.at(id);
@@ -142,8 +140,8 @@ void Store::RecheckDestinations(Model& model) {
     if (conflict == buffer.refused) continue;
     changed = true;
     if (conflict.empty()) {
-      Logger("store")->info("model={} buffer={} agrees with the model's sources again",
-                            model.name, id);
+      Logger("store")->info("model={} buffer={} agrees with the model's sources again", model.name,
+                            id);
     } else {
       conflict = absl::StrCat(
           "DESTINATION buffer ", id, " (client ", buffer.client.empty() ? "unnamed" : buffer.client,

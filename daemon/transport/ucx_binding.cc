@@ -26,8 +26,7 @@ bool SameAddress(const sockaddr* a, const sockaddr* b) {
   }
   if (a->sa_family == AF_INET6) {
     return std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr,
-                       &reinterpret_cast<const sockaddr_in6*>(b)->sin6_addr,
-                       sizeof(in6_addr)) == 0;
+                       &reinterpret_cast<const sockaddr_in6*>(b)->sin6_addr, sizeof(in6_addr)) == 0;
   }
   return false;
 }
@@ -70,8 +69,8 @@ absl::StatusOr<std::string> InterfaceForHost(const std::string& host_in) {
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* resolved = nullptr;
   if (const int rc = getaddrinfo(host.c_str(), nullptr, &hints, &resolved); rc != 0) {
-    return absl::NotFoundError(absl::StrCat("--listen host ", host, " does not resolve: ",
-                                            gai_strerror(rc)));
+    return absl::NotFoundError(
+        absl::StrCat("--listen host ", host, " does not resolve: ", gai_strerror(rc)));
   }
   ifaddrs* interfaces = nullptr;
   if (getifaddrs(&interfaces) != 0) {
@@ -96,9 +95,10 @@ absl::StatusOr<std::string> InterfaceForHost(const std::string& host_in) {
   freeaddrinfo(resolved);
   if (wildcard) return std::string();
   if (found.empty()) {
-    return absl::NotFoundError(absl::StrCat(
-        "--listen host ", host, " is not an address of any interface of this host; give one "
-        "of its own addresses (`ip -br addr` lists them), on the cluster's network"));
+    return absl::NotFoundError(
+        absl::StrCat("--listen host ", host,
+                     " is not an address of any interface of this host; give one "
+                     "of its own addresses (`ip -br addr` lists them), on the cluster's network"));
   }
   return found;
 }
@@ -108,9 +108,10 @@ absl::StatusOr<std::string> ParsePortRange(const std::string& range) {
   uint32_t low = 0, high = 0;
   if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &low) ||
       !absl::SimpleAtoi(parts[1], &high) || low < 1 || high > 65535 || low > high) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--data-ports=", range, " is not a port range LOW-HIGH with 1 <= LOW <= HIGH <= 65535 "
-        "(e.g. --data-ports=7100-7199)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--data-ports=", range,
+                     " is not a port range LOW-HIGH with 1 <= LOW <= HIGH <= 65535 "
+                     "(e.g. --data-ports=7100-7199)"));
   }
   return absl::StrCat(low, "-", high);
 }

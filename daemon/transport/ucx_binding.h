@@ -27,9 +27,9 @@ absl::StatusOr<std::string> ParsePortRange(const std::string& range);
 // One UCX setting: `name` as ucp_config_modify takes it, and the environment variable that,
 // when set, overrides it.
 struct UcxSetting {
-  std::string name;   // e.g. "NET_DEVICES", "PORT_RANGE" (tcp's, unprefixed)
+  std::string name;  // e.g. "NET_DEVICES", "PORT_RANGE" (tcp's, unprefixed)
   std::string value;
-  std::string env;    // e.g. "UCX_NET_DEVICES", "UCX_TCP_PORT_RANGE"
+  std::string env;  // e.g. "UCX_NET_DEVICES", "UCX_TCP_PORT_RANGE"
 };
 
 // The UCX settings that bind the data plane as described above, for `listen` (HOST:PORT) and

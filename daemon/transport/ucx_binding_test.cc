@@ -15,7 +15,7 @@ TEST_CASE("--listen's host names the interface UCX may use", "[ucx_binding]") {
   auto v6 = InterfaceForHost("[::]");
   REQUIRE(v6.ok());
   CHECK(v6->empty());
-  auto elsewhere = InterfaceForHost("192.0.2.254");  // TEST-NET-1: no interface here has it
+  auto elsewhere = InterfaceForHost("192.0.2.254");     // TEST-NET-1: no interface here has it
   if (elsewhere.ok()) CHECK_FALSE(elsewhere->empty());  // unless this host really has it
   if (!elsewhere.ok()) {
     CHECK(elsewhere.status().code() == absl::StatusCode::kNotFound);
