@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -147,8 +149,59 @@ Client::Client(std::string socket_path, std::shared_ptr<grpc::Channel> channel)
       channel_(std::move(channel)),
       stub_(v1::Refit::NewStub(channel_)) {}
 
+namespace {
+
+// What a plain connect() to the Unix socket at `path` says. A socket file that is missing or
+// that nothing listens on will not start answering within any timeout worth waiting for, so
+// those are told at once; a socket that accepts (or is slow to) is left to gRPC.
+absl::Status ProbeSocket(const std::string& path) {
+  const std::string hint =
+      " (is refitd running? --socket or $REFIT_SOCKET select another socket)";
+  if (path.empty()) return absl::InvalidArgumentError("the socket path is empty");
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("socket path is too long for a Unix socket: ", path));
+  }
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ENOENT || err == ENOTDIR) {
+      return absl::UnavailableError(
+          absl::StrCat("no refitd at ", path, ": the socket does not exist", hint));
+    }
+    return absl::UnavailableError(
+        absl::StrCat("cannot reach ", path, ": ", std::strerror(err), hint));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::UnavailableError(
+        absl::StrCat("no refitd at ", path, ": it exists but is not a socket", hint));
+  }
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return absl::OkStatus();  // let gRPC try and report
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int rc = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  const int err = rc == 0 ? 0 : errno;
+  close(fd);
+  if (err == ECONNREFUSED) {
+    return absl::UnavailableError(absl::StrCat(
+        "no refitd at ", path, ": nothing listens on the socket (a refitd that exited left it)",
+        hint));
+  }
+  if (err == EACCES || err == EPERM) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "cannot connect to ", path, ": ", std::strerror(err),
+        " (the socket is group-accessible: run as refitd's user or a member of its group)"));
+  }
+  return absl::OkStatus();  // connected, or EAGAIN (a backlog full: slow, worth the wait)
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& socket_path,
                                                         std::chrono::milliseconds timeout) {
+  if (absl::Status probe = ProbeSocket(socket_path); !probe.ok()) return probe;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   args.SetMaxSendMessageSize(64 << 20);
@@ -156,8 +209,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& socke
                                            grpc::InsecureChannelCredentials(), args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + timeout)) {
     return absl::UnavailableError(
-        absl::StrCat("no refitd answers at ", socket_path, " (is it running? --socket or ",
-                     "$REFIT_SOCKET select another socket)"));
+        absl::StrCat("no refitd answers at ", socket_path, " within ", timeout.count(),
+                     " ms (the socket exists; is refitd stuck? --socket or $REFIT_SOCKET ",
+                     "select another socket)"));
   }
   return std::unique_ptr<Client>(new Client(socket_path, std::move(channel)));
 }
@@ -262,6 +316,17 @@ absl::StatusOr<v1::StatusResponse> Client::Status() {
   SetDeadline(&context);
   v1::StatusResponse response;
   auto status = FromGrpc(stub_->Status(&context, v1::StatusRequest(), &response), "Status");
+  if (!status.ok()) return status;
+  return response;
+}
+
+absl::StatusOr<v1::DropModelResponse> Client::DropModel(const std::string& model) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::DropModelRequest request;
+  request.set_model(model);
+  v1::DropModelResponse response;
+  auto status = FromGrpc(stub_->DropModel(&context, request, &response), "DropModel");
   if (!status.ok()) return status;
   return response;
 }

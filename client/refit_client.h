@@ -78,7 +78,9 @@ class Watcher {
 
 class Client {
  public:
-  // Connects to the daemon at `socket_path`; UNAVAILABLE within `timeout` when none answers.
+  // Connects to the daemon at `socket_path`. UNAVAILABLE at once when the socket file does not
+  // exist or nothing listens on it (PERMISSION_DENIED when this user may not connect); waits up
+  // to `timeout` only for a socket that is there and slow, then UNAVAILABLE.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(
       const std::string& socket_path = DefaultSocketPath(),
       std::chrono::milliseconds timeout = std::chrono::seconds(5));
@@ -106,6 +108,9 @@ class Client {
                                                               uint32_t min_nodes,
                                                               std::chrono::milliseconds timeout);
   absl::StatusOr<v1::StatusResponse> Status();
+  // Releases `model`'s held versions and forgets it (and its remembered newest version, so a
+  // new run may start at 1). FAILED_PRECONDITION while buffers of it are registered.
+  absl::StatusOr<v1::DropModelResponse> DropModel(const std::string& model);
   // Starts a watch; returns once the daemon has it in place, so no later completion is missed.
   // `after_version` > 0 also replays retained versions newer than it.
   absl::StatusOr<std::unique_ptr<Watcher>> Watch(const std::string& model,

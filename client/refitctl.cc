@@ -7,9 +7,12 @@
 //   refitctl watch MODEL       one line per version as it completes (Ctrl-C to stop)
 //   refitctl metrics           the daemon's counters
 //   refitctl health            SERVING / NOT_SERVING
+//   refitctl drop MODEL        releases a model's held versions and forgets it (no buffers left)
+//   refitctl --version
 //
-// --json prints machine-readable output; --version prints the version. Exit codes: 0 success,
-// 1 the daemon answered with an error, 2 bad usage, 3 no daemon answers at the socket.
+// --json prints machine-readable output (numbers as JSON numbers). --json, --socket and
+// --timeout go before or after the subcommand. Exit codes: 0 success, 1 the daemon answered
+// with an error, 2 bad usage, 3 no daemon answers at the socket.
 
 #include <unistd.h>
 
@@ -24,9 +27,10 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "client/json_output.h"
 #include "client/refit_client.h"
+#include "daemon/common/names.h"
 #include "daemon/version.h"
-#include "google/protobuf/util/json_util.h"
 
 namespace {
 
@@ -37,13 +41,7 @@ constexpr int kExitError = 1;
 constexpr int kExitNoDaemon = 3;
 
 std::string Json(const google::protobuf::Message& message) {
-  std::string out;
-  google::protobuf::util::JsonPrintOptions options;
-  options.add_whitespace = true;
-  options.always_print_primitive_fields = true;
-  options.preserve_proto_field_names = true;
-  (void)google::protobuf::util::MessageToJsonString(message, &out, options);
-  return out;
+  return refit::client::JsonText(refit::client::ToJson(message));
 }
 
 std::string HumanBytes(double bytes) {
@@ -61,16 +59,54 @@ int Fail(const absl::Status& status) {
   return status.code() == absl::StatusCode::kUnavailable ? kExitNoDaemon : kExitError;
 }
 
+// The daemons this node pulls from (--peers) and those pulling from it (subscribed to it).
 void PrintPeers(const v1::StatusResponse& status) {
-  if (status.peers().empty()) {
-    std::cout << "peers: none\n";
+  if (status.peers().empty() && status.pulled_by().empty()) {
+    std::cout << "peers: none (no --peers, and no daemon pulls from this one)\n";
     return;
   }
-  std::cout << absl::StrFormat("%-24s %-28s %s\n", "PEER", "ADDRESS", "STATE");
+  std::cout << absl::StrFormat("%-24s %-28s %-10s %s\n", "PEER", "ADDRESS", "DIRECTION",
+                               "STATE");
   for (const auto& p : status.peers()) {
-    std::cout << absl::StrFormat("%-24s %-28s %s\n", p.node().empty() ? "-" : p.node(),
-                                 p.address(), p.connected() ? "connected" : "disconnected");
+    std::cout << absl::StrFormat("%-24s %-28s %-10s %s\n", p.node().empty() ? "-" : p.node(),
+                                 p.address(), "pulls from",
+                                 !p.error().empty() ? "refused"
+                                 : p.connected()    ? "connected"
+                                                    : "disconnected");
+    if (!p.error().empty()) std::cout << "  error: " << p.error() << "\n";
   }
+  for (const auto& p : status.pulled_by()) {
+    std::cout << absl::StrFormat("%-24s %-28s %-10s %s\n", p.node().empty() ? "-" : p.node(),
+                                 p.address(), "pulled by",
+                                 p.connected() ? "connected" : "disconnected");
+  }
+}
+
+// `peers --json`: one object per peer, "direction" telling which way versions go.
+std::string PeersJson(const v1::StatusResponse& status) {
+  nlohmann::ordered_json list = nlohmann::ordered_json::array();
+  for (const auto* peers : {&status.peers(), &status.pulled_by()}) {
+    for (const auto& p : *peers) {
+      nlohmann::ordered_json entry = refit::client::ToJson(p);
+      entry["direction"] = peers == &status.peers() ? "pulls_from" : "pulled_by";
+      list.push_back(std::move(entry));
+    }
+  }
+  return refit::client::JsonText(list);
+}
+
+// The model named `model` in `status`, or null after saying on stderr what is known instead.
+const v1::ModelStatus* FindModel(const v1::StatusResponse& status, const std::string& model) {
+  std::vector<std::string> known;
+  for (const auto& m : status.models()) {
+    if (m.model() == model) return &m;
+    known.push_back(m.model());
+  }
+  std::cerr << "refitctl: model " << model << " is not known to node " << status.node()
+            << refit::KnownModelsHint(model, known)
+            << "; a model is known once a buffer of it is registered on this node or a peer "
+               "announces its sources\n";
+  return nullptr;
 }
 
 void PrintStatus(const v1::StatusResponse& status) {
@@ -112,6 +148,7 @@ void PrintStatus(const v1::StatusResponse& status) {
           b.client().empty() ? "-" : b.client(),
           b.role() == v1::SOURCE ? absl::StrFormat("  published=%d", b.last_published_version())
                                  : std::string());
+      if (!b.error().empty()) std::cout << "    refused: " << b.error() << "\n";
     }
   }
 }
@@ -235,37 +272,79 @@ int PrintReplicas(const v1::ModelStatus& model, bool json) {
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The flags every subcommand takes, before or after its name (and shown in its --help).
+struct GlobalFlags {
   std::string socket = refit::client::DefaultSocketPath();
   bool json = false;
   double timeout_s = 5;
+
+  void AddTo(CLI::App* app) {
+    app->add_option("--socket", socket,
+                    "the daemon's Unix socket (default $REFIT_SOCKET, else "
+                    "/run/refit/refitd.sock)");
+    app->add_flag("--json", json, "machine-readable output (numbers as JSON numbers)");
+    app->add_option("--timeout", timeout_s,
+                    "seconds to wait for a daemon whose socket exists but is slow (a missing "
+                    "socket fails at once)")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
+  }
+};
+
+int Drop(Client& client, const std::string& model, bool json) {
+  auto dropped = client.DropModel(model);
+  if (!dropped.ok()) return Fail(dropped.status());
+  if (json) {
+    std::cout << Json(*dropped);
+  } else {
+    std::cout << "model " << model << " dropped: released "
+              << (dropped->released_versions().empty()
+                      ? std::string("no versions")
+                      : "versions " + absl::StrJoin(dropped->released_versions(), ","))
+              << (dropped->forgotten_version() != 0
+                      ? absl::StrCat("; forgot its newest published version ",
+                                     dropped->forgotten_version(), " (the next run may start at 1)")
+                      : std::string())
+              << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  GlobalFlags flags;
   std::string model;
 
   CLI::App app{"refitctl: look at and follow a node's refitd"};
-  app.add_option("--socket", socket, "the daemon's Unix socket (default $REFIT_SOCKET, else "
-                                     "/run/refit/refitd.sock)");
-  app.add_flag("--json", json, "machine-readable output");
-  app.add_option("--timeout", timeout_s, "seconds to wait for the daemon")->capture_default_str();
-  app.set_version_flag("--version", std::string("refitctl ") + refit::kRefitVersion);
+  flags.AddTo(&app);
+  app.set_version_flag("--version", std::string("refitctl ") + refit::kRefitVersion,
+                       "print the version and exit");
   app.require_subcommand(1);
-  app.fallthrough();  // --json and --socket may follow the subcommand
-  auto* status_cmd = app.add_subcommand("status", "node, peers and models");
-  auto* versions_cmd = app.add_subcommand("versions", "versions held of one model");
+  auto add = [&](const char* name, const char* what) {
+    CLI::App* sub = app.add_subcommand(name, what);
+    flags.AddTo(sub);
+    return sub;
+  };
+  auto* status_cmd = add("status", "node, peers and models");
+  auto* versions_cmd = add("versions", "versions held of one model");
   versions_cmd->add_option("MODEL", model, "model name")->required();
-  auto* peers_cmd = app.add_subcommand("peers", "the other daemons");
-  auto* replicas_cmd =
-      app.add_subcommand("replicas", "the nodes holding MODEL and how far behind each is");
+  auto* peers_cmd = add("peers", "the daemons this one pulls from and those pulling from it");
+  auto* replicas_cmd = add("replicas", "the nodes holding MODEL and how far behind each is");
   replicas_cmd->add_option("MODEL", model, "model name")->required();
-  auto* watch_cmd = app.add_subcommand("watch", "print each version of MODEL as it completes");
+  auto* watch_cmd = add("watch", "print each version of MODEL as it completes");
   watch_cmd->add_option("MODEL", model, "model name")->required();
-  auto* metrics_cmd = app.add_subcommand("metrics", "the daemon's counters");
-  auto* health_cmd = app.add_subcommand("health", "whether the daemon is serving");
+  auto* metrics_cmd = add("metrics", "the daemon's counters");
+  auto* health_cmd = add("health", "whether the daemon is serving");
+  auto* drop_cmd = add("drop",
+                       "release MODEL's held versions and forget it, its newest published "
+                       "version too (refused while buffers of it are registered)");
+  drop_cmd->add_option("MODEL", model, "model name")->required();
   CLI11_PARSE(app, argc, argv);
+  const bool json = flags.json;
 
   auto client = Client::Connect(
-      socket, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+      flags.socket, std::chrono::milliseconds(static_cast<int64_t>(flags.timeout_s * 1000)));
   if (!client.ok()) return Fail(client.status());
 
   if (health_cmd->parsed()) {
@@ -278,12 +357,16 @@ int main(int argc, char** argv) {
     }
     return *healthy ? 0 : kExitError;
   }
-
-  if (watch_cmd->parsed()) return Watch(**client, model, json);
+  if (drop_cmd->parsed()) return Drop(**client, model, json);
 
   auto status = (*client)->Status();
   if (!status.ok()) return Fail(status.status());
 
+  if (watch_cmd->parsed()) {
+    // Like `versions`: a model this node doesn't know is an error, not a silent wait.
+    if (!FindModel(*status, model)) return kExitError;
+    return Watch(**client, model, json);
+  }
   if (status_cmd->parsed()) {
     if (json) {
       std::cout << Json(*status);
@@ -291,15 +374,8 @@ int main(int argc, char** argv) {
       PrintStatus(*status);
     }
   } else if (versions_cmd->parsed() || replicas_cmd->parsed()) {
-    const v1::ModelStatus* found = nullptr;
-    for (const auto& m : status->models()) {
-      if (m.model() == model) found = &m;
-    }
-    if (!found) {
-      std::cerr << "refitctl: model " << model << " is not known to node " << status->node()
-                << "\n";
-      return kExitError;
-    }
+    const v1::ModelStatus* found = FindModel(*status, model);
+    if (!found) return kExitError;
     if (replicas_cmd->parsed()) return PrintReplicas(*found, json);
     if (json) {
       std::cout << Json(*found);
@@ -307,12 +383,14 @@ int main(int argc, char** argv) {
       std::cout << "latest: " << found->latest_version() << "\nheld: "
                 << (found->versions().empty() ? "none" : absl::StrJoin(found->versions(), " "))
                 << "\n";
+      if (found->skipped_version() != 0) {
+        std::cout << "skipped: version " << found->skipped_version() << ": "
+                  << found->skipped_reason() << "\n";
+      }
     }
   } else if (peers_cmd->parsed()) {
     if (json) {
-      v1::StatusResponse peers_only;
-      *peers_only.mutable_peers() = status->peers();
-      std::cout << Json(peers_only);
+      std::cout << PeersJson(*status);
     } else {
       PrintPeers(*status);
     }

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <random>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -29,6 +30,8 @@
 #include "daemon/peer/delta_source.h"
 #include "daemon/peer/peer_manager.h"
 #include "daemon/peer/peer_service.h"
+#include "daemon/state/version_ledger.h"
+#include "daemon/transport/ucx_binding.h"
 #include "daemon/transport/ucx_transport.h"
 #include "daemon/server/refit_service.h"
 #include "daemon/store/store.h"
@@ -82,12 +85,22 @@ absl::Status PrepareSocketPath(const std::string& path) {
   return absl::OkStatus();
 }
 
+// A random id for this process, told to peers in Hello and as the run of its versions.
+std::string NewInstanceId() {
+  std::random_device random;
+  std::mt19937_64 rng((uint64_t{random()} << 32) ^ random());
+  return absl::StrCat(absl::Hex(rng(), absl::kZeroPad16));
+}
+
 }  // namespace
 
 struct Daemon::Impl {
   DaemonOptions options;
   Metrics metrics;
   std::unique_ptr<Store> store;
+  std::unique_ptr<state::VersionLedger> ledger;
+  std::string instance;  // NewInstanceId()
+  std::string listen;    // --listen's host with the port bound
   // What this node serves to other pullers (slots from the store's pool: it goes first), and
   // which nodes hold which versions.
   fleet::RelayBoard relay_board;
@@ -150,10 +163,36 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->instance = NewInstanceId();
+  {
+    auto ledger = state::VersionLedger::Open(options.state_dir);
+    if (!ledger.ok()) return ledger.status();
+    impl->ledger = std::move(ledger).value();
+  }
+  // The data plane binds where --listen does (and in --data-ports), unless UCX's own
+  // environment says otherwise.
+  transport::UcxTransport::Options ucx_options;
+  {
+    auto binding = transport::UcxBindingConfig(options.listen, options.data_ports);
+    if (!binding.ok()) return binding.status();
+    for (const transport::UcxSetting& setting : *binding) {
+      if (std::getenv(setting.env.c_str()) != nullptr) {
+        Logger("transport")->info("{} is set: the data plane follows it", setting.env);
+        continue;
+      }
+      Logger("transport")->info("data plane bound by {}={}", setting.env, setting.value);
+      ucx_options.config.emplace_back(setting.name, setting.value);
+    }
+    if (binding->empty()) {
+      Logger("transport")->warn(
+          "--listen={} names no single interface: UCX's tcp data plane listens on every "
+          "interface", options.listen);
+    }
+  }
   // The data plane: UCX chooses the transport (UCX_TLS); without UCX this node can still serve
   // local clients, and pulls from it fail UNAVAILABLE.
   std::unique_ptr<transport::Transport> ucx;
-  if (auto created = transport::UcxTransport::Create(); created.ok()) {
+  if (auto created = transport::UcxTransport::Create(ucx_options); created.ok()) {
     Logger("transport")->info("data plane: {}", (*created)->capabilities().detail);
     ucx = std::move(created).value();
   } else {
@@ -229,7 +268,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       &impl->metrics, &impl->relay_board, &impl->replicas, options.relay,
       impl->tls.enabled());
   impl->peers = std::make_unique<peer::PeerManager>(
-      peer::PeerManagerOptions{options.node, options.delta_threshold, options.relay, impl->tls},
+      peer::PeerManagerOptions{options.node, impl->instance, options.delta_threshold,
+                               options.relay, impl->tls},
       options.peers, impl->store.get(), impl->data_plane.get(), &impl->metrics,
       &impl->relay_board, &impl->replicas);
   {
@@ -257,12 +297,23 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   context.store = impl->store.get();
   context.metrics = &impl->metrics;
   context.replicas = &impl->replicas;
+  context.ledger = impl->ledger.get();
   context.peers = [raw] {
     std::vector<server::PeerInfo> out;
-    for (const auto& p : raw->peers->Peers()) out.push_back({p.node, p.address, p.connected});
+    for (const auto& p : raw->peers->Peers()) {
+      out.push_back({p.node, p.address, p.connected, p.error});
+    }
+    return out;
+  };
+  context.pulled_by = [raw] {
+    std::vector<server::PeerInfo> out;
+    for (const auto& s : raw->peer_service->Subscribers()) {
+      out.push_back({s.node, s.address, s.connected, s.error});
+    }
     return out;
   };
   context.add_runtime = [raw](v1::StatusResponse* response) {
+    response->set_listen(raw->listen);
     response->set_listen_port(raw->listen_port);
     response->set_health_port(raw->health_port);
     response->set_metrics_port(raw->metrics_server ? raw->metrics_server->port() : 0);
@@ -277,6 +328,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   impl->service_context = context;
   impl->service = std::make_unique<server::RefitService>(std::move(context));
 
+  {
+    const auto colon = options.listen.rfind(':');
+    impl->listen = options.listen.substr(0, colon == std::string::npos ? 0 : colon) + ":?";
+    impl->peer_service->SetIdentity(impl->instance, impl->listen);
+  }
   impl->health = std::make_unique<server::HealthService>(
       std::set<std::string>{"refit.v1.Refit", "refit.v1.Peer"});
   // A sticky CUDA error poisons every later CUDA call of this process: only a restart helps.
@@ -299,6 +355,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     if (!impl->peer_server || impl->listen_port == 0) {
       return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
     }
+  }
+  {
+    const auto colon = options.listen.rfind(':');
+    impl->listen = absl::StrCat(options.listen.substr(0, colon == std::string::npos ? 0 : colon),
+                                ":", impl->listen_port);
+    impl->peer_service->SetIdentity(impl->instance, impl->listen);
+    impl->peers->SetListenAddress(impl->listen);
   }
   {
     // Local callers: each connection is served by the RefitService of its uid, or refused.
@@ -368,7 +431,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   impl->peers->Start();
   Logger("daemon")->info(
       "refitd {} node={} serving socket={} listen port={} health port={} metrics port={} "
-      "retain={} slots={} max slot memory={} {}",
+      "retain={} slots={} max slot memory={} state={} {}",
       kRefitVersion, options.node, options.socket_path, impl->listen_port, impl->health_port,
       impl->metrics_server ? impl->metrics_server->port() : 0, options.retain,
       options.slot_memory == "cuda"
@@ -381,6 +444,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
           : std::string("host"),
       options.max_slot_memory == 0 ? std::string("unlimited")
                                    : absl::StrCat(options.max_slot_memory, " B"),
+      impl->ledger->path().empty() ? std::string("none (no --state-dir)") : impl->ledger->path(),
       cuda::Describe());
   return std::unique_ptr<Daemon>(new Daemon(std::move(impl)));
 }

@@ -37,6 +37,10 @@ int main(int argc, char** argv) {
   const char* env_socket = std::getenv("REFIT_SOCKET");
   if (env_socket && *env_socket) options.socket_path = env_socket;
   options.node = HostName();
+  // systemd's StateDirectory= (several directories are separated by ':'; the first is ours).
+  if (const char* state = std::getenv("STATE_DIRECTORY"); state && *state) {
+    options.state_dir = std::string(state).substr(0, std::string(state).find(':'));
+  }
 
   // Flags land in `flags`; only the ones given override the config file.
   refit::DaemonOptions flags = options;
@@ -126,6 +130,14 @@ int main(int argc, char** argv) {
   auto* tls_key_opt = app.add_option("--tls-key", flags.tls_key, "PEM private key of --tls-cert");
   auto* tls_ca_opt = app.add_option("--tls-ca", flags.tls_ca,
                                     "PEM CA that every peer's certificate must chain to");
+  auto* state_opt = app.add_option(
+      "--state-dir", flags.state_dir,
+      "where refitd keeps each model's newest published version across restarts (default "
+      "$STATE_DIRECTORY, else none)");
+  auto* data_ports_opt = app.add_option(
+      "--data-ports", flags.data_ports,
+      "LOW-HIGH: the TCP ports UCX's data plane listens on (default: any; it listens on "
+      "--listen's interface)");
   app.add_flag("--version", version, "print the version and CUDA support, then exit");
   CLI11_PARSE(app, argc, argv);
 
@@ -165,6 +177,8 @@ int main(int argc, char** argv) {
   if (*tls_cert_opt) options.tls_cert = flags.tls_cert;
   if (*tls_key_opt) options.tls_key = flags.tls_key;
   if (*tls_ca_opt) options.tls_ca = flags.tls_ca;
+  if (*state_opt) options.state_dir = flags.state_dir;
+  if (*data_ports_opt) options.data_ports = flags.data_ports;
   // Peers tell pieces apart by node name; an empty one would read as this node's own.
   if (options.node.empty() || options.node.size() > 255) {
     std::cerr << "refitd: --node must be 1 to 255 bytes (default: the host name)\n";

@@ -47,6 +47,11 @@ struct DaemonOptions {
   std::string tls_cert;
   std::string tls_key;
   std::string tls_ca;
+  // Where refitd keeps what outlives a restart (each model's newest published version); empty:
+  // nowhere (main.cc defaults it to $STATE_DIRECTORY).
+  std::string state_dir;
+  // UCX's tcp listening ports ("LOW-HIGH", UCX_TCP_PORT_RANGE); empty: any port.
+  std::string data_ports;
 };
 
 }  // namespace refit

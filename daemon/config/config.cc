@@ -111,6 +111,10 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
       status = ReadString(node, origin, key, &parsed.bucket_export);
     } else if (key == "bucket_import") {
       status = ReadString(node, origin, key, &parsed.bucket_import);
+    } else if (key == "state_dir") {
+      status = ReadString(node, origin, key, &parsed.state_dir);
+    } else if (key == "data_ports") {
+      status = ReadString(node, origin, key, &parsed.data_ports);
     } else if (key == "bucket_full_every") {
       auto value = node.value<int64_t>();
       if (!node.is_integer() || !value || *value < 1 || *value > 1000000) {
@@ -179,7 +183,8 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
                    "is unknown (known: socket, listen, peers, node, retain, log_level, "
                    "metrics_listen, health_listen, chunk_bytes, inflight, delta_threshold, "
                    "delta_chain, bucket_export, bucket_import, bucket_full_every, slot_memory, "
-                   "slot_device, max_slot_memory, max_gpu_slot_memory, relay, allow_uids, allow_gids, tls_cert, tls_key, tls_ca)");
+                   "slot_device, max_slot_memory, max_gpu_slot_memory, relay, state_dir, "
+                   "data_ports, allow_uids, allow_gids, tls_cert, tls_key, tls_ca)");
     }
     if (!status.ok()) return status;
   }

@@ -57,6 +57,8 @@ void ToProto(const ModelInfo& info, v1::ModelStatus* out) {
   out->set_version_bytes(info.version_bytes);
   out->set_abandoned_version(info.abandoned_version);
   out->set_abandoned_error(info.abandoned_error);
+  out->set_skipped_version(info.skipped_version);
+  out->set_skipped_reason(info.skipped_reason);
   for (const BufferInfo& b : info.buffers) {
     v1::BufferStatus* bs = out->add_buffers();
     bs->set_buffer_id(b.id);
@@ -66,6 +68,7 @@ void ToProto(const ModelInfo& info, v1::ModelStatus* out) {
     bs->set_tensors(b.tensors);
     bs->set_last_published_version(b.last_published);
     bs->set_memory(MemoryKindName(b.memory));
+    bs->set_error(b.error);
   }
 }
 

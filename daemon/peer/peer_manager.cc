@@ -116,6 +116,7 @@ struct PeerManager::Peer {
   std::string address;
   std::string node;
   bool connected = false;  // guarded by PeerManager::mu_
+  std::string error;       // guarded by PeerManager::mu_
   std::unique_ptr<v1::Peer::Stub> stub;  // set by its thread before `node`, under mu_
   std::shared_ptr<grpc::Channel> channel;
   grpc::ClientContext* stream = nullptr;  // the live Subscribe call, for Stop
@@ -126,6 +127,7 @@ PeerManager::PeerManager(PeerManagerOptions options, std::vector<std::string> ad
                          Store* store, DataPlane* data_plane, Metrics* metrics,
                          fleet::RelayBoard* board, fleet::ReplicaTable* replicas)
     : node_(options.node),
+      instance_(options.instance),
       relay_(options.relay),
       tls_(options.tls),
       store_(store),
@@ -210,7 +212,9 @@ std::vector<PeerState> PeerManager::Peers() const {
   std::vector<PeerState> out;
   for (const auto& peer : peers_) {
     if (peer->node == node_ + " (self)") continue;
-    out.push_back({peer->address, peer->node, peer->connected});
+    // A refused peer has this node's name (kept out of `node`, which names endpoints).
+    out.push_back({peer->address, peer->error.empty() ? peer->node : node_, peer->connected,
+                   peer->error});
   }
   return out;
 }
@@ -236,6 +240,8 @@ void PeerManager::RunPeer(Peer* peer) {
     v1::HelloRequest hello;
     hello.set_node(node_);
     hello.set_version(kRefitVersion);
+    hello.set_instance(instance_);
+    hello.set_listen(listen_);
     v1::HelloResponse who;
     grpc::ClientContext hello_context;
     hello_context.set_deadline(In(kHelloDeadline));
@@ -257,12 +263,36 @@ void PeerManager::RunPeer(Peer* peer) {
         }
       }
     }
-    if (status.ok() && who.node() == node_) {
+    if (status.ok() && who.node() == node_ &&
+        (who.instance() == instance_ || who.instance().empty())) {
       // A name that resolves to every daemon (a headless Service) includes this one.
       Logger("peer")->info("peer at {} is this node; not connecting to it", peer->address);
       std::lock_guard<std::mutex> lock(mu_);
       peer->node = node_ + " (self)";
       return;
+    }
+    if (status.ok() && who.node() == node_) {
+      // Another daemon with this node's name: its pieces would pass for this node's own.
+      status = grpc::Status(
+          grpc::StatusCode::FAILED_PRECONDITION,
+          absl::StrCat("two daemons have --node=", node_, ": the one at ", peer->address,
+                       who.listen().empty() ? "" : absl::StrCat(" (listening on ", who.listen(), ")"),
+                       " and this one at ", listen_,
+                       "; node names must be unique: give each refitd its own --node"));
+    }
+    if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION &&
+        status.error_message().rfind("two daemons have --node=", 0) == 0) {
+      bool first = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        first = peer->error != status.error_message();
+        peer->error = status.error_message();
+        peer->node.clear();
+      }
+      if (first) Logger("peer")->warn("peer at {} refused: {}", peer->address, peer->error);
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait_for(lock, kMaxBackoff, [this] { return stop_; });
+      continue;  // the operator may restart it under another name
     }
     if (status.ok()) {
       backoff = milliseconds(100);
@@ -276,6 +306,7 @@ void PeerManager::RunPeer(Peer* peer) {
         if (stop_) return;
         peer->node = node;
         peer->connected = true;
+        peer->error.clear();
         peer->channel = channel;
         peer->stub = std::move(stub);
         peer->stream = &context;
@@ -285,6 +316,7 @@ void PeerManager::RunPeer(Peer* peer) {
                            peer->address, who.version(), who.transport());
       v1::SubscribeRequest request;
       request.set_node(node_);
+      request.set_listen(listen_);
       auto reader = peer->stub->Subscribe(&context, request);
       v1::PeerEvent event;
       while (reader->Read(&event)) {
@@ -316,7 +348,7 @@ void PeerManager::RunPeer(Peer* peer) {
                 {d.buffer_id(), d.base_version(), d.version(), d.remote_key(), d.bytes()});
           }
           store_->AnnounceRemoteVersion(node, event.model(), event.version(), std::move(pieces),
-                                        std::move(deltas));
+                                        std::move(deltas), event.run());
         }
       }
       status = reader->Finish();

@@ -39,6 +39,7 @@ struct PeerState {
   std::string address;
   std::string node;  // empty until the first Hello
   bool connected = false;
+  std::string error;  // why this daemon does not connect to it (e.g. it has this node's name)
 };
 
 // "host:port" -> every "ip:port" the name resolves to now (one entry, unchanged, when it
@@ -47,6 +48,9 @@ std::vector<std::string> ResolvePeerAddress(const std::string& address);
 
 struct PeerManagerOptions {
   std::string node;  // this node
+  // This daemon's random per-process id (PeerService's too): a Hello answered with this node's
+  // name and this id reached this very daemon.
+  std::string instance;
   // Use a source's deltas when they are at most this fraction of the bytes a pull needs (0:
   // always pull full bytes).
   double delta_threshold = 0.5;
@@ -62,6 +66,8 @@ class PeerManager final : public pull::PeerChannels {
               fleet::ReplicaTable* replicas = nullptr);
   ~PeerManager() override;  // Stop()
 
+  // This daemon's --listen address as bound (for messages and subscriptions); before Start.
+  void SetListenAddress(const std::string& listen) { listen_ = listen; }
   void Start();
   void Stop();
 
@@ -91,6 +97,8 @@ class PeerManager final : public pull::PeerChannels {
   void RunPulls();
   void RunReports();
   const std::string node_;
+  const std::string instance_;
+  std::string listen_;  // set before Start
   const bool relay_;
   const tls::PeerTlsFiles tls_;
   Store* const store_;

@@ -66,6 +66,26 @@ absl::Status PeerService::Authenticate(const grpc::ServerContext& context,
   auto auth = context.auth_context();
   if (!auth) return absl::PermissionDeniedError("no TLS identity");
   return tls::CheckIdentity(*auth, node);
+
+}
+
+void PeerService::SetIdentity(const std::string& instance, const std::string& listen) {
+  std::lock_guard<std::mutex> lock(mu_);
+  instance_ = instance;
+  listen_ = listen;
+}
+
+std::vector<PeerService::Subscriber> PeerService::Subscribers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Subscriber> out;
+  std::set<std::pair<std::string, std::string>> seen;
+  for (const auto& entry : subscribers_) {
+    if (seen.insert(entry).second) out.push_back({entry.first, entry.second, true, ""});
+  }
+  for (const auto& [address, error] : refused_) {
+    out.push_back({node_, address, false, error});
+  }
+  return out;
 }
 
 grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloRequest* request,
@@ -75,6 +95,30 @@ grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloReq
   if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
   }
+  std::string instance, listen;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    instance = instance_;
+    listen = listen_;
+  }
+  // Node names tell pieces apart: another daemon with this node's name is refused (a caller
+  // with this instance id is this daemon itself, through a name that resolves to every daemon).
+  if (request->node() == node_ && !request->instance().empty() && request->instance() != instance) {
+    const std::string caller = request->listen().empty() ? context->peer() : request->listen();
+    const std::string error = absl::StrCat(
+        "two daemons have --node=", node_, ": the one at ", caller, " and this one at ", listen,
+        "; node names must be unique: give each refitd its own --node");
+    bool first = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      first = refused_.emplace(caller, error).second;
+      if (refused_.size() > 16) refused_.erase(refused_.begin());
+    }
+    if (first) Logger("peer")->warn("peer at {} refused: {}", caller, error);
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, error);
+  }
+  response->set_instance(instance);
+  response->set_listen(listen);
   response->set_node(node_);
   response->set_version(kRefitVersion);
   response->set_transport_address(data_plane_->LocalAddress());
@@ -133,6 +177,21 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
   }
   Logger("peer")->info("peer={} subscribed from {}", request->node(), context->peer());
+  const std::pair<std::string, std::string> me(
+      request->node(), request->listen().empty() ? context->peer() : request->listen());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    subscribers_.insert(me);
+  }
+  struct Leave {
+    PeerService* service;
+    std::pair<std::string, std::string> me;
+    ~Leave() {
+      std::lock_guard<std::mutex> lock(service->mu_);
+      auto it = service->subscribers_.find(me);
+      if (it != service->subscribers_.end()) service->subscribers_.erase(it);
+    }
+  } leave{this, me};
   std::map<std::string, std::string> sent;  // model -> what was last sent (serialized)
   // model -> the layouts last sent. The store keeps a buffer's slice vector (immutable) while
   // it stays registered; holding them here keeps their addresses from being reused, so equal
@@ -176,6 +235,10 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
           layouts_sent == sent_layouts.end() || !same(layouts_sent->second, model_layouts);
       v1::PeerEvent event;
       BuildEvent(model, model_layouts, with_sources, &event);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        event.set_run(instance_);
+      }
       // Remote keys are stable per slot, so equal text means nothing new.
       std::string text = event.SerializeAsString();
       if (sent[model] == text) continue;

@@ -40,6 +40,20 @@ class PeerService final : public v1::Peer::Service {
               Metrics* metrics, fleet::RelayBoard* board = nullptr,
               fleet::ReplicaTable* replicas = nullptr, bool relay = false, bool tls = false);
 
+  // This daemon's identity in Hello: its random per-process instance id and its --listen
+  // address (HOST:PORT as bound). Call before serving, and again once the port is known.
+  void SetIdentity(const std::string& instance, const std::string& listen);
+
+  // A daemon subscribed to this one (it pulls from here), or one whose Hello was refused.
+  struct Subscriber {
+    std::string node;
+    std::string address;  // its --listen address (else where it called from)
+    bool connected = false;
+    std::string error;    // why its Hello was refused; empty for subscribers
+  };
+  // Subscribers now, then refused callers (newest 16), each once.
+  std::vector<Subscriber> Subscribers() const;
+
   // Something a subscriber should hear about changed (a layout or a new local version).
   void NotifyChanged();
   // Ends every Subscribe stream (shutdown).
@@ -90,7 +104,11 @@ class PeerService final : public v1::Peer::Service {
   // first N ranges it announces, as a relay serving wrong bytes would (0 in production).
   std::atomic<int64_t> relay_flips_{0};
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
+  std::string instance_;  // guarded by mu_
+  std::string listen_;    // guarded by mu_
+  std::multiset<std::pair<std::string, std::string>> subscribers_;  // (node, address); mu_
+  std::map<std::string, std::string> refused_;  // caller address -> why; mu_ (at most 16)
   std::condition_variable changed_;
   uint64_t generation_ = 0;
   bool stopped_ = false;

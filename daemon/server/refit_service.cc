@@ -1,6 +1,8 @@
 #include "daemon/server/refit_service.h"
 
 #include <unistd.h>
+#include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda.h"
@@ -151,10 +153,25 @@ grpc::Status RefitService::Publish(grpc::ServerContext*, const v1::PublishReques
                                    v1::PublishResponse* response) {
   if (absl::Status owned = CheckOwner(request->buffer_ids(), "publish"); !owned.ok()) {
     return Finish("Publish", owned);
+
+  }
+  // A number the model used before (in this process or, with --state-dir, an earlier one) is
+  // refused: engines' nodes would take it for the version they hold.
+  if (context_.ledger && request->version() > 0) {
+    absl::Status fresh = context_.ledger->Check(request->model(), request->version());
+    if (!fresh.ok()) return Finish("Publish", fresh);
   }
   auto result =
       context_.store->Publish(request->model(), request->version(), Ids(request->buffer_ids()));
   if (!result.ok()) return Finish("Publish", result.status());
+  if (context_.ledger) {
+    absl::Status saved = context_.ledger->Record(request->model(), result->version);
+    if (!saved.ok()) {
+      // The version is published; only a restart could now reuse its number.
+      Logger("server")->error("model={} version={} published, but not remembered: {}",
+                              request->model(), result->version, saved.ToString());
+    }
+  }
   response->set_version(result->version);
   response->set_bytes(result->bytes);
   return grpc::Status::OK;
@@ -163,8 +180,14 @@ grpc::Status RefitService::Publish(grpc::ServerContext*, const v1::PublishReques
 grpc::Status RefitService::WaitForVersion(grpc::ServerContext* context,
                                           const v1::WaitForVersionRequest* request,
                                           v1::WaitForVersionResponse* response) {
+  // Answer a little before the caller's deadline, so that it reads this daemon's reason
+  // (e.g. "no node has SOURCE buffers") rather than its own bare DEADLINE_EXCEEDED.
+  const Clock::time_point deadline = SteadyDeadline(*context);
+  const auto margin = std::clamp<Clock::duration>((deadline - Clock::now()) / 10,
+                                                  Clock::duration::zero(),
+                                                  std::chrono::milliseconds(100));
   auto version = context_.store->WaitForVersion(request->model(), request->min_version(),
-                                                SteadyDeadline(*context), CancelledOf(context));
+                                                deadline - margin, CancelledOf(context));
   if (!version.ok()) return Finish("WaitForVersion", version.status());
   response->set_version(*version);
   return grpc::Status::OK;
@@ -225,14 +248,18 @@ grpc::Status RefitService::Status(grpc::ServerContext*, const v1::StatusRequest*
       replica->set_relay(r.relay);
     }
   }
-  if (context_.peers) {
-    for (const PeerInfo& peer : context_.peers()) {
-      v1::PeerStatus* ps = response->add_peers();
+  auto add_peers = [](const std::vector<PeerInfo>& peers,
+                      google::protobuf::RepeatedPtrField<v1::PeerStatus>* out) {
+    for (const PeerInfo& peer : peers) {
+      v1::PeerStatus* ps = out->Add();
       ps->set_node(peer.node);
       ps->set_address(peer.address);
       ps->set_connected(peer.connected);
+      ps->set_error(peer.error);
     }
-  }
+  };
+  if (context_.peers) add_peers(context_.peers(), response->mutable_peers());
+  if (context_.pulled_by) add_peers(context_.pulled_by(), response->mutable_pulled_by());
   for (const auto& [name, value] : context_.metrics->Snapshot()) {
     (*response->mutable_metrics())[name] = value;
   }
@@ -258,6 +285,32 @@ grpc::Status RefitService::WaitForReplicas(grpc::ServerContext* context,
   if (!reached.ok()) return Finish("WaitForReplicas", reached.status());
   response->set_version(reached->version);
   for (const std::string& node : reached->nodes) response->add_nodes(node);
+  return grpc::Status::OK;
+}
+
+grpc::Status RefitService::DropModel(grpc::ServerContext*, const v1::DropModelRequest* request,
+                                     v1::DropModelResponse* response) {
+  if (request->model().empty() || request->model().size() > kMaxNameBytes) {
+    return Finish("DropModel", absl::InvalidArgumentError("model name is 1 to 1024 bytes"));
+  }
+  auto dropped = context_.store->DropModel(request->model());
+  if (!dropped.ok()) {
+    // A model only the ledger remembers (its versions dropped by a restart) is forgotten too.
+    const uint64_t remembered = context_.ledger ? context_.ledger->Newest(request->model()) : 0;
+    if (dropped.status().code() != absl::StatusCode::kNotFound || remembered == 0) {
+      return Finish("DropModel", dropped.status());
+    }
+    dropped = DropResult{};
+  }
+  for (uint64_t v : dropped->released_versions) response->add_released_versions(v);
+  if (context_.ledger) {
+    auto forgotten = context_.ledger->Forget(request->model());
+    if (!forgotten.ok()) return Finish("DropModel", forgotten.status());
+    response->set_forgotten_version(*forgotten);
+  }
+  Logger("server")->info("model={} dropped: {} versions released, newest published {} forgotten",
+                         request->model(), dropped->released_versions.size(),
+                         response->forgotten_version());
   return grpc::Status::OK;
 }
 

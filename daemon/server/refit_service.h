@@ -16,6 +16,7 @@
 #include "daemon/fleet/replicas.h"
 #include "daemon/server/owners.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/state/version_ledger.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/refit.grpc.pb.h"
 
@@ -25,6 +26,7 @@ struct PeerInfo {
   std::string node;
   std::string address;
   bool connected = false;
+  std::string error;  // why this daemon does not connect to it; empty otherwise
 };
 
 struct ServiceContext {
@@ -36,7 +38,10 @@ struct ServiceContext {
   std::optional<callers::Caller> caller;
   std::shared_ptr<Owners> owners;  // shared by every instance; null: no ownership checks
   fleet::ReplicaTable* replicas = nullptr;  // not owned; null: WaitForReplicas UNIMPLEMENTED
+  // Each model's newest published version (--state-dir); null: Publish checks only the store.
+  state::VersionLedger* ledger = nullptr;  // not owned
   std::function<std::vector<PeerInfo>()> peers;  // may be empty
+  std::function<std::vector<PeerInfo>()> pulled_by;  // daemons subscribed here; may be empty
   // What only the Daemon knows: bound ports, transfers in flight.
   std::function<void(v1::StatusResponse*)> add_runtime;  // may be empty
 };
@@ -65,6 +70,8 @@ class RefitService final : public v1::Refit::Service {
   grpc::Status WaitForReplicas(grpc::ServerContext* context,
                                const v1::WaitForReplicasRequest* request,
                                v1::WaitForReplicasResponse* response) override;
+  grpc::Status DropModel(grpc::ServerContext* context, const v1::DropModelRequest* request,
+                         v1::DropModelResponse* response) override;
 
  private:
   // PERMISSION_DENIED unless the caller registered every one of `ids` (what: "publish", ...).

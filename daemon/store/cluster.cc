@@ -145,7 +145,11 @@ void Store::TryCompleteWithRemotes(Model& model) {
                     piece.buffer_id);
   }
   std::vector<std::shared_ptr<Buffer>> dests;
-  for (const std::string& id : model.destinations) dests.push_back(buffers_.at(id));
+  for (const std::string& id : model.destinations) {
+    // A destination that disagrees with the sources is left out: it never gets a plan.
+    if (buffers_.at(id)->refused.empty()) dests.push_back(buffers_.at(id));
+  }
+  if (dests.empty()) return;
   auto cached = PlanFor(model, draft, dests);
   if (!cached.ok()) {
     Logger("store")->warn("model={} version={} cannot be planned: {}", model.name, candidate,
@@ -240,6 +244,9 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
     model->failed_status = result.ok() ? absl::InternalError("a pull returned no staging") : result;
     model->pending.erase(job.version);
     changed_.notify_all();
+    // A newer version announced during the pull waited for it to end: take it now, rather
+    // than at the next announcement (which may never come).
+    TryComplete(*model);
     return;
   }
   for (size_t f = 0; f < job.fetches.size(); ++f) {
@@ -309,6 +316,7 @@ void Store::ImportVersion(const std::string& node, const std::string& model_name
   remote.pieces.clear();
   remote.deltas.clear();
   remote.announced = version;
+  RecheckDestinations(*model);
   TryComplete(*model);
 }
 
@@ -345,17 +353,36 @@ void Store::SetRemoteSources(const std::string& node, const std::string& model_n
   auto& remote = model->remotes[node];
   remote.sources = std::move(sources);
   model->plans.clear();
+  RecheckDestinations(*model);
   TryComplete(*model);
+  EraseIfEmpty(model_name);  // that node's last source of a model nothing else holds went away
 }
 
 void Store::AnnounceRemoteVersion(const std::string& node, const std::string& model_name,
                                   uint64_t version, std::vector<RemotePieceRef> pieces,
-                                  std::vector<RemoteDeltaRef> deltas) {
+                                  std::vector<RemoteDeltaRef> deltas, const std::string& run) {
   std::lock_guard<std::mutex> lock(mu_);
   Model* model = FindModel(model_name);
   if (!model) return;
   auto& remote = model->remotes[node];
   if (remote.announced == 0 && version >= model->failed) model->failed = 0;  // a fresh start
+  // A number this node already has from another run of that node: the numbers were reused
+  // (its refitd restarted without --state-dir, or its model was dropped). Never silently.
+  auto held_run = model->latest_runs.find(node);
+  if (version <= model->latest && held_run != model->latest_runs.end() && !run.empty() &&
+      held_run->second != run && version != model->skipped) {
+    model->skipped = version;
+    model->skipped_reason = absl::StrCat(
+        "node ", node, " announced version ", version, " from a new run (its refitd restarted, "
+        "or the model was dropped there), and this node holds version ", model->latest,
+        " of the previous run: numbers were reused, so the version is not taken; publish a "
+        "version above ", model->latest, " (run refitd with --state-dir on the trainer's node "
+        "so that it refuses reused numbers), or release this node's buffers of ",
+        model_name, " and `refitctl drop ", model_name, "` here to follow the new run");
+    Logger("store")->warn("model={} version={} skipped: {}", model_name, version,
+                          model->skipped_reason);
+  }
+  remote.run = run;
   remote.announced = version;
   remote.pieces = std::move(pieces);
   remote.deltas = std::move(deltas);

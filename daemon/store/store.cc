@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "cuda/cuda.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/names.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/plan/convert.h"
 #include "daemon/plan/plan.h"
@@ -56,58 +57,6 @@ Store::Model* Store::FindModel(const std::string& name) {
 const Store::Model* Store::FindModel(const std::string& name) const {
   auto it = models_.find(name);
   return it == models_.end() ? nullptr : it->second.get();
-}
-
-absl::Status Store::CheckAgainstModel(const Model& model, Role role,
-                                      const std::vector<TensorSlice>& slices) const {
-  // The model's tensors are what its SOURCE slices describe: dtype and global shape of every
-  // tensor must agree across buffers and within one; destinations must agree on shape and be
-  // convertible (whichever side registered first). The new buffer's slices join the tables as
-  // they pass, so two slices of one request are checked against each other too.
-  std::map<std::string, const TensorSlice*> source_of;
-  std::multimap<std::string, const TensorSlice*> dest_of;
-  for (const auto* ids : {&model.sources, &model.destinations}) {
-    for (const std::string& id : *ids) {
-      const Buffer& buffer = *buffers_.at(id);
-      for (const TensorSlice& s : buffer.slices) {
-        if (buffer.role == Role::kSource) {
-          source_of.emplace(s.name, &s);
-        } else {
-          dest_of.emplace(s.name, &s);
-        }
-      }
-    }
-  }
-  for (const TensorSlice& s : slices) {
-    auto src = source_of.find(s.name);
-    auto [dst_begin, dst_end] = dest_of.equal_range(s.name);
-    const TensorSlice* other = src != source_of.end() ? src->second
-                               : dst_begin != dst_end ? dst_begin->second
-                                                      : nullptr;
-    if (other && other->global_shape != s.global_shape) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor ", s.name, ": global_shape [", absl::StrJoin(s.global_shape, ", "),
-          "] disagrees with [", absl::StrJoin(other->global_shape, ", "),
-          "] registered for model ", model.name));
-    }
-    if (role == Role::kSource) {
-      if (src != source_of.end() && src->second->dtype != s.dtype) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor ", s.name, ": dtype ", DTypeName(s.dtype), " disagrees with ",
-            DTypeName(src->second->dtype), " registered for model ", model.name));
-      }
-      for (auto it = dst_begin; it != dst_end; ++it) {
-        RETURN_IF_ERROR(plan::CheckConvertible(s.dtype, it->second->dtype));
-      }
-      source_of.emplace(s.name, &s);
-    } else {
-      if (src != source_of.end()) {
-        RETURN_IF_ERROR(plan::CheckConvertible(src->second->dtype, s.dtype));
-      }
-      dest_of.emplace(s.name, &s);
-    }
-  }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name, Role role,
@@ -162,14 +111,15 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
                             absl::Hex(nonce, absl::kZeroPad16));
   (role == Role::kSource ? model->sources : model->destinations).insert(buffer->id);
   model->plans.clear();
-  if (role == Role::kSource && listener_.local_layout_changed) {
-    listener_.local_layout_changed(model_name);
+  buffers_[buffer->id] = buffer;
+  if (role == Role::kSource) {
+    RecheckDestinations(*model);  // the sources win over destinations that came first
+    if (listener_.local_layout_changed) listener_.local_layout_changed(model_name);
   }
 
   Logger("store")->info("model={} buffer={} registered: {} {} tensors, {} client={}", model_name,
                         buffer->id, RoleName(role), buffer->slices.size(),
                         buffer->region->Describe(), client);
-  buffers_[buffer->id] = buffer;
   if (role == Role::kDestination && model->HasRemoteSources()) {
     TryComplete(*model);  // an engine that just arrived wants the newest announced version
   }
@@ -200,9 +150,11 @@ absl::Status Store::ReleaseBuffer(const std::string& buffer_id) {
   Logger("store")->info("model={} buffer={} released", buffer->model, buffer_id);
   // A pending version may now have every remaining source published.
   if (buffer->role == Role::kSource) {
+    RecheckDestinations(model);
     if (listener_.local_layout_changed) listener_.local_layout_changed(buffer->model);
     TryComplete(model);
   }
+  EraseIfEmpty(buffer->model);  // e.g. a misspelled model whose engine went away
   return absl::OkStatus();
 }
 
@@ -340,6 +292,11 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
 
   std::lock_guard<std::mutex> lock(mu_);
   Model* model = FindModel(model_name);
+  if (!model) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model ", model_name, ": its buffers were released while version ", version,
+        " was being published"));
+  }
   if (version <= model->latest) {
     // Another buffer's publish completed a newer version meanwhile; this one can't complete.
     return absl::FailedPreconditionError(absl::StrCat(
@@ -395,6 +352,12 @@ void Store::CompleteVersion(Model& model, uint64_t number, std::vector<Piece> pi
 
   model.complete[number] = version;
   model.latest = number;
+  model.latest_runs.clear();
+  for (const Piece& piece : version->pieces) {
+    if (piece.node.empty()) continue;
+    auto remote = model.remotes.find(piece.node);
+    if (remote != model.remotes.end()) model.latest_runs[piece.node] = remote->second.run;
+  }
   model.history.push_back(number);
   if (model.history.size() > kHistoryLength) model.history.pop_front();
   while (model.complete.size() > std::max<uint32_t>(1, options_.retain)) {
@@ -452,6 +415,9 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     Model* model = FindModel(model_name);
     if (!model) return absl::NotFoundError(absl::StrCat("model ", model_name, " does not exist"));
     ASSIGN_OR_RETURN(dests, LookUpBuffers(model_name, Role::kDestination, buffer_ids));
+    for (const auto& d : dests) {
+      if (!d->refused.empty()) return absl::FailedPreconditionError(d->refused);
+    }
     const uint64_t wanted = version == 0 ? model->latest : version;
     if (wanted == 0) {
       return absl::FailedPreconditionError(
@@ -567,6 +533,16 @@ absl::StatusOr<uint64_t> Store::WaitForVersion(const std::string& model_name,
     return latest != 0 && latest >= min_version;
   });
   if (status.code() == absl::StatusCode::kDeadlineExceeded) {
+    const Model* model = FindModel(model_name);
+    if (!model || (model->sources.empty() && !model->HasRemoteSources() && latest == 0)) {
+      std::vector<std::string> known;
+      for (const auto& [name, m] : models_) known.push_back(name);
+      return absl::DeadlineExceededError(absl::StrCat(
+          "model ", model_name, ": no version >= ", min_version,
+          " before the deadline, and none will come: no node has SOURCE buffers for ",
+          model_name, " (not this one, nor any connected peer)", KnownModelsHint(model_name, known),
+          "; check the model name and that the trainer's node is in --peers"));
+    }
     return absl::DeadlineExceededError(
         absl::StrCat("model ", model_name, ": no version >= ", min_version,
                      " completed before the deadline (latest: ", latest, ")"));
@@ -613,6 +589,8 @@ std::vector<ModelInfo> Store::Models() const {
       info.abandoned_version = model->failed;
       info.abandoned_error = model->failed_status.ToString();
     }
+    info.skipped_version = model->skipped;
+    info.skipped_reason = model->skipped_reason;
     info.source_buffers = static_cast<uint32_t>(model->sources.size());
     info.destination_buffers = static_cast<uint32_t>(model->destinations.size());
     for (const auto* ids : {&model->sources, &model->destinations}) {
@@ -620,12 +598,80 @@ std::vector<ModelInfo> Store::Models() const {
         const Buffer& b = *buffers_.at(id);
         info.buffers.push_back(BufferInfo{b.id, b.role, b.client, b.region->size(),
                                           static_cast<uint32_t>(b.slices.size()),
-                                          b.last_published, b.region->kind()});
+                                          b.last_published, b.region->kind(), b.refused});
       }
     }
     out.push_back(std::move(info));
   }
   return out;
+}
+
+std::vector<std::string> Store::ModelNames() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> out;
+  for (const auto& [name, model] : models_) out.push_back(name);
+  return out;
+}
+
+void Store::EraseIfEmpty(const std::string& name) {
+  const Model* model = FindModel(name);
+  if (!model || !model->sources.empty() || !model->destinations.empty() ||
+      !model->complete.empty() || !model->pending.empty() || model->pulling != 0 ||
+      model->HasRemoteSources()) {
+    return;
+  }
+  Logger("store")->info("model={} forgotten: no buffers, versions or sources left", name);
+  models_.erase(name);
+  changed_.notify_all();
+}
+
+absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Model* model = FindModel(name);
+  if (!model) {
+    std::vector<std::string> known;
+    for (const auto& [n, m] : models_) known.push_back(n);
+    return absl::NotFoundError(absl::StrCat("model ", name, " is not known to this node",
+                                            KnownModelsHint(name, known)));
+  }
+  if (!model->sources.empty() || !model->destinations.empty()) {
+    std::vector<std::string> held;
+    for (const auto* ids : {&model->sources, &model->destinations}) {
+      for (const std::string& id : *ids) {
+        const Buffer& b = *buffers_.at(id);
+        held.push_back(absl::StrCat(id, " (client ", b.client.empty() ? "unnamed" : b.client, ")"));
+      }
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model ", name, " still has ", held.size(), " buffer(s) registered: ",
+        absl::StrJoin(held, ", "),
+        "; stop its trainers and engines (or `refitctl release` their buffers) first"));
+  }
+  DropResult result;
+  for (const auto& [v, version] : model->complete) result.released_versions.push_back(v);
+  metrics_->Add(kVersionsDropped, static_cast<double>(model->complete.size()));
+  if (model->HasRemoteSources()) {
+    // Other nodes still have sources: keep what they told, forget every version. Their next
+    // announcement (or the one they made) completes here again for an engine that registers.
+    model->complete.clear();
+    model->pending.clear();
+    model->snapshots.clear();
+    model->history.clear();
+    model->plans.clear();
+    model->latest = 0;
+    model->local_ready = 0;
+    model->failed = 0;
+    model->failed_status = absl::OkStatus();
+    model->skipped = 0;
+    model->skipped_reason.clear();
+    model->latest_runs.clear();
+  } else {
+    models_.erase(name);
+  }
+  Logger("store")->info("model={} dropped: {} version(s) released", name,
+                        result.released_versions.size());
+  changed_.notify_all();
+  return result;
 }
 
 void Store::SetListener(StoreListener listener) {

@@ -75,6 +75,9 @@ struct BufferInfo {
   uint32_t tensors = 0;
   uint64_t last_published = 0;
   MemoryKind memory = MemoryKind::kHost;
+  // A DESTINATION buffer whose layout disagrees with the model's SOURCE buffers (which
+  // registered after it): why Apply refuses it. Empty: usable.
+  std::string error;
 };
 
 struct ModelInfo {
@@ -87,6 +90,15 @@ struct ModelInfo {
   std::vector<BufferInfo> buffers;
   uint64_t abandoned_version = 0;  // newer than latest_version and given up on; 0: none
   std::string abandoned_error;
+  // The newest version another node announced that this node did not take (its number was
+  // not newer than the one held here, from another run of that node), and why; 0: none.
+  uint64_t skipped_version = 0;
+  std::string skipped_reason;
+};
+
+// What DropModel released.
+struct DropResult {
+  std::vector<uint64_t> released_versions;  // complete versions that were held
 };
 
 // One SOURCE buffer's snapshot layout: slices relative to the snapshot's first byte.
@@ -210,6 +222,15 @@ class Store {
 
   std::vector<ModelInfo> Models() const;
 
+  // Releases every version of `model` held here and forgets it (a record of other nodes'
+  // sources for it stays, so their next versions are taken again). FAILED_PRECONDITION naming
+  // the buffers while any buffer of it is registered here; NOT_FOUND for a model this node
+  // does not know.
+  absl::StatusOr<DropResult> DropModel(const std::string& model);
+
+  // Every model this node knows (for messages about a name it does not).
+  std::vector<std::string> ModelNames() const;
+
   // ---- Several nodes (driven by daemon/peer) ----
 
   void SetListener(StoreListener listener);
@@ -245,9 +266,13 @@ class Store {
                         std::vector<SourceLayout> sources);
   // Every SOURCE buffer of `model` on `node` has published `version`, readable at `pieces`.
   // `deltas` are the deltas `node` offers for the pieces (see RemoteDeltaRef).
+  // `run` names the announcing daemon's process (HelloResponse.instance): a version number not
+  // newer than the one held here, announced by another run of that node than the one it came
+  // from, is a reused number; it is skipped, logged and shown (ModelInfo.skipped_version).
   void AnnounceRemoteVersion(const std::string& node, const std::string& model, uint64_t version,
                              std::vector<RemotePieceRef> pieces,
-                             std::vector<RemoteDeltaRef> deltas = {});
+                             std::vector<RemoteDeltaRef> deltas = {},
+                             const std::string& run = "");
   // `node` is gone: its sources stay expected (no version completes without them) and a pull
   // from it fails.
   void ForgetRemoteVersions(const std::string& node);
@@ -282,6 +307,12 @@ class Store {
   const Model* FindModel(const std::string& name) const;
   absl::Status CheckAgainstModel(const Model& model, Role role,
                                  const std::vector<TensorSlice>& slices) const;
+  // Marks the model's DESTINATION buffers whose layout disagrees with its SOURCE buffers (here
+  // and on other nodes) as refused, and clears the mark of those that agree again.
+  void RecheckDestinations(Model& model);
+  // Drops `model` from models_ when nothing is left of it: no buffers, versions, pulls or other
+  // nodes' sources.
+  void EraseIfEmpty(const std::string& model);
   absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> LookUpBuffers(
       const std::string& model, Role role, const std::vector<std::string>& ids) const;
   void TryComplete(Model& model);

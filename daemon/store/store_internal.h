@@ -41,6 +41,9 @@ struct Store::Buffer {
   uint64_t span_end = 0;
   std::shared_ptr<const std::vector<TensorSlice>> snapshot_slices;
   uint64_t last_published = 0;  // guarded by Store::mu_
+  // DESTINATION buffers: non-empty when its layout disagrees with the model's sources (set by
+  // RecheckDestinations); such a buffer is left out of plans and Apply refuses it.
+  std::string refused;  // guarded by Store::mu_
   std::mutex io_mu;             // one snapshot or one Apply at a time on this memory
   ChecksumHints hints;          // SOURCE buffers; guarded by hints.mu
 };
@@ -87,6 +90,7 @@ struct Store::Model {
   // Several nodes.
   struct RemoteNode {
     std::vector<SourceLayout> sources;
+    std::string run;  // the run (daemon instance) that announced `announced`
     uint64_t announced = 0;  // newest version all its sources published; 0: none known
     std::vector<RemotePieceRef> pieces;
     std::vector<RemoteDeltaRef> deltas;
@@ -101,6 +105,10 @@ struct Store::Model {
   uint64_t failed = 0;                         // newest version whose pull failed
   absl::Status failed_status;                  // why (OK when it couldn't be planned)
   std::string staging_reserved;                // the remote layout staging slots were reserved for
+  // The run of each other node whose pieces the newest complete version came from.
+  std::map<std::string, std::string> latest_runs;
+  uint64_t skipped = 0;                        // newest announced version not taken
+  std::string skipped_reason;
 
   bool HasRemoteSources() const {
     for (const auto& [node, remote] : remotes) {

@@ -273,16 +273,30 @@ TEST_CASE_METHOD(Fixture, "slices of one request, and a source after its destina
                               Rows("w", DType::kBF16, {4, 4}, 1, 1, 16)}, "")
             .status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(store.Models().empty());  // nothing registered
-  // A destination first, then a source it can't be converted from.
-  REQUIRE(store.RegisterBuffer("m", Role::kDestination, c.Lend(),
-                               {Whole("w", DType::kFP16, {16}, 0)}, "").ok());
-  const auto refused = store.RegisterBuffer("m", Role::kSource, d.Lend(),
-                                            {Whole("w", DType::kINT32, {16}, 0)}, "");
-  INFO(refused.status().ToString());
+  // A destination first, then a source it can't be converted from: the source wins, and the
+  // destination is the one refused (shown in Models, naming the source).
+  auto dest = store.RegisterBuffer("m", Role::kDestination, c.Lend(),
+                                   {Whole("w", DType::kFP16, {16}, 0)}, "engine");
+  REQUIRE(dest.ok());
+  auto source = store.RegisterBuffer("m", Role::kSource, d.Lend(),
+                                     {Whole("w", DType::kINT32, {16}, 0)}, "rank0");
+  REQUIRE(source.ok());
+  const std::vector<ModelInfo> models = store.Models();
+  REQUIRE(models[0].buffers.size() == 2);
+  for (const BufferInfo& b : models[0].buffers) {
+    INFO(b.id << ": " << b.error);
+    CHECK(b.error.empty() == (b.id == *source));
+    if (b.id == *dest) CHECK(b.error.find(*source) != std::string::npos);
+  }
+  // A second source that disagrees with the first is refused, naming it and its client.
+  const auto refused =
+      store.RegisterBuffer("m", Role::kSource, e.Lend(), {Whole("w", DType::kBF16, {16}, 0)}, "");
   CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(store.RegisterBuffer("m", Role::kSource, e.Lend(), {Whole("w", DType::kBF16, {16}, 0)}, "")
-            .ok());
+  CHECK(std::string(refused.status().message()).find("client rank0") != std::string::npos);
   CHECK(store.Models()[0].source_buffers == 1);
+  // Once that source is gone, the destination is usable again.
+  REQUIRE(store.ReleaseBuffer(*source).ok());
+  CHECK(store.Models()[0].buffers[0].error.empty());
 }
 
 TEST_CASE_METHOD(Fixture, "waiters see completions in order and wake at shutdown", "[store]") {

@@ -7,7 +7,10 @@
 A Client is thread-safe (gRPC channels are); Buffers and Watches belong to one thread each.
 """
 
+import errno
 import os
+import socket as socket_lib
+import stat
 import sys
 from typing import Iterable, Iterator, List, Optional, Union
 
@@ -28,6 +31,38 @@ BufferArg = Union[buffer_lib.Buffer, str]
 def default_socket_path() -> str:
     """`$REFIT_SOCKET`, else /run/refit/refitd.sock (the daemon's own default)."""
     return os.environ.get("REFIT_SOCKET") or DEFAULT_SOCKET
+
+
+def _probe_socket(path: str) -> None:
+    """Raises at once when no refitd can be behind `path`: the socket file is missing, is not
+    a socket, or nothing listens on it. A socket that accepts (or is slow to) is left to gRPC
+    and the connect timeout."""
+    hint = " (is refitd running? pass socket= or set $REFIT_SOCKET for another socket)"
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise errors.UnavailableError(
+            f"no refitd at {path}: the socket does not exist{hint}", what="connect") from None
+    except NotADirectoryError:
+        raise errors.UnavailableError(
+            f"no refitd at {path}: the socket does not exist{hint}", what="connect") from None
+    if not stat.S_ISSOCK(mode):
+        raise errors.UnavailableError(
+            f"no refitd at {path}: it exists but is not a socket{hint}", what="connect")
+    probe = socket_lib.socket(socket_lib.AF_UNIX, socket_lib.SOCK_STREAM)
+    probe.setblocking(False)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        raise errors.UnavailableError(
+            f"no refitd at {path}: nothing listens on the socket (a refitd that exited left "
+            f"it){hint}", what="connect") from None
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EINPROGRESS):
+            raise errors.UnavailableError(f"cannot connect to {path}: {e.strerror}{hint}",
+                                          what="connect") from None
+    finally:
+        probe.close()
 
 
 def parse_role(role: Union[int, str]) -> int:
@@ -98,7 +133,9 @@ class Watch:
 
 
 class Client:
-    """A connection to one refitd. Raises refit.UnavailableError when none answers in time.
+    """A connection to one refitd. Raises refit.UnavailableError at once when the socket does
+    not exist or nothing listens on it, and after `connect_timeout` when it exists but no
+    refitd answers.
 
     `call_timeout` bounds every call that does not wait for versions (seconds).
     """
@@ -107,6 +144,7 @@ class Client:
                  call_timeout: float = 60.0):
         self.socket = socket or default_socket_path()
         self.call_timeout = call_timeout
+        _probe_socket(self.socket)
         self._channel = grpc.insecure_channel(
             "unix:" + self.socket,
             options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
@@ -116,8 +154,9 @@ class Client:
         except grpc.FutureTimeoutError:
             self._channel.close()
             raise errors.UnavailableError(
-                f"no refitd answers at {self.socket} within {connect_timeout:g} s (is it "
-                "running? pass socket= or set $REFIT_SOCKET for another socket)",
+                f"no refitd answers at {self.socket} within {connect_timeout:g} s (the socket "
+                "exists; is refitd stuck? pass socket= or set $REFIT_SOCKET for another "
+                "socket)",
                 what="connect") from None
         self._stub = refit_pb2_grpc.RefitStub(self._channel)
 
@@ -253,6 +292,12 @@ class Client:
     def status(self) -> refit_pb2.StatusResponse:
         """What `refitctl status` shows: node, peers, models, buffers, metrics."""
         return self._call("Status", refit_pb2.StatusRequest())
+
+    def drop_model(self, model: str) -> refit_pb2.DropModelResponse:
+        """Releases `model`'s held versions and forgets it (its remembered newest published
+        version too, so a new run may start at 1), like `refitctl drop`. Raises
+        refit.FailedPreconditionError while buffers of it are registered."""
+        return self._call("DropModel", refit_pb2.DropModelRequest(model=model))
 
 
 def _default_client_name() -> str:

@@ -327,6 +327,26 @@ class ClientSideTest(unittest.TestCase):
         self.assertEqual(e.exception.code, grpc.StatusCode.UNAVAILABLE)
         self.assertIn("/tmp/refit-no-such-dir/refitd.sock", str(e.exception))
 
+    def test_missing_or_refusing_socket_fails_at_once(self):
+        import socket as socket_lib
+        import tempfile
+        import time
+        with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+            stale = os.path.join(tmp, "stale.sock")
+            bound = socket_lib.socket(socket_lib.AF_UNIX, socket_lib.SOCK_STREAM)
+            bound.bind(stale)  # never listens: a socket a dead daemon left behind
+            try:
+                for path, why in ((os.path.join(tmp, "none.sock"), "does not exist"),
+                                  (stale, "nothing listens")):
+                    started = time.monotonic()
+                    with self.assertRaises(refit.UnavailableError) as e:
+                        refit.Client(path, connect_timeout=5)
+                    self.assertLess(time.monotonic() - started, 0.5)
+                    self.assertIn(path, str(e.exception))
+                    self.assertIn(why, str(e.exception))
+            finally:
+                bound.close()
+
     def test_default_socket(self):
         old = os.environ.pop("REFIT_SOCKET", None)
         try:

@@ -1,0 +1,162 @@
+#include "daemon/state/version_ledger.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace refit::state {
+namespace {
+
+constexpr char kFormat[] = "refit-state";
+constexpr int kFormatVersion = 1;
+
+absl::Status WriteAll(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return absl::InternalError(std::strerror(errno));
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<VersionLedger>> VersionLedger::Open(const std::string& dir) {
+  if (dir.empty()) return std::unique_ptr<VersionLedger>(new VersionLedger(""));
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--state-dir=", dir, ": cannot create it: ", ec.message()));
+  }
+  const std::string path = (std::filesystem::path(dir) / "state.json").string();
+  std::unique_ptr<VersionLedger> ledger(new VersionLedger(path));
+  std::ifstream in(path);
+  if (!in) {
+    if (std::filesystem::exists(path, ec)) {
+      return absl::FailedPreconditionError(absl::StrCat("--state-dir: cannot read ", path));
+    }
+    return ledger;  // a fresh directory
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  auto invalid = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--state-dir: ", path, " is not a valid refit state file (", why,
+        "); refitd will not guess what it held: move it away to start fresh (each model's "
+        "newest published version is then forgotten, so make sure trainers publish numbers "
+        "above the ones their engines hold)"));
+  };
+  const nlohmann::json json =
+      nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded()) return invalid("not JSON");
+  if (!json.is_object() || json.value("format", "") != kFormat) {
+    return invalid("no \"format\": \"refit-state\"");
+  }
+  if (!json.contains("format_version") || !json["format_version"].is_number_integer() ||
+      json["format_version"].get<int>() != kFormatVersion) {
+    return invalid(absl::StrCat("format_version is not ", kFormatVersion));
+  }
+  if (!json.contains("models") || !json["models"].is_object()) return invalid("no models object");
+  for (const auto& [name, entry] : json["models"].items()) {
+    if (name.empty() || !entry.is_object() || !entry.contains("newest_published") ||
+        !entry["newest_published"].is_number_unsigned() ||
+        entry["newest_published"].get<uint64_t>() == 0) {
+      return invalid(
+          absl::StrCat("model '", name.substr(0, 64), "' has no newest_published version >= 1"));
+    }
+    ledger->models_[name].newest = entry["newest_published"].get<uint64_t>();
+  }
+  return ledger;
+}
+
+absl::Status VersionLedger::Check(const std::string& model, uint64_t version) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = models_.find(model);
+  if (it == models_.end()) return absl::OkStatus();
+  const Entry& entry = it->second;
+  if (version > entry.newest || (version == entry.newest && entry.this_process)) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "model ", model, ": version ", version, " was already used: the newest published for it ",
+      "on this node is ", entry.newest,
+      path_.empty() ? std::string() : absl::StrCat(" (remembered across restarts in ", path_, ")"),
+      "; engines' nodes hold that number already and would skip this one. Publish ",
+      entry.newest + 1, " or later (resume the step count), or start a new run at 1 with ",
+      "`refitctl drop ", model, "` once no buffer of it is registered"));
+}
+
+absl::Status VersionLedger::Record(const std::string& model, uint64_t version) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& entry = models_[model];
+  if (version < entry.newest) return absl::OkStatus();
+  const bool changed = version != entry.newest;
+  entry.newest = version;
+  entry.this_process = true;
+  return changed ? Save() : absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> VersionLedger::Forget(const std::string& model) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = models_.find(model);
+  if (it == models_.end()) return 0;
+  const uint64_t newest = it->second.newest;
+  models_.erase(it);
+  absl::Status saved = Save();
+  if (!saved.ok()) return saved;
+  return newest;
+}
+
+uint64_t VersionLedger::Newest(const std::string& model) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = models_.find(model);
+  return it == models_.end() ? 0 : it->second.newest;
+}
+
+absl::Status VersionLedger::Save() const {
+  if (path_.empty()) return absl::OkStatus();
+  nlohmann::json json;
+  json["format"] = kFormat;
+  json["format_version"] = kFormatVersion;
+  json["models"] = nlohmann::json::object();
+  for (const auto& [name, entry] : models_) {
+    json["models"][name] = {{"newest_published", entry.newest}};
+  }
+  const std::string text =
+      json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  const std::string temp = absl::StrCat(path_, ".tmp.", getpid());
+  const int fd = open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
+  if (fd < 0) {
+    return absl::InternalError(absl::StrCat("cannot write ", temp, ": ", std::strerror(errno)));
+  }
+  absl::Status written = WriteAll(fd, text);
+  if (written.ok() && fsync(fd) != 0) written = absl::InternalError(std::strerror(errno));
+  close(fd);
+  if (written.ok() && rename(temp.c_str(), path_.c_str()) != 0) {
+    written = absl::InternalError(std::strerror(errno));
+  }
+  if (!written.ok()) {
+    unlink(temp.c_str());
+    return absl::InternalError(absl::StrCat("cannot write ", path_, ": ", written.message()));
+  }
+  // The rename itself must survive a crash too.
+  const int dir = open(std::filesystem::path(path_).parent_path().c_str(), O_RDONLY | O_CLOEXEC);
+  if (dir >= 0) {
+    (void)fsync(dir);
+    close(dir);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace refit::state

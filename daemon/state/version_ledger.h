@@ -1,0 +1,62 @@
+#pragma once
+
+// What refitd remembers across restarts (--state-dir): each model's newest published version,
+// so that a trainer that restarts (or whose node's refitd does) cannot publish a number that
+// model already used; engines' nodes would hold the old version under that number and skip
+// the new one. Without a directory the ledger lives in memory only, for this process.
+//
+// The file, DIR/state.json, is JSON ({"format": "refit-state", "format_version": 1,
+// "models": {"NAME": {"newest_published": N}, ...}}), rewritten whole at every change through a
+// temporary file, fsync and rename, so that a crash leaves the old file or the new one; Open
+// refuses a file it can't read back.
+//
+// Thread-safety: every method may be called from any thread.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace refit::state {
+
+class VersionLedger {
+ public:
+  // Reads DIR/state.json (creating DIR when missing); `dir` empty: memory only.
+  // INVALID_ARGUMENT naming the file when it is not a valid state file; FAILED_PRECONDITION
+  // when DIR can't be created or read.
+  static absl::StatusOr<std::unique_ptr<VersionLedger>> Open(const std::string& dir);
+
+  // OK when `model` may publish `version`; FAILED_PRECONDITION naming the newest otherwise: a
+  // version below it, or equal to it when that number was published by an earlier process (a
+  // number this process published is published again by the model's other source buffers).
+  absl::Status Check(const std::string& model, uint64_t version) const;
+
+  // `model` published `version` (keeps the max) and persists it. An error means the file could
+  // not be written; the number is remembered in memory all the same.
+  absl::Status Record(const std::string& model, uint64_t version);
+
+  // Forgets `model` (refitctl drop), persisting that; returns the version it remembered, 0 if
+  // none.
+  absl::StatusOr<uint64_t> Forget(const std::string& model);
+
+  uint64_t Newest(const std::string& model) const;
+  const std::string& path() const { return path_; }  // empty: memory only
+
+ private:
+  explicit VersionLedger(std::string path) : path_(std::move(path)) {}
+  absl::Status Save() const;  // mu_ held
+
+  struct Entry {
+    uint64_t newest = 0;
+    bool this_process = false;  // `newest` was published since this process started
+  };
+  const std::string path_;
+  mutable std::mutex mu_;
+  std::map<std::string, Entry> models_;
+};
+
+}  // namespace refit::state
