@@ -32,7 +32,7 @@ absl::StatusOr<Caller> PeerOf(int fd);
 struct Policy {
   std::vector<uid_t> allow_uids;  // empty: none besides the daemon's own uid
   std::vector<gid_t> allow_gids;  // a caller in any of these groups (primary or supplementary)
-  uid_t daemon_uid = 0;           // always allowed: it can read everything refitd holds anyway
+  uid_t daemon_uid = 0;  // always allowed, as is root: both can read refitd's memory anyway
   bool Allows(const Caller& caller) const;
   std::string Describe() const;
 };

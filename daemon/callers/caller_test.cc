@@ -32,6 +32,10 @@ TEST_CASE("policy: the daemon's uid, listed uids, listed groups", "[callers]") {
   c.uid = 2000;
   c.groups = {2000};
   REQUIRE_FALSE(policy.Allows(c));
+  c.uid = 0;
+  c.groups = {0};
+  REQUIRE(policy.Allows(c));  // root
+  c.uid = 2000;
   c.groups = {2000, 50};
   REQUIRE(policy.Allows(c));
 }
