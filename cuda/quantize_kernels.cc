@@ -1,6 +1,4 @@
 // fp8 block quantization on the CPU: a scalar version and an AVX2 one (quantize.h).
-#include "cuda/quantize.h"
-
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -8,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "cuda/float_bits.h"
 #include "cuda/fp8_block.h"
+#include "cuda/quantize.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -27,16 +26,14 @@ absl::Status CheckRun(const Fp8BlockRun& run) {
     case DType::kFP8E5M2:
       break;
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("fp8 block quantization needs a float source, not ",
-                       DTypeName(run.src_dtype)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "fp8 block quantization needs a float source, not ", DTypeName(run.src_dtype)));
   }
   if (run.block_cols == 0) return absl::InvalidArgumentError("block of zero columns");
   for (uint64_t r = 0; r < run.rows; ++r) {
     if (run.scale_row_of[r] >= run.scale_rows) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("row ", r, " maps to scale row ", run.scale_row_of[r], " of ",
-                       run.scale_rows));
+      return absl::InvalidArgumentError(absl::StrCat("row ", r, " maps to scale row ",
+                                                     run.scale_row_of[r], " of ", run.scale_rows));
     }
   }
   return absl::OkStatus();
@@ -76,8 +73,7 @@ const uint8_t* SrcRow(const Fp8BlockRun& run, uint64_t r) {
 void WriteScales(const Fp8BlockRun& run, const std::vector<uint32_t>& amax, uint64_t col_blocks) {
   for (uint64_t sr = 0; sr < run.scale_rows; ++sr) {
     for (uint64_t j = 0; j < col_blocks; ++j) {
-      run.scales[sr * run.scale_row_stride + j] =
-          fp8::ScaleFromAmaxBits(amax[sr * col_blocks + j]);
+      run.scales[sr * run.scale_row_stride + j] = fp8::ScaleFromAmaxBits(amax[sr * col_blocks + j]);
     }
   }
 }
@@ -123,9 +119,9 @@ __attribute__((target("avx2"))) __m256i E4M3Codes(__m256 y) {
 
 // The low bytes of the eight lanes, stored as eight consecutive bytes.
 __attribute__((target("avx2"))) void Store8(uint8_t* out, __m256i codes) {
-  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                        -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                        -1, -1);
+  const __m256i pick =
+      _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
+                       -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
   const __m256i packed = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(codes, pick),
                                                      _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
@@ -162,7 +158,8 @@ __attribute__((target("avx2"))) uint64_t QuantizeAvx2(const Fp8BlockRun& run) {
       uint32_t m = HorizontalMax(best);
       alignas(32) int32_t counts[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(counts), bad);
-      for (int k = 0; k < 8; ++k) nonfinite += static_cast<uint64_t>(-static_cast<int64_t>(counts[k]));
+      for (int k = 0; k < 8; ++k)
+        nonfinite += static_cast<uint64_t>(-static_cast<int64_t>(counts[k]));
       for (; c < end; ++c) {
         const uint32_t abs = LoadBits(row, run.src_dtype, c) & fp8::kAbsMask;
         m = std::max(m, abs);

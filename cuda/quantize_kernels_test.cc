@@ -2,14 +2,13 @@
 // the reference of the rule (quantize_testing.h), for every block shape the API names, odd
 // sizes, non-finite inputs, and every fp32 quotient class the e4m3 cast distinguishes.
 
-#include "cuda/quantize.h"
-
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
 
 #include "catch2/catch.hpp"
+#include "cuda/quantize.h"
 #include "cuda/quantize_testing.h"
 
 namespace refit::cuda {
@@ -95,13 +94,12 @@ TEST_CASE("fp8 blocks: both CPU kernels match the reference for every block shap
           "[kernels][fp8]") {
   INFO("AVX2 on this CPU: " << cpu::Fp8BlocksVectorized());
   const std::vector<Case> cases = {
-      {256, 256, 128, 128},   // DeepSeek-V3 blocks
-      {300, 333, 128, 128},   // partial blocks at both ends
-      {17, 1000, 1, 1000},    // per row
-      {64, 77, 64, 77},       // per tensor
-      {1, 5, 1, 5},           // shorter than one vector
-      {130, 8, 128, 8},
-      {9, 129, 3, 16},
+      {256, 256, 128, 128},  // DeepSeek-V3 blocks
+      {300, 333, 128, 128},  // partial blocks at both ends
+      {17, 1000, 1, 1000},   // per row
+      {64, 77, 64, 77},      // per tensor
+      {1, 5, 1, 5},          // shorter than one vector
+      {130, 8, 128, 8},     {9, 129, 3, 16},
   };
   uint64_t seed = 1;
   for (const Case& c : cases) CheckBf16(c, RandomBf16(c.rows * c.cols, seed++, 0.02));
@@ -119,10 +117,10 @@ TEST_CASE("fp8 blocks: zeros, subnormals, huge values, inf and NaN", "[kernels][
   for (uint64_t r = 64; r < 128; ++r) {
     for (uint64_t col = 128; col < 192; ++col) x[r * c.cols + col] = 0x7f00 + (col % 0x7f);
   }
-  x[5 * c.cols + 70] = 0x7f80;        // +inf
-  x[70 * c.cols + 3] = 0x7fc1;        // NaN with a payload
-  x[100 * c.cols + 100] = 0xff80;     // -inf
-  x[101 * c.cols + 101] = 0xffc0;     // -NaN
+  x[5 * c.cols + 70] = 0x7f80;     // +inf
+  x[70 * c.cols + 3] = 0x7fc1;     // NaN with a payload
+  x[100 * c.cols + 100] = 0xff80;  // -inf
+  x[101 * c.cols + 101] = 0xffc0;  // -NaN
   CheckBf16(c, x);
 }
 
@@ -172,8 +170,7 @@ TEST_CASE("fp8 blocks: fp32 quotients of every class round like plan::ConvertRun
   }
 }
 
-TEST_CASE("fp8 blocks: fp16 and fp8 sources, rows mapped to shared scale rows",
-          "[kernels][fp8]") {
+TEST_CASE("fp8 blocks: fp16 and fp8 sources, rows mapped to shared scale rows", "[kernels][fp8]") {
   // A fused [E=3, N=40, K=50] tensor with [1, 16, 16] blocks: rows of one expert map to r / 16,
   // offset by the expert's scale rows.
   const uint64_t experts = 3, n = 40, k = 50;
@@ -181,7 +178,8 @@ TEST_CASE("fp8 blocks: fp16 and fp8 sources, rows mapped to shared scale rows",
   std::vector<uint32_t> map(rows);
   const uint64_t per_expert = (n + 15) / 16;
   for (uint64_t e = 0; e < experts; ++e) {
-    for (uint64_t r = 0; r < n; ++r) map[e * n + r] = static_cast<uint32_t>(e * per_expert + r / 16);
+    for (uint64_t r = 0; r < n; ++r)
+      map[e * n + r] = static_cast<uint32_t>(e * per_expert + r / 16);
   }
   for (DType dtype : {DType::kFP16, DType::kFP8E4M3, DType::kFP8E5M2, DType::kFP32}) {
     const uint64_t size = DTypeSize(dtype);
@@ -189,8 +187,8 @@ TEST_CASE("fp8 blocks: fp16 and fp8 sources, rows mapped to shared scale rows",
     std::mt19937_64 rng(static_cast<uint64_t>(dtype));
     for (auto& b : raw) b = static_cast<uint8_t>(rng());
     std::vector<float> wide(rows * k);
-    plan::ConvertRun(raw.data(), dtype, 1, reinterpret_cast<uint8_t*>(wide.data()), DType::kFP32,
-                     1, rows * k);
+    plan::ConvertRun(raw.data(), dtype, 1, reinterpret_cast<uint8_t*>(wide.data()), DType::kFP32, 1,
+                     rows * k);
     const auto ref = ReferenceQuantize(wide, rows, k, 16, map, experts * per_expert);
     for (bool vectorized : {false, true}) {
       INFO(DTypeName(dtype) << " vectorized " << vectorized);
@@ -220,8 +218,7 @@ TEST_CASE("fp8 blocks: a non-float source is refused", "[kernels][fp8]") {
   REQUIRE(cpu::QuantizeFp8Blocks(run).status().code() == absl::StatusCode::kInvalidArgument);
   run.src_dtype = DType::kBF16;
   run.block_cols = 0;
-  REQUIRE(cpu::QuantizeFp8BlocksScalar(run).status().code() ==
-          absl::StatusCode::kInvalidArgument);
+  REQUIRE(cpu::QuantizeFp8BlocksScalar(run).status().code() == absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

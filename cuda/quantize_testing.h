@@ -19,8 +19,8 @@ namespace refit::cuda::testing {
 // Quantized bytes and scales of a row-major [rows, cols] fp32 matrix (an N-D tensor's last
 // dimension as columns; `block_of_row` gives the scale row of each row).
 struct ReferenceQuantized {
-  std::vector<uint8_t> q;       // rows x cols
-  std::vector<float> scales;    // scale_rows x ceil(cols / block_cols)
+  std::vector<uint8_t> q;     // rows x cols
+  std::vector<float> scales;  // scale_rows x ceil(cols / block_cols)
   uint64_t nonfinite = 0;
 };
 
@@ -37,8 +37,8 @@ inline float ReferenceScale(float amax) {
 inline uint8_t ReferenceE4M3(float y) {
   if (std::isnan(y)) return 0x7f;
   uint8_t out = 0;
-  plan::ConvertRun(reinterpret_cast<const uint8_t*>(&y), DType::kFP32, 1, &out, DType::kFP8E4M3,
-                   1, 1);
+  plan::ConvertRun(reinterpret_cast<const uint8_t*>(&y), DType::kFP32, 1, &out, DType::kFP8E4M3, 1,
+                   1);
   return out;
 }
 

@@ -93,8 +93,8 @@ built=$?
 
 # ---- tests ----
 if [ "$built" -eq 0 ]; then
-  tests=(//cuda/... //cuda:gpu_kernels_test //cuda:cuda_runtime_test)
-  [ "${GPU_CHECK_FULL:-0}" = 1 ] && tests=(//... //cuda:gpu_kernels_test //cuda:cuda_runtime_test)
+  tests=(//cuda/... //cuda:gpu_kernels_test //cuda:gpu_quantize_test //cuda:cuda_runtime_test)
+  [ "${GPU_CHECK_FULL:-0}" = 1 ] && tests=(//... //cuda:gpu_kernels_test //cuda:gpu_quantize_test //cuda:cuda_runtime_test)
   step test 420 "${bazel_cmd[@]}" test --config=cuda --experimental_convenience_symlinks=ignore \
     --test_output=errors "${test_env[@]}" "${tests[@]}"
   testlogs=$("${bazel_cmd[@]}" info --config=cuda bazel-testlogs 2>/dev/null)
