@@ -82,21 +82,26 @@ void WriteScales(const Fp8BlockRun& run, const std::vector<uint32_t>& amax, uint
 
 // Eight fp32 values from the row at column c (bf16 and fp32 loaded directly; other dtypes
 // widened one by one).
-__attribute__((target("avx2"))) __m256 Load8(const uint8_t* row, DType dtype, uint64_t c) {
-  if (dtype == DType::kBF16) {
+#define REFIT_AVX2 inline __attribute__((always_inline, target("avx2")))
+
+template <DType kDtype>
+REFIT_AVX2 __m256 Load8(const uint8_t* row, uint64_t c) {
+  if constexpr (kDtype == DType::kBF16) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * c));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
   }
-  if (dtype == DType::kFP32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row + 4 * c));
+  if constexpr (kDtype == DType::kFP32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row + 4 * c));
+  }
   alignas(32) uint32_t lanes[8];
-  for (int k = 0; k < 8; ++k) lanes[k] = LoadBits(row, dtype, c + k);
+  for (int k = 0; k < 8; ++k) lanes[k] = LoadBits(row, kDtype, c + k);
   return _mm256_load_ps(reinterpret_cast<const float*>(lanes));
 }
 
 // e4m3fn codes of eight quotients, in the low byte of each 32-bit lane; the same function as
 // fp8::QuantizeOne after its division: normal results round the fp32 pattern to three fraction
 // bits, subnormal ones round by adding 2^14 (whose ulp is e4m3's subnormal step, 2^-9).
-__attribute__((target("avx2"))) __m256i E4M3Codes(__m256 y) {
+REFIT_AVX2 __m256i E4M3Codes(__m256 y) {
   const __m256i bits = _mm256_castps_si256(y);
   const __m256i abs = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
@@ -118,7 +123,7 @@ __attribute__((target("avx2"))) __m256i E4M3Codes(__m256 y) {
 }
 
 // The low bytes of the eight lanes, stored as eight consecutive bytes.
-__attribute__((target("avx2"))) void Store8(uint8_t* out, __m256i codes) {
+REFIT_AVX2 void Store8(uint8_t* out, __m256i codes) {
   const __m256i pick =
       _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
                        -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
@@ -127,13 +132,14 @@ __attribute__((target("avx2"))) void Store8(uint8_t* out, __m256i codes) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
 }
 
-__attribute__((target("avx2"))) uint32_t HorizontalMax(__m256i v) {
+REFIT_AVX2 uint32_t HorizontalMax(__m256i v) {
   __m128i m = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
   m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
   return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
 }
 
+template <DType kDtype>
 __attribute__((target("avx2"))) uint64_t QuantizeAvx2(const Fp8BlockRun& run) {
   const uint64_t col_blocks = CeilDiv(run.cols, run.block_cols);
   std::vector<uint32_t> amax(run.scale_rows * col_blocks, 0);
@@ -151,7 +157,7 @@ __attribute__((target("avx2"))) uint64_t QuantizeAvx2(const Fp8BlockRun& run) {
       uint64_t c = begin;
       for (; c + 8 <= end; c += 8) {
         const __m256i abs =
-            _mm256_and_si256(_mm256_castps_si256(Load8(row, run.src_dtype, c)), abs_mask);
+            _mm256_and_si256(_mm256_castps_si256(Load8<kDtype>(row, c)), abs_mask);
         best = _mm256_max_epu32(best, abs);
         bad = _mm256_add_epi32(bad, _mm256_cmpgt_epi32(abs, finite_max));
       }
@@ -161,7 +167,7 @@ __attribute__((target("avx2"))) uint64_t QuantizeAvx2(const Fp8BlockRun& run) {
       for (int k = 0; k < 8; ++k)
         nonfinite += static_cast<uint64_t>(-static_cast<int64_t>(counts[k]));
       for (; c < end; ++c) {
-        const uint32_t abs = LoadBits(row, run.src_dtype, c) & fp8::kAbsMask;
+        const uint32_t abs = LoadBits(row, kDtype, c) & fp8::kAbsMask;
         m = std::max(m, abs);
         nonfinite += abs >= fp8::kInfBits ? 1 : 0;
       }
@@ -180,10 +186,10 @@ __attribute__((target("avx2"))) uint64_t QuantizeAvx2(const Fp8BlockRun& run) {
       const __m256 scale = _mm256_set1_ps(s);
       uint64_t c = begin;
       for (; c + 8 <= end; c += 8) {
-        Store8(out + c, E4M3Codes(_mm256_div_ps(Load8(row, run.src_dtype, c), scale)));
+        Store8(out + c, E4M3Codes(_mm256_div_ps(Load8<kDtype>(row, c), scale)));
       }
       for (; c < end; ++c) {
-        out[c] = fp8::QuantizeOne(fp8::FloatOf(LoadBits(row, run.src_dtype, c)), s);
+        out[c] = fp8::QuantizeOne(fp8::FloatOf(LoadBits(row, kDtype, c)), s);
       }
     }
   }
@@ -235,7 +241,18 @@ absl::StatusOr<uint64_t> QuantizeFp8Blocks(const Fp8BlockRun& run) {
 #if defined(__x86_64__)
   if (HaveAvx2()) {
     if (absl::Status status = CheckRun(run); !status.ok()) return status;
-    return QuantizeAvx2(run);
+    switch (run.src_dtype) {
+      case DType::kBF16:
+        return QuantizeAvx2<DType::kBF16>(run);
+      case DType::kFP32:
+        return QuantizeAvx2<DType::kFP32>(run);
+      case DType::kFP16:
+        return QuantizeAvx2<DType::kFP16>(run);
+      case DType::kFP8E4M3:
+        return QuantizeAvx2<DType::kFP8E4M3>(run);
+      default:
+        return QuantizeAvx2<DType::kFP8E5M2>(run);
+    }
   }
 #endif
   return QuantizeFp8BlocksScalar(run);

@@ -14,6 +14,21 @@ namespace {
 
 uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
+// One job's part of the slot a Slots call acquires for all the jobs it quantizes (one slot, not
+// one per job: a model of 100,000 tensors would otherwise take 100,000 slots a version).
+class SubRegion : public Region {
+ public:
+  SubRegion(std::shared_ptr<Region> parent, uint64_t offset, uint64_t size)
+      : Region(parent->kind(), parent->device(), parent->data() + offset, size),
+        parent_(std::move(parent)) {}
+  std::string Describe() const override {
+    return absl::StrCat("part of ", parent_->Describe());
+  }
+
+ private:
+  std::shared_ptr<Region> parent_;
+};
+
 std::vector<int64_t> RowMajorStrides(const std::vector<int64_t>& sizes) {
   std::vector<int64_t> strides(sizes.size(), 1);
   for (size_t d = sizes.size(); d-- > 1;) strides[d - 1] = strides[d] * sizes[d];
@@ -267,15 +282,18 @@ absl::StatusOr<std::vector<std::shared_ptr<Region>>> QuantCache::Slots(
     std::vector<Task> tasks;
     std::vector<Geometry> geometry(mine.size());
     std::vector<absl::Status> status(mine.size());
-    for (size_t m = 0; m < mine.size(); ++m) {
+    uint64_t total = 0;
+    for (size_t i : mine) total += (jobs[i].bytes + 63) / 64 * 64;
+    auto slot = pool.Acquire(total);
+    for (size_t m = 0, at = 0; m < mine.size(); ++m) {
       const QuantJob& job = jobs[mine[m]];
       geometry[m] = GeometryOf(job);
-      auto slot = pool.Acquire(job.bytes);
       if (!slot.ok()) {
         status[m] = slot.status();
         continue;
       }
-      entries[mine[m]]->slot = *std::move(slot);
+      entries[mine[m]]->slot = std::make_shared<SubRegion>(*slot, at, job.bytes);
+      at += (job.bytes + 63) / 64 * 64;
       for (uint64_t b = 0; b < geometry[m].bands; ++b) tasks.push_back({m, b});
       *values += Product(job.fp8.sizes, 0, job.fp8.sizes.size());
     }

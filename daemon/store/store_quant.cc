@@ -27,13 +27,21 @@ absl::Status CheckScaleLayout(const std::string& model, Role role,
     }
     return absl::OkStatus();
   }
+  // The request's own slices by name, and its scaled slices by scale tensor.
+  std::multimap<std::string, const TensorSlice*> named;
+  std::multimap<std::string, const TensorSlice*> scaled_here;  // fp8 slices by scale tensor
   for (const TensorSlice& s : slices) {
-    // A slice of a scale tensor the model's fp8 slices already name.
-    auto [first, last] = scaled_by.equal_range(s.name);
-    for (auto it = first; it != last; ++it) RETURN_IF_ERROR(plan::CheckScaleSlice(*it->second, s));
-    for (const TensorSlice& other : slices) {
-      if (plan::IsScaled(other) && other.scale_tensor == s.name) {
-        RETURN_IF_ERROR(plan::CheckScaleSlice(other, s));
+    named.emplace(s.name, &s);
+    if (plan::IsScaled(s)) scaled_here.emplace(s.scale_tensor, &s);
+  }
+  for (const TensorSlice& s : slices) {
+    // A slice of a scale tensor that fp8 slices (earlier or in this request) name.
+    using ByScale = std::multimap<std::string, const TensorSlice*>;
+    const ByScale* both[] = {&scaled_by, &scaled_here};
+    for (const ByScale* by : both) {
+      auto [first, last] = by->equal_range(s.name);
+      for (auto it = first; it != last; ++it) {
+        RETURN_IF_ERROR(plan::CheckScaleSlice(*it->second, s));
       }
     }
     if (!plan::IsScaled(s)) continue;
@@ -42,13 +50,11 @@ absl::Status CheckScaleLayout(const std::string& model, Role role,
           absl::StrCat("tensor ", s.name, ": its scale_tensor ", s.scale_tensor,
                        " is a source tensor of model ", model, "; scales come from quantization"));
     }
-    bool found = dest_of.count(s.scale_tensor) > 0;
-    for (const TensorSlice& other : slices) found = found || other.name == s.scale_tensor;
     auto [d_first, d_last] = dest_of.equal_range(s.scale_tensor);
     for (auto it = d_first; it != d_last; ++it) {
       RETURN_IF_ERROR(plan::CheckScaleSlice(s, *it->second));
     }
-    if (!found) {
+    if (d_first == d_last && named.count(s.scale_tensor) == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor ", s.name, ": scale_tensor ", s.scale_tensor, " is not registered for model ",
           model, " (register its DESTINATION slices in this buffer or an earlier one)"));
