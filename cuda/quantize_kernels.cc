@@ -156,8 +156,7 @@ __attribute__((target("avx2"))) uint64_t QuantizeAvx2(const Fp8BlockRun& run) {
       __m256i bad = _mm256_setzero_si256();  // lanes count down by one per inf or NaN
       uint64_t c = begin;
       for (; c + 8 <= end; c += 8) {
-        const __m256i abs =
-            _mm256_and_si256(_mm256_castps_si256(Load8<kDtype>(row, c)), abs_mask);
+        const __m256i abs = _mm256_and_si256(_mm256_castps_si256(Load8<kDtype>(row, c)), abs_mask);
         best = _mm256_max_epu32(best, abs);
         bad = _mm256_add_epi32(bad, _mm256_cmpgt_epi32(abs, finite_max));
       }

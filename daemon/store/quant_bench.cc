@@ -62,9 +62,18 @@ void KernelFigures() {
   std::vector<uint32_t> map(rows);
   for (uint64_t r = 0; r < rows; ++r) map[r] = static_cast<uint32_t>(r / 128);
   std::vector<float> scales((rows / 128) * (cols / 128));
-  cuda::cpu::Fp8BlockRun run{(*src)->data(), DType::kBF16, rows, cols, static_cast<int64_t>(cols),
-                             128, map.data(), rows / 128, (*q)->data(), static_cast<int64_t>(cols),
-                             scales.data(), static_cast<int64_t>(cols / 128)};
+  cuda::cpu::Fp8BlockRun run{(*src)->data(),
+                             DType::kBF16,
+                             rows,
+                             cols,
+                             static_cast<int64_t>(cols),
+                             128,
+                             map.data(),
+                             rows / 128,
+                             (*q)->data(),
+                             static_cast<int64_t>(cols),
+                             scales.data(),
+                             static_cast<int64_t>(cols / 128)};
   std::vector<double> memcpy_s, vec_s, scalar_s;
   for (int i = 0; i < 7; ++i) {
     memcpy_s.push_back(Time([&] { std::memcpy((*copy)->data(), (*src)->data(), bytes); }));
@@ -72,13 +81,14 @@ void KernelFigures() {
     if (i < 3) scalar_s.push_back(Time([&] { (void)cuda::cpu::QuantizeFp8BlocksScalar(run); }));
   }
   const double gb = bytes / 1e9;
-  std::printf("1. fp8 block quantization on one core, [%lu, %lu] bf16 (%.0f MiB), [128, 128] "
-              "blocks; medians\n",
-              rows, cols, bytes / 1048576.0);
+  std::printf(
+      "1. fp8 block quantization on one core, [%lu, %lu] bf16 (%.0f MiB), [128, 128] "
+      "blocks; medians\n",
+      rows, cols, bytes / 1048576.0);
   std::printf("  memcpy of the bf16 bytes   %7.2f GB/s  (reference)\n", gb / Median(memcpy_s));
   std::printf("  quantize, %-15s %7.2f GB/s of bf16 = %.2fx memcpy (goal >= 0.5x)\n",
-              cuda::cpu::Fp8BlocksVectorized() ? "AVX2" : "scalar only",
-              gb / Median(vec_s), Median(memcpy_s) / Median(vec_s));
+              cuda::cpu::Fp8BlocksVectorized() ? "AVX2" : "scalar only", gb / Median(vec_s),
+              Median(memcpy_s) / Median(vec_s));
   std::printf("  quantize, scalar twin      %7.2f GB/s of bf16 = %.2fx memcpy\n",
               gb / Median(scalar_s), Median(memcpy_s) / Median(scalar_s));
 }
@@ -179,9 +189,10 @@ Run Measure(uint64_t tensors, uint64_t rows, uint64_t cols, bool fp8, int versio
 }
 
 void PrintRun(const char* label, const Run& r, const Run* ref) {
-  std::printf("  %-26s register %8.4f  first apply (plans) %8.4f  publish %7.4f  complete "
-              "%7.4f  apply %7.4f  total %7.4f s",
-              label, r.register_s, r.plan_s, r.publish_s, r.complete_s, r.apply_s, r.total_s);
+  std::printf(
+      "  %-26s register %8.4f  first apply (plans) %8.4f  publish %7.4f  complete "
+      "%7.4f  apply %7.4f  total %7.4f s",
+      label, r.register_s, r.plan_s, r.publish_s, r.complete_s, r.apply_s, r.total_s);
   if (ref) std::printf("  = %.2fx", r.total_s / ref->total_s);
   std::printf("\n");
 }
@@ -198,9 +209,10 @@ int main(int argc, char** argv) {
   KernelFigures();
   // 2. 1 GiB as 32 tensors of [4096, 4096] bf16 (for 1024 MiB).
   const uint64_t tensors = std::max<uint64_t>(1, mib / 32);
-  std::printf("\n2. publish -> complete -> Apply, %lu MiB bf16 (%lu tensors [4096, 4096]), one "
-              "node, medians of %d versions\n",
-              tensors * 32, tensors, versions);
+  std::printf(
+      "\n2. publish -> complete -> Apply, %lu MiB bf16 (%lu tensors [4096, 4096]), one "
+      "node, medians of %d versions\n",
+      tensors * 32, tensors, versions);
   const Run bf16 = Measure(tensors, 4096, 4096, false, versions);
   PrintRun("into bf16 (reference)", bf16, nullptr);
   const Run fp8 = Measure(tensors, 4096, 4096, true, versions);

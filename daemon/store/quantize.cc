@@ -21,9 +21,7 @@ class SubRegion : public Region {
   SubRegion(std::shared_ptr<Region> parent, uint64_t offset, uint64_t size)
       : Region(parent->kind(), parent->device(), parent->data() + offset, size),
         parent_(std::move(parent)) {}
-  std::string Describe() const override {
-    return absl::StrCat("part of ", parent_->Describe());
-  }
+  std::string Describe() const override { return absl::StrCat("part of ", parent_->Describe()); }
 
  private:
   std::shared_ptr<Region> parent_;
