@@ -57,7 +57,9 @@ def reference(x: torch.Tensor, block=(128, 128)):
     return codes, scales
 
 
-class Fp8Test(unittest.TestCase):
+class DaemonCase(unittest.TestCase):
+    """One real refitd per test class (shared with test_engines.py)."""
+
     @classmethod
     def setUpClass(cls):
         cls.daemon = refit.testing.Daemon()
@@ -76,6 +78,8 @@ class Fp8Test(unittest.TestCase):
         self.addCleanup(buf.release)
         return buf
 
+
+class Fp8Test(DaemonCase):
     def fp8_rank(self, model, name, shape, rank, ranks, block=(128, 128)):
         """Destination rank `rank` of `ranks` (rows): its fp8 rows and its rows of the scales."""
         rows = shape[0] // ranks
