@@ -101,6 +101,29 @@ class ExamplesTest(unittest.TestCase):
         out, _ = engine.communicate(timeout=60)
         self.assertEqual(engine.returncode, 0, out)
 
+    def test_bf16_trainer_into_fp8_engine_with_block_scales(self):
+        engine = subprocess.Popen(
+            script("fp8_engine.py", f"--socket={self.daemon.socket}",
+                   f"--until-version={STEPS}"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.addCleanup(self.stop, engine)
+        self.assertIn("waiting for model=tiny-lm", engine.stdout.readline())
+        trainer = subprocess.run(
+            script("trainer.py", f"--socket={self.trainer_node.socket}", f"--steps={STEPS}",
+                   "--shards=2", "--interval=0.3", "--publish-dtype=bfloat16"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+        self.assertEqual(trainer.returncode, 0, trainer.stdout)
+        out, _ = engine.communicate(timeout=120)
+        self.assertEqual(engine.returncode, 0, out)
+        applied = re.findall(r"applied version (\d+) bytes=(\d+) max_err_over_scale=([\d.]+)",
+                             out)
+        self.assertEqual([int(v) for v, _, _ in applied], list(range(1, STEPS + 1)), out)
+        # |q * s - x| <= 16 s: half the e4m3 step at the top of the range, nothing worse.
+        self.assertTrue(all(float(e) <= 16.0 for _, _, e in applied), out)
+        status = self.daemon.client().status()
+        self.assertGreater(status.metrics["refit_quantized_values_total"], 0)
+        self.assertEqual(status.metrics["refit_nonfinite_values_total"], 0)
+
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and not sys.argv[1].startswith("-"):

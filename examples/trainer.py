@@ -44,7 +44,14 @@ def main() -> int:
                         "buffers for the model)")
     parser.add_argument("--replica-timeout", type=float, default=60.0,
                         help="seconds to wait for the quorum before giving up")
+    parser.add_argument("--publish-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype of the published weights (bfloat16: a bf16 trainer, as "
+                        "fp8 engines with block scales expect; examples/fp8_engine.py)")
     args = parser.parse_args()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.publish_dtype]
+
+    def published_state():
+        return {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
 
     torch.manual_seed(args.seed)
     model = tiny_lm.TinyLM()
@@ -55,7 +62,7 @@ def main() -> int:
     # Versions increase per model: continue after whatever this daemon already holds.
     held = [m.latest_version for m in client.status().models if m.model == args.model]
     first = (held[0] if held else 0) + 1
-    state = model.state_dict()
+    state = published_state()
     buffers = [client.register(args.model, refit.SOURCE, shard_state(state, rank, args.shards),
                                client_name=f"trainer-rank{rank}")
                for rank in range(args.shards)]
@@ -69,7 +76,7 @@ def main() -> int:
             loss.backward()
             optimizer.step()
 
-            state = model.state_dict()
+            state = published_state()
             for buf in buffers:
                 buf.copy_from(state)  # each buffer takes its own slices
             version = first + i

@@ -44,6 +44,10 @@ struct TensorSlice {
   std::vector<int64_t> sizes;
   uint64_t buffer_offset = 0;
   std::vector<int64_t> buffer_strides;
+  // DESTINATION slices of dtype kFP8E4M3 only (daemon/plan/scales.h): quantize per block of
+  // `scale_block` global elements, scales into the tensor `scale_tensor`. Empty: a plain cast.
+  std::string scale_tensor;
+  std::vector<int64_t> scale_block;
 
   // Elements in the slice (product of sizes).
   uint64_t NumElements() const;

@@ -22,6 +22,8 @@ void ToProto(const TensorSlice& in, v1::TensorSlice* out) {
   for (int64_t d : in.sizes) out->add_sizes(d);
   out->set_buffer_offset(in.buffer_offset);
   for (int64_t d : in.buffer_strides) out->add_buffer_strides(d);
+  out->set_scale_tensor(in.scale_tensor);
+  for (int64_t d : in.scale_block) out->add_scale_block(d);
 }
 
 TensorSlice FromTrustedProto(const v1::TensorSlice& in) {
@@ -33,6 +35,8 @@ TensorSlice FromTrustedProto(const v1::TensorSlice& in) {
   out.sizes.assign(in.sizes().begin(), in.sizes().end());
   out.buffer_offset = in.buffer_offset();
   out.buffer_strides.assign(in.buffer_strides().begin(), in.buffer_strides().end());
+  out.scale_tensor = in.scale_tensor();
+  out.scale_block.assign(in.scale_block().begin(), in.scale_block().end());
   return out;
 }
 
@@ -59,6 +63,7 @@ void ToProto(const ModelInfo& info, v1::ModelStatus* out) {
   out->set_abandoned_error(info.abandoned_error);
   out->set_skipped_version(info.skipped_version);
   out->set_skipped_reason(info.skipped_reason);
+  out->set_latest_nonfinite_values(info.latest_nonfinite_values);
   for (const BufferInfo& b : info.buffers) {
     v1::BufferStatus* bs = out->add_buffers();
     bs->set_buffer_id(b.id);

@@ -37,7 +37,8 @@ Metrics::Metrics() {
   for (const char* name : {kDataBytesReceived, kDataBytesSent, kVersionsCompleted, kApplyBytes,
                            kPublishBytes, kPublishes, kApplies, kVersionsDropped,
                            kPeersConnected, kChecksumBytesHashed, kRelayBytesSent,
-                           kRelayBytesReceived, kRelayChunksRejected}) {
+                           kRelayBytesReceived, kRelayChunksRejected, kQuantizedValues,
+                           kNonfiniteValues}) {
     Find(name);
   }
 }

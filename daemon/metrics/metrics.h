@@ -38,11 +38,16 @@ inline constexpr char kChecksumBytesHashed[] = "refit_checksum_bytes_hashed_tota
 // (--max-slot-memory; 0: none). Gauges.
 inline constexpr char kSlotMemoryBytes[] = "refit_slot_memory_bytes";
 inline constexpr char kSlotMemoryLimitBytes[] = "refit_slot_memory_limit_bytes";
+// fp8 destinations with block scales: source values quantized (counted once per version and
+// destination box) and, of those, the inf and NaN ones (a diverged trainer).
+inline constexpr char kQuantizedValues[] = "refit_quantized_values_total";
+inline constexpr char kNonfiniteValues[] = "refit_nonfinite_values_total";
 // Histograms (seconds).
 inline constexpr char kPublishSeconds[] = "refit_publish_seconds";
 inline constexpr char kApplySeconds[] = "refit_apply_seconds";
 inline constexpr char kPlanSeconds[] = "refit_plan_seconds";
 inline constexpr char kTransferSeconds[] = "refit_transfer_seconds";
+inline constexpr char kQuantizeSeconds[] = "refit_quantize_seconds";
 
 // A cumulative histogram with fixed bucket bounds, Prometheus style.
 struct HistogramSnapshot {

@@ -163,7 +163,7 @@ void Store::TryCompleteWithRemotes(Model& model) {
     return;
   }
   std::vector<ByteRanges> needed(pieces.size());
-  for (const plan::CopyOp& op : (*cached)->plan.ops) {
+  for (const plan::CopyOp& op : (*cached)->Reads().ops) {
     const Piece& piece = pieces[op.src_location];
     if (!piece.node.empty() && !piece.slot) AppendSourceRuns(op, &needed[op.src_location]);
   }

@@ -11,7 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/plan/convert.h"
+#include "daemon/plan/scales.h"
 #include "daemon/store/store.h"
 #include "daemon/store/store_internal.h"
 
@@ -74,6 +76,27 @@ std::map<std::string, Registered> SourcesOf(
 
 absl::Status Store::CheckAgainstModel(const Model& model, Role role,
                                       const std::vector<TensorSlice>& slices) const {
+  {
+    // fp8 destinations with block scales: their scale tensors, shapes and blocks
+    // (CheckScaleLayout, store_quant.cc).
+    std::map<std::string, const TensorSlice*> source_of;
+    std::multimap<std::string, const TensorSlice*> dest_of;
+    std::multimap<std::string, const TensorSlice*> scaled_by;  // scale tensor -> fp8 slices
+    for (const auto* ids : {&model.sources, &model.destinations}) {
+      for (const std::string& id : *ids) {
+        const Buffer& buffer = *buffers_.at(id);
+        for (const TensorSlice& s : buffer.slices) {
+          if (buffer.role == Role::kSource) {
+            source_of.emplace(s.name, &s);
+          } else {
+            dest_of.emplace(s.name, &s);
+            if (plan::IsScaled(s)) scaled_by.emplace(s.scale_tensor, &s);
+          }
+        }
+      }
+    }
+    RETURN_IF_ERROR(CheckScaleLayout(model.name, role, slices, source_of, dest_of, scaled_by));
+  }
   std::map<std::string, std::vector<SourceLayout>> remote;
   for (const auto& [node, r] : model.remotes) {
     if (!r.sources.empty()) remote[node] = r.sources;

@@ -17,6 +17,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/plan/convert.h"
 #include "daemon/plan/plan.h"
+#include "daemon/plan/scales.h"
 #include "daemon/store/store_internal.h"
 
 namespace refit {
@@ -47,7 +48,10 @@ Store::Store(StoreOptions options, Metrics* metrics)
   }
 }
 
-Store::~Store() { Shutdown(); }
+Store::~Store() {
+  Shutdown();
+  if (quantizer_.joinable()) quantizer_.join();
+}
 
 Store::Model* Store::FindModel(const std::string& name) {
   auto it = models_.find(name);
@@ -70,8 +74,19 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   if (!region) return absl::InvalidArgumentError("no memory region");
   if (slices.empty()) return absl::InvalidArgumentError("a buffer needs at least one tensor");
   RETURN_IF_ERROR(plan::NormalizeAndValidateBuffer(slices, region->size()));
+  bool scaled = false;
+  for (const TensorSlice& s : slices) {
+    if (!plan::IsScaled(s)) continue;
+    if (role != Role::kDestination) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor ", s.name, ": scale_tensor and scale_block are for DESTINATION slices"));
+    }
+    RETURN_IF_ERROR(plan::CheckScaledSlice(s));
+    scaled = true;
+  }
 
   auto buffer = std::make_shared<Buffer>();
+  buffer->scaled = scaled;
   buffer->model = model_name;
   buffer->client = client;
   buffer->role = role;
@@ -110,6 +125,9 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
                             role == Role::kSource ? "src" : "dst", "-", next_buffer_++, "-",
                             absl::Hex(nonce, absl::kZeroPad16));
   (role == Role::kSource ? model->sources : model->destinations).insert(buffer->id);
+  for (const TensorSlice& s : buffer->slices) {
+    if (plan::IsScaled(s)) ++model->scale_tensors[s.scale_tensor];
+  }
   model->plans.clear();
   buffers_[buffer->id] = buffer;
   if (role == Role::kSource) {
@@ -146,6 +164,13 @@ absl::Status Store::ReleaseBuffer(const std::string& buffer_id) {
   Model& model = *FindModel(buffer->model);
   model.sources.erase(buffer_id);
   model.destinations.erase(buffer_id);
+  for (const TensorSlice& s : buffer->slices) {
+    if (!plan::IsScaled(s)) continue;
+    auto scale = model.scale_tensors.find(s.scale_tensor);
+    if (scale != model.scale_tensors.end() && --scale->second <= 0) {
+      model.scale_tensors.erase(scale);
+    }
+  }
   model.plans.clear();
   Logger("store")->info("model={} buffer={} released", buffer->model, buffer_id);
   // A pending version may now have every remaining source published.
@@ -317,6 +342,7 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
 
 void Store::TryComplete(Model& model) {
   NoteLocalReady(model);
+  if (model.finishing != 0) return;  // the quantizer calls again when it is done
   if (model.HasRemoteSources()) {
     TryCompleteWithRemotes(model);
     return;
@@ -349,7 +375,19 @@ void Store::CompleteVersion(Model& model, uint64_t number, std::vector<Piece> pi
   version->layout_key = absl::StrJoin(ids, ",");
   // Older pending versions can never complete now: versions only move forward.
   model.pending.erase(model.pending.begin(), model.pending.upper_bound(number));
+  if (!model.scale_tensors.empty()) {
+    // fp8 destinations with scales: quantize first, so that Apply stays a copy.
+    model.finishing = number;
+    quant_queue_.emplace_back(model.name, std::move(version));
+    if (!quantizer_.joinable()) quantizer_ = std::thread([this] { RunQuantizer(); });
+    quant_wake_.notify_one();
+    return;
+  }
+  PublishVersion(model, std::move(version));
+}
 
+void Store::PublishVersion(Model& model, std::shared_ptr<const Version> version) {
+  const uint64_t number = version->number;
   model.complete[number] = version;
   model.latest = number;
   model.latest_runs.clear();
@@ -395,10 +433,41 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
   plan::PlanOptions plan_options;
   plan_options.multi_row_ops = true;  // one op per strided box, not per row: small, fast plans
   plan_options.local_node = 0;        // replicas held here beat replicas elsewhere
-  ASSIGN_OR_RETURN(plan::Plan built, plan::BuildPlan(sources, destinations, plan_options));
-  metrics_->Observe(kPlanSeconds, std::chrono::duration<double>(Clock::now() - started).count());
   auto cached = std::make_shared<CachedPlan>();
-  cached->plan = std::move(built);
+  std::vector<const TensorSlice*> dest_slices;
+  for (const plan::PlacedSlice& d : destinations) dest_slices.push_back(d.slice);
+  cached->jobs = QuantJobsFor(dest_slices);
+  if (cached->jobs.empty() && model.scale_tensors.empty()) {
+    ASSIGN_OR_RETURN(cached->plan, plan::BuildPlan(sources, destinations, plan_options));
+  } else {
+    // Scaled fp8 slices and the scale tensors come from the derived slots (renamed so that
+    // only those can fill them); what must be held of the sources is planned without them.
+    std::vector<TensorSlice> renamed;
+    renamed.reserve(destinations.size());
+    std::vector<plan::PlacedSlice> derived_dests;
+    std::vector<plan::PlacedSlice> read_dests;
+    for (const plan::PlacedSlice& d : destinations) {
+      const bool scaled = plan::IsScaled(*d.slice);
+      const bool scale = model.scale_tensors.count(d.slice->name) > 0;
+      if (!scale) read_dests.push_back(d);
+      if (!scaled && !scale) {
+        derived_dests.push_back(d);
+        continue;
+      }
+      renamed.push_back(*d.slice);
+      renamed.back().name = scaled ? QuantPlanName(*d.slice) : ScalePlanName(d.slice->name);
+      derived_dests.push_back({&renamed.back(), d.location, d.node});
+    }
+    std::vector<plan::PlacedSlice> derived_sources = sources;
+    const uint32_t first = static_cast<uint32_t>(version.pieces.size());
+    for (uint32_t j = 0; j < cached->jobs.size(); ++j) {
+      derived_sources.push_back({&cached->jobs[j].fp8, first + j, 0});
+      derived_sources.push_back({&cached->jobs[j].scales, first + j, 0});
+    }
+    ASSIGN_OR_RETURN(cached->plan, plan::BuildPlan(derived_sources, derived_dests, plan_options));
+    ASSIGN_OR_RETURN(cached->reads, plan::BuildPlan(sources, read_dests, plan_options));
+  }
+  metrics_->Observe(kPlanSeconds, std::chrono::duration<double>(Clock::now() - started).count());
   model.plans[key] = cached;
   return std::shared_ptr<const CachedPlan>(cached);
 }
@@ -449,7 +518,12 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     source = it->second;
     ASSIGN_OR_RETURN(cached, PlanFor(*model, *source, dests));
   }
-  RETURN_IF_ERROR(CheckHeld(*source, cached->plan));
+  RETURN_IF_ERROR(CheckHeld(*source, cached->Reads()));
+  std::vector<std::shared_ptr<Region>> derived;
+  if (!cached->jobs.empty()) {
+    // Quantized when the version completed; only destinations registered since then wait here.
+    ASSIGN_OR_RETURN(derived, QuantizedSlots(*source, cached->jobs));
+  }
 
   // Buffers are locked in id order (LookUpBuffers keeps request order; sort for safety).
   std::vector<Buffer*> order;
@@ -472,6 +546,7 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     for (const Piece& piece : source->pieces) {
       src.push_back(piece.slot ? piece.slot->data() : nullptr);
     }
+    for (const auto& slot : derived) src.push_back(slot->data());
     std::vector<uint8_t*> dst;
     for (const auto& d : dests) dst.push_back(d->region->data());
     plan::ExecuteOnHost(cached->plan, src, dst);
@@ -479,6 +554,7 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     // GPU slots or GPU destinations: copies and kernels on the GPU (cuda/).
     std::vector<const Region*> src;
     for (const Piece& piece : source->pieces) src.push_back(piece.slot.get());
+    for (const auto& slot : derived) src.push_back(slot.get());
     std::vector<const Region*> dst;
     for (const auto& d : dests) dst.push_back(d->region.get());
     RETURN_IF_ERROR(cuda::ExecutePlan(cached->plan, src, dst));
@@ -584,6 +660,7 @@ std::vector<ModelInfo> Store::Models() const {
     for (const auto& [v, version] : model->complete) {
       info.versions.push_back(v);
       info.version_bytes = version->bytes;
+      info.latest_nonfinite_values = version->quant->nonfinite();
     }
     if (model->failed > model->latest) {
       info.abandoned_version = model->failed;
@@ -687,6 +764,7 @@ void Store::Shutdown() {
   std::lock_guard<std::mutex> lock(mu_);
   shutdown_ = true;
   changed_.notify_all();
+  quant_wake_.notify_all();
 }
 
 }  // namespace refit

@@ -19,11 +19,14 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -38,6 +41,8 @@ struct Plan;
 }  // namespace refit::plan
 
 namespace refit {
+
+struct QuantJob;
 
 struct StoreOptions {
   uint32_t retain = 2;                          // complete versions kept per model (>= 1)
@@ -90,6 +95,8 @@ struct ModelInfo {
   std::vector<BufferInfo> buffers;
   uint64_t abandoned_version = 0;  // newer than latest_version and given up on; 0: none
   std::string abandoned_error;
+  // Inf/NaN source values in the blocks quantized for fp8 destinations of latest_version.
+  uint64_t latest_nonfinite_values = 0;
   // The newest version another node announced that this node did not take (its number was
   // not newer than the one held here, from another run of that node), and why; 0: none.
   uint64_t skipped_version = 0;
@@ -329,7 +336,14 @@ class Store {
   // Publish's copies: a slot per buffer, filled and hashed (no store lock held).
   absl::Status SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& buffers,
                                std::vector<Piece>* pieces, uint64_t* bytes);
+  // A version whose pieces are all here: it completes now, or once the quantizer thread has
+  // quantized it for the model's fp8 destinations (Model::finishing meanwhile).
   void CompleteVersion(Model& model, uint64_t version, std::vector<Piece> pieces);
+  void PublishVersion(Model& model, std::shared_ptr<const Version> version);
+  void RunQuantizer();
+  // The derived slots of `jobs` for `version` (no store lock held).
+  absl::StatusOr<std::vector<std::shared_ptr<Region>>> QuantizedSlots(
+      const Version& version, const std::vector<QuantJob>& jobs);
   absl::Status CheckHeld(const Version& version, const plan::Plan& plan) const;
   absl::StatusOr<std::shared_ptr<const CachedPlan>> PlanFor(
       Model& model, const Version& version, const std::vector<std::shared_ptr<Buffer>>& dests);
@@ -349,6 +363,10 @@ class Store {
   std::map<std::string, std::unique_ptr<Model>> models_;
   std::map<std::string, std::shared_ptr<Buffer>> buffers_;  // by id
   StoreListener listener_;
+  // Versions waiting for quantization (model, version); the thread starts with the first.
+  std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_queue_;
+  std::condition_variable quant_wake_;
+  std::thread quantizer_;
 };
 
 }  // namespace refit

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "daemon/plan/plan.h"
+#include "daemon/store/quantize.h"
 #include "daemon/store/store.h"
 
 namespace refit {
@@ -40,6 +41,7 @@ struct Store::Buffer {
   uint64_t span_begin = 0;
   uint64_t span_end = 0;
   std::shared_ptr<const std::vector<TensorSlice>> snapshot_slices;
+  bool scaled = false;          // holds fp8 slices with block scales (DESTINATION)
   uint64_t last_published = 0;  // guarded by Store::mu_
   // DESTINATION buffers: non-empty when its layout disagrees with the model's sources (set by
   // RecheckDestinations); such a buffer is left out of plans and Apply refuses it.
@@ -71,10 +73,20 @@ struct Store::Version {
   std::vector<Piece> pieces;  // sorted by buffer id
   std::string layout_key;     // the piece buffer ids: equal keys mean equal source layouts
   uint64_t bytes = 0;
+  // The fp8 destinations' derived slots (quantize.h); filled before the version completes
+  // here, or by the first Apply into destinations registered later.
+  std::shared_ptr<QuantCache> quant = std::make_shared<QuantCache>();
 };
 
 struct Store::CachedPlan {
+  // What Apply runs: locations 0 .. pieces-1 are the version's pieces, then one per job (its
+  // derived slot), from which the scaled fp8 slices and their scale tensors are copied.
   plan::Plan plan;
+  std::vector<QuantJob> jobs;
+  // Where there are jobs: the source bytes the destinations need (the scaled slices as if
+  // converted from their sources), for pulls and CheckHeld. Otherwise `plan` says it.
+  plan::Plan reads;
+  const plan::Plan& Reads() const { return jobs.empty() ? plan : reads; }
 };
 
 struct Store::Model {
@@ -86,6 +98,10 @@ struct Store::Model {
   uint64_t latest = 0;
   std::deque<uint64_t> history;  // completed versions, oldest first
   std::map<std::string, std::shared_ptr<const CachedPlan>> plans;
+  // Scale tensors named by the fp8 destinations of the model, with how many slices name each.
+  // Non-empty: versions are quantized before they complete here.
+  std::map<std::string, int> scale_tensors;
+  uint64_t finishing = 0;  // version being quantized before it completes; 0: none
 
   // Several nodes.
   struct RemoteNode {
@@ -130,5 +146,20 @@ void AppendSourceRuns(const plan::CopyOp& op, ByteRanges* out);
 void MergeRanges(ByteRanges* ranges);
 // True when every byte `op` reads from its source lies in `valid` (sorted, merged).
 bool RangesCover(const ByteRanges& valid, const plan::CopyOp& op);
+
+}  // namespace refit
+
+namespace refit {
+
+// RegisterBuffer's checks of fp8 slices with scales against the model (`source_of`,
+// `dest_of`: its registered slices by tensor; `scaled_by`: its scaled fp8 slices by scale
+// tensor): a scaled slice's scale tensor is registered (earlier, or in `slices`) as FP32
+// DESTINATION slices of the scale shape and is no source tensor; a new slice of a scale tensor
+// fits the tensors it scales; a source never provides a scale tensor. INVALID_ARGUMENT.
+absl::Status CheckScaleLayout(const std::string& model, Role role,
+                              const std::vector<TensorSlice>& slices,
+                              const std::map<std::string, const TensorSlice*>& source_of,
+                              const std::multimap<std::string, const TensorSlice*>& dest_of,
+                              const std::multimap<std::string, const TensorSlice*>& scaled_by);
 
 }  // namespace refit

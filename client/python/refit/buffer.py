@@ -32,7 +32,10 @@ class Slice:
                  sizes: Optional[Sequence[int]] = None,
                  dtype: Optional[torch.dtype] = None,
                  name: Optional[str] = None,
-                 device: Union[str, torch.device, None] = None):
+                 device: Union[str, torch.device, None] = None,
+                 refit_dtype: Optional[int] = None,
+                 scale_tensor: Optional[str] = None,
+                 scale_block: Optional[Sequence[int]] = None):
         if tensor is not None:
             if sizes is not None and tuple(sizes) != tuple(tensor.shape):
                 raise ValueError(f"sizes {tuple(sizes)} differ from the tensor's shape "
@@ -60,6 +63,13 @@ class Slice:
         self.dtype = dtype
         self.name = name
         self.device = torch.device(device or "cpu")
+        # The refit dtype of the bytes when torch has none for it: fp8 held as torch.uint8
+        # (torch < 2.1 has no float8 dtypes), e.g. refit_dtype=refit.FP8_E4M3.
+        self.refit_dtype = refit_dtype
+        # fp8 destinations with block scales (docs/api.md "Engines"): the daemon quantizes per
+        # block of `scale_block` global elements and writes FP32 scales into `scale_tensor`.
+        self.scale_tensor = scale_tensor or ""
+        self.scale_block = tuple(int(d) for d in (scale_block or ()))
 
     @classmethod
     def shard(cls, tensor: torch.Tensor, dim: int, index: int, count: int, **kwargs) -> "Slice":
@@ -89,6 +99,9 @@ class SliceLayout:
     sizes: Tuple[int, ...]
     buffer_offset: int
     nbytes: int
+    refit_dtype: Optional[int] = None
+    scale_tensor: str = ""
+    scale_block: Tuple[int, ...] = ()
 
     @property
     def whole(self) -> bool:
@@ -97,12 +110,14 @@ class SliceLayout:
     def to_proto(self) -> refit_pb2.TensorSlice:
         # refit has no 0-d tensors: a scalar travels as shape [1].
         rank0 = len(self.global_shape) == 0
+        dtype = self.refit_dtype if self.refit_dtype is not None else dtypes.to_refit(self.dtype)
         return refit_pb2.TensorSlice(
-            name=self.name, dtype=dtypes.to_refit(self.dtype),
+            name=self.name, dtype=dtype,
             global_shape=[1] if rank0 else list(self.global_shape),
             offsets=[0] if rank0 else list(self.offsets),
             sizes=[1] if rank0 else list(self.sizes),
-            buffer_offset=self.buffer_offset)
+            buffer_offset=self.buffer_offset,
+            scale_tensor=self.scale_tensor, scale_block=list(self.scale_block))
 
     def region_of(self, whole: torch.Tensor) -> torch.Tensor:
         """This slice's part of a tensor with the global shape."""
@@ -145,7 +160,8 @@ def normalize(tensors: TensorsArg) -> List[Slice]:
         seen.add(s.name)
         if any(d <= 0 for d in s.sizes) or any(d <= 0 for d in s.global_shape):
             raise ValueError(f"tensor {s.name!r} is empty ({s.sizes}); leave it out")
-        dtypes.to_refit(s.dtype)  # fail early on dtypes refit does not carry
+        if s.refit_dtype is None:
+            dtypes.to_refit(s.dtype)  # fail early on dtypes refit does not carry
     return out
 
 
@@ -156,7 +172,7 @@ def layout(slices: Sequence[Slice], alignment: int) -> Tuple[List[SliceLayout], 
         start = -(-end // alignment) * alignment
         nbytes = math.prod(s.sizes) * torch.empty((), dtype=s.dtype).element_size()
         layouts.append(SliceLayout(s.name, s.dtype, s.global_shape, s.offsets, s.sizes, start,
-                                   nbytes))
+                                   nbytes, s.refit_dtype, s.scale_tensor, s.scale_block))
         end = start + nbytes
     return layouts, end
 

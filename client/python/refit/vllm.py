@@ -1,0 +1,128 @@
+"""refit as a vLLM weight-transfer engine (the engine side of vLLM's native weight-transfer
+API, `vllm.distributed.weight_transfer.base.WeightTransferEngine`, as documented for vLLM
+v0.25-v0.32: `init_transfer_engine(init_info)`, `start_weight_update()`,
+`update_weights(update_info)` -> `receive_weights(...)`, `finish_weight_update()`,
+`shutdown()`), pulling by version from the node's refitd and loading through the model's own
+`load_weights`. It does not import vLLM (which can't be installed here): it has the same
+method names and constructor arguments, so it can be registered where vLLM takes a backend,
+and it was run only against a torch model with vLLM's `load_weights` signature and parameter
+naming (client/python/tests/test_engines.py).
+
+    engine = RefitWeightTransferEngine(config=None, vllm_config=None, device="cpu", model=model)
+    engine.init_transfer_engine(engine.parse_init_info({"model": "policy", "params": {...},
+                                                        "fp8": [...]}))
+    engine.start_weight_update(); engine.update_weights({"version": 7});
+    engine.finish_weight_update()
+
+`sync(...)` is the RL-framework side: pause generation, update, resume, and the weight version
+string to tag rollouts with.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from refit import client as client_lib
+from refit.engine_sync import EngineWeights, NonFiniteVersionError, weight_version
+
+__all__ = ["RefitInitInfo", "RefitUpdateInfo", "RefitWeightTransferEngine", "sync",
+           "NonFiniteVersionError", "weight_version"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class RefitInitInfo:
+    """`params`: {checkpoint name: [shape, dtype name]}; `fp8`: names quantized with scales."""
+
+    model: str
+    params: Dict[str, List[Any]]
+    fp8: List[str] = field(default_factory=list)
+    fp8_block: List[int] = field(default_factory=lambda: [128, 128])
+    socket: Optional[str] = None
+
+
+@dataclass
+class RefitUpdateInfo:
+    version: int = 0  # 0: the next version after the one held
+    timeout: float = 60.0
+    refuse_nonfinite: bool = True
+
+
+class RefitWeightTransferEngine:
+    init_info_cls = RefitInitInfo
+    update_info_cls = RefitUpdateInfo
+
+    def __init__(self, config: Any = None, vllm_config: Any = None,
+                 device: Any = "cpu", model: Optional[torch.nn.Module] = None):
+        self.config = config
+        self.vllm_config = vllm_config
+        self.device = device
+        self.model = model
+        self.client: Optional[client_lib.Client] = None
+        self.weights: Optional[EngineWeights] = None
+        self.updating = False
+
+    def parse_init_info(self, init_dict: Dict[str, Any]) -> RefitInitInfo:
+        try:
+            return RefitInitInfo(**init_dict)
+        except TypeError as e:
+            raise ValueError(f"Invalid init_info for {type(self).__name__}: {e}") from e
+
+    def parse_update_info(self, update_dict: Dict[str, Any]) -> RefitUpdateInfo:
+        try:
+            return RefitUpdateInfo(**update_dict)
+        except TypeError as e:
+            raise ValueError(f"Invalid update_info for {type(self).__name__}: {e}") from e
+
+    def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
+        self.client = client_lib.Client(init_info.socket)
+        params = {name: (shape, _DTYPES[dtype]) for name, (shape, dtype) in
+                  init_info.params.items()}
+        self.weights = EngineWeights(self.client, init_info.model, params, init_info.fp8,
+                                     init_info.fp8_block, client_name="vllm")
+
+    def start_weight_update(self) -> None:
+        self.updating = True
+
+    def update_weights(self, update_info: Dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: RefitUpdateInfo) -> None:
+        if self.weights is None or self.model is None:
+            raise RuntimeError("init_transfer_engine first, with a model")
+        self.weights.update(self.model.load_weights, update_info.version, update_info.timeout,
+                            update_info.refuse_nonfinite)
+
+    def finish_weight_update(self) -> None:
+        self.updating = False
+
+    @property
+    def weight_version(self) -> str:
+        return weight_version(self.weights.model, self.weights.version) if self.weights else ""
+
+    def shutdown(self) -> None:
+        if self.weights:
+            self.weights.release()
+            self.weights = None
+        if self.client:
+            self.client.close()
+            self.client = None
+
+
+def sync(engine: RefitWeightTransferEngine, version: int = 0,
+         pause: Optional[Callable[[], None]] = None,
+         resume: Optional[Callable[[], None]] = None) -> str:
+    """One RL step's weight sync: pause generation, the four phases, resume; returns the
+    weight version string. Resumes even when the update fails."""
+    if pause:
+        pause()
+    try:
+        engine.start_weight_update()
+        engine.update_weights({"version": version})
+        engine.finish_weight_update()
+    finally:
+        if resume:
+            resume()
+    return engine.weight_version

@@ -1,0 +1,262 @@
+// fp8 block quantization on the CPU: a scalar version and an AVX2 one (quantize.h).
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cuda/float_bits.h"
+#include "cuda/fp8_block.h"
+#include "cuda/quantize.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace refit::cuda::cpu {
+namespace {
+
+uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+absl::Status CheckRun(const Fp8BlockRun& run) {
+  switch (run.src_dtype) {
+    case DType::kBF16:
+    case DType::kFP16:
+    case DType::kFP32:
+    case DType::kFP8E4M3:
+    case DType::kFP8E5M2:
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "fp8 block quantization needs a float source, not ", DTypeName(run.src_dtype)));
+  }
+  if (run.block_cols == 0) return absl::InvalidArgumentError("block of zero columns");
+  for (uint64_t r = 0; r < run.rows; ++r) {
+    if (run.scale_row_of[r] >= run.scale_rows) {
+      return absl::InvalidArgumentError(absl::StrCat("row ", r, " maps to scale row ",
+                                                     run.scale_row_of[r], " of ", run.scale_rows));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// fp32 bits of element i of a row of dtype `dtype`.
+uint32_t LoadBits(const uint8_t* row, DType dtype, uint64_t i) {
+  switch (dtype) {
+    case DType::kBF16: {
+      uint16_t v;
+      std::memcpy(&v, row + 2 * i, 2);
+      return bits::ToFloatBits<bits::kBF16>(v);
+    }
+    case DType::kFP16: {
+      uint16_t v;
+      std::memcpy(&v, row + 2 * i, 2);
+      return bits::ToFloatBits<bits::kFP16>(v);
+    }
+    case DType::kFP32: {
+      uint32_t v;
+      std::memcpy(&v, row + 4 * i, 4);
+      return v;
+    }
+    case DType::kFP8E4M3:
+      return bits::ToFloatBits<bits::kE4M3>(row[i]);
+    default:
+      return bits::ToFloatBits<bits::kE5M2>(row[i]);
+  }
+}
+
+const uint8_t* SrcRow(const Fp8BlockRun& run, uint64_t r) {
+  return run.src + static_cast<int64_t>(r) * run.src_row_stride *
+                       static_cast<int64_t>(DTypeSize(run.src_dtype));
+}
+
+// Scales from the amax grid (scale_rows x col_blocks bit patterns).
+void WriteScales(const Fp8BlockRun& run, const std::vector<uint32_t>& amax, uint64_t col_blocks) {
+  for (uint64_t sr = 0; sr < run.scale_rows; ++sr) {
+    for (uint64_t j = 0; j < col_blocks; ++j) {
+      run.scales[sr * run.scale_row_stride + j] = fp8::ScaleFromAmaxBits(amax[sr * col_blocks + j]);
+    }
+  }
+}
+
+#if defined(__x86_64__)
+
+// Eight fp32 values from the row at column c (bf16 and fp32 loaded directly; other dtypes
+// widened one by one).
+#define REFIT_AVX2 inline __attribute__((always_inline, target("avx2")))
+
+template <DType kDtype>
+REFIT_AVX2 __m256 Load8(const uint8_t* row, uint64_t c) {
+  if constexpr (kDtype == DType::kBF16) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * c));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+  if constexpr (kDtype == DType::kFP32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row + 4 * c));
+  }
+  alignas(32) uint32_t lanes[8];
+  for (int k = 0; k < 8; ++k) lanes[k] = LoadBits(row, kDtype, c + k);
+  return _mm256_load_ps(reinterpret_cast<const float*>(lanes));
+}
+
+// e4m3fn codes of eight quotients, in the low byte of each 32-bit lane; the same function as
+// fp8::QuantizeOne after its division: normal results round the fp32 pattern to three fraction
+// bits, subnormal ones round by adding 2^14 (whose ulp is e4m3's subnormal step, 2^-9).
+REFIT_AVX2 __m256i E4M3Codes(__m256 y) {
+  const __m256i bits = _mm256_castps_si256(y);
+  const __m256i abs = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(abs, 20), _mm256_set1_epi32(1));
+  const __m256i normal = _mm256_sub_epi32(
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(abs, _mm256_set1_epi32(0x7ffff)), lsb),
+                        20),
+      _mm256_set1_epi32(960));  // (127 - 7) << 3: fp32's exponent bias less e4m3's
+  const __m256 shifted = _mm256_add_ps(_mm256_castsi256_ps(abs), _mm256_set1_ps(16384.0f));
+  const __m256i subnormal =
+      _mm256_sub_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(0x46800000));
+  const __m256i is_subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), abs);  // < 2^-6
+  __m256i code = _mm256_blendv_epi8(normal, subnormal, is_subnormal);
+  const __m256i saturates = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x43dfffff));  // >= 448
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7e), saturates);
+  code = _mm256_or_si256(code, sign);
+  const __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000));
+  return _mm256_blendv_epi8(code, _mm256_set1_epi32(fp8::kE4M3NaN), nan);
+}
+
+// The low bytes of the eight lanes, stored as eight consecutive bytes.
+REFIT_AVX2 void Store8(uint8_t* out, __m256i codes) {
+  const __m256i pick =
+      _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
+                       -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i packed = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(codes, pick),
+                                                     _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+
+REFIT_AVX2 uint32_t HorizontalMax(__m256i v) {
+  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
+}
+
+template <DType kDtype>
+__attribute__((target("avx2"))) uint64_t QuantizeAvx2(const Fp8BlockRun& run) {
+  const uint64_t col_blocks = CeilDiv(run.cols, run.block_cols);
+  std::vector<uint32_t> amax(run.scale_rows * col_blocks, 0);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i finite_max = _mm256_set1_epi32(0x7f7fffff);
+  uint64_t nonfinite = 0;
+  for (uint64_t r = 0; r < run.rows; ++r) {
+    const uint8_t* row = SrcRow(run, r);
+    uint32_t* grid = amax.data() + run.scale_row_of[r] * col_blocks;
+    for (uint64_t j = 0; j < col_blocks; ++j) {
+      const uint64_t begin = j * run.block_cols;
+      const uint64_t end = std::min(run.cols, begin + run.block_cols);
+      __m256i best = _mm256_setzero_si256();
+      __m256i bad = _mm256_setzero_si256();  // lanes count down by one per inf or NaN
+      uint64_t c = begin;
+      for (; c + 8 <= end; c += 8) {
+        const __m256i abs = _mm256_and_si256(_mm256_castps_si256(Load8<kDtype>(row, c)), abs_mask);
+        best = _mm256_max_epu32(best, abs);
+        bad = _mm256_add_epi32(bad, _mm256_cmpgt_epi32(abs, finite_max));
+      }
+      uint32_t m = HorizontalMax(best);
+      alignas(32) int32_t counts[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(counts), bad);
+      for (int k = 0; k < 8; ++k)
+        nonfinite += static_cast<uint64_t>(-static_cast<int64_t>(counts[k]));
+      for (; c < end; ++c) {
+        const uint32_t abs = LoadBits(row, kDtype, c) & fp8::kAbsMask;
+        m = std::max(m, abs);
+        nonfinite += abs >= fp8::kInfBits ? 1 : 0;
+      }
+      grid[j] = std::max(grid[j], m);
+    }
+  }
+  WriteScales(run, amax, col_blocks);
+  for (uint64_t r = 0; r < run.rows; ++r) {
+    const uint8_t* row = SrcRow(run, r);
+    uint8_t* out = run.dst + static_cast<int64_t>(r) * run.dst_row_stride;
+    const float* scale_row = run.scales + run.scale_row_of[r] * run.scale_row_stride;
+    for (uint64_t j = 0; j < col_blocks; ++j) {
+      const uint64_t begin = j * run.block_cols;
+      const uint64_t end = std::min(run.cols, begin + run.block_cols);
+      const float s = scale_row[j];
+      const __m256 scale = _mm256_set1_ps(s);
+      uint64_t c = begin;
+      for (; c + 8 <= end; c += 8) {
+        Store8(out + c, E4M3Codes(_mm256_div_ps(Load8<kDtype>(row, c), scale)));
+      }
+      for (; c < end; ++c) {
+        out[c] = fp8::QuantizeOne(fp8::FloatOf(LoadBits(row, kDtype, c)), s);
+      }
+    }
+  }
+  return nonfinite;
+}
+
+bool HaveAvx2() {
+  static const bool have = __builtin_cpu_supports("avx2");
+  return have;
+}
+
+#else
+
+bool HaveAvx2() { return false; }
+
+#endif
+
+}  // namespace
+
+absl::StatusOr<uint64_t> QuantizeFp8BlocksScalar(const Fp8BlockRun& run) {
+  if (absl::Status status = CheckRun(run); !status.ok()) return status;
+  const uint64_t col_blocks = CeilDiv(run.cols, run.block_cols);
+  std::vector<uint32_t> amax(run.scale_rows * col_blocks, 0);
+  uint64_t nonfinite = 0;
+  for (uint64_t r = 0; r < run.rows; ++r) {
+    const uint8_t* row = SrcRow(run, r);
+    uint32_t* grid = amax.data() + run.scale_row_of[r] * col_blocks;
+    for (uint64_t c = 0; c < run.cols; ++c) {
+      const uint32_t abs = LoadBits(row, run.src_dtype, c) & fp8::kAbsMask;
+      uint32_t& best = grid[c / run.block_cols];
+      best = std::max(best, abs);
+      nonfinite += abs >= fp8::kInfBits ? 1 : 0;
+    }
+  }
+  WriteScales(run, amax, col_blocks);
+  for (uint64_t r = 0; r < run.rows; ++r) {
+    const uint8_t* row = SrcRow(run, r);
+    uint8_t* out = run.dst + static_cast<int64_t>(r) * run.dst_row_stride;
+    const float* scale_row = run.scales + run.scale_row_of[r] * run.scale_row_stride;
+    for (uint64_t c = 0; c < run.cols; ++c) {
+      out[c] = fp8::QuantizeOne(fp8::FloatOf(LoadBits(row, run.src_dtype, c)),
+                                scale_row[c / run.block_cols]);
+    }
+  }
+  return nonfinite;
+}
+
+absl::StatusOr<uint64_t> QuantizeFp8Blocks(const Fp8BlockRun& run) {
+#if defined(__x86_64__)
+  if (HaveAvx2()) {
+    if (absl::Status status = CheckRun(run); !status.ok()) return status;
+    switch (run.src_dtype) {
+      case DType::kBF16:
+        return QuantizeAvx2<DType::kBF16>(run);
+      case DType::kFP32:
+        return QuantizeAvx2<DType::kFP32>(run);
+      case DType::kFP16:
+        return QuantizeAvx2<DType::kFP16>(run);
+      case DType::kFP8E4M3:
+        return QuantizeAvx2<DType::kFP8E4M3>(run);
+      default:
+        return QuantizeAvx2<DType::kFP8E5M2>(run);
+    }
+  }
+#endif
+  return QuantizeFp8BlocksScalar(run);
+}
+
+bool Fp8BlocksVectorized() { return HaveAvx2(); }
+
+}  // namespace refit::cuda::cpu

@@ -1,0 +1,91 @@
+#include "daemon/plan/scales.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace refit::plan {
+namespace {
+
+absl::Status Invalid(const TensorSlice& slice, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat("tensor ", slice.name, ": ", what));
+}
+
+std::string Dims(const std::vector<int64_t>& dims) {
+  return absl::StrCat("[", absl::StrJoin(dims, ", "), "]");
+}
+
+}  // namespace
+
+bool IsScaled(const TensorSlice& slice) {
+  return !slice.scale_tensor.empty() || !slice.scale_block.empty();
+}
+
+absl::Status CheckScaledSlice(const TensorSlice& slice) {
+  if (slice.dtype != DType::kFP8E4M3) {
+    return Invalid(slice, absl::StrCat("scale_tensor and scale_block need dtype FP8_E4M3, not ",
+                                       DTypeName(slice.dtype)));
+  }
+  if (slice.scale_tensor.empty()) return Invalid(slice, "scale_block without a scale_tensor");
+  if (slice.scale_tensor == slice.name) return Invalid(slice, "is its own scale_tensor");
+  const size_t rank = slice.global_shape.size();
+  if (slice.scale_block.size() != rank) {
+    return Invalid(slice, absl::StrCat("scale_block ", Dims(slice.scale_block),
+                                       " does not match rank ", rank, " of global_shape"));
+  }
+  for (size_t d = 0; d < rank; ++d) {
+    const int64_t block = slice.scale_block[d];
+    if (block <= 0) {
+      return Invalid(slice, absl::StrCat("non-positive scale_block ", Dims(slice.scale_block)));
+    }
+    const int64_t begin = slice.offsets[d];
+    const int64_t end = begin + slice.sizes[d];
+    if (begin % block != 0 || (end % block != 0 && end != slice.global_shape[d])) {
+      return Invalid(slice,
+                     absl::StrCat("box ", BoxString(slice.offsets, slice.sizes),
+                                  " cuts through blocks of ", Dims(slice.scale_block),
+                                  " (a shard of a block-scaled tensor must hold whole blocks)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<int64_t> ScaleShape(const TensorSlice& scaled) {
+  std::vector<int64_t> shape;
+  for (size_t d = 0; d < scaled.global_shape.size(); ++d) {
+    const int64_t block = scaled.scale_block[d];
+    shape.push_back((scaled.global_shape[d] + block - 1) / block);
+  }
+  return shape;
+}
+
+void ScaleBox(const TensorSlice& scaled, std::vector<int64_t>* offsets,
+              std::vector<int64_t>* sizes) {
+  offsets->clear();
+  sizes->clear();
+  for (size_t d = 0; d < scaled.global_shape.size(); ++d) {
+    const int64_t block = scaled.scale_block[d];
+    offsets->push_back(scaled.offsets[d] / block);
+    sizes->push_back((scaled.sizes[d] + block - 1) / block);
+  }
+}
+
+absl::Status CheckScaleSlice(const TensorSlice& scaled, const TensorSlice& scale) {
+  if (IsScaled(scale)) {
+    return Invalid(scale, absl::StrCat("is the scale_tensor of ", scaled.name,
+                                       " and cannot have scales of its own"));
+  }
+  if (scale.dtype != DType::kFP32) {
+    return Invalid(
+        scale, absl::StrCat("scales of ", scaled.name, " are FP32, not ", DTypeName(scale.dtype)));
+  }
+  const std::vector<int64_t> expected = ScaleShape(scaled);
+  if (scale.global_shape != expected) {
+    return Invalid(scale,
+                   absl::StrCat("global_shape ", Dims(scale.global_shape), " of the scales of ",
+                                scaled.name, " should be ", Dims(expected), " (ceil of ",
+                                Dims(scaled.global_shape), " / ", Dims(scaled.scale_block), ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace refit::plan

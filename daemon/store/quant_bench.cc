@@ -1,0 +1,235 @@
+// fp8 block quantization figures, each beside a reference measured in the same run:
+//   1. the CPU kernel on one core (vectorized and scalar) beside memcpy of the same bf16 bytes;
+//   2. publish -> complete -> Apply of a bf16 model into an fp8 engine ([128, 128] block
+//      scales) beside the same into a bf16 engine, through the store on one node;
+//   3. the same with the model cut into many tensors beside one tensor of the same bytes.
+// Usage: quant_bench [model MiB (1024)] [tensors for part 3 (100000)] [versions (5)]
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/quantize.h"
+#include "daemon/common/logging.h"
+#include "daemon/store/store.h"
+
+namespace refit {
+namespace {
+
+using Seconds = std::chrono::duration<double>;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+template <typename Fn>
+double Time(Fn&& fn) {
+  const auto start = Clock::now();
+  fn();
+  return Seconds(Clock::now() - start).count();
+}
+
+void FillBf16(uint8_t* data, uint64_t bytes, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  std::vector<uint16_t> pattern(1 << 16);
+  for (auto& v : pattern) {
+    const float f = normal(rng);
+    uint32_t b;
+    std::memcpy(&b, &f, 4);
+    v = static_cast<uint16_t>(b >> 16);
+  }
+  for (uint64_t at = 0; at < bytes; at += pattern.size() * 2) {
+    std::memcpy(data + at, pattern.data(), std::min<uint64_t>(pattern.size() * 2, bytes - at));
+  }
+}
+
+void KernelFigures() {
+  const uint64_t rows = 4096, cols = 8192, bytes = rows * cols * 2;
+  auto src = AllocateHost(bytes);
+  auto copy = AllocateHost(bytes);
+  auto q = AllocateHost(rows * cols);
+  if (!src.ok() || !copy.ok() || !q.ok()) std::abort();
+  FillBf16((*src)->data(), bytes, 1);
+  std::memset((*copy)->data(), 0, bytes);
+  std::memset((*q)->data(), 0, rows * cols);
+  std::vector<uint32_t> map(rows);
+  for (uint64_t r = 0; r < rows; ++r) map[r] = static_cast<uint32_t>(r / 128);
+  std::vector<float> scales((rows / 128) * (cols / 128));
+  cuda::cpu::Fp8BlockRun run{(*src)->data(),
+                             DType::kBF16,
+                             rows,
+                             cols,
+                             static_cast<int64_t>(cols),
+                             128,
+                             map.data(),
+                             rows / 128,
+                             (*q)->data(),
+                             static_cast<int64_t>(cols),
+                             scales.data(),
+                             static_cast<int64_t>(cols / 128)};
+  std::vector<double> memcpy_s, vec_s, scalar_s;
+  for (int i = 0; i < 7; ++i) {
+    memcpy_s.push_back(Time([&] { std::memcpy((*copy)->data(), (*src)->data(), bytes); }));
+    vec_s.push_back(Time([&] { (void)cuda::cpu::QuantizeFp8Blocks(run); }));
+    if (i < 3) scalar_s.push_back(Time([&] { (void)cuda::cpu::QuantizeFp8BlocksScalar(run); }));
+  }
+  const double gb = bytes / 1e9;
+  std::printf(
+      "1. fp8 block quantization on one core, [%lu, %lu] bf16 (%.0f MiB), [128, 128] "
+      "blocks; medians\n",
+      rows, cols, bytes / 1048576.0);
+  std::printf("  memcpy of the bf16 bytes   %7.2f GB/s  (reference)\n", gb / Median(memcpy_s));
+  std::printf("  quantize, %-15s %7.2f GB/s of bf16 = %.2fx memcpy (goal >= 0.5x)\n",
+              cuda::cpu::Fp8BlocksVectorized() ? "AVX2" : "scalar only", gb / Median(vec_s),
+              Median(memcpy_s) / Median(vec_s));
+  std::printf("  quantize, scalar twin      %7.2f GB/s of bf16 = %.2fx memcpy\n",
+              gb / Median(scalar_s), Median(memcpy_s) / Median(scalar_s));
+}
+
+struct Run {
+  double register_s = 0, plan_s = 0, publish_s = 0, complete_s = 0, apply_s = 0, total_s = 0;
+};
+
+// One store, one model: `tensors` bf16 tensors [rows, cols] in one SOURCE buffer, one
+// DESTINATION buffer of bf16 or of fp8 + block scales; medians over `versions`.
+Run Measure(uint64_t tensors, uint64_t rows, uint64_t cols, bool fp8, int versions) {
+  Metrics metrics;
+  StoreOptions options;
+  options.retain = 2;
+  options.node = "bench";
+  Store store(options, &metrics);
+  const uint64_t tensor_bytes = rows * cols * 2;
+  const uint64_t src_bytes = tensors * tensor_bytes;
+  const uint64_t q_bytes = rows * cols;
+  const uint64_t grid_r = (rows + 127) / 128, grid_c = (cols + 127) / 128;
+  const uint64_t dst_tensor = fp8 ? q_bytes : tensor_bytes;
+  const uint64_t scale_bytes = fp8 ? grid_r * grid_c * 4 : 0;
+  const uint64_t dst_bytes = tensors * (dst_tensor + scale_bytes);
+  auto src_region = AllocateHost(src_bytes);
+  auto dst_region = AllocateHost(dst_bytes);
+  if (!src_region.ok() || !dst_region.ok()) std::abort();
+  uint8_t* src = (*src_region)->data();
+  FillBf16(src, src_bytes, 2);
+  std::memset((*dst_region)->data(), 0, dst_bytes);
+  std::vector<TensorSlice> src_slices, dst_slices;
+  for (uint64_t t = 0; t < tensors; ++t) {
+    TensorSlice s;
+    s.name = "model.layers." + std::to_string(t / 8) + ".w" + std::to_string(t % 8);
+    s.dtype = DType::kBF16;
+    s.global_shape = {static_cast<int64_t>(rows), static_cast<int64_t>(cols)};
+    s.buffer_offset = t * tensor_bytes;
+    src_slices.push_back(s);
+    TensorSlice d = s;
+    d.buffer_offset = t * dst_tensor;
+    if (fp8) {
+      d.dtype = DType::kFP8E4M3;
+      d.scale_tensor = s.name + "_scale_inv";
+      d.scale_block = {128, 128};
+      TensorSlice scale;
+      scale.name = d.scale_tensor;
+      scale.dtype = DType::kFP32;
+      scale.global_shape = {static_cast<int64_t>(grid_r), static_cast<int64_t>(grid_c)};
+      scale.buffer_offset = tensors * dst_tensor + t * scale_bytes;
+      dst_slices.push_back(scale);
+    }
+    dst_slices.push_back(d);
+  }
+  Run run;
+  std::string src_id, dst_id;
+  run.register_s = Time([&] {
+    auto a = store.RegisterBuffer("m", Role::kSource, std::move(*src_region), src_slices, "t");
+    auto b = store.RegisterBuffer("m", Role::kDestination, std::move(*dst_region), dst_slices, "e");
+    if (!a.ok() || !b.ok()) {
+      std::fprintf(stderr, "register: %s %s\n", a.status().ToString().c_str(),
+                   b.status().ToString().c_str());
+      std::abort();
+    }
+    src_id = *a;
+    dst_id = *b;
+  });
+  std::vector<double> publish, complete, apply, total, plan;
+  for (int v = 1; v <= versions + 1; ++v) {
+    src[(v * 4099) % src_bytes] ^= 1;
+    const double p = Time([&] {
+      if (!store.Publish("m", v, {src_id}).ok()) std::abort();
+    });
+    const double c = Time([&] {
+      if (!store.WaitForVersion("m", v, Clock::now() + std::chrono::seconds(120), nullptr).ok())
+        std::abort();
+    });
+    const double a = Time([&] {
+      auto applied = store.Apply("m", v, {dst_id});
+      if (!applied.ok()) {
+        std::fprintf(stderr, "apply: %s\n", applied.status().ToString().c_str());
+        std::abort();
+      }
+    });
+    if (v == 1) {
+      plan.push_back(a);  // the first Apply builds the plan
+      continue;
+    }
+    publish.push_back(p);
+    complete.push_back(c);
+    apply.push_back(a);
+    total.push_back(p + c + a);
+  }
+  run.plan_s = plan[0];
+  run.publish_s = Median(publish);
+  run.complete_s = Median(complete);
+  run.apply_s = Median(apply);
+  run.total_s = Median(total);
+  return run;
+}
+
+void PrintRun(const char* label, const Run& r, const Run* ref) {
+  std::printf(
+      "  %-26s register %8.4f  first apply (plans) %8.4f  publish %7.4f  complete "
+      "%7.4f  apply %7.4f  total %7.4f s",
+      label, r.register_s, r.plan_s, r.publish_s, r.complete_s, r.apply_s, r.total_s);
+  if (ref) std::printf("  = %.2fx", r.total_s / ref->total_s);
+  std::printf("\n");
+}
+
+}  // namespace
+}  // namespace refit
+
+int main(int argc, char** argv) {
+  using namespace refit;
+  const uint64_t mib = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 1024;
+  const uint64_t many = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 100000;
+  const int versions = argc > 3 ? std::atoi(argv[3]) : 5;
+  SetLogLevel("warn");
+  KernelFigures();
+  // 2. 1 GiB as 32 tensors of [4096, 4096] bf16 (for 1024 MiB).
+  const uint64_t tensors = std::max<uint64_t>(1, mib / 32);
+  std::printf(
+      "\n2. publish -> complete -> Apply, %lu MiB bf16 (%lu tensors [4096, 4096]), one "
+      "node, medians of %d versions\n",
+      tensors * 32, tensors, versions);
+  const Run bf16 = Measure(tensors, 4096, 4096, false, versions);
+  PrintRun("into bf16 (reference)", bf16, nullptr);
+  const Run fp8 = Measure(tensors, 4096, 4096, true, versions);
+  PrintRun("into fp8 + [128,128] scales", fp8, &bf16);
+  std::printf("  goal: fp8 <= 1.3x bf16\n");
+  // 3. The same bytes as `many` tensors of [128, cols] beside one tensor.
+  const uint64_t bytes = tensors * 32 * 1048576;
+  const uint64_t cols = std::max<uint64_t>(1, bytes / 2 / many / 128);
+  const uint64_t rows_one = many * 128;
+  std::printf("\n3. %lu tensors of [128, %lu] beside one tensor [%lu, %lu] (the same bytes)\n",
+              many, cols, rows_one, cols);
+  for (bool q : {false, true}) {
+    const Run one = Measure(1, rows_one, cols, q, versions);
+    const Run lots = Measure(many, 128, cols, q, versions);
+    PrintRun(q ? "fp8, 1 tensor" : "bf16, 1 tensor", one, nullptr);
+    PrintRun(q ? "fp8, many tensors" : "bf16, many tensors", lots, &one);
+  }
+  std::printf("  goal: many tensors <= 1.2x one tensor\n");
+  return 0;
+}
