@@ -91,7 +91,7 @@ class ExamplesTest(unittest.TestCase):
         engine = self.start_engine()
         trainer = subprocess.run(
             script("trainer.py", f"--socket={self.trainer_node.socket}", f"--steps={STEPS}",
-                   "--max-ahead=1", "--quorum=0", "--replica-timeout=60"),
+                   "--max-ahead=1", "--quorum=0", "--replica-timeout=60", "--interval=0.3"),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
         self.assertEqual(trainer.returncode, 0, trainer.stdout)
         # Before publishing N the trainer waited for N - 1 on the engine's node.
