@@ -60,9 +60,12 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
   d->dir_ = dir_template;
   d->socket_ = socket.empty() ? d->dir_ + "/run/refitd.sock" : socket;
 
+  std::string binary = RunfilePath("daemon/refitd");
+  for (const std::string& e : env) {
+    if (e.rfind("REFIT_TEST_BINARY=", 0) == 0) binary = e.substr(e.find('=') + 1);
+  }
   std::vector<std::string> args = wrapper;
-  args.insert(args.end(),
-              {RunfilePath("daemon/refitd"), "--socket=" + d->socket_, "--log-level=debug"});
+  args.insert(args.end(), {binary, "--socket=" + d->socket_, "--log-level=debug"});
   const bool has_listen = std::any_of(extra_args.begin(), extra_args.end(),
                                       [](const auto& a) { return a.rfind("--listen=", 0) == 0; });
   if (!has_listen) args.push_back("--listen=127.0.0.1:0");
