@@ -326,6 +326,17 @@ absl::StatusOr<v1::StatusResponse> Client::Status() {
   return response;
 }
 
+absl::StatusOr<v1::VerifyResponse> Client::Verify(const std::string& model) {
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::VerifyRequest request;
+  request.set_model(model);
+  v1::VerifyResponse response;
+  auto status = FromGrpc(stub_->Verify(&context, request, &response), "Verify");
+  if (!status.ok()) return status;
+  return response;
+}
+
 absl::StatusOr<v1::DropModelResponse> Client::DropModel(const std::string& model) {
   grpc::ClientContext context;
   SetDeadline(&context);

@@ -114,6 +114,9 @@ class Client {
   // Releases `model`'s held versions and forgets it (and its remembered newest version, so a
   // new run may start at 1). FAILED_PRECONDITION while buffers of it are registered.
   absl::StatusOr<v1::DropModelResponse> DropModel(const std::string& model);
+  // Compares `model`'s DESTINATION buffers on this node with the versions their last Apply
+  // installed; DATA_LOSS naming the buffers and tensors that differ.
+  absl::StatusOr<v1::VerifyResponse> Verify(const std::string& model);
   // Starts a watch; returns once the daemon has it in place, so no later completion is missed.
   // `after_version` > 0 also replays retained versions newer than it.
   absl::StatusOr<std::unique_ptr<Watcher>> Watch(const std::string& model,

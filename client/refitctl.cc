@@ -9,6 +9,8 @@
 //   refitctl health            SERVING / NOT_SERVING
 //   refitctl drop MODEL        releases a model's held versions and forgets it (no buffers left)
 //   refitctl release BUFFER_ID releases a registered buffer (an operator cleaning up)
+//   refitctl verify MODEL      compares the engine's destination bytes with the version each
+//                              buffer holds (exit 1 naming the tensors that differ)
 //   refitctl --version
 //
 // --json prints machine-readable output (numbers as JSON numbers). --json, --socket and
@@ -347,6 +349,10 @@ int main(int argc, char** argv) {
                           "refitd's own user or root, any buffer)");
   release_cmd->add_option("BUFFER_ID", buffer_id, "a buffer id, as refitctl status shows it")
       ->required();
+  auto* verify_cmd = add("verify",
+                         "compare MODEL's destination buffers on this node with the version "
+                         "their last Apply installed (exit 1 naming the tensors that differ)");
+  verify_cmd->add_option("MODEL", model, "model name")->required();
   CLI11_PARSE(app, argc, argv);
   const bool json = flags.json;
 
@@ -365,6 +371,20 @@ int main(int argc, char** argv) {
     return *healthy ? 0 : kExitError;
   }
   if (drop_cmd->parsed()) return Drop(**client, model, json);
+  if (verify_cmd->parsed()) {
+    auto verified = (*client)->Verify(model);
+    if (!verified.ok()) return Fail(verified.status());
+    if (json) {
+      std::cout << Json(*verified);
+      return 0;
+    }
+    for (const v1::BufferVerification& b : verified->buffers()) {
+      std::cout << b.buffer_id() << "  version " << b.version() << "  "
+                << (b.checked() ? "ok" : "not checked: " + b.note()) << "\n";
+    }
+    if (verified->buffers().empty()) std::cout << "no destination buffers of " << model << "\n";
+    return 0;
+  }
   if (release_cmd->parsed()) {
     absl::Status released = (*client)->ReleaseBuffer(buffer_id);
     if (!released.ok()) return Fail(released);

@@ -119,4 +119,24 @@ TEST_CASE("a wedged data plane stops the watchdog and health; both come back",
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("refitd itself has no test hooks: the same switch wedges nothing",
+          "[integration][liveness]") {
+  char dir_template[] = "/tmp/refit-watchdog-XXXXXX";
+  REQUIRE(mkdtemp(dir_template));
+  const std::string dir = dir_template;
+  FakeSystemd systemd(dir + "/notify.sock");
+  const std::string wedge = dir + "/wedge";
+  std::ofstream(wedge) << "wedge\n";
+  auto daemon = DaemonProcess::Start(
+      {}, "", {"NOTIFY_SOCKET=" + dir + "/notify.sock", "WATCHDOG_USEC=1000000",
+               "REFIT_TEST_WEDGE=dataplane", "REFIT_TEST_WEDGE_FILE=" + wedge,
+               "REFIT_TEST_BINARY=" + testing::RunfilePath("daemon/refitd")});
+  REQUIRE(daemon.ok());
+  systemd.Listen(3);
+  Notifications n = systemd.Listen(2);
+  CHECK(n.watchdog >= 3);
+  CHECK(n.status.find("stuck") == std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace refit

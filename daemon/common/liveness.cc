@@ -19,6 +19,4 @@ std::vector<std::string> Liveness::Stuck(std::chrono::milliseconds stall) const 
   return stuck;
 }
 
-__attribute__((weak)) void TestHookWedge(const char*) {}
-
 }  // namespace refit

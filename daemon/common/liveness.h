@@ -69,10 +69,4 @@ class Liveness {
   std::deque<Worker> workers_;  // stable addresses
 };
 
-// A test hook on a worker's path (e.g. "dataplane", once per turn of its loop). The production
-// binary's is a no-op; //daemon:refitd_testing links //daemon/common:test_hooks, whose hook
-// wedges the named worker while the file $REFIT_TEST_WEDGE_FILE exists and
-// $REFIT_TEST_WEDGE names the worker. Fault switches never ship in refitd itself.
-void TestHookWedge(const char* worker);
-
 }  // namespace refit

@@ -1,5 +1,7 @@
-// The test builds' hooks (//daemon:refitd_testing): they replace the production binary's
-// no-op definitions (weak symbols in liveness.cc).
+// The test build's hooks (//daemon:refitd_testing): they replace the production binary's
+// no-op definitions (weak symbols in test_hooks_off.cc).
+
+#include "daemon/common/test_hooks.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -9,10 +11,11 @@
 #include <cstring>
 #include <thread>
 
-#include "daemon/common/liveness.h"
 #include "daemon/common/logging.h"
 
 namespace refit {
+
+const char* TestSwitch(const char* name) { return std::getenv(name); }
 
 void TestHookWedge(const char* worker) {
   const char* wanted = std::getenv("REFIT_TEST_WEDGE");

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/liveness.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/xxh3.h"
 #include "daemon/common/status_macros.h"

@@ -36,7 +36,7 @@ std::map<std::string, HistogramSnapshot> Metrics::Histograms() const {
 Metrics::Metrics() {
   for (const char* name : {kDataBytesReceived, kDataBytesSent, kVersionsCompleted, kApplyBytes,
                            kPublishBytes, kPublishes, kApplies, kVersionsDropped,
-                           kVersionsAbandoned, kOwnerExitReleases,
+                           kVersionsAbandoned, kOwnerExitReleases, kApplyVerifyFailures,
                            kPeersConnected, kChecksumBytesHashed, kRelayBytesSent,
                            kRelayBytesReceived, kRelayChunksRejected, kQuantizedValues,
                            kNonfiniteValues}) {

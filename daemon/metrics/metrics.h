@@ -32,6 +32,8 @@ inline constexpr char kRequestErrors[] = "refit_request_errors_total";
 // pull that failed), and buffers released because the process that registered them exited.
 inline constexpr char kVersionsAbandoned[] = "refit_versions_abandoned_total";
 inline constexpr char kOwnerExitReleases[] = "refit_owner_exit_releases_total";
+// Applies whose bytes, checked as they landed, differed from the version's (DATA_LOSS).
+inline constexpr char kApplyVerifyFailures[] = "refit_apply_verify_failures_total";
 inline constexpr char kPeersConnected[] = "refit_peers_connected";
 // Data-plane bytes this node read from relays (other pullers) instead of the origin, and
 // chunks a relay served that failed the origin's checksum (refetched from the origin).

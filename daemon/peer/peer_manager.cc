@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/pull/delta_fetch.h"
 #include "daemon/pull/puller.h"
@@ -66,7 +67,7 @@ absl::Status PeerLayouts(const v1::PeerEvent& event, std::vector<SourceLayout>* 
 }
 
 uint32_t PinLeaseMs() {
-  if (const char* test = std::getenv("REFIT_TEST_PIN_LEASE_MS")) {
+  if (const char* test = TestSwitch("REFIT_TEST_PIN_LEASE_MS")) {
     if (const long ms = std::strtol(test, nullptr, 10); ms > 0) return static_cast<uint32_t>(ms);
   }
   return kPinLeaseMs;

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/convert/convert.h"
 #include "daemon/tls/peer_tls.h"
 #include "daemon/version.h"
@@ -25,17 +26,17 @@ PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane,
       replicas_(replicas),
       relay_(relay && board != nullptr),
       tls_(tls) {
-  if (const char* fault = std::getenv("REFIT_FAULT_RELAY_FLIP")) {
+  if (const char* fault = TestSwitch("REFIT_FAULT_RELAY_FLIP")) {
     relay_flips_ = std::atoll(fault);
     Logger("peer")->warn("fault injection: the first {} relayed ranges get a flipped byte",
                          relay_flips_.load());
   }
-  if (const char* fault = std::getenv("REFIT_FAULT_CORRUPT_CHECKSUMS")) {
+  if (const char* fault = TestSwitch("REFIT_FAULT_CORRUPT_CHECKSUMS")) {
     corrupt_checksums_ = std::atoll(fault);
     Logger("peer")->warn("fault injection: the first {} checksum replies will be wrong",
                          corrupt_checksums_.load());
   }
-  if (const char* fault = std::getenv("REFIT_FAULT_CHECKSUM_WITHOUT_RUNS");
+  if (const char* fault = TestSwitch("REFIT_FAULT_CHECKSUM_WITHOUT_RUNS");
       fault != nullptr && std::string(fault) != "" && std::string(fault) != "0") {
     checksum_without_runs_ = true;
     Logger("peer")->warn("fault injection: Checksum reads plain ranges only (an older release)");

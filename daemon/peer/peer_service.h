@@ -85,7 +85,7 @@ class PeerService final : public v1::Peer::Service {
 
   const std::string node_;
   // Fault injection for tests: the first N Checksum replies are wrong
-  // ($REFIT_FAULT_CORRUPT_CHECKSUMS; 0 in production).
+  // ($REFIT_FAULT_CORRUPT_CHECKSUMS, read in //daemon:refitd_testing only; 0 in refitd).
   std::atomic<int64_t> corrupt_checksums_{0};
   // Fault injection (REFIT_FAULT_CHECKSUM_WITHOUT_RUNS): answer Checksum as a release before
   // RangeRun did, reading only plain ranges, so tests can check a newer reader falls back.
@@ -101,7 +101,7 @@ class PeerService final : public v1::Peer::Service {
   // PERMISSION_DENIED when TLS is on and `node` is not the caller's certificate's name.
   absl::Status Authenticate(const grpc::ServerContext& context, const std::string& node) const;
   // Fault injection for tests ($REFIT_FAULT_RELAY_FLIP): a relay flips one byte in each of the
-  // first N ranges it announces, as a relay serving wrong bytes would (0 in production).
+  // first N ranges it announces, as a relay serving wrong bytes would (test build only).
   std::atomic<int64_t> relay_flips_{0};
 
   mutable std::mutex mu_;

@@ -90,9 +90,53 @@ TEST_CASE("large row-split and contiguous ops copy exactly", "[plan][execute]") 
       }
     }
   }
-  const int64_t c_src = (R * C / 4 * 2 + 512 * 1024 * 2) / 2, c_dst = (R * C / 2 * 2 + 1024 * 1024 * 2) / 2;
+  const int64_t c_src = (R * C / 4 * 2 + 512 * 1024 * 2) / 2,
+                c_dst = (R * C / 2 * 2 + 1024 * 1024 * 2) / 2;
   for (int64_t i = 0; i < K; ++i) wrong += out[1][c_dst + i] != in[0][c_src + i];
   CHECK(wrong == 0);
+
+  // Verified install: what landed is what the plan says, by both paths.
+  CHECK(VerifyOnHost(*plan, s, t).empty());
+  std::vector<std::vector<uint16_t>> again(2);
+  std::vector<uint8_t*> t2;
+  for (int d = 0; d < 2; ++d) again[d].assign(dst_size[d] / 2, 0xFFFF);
+  for (auto& v : again) t2.push_back(reinterpret_cast<uint8_t*>(v.data()));
+  CHECK(ExecuteAndVerifyOnHost(*plan, s, t2).empty());
+  CHECK(again == out);
+  // One byte of c changed afterwards: the op that writes it, and only that one, is reported.
+  out[1][c_dst + K / 2] ^= 1;
+  const std::vector<size_t> bad = VerifyOnHost(*plan, s, t);
+  REQUIRE(bad.size() == 1);
+  const CopyOp& op = plan->ops[bad[0]];
+  CHECK(op.dst_location == 1);
+  CHECK(op.dst_offset <= static_cast<uint64_t>(c_dst + K / 2) * 2);
+  CHECK(op.dst_offset + op.count * 2 > static_cast<uint64_t>(c_dst + K / 2) * 2);
+}
+
+TEST_CASE("verification follows conversions and strides", "[plan][execute]") {
+  // bf16 [64, 64] into an fp32 destination holding its transpose-free column half twice over
+  // (strided by 2 columns): converted ops are checked element by element.
+  TensorSlice src = Part("w", {64, 64}, {0, 0}, {64, 64}, 0);
+  TensorSlice dst = Part("w", {64, 64}, {0, 0}, {64, 64}, 0);
+  dst.dtype = DType::kFP32;
+  dst.buffer_strides = {128, 2};  // every other fp32 slot
+  std::vector<TensorSlice> sv{src}, dv{dst};
+  REQUIRE(NormalizeAndValidateBuffer(sv, 64 * 64 * 2).ok());
+  REQUIRE(NormalizeAndValidateBuffer(dv, 64 * 128 * 4).ok());
+  auto plan = BuildPlan({{&sv[0], 0, 0}}, {{&dv[0], 0, 0}});
+  REQUIRE(plan.ok());
+  std::vector<uint16_t> in(64 * 64);
+  std::mt19937 rng(5);
+  for (auto& x : in) x = static_cast<uint16_t>(0x3f00 | (rng() & 0xff));  // finite values
+  std::vector<float> out(64 * 128, -1.0f);
+  std::vector<const uint8_t*> s{reinterpret_cast<const uint8_t*>(in.data())};
+  std::vector<uint8_t*> t{reinterpret_cast<uint8_t*>(out.data())};
+  CHECK(ExecuteAndVerifyOnHost(*plan, s, t).empty());
+  out[2 * 7] += 1.0f;  // element (0, 7)
+  CHECK_FALSE(VerifyOnHost(*plan, s, t).empty());
+  out[2 * 7 + 1] = 99.0f;  // a gap the plan never writes: not its business
+  out[2 * 7] -= 1.0f;
+  CHECK(VerifyOnHost(*plan, s, t).empty());
 }
 
 }  // namespace

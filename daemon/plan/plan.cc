@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -18,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/common/types.h"
 #include "daemon/memory/stream_copy.h"
 #include "daemon/plan/convert.h"
@@ -442,8 +445,7 @@ std::vector<Task> CutTasks(const std::vector<CopyOp>& ops, uint64_t* total_bytes
     for (size_t i = first; i < last; ++i) row_bytes += ops[i].count * elem;
     const uint64_t bytes = row_bytes * op.rows;
     *total_bytes += bytes;
-    const bool stream =
-        bytes >= kStreamOpBytes && (last - first > 1 || IsMemcpyOp(op));
+    const bool stream = bytes >= kStreamOpBytes && (last - first > 1 || IsMemcpyOp(op));
     if (op.rows == 1 && last - first == 1) {
       // One long run: cut it by elements.
       const uint64_t step = std::max<uint64_t>(1, kTaskBytes / std::max<uint64_t>(1, elem));
@@ -453,8 +455,8 @@ std::vector<Task> CutTasks(const std::vector<CopyOp>& ops, uint64_t* total_bytes
     } else {
       const uint64_t step = std::max<uint64_t>(1, kTaskBytes / std::max<uint64_t>(1, row_bytes));
       for (uint64_t r = 0; r < op.rows; r += step) {
-        tasks.push_back({first, last, r, std::min<uint64_t>(op.rows, r + step), 0, op.count,
-                         stream});
+        tasks.push_back(
+            {first, last, r, std::min<uint64_t>(op.rows, r + step), 0, op.count, stream});
       }
     }
     first = last;
@@ -462,8 +464,8 @@ std::vector<Task> CutTasks(const std::vector<CopyOp>& ops, uint64_t* total_bytes
   return tasks;
 }
 
-void RunTask(const std::vector<CopyOp>& ops, const Task& t,
-             const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst) {
+void RunTask(const std::vector<CopyOp>& ops, const Task& t, const std::vector<const uint8_t*>& src,
+             const std::vector<uint8_t*>& dst) {
   if (t.last - t.first > 1) {
     // A row group: destination rows filled side by side, each kept hot while it fills.
     const uint64_t elem = DTypeSize(ops[t.first].dst_dtype);
@@ -498,8 +500,112 @@ void RunTask(const std::vector<CopyOp>& ops, const Task& t,
   }
 }
 
+// True when the destination bytes of task `t` are what the plan writes there. `scratch`
+// holds converted runs.
+bool TaskLanded(const std::vector<CopyOp>& ops, const Task& t,
+                const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst,
+                std::vector<uint8_t>* scratch) {
+  if (t.last - t.first > 1) {
+    const uint64_t elem = DTypeSize(ops[t.first].dst_dtype);
+    for (uint64_t r = t.row_begin; r < t.row_end; ++r) {
+      for (size_t i = t.first; i < t.last; ++i) {
+        const CopyOp& op = ops[i];
+        if (std::memcmp(dst[op.dst_location] + op.dst_offset +
+                            r * static_cast<uint64_t>(op.dst_row_stride) * elem,
+                        src[op.src_location] + op.src_offset +
+                            r * static_cast<uint64_t>(op.src_row_stride) * elem,
+                        op.count * elem) != 0) {
+          return false;
+        }
+      }
+    }
+    return true;
+  }
+  const CopyOp& op = ops[t.first];
+  const uint64_t src_elem = DTypeSize(op.src_dtype);
+  const uint64_t dst_elem = DTypeSize(op.dst_dtype);
+  const uint64_t n = t.elem_end - t.elem_begin;
+  const uint8_t* from = src[op.src_location] + op.src_offset +
+                        t.elem_begin * static_cast<uint64_t>(op.src_stride) * src_elem;
+  const uint8_t* to = dst[op.dst_location] + op.dst_offset +
+                      t.elem_begin * static_cast<uint64_t>(op.dst_stride) * dst_elem;
+  for (uint64_t r = t.row_begin; r < t.row_end; ++r) {
+    const uint8_t* row_from = from + r * static_cast<uint64_t>(op.src_row_stride) * src_elem;
+    const uint8_t* row_to = to + r * static_cast<uint64_t>(op.dst_row_stride) * dst_elem;
+    if (IsMemcpyOp(op)) {
+      if (std::memcmp(row_to, row_from, n * src_elem) != 0) return false;
+      continue;
+    }
+    // What the op writes, packed, then compared element by element at the op's stride.
+    scratch->resize(n * dst_elem);
+    ConvertRun(row_from, op.src_dtype, op.src_stride, scratch->data(), op.dst_dtype, 1, n);
+    if (op.dst_stride == 1) {
+      if (std::memcmp(row_to, scratch->data(), n * dst_elem) != 0) return false;
+      continue;
+    }
+    for (uint64_t e = 0; e < n; ++e) {
+      if (std::memcmp(row_to + e * static_cast<uint64_t>(op.dst_stride) * dst_elem,
+                      scratch->data() + e * dst_elem, dst_elem) != 0) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Runs (when `run`) and checks every task on up to 8 cores; the ops of tasks that didn't land.
+std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_t*>& src,
+                                const std::vector<uint8_t*>& dst, bool run) {
+  uint64_t total = 0;
+  std::vector<Task> tasks = CutTasks(plan.ops, &total);
+  // Checked at once, the destination bytes must still be in cache: no streaming stores.
+  for (Task& t : tasks) t.stream = false;
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const unsigned threads = total < kParallelBytes
+                               ? 1u
+                               : static_cast<unsigned>(std::min<uint64_t>(
+                                     {cores, 8u, std::max<uint64_t>(1, tasks.size())}));
+  std::atomic<size_t> next{0};
+  std::mutex mu;
+  std::vector<size_t> bad;
+  auto work = [&] {
+    std::vector<uint8_t> scratch;
+    for (size_t i = next++; i < tasks.size(); i = next++) {
+      if (run) {
+        RunTask(plan.ops, tasks[i], src, dst);
+        if (const char* flip = TestSwitch("REFIT_FAULT_APPLY_FLIP"); flip && i == 0) {
+          // Test build only: a destination byte changes under the copy (a concurrent writer).
+          static std::atomic<long> left{std::atol(flip)};
+          const CopyOp& op = plan.ops[tasks[i].first];
+          if (left-- > 0) dst[op.dst_location][op.dst_offset] ^= 0x5a;
+        }
+      }
+      if (!TaskLanded(plan.ops, tasks[i], src, dst, &scratch)) {
+        std::lock_guard<std::mutex> lock(mu);
+        for (size_t op = tasks[i].first; op < tasks[i].last; ++op) bad.push_back(op);
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  std::sort(bad.begin(), bad.end());
+  bad.erase(std::unique(bad.begin(), bad.end()), bad.end());
+  return bad;
+}
 
 }  // namespace
+
+std::vector<size_t> ExecuteAndVerifyOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
+                                           const std::vector<uint8_t*>& dst) {
+  return RunAndCheck(plan, src, dst, /*run=*/true);
+}
+
+std::vector<size_t> VerifyOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
+                                 const std::vector<uint8_t*>& dst) {
+  return RunAndCheck(plan, src, dst, /*run=*/false);
+}
 
 void ExecuteOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
                    const std::vector<uint8_t*>& dst) {

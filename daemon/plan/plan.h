@@ -91,4 +91,17 @@ absl::StatusOr<Plan> BuildPlan(const std::vector<PlacedSlice>& sources,
 void ExecuteOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
                    const std::vector<uint8_t*>& dst);
 
+// Verified install: runs `plan` like ExecuteOnHost and checks each piece of work right after
+// it ran, while its bytes are still in cache: what landed in the destinations is compared with
+// what the plan says they must hold (the source bytes, converted where an op converts).
+// Returns the indices of the ops whose destination bytes differ, ascending (empty: everything
+// landed as planned).
+std::vector<size_t> ExecuteAndVerifyOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
+                                           const std::vector<uint8_t*>& dst);
+
+// Only the check (refitctl verify): the ops whose destination bytes differ from what `plan`
+// would write there from `src`.
+std::vector<size_t> VerifyOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
+                                 const std::vector<uint8_t*>& dst);
+
 }  // namespace refit::plan

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -78,7 +79,7 @@ std::vector<Tensor> Llama70B() { return Llama(8192, 28672, 1024, 128256, 80); }
 
 // Executes `plan` `runs` times between freshly touched buffers; returns the median seconds.
 double TimeExecution(const Plan& plan, const std::vector<uint64_t>& src_sizes,
-                     const std::vector<uint64_t>& dst_sizes, int runs) {
+                     const std::vector<uint64_t>& dst_sizes, int runs, bool verified = false) {
   std::vector<std::vector<uint8_t>> src, dst;
   for (uint64_t n : src_sizes) src.emplace_back(n, 1);
   for (uint64_t n : dst_sizes) dst.emplace_back(n, 0);
@@ -89,7 +90,11 @@ double TimeExecution(const Plan& plan, const std::vector<uint64_t>& src_sizes,
   std::vector<double> seconds;
   for (int r = 0; r < runs; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
-    ExecuteOnHost(plan, s, d);
+    if (verified) {
+      if (!ExecuteAndVerifyOnHost(plan, s, d).empty()) std::abort();
+    } else {
+      ExecuteOnHost(plan, s, d);
+    }
     seconds.push_back(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
@@ -136,6 +141,24 @@ int RunExecution(int runs) {
       "  resharded   TP8 -> TP2: %7.2f GB/s (%zu ops) = %.2fx unresharded\n",
       bytes / (1ull << 30), runs, bytes / t_straight / 1e9, straight->ops.size(),
       bytes / t_resharded / 1e9, resharded->ops.size(), t_straight / t_resharded);
+  // Verified install: the same plans with each block checked as it lands, beside memcpy.
+  const double t_straight_v = TimeExecution(*straight, ss_b, ds_b, runs, true);
+  const double t_resharded_v = TimeExecution(*resharded, ss_a, ds_a, runs, true);
+  std::vector<uint8_t> from(straight->dst_bytes, 1), to(straight->dst_bytes, 0);
+  std::vector<double> copies;
+  for (int r = 0; r < runs; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memcpy(to.data(), from.data(), from.size());
+    copies.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  const double t_memcpy = Median(copies);
+  std::printf(
+      "verified apply (each 4 MiB block compared as it lands), median of %d:\n"
+      "  memcpy (one thread, reference): %7.2f GB/s\n"
+      "  unresharded verified: %7.2f GB/s = %.2fx plain apply\n"
+      "  resharded   verified: %7.2f GB/s = %.2fx plain apply\n",
+      runs, bytes / t_memcpy / 1e9, bytes / t_straight_v / 1e9, t_straight / t_straight_v,
+      bytes / t_resharded_v / 1e9, t_resharded / t_resharded_v);
   return 0;
 }
 

@@ -342,4 +342,22 @@ grpc::Status RefitService::RenewLeases(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
+grpc::Status RefitService::Verify(grpc::ServerContext*, const v1::VerifyRequest* request,
+                                  v1::VerifyResponse* response) {
+  if (request->model().empty() || request->model().size() > kMaxNameBytes) {
+    return Finish("Verify", absl::InvalidArgumentError("model name is 1 to 1024 bytes"));
+  }
+  auto results = context_.store->Verify(request->model());
+  if (!results.ok()) return Finish("Verify", results.status());
+  for (const VerifyResult& r : *results) {
+    v1::BufferVerification* b = response->add_buffers();
+    b->set_buffer_id(r.buffer_id);
+    b->set_version(r.version);
+    b->set_checked(r.checked);
+    for (const std::string& t : r.stale_tensors) b->add_stale_tensors(t);
+    b->set_note(r.note);
+  }
+  return grpc::Status::OK;
+}
+
 }  // namespace refit::server

@@ -77,6 +77,8 @@ class RefitService final : public v1::Refit::Service {
                          v1::DropModelResponse* response) override;
   grpc::Status RenewLeases(grpc::ServerContext* context, const v1::RenewLeasesRequest* request,
                            v1::RenewLeasesResponse* response) override;
+  grpc::Status Verify(grpc::ServerContext* context, const v1::VerifyRequest* request,
+                      v1::VerifyResponse* response) override;
 
  private:
   // PERMISSION_DENIED unless the caller registered every one of `ids` (what: "publish", ...).

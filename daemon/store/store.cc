@@ -574,7 +574,9 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     for (const auto& slot : derived) src.push_back(slot->data());
     std::vector<uint8_t*> dst;
     for (const auto& d : dests) dst.push_back(d->region->data());
-    plan::ExecuteOnHost(cached->plan, src, dst);
+    // Verified install: each block checked against the version as it lands.
+    const std::vector<size_t> bad = plan::ExecuteAndVerifyOnHost(cached->plan, src, dst);
+    if (!bad.empty()) return NotLanded(*source, cached->plan, bad, dests);
   } else {
     // GPU slots or GPU destinations: copies and kernels on the GPU (cuda/).
     std::vector<const Region*> src;
@@ -591,6 +593,7 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
                                              source->number, ")"));
     }
   }
+  for (const auto& d : dests) d->applied = source->number;
   metrics_->Add(kApplyBytes, static_cast<double>(cached->plan.dst_bytes));
   metrics_->Add(kApplies, 1);
   metrics_->Observe(kApplySeconds, std::chrono::duration<double>(Clock::now() - started).count());

@@ -103,6 +103,15 @@ struct ModelInfo {
   std::string skipped_reason;
 };
 
+// What Verify found in one DESTINATION buffer.
+struct VerifyResult {
+  std::string buffer_id;
+  uint64_t version = 0;  // the version its last Apply installed; 0: none to check
+  bool checked = false;  // its bytes were compared (else `note` says why not)
+  std::vector<std::string> stale_tensors;  // tensors whose bytes differ from `version`'s
+  std::string note;
+};
+
 // What DropModel released.
 struct DropResult {
   std::vector<uint64_t> released_versions;  // complete versions that were held
@@ -218,6 +227,11 @@ class Store {
   // Writes `version` (0: newest complete) into the listed DESTINATION buffers.
   absl::StatusOr<ApplyResult> Apply(const std::string& model, uint64_t version,
                                     const std::vector<std::string>& buffer_ids);
+
+  // Verified install, after the fact: compares the bytes of each DESTINATION buffer of `model`
+  // with the version its last Apply installed (what that Apply would write now). DATA_LOSS
+  // naming the buffers and tensors that differ; NOT_FOUND for an unknown model.
+  absl::StatusOr<std::vector<VerifyResult>> Verify(const std::string& model);
 
   // Blocks until versions newer than `after_version` have completed, and returns them in
   // order (versions completed before the call are included while they are still remembered).
@@ -350,6 +364,15 @@ class Store {
   absl::StatusOr<std::vector<std::shared_ptr<Region>>> QuantizedSlots(
       const Version& version, const std::vector<QuantJob>& jobs);
   absl::Status CheckHeld(const Version& version, const plan::Plan& plan) const;
+  // DATA_LOSS for an Apply of `version` whose ops `bad` did not land in `dests` (their
+  // tensors named; those buffers marked stale).
+  absl::Status NotLanded(const Version& version, const plan::Plan& plan,
+                         const std::vector<size_t>& bad,
+                         const std::vector<std::shared_ptr<Buffer>>& dests);
+  // The tensors of `dests` that the ops `bad` of `plan` write, by buffer id.
+  static std::map<std::string, std::vector<std::string>> TensorsOfOps(
+      const plan::Plan& plan, const std::vector<size_t>& bad,
+      const std::vector<std::shared_ptr<Buffer>>& dests);
   absl::StatusOr<std::shared_ptr<const CachedPlan>> PlanFor(
       Model& model, const Version& version, const std::vector<std::shared_ptr<Buffer>>& dests);
   template <typename Ready>

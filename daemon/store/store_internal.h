@@ -3,6 +3,7 @@
 // Private to daemon/store: the records behind Store, shared by store.cc (one node) and
 // cluster.cc (versions spanning several nodes). Guarded by Store::mu_ unless noted.
 
+#include <atomic>
 #include <deque>
 #include <map>
 #include <memory>
@@ -47,6 +48,9 @@ struct Store::Buffer {
   // RecheckDestinations); such a buffer is left out of plans and Apply refuses it.
   std::string refused;  // guarded by Store::mu_
   std::mutex io_mu;             // one snapshot or one Apply at a time on this memory
+  // DESTINATION buffers: the version the last Apply installed and verified here; 0: none, or
+  // what landed is stale (a failed or unverified Apply). Written under io_mu.
+  std::atomic<uint64_t> applied{0};
   ChecksumHints hints;          // SOURCE buffers; guarded by hints.mu
 };
 

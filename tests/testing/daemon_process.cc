@@ -60,7 +60,13 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
   d->dir_ = dir_template;
   d->socket_ = socket.empty() ? d->dir_ + "/run/refitd.sock" : socket;
 
+  // Fault switches and test knobs act only in the test build of refitd.
   std::string binary = RunfilePath("daemon/refitd");
+  for (const std::string& e : env) {
+    if (e.rfind("REFIT_FAULT_", 0) == 0 || e.rfind("REFIT_TEST_", 0) == 0) {
+      binary = RunfilePath("daemon/refitd_testing");
+    }
+  }
   for (const std::string& e : env) {
     if (e.rfind("REFIT_TEST_BINARY=", 0) == 0) binary = e.substr(e.find('=') + 1);
   }

@@ -27,8 +27,9 @@ class DaemonProcess {
   // Starts refitd with --socket in a fresh temporary directory, --listen=127.0.0.1:0 and
   // `extra_args`; returns once the socket answers (or an error after 20 s).
   // With `socket` set, serves that path instead of one in a fresh directory.
-  // `env` entries ("NAME=value") are added to the daemon's environment; REFIT_TEST_BINARY=PATH
-  // runs that binary instead of daemon/refitd (e.g. daemon/refitd_testing).
+  // `env` entries ("NAME=value") are added to the daemon's environment. With a fault switch or
+  // test knob among them (REFIT_FAULT_..., REFIT_TEST_...) it runs daemon/refitd_testing (list
+  // it in the test's data), the only build in which they act; REFIT_TEST_BINARY=PATH runs PATH.
   // `wrapper` (e.g. {"/usr/sbin/ip", "netns", "exec", "ns1"}) is run with refitd's command line.
   static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(
       const std::vector<std::string>& extra_args = {}, const std::string& socket = "",

@@ -1,0 +1,164 @@
+// Verified install: what Apply wrote, checked against the version (Store::NotLanded, the
+// DATA_LOSS an Apply answers), and checked again later (Store::Verify, refitctl verify).
+
+#include <algorithm>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/plan/plan.h"
+#include "daemon/store/quantize.h"
+#include "daemon/store/store.h"
+#include "daemon/store/store_internal.h"
+
+namespace refit {
+namespace {
+
+// True when the element at byte `offset` of a buffer belongs to `slice` (normalized: sizes and
+// element strides per dimension, outer dimensions first).
+bool SliceHolds(const TensorSlice& slice, uint64_t offset) {
+  if (offset < slice.buffer_offset) return false;
+  const uint64_t elem = DTypeSize(slice.dtype);
+  uint64_t rel = offset - slice.buffer_offset;
+  if (elem == 0 || rel % elem != 0) return false;
+  rel /= elem;
+  for (size_t d = 0; d < slice.sizes.size(); ++d) {
+    const uint64_t stride =
+        d < slice.buffer_strides.size() ? static_cast<uint64_t>(slice.buffer_strides[d]) : 1;
+    const uint64_t index = stride == 0 ? 0 : rel / stride;
+    if (index >= static_cast<uint64_t>(slice.sizes[d])) return false;
+    rel -= index * stride;
+  }
+  return rel == 0;
+}
+
+}  // namespace
+
+std::map<std::string, std::vector<std::string>> Store::TensorsOfOps(
+    const plan::Plan& plan, const std::vector<size_t>& bad,
+    const std::vector<std::shared_ptr<Buffer>>& dests) {
+  std::map<std::string, std::vector<std::string>> tensors;
+  for (size_t i : bad) {
+    const plan::CopyOp& op = plan.ops[i];
+    if (op.dst_location >= dests.size()) continue;
+    const Buffer& buffer = *dests[op.dst_location];
+    std::string name = absl::StrCat("bytes at offset ", op.dst_offset);
+    for (const TensorSlice& slice : buffer.slices) {
+      if (SliceHolds(slice, op.dst_offset)) {
+        name = slice.name;
+        break;
+      }
+    }
+    std::vector<std::string>& names = tensors[buffer.id];
+    if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
+  }
+  return tensors;
+}
+
+absl::Status Store::NotLanded(const Version& version, const plan::Plan& plan,
+                              const std::vector<size_t>& bad,
+                              const std::vector<std::shared_ptr<Buffer>>& dests) {
+  const auto tensors = TensorsOfOps(plan, bad, dests);
+  std::vector<std::string> parts;
+  for (const auto& [id, names] : tensors) {
+    parts.push_back(absl::StrCat("buffer ", id, ": ", absl::StrJoin(names, ", ")));
+  }
+  for (const auto& d : dests) d->applied = 0;  // what landed is not one version throughout
+  metrics_->Add(kApplyVerifyFailures, 1);
+  const std::string message = absl::StrCat(
+      "Apply of version ", version.number,
+      ": the bytes that landed differ from the version's "
+      "for ",
+      absl::StrJoin(parts, "; "),
+      " (something wrote into the destination during the copy, or the memory is faulty); "
+      "these tensors are stale: Apply again, or Apply the previous version to restore them");
+  Logger("store")->error("{}", message);
+  return absl::DataLossError(message);
+}
+
+absl::StatusOr<std::vector<VerifyResult>> Store::Verify(const std::string& model_name) {
+  struct Job {
+    size_t result = 0;
+    std::shared_ptr<Buffer> buffer;
+    std::shared_ptr<const Version> version;
+    std::shared_ptr<const CachedPlan> plan;
+  };
+  std::vector<VerifyResult> results;
+  std::vector<Job> jobs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Model* model = FindModel(model_name);
+    if (!model) return absl::NotFoundError(absl::StrCat("model ", model_name, " does not exist"));
+    for (const std::string& id : model->destinations) {
+      VerifyResult result;
+      result.buffer_id = id;
+      const std::shared_ptr<Buffer>& buffer = buffers_.at(id);
+      result.version = buffer->applied;
+      auto version = model->complete.find(result.version);
+      if (result.version == 0) {
+        result.note = "no verified Apply into it yet (or its last one failed)";
+      } else if (version == model->complete.end()) {
+        result.note = absl::StrCat("version ", result.version,
+                                   " is no longer held here (--retain): nothing to compare with");
+      } else if (buffer->region->kind() != MemoryKind::kHost) {
+        result.note = "GPU memory: not compared here";
+      } else {
+        auto cached = PlanFor(*model, *version->second, {buffer});
+        if (!cached.ok()) {
+          result.note = std::string(cached.status().message());
+        } else {
+          jobs.push_back({results.size(), buffer, version->second, *cached});
+        }
+      }
+      results.push_back(std::move(result));
+    }
+  }
+  std::vector<std::string> failures;
+  for (const Job& job : jobs) {
+    VerifyResult& result = results[job.result];
+    if (absl::Status held = CheckHeld(*job.version, job.plan->Reads()); !held.ok()) {
+      result.note = std::string(held.message());
+      continue;
+    }
+    std::vector<std::shared_ptr<Region>> derived;
+    if (!job.plan->jobs.empty()) {
+      auto slots = QuantizedSlots(*job.version, job.plan->jobs);
+      if (!slots.ok()) {
+        result.note = std::string(slots.status().message());
+        continue;
+      }
+      derived = std::move(slots).value();
+    }
+    std::vector<const uint8_t*> src;
+    for (const Piece& piece : job.version->pieces) {
+      src.push_back(piece.slot ? piece.slot->data() : nullptr);
+    }
+    for (const auto& slot : derived) src.push_back(slot->data());
+    std::lock_guard<std::mutex> io(job.buffer->io_mu);
+    if (job.buffer->region->Broken()) {
+      result.note = "its memory went away under refitd";
+      continue;
+    }
+    const std::vector<size_t> bad =
+        plan::VerifyOnHost(job.plan->plan, src, {job.buffer->region->data()});
+    result.checked = true;
+    if (bad.empty()) continue;
+    auto tensors = TensorsOfOps(job.plan->plan, bad, {job.buffer});
+    result.stale_tensors = tensors[job.buffer->id];
+    failures.push_back(absl::StrCat("buffer ", job.buffer->id, " (version ", result.version,
+                                    "): ", absl::StrJoin(result.stale_tensors, ", ")));
+  }
+  if (!failures.empty()) {
+    const std::string message = absl::StrCat(
+        "model ", model_name,
+        ": destination bytes differ from the version they hold: ", absl::StrJoin(failures, "; "),
+        " (written by someone else since that Apply?)");
+    Logger("store")->warn("{}", message);
+    return absl::DataLossError(message);
+  }
+  return results;
+}
+
+}  // namespace refit
