@@ -378,8 +378,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     const std::string refused = absl::StrCat(
         "this local caller is not allowed to use refitd on node ", options.node, " (allowed: ",
         policy.Describe(), "; see --allow-uids and --allow-gids)");
-    auto factory = [raw, owners, health, refused](const callers::Caller* caller,
-                                                  grpc::ServerBuilder* builder) {
+    // Sealed memfds passed over the same socket (fd_exchange.h), named by token.
+    auto memfds = std::make_shared<callers::FdTokens>();
+    auto fd_exchange = std::make_shared<callers::FdExchange>(policy, memfds);
+    auto factory = [raw, owners, memfds, health, refused](const callers::Caller* caller,
+                                                          grpc::ServerBuilder* builder) {
       std::vector<std::shared_ptr<void>> keep;
       builder->RegisterService(health);
       if (!caller) {
@@ -391,12 +394,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       server::ServiceContext context = raw->service_context;
       context.caller = *caller;
       context.owners = owners;
+      context.memfds = memfds;
       auto service = std::make_shared<server::RefitService>(std::move(context));
       builder->RegisterService(service.get());
       keep.push_back(service);
       return keep;
     };
-    auto local = callers::LocalListener::Start(options.socket_path, 0660, policy, factory);
+    auto local = callers::LocalListener::Start(options.socket_path, 0660, policy, factory,
+                                               std::move(fd_exchange));
     if (!local.ok()) {
       impl->peer_server->Shutdown();
       return local.status();

@@ -17,9 +17,9 @@ namespace {
 constexpr int kMaxMessageBytes = 64 << 20;  // registrations of models with many tensors
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<LocalListener>> LocalListener::Start(const std::string& path,
-                                                                   mode_t mode, Policy policy,
-                                                                   ServiceFactory factory) {
+absl::StatusOr<std::unique_ptr<LocalListener>> LocalListener::Start(
+    const std::string& path, mode_t mode, Policy policy, ServiceFactory factory,
+    std::shared_ptr<FdExchange> fd_exchange) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
@@ -53,6 +53,11 @@ absl::StatusOr<std::unique_ptr<LocalListener>> LocalListener::Start(const std::s
       return absl::InternalError("cannot start the local gRPC server");
     }
   }
+  // memfd passing (fd_exchange.h): connections that turn out to be gRPC come back to Route.
+  if (fd_exchange) {
+    listener->fd_exchange_ = std::move(fd_exchange);
+    listener->fd_exchange_->StartSorting([raw = listener.get()](int fd) { raw->Route(fd); });
+  }
   listener->accept_thread_ = std::thread([raw = listener.get()] { raw->Accept(); });
   return listener;
 }
@@ -76,6 +81,7 @@ void LocalListener::Accept() {
       }
       continue;
     }
+    if (fd_exchange_ && fd_exchange_->Divert(client)) continue;  // memfd passing, or not yet known
     Route(client);
   }
 }
@@ -132,6 +138,7 @@ LocalListener::Served* LocalListener::ServerFor(const Caller* caller) {
 void LocalListener::Shutdown(std::chrono::milliseconds grace) {
   if (stop_.exchange(true)) return;
   if (accept_thread_.joinable()) accept_thread_.join();
+  if (fd_exchange_) fd_exchange_->StopSorting();  // no Route from it after this
   close(fd_);
   std::vector<Served*> all;
   {

@@ -25,6 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/callers/caller.h"
+#include "daemon/callers/fd_exchange.h"
 #include "grpcpp/grpcpp.h"
 
 namespace refit::callers {
@@ -37,10 +38,11 @@ using ServiceFactory = std::function<std::vector<std::shared_ptr<void>>(
 
 class LocalListener {
  public:
-  // Binds `path` (mode `mode`), listens, and starts accepting.
-  static absl::StatusOr<std::unique_ptr<LocalListener>> Start(const std::string& path,
-                                                             mode_t mode, Policy policy,
-                                                             ServiceFactory factory);
+  // Binds `path` (mode `mode`), listens, and starts accepting. With `fd_exchange`, clients
+  // may pass memfds on the same socket (fd_exchange.h); those connections never reach gRPC.
+  static absl::StatusOr<std::unique_ptr<LocalListener>> Start(
+      const std::string& path, mode_t mode, Policy policy, ServiceFactory factory,
+      std::shared_ptr<FdExchange> fd_exchange = nullptr);
   ~LocalListener();  // Shutdown()
 
   // Stops accepting, then shuts every server down (in-flight calls get `grace`), and removes
@@ -71,6 +73,7 @@ class LocalListener {
   std::unique_ptr<Served> refused_;                  // guarded by mu_
   std::map<uid_t, bool> logged_refusal_;             // guarded by mu_
   bool shut_down_ = false;
+  std::shared_ptr<FdExchange> fd_exchange_;  // may be null; set before accepting starts
 };
 
 }  // namespace refit::callers

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "daemon/callers/caller.h"
+#include "daemon/callers/fd_tokens.h"
 #include "daemon/fleet/replicas.h"
 #include "daemon/server/owners.h"
 #include "daemon/metrics/metrics.h"
@@ -37,6 +38,8 @@ struct ServiceContext {
   // instance of its uid); empty: no checks (in-process use).
   std::optional<callers::Caller> caller;
   std::shared_ptr<Owners> owners;  // shared by every instance; null: no ownership checks
+  // memfds callers passed over the socket, by token (MemoryHandle.memfd); null: refused.
+  std::shared_ptr<callers::FdTokens> memfds;
   fleet::ReplicaTable* replicas = nullptr;  // not owned; null: WaitForReplicas UNIMPLEMENTED
   // Each model's newest published version (--state-dir); null: Publish checks only the store.
   state::VersionLedger* ledger = nullptr;  // not owned
