@@ -62,15 +62,17 @@ class OwnedHostRegion final : public Region {
   uint64_t length_;
 };
 
-// Maps [offset, offset + size) of the shared file `fd` of `object_size` bytes, guarded.
+// Maps [offset, offset + size) of the shared file `fd` of `object_size` bytes, guarded. `what`
+// names it in Describe() ("shm /x"), `object` in errors ("shm object /x").
 absl::StatusOr<std::unique_ptr<Region>> MapShared(int fd, uint64_t object_size,
-                                                  const std::string& what, uint64_t offset,
+                                                  const std::string& what,
+                                                  const std::string& object, uint64_t offset,
                                                   uint64_t size) {
   if (size == 0) size = offset < object_size ? object_size - offset : 0;
   if (size == 0 || offset > object_size || size > object_size - offset) {
     return absl::InvalidArgumentError(absl::StrCat("region [", offset, ", ", offset + size,
-                                                   ") does not fit in ", what, " of ", object_size,
-                                                   " bytes"));
+                                                   ") does not fit in ", object, " of ",
+                                                   object_size, " bytes"));
   }
   const uint64_t map_offset = offset - offset % PageSize();
   const uint64_t map_length = size + (offset - map_offset);
@@ -78,12 +80,12 @@ absl::StatusOr<std::unique_ptr<Region>> MapShared(int fd, uint64_t object_size,
                     static_cast<off_t>(map_offset));
   if (base == MAP_FAILED) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("mmap of ", what, " failed: ", std::strerror(errno)));
+        absl::StrCat("mmap of ", object, " failed: ", std::strerror(errno)));
   }
   uint8_t* data = static_cast<uint8_t*>(base) + (offset - map_offset);
   auto region = std::make_unique<HostShmRegion>(what, base, map_length, offset, size, data);
   if (!region->guarded()) {
-    return absl::ResourceExhaustedError(absl::StrCat("cannot map ", what, ": ",
+    return absl::ResourceExhaustedError(absl::StrCat("cannot map ", object, ": ",
                                                      FaultGuard::kMaxGuarded,
                                                      " client regions are registered already"));
   }
@@ -138,8 +140,8 @@ absl::StatusOr<std::unique_ptr<Region>> MapHostShm(
       return allowed;
     }
   }
-  auto region =
-      MapShared(fd, static_cast<uint64_t>(st.st_size), absl::StrCat("shm ", name), offset, size);
+  auto region = MapShared(fd, static_cast<uint64_t>(st.st_size), absl::StrCat("shm ", name),
+                          absl::StrCat("shm object ", name), offset, size);
   close(fd);
   return region;
 }
@@ -182,7 +184,7 @@ absl::StatusOr<std::unique_ptr<Region>> MapSealedMemfd(int fd, uint64_t offset, 
   if (fstat(fd, &st) != 0) {
     return absl::InternalError(absl::StrCat("fstat of ", what, ": ", std::strerror(errno)));
   }
-  return MapShared(fd, static_cast<uint64_t>(st.st_size), what, offset, size);
+  return MapShared(fd, static_cast<uint64_t>(st.st_size), what, what, offset, size);
 }
 
 absl::StatusOr<std::unique_ptr<Region>> AllocateHost(uint64_t size) {
