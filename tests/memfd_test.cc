@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -114,8 +115,24 @@ TEST_CASE("sealed memfd sources and destinations round-trip bit-exact", "[integr
   REQUIRE(ftruncate(reopened, 0) == -1);
   REQUIRE(errno == EPERM);
   close(reopened);
-  REQUIRE(client.Publish("m", 4, {*s}).ok());
-  REQUIRE(client.Apply("m", 4, {*d}).ok());
+  uint64_t version = 4;
+  for (int attempt = 0; attempt < 100; ++attempt, ++version) {
+    INFO("attempt " << attempt);
+    const off_t to = attempt % 3 == 0 ? 0 : static_cast<off_t>(kBytes) - 4096 * attempt;
+    REQUIRE(ftruncate(attempt % 2 ? src.fd() : dst.fd(), std::max<off_t>(to, 0)) == -1);
+    REQUIRE(errno == EPERM);
+    REQUIRE(ftruncate(src.fd(), static_cast<off_t>(kBytes) * 2) == -1);  // nor grown
+    std::memset(src.data(), static_cast<int>(version), kBytes);
+    REQUIRE(client.Publish("m", version, {*s}).ok());
+    REQUIRE(client.Apply("m", version, {*d}).ok());
+    REQUIRE(std::memcmp(src.data(), dst.data(), kBytes) == 0);
+  }
+  // Punching a hole is allowed (it doesn't shrink): the client zeroes its own bytes, and
+  // refitd reads those zeros rather than faulting.
+  REQUIRE(fallocate(src.fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 65536) == 0);
+  REQUIRE(client.Publish("m", version, {*s}).ok());
+  REQUIRE(client.Apply("m", version, {*d}).ok());
+  REQUIRE(dst.data()[0] == 0);
   REQUIRE(std::memcmp(src.data(), dst.data(), kBytes) == 0);
   REQUIRE((*daemon)->running());
 }
