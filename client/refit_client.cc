@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "client/lease_keeper.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 
@@ -64,7 +65,8 @@ absl::StatusOr<SharedMemory> SharedMemory::Create(const std::string& name, uint6
 
 absl::StatusOr<SharedMemory> SharedMemory::CreateSealed(uint64_t size, const std::string& label) {
   if (size == 0) return absl::InvalidArgumentError("shared memory size must be > 0");
-  int fd = memfd_create(label.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  // memfd names are at most 249 bytes.
+  int fd = memfd_create(label.substr(0, 200).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) {
     return absl::ResourceExhaustedError(
         absl::StrCat("memfd_create ", label, ": ", std::strerror(errno)));
@@ -179,7 +181,10 @@ uint64_t DTypeBytes(v1::DType dtype) {
 Client::Client(std::string socket_path, std::shared_ptr<grpc::Channel> channel)
     : socket_path_(std::move(socket_path)),
       channel_(std::move(channel)),
-      stub_(v1::Refit::NewStub(channel_)) {}
+      stub_(v1::Refit::NewStub(channel_)),
+      leases_(std::make_unique<LeaseKeeper>(stub_.get())) {}
+
+Client::~Client() = default;
 
 namespace {
 
@@ -258,6 +263,7 @@ absl::StatusOr<std::string> Client::RegisterBuffer(const v1::RegisterBufferReque
   v1::RegisterBufferResponse response;
   auto status = FromGrpc(stub_->RegisterBuffer(&context, request, &response), "RegisterBuffer");
   if (!status.ok()) return status;
+  if (response.lease_ms() > 0) leases_->Add(response.buffer_id(), response.lease_ms());
   return response.buffer_id();
 }
 
@@ -379,6 +385,7 @@ absl::Status Client::ReleaseBuffer(const std::string& buffer_id) {
   v1::ReleaseBufferRequest request;
   request.set_buffer_id(buffer_id);
   v1::ReleaseBufferResponse response;
+  leases_->Remove(buffer_id);
   return FromGrpc(stub_->ReleaseBuffer(&context, request, &response), "ReleaseBuffer");
 }
 

@@ -23,6 +23,7 @@
 #include "daemon/metrics/prometheus.h"
 #include "daemon/server/denied_service.h"
 #include "daemon/server/health_service.h"
+#include "daemon/server/owner_exit.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
@@ -118,6 +119,8 @@ struct Daemon::Impl {
   std::unique_ptr<grpc::Server> health_server;  // --health-listen: health checks only
   std::unique_ptr<MetricsHttpServer> metrics_server;
   int health_port = 0;
+  std::unique_ptr<server::OwnerExit> owner_exit;  // hears of client processes that exit
+  std::unique_ptr<server::Leases> leases;         // for those it can't watch
   std::unique_ptr<callers::LocalListener> local_listener;  // --socket
   tls::PeerTlsFiles tls;  // --tls-*: the peer plane's mutual TLS (none: plaintext)
   server::ServiceContext service_context;  // what each local caller's RefitService starts from
@@ -394,14 +397,21 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       server::ServiceContext context = raw->service_context;
       context.caller = *caller;
       context.owners = owners;
+      context.leases = raw->leases.get();
       context.memfds = memfds;
       auto service = std::make_shared<server::RefitService>(std::move(context));
       builder->RegisterService(service.get());
       keep.push_back(service);
       return keep;
     };
+    // A client process that exits takes its buffers with it (owner exit).
+    impl->owner_exit =
+        std::make_unique<server::OwnerExit>(impl->store.get(), owners, &impl->metrics);
+    // ...and one refitd cannot watch (another pid namespace) holds them on a lease.
+    impl->leases = std::make_unique<server::Leases>(impl->store.get(), owners, &impl->metrics,
+                                                    server::kClientLease);
     auto local = callers::LocalListener::Start(options.socket_path, 0660, policy, factory,
-                                               std::move(fd_exchange));
+                                               impl->owner_exit.get(), std::move(fd_exchange));
     if (!local.ok()) {
       impl->peer_server->Shutdown();
       return local.status();

@@ -15,6 +15,7 @@
 #include "daemon/callers/caller.h"
 #include "daemon/callers/fd_tokens.h"
 #include "daemon/fleet/replicas.h"
+#include "daemon/server/leases.h"
 #include "daemon/server/owners.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/state/version_ledger.h"
@@ -38,6 +39,8 @@ struct ServiceContext {
   // instance of its uid); empty: no checks (in-process use).
   std::optional<callers::Caller> caller;
   std::shared_ptr<Owners> owners;  // shared by every instance; null: no ownership checks
+  // Leases for buffers of processes refitd cannot watch (caller pid 0); null: none.
+  Leases* leases = nullptr;  // not owned
   // memfds callers passed over the socket, by token (MemoryHandle.memfd); null: refused.
   std::shared_ptr<callers::FdTokens> memfds;
   fleet::ReplicaTable* replicas = nullptr;  // not owned; null: WaitForReplicas UNIMPLEMENTED
@@ -75,6 +78,8 @@ class RefitService final : public v1::Refit::Service {
                                v1::WaitForReplicasResponse* response) override;
   grpc::Status DropModel(grpc::ServerContext* context, const v1::DropModelRequest* request,
                          v1::DropModelResponse* response) override;
+  grpc::Status RenewLeases(grpc::ServerContext* context, const v1::RenewLeasesRequest* request,
+                           v1::RenewLeasesResponse* response) override;
 
  private:
   // PERMISSION_DENIED unless the caller registered every one of `ids` (what: "publish", ...).

@@ -63,4 +63,27 @@ struct CommandResult {
 };
 CommandResult RunCommand(const std::vector<std::string>& argv);
 
+// A command left running: its standard input and output are pipes to the test. SIGKILLed and
+// reaped when the handle goes away.
+class ChildProcess {
+ public:
+  static absl::StatusOr<std::unique_ptr<ChildProcess>> Spawn(const std::vector<std::string>& argv);
+  ~ChildProcess();
+
+  pid_t pid() const { return pid_; }
+  // The next line of its standard output (without the newline); an error at EOF or after
+  // `timeout_s`.
+  absl::StatusOr<std::string> ReadLine(double timeout_s = 20);
+  void CloseStdin();
+  // Sends `signal` and waits for the exit; returns what RunCommand's exit_code would say.
+  int Stop(int signal);
+
+ private:
+  ChildProcess() = default;
+  pid_t pid_ = -1;
+  int in_fd_ = -1;
+  int out_fd_ = -1;
+  std::string buffered_;
+};
+
 }  // namespace refit::testing
