@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -62,6 +63,35 @@ absl::StatusOr<SharedMemory> SharedMemory::Create(const std::string& name, uint6
   return SharedMemory(name, static_cast<uint8_t*>(p), size, /*owner=*/true);
 }
 
+absl::StatusOr<SharedMemory> SharedMemory::CreateSealed(uint64_t size, const std::string& label) {
+  if (size == 0) return absl::InvalidArgumentError("shared memory size must be > 0");
+  // memfd names are at most 249 bytes.
+  int fd = memfd_create(label.substr(0, 200).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("memfd_create ", label, ": ", std::strerror(errno)));
+  }
+  auto fail = [&](const char* what) {
+    const int err = errno;
+    close(fd);
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, " of memfd ", label, " (", size, " bytes): ", std::strerror(err)));
+  };
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) return fail("ftruncate");
+  // Reserve the pages now (as Create does): running out of memory is an error here.
+  if (int err = posix_fallocate(fd, 0, static_cast<off_t>(size)); err != 0) {
+    errno = err;
+    return fail("posix_fallocate");
+  }
+  // Its size is final: refitd refuses memfds that could shrink under its mappings.
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return fail("sealing");
+  }
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (p == MAP_FAILED) return fail("mmap");
+  return SharedMemory("", static_cast<uint8_t*>(p), size, /*owner=*/true, fd);
+}
+
 absl::StatusOr<SharedMemory> SharedMemory::Open(const std::string& name) {
   int fd = shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) {
@@ -93,6 +123,7 @@ SharedMemory& SharedMemory::operator=(SharedMemory&& other) noexcept {
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
     owner_ = std::exchange(other.owner_, false);
+    fd_ = std::exchange(other.fd_, -1);
   }
   return *this;
 }
@@ -101,9 +132,11 @@ SharedMemory::~SharedMemory() { Reset(); }
 
 void SharedMemory::Reset() {
   if (data_) munmap(data_, size_);
-  if (owner_) shm_unlink(name_.c_str());
+  if (owner_ && fd_ < 0) shm_unlink(name_.c_str());
+  if (fd_ >= 0) close(fd_);
   data_ = nullptr;
   owner_ = false;
+  fd_ = -1;
 }
 
 // ---- helpers ----
@@ -248,6 +281,102 @@ absl::StatusOr<std::string> Client::RegisterBuffer(const std::string& model, v1:
   for (const auto& t : tensors) *request.add_tensors() = t;
   request.set_client(client_name);
   return RegisterBuffer(request);
+}
+
+absl::StatusOr<std::string> Client::RegisterBuffer(const std::string& model, v1::Role role,
+                                                   const SharedMemory& memory,
+                                                   const std::vector<v1::TensorSlice>& tensors,
+                                                   const std::string& client_name, uint64_t offset,
+                                                   uint64_t size) {
+  if (!memory.sealed()) {
+    return RegisterBuffer(model, role, memory.name(), tensors, client_name, offset, size);
+  }
+  auto token = PassMemfd(memory.fd());
+  if (!token.ok()) return token.status();
+  v1::RegisterBufferRequest request;
+  request.set_model(model);
+  request.set_role(role);
+  request.mutable_memory()->mutable_memfd()->set_token(*token);
+  request.mutable_memory()->set_offset(offset);
+  request.mutable_memory()->set_size(size);
+  for (const auto& t : tensors) *request.add_tensors() = t;
+  request.set_client(client_name);
+  return RegisterBuffer(request);
+}
+
+namespace {
+
+// refitd's fd-passing preface (daemon/callers/fd_exchange.h, docs/api.md "Sealed memfds").
+constexpr char kFdPreface[] = "REFITFD1";
+
+absl::StatusCode CodeNamed(const std::string& name) {
+  for (int code = 0; code <= 16; ++code) {
+    if (absl::StatusCodeToString(static_cast<absl::StatusCode>(code)) == name) {
+      return static_cast<absl::StatusCode>(code);
+    }
+  }
+  return absl::StatusCode::kUnknown;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> Client::PassMemfd(int memfd) {
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
+  auto fail = [&](const std::string& what) {
+    const int err = errno;
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("passing a memfd to refitd at ", socket_path_, ": ",
+                                               what, ": ", std::strerror(err)));
+  };
+  timeval timeout{};
+  timeout.tv_sec = static_cast<time_t>(call_timeout_.count() / 1000);
+  timeout.tv_usec = static_cast<suseconds_t>(call_timeout_.count() % 1000 * 1000);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, socket_path_.c_str(), sizeof(addr.sun_path) - 1);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return fail("connect");
+  char preface[sizeof(kFdPreface) - 1];
+  std::memcpy(preface, kFdPreface, sizeof(preface));
+  iovec iov{preface, sizeof(preface)};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &memfd, sizeof(int));
+  if (sendmsg(fd, &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(preface))) {
+    return fail("sendmsg");
+  }
+  std::string line;
+  char chunk[256];
+  while (line.find('\n') == std::string::npos && line.size() < 4096) {
+    const ssize_t n = recv(fd, chunk, sizeof(chunk), 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return fail("reading the answer");
+    if (n == 0) break;
+    line.append(chunk, static_cast<size_t>(n));
+  }
+  close(fd);
+  line = line.substr(0, line.find('\n'));
+  if (line.rfind("OK ", 0) == 0) return line.substr(3);
+  if (line.rfind("ERR ", 0) == 0) {
+    const size_t space = line.find(' ', 4);
+    const std::string code = line.substr(4, space == std::string::npos ? space : space - 4);
+    return absl::Status(
+        CodeNamed(code),
+        absl::StrCat("PassMemfd: ", space == std::string::npos ? "" : line.substr(space + 1)));
+  }
+  return absl::UnavailableError(absl::StrCat("passing a memfd to refitd at ", socket_path_,
+                                             ": no answer (is it a refitd older than memfd ",
+                                             "passing?) ", line.substr(0, 200)));
 }
 
 absl::Status Client::ReleaseBuffer(const std::string& buffer_id) {

@@ -3,7 +3,7 @@
 // The C++ client library for refit: what trainer ranks, inference engines, refitctl, the demo
 // and the integration tests use to talk to their node's refitd over its Unix socket.
 //
-//   auto shm = SharedMemory::Create("/trainer-rank0", bytes);      // the weights live here
+//   auto shm = SharedMemory::CreateSealed(bytes, "trainer-rank0"); // the weights live here
 //   auto client = Client::Connect();                               // $REFIT_SOCKET or default
 //   auto id = client->RegisterBuffer("llama", v1::SOURCE, *shm, {Slice("w", v1::BF16, {4096})});
 //   client->Publish("llama", 1, {*id});                             // snapshot; reuse shm now
@@ -25,10 +25,19 @@ namespace refit::client {
 // `$REFIT_SOCKET`, else /run/refit/refitd.sock.
 std::string DefaultSocketPath();
 
-// A POSIX shared-memory object mapped read-write into this process. Create() makes (and owns:
-// unlinks on destruction) a new object; Open() maps an existing one.
+// Shared memory mapped read-write into this process, of one of two kinds:
+//   - CreateSealed() (the default for new buffers): an anonymous memfd sealed against shrinking
+//     and growing (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL). Nobody can truncate it under
+//     refitd; Client::RegisterBuffer passes its fd to refitd over the socket (SCM_RIGHTS).
+//     Nothing to clean up: the memory goes with the last fd and mapping.
+//   - Create() / Open(): a named POSIX shm object (refitd opens it by name, with the caller's
+//     access checked). Create() makes (and owns: unlinks on destruction) a new object; Open()
+//     maps an existing one.
 class SharedMemory {
  public:
+  // `label` names it in /proc and refitd's logs ("memfd:trainer-rank0"); not unique.
+  static absl::StatusOr<SharedMemory> CreateSealed(uint64_t size,
+                                                   const std::string& label = "refit");
   // ALREADY_EXISTS if `name` exists (pass replace=true to unlink a leftover first).
   static absl::StatusOr<SharedMemory> Create(const std::string& name, uint64_t size,
                                              bool replace = false);
@@ -42,17 +51,22 @@ class SharedMemory {
 
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
+  // The shm_open name; empty for a sealed memfd.
   const std::string& name() const { return name_; }
+  // The memfd (owned; closed on destruction); -1 for a named object.
+  int fd() const { return fd_; }
+  bool sealed() const { return fd_ >= 0; }
 
  private:
-  SharedMemory(std::string name, uint8_t* data, uint64_t size, bool owner)
-      : name_(std::move(name)), data_(data), size_(size), owner_(owner) {}
+  SharedMemory(std::string name, uint8_t* data, uint64_t size, bool owner, int fd = -1)
+      : name_(std::move(name)), data_(data), size_(size), owner_(owner), fd_(fd) {}
   void Reset();
 
   std::string name_;
   uint8_t* data_ = nullptr;
   uint64_t size_ = 0;
   bool owner_ = false;
+  int fd_ = -1;
 };
 
 // A TensorSlice message. Empty offsets/sizes mean the whole tensor; empty strides row-major.
@@ -89,12 +103,24 @@ class Client {
       std::chrono::milliseconds timeout = std::chrono::seconds(5));
 
   absl::StatusOr<std::string> RegisterBuffer(const v1::RegisterBufferRequest& request);
-  // Registers [offset, offset + size) of `shm` (size 0: to the end).
+  // Registers [offset, offset + size) of `memory` (size 0: to the end): a sealed memfd is
+  // passed to refitd (PassMemfd), a named object goes by its name.
+  absl::StatusOr<std::string> RegisterBuffer(const std::string& model, v1::Role role,
+                                             const SharedMemory& memory,
+                                             const std::vector<v1::TensorSlice>& tensors,
+                                             const std::string& client_name = "",
+                                             uint64_t offset = 0, uint64_t size = 0);
+  // Registers [offset, offset + size) of the POSIX shm object `shm_name` (size 0: to the end).
   absl::StatusOr<std::string> RegisterBuffer(const std::string& model, v1::Role role,
                                              const std::string& shm_name,
                                              const std::vector<v1::TensorSlice>& tensors,
                                              const std::string& client_name = "",
                                              uint64_t offset = 0, uint64_t size = 0);
+  // Passes the memfd `fd` (this process keeps it) to refitd over the socket with SCM_RIGHTS;
+  // returns the token that names it in one RegisterBuffer (MemoryHandle.memfd) by this uid,
+  // within 60 s. Errors carry refitd's code (PERMISSION_DENIED for a refused caller,
+  // RESOURCE_EXHAUSTED when this uid holds too many unregistered fds there).
+  absl::StatusOr<std::string> PassMemfd(int fd);
   absl::Status ReleaseBuffer(const std::string& buffer_id);
   absl::StatusOr<v1::PublishResponse> Publish(const std::string& model, uint64_t version,
                                               const std::vector<std::string>& buffer_ids);

@@ -431,8 +431,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     const std::string refused = absl::StrCat(
         "this local caller is not allowed to use refitd on node ", options.node, " (allowed: ",
         policy.Describe(), "; see --allow-uids and --allow-gids)");
-    auto factory = [raw, owners, health, refused](const callers::Caller* caller,
-                                                  grpc::ServerBuilder* builder) {
+    // Sealed memfds passed over the same socket (fd_exchange.h), named by token.
+    auto memfds = std::make_shared<callers::FdTokens>();
+    auto fd_exchange = std::make_shared<callers::FdExchange>(policy, memfds);
+    auto factory = [raw, owners, memfds, health, refused](const callers::Caller* caller,
+                                                          grpc::ServerBuilder* builder) {
       std::vector<std::shared_ptr<void>> keep;
       // Every local server shares one ceiling on gRPC's threads and buffers.
       builder->SetResourceQuota(LocalQuota());
@@ -447,6 +450,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       context.caller = *caller;
       context.owners = owners;
       context.leases = raw->leases.get();
+      context.memfds = memfds;
       auto service = std::make_shared<server::RefitService>(std::move(context));
       builder->RegisterService(service.get());
       keep.push_back(service);
@@ -459,7 +463,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     impl->leases = std::make_unique<server::Leases>(impl->store.get(), owners, &impl->metrics,
                                                     server::kClientLease);
     auto local = callers::LocalListener::Start(options.socket_path, 0660, policy, factory,
-                                               impl->owner_exit.get());
+                                               impl->owner_exit.get(), std::move(fd_exchange));
     if (!local.ok()) {
       impl->peer_server->Shutdown();
       return local.status();

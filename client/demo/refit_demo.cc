@@ -114,6 +114,9 @@ int main(int argc, char** argv) {
   app.add_option("--socket", socket, "the trainer node's refitd socket");
   app.add_option("--engine-socket", engine_socket,
                  "the engine node's refitd socket (default: the trainer's)");
+  bool named_shm = false;
+  app.add_flag("--named-shm", named_shm,
+               "lend named POSIX shm objects instead of sealed memfds (the default)");
   app.add_option("--versions", versions, "versions to publish")->capture_default_str();
   app.add_option("--layers", layers, "transformer layers")->capture_default_str();
   app.add_option("--hidden", hidden, "hidden size")->capture_default_str();
@@ -136,9 +139,11 @@ int main(int argc, char** argv) {
   auto engine = Client::Connect(engine_socket);
   if (!engine.ok()) return Fail(engine.status());
   const std::string tag = std::to_string(getpid());
-  auto src = SharedMemory::Create("/refit-demo-trainer-" + tag, total);
+  auto src = named_shm ? SharedMemory::Create("/refit-demo-trainer-" + tag, total)
+                       : SharedMemory::CreateSealed(total, "refit-demo-trainer");
   if (!src.ok()) return Fail(src.status());
-  auto dst = SharedMemory::Create("/refit-demo-engine-" + tag, total);
+  auto dst = named_shm ? SharedMemory::Create("/refit-demo-engine-" + tag, total)
+                       : SharedMemory::CreateSealed(total, "refit-demo-engine");
   if (!dst.ok()) return Fail(dst.status());
 
   std::vector<v1::TensorSlice> src_slices, dst_slices;
@@ -157,11 +162,9 @@ int main(int argc, char** argv) {
     offset += t->Bytes();
   }
   const std::string model = "demo-llama";
-  auto src_id = (*trainer)->RegisterBuffer(model, v1::SOURCE, src->name(), src_slices,
-                                           "demo-trainer");
+  auto src_id = (*trainer)->RegisterBuffer(model, v1::SOURCE, *src, src_slices, "demo-trainer");
   if (!src_id.ok()) return Fail(src_id.status());
-  auto dst_id = (*engine)->RegisterBuffer(model, v1::DESTINATION, dst->name(), dst_slices,
-                                          "demo-engine");
+  auto dst_id = (*engine)->RegisterBuffer(model, v1::DESTINATION, *dst, dst_slices, "demo-engine");
   if (!dst_id.ok()) return Fail(dst_id.status());
 
   std::cout << absl::StrFormat(

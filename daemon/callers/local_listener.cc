@@ -34,10 +34,9 @@ void Wake(int fd) {
 }
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<LocalListener>> LocalListener::Start(const std::string& path,
-                                                                    mode_t mode, Policy policy,
-                                                                    ServiceFactory factory,
-                                                                    ClientExitListener* exits) {
+absl::StatusOr<std::unique_ptr<LocalListener>> LocalListener::Start(
+    const std::string& path, mode_t mode, Policy policy, ServiceFactory factory,
+    ClientExitListener* exits, std::shared_ptr<FdExchange> fd_exchange) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
@@ -77,6 +76,11 @@ absl::StatusOr<std::unique_ptr<LocalListener>> LocalListener::Start(const std::s
       return absl::InternalError("cannot start the local gRPC server");
     }
   }
+  // memfd passing (fd_exchange.h): connections that turn out to be gRPC come back to Route.
+  if (fd_exchange) {
+    listener->fd_exchange_ = std::move(fd_exchange);
+    listener->fd_exchange_->StartSorting([raw = listener.get()](int fd) { raw->Route(fd); });
+  }
   listener->accept_thread_ = std::thread([raw = listener.get()] { raw->Accept(); });
   listener->exit_thread_ = std::thread([raw = listener.get()] { raw->WatchExits(); });
   return listener;
@@ -115,6 +119,7 @@ void LocalListener::Accept() {
       }
       continue;
     }
+    if (fd_exchange_ && fd_exchange_->Divert(client)) continue;  // memfd passing, or not yet known
     Route(client);
   }
 }
@@ -264,6 +269,7 @@ void LocalListener::Shutdown(std::chrono::milliseconds grace) {
   if (stop_.exchange(true)) return;
   Wake(wake_fd_);
   if (accept_thread_.joinable()) accept_thread_.join();
+  if (fd_exchange_) fd_exchange_->StopSorting();  // no Route from it after this
   if (exit_thread_.joinable()) exit_thread_.join();
   close(fd_);
   std::vector<Served*> all;

@@ -31,6 +31,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/callers/caller.h"
+#include "daemon/callers/fd_exchange.h"
 #include "grpcpp/grpcpp.h"
 
 namespace refit::callers {
@@ -54,10 +55,11 @@ class LocalListener {
  public:
   // Binds `path` (mode `mode`), listens, and starts accepting.
   // `exits` (may be null; not owned, must outlive the listener) hears of client processes
-  // that exited.
-  static absl::StatusOr<std::unique_ptr<LocalListener>> Start(const std::string& path, mode_t mode,
-                                                              Policy policy, ServiceFactory factory,
-                                                              ClientExitListener* exits = nullptr);
+  // that exited. With `fd_exchange`, clients may pass memfds on the same socket
+  // (fd_exchange.h); those connections never reach gRPC.
+  static absl::StatusOr<std::unique_ptr<LocalListener>> Start(
+      const std::string& path, mode_t mode, Policy policy, ServiceFactory factory,
+      ClientExitListener* exits = nullptr, std::shared_ptr<FdExchange> fd_exchange = nullptr);
 
   // Most client processes served by a server of their own; more share their uid's server and
   // are not watched for exit.
@@ -109,6 +111,7 @@ class LocalListener {
   std::map<uid_t, bool> logged_refusal_;            // guarded by mu_
   bool logged_full_ = false;                        // guarded by mu_
   bool shut_down_ = false;                          // guarded by mu_
+  std::shared_ptr<FdExchange> fd_exchange_;  // may be null; set before accepting starts
 };
 
 }  // namespace refit::callers

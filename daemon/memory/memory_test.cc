@@ -41,6 +41,48 @@ struct TestShm {
   uint64_t length;
 };
 
+TEST_CASE("MapSealedMemfd maps only memfds sealed against shrinking", "[memory][memfd]") {
+  const uint64_t size = 3 * 4096 + 100;
+  auto make = [&](unsigned seals) {
+    const int fd = memfd_create("memtest", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    REQUIRE(fd >= 0);
+    REQUIRE(ftruncate(fd, static_cast<off_t>(size)) == 0);
+    if (seals) REQUIRE(fcntl(fd, F_ADD_SEALS, seals) == 0);
+    return fd;
+  };
+  const int sealed = make(F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  REQUIRE(pwrite(sealed, "refit", 5, 5000) == 5);
+  auto region = MapSealedMemfd(sealed, 5000, 6000);
+  close(sealed);  // the mapping keeps the memory
+  REQUIRE(region.ok());
+  CHECK((*region)->size() == 6000);
+  CHECK(std::memcmp((*region)->data(), "refit", 5) == 0);
+  CHECK((*region)->Describe() == "host memfd memtest [5000, 11000)");
+  CHECK_FALSE((*region)->Broken());
+
+  const int unsealed = make(0);
+  auto refused = MapSealedMemfd(unsealed, 0, 0);
+  CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(std::string(refused.status().message()).find("F_SEAL_SHRINK") != std::string::npos);
+  REQUIRE(fcntl(unsealed, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
+  CHECK(MapSealedMemfd(unsealed, 0, 0).ok());
+  CHECK(MapSealedMemfd(unsealed, size, 1).status().code() == absl::StatusCode::kInvalidArgument);
+  const int read_only =
+      open(("/proc/self/fd/" + std::to_string(unsealed)).c_str(), O_RDONLY | O_CLOEXEC);
+  REQUIRE(read_only >= 0);
+  CHECK(MapSealedMemfd(read_only, 0, 0).status().code() == absl::StatusCode::kPermissionDenied);
+  close(read_only);
+  close(unsealed);
+
+  const int frozen = make(F_SEAL_SHRINK | F_SEAL_WRITE);
+  CHECK(MapSealedMemfd(frozen, 0, 0).status().code() == absl::StatusCode::kFailedPrecondition);
+  close(frozen);
+  // Not a memfd at all: nothing to seal.
+  const int proc_fd = open("/proc/self/cmdline", O_RDONLY | O_CLOEXEC);
+  CHECK(MapSealedMemfd(proc_fd, 0, 0).status().code() == absl::StatusCode::kFailedPrecondition);
+  close(proc_fd);
+}
+
 TEST_CASE("MapHostShm maps the requested window of a shared-memory object", "[memory]") {
   TestShm shm(3 * 4096 + 100);
   for (uint64_t i = 0; i < shm.length; ++i) shm.data[i] = static_cast<uint8_t>(i * 7);

@@ -22,10 +22,11 @@ uint64_t PageSize() {
 // A mapping of part of a shared-memory object; unmapped on destruction.
 class HostShmRegion final : public Region {
  public:
-  HostShmRegion(std::string name, void* map_base, uint64_t map_length, uint64_t offset,
+  // `what`: "shm /trainer-0" or "memfd refit-trainer".
+  HostShmRegion(std::string what, void* map_base, uint64_t map_length, uint64_t offset,
                 uint64_t size, uint8_t* data)
       : Region(MemoryKind::kHost, -1, data, size),
-        name_(std::move(name)),
+        name_(std::move(what)),
         map_base_(map_base),
         map_length_(map_length),
         offset_(offset),
@@ -36,7 +37,7 @@ class HostShmRegion final : public Region {
   }
 
   std::string Describe() const override {
-    return absl::StrCat("host shm ", name_, " [", offset_, ", ", offset_ + size(), ")");
+    return absl::StrCat("host ", name_, " [", offset_, ", ", offset_ + size(), ")");
   }
   bool Broken() const override { return guard_->Broken(); }
   bool guarded() const { return guard_->ok(); }
@@ -60,6 +61,36 @@ class OwnedHostRegion final : public Region {
  private:
   uint64_t length_;
 };
+
+// Maps [offset, offset + size) of the shared file `fd` of `object_size` bytes, guarded. `what`
+// names it in Describe() ("shm /x"), `object` in errors ("shm object /x").
+absl::StatusOr<std::unique_ptr<Region>> MapShared(int fd, uint64_t object_size,
+                                                  const std::string& what,
+                                                  const std::string& object, uint64_t offset,
+                                                  uint64_t size) {
+  if (size == 0) size = offset < object_size ? object_size - offset : 0;
+  if (size == 0 || offset > object_size || size > object_size - offset) {
+    return absl::InvalidArgumentError(absl::StrCat("region [", offset, ", ", offset + size,
+                                                   ") does not fit in ", object, " of ",
+                                                   object_size, " bytes"));
+  }
+  const uint64_t map_offset = offset - offset % PageSize();
+  const uint64_t map_length = size + (offset - map_offset);
+  void* base = mmap(nullptr, map_length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
+                    static_cast<off_t>(map_offset));
+  if (base == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mmap of ", object, " failed: ", std::strerror(errno)));
+  }
+  uint8_t* data = static_cast<uint8_t*>(base) + (offset - map_offset);
+  auto region = std::make_unique<HostShmRegion>(what, base, map_length, offset, size, data);
+  if (!region->guarded()) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot map ", object, ": ",
+                                                     FaultGuard::kMaxGuarded,
+                                                     " client regions are registered already"));
+  }
+  return std::unique_ptr<Region>(std::move(region));
+}
 
 }  // namespace
 
@@ -109,32 +140,51 @@ absl::StatusOr<std::unique_ptr<Region>> MapHostShm(
       return allowed;
     }
   }
-  const uint64_t object_size = static_cast<uint64_t>(st.st_size);
-  if (size == 0) size = offset < object_size ? object_size - offset : 0;
-  if (size == 0 || offset > object_size || size > object_size - offset) {
-    close(fd);
-    return absl::InvalidArgumentError(
-        absl::StrCat("region [", offset, ", ", offset + size, ") does not fit in shm object ",
-                     name, " of ", object_size, " bytes"));
-  }
-  const uint64_t map_offset = offset - offset % PageSize();
-  const uint64_t map_length = size + (offset - map_offset);
-  void* base = mmap(nullptr, map_length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
-                    static_cast<off_t>(map_offset));
-  int err = errno;
+  auto region = MapShared(fd, static_cast<uint64_t>(st.st_size), absl::StrCat("shm ", name),
+                          absl::StrCat("shm object ", name), offset, size);
   close(fd);
-  if (base == MAP_FAILED) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("mmap of ", name, " failed: ", std::strerror(err)));
+  return region;
+}
+
+absl::StatusOr<std::unique_ptr<Region>> MapSealedMemfd(int fd, uint64_t offset, uint64_t size) {
+  // "/memfd:refit-trainer (deleted)" names it in errors and logs.
+  std::string what = "memfd";
+  char link[512];
+  const ssize_t length =
+      readlink(absl::StrCat("/proc/self/fd/", fd).c_str(), link, sizeof(link) - 1);
+  if (length > 0) {
+    std::string target(link, static_cast<size_t>(length));
+    if (target.rfind("/memfd:", 0) == 0) target = target.substr(7);
+    if (const size_t deleted = target.rfind(" (deleted)"); deleted != std::string::npos) {
+      target.resize(deleted);
+    }
+    what = absl::StrCat("memfd ", target);
   }
-  uint8_t* data = static_cast<uint8_t*>(base) + (offset - map_offset);
-  auto region = std::make_unique<HostShmRegion>(name, base, map_length, offset, size, data);
-  if (!region->guarded()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot map shm object ", name, ": ", FaultGuard::kMaxGuarded,
-        " client regions are registered already"));
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || !(seals & F_SEAL_SHRINK)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what,
+        " is not sealed against shrinking: refitd maps only memory that cannot shrink "
+        "under it (create it with memfd_create(MFD_ALLOW_SEALING) and add F_SEAL_SHRINK "
+        "with fcntl(F_ADD_SEALS) before passing it",
+        seals < 0 ? absl::StrCat("; F_GET_SEALS: ", std::strerror(errno)) : "", ")"));
   }
-  return std::unique_ptr<Region>(std::move(region));
+  if (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what,
+        " is sealed against writes; refitd maps buffers read-write (seal F_SEAL_SHRINK "
+        "and F_SEAL_GROW only)"));
+  }
+  const int flags = fcntl(fd, F_GETFL);
+  if (flags < 0 || (flags & O_ACCMODE) != O_RDWR) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("the fd of ", what, " is not open for reading and writing"));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    return absl::InternalError(absl::StrCat("fstat of ", what, ": ", std::strerror(errno)));
+  }
+  return MapShared(fd, static_cast<uint64_t>(st.st_size), what, what, offset, size);
 }
 
 absl::StatusOr<std::unique_ptr<Region>> AllocateHost(uint64_t size) {

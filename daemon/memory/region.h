@@ -1,7 +1,8 @@
 #pragma once
 
 // Memory regions the daemon reads and writes: a client's buffer (borrowed: POSIX shared memory
-// mapped from the client's shm_open name, or a CUDA allocation opened from an IPC handle) or the
+// mapped from the client's shm_open name or from a sealed memfd the client passed, or a CUDA
+// allocation opened from an IPC handle) or the
 // daemon's own version slots (owned). Every region is {kind, device, pointer, size}; code that
 // copies between regions checks the kind rather than assuming host memory.
 //
@@ -60,6 +61,14 @@ class Region {
 absl::StatusOr<std::unique_ptr<Region>> MapHostShm(
     const std::string& name, uint64_t offset, uint64_t size,
     const std::function<absl::Status(const struct stat&)>& allow = nullptr);
+
+// Maps [offset, offset + size) of the memfd `fd` read-write, as MapHostShm does a shm object
+// (`size` 0: to the end). The caller keeps `fd` and may close it at once. The file must be
+// sealed against shrinking (F_SEAL_SHRINK): then it can never shrink under the mapping. A file
+// without that seal (or not sealable: not a memfd) is FAILED_PRECONDITION, and so is one sealed
+// against writes (refitd maps buffers read-write); an fd not open read-write is
+// PERMISSION_DENIED; a region past the file's size (fstat) INVALID_ARGUMENT.
+absl::StatusOr<std::unique_ptr<Region>> MapSealedMemfd(int fd, uint64_t offset, uint64_t size);
 
 // `size` bytes of daemon-owned, page-aligned host memory, faulted in up front so that the first
 // copy into it runs at memcpy speed. RESOURCE_EXHAUSTED when the memory can't be had.

@@ -31,7 +31,7 @@ CancelledFn CancelledOf(grpc::ServerContext* context) {
 
 absl::StatusOr<std::unique_ptr<Region>> OpenRegion(const v1::MemoryHandle& memory,
                                                    const std::optional<callers::Caller>& caller,
-                                                   bool write) {
+                                                   bool write, callers::FdTokens* memfds) {
   switch (memory.kind_case()) {
     case v1::MemoryHandle::kHostShm: {
       std::function<absl::Status(const struct stat&)> allow;
@@ -55,10 +55,19 @@ absl::StatusOr<std::unique_ptr<Region>> OpenRegion(const v1::MemoryHandle& memor
       }
       return cuda::OpenIpc(ipc.handle(), device, memory.offset(), memory.size());
     }
+    case v1::MemoryHandle::kMemfd: {
+      // The token is the uid's own (fd_tokens.h); the seals make the memory safe to map.
+      if (!memfds) return absl::UnimplementedError("this refitd takes no memfds");
+      auto fd = memfds->Redeem(caller ? caller->uid : geteuid(), memory.memfd().token());
+      if (!fd.ok()) return fd.status();
+      auto region = MapSealedMemfd(*fd, memory.offset(), memory.size());
+      close(*fd);
+      return region;
+    }
     case v1::MemoryHandle::KIND_NOT_SET:
       break;
   }
-  return absl::InvalidArgumentError("memory names neither host_shm nor cuda_ipc");
+  return absl::InvalidArgumentError("memory names neither host_shm, memfd nor cuda_ipc");
 }
 
 // Names end up in buffer ids, Status, logs and metrics labels: a bound keeps them all sane.
@@ -114,8 +123,8 @@ grpc::Status RefitService::RegisterBuffer(grpc::ServerContext*,
   if (absl::Status valid = plan::NormalizeAndValidateBuffer(check, UINT64_MAX); !valid.ok()) {
     return Finish("RegisterBuffer", valid);
   }
-  auto region = OpenRegion(request->memory(), context_.caller,
-                           request->role() == v1::DESTINATION);
+  auto region = OpenRegion(request->memory(), context_.caller, request->role() == v1::DESTINATION,
+                           context_.memfds.get());
   if (!region.ok()) return Finish("RegisterBuffer", region.status());
   auto id = context_.store->RegisterBuffer(request->model(),
                                            static_cast<Role>(request->role()),

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "daemon/callers/caller.h"
+#include "daemon/callers/fd_tokens.h"
 #include "daemon/fleet/replicas.h"
 #include "daemon/server/leases.h"
 #include "daemon/server/owners.h"
@@ -40,6 +41,8 @@ struct ServiceContext {
   std::shared_ptr<Owners> owners;  // shared by every instance; null: no ownership checks
   // Leases for buffers of processes refitd cannot watch (caller pid 0); null: none.
   Leases* leases = nullptr;  // not owned
+  // memfds callers passed over the socket, by token (MemoryHandle.memfd); null: refused.
+  std::shared_ptr<callers::FdTokens> memfds;
   fleet::ReplicaTable* replicas = nullptr;  // not owned; null: WaitForReplicas UNIMPLEMENTED
   // Each model's newest published version (--state-dir); null: Publish checks only the store.
   state::VersionLedger* ledger = nullptr;  // not owned

@@ -10,6 +10,11 @@
 //                                                       VERSION if it is not 0; prints the
 //                                                       line, then stays until its standard
 //                                                       input closes or it is killed)
+//   as_client SOCKET pass-memfd                        (passes a new sealed 512 KiB memfd;
+//                                                       prints "OK <token>")
+//   as_client SOCKET register-memfd ROLE MODEL TOKEN   (registers a token someone passed)
+//   as_client SOCKET register-sealed ROLE MODEL        (its own sealed memfd, passed and
+//                                                       registered)
 
 #include <unistd.h>
 
@@ -82,13 +87,35 @@ int main(int argc, char** argv) {
     std::optional<refit::client::SharedMemory> own;
     std::string name = op == "register" ? argv[5] : "";
     if (op == "register-own") {
-      auto shm = refit::client::SharedMemory::Create(
-          "/refit-as-client-" + std::to_string(getpid()), 256 * 1024 * 2);
+      auto shm = refit::client::SharedMemory::Create("/refit-as-client-" + std::to_string(getpid()),
+                                                     256 * 1024 * 2);
       if (!shm.ok()) return Print(shm.status());
       own.emplace(std::move(shm).value());
       name = own->name();
     }
     auto id = c.RegisterBuffer(argv[4], role, name, Tensors(), "as_client");
+    return Print(id.status(), id.ok() ? *id : "");
+  }
+  if (op == "pass-memfd" && argc == 3) {
+    auto memory = refit::client::SharedMemory::CreateSealed(256 * 1024 * 2, "as-client");
+    if (!memory.ok()) return Print(memory.status());
+    auto token = c.PassMemfd(memory->fd());
+    return Print(token.status(), token.ok() ? *token : "");
+  }
+  if (op == "register-memfd" && argc == 6) {
+    v1::RegisterBufferRequest request;
+    request.set_model(argv[4]);
+    request.set_role(std::string(argv[3]) == "SOURCE" ? v1::SOURCE : v1::DESTINATION);
+    request.mutable_memory()->mutable_memfd()->set_token(argv[5]);
+    for (const auto& t : Tensors()) *request.add_tensors() = t;
+    auto id = c.RegisterBuffer(request);
+    return Print(id.status(), id.ok() ? *id : "");
+  }
+  if (op == "register-sealed" && argc == 5) {
+    auto memory = refit::client::SharedMemory::CreateSealed(256 * 1024 * 2, "as-client");
+    if (!memory.ok()) return Print(memory.status());
+    const v1::Role role = std::string(argv[3]) == "SOURCE" ? v1::SOURCE : v1::DESTINATION;
+    auto id = c.RegisterBuffer(argv[4], role, *memory, Tensors(), "as_client");
     return Print(id.status(), id.ok() ? *id : "");
   }
   std::cerr << "as_client: unknown operation " << op << "\n";

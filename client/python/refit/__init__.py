@@ -44,8 +44,8 @@ from refit.buffer import Buffer, Slice, SliceLayout
 from refit.client import Client, Watch, default_socket_path
 from refit.dtypes import REFIT_TO_TORCH, TORCH_TO_REFIT
 from refit.errors import (CancelledError, DeadlineExceededError, FailedPreconditionError,
-                          InvalidArgumentError, NotFoundError, RefitError,
-                          ResourceExhaustedError, UnavailableError)
+                          InvalidArgumentError, NotFoundError, PermissionDeniedError,
+                          RefitError, ResourceExhaustedError, UnavailableError)
 
 SOURCE = refit_pb2.SOURCE
 DESTINATION = refit_pb2.DESTINATION
@@ -53,7 +53,8 @@ pb = refit_pb2
 
 __all__ = [
     "Buffer", "CancelledError", "Client", "DeadlineExceededError", "DESTINATION",
-    "FailedPreconditionError", "InvalidArgumentError", "NotFoundError", "REFIT_TO_TORCH",
+    "FailedPreconditionError", "InvalidArgumentError", "NotFoundError", "PermissionDeniedError",
+    "REFIT_TO_TORCH",
     "RefitError", "ResourceExhaustedError", "SOURCE", "Slice", "SliceLayout", "TORCH_TO_REFIT", "UnavailableError", "Watch",
     "__version__", "default_socket_path", "pb",
 ]

@@ -187,8 +187,8 @@ class Buffer:
 
     `tensors[name]` views the region (shape: the slice's sizes, dtype: the buffer's): write a
     SOURCE buffer's tensors before `publish`; read a DESTINATION buffer's after `apply`.
-    Use as a context manager, or call `release()`: the daemon stops using the memory and the
-    shm object is unlinked.
+    Use as a context manager, or call `release()`: the daemon stops using the memory and this
+    process lets it go (closes the memfd, or unlinks the shm object).
     """
 
     def __init__(self, client, model: str, role: int, buffer_id: str, region,
@@ -209,8 +209,15 @@ class Buffer:
         return self.region.memory
 
     @property
+    def host_memory(self) -> Optional[str]:
+        """"memfd" (a sealed memfd passed to refitd, the default) or "shm" (a named POSIX shm
+        object) for a host buffer; None for CUDA."""
+        return self.region.kind if self.region.memory == "host" else None
+
+    @property
     def shm_name(self) -> Optional[str]:
-        """The shm_open name of a host buffer, e.g. "/refit-1234-llama-source-0"."""
+        """The shm_open name of a buffer in a named shm object, e.g.
+        "/refit-1234-llama-source-0"; None for a memfd or CUDA buffer."""
         return self.region.name
 
     @property

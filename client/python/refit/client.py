@@ -25,6 +25,8 @@ from refit.v1 import refit_pb2, refit_pb2_grpc
 
 DEFAULT_SOCKET = "/run/refit/refitd.sock"
 _MAX_MESSAGE_BYTES = 64 << 20
+# refitd's fd-passing preface (docs/api.md "Sealed memfds"), sent with the fd attached.
+_FD_PREFACE = b"REFITFD1"
 
 BufferArg = Union[buffer_lib.Buffer, str]
 
@@ -185,15 +187,23 @@ class Client:
 
     def register(self, model: str, role: Union[int, str], tensors: buffer_lib.TensorsArg, *,
                  shm_name: Optional[str] = None, client_name: Optional[str] = None,
-                 alignment: int = 64) -> buffer_lib.Buffer:
+                 alignment: int = 64, host_memory: Optional[str] = None) -> buffer_lib.Buffer:
         """Lends the daemon a new region holding `tensors`, as SOURCE or DESTINATION.
 
         `tensors` is a dict name -> torch.Tensor (a whole tensor) or refit.Slice, e.g. a
-        model's state_dict(), or a list of named Slices. The region is one POSIX shm object
-        for CPU tensors, one CUDA allocation for CUDA tensors; the tensors' current values are
-        copied in, back to back at multiples of `alignment` bytes. Returns the Buffer, whose
-        `tensors` view the region.
+        model's state_dict(), or a list of named Slices. The region is one CUDA allocation for
+        CUDA tensors; for CPU tensors it is, by default (`host_memory="memfd"`), an anonymous
+        memfd sealed against shrinking whose fd is passed to refitd over the socket, or with
+        `host_memory="shm"` (implied by `shm_name`) a named POSIX shm object. The tensors'
+        current values are copied in, back to back at multiples of `alignment` bytes. Returns
+        the Buffer, whose `tensors` view the region.
         """
+        if host_memory is None:
+            host_memory = "shm" if shm_name else "memfd"
+        if host_memory not in ("memfd", "shm"):
+            raise ValueError(f"host_memory must be 'memfd' or 'shm', not {host_memory!r}")
+        if shm_name and host_memory != "shm":
+            raise ValueError("shm_name names a POSIX shm object: use host_memory='shm'")
         role = parse_role(role)
         slices = buffer_lib.normalize(tensors)
         devices = {s.device for s in slices}
@@ -208,6 +218,9 @@ class Client:
         layouts, size = buffer_lib.layout(slices, alignment)
         if device.type == "cuda":
             region = memory.CudaRegion(size, device)
+        elif host_memory == "memfd":
+            region = memory.MemfdRegion(
+                size, label=f"refit-{model}-{refit_pb2.Role.Name(role).lower()}")
         else:
             region = memory.HostRegion(
                 shm_name or memory.unique_shm_name(model, refit_pb2.Role.Name(role).lower()),
@@ -219,8 +232,12 @@ class Client:
                         buffer_lib.typed_view(region.bytes, lay).copy_(s.tensor)
             if device.type == "cuda":
                 region.synchronize()
+            if region.kind == "memfd":
+                handle = region.memory_handle(self.pass_memfd(region.fd))
+            else:
+                handle = region.memory_handle()
             request = refit_pb2.RegisterBufferRequest(
-                model=model, role=role, memory=region.memory_handle(),
+                model=model, role=role, memory=handle,
                 tensors=[lay.to_proto() for lay in layouts],
                 client=client_name if client_name is not None else _default_client_name())
             response = self._call("RegisterBuffer", request)
@@ -235,6 +252,35 @@ class Client:
         response = self._call("RegisterBuffer", request)
         self._leases.add(response.buffer_id, response.lease_ms)
         return response.buffer_id
+
+    def pass_memfd(self, fd: int) -> str:
+        """Passes the memfd `fd` (this process keeps it) to refitd over the socket with
+        SCM_RIGHTS; returns the token that names it in one RegisterBuffer
+        (`MemoryHandle(memfd=Memfd(token=...))`) by this uid within 60 s. refitd refuses, at
+        RegisterBuffer, a memfd not sealed with F_SEAL_SHRINK (FailedPreconditionError)."""
+        with socket_lib.socket(socket_lib.AF_UNIX, socket_lib.SOCK_STREAM) as side:
+            side.settimeout(self.call_timeout)
+            try:
+                side.connect(self.socket)
+                socket_lib.send_fds(side, [_FD_PREFACE], [fd])
+                answer = b""
+                while b"\n" not in answer and len(answer) < 4096:
+                    chunk = side.recv(4096)
+                    if not chunk:
+                        break
+                    answer += chunk
+            except OSError as e:
+                raise errors.UnavailableError(
+                    f"passing a memfd to refitd at {self.socket}: {e}", what="PassMemfd") from None
+        line = answer.split(b"\n", 1)[0].decode("utf-8", "replace")
+        if line.startswith("OK "):
+            return line[3:]
+        if line.startswith("ERR "):
+            code_name, _, details = line[4:].partition(" ")
+            raise errors.from_code(code_name, details, what="PassMemfd")
+        raise errors.UnavailableError(
+            f"passing a memfd to refitd at {self.socket}: no answer (a refitd older than memfd "
+            f"passing?) {line[:200]!r}", what="PassMemfd")
 
     def release_buffer(self, buffer_id: str) -> None:
         """The daemon stops using that buffer's memory (Buffer.release() calls this)."""

@@ -64,6 +64,13 @@ class ResourceExhaustedError(RefitError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class PermissionDeniedError(RefitError, PermissionError):
+    """This caller's uid may not do that: not allowed on the socket, someone else's buffer or
+    memfd token, or memory its uid could not open itself."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class CancelledError(RefitError):
     """The call was cancelled (e.g. a Watch ended by `cancel()`)."""
 
@@ -73,7 +80,8 @@ class CancelledError(RefitError):
 _BY_CODE: Dict[grpc.StatusCode, Type[RefitError]] = {
     cls.code: cls
     for cls in (InvalidArgumentError, NotFoundError, FailedPreconditionError,
-                DeadlineExceededError, UnavailableError, ResourceExhaustedError, CancelledError)
+                DeadlineExceededError, UnavailableError, ResourceExhaustedError, CancelledError,
+                PermissionDeniedError)
 }
 
 
@@ -83,3 +91,11 @@ def from_rpc_error(error: grpc.RpcError, what: str) -> RefitError:
     details = error.details() if hasattr(error, "details") else str(error)
     cls = _BY_CODE.get(code, RefitError)
     return cls(details or "", code=code, what=what)
+
+
+def from_code(code_name: str, details: str, what: str) -> RefitError:
+    """The RefitError for a status code given by name ("PERMISSION_DENIED"), as refitd's
+    fd-passing answer gives it."""
+    code = getattr(grpc.StatusCode, code_name, grpc.StatusCode.UNKNOWN)
+    cls = _BY_CODE.get(code, RefitError)
+    return cls(details, code=code, what=what)

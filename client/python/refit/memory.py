@@ -1,11 +1,14 @@
-"""Memory regions a client lends the daemon: POSIX shared memory (host) or a CUDA allocation.
+"""Memory regions a client lends the daemon: host memory (a sealed memfd, the default, or a
+named POSIX shm object) or a CUDA allocation.
 
-A region owns its memory: HostRegion creates (and unlinks on close) a shm object; CudaRegion
-allocates with torch's caching allocator and exports it as a cudaIpcMemHandle_t. Either exposes
-`bytes`, a 1-D uint8 torch tensor over the whole region, from which Buffer cuts typed views.
-Not thread-safe; one owner (a Buffer) closes it.
+A region owns its memory: MemfdRegion creates an anonymous memfd sealed against shrinking (its
+fd is passed to refitd over the socket, SCM_RIGHTS); HostRegion creates (and unlinks on close) a
+shm object; CudaRegion allocates with torch's caching allocator and exports it as a
+cudaIpcMemHandle_t. Each exposes `bytes`, a 1-D uint8 torch tensor over the whole region, from
+which Buffer cuts typed views. Not thread-safe; one owner (a Buffer) closes it.
 """
 
+import fcntl
 import itertools
 import mmap
 import os
@@ -47,6 +50,7 @@ class HostRegion:
     """A new POSIX shm object of `size` bytes, mapped read-write; unlinked by close()."""
 
     memory = "host"
+    kind = "shm"
 
     def __init__(self, name: str, size: int, replace: bool = False):
         if not name.startswith("/") or "/" in name[1:] or len(name) < 2 or len(name) > 255:
@@ -90,6 +94,58 @@ class HostRegion:
 
     def describe(self) -> str:
         return f"host shm {self.name} ({self.size} bytes)"
+
+
+# What MemfdRegion seals: its size is final. refitd refuses memfds without F_SEAL_SHRINK.
+MEMFD_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class MemfdRegion:
+    """A new anonymous memfd of `size` bytes, sealed against shrinking and growing, mapped
+    read-write. Nobody can truncate it under refitd; the memory goes with the last fd and
+    mapping (nothing to unlink). `fd` is what Client passes to refitd."""
+
+    memory = "host"
+    kind = "memfd"
+    name = None  # no shm_open name
+
+    def __init__(self, size: int, label: str = "refit"):
+        if size <= 0:
+            raise ValueError("a shared-memory region needs at least one byte")
+        self.size = size
+        self.label = re.sub(r"[^A-Za-z0-9_.-]", "_", label)[:200] or "refit"
+        self.fd = os.memfd_create(self.label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            # Reserve the pages now: running out of memory is an OSError here, not later.
+            os.posix_fallocate(self.fd, 0, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, MEMFD_SEALS)
+            self._mmap: Optional[mmap.mmap] = mmap.mmap(
+                self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._finalizer = weakref.finalize(self, os.close, self.fd)
+        self.bytes = torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    def memory_handle(self, token: str) -> refit_pb2.MemoryHandle:
+        """The handle naming this memfd by the token refitd gave for its fd."""
+        return refit_pb2.MemoryHandle(memfd=refit_pb2.Memfd(token=token), offset=0,
+                                      size=self.size)
+
+    def close(self) -> None:
+        """Closes the fd. The mapping goes once no tensor view of it is left alive."""
+        self._finalizer()
+        self.bytes = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # views still exported: the mapping is freed with the last of them
+            self._mmap = None
+
+    def describe(self) -> str:
+        return f"host memfd {self.label} ({self.size} bytes)"
 
 
 def require_cuda(device: torch.device) -> None:
@@ -140,6 +196,7 @@ class CudaRegion:
     """
 
     memory = "cuda"
+    kind = "cuda_ipc"
     name = None
 
     def __init__(self, size: int, device: torch.device):

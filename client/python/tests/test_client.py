@@ -1,5 +1,6 @@
 """Tests of the refit Python client against a real refitd (binary: $REFITD or argv[1])."""
 
+import fcntl
 import itertools
 import os
 import sys
@@ -86,7 +87,7 @@ class RoundTripTest(DaemonTestCase):
         src = self.register(model, refit.SOURCE, weights)
         dst = self.register(model, refit.DESTINATION, zeros_like(weights))
         self.assertEqual(src.memory, "host")
-        self.assertTrue(os.path.exists("/dev/shm" + src.shm_name))
+        self.assertEqual((src.host_memory, dst.host_memory), ("memfd", "memfd"))  # the default
         self.assertAllEqual(weights, src.tensors)  # registration copied the values in
         total = sum(t.numel() * t.element_size() for t in weights.values())
         for version in (1, 2, 3):
@@ -193,8 +194,11 @@ class RoundTripTest(DaemonTestCase):
     def test_release_unlinks_and_status(self):
         model = fresh_model("status")
         weights = llama_like(4)
-        src = self.client.register(model, refit.SOURCE, weights, client_name="trainer-test")
+        src = self.client.register(model, refit.SOURCE, weights, client_name="trainer-test",
+                                   host_memory="shm")
         dst = self.client.register(model, refit.DESTINATION, zeros_like(weights))
+        self.assertEqual((src.host_memory, dst.host_memory), ("shm", "memfd"))
+        self.assertTrue(os.path.exists("/dev/shm" + src.shm_name))
         self.client.publish(model, 5, [src])
         status = self.client.status()
         (info,) = [m for m in status.models if m.model == model]
@@ -211,6 +215,67 @@ class RoundTripTest(DaemonTestCase):
         (info,) = [m for m in self.client.status().models if m.model == model] or [None]
         if info is not None:
             self.assertEqual((info.source_buffers, info.destination_buffers), (0, 0))
+
+
+class MemfdTest(DaemonTestCase):
+    """Host buffers are sealed memfds passed over the socket by default (issue 17)."""
+
+    def test_default_is_a_sealed_memfd_passed_to_refitd(self):
+        model = fresh_model("memfd")
+        weights = llama_like(5)
+        src = self.register(model, refit.SOURCE, weights)
+        dst = self.register(model, refit.DESTINATION, zeros_like(weights))
+        for buf in (src, dst):
+            self.assertEqual(buf.host_memory, "memfd")
+            self.assertIsNone(buf.shm_name)
+            self.assertTrue(os.readlink(f"/proc/self/fd/{buf.region.fd}").startswith("/memfd:"))
+            seals = fcntl.fcntl(buf.region.fd, fcntl.F_GET_SEALS)
+            self.assertTrue(seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_SEAL)
+            with self.assertRaises(PermissionError):  # EPERM: nobody can shrink it
+                os.ftruncate(buf.region.fd, 4096)
+        self.client.publish(model, 1, [src])
+        self.assertEqual(self.client.apply(model, [dst], 1).version, 1)
+        self.assertAllEqual(weights, dst.tensors)
+
+    def test_named_shm_stays_available(self):
+        model = fresh_model("shm")
+        weights = {"w": torch.arange(64, dtype=torch.float32)}
+        src = self.register(model, refit.SOURCE, weights, host_memory="shm")
+        dst = self.register(model, refit.DESTINATION, zeros_like(weights),
+                            shm_name=refit.memory.unique_shm_name("named-dst"))
+        self.assertEqual((src.host_memory, dst.host_memory), ("shm", "shm"))
+        self.client.publish(model, 1, [src])
+        self.client.apply(model, [dst], 1)
+        self.assertAllEqual(weights, dst.tensors)
+        with self.assertRaises(ValueError):
+            self.client.register(model, refit.SOURCE, weights, shm_name="/x", host_memory="memfd")
+
+    def request(self, model, token):
+        return refit.pb.RegisterBufferRequest(
+            model=model, role=refit.SOURCE,
+            memory=refit.pb.MemoryHandle(memfd=refit.pb.Memfd(token=token)),
+            tensors=[refit.pb.TensorSlice(name="w", dtype=refit.pb.FP32, global_shape=[4, 4])])
+
+    def test_unsealed_memfd_is_refused(self):
+        fd = os.memfd_create("unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.addCleanup(os.close, fd)
+        os.ftruncate(fd, 4096)
+        token = self.client.pass_memfd(fd)
+        with self.assertRaises(refit.FailedPreconditionError) as e:
+            self.client.register_request(self.request(fresh_model("unsealed"), token))
+        self.assertIn("F_SEAL_SHRINK", str(e.exception))
+        # Sealed now, it is taken; a token is good for one registration.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        token = self.client.pass_memfd(fd)
+        buffer_id = self.client.register_request(self.request(fresh_model("sealed"), token))
+        self.client.release_buffer(buffer_id)
+        with self.assertRaises(refit.NotFoundError):
+            self.client.register_request(self.request(fresh_model("again"), token))
+
+    def test_forged_token_is_not_found(self):
+        with self.assertRaises(refit.NotFoundError):
+            self.client.register_request(
+                self.request(fresh_model("forged"), "memfd-" + "0" * 32))
 
 
 class WatchTest(DaemonTestCase):

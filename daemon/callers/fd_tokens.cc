@@ -1,0 +1,102 @@
+#include "daemon/callers/fd_tokens.h"
+
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <random>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+
+namespace refit::callers {
+namespace {
+
+// 128 random bits: nobody guesses another caller's token (and a guess is refused by uid too).
+std::string NewToken() {
+  uint8_t bytes[16];
+  if (getrandom(bytes, sizeof(bytes), 0) != static_cast<ssize_t>(sizeof(bytes))) {
+    std::random_device device;
+    for (uint8_t& b : bytes) b = static_cast<uint8_t>(device());
+  }
+  return absl::StrCat("memfd-", absl::BytesToHexString(absl::string_view(
+                                    reinterpret_cast<const char*>(bytes), sizeof(bytes))));
+}
+
+}  // namespace
+
+FdTokens::FdTokens(Limits limits, std::function<Clock::time_point()> now)
+    : limits_(limits), now_(std::move(now)) {}
+
+FdTokens::~FdTokens() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [token, entry] : by_token_) close(entry.fd);
+}
+
+absl::StatusOr<std::string> FdTokens::Deposit(uid_t uid, int fd) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Clock::time_point now = now_();
+  ExpireLocked(now);
+  size_t& count = count_[uid];
+  if (count >= limits_.max_per_uid || by_token_.size() >= limits_.max_total) {
+    close(fd);
+    const bool mine = count >= limits_.max_per_uid;
+    if (count == 0) count_.erase(uid);
+    return absl::ResourceExhaustedError(
+        absl::StrCat(mine ? absl::StrCat("uid ", uid, " holds ", limits_.max_per_uid)
+                          : absl::StrCat("callers hold ", limits_.max_total),
+                     " passed memfds not yet named in a RegisterBuffer; register them (or wait ",
+                     std::chrono::duration_cast<std::chrono::seconds>(limits_.ttl).count(),
+                     " s for them to expire) before passing more"));
+  }
+  std::string token = NewToken();
+  by_token_[token] = Entry{uid, fd, now + limits_.ttl};
+  ++count;
+  return token;
+}
+
+absl::StatusOr<int> FdTokens::Redeem(uid_t uid, const std::string& token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpireLocked(now_());
+  auto it = by_token_.find(token);
+  if (it == by_token_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("memfd token '", token.substr(0, 64),
+                     "' is unknown or expired (a token is good for one RegisterBuffer within ",
+                     std::chrono::duration_cast<std::chrono::seconds>(limits_.ttl).count(),
+                     " s of passing the fd)"));
+  }
+  if (it->second.uid != uid) {
+    return absl::PermissionDeniedError(absl::StrCat("memfd token ", token, " was passed by uid ",
+                                                    it->second.uid, "; uid ", uid,
+                                                    " may not register it"));
+  }
+  const int fd = it->second.fd;
+  if (--count_[uid] == 0) count_.erase(uid);
+  by_token_.erase(it);
+  return fd;
+}
+
+void FdTokens::Expire() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpireLocked(now_());
+}
+
+void FdTokens::ExpireLocked(Clock::time_point now) {
+  for (auto it = by_token_.begin(); it != by_token_.end();) {
+    if (it->second.expires > now) {
+      ++it;
+      continue;
+    }
+    close(it->second.fd);
+    if (--count_[it->second.uid] == 0) count_.erase(it->second.uid);
+    it = by_token_.erase(it);
+  }
+}
+
+size_t FdTokens::held() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return by_token_.size();
+}
+
+}  // namespace refit::callers
