@@ -12,9 +12,13 @@
 # e.g. a worktree of the commit before), interleaved, so that before and after come from the
 # same run; two_node_bench always comes from this checkout.
 #
+# --burst K then has the trainer publish K versions back to back (not waiting for the engine's
+# node between them; it skips to the newest), and memory is read 2 s after the last arrived:
+# what a trainer faster than its readers and its delta encoder leaves behind.
+#
 # Usage: scripts/bench-memory.sh [--mib 1024] [--versions 5] [--retain "1 2"]
 #                                [--density "0 0.01"] [--bins "new=$(bazel info bazel-bin)"]
-#                                [--rounds 1] [--no-build]
+#                                [--burst 0] [--rounds 1] [--no-build]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +28,7 @@ retain_list="1 2"
 density_list="0 0.01"
 bins=""
 rounds=1
+burst=0
 build=1
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -33,6 +38,7 @@ while [ $# -gt 0 ]; do
     --density) density_list="$2"; shift 2 ;;
     --bins) bins="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
+    --burst) burst="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "bench-memory: unknown argument $1" >&2; exit 2 ;;
@@ -92,7 +98,7 @@ stop_daemons() {
 }
 
 echo "bench-memory: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "  model ${mib} MiB bf16, ${versions} versions, UCX_TLS=tcp, builds: $bins"
+echo "  model ${mib} MiB bf16, ${versions} versions (+ a burst of ${burst}), UCX_TLS=tcp, builds: $bins"
 results="$work/results.txt"
 : >"$results"
 for round in $(seq "$rounds"); do
@@ -109,7 +115,7 @@ for round in $(seq "$rounds"); do
         start_daemons "$dir/daemon/refitd" "$retain" "$tag"
         if "$bench" --trainer-socket="$work/$tag-trainer.sock" \
              --engine-socket="$work/$tag-engine.sock" --versions="$versions" --warmup=0 \
-             --mib="$mib" --density="$density" --timeout=120 --memory >"$work/$tag.out" 2>&1; then
+             --mib="$mib" --density="$density" --burst="$burst" --timeout=120 --memory >"$work/$tag.out" 2>&1; then
           sed -n '/^memory after/,$p' "$work/$tag.out" | grep -v '^RESULT'
           echo "build=$name retain=$retain kind=$kind $(grep '^RESULT' "$work/$tag.out")" >>"$results"
         else
@@ -123,7 +129,7 @@ for round in $(seq "$rounds"); do
 done
 
 echo
-echo "=== summary: resident memory after $versions versions, x the model (${mib} MiB); own = RSS less the clients' buffers mapped"
+echo "=== summary: resident memory after $versions versions (+ a burst of $burst), x the model (${mib} MiB); own = RSS less the clients' buffers mapped"
 python3 - "$results" <<'PY'
 import collections, statistics, sys
 rows = [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in open(sys.argv[1])]

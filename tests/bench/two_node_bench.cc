@@ -139,6 +139,7 @@ int main(int argc, char** argv) {
   double density = 0;
   std::string engine_shard = "none";
   bool memory = false;
+  int burst = 0;
   CLI::App app{"refit two-node benchmark: publish on one daemon, receive on another"};
   app.add_option("--trainer-socket", trainer_socket, "the trainer node's refitd socket")
       ->required();
@@ -161,6 +162,11 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::IsMember({"none", "rows", "cols"}));
   app.add_flag("--memory", memory,
                "report both daemons' resident memory after the versions (beside the model)");
+  app.add_option("--burst", burst,
+                 "then publish this many versions back to back (not waiting for the engine's "
+                 "node between them), the engine's node taking the last")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100));
   CLI11_PARSE(app, argc, argv);
   const bool sharded = engine_shard != "none";
   if (sharded) tensors = 1;
@@ -259,9 +265,8 @@ int main(int argc, char** argv) {
   std::vector<double> publish_s, transfer_s, apply_s, e2e_s;
   const double gb = static_cast<double>(total) / 1e9;
   const double gb_dst = static_cast<double>(dst_total) / 1e9;  // what the engine needs
-  for (int i = 1; i <= warmup + versions; ++i) {
-    const uint64_t version = base + static_cast<uint64_t>(i);
-    const bool measured = i > warmup;
+  // The trainer's step that makes version `version` (the `i`th of this run) in its buffer.
+  auto make_version = [&](int i, uint64_t version) {
     if (density == 0) {
       // The "optimizer step": every byte changes; a marker per tensor.
       std::memset(src->data(), static_cast<int>(version * 37 & 0xff), total);
@@ -277,13 +282,19 @@ int main(int argc, char** argv) {
     } else {
       // An RL-like step: `density` of the bf16 elements move by one unit in the last place.
       std::mt19937_64 rng(version);
-      const uint64_t n = total / 2, changes = static_cast<uint64_t>(density * static_cast<double>(n));
+      const uint64_t n = total / 2,
+                     changes = static_cast<uint64_t>(density * static_cast<double>(n));
       uint16_t* e = reinterpret_cast<uint16_t*>(src->data());
       for (uint64_t c = 0; c < changes; ++c) {
         const uint64_t r = rng();
         e[r % n] = static_cast<uint16_t>(e[r % n] + ((r >> 63) ? 1 : -1));
       }
     }
+  };
+  for (int i = 1; i <= warmup + versions; ++i) {
+    const uint64_t version = base + static_cast<uint64_t>(i);
+    const bool measured = i > warmup;
+    make_version(i, version);
     const double received_before = Received(**engine);
 
     // The engine waits from before Publish, as an inference engine's refit loop would.
@@ -337,21 +348,48 @@ int main(int argc, char** argv) {
         "  (engine shard %s: transfer and apply GB/s over the %.3f GB the engine holds)\n",
         engine_shard, gb_dst);
   }
+  if (burst > 0) {
+    // The trainer publishes `burst` versions back to back, faster than the engine's node takes
+    // them (it skips to the newest); then the engine's node takes the last one.
+    const int first = warmup + versions + 1;
+    uint64_t last = 0;
+    for (int i = first; i < first + burst; ++i) {
+      last = base + static_cast<uint64_t>(i);
+      make_version(i, last);
+      auto published = (*trainer)->Publish(model_name, last, {*src_id});
+      if (!published.ok()) return Fail("Publish (burst)", published.status());
+    }
+    auto ready = (*engine)->WaitForVersion(model_name, last, std::chrono::seconds(timeout_s));
+    if (!ready.ok()) return Fail("WaitForVersion (burst)", ready.status());
+    auto applied = (*engine)->Apply(model_name, last, {*dst_id});
+    if (!applied.ok()) return Fail("Apply (burst)", applied.status());
+    if (!matches(dst->data(), src->data())) {
+      std::cerr << "two_node_bench: version " << last << " (burst) arrived WRONG\n";
+      return 1;
+    }
+    // Readers' pins and the delta encoder let go of the versions in between.
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    std::cout << absl::StrFormat(
+        "burst: %d versions published back to back; the engine's node "
+        "took version %d\n",
+        burst, last);
+  }
   std::string memory_fields;
   if (sampler) {
     const std::vector<uint64_t> peak = sampler->Stop();
     std::cout << absl::StrFormat("memory after %d versions of a %.3f GiB model:\n",
-                                 warmup + versions, static_cast<double>(total) / (1 << 30));
+                                 warmup + versions + burst, static_cast<double>(total) / (1 << 30));
     memory_fields += ReportMemory("trainer's node", "trainer", trainer_pid, peak[0], **trainer,
                                   model_name, total);
     memory_fields +=
         ReportMemory("engine's node", "engine", engine_pid, peak[1], **engine, model_name, total);
   }
   std::cout << absl::StrFormat(
-      "RESULT shard=%s density=%g tensors=%d bytes=%d versions=%d publish_s=%.6f transfer_s=%.6f "
+      "RESULT shard=%s density=%g tensors=%d bytes=%d versions=%d burst=%d publish_s=%.6f "
+      "transfer_s=%.6f "
       "apply_s=%.6f "
       "e2e_s=%.6f transfer_gbs=%.4f apply_gbs=%.4f publish_gbs=%.4f%s\n",
-      engine_shard, density, tensors, total, versions, Median(publish_s), Median(transfer_s),
+      engine_shard, density, tensors, total, versions, burst, Median(publish_s), Median(transfer_s),
       Median(apply_s), Median(e2e_s), transfer_gbs, apply_gbs, publish_gbs, memory_fields);
   (void)(*engine)->ReleaseBuffer(*dst_id);
   (void)(*trainer)->ReleaseBuffer(*src_id);
