@@ -117,6 +117,7 @@ for round in $(seq "$rounds"); do
              --engine-socket="$work/$tag-engine.sock" --versions="$versions" --warmup=0 \
              --mib="$mib" --density="$density" --burst="$burst" --timeout=120 --memory >"$work/$tag.out" 2>&1; then
           sed -n '/^memory after/,$p' "$work/$tag.out" | grep -v '^RESULT'
+          grep '^  publish+transfer' "$work/$tag.out" | sed 's/^  /  median /' || true
           echo "build=$name retain=$retain kind=$kind $(grep '^RESULT' "$work/$tag.out")" >>"$results"
         else
           cat "$work/$tag.out"

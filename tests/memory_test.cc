@@ -114,6 +114,13 @@ TEST_CASE("each node's slots stay within (retain + 1) x its share; too big is re
     CHECK(m.spare_bytes() == share);
     CHECK(m.in_flight_bytes() == 0);
   }
+  // refitctl status says the same.
+  const std::string refitctl = testing::RunfilePath("client/refitctl");
+  auto shown = testing::RunCommand({refitctl, "--socket=" + (*e)->socket(), "status"});
+  CHECK(shown.exit_code == 0);
+  INFO(shown.out);
+  CHECK(shown.out.find("slots: 2.0 MiB held, 2.0 MiB spare, 0 B in flight; budget 4.0 MiB "
+                       "(retain + 1 versions of 2.0 MiB)") != std::string::npos);
   auto received = engine.Status();
   REQUIRE(received.ok());
   CHECK(received->metrics().at("refit_delta_versions_total") >= 1);
@@ -128,6 +135,8 @@ TEST_CASE("each node's slots stay within (retain + 1) x its share; too big is re
       engine, "big", [](const v1::ModelStatus& m) { return !m.memory_warning().empty(); });
   INFO(warned.memory_warning());
   CHECK(warned.memory_warning().find("its next version would not fit") != std::string::npos);
+  auto warned_cli = testing::RunCommand({refitctl, "--socket=" + (*e)->socket(), "status"});
+  CHECK(warned_cli.out.find("  memory: its next version would not fit") != std::string::npos);
   REQUIRE(trainer.Publish("big", 1, {*bs}).ok());
   const v1::ModelStatus refused =
       Eventually(engine, "big", [](const v1::ModelStatus& m) { return m.abandoned_version(); });
