@@ -9,6 +9,13 @@
 // no reader ever sees part of a version. The newest `retain` complete versions are kept; an
 // older version's slots are freed when the last Apply reading them finishes.
 //
+// Memory. A model's version slots on this node (its share: one version's slots here) are
+// budgeted at (retain + 1) x share: the versions kept and the one being published or pulled,
+// whose slot becomes a held one. Released slots are kept for reuse only within that budget;
+// a model one version of which can't fit under --max-slot-memory is refused at RegisterBuffer,
+// and a pull that can't is refused before it starts (store_memory.cc). Models() reports the
+// figures (ModelInfo::held_bytes ...).
+//
 // Apply executes a transfer plan (daemon/plan) from the version's pieces into DESTINATION
 // buffers; plans are cached per (source pieces, destination buffers) and dropped whenever a
 // registration changes.
