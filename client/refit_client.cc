@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "client/lease_keeper.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 
@@ -147,7 +148,10 @@ uint64_t DTypeBytes(v1::DType dtype) {
 Client::Client(std::string socket_path, std::shared_ptr<grpc::Channel> channel)
     : socket_path_(std::move(socket_path)),
       channel_(std::move(channel)),
-      stub_(v1::Refit::NewStub(channel_)) {}
+      stub_(v1::Refit::NewStub(channel_)),
+      leases_(std::make_unique<LeaseKeeper>(stub_.get())) {}
+
+Client::~Client() = default;
 
 namespace {
 
@@ -226,6 +230,7 @@ absl::StatusOr<std::string> Client::RegisterBuffer(const v1::RegisterBufferReque
   v1::RegisterBufferResponse response;
   auto status = FromGrpc(stub_->RegisterBuffer(&context, request, &response), "RegisterBuffer");
   if (!status.ok()) return status;
+  if (response.lease_ms() > 0) leases_->Add(response.buffer_id(), response.lease_ms());
   return response.buffer_id();
 }
 
@@ -251,6 +256,7 @@ absl::Status Client::ReleaseBuffer(const std::string& buffer_id) {
   v1::ReleaseBufferRequest request;
   request.set_buffer_id(buffer_id);
   v1::ReleaseBufferResponse response;
+  leases_->Remove(buffer_id);
   return FromGrpc(stub_->ReleaseBuffer(&context, request, &response), "ReleaseBuffer");
 }
 

@@ -76,8 +76,11 @@ class Watcher {
   virtual absl::Status status() = 0;
 };
 
+class LeaseKeeper;
+
 class Client {
  public:
+  ~Client();
   // Connects to the daemon at `socket_path`. UNAVAILABLE at once when the socket file does not
   // exist or nothing listens on it (PERMISSION_DENIED when this user may not connect); waits up
   // to `timeout` only for a socket that is there and slow, then UNAVAILABLE.
@@ -130,6 +133,8 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Refit::Stub> stub_;
   std::chrono::milliseconds call_timeout_{60000};
+  // Renews leases when refitd can't watch this process (RegisterBufferResponse.lease_ms).
+  std::unique_ptr<LeaseKeeper> leases_;
 };
 
 // grpc::Status to absl::Status (same codes), prefixed with `what`.

@@ -8,6 +8,7 @@
 //   refitctl metrics           the daemon's counters
 //   refitctl health            SERVING / NOT_SERVING
 //   refitctl drop MODEL        releases a model's held versions and forgets it (no buffers left)
+//   refitctl release BUFFER_ID releases a registered buffer (an operator cleaning up)
 //   refitctl --version
 //
 // --json prints machine-readable output (numbers as JSON numbers). --json, --socket and
@@ -352,6 +353,12 @@ int main(int argc, char** argv) {
                        "release MODEL's held versions and forget it, its newest published "
                        "version too (refused while buffers of it are registered)");
   drop_cmd->add_option("MODEL", model, "model name")->required();
+  std::string buffer_id;
+  auto* release_cmd = add("release",
+                          "release a registered buffer (its published versions stay held; as "
+                          "refitd's own user or root, any buffer)");
+  release_cmd->add_option("BUFFER_ID", buffer_id, "a buffer id, as refitctl status shows it")
+      ->required();
   CLI11_PARSE(app, argc, argv);
   const bool json = flags.json;
 
@@ -370,6 +377,18 @@ int main(int argc, char** argv) {
     return *healthy ? 0 : kExitError;
   }
   if (drop_cmd->parsed()) return Drop(**client, model, json);
+  if (release_cmd->parsed()) {
+    absl::Status released = (*client)->ReleaseBuffer(buffer_id);
+    if (!released.ok()) return Fail(released);
+    if (json) {
+      nlohmann::ordered_json out;
+      out["released"] = buffer_id;
+      std::cout << out.dump(2) << "\n";
+    } else {
+      std::cout << "buffer " << buffer_id << " released\n";
+    }
+    return 0;
+  }
 
   auto status = (*client)->Status();
   if (!status.ok()) return Fail(status.status());

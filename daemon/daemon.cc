@@ -19,10 +19,12 @@
 #include "daemon/callers/local_listener.h"
 #include "daemon/common/logging.h"
 #include "daemon/tls/peer_tls.h"
+#include "daemon/common/liveness.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/metrics/prometheus.h"
 #include "daemon/server/denied_service.h"
 #include "daemon/server/health_service.h"
+#include "daemon/server/owner_exit.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
@@ -40,6 +42,38 @@
 
 namespace refit {
 namespace {
+
+// Ceilings on what gRPC may spend serving callers: local clients (every per-process server
+// together) and peers. Memory counts gRPC's own buffers (requests up to 64 MiB are allowed);
+// threads count the synchronous servers' workers (each blocked WaitForVersion or Watch holds
+// one).
+constexpr int kLocalMaxThreads = 2048;
+constexpr size_t kLocalMaxMemory = 2ull << 30;
+constexpr int kPeerMaxThreads = 512;
+constexpr size_t kPeerMaxMemory = 1ull << 30;
+
+// How long a worker may stay busy without progress before it counts as stuck (health).
+constexpr std::chrono::milliseconds kStallBound{15000};
+
+const grpc::ResourceQuota& LocalQuota() {
+  static const grpc::ResourceQuota* quota = [] {
+    auto* q = new grpc::ResourceQuota("refit-local");
+    q->SetMaxThreads(kLocalMaxThreads);
+    q->Resize(kLocalMaxMemory);
+    return q;
+  }();
+  return *quota;
+}
+
+const grpc::ResourceQuota& PeerQuota() {
+  static const grpc::ResourceQuota* quota = [] {
+    auto* q = new grpc::ResourceQuota("refit-peer");
+    q->SetMaxThreads(kPeerMaxThreads);
+    q->Resize(kPeerMaxMemory);
+    return q;
+  }();
+  return *quota;
+}
 
 constexpr int kMaxMessageBytes = 64 << 20;  // registrations of models with many tensors
 
@@ -97,6 +131,7 @@ std::string NewInstanceId() {
 struct Daemon::Impl {
   DaemonOptions options;
   Metrics metrics;
+  Liveness liveness;  // the workers the watchdog looks at (StuckWorkers)
   std::unique_ptr<Store> store;
   std::unique_ptr<state::VersionLedger> ledger;
   std::string instance;  // NewInstanceId()
@@ -118,6 +153,8 @@ struct Daemon::Impl {
   std::unique_ptr<grpc::Server> health_server;  // --health-listen: health checks only
   std::unique_ptr<MetricsHttpServer> metrics_server;
   int health_port = 0;
+  std::unique_ptr<server::OwnerExit> owner_exit;  // hears of client processes that exit
+  std::unique_ptr<server::Leases> leases;         // for those it can't watch
   std::unique_ptr<callers::LocalListener> local_listener;  // --socket
   tls::PeerTlsFiles tls;  // --tls-*: the peer plane's mutual TLS (none: plaintext)
   server::ServiceContext service_context;  // what each local caller's RefitService starts from
@@ -201,7 +238,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   impl->data_plane =
       std::make_unique<dataplane::DataPlane>(
       std::move(ucx),
-      dataplane::DataPlaneOptions{options.chunk_bytes, static_cast<int>(options.inflight)},
+      dataplane::DataPlaneOptions{options.chunk_bytes, static_cast<int>(options.inflight),
+                                  impl->liveness.Register("data plane")},
       &impl->metrics);
   // Host slots: pinned where a GPU copies into them; otherwise the transport's own memory, which
   // a peer daemon on this host maps and copies with memcpy (UCX shared memory).
@@ -337,6 +375,18 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       std::set<std::string>{"refit.v1.Refit", "refit.v1.Peer"});
   // A sticky CUDA error poisons every later CUDA call of this process: only a restart helps.
   impl->health->SetFaultCheck(cuda::StickyError);
+  // A worker busy without progress (a wedged data plane) makes health NOT_SERVING while it
+  // lasts; main.cc stops pinging systemd's watchdog then.
+  {
+    Liveness* liveness = &impl->liveness;
+    // Under systemd's watchdog, the bound main.cc uses: half its interval, at least 2 s.
+    std::chrono::milliseconds stall = kStallBound;
+    if (const char* usec = std::getenv("WATCHDOG_USEC"); usec && std::atoll(usec) > 0) {
+      stall = std::max<std::chrono::milliseconds>(
+          std::chrono::milliseconds(std::atoll(usec) / 2000), std::chrono::seconds(2));
+    }
+    impl->health->SetStallCheck([liveness, stall] { return liveness->Stuck(stall); });
+  }
 
   grpc::EnableDefaultHealthCheckService(false);
   {
@@ -349,6 +399,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    // Bounded peers: gRPC's threads and buffers for the peer port have a ceiling of their own
+    // (past it, calls are refused with RESOURCE_EXHAUSTED, not served by a starving daemon).
+    builder.SetResourceQuota(PeerQuota());
     builder.RegisterService(impl->peer_service.get());
     builder.RegisterService(impl->health.get());
     impl->peer_server = builder.BuildAndStart();
@@ -381,6 +434,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     auto factory = [raw, owners, health, refused](const callers::Caller* caller,
                                                   grpc::ServerBuilder* builder) {
       std::vector<std::shared_ptr<void>> keep;
+      // Every local server shares one ceiling on gRPC's threads and buffers.
+      builder->SetResourceQuota(LocalQuota());
       builder->RegisterService(health);
       if (!caller) {
         auto denied = std::make_shared<server::DeniedService>(refused);
@@ -391,12 +446,20 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       server::ServiceContext context = raw->service_context;
       context.caller = *caller;
       context.owners = owners;
+      context.leases = raw->leases.get();
       auto service = std::make_shared<server::RefitService>(std::move(context));
       builder->RegisterService(service.get());
       keep.push_back(service);
       return keep;
     };
-    auto local = callers::LocalListener::Start(options.socket_path, 0660, policy, factory);
+    // A client process that exits takes its buffers with it (owner exit).
+    impl->owner_exit =
+        std::make_unique<server::OwnerExit>(impl->store.get(), owners, &impl->metrics);
+    // ...and one refitd cannot watch (another pid namespace) holds them on a lease.
+    impl->leases = std::make_unique<server::Leases>(impl->store.get(), owners, &impl->metrics,
+                                                    server::kClientLease);
+    auto local = callers::LocalListener::Start(options.socket_path, 0660, policy, factory,
+                                               impl->owner_exit.get());
     if (!local.ok()) {
       impl->peer_server->Shutdown();
       return local.status();
@@ -472,6 +535,26 @@ void Daemon::Shutdown(double grace_seconds) {
   impl_->metrics_server.reset();
   unlink(impl_->options.socket_path.c_str());
   Logger("daemon")->info("node={} stopped", impl_->options.node);
+}
+
+std::vector<std::string> Daemon::StuckWorkers(std::chrono::milliseconds stall) {
+  std::vector<std::string> stuck = impl_->liveness.Stuck(stall);
+  // The local gRPC server: a health check through the socket, as a client makes it.
+  auto channel = grpc::CreateChannel("unix:" + impl_->options.socket_path,
+                                     grpc::InsecureChannelCredentials());
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext context;
+  const auto bound = std::min<std::chrono::milliseconds>(stall, std::chrono::seconds(5));
+  context.set_deadline(std::chrono::system_clock::now() + bound);
+  grpc::health::v1::HealthCheckRequest request;
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status answered = stub->Check(&context, request, &response);
+  if (!answered.ok()) {
+    stuck.push_back(absl::StrCat("local gRPC server (no health answer on ", impl_->options.socket_path,
+                                 " within ", bound.count(), " ms: ",
+                                 answered.error_message(), ")"));
+  }
+  return stuck;
 }
 
 int Daemon::listen_port() const { return impl_->listen_port; }

@@ -7,6 +7,7 @@
 // Thread-safety: Start and Shutdown may be called from any thread; Shutdown is idempotent.
 
 #include <cstdint>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,6 +28,11 @@ class Daemon {
   // Health goes NOT_SERVING, blocked waits end, new calls are refused, in-flight calls get up
   // to `grace` seconds to finish and are then cancelled, and the socket file is removed.
   void Shutdown(double grace_seconds = 5.0);
+
+  // The watchdog's question: the workers busy without progress for longer than `stall` (the
+  // data plane's loop), and the local gRPC server when a health check through the socket gets
+  // no answer within min(stall, 5 s); empty when all is well. Blocks up to that long.
+  std::vector<std::string> StuckWorkers(std::chrono::milliseconds stall);
 
   // The TCP ports actually bound (useful with port 0); 0 when that listener is off.
   int listen_port() const;

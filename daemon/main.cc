@@ -9,6 +9,7 @@
 #include <iostream>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "cuda/cuda.h"
 #include "daemon/common/logging.h"
@@ -202,15 +203,35 @@ int main(int argc, char** argv) {
   sd_notifyf(0, "READY=1\nSTATUS=serving %s\nMAINPID=%d", options.socket_path.c_str(),
              static_cast<int>(getpid()));
 
-  // The main loop: wait for a stop signal, pinging systemd's watchdog at half its interval.
+  // The main loop: wait for a stop signal, pinging systemd's watchdog at half its interval —
+  // but only while no worker is stuck (busy without progress for half the interval, at least
+  // 2 s) and the local gRPC server answers a health check; otherwise say which in the log and
+  // in the unit's status, and let systemd restart the daemon.
   uint64_t watchdog_usec = 0;
   const bool watchdog = sd_watchdog_enabled(0, &watchdog_usec) > 0 && watchdog_usec > 0;
   const uint64_t tick_usec = watchdog ? watchdog_usec / 2 : 3600ull * 1000000;
   timespec tick{static_cast<time_t>(tick_usec / 1000000),
                 static_cast<long>((tick_usec % 1000000) * 1000)};
+  const auto stall = std::max<std::chrono::milliseconds>(
+      std::chrono::milliseconds(tick_usec / 1000), std::chrono::seconds(2));
   int signal_number = 0;
+  bool was_stuck = false;
   while (true) {
-    if (watchdog) sd_notify(0, "WATCHDOG=1");
+    if (watchdog) {
+      const std::vector<std::string> stuck = (*daemon)->StuckWorkers(stall);
+      if (stuck.empty()) {
+        sd_notify(0, "WATCHDOG=1");
+        if (was_stuck) {
+          refit::Logger("daemon")->warn("nothing is stuck any more; pinging the watchdog again");
+          sd_notify(0, "STATUS=serving");
+        }
+      } else {
+        const std::string what = absl::StrJoin(stuck, "; ");
+        refit::Logger("daemon")->error("not pinging systemd's watchdog: stuck: {}", what);
+        sd_notifyf(0, "STATUS=stuck: %s", what.c_str());
+      }
+      was_stuck = !stuck.empty();
+    }
     signal_number = sigtimedwait(&stop_signals, nullptr, &tick);
     if (signal_number > 0) break;
   }

@@ -47,6 +47,17 @@ struct AsClient {
     REQUIRE(result.exit_code == 0);
     return result.out;
   }
+  // Starts one operation as `uid` and leaves it running (e.g. "hold").
+  std::unique_ptr<testing::ChildProcess> Hold(uid_t uid, const std::string& socket,
+                                              std::vector<std::string> args) const {
+    std::vector<std::string> argv = {"/usr/bin/setpriv", "--reuid=" + std::to_string(uid),
+                                     "--regid=" + std::to_string(uid), "--clear-groups",
+                                     binary, socket};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto child = testing::ChildProcess::Spawn(argv);
+    REQUIRE(child.ok());
+    return std::move(child).value();
+  }
   std::string dir, binary;
 };
 
@@ -98,9 +109,13 @@ TEST_CASE("local callers: allow lists, memory the caller can open, buffer owners
   REQUIRE(root.Publish("m", 1, {*root_id}).ok());  // untouched by all that
   // Its own buffer is its own: root (refitd's uid) may not publish it either, but may release
   // it (an operator cleaning up).
-  const std::string own = as.Run(kNobody, socket, {"register-own", "SOURCE", "theirs"});
-  REQUIRE(Starts(own, "OK "));
-  const std::string their_id = own.substr(3, own.size() - 4);
+  // (It lives as long as the process that registered it: that one stays until released.)
+  auto holder = as.Hold(kNobody, socket, {"hold", "SOURCE", "theirs", "0"});
+  auto own = holder->ReadLine();
+  REQUIRE(own.ok());
+  REQUIRE(Starts(*own, "OK "));
+  const std::string their_id = own->substr(3);
+  // Another process of the same uid may publish it.
   REQUIRE(Starts(as.Run(kNobody, socket, {"publish", "theirs", "1", their_id}), "OK"));
   auto stolen = root.Publish("theirs", 2, {their_id});
   REQUIRE(stolen.status().code() == absl::StatusCode::kPermissionDenied);

@@ -1,8 +1,10 @@
 #include "daemon/callers/local_listener.h"
 
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -15,11 +17,27 @@
 namespace refit::callers {
 namespace {
 constexpr int kMaxMessageBytes = 64 << 20;  // registrations of models with many tensors
+
+// A pidfd for `pid` (Linux 5.3), -1 when the process is gone or pidfds are not available.
+int OpenPidfd(pid_t pid) {
+#ifdef SYS_pidfd_open
+  return static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+#else
+  (void)pid;
+  return -1;
+#endif
+}
+
+void Wake(int fd) {
+  const uint64_t one = 1;
+  (void)!write(fd, &one, sizeof(one));
+}
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LocalListener>> LocalListener::Start(const std::string& path,
-                                                                   mode_t mode, Policy policy,
-                                                                   ServiceFactory factory) {
+                                                                    mode_t mode, Policy policy,
+                                                                    ServiceFactory factory,
+                                                                    ClientExitListener* exits) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
@@ -39,13 +57,19 @@ absl::StatusOr<std::unique_ptr<LocalListener>> LocalListener::Start(const std::s
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", path, ": ", std::strerror(error)));
   }
+  const int wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_fd < 0) {
+    close(fd);
+    unlink(path.c_str());
+    return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
+  }
   std::unique_ptr<LocalListener> listener(
-      new LocalListener(path, fd, std::move(policy), std::move(factory)));
+      new LocalListener(path, fd, wake_fd, std::move(policy), std::move(factory), exits));
   {
     // The daemon's own class is built now: a Start that fails does so before it is serving.
     std::lock_guard<std::mutex> lock(listener->mu_);
     Caller self;
-    self.pid = getpid();
+    self.pid = 0;  // the uid's shared server
     self.uid = listener->policy_.daemon_uid;
     self.gid = getegid();
     self.groups = {self.gid};
@@ -54,13 +78,28 @@ absl::StatusOr<std::unique_ptr<LocalListener>> LocalListener::Start(const std::s
     }
   }
   listener->accept_thread_ = std::thread([raw = listener.get()] { raw->Accept(); });
+  listener->exit_thread_ = std::thread([raw = listener.get()] { raw->WatchExits(); });
   return listener;
 }
 
-LocalListener::LocalListener(std::string path, int fd, Policy policy, ServiceFactory factory)
-    : path_(std::move(path)), fd_(fd), policy_(std::move(policy)), factory_(std::move(factory)) {}
+LocalListener::LocalListener(std::string path, int fd, int wake_fd, Policy policy,
+                             ServiceFactory factory, ClientExitListener* exits)
+    : path_(std::move(path)),
+      fd_(fd),
+      wake_fd_(wake_fd),
+      policy_(std::move(policy)),
+      factory_(std::move(factory)),
+      exits_(exits) {}
 
-LocalListener::~LocalListener() { Shutdown(); }
+LocalListener::~LocalListener() {
+  Shutdown();
+  close(wake_fd_);
+}
+
+LocalListener::Served::~Served() {
+  server.reset();  // before the services it serves
+  if (pidfd >= 0) close(pidfd);
+}
 
 void LocalListener::Accept() {
   while (!stop_.load()) {
@@ -92,10 +131,10 @@ void LocalListener::Route(int fd) {
     const uid_t uid = caller.ok() ? caller->uid : static_cast<uid_t>(-1);
     if (!logged_refusal_[uid]) {
       logged_refusal_[uid] = true;  // once per uid: no log floods
-      Logger("server")->warn("local caller {} is not allowed (allowed: {}); it gets "
-                             "PERMISSION_DENIED",
-                             caller.ok() ? caller->Describe() : caller.status().ToString(),
-                             policy_.Describe());
+      Logger("server")->warn(
+          "local caller {} is not allowed (allowed: {}); it gets "
+          "PERMISSION_DENIED",
+          caller.ok() ? caller->Describe() : caller.status().ToString(), policy_.Describe());
     }
   }
   Served* served = ServerFor(allowed ? &*caller : nullptr);
@@ -110,34 +149,128 @@ void LocalListener::Route(int fd) {
 }
 
 LocalListener::Served* LocalListener::ServerFor(const Caller* caller) {
-  std::unique_ptr<Served>& slot = caller ? by_uid_[caller->uid] : refused_;
-  if (slot) return slot.get();
+  if (!caller) {
+    if (!refused_) refused_ = Build(nullptr, -1);
+    return refused_.get();
+  }
+  // A process of its own when refitd can see its pid and watch it; else its uid's server.
+  if (caller->pid != 0) {
+    auto it = servers_.find({caller->uid, caller->pid});
+    if (it != servers_.end()) return it->second.get();
+    size_t processes = 0;
+    for (const auto& [key, served] : servers_) processes += key.second != 0;
+    if (processes < kMaxProcessServers) {
+      const int pidfd = OpenPidfd(caller->pid);
+      if (pidfd >= 0) {
+        std::unique_ptr<Served> served = Build(caller, pidfd);
+        if (!served) return nullptr;
+        Served* raw = served.get();
+        servers_[{caller->uid, caller->pid}] = std::move(served);
+        Wake(wake_fd_);  // the exit watcher picks the new pidfd up
+        return raw;
+      }
+    } else if (!logged_full_) {
+      logged_full_ = true;
+      Logger("server")->warn(
+          "{} local client processes have servers of their own; more share "
+          "their uid's server, and their buffers are not released when "
+          "they exit (release them with refitctl release)",
+          kMaxProcessServers);
+    }
+  }
+  std::unique_ptr<Served>& shared = servers_[{caller->uid, 0}];
+  if (!shared) {
+    Caller uid_caller = *caller;
+    uid_caller.pid = 0;
+    shared = Build(&uid_caller, -1);
+    if (!shared) {
+      servers_.erase({caller->uid, 0});
+      return nullptr;
+    }
+  }
+  return shared.get();
+}
+
+std::unique_ptr<LocalListener::Served> LocalListener::Build(const Caller* caller, int pidfd) {
   auto served = std::make_unique<Served>();
+  served->pidfd = pidfd;
+  if (caller) served->caller = *caller;
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  // A process's server serves one client: one completion queue and one poller to start with
+  // (gRPC adds threads for concurrent calls).
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::NUM_CQS, 1);
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 1);
   served->acceptor = builder.experimental().AddExternalConnectionAcceptor(
       grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD,
       grpc::InsecureServerCredentials());
   served->keep = factory_(caller, &builder);
   served->server = builder.BuildAndStart();
   if (!served->server) {
-    by_uid_.erase(caller ? caller->uid : static_cast<uid_t>(-1));
-    return nullptr;
+    return nullptr;  // ~Served closes the pidfd
   }
-  slot = std::move(served);
-  return slot.get();
+  return served;
+}
+
+size_t LocalListener::ProcessServers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t processes = 0;
+  for (const auto& [key, served] : servers_) processes += key.second != 0;
+  return processes;
+}
+
+void LocalListener::WatchExits() {
+  std::vector<pollfd> fds;
+  std::vector<Key> keys;
+  while (!stop_.load()) {
+    fds.assign(1, pollfd{wake_fd_, POLLIN, 0});
+    keys.assign(1, Key{});
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [key, served] : servers_) {
+        if (served->pidfd < 0) continue;
+        fds.push_back(pollfd{served->pidfd, POLLIN, 0});
+        keys.push_back(key);
+      }
+    }
+    if (poll(fds.data(), fds.size(), -1) <= 0) continue;
+    if (fds[0].revents != 0) {
+      uint64_t count = 0;
+      (void)!read(wake_fd_, &count, sizeof(count));
+    }
+    for (size_t i = 1; i < fds.size() && !stop_.load(); ++i) {
+      if (fds[i].revents != 0) Retire(keys[i]);  // a pidfd is readable once its process exits
+    }
+  }
+}
+
+void LocalListener::Retire(const Key& key) {
+  std::unique_ptr<Served> served;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = servers_.find(key);
+    if (it == servers_.end() || shut_down_) return;
+    served = std::move(it->second);
+    servers_.erase(it);
+  }
+  Logger("server")->debug("local client {} exited", served->caller.Describe());
+  if (exits_) exits_->OnClientExit(served->caller);
+  // Its connections are gone with it; calls still running on its behalf get a moment.
+  served->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
 }
 
 void LocalListener::Shutdown(std::chrono::milliseconds grace) {
   if (stop_.exchange(true)) return;
+  Wake(wake_fd_);
   if (accept_thread_.joinable()) accept_thread_.join();
+  if (exit_thread_.joinable()) exit_thread_.join();
   close(fd_);
   std::vector<Served*> all;
   {
     std::lock_guard<std::mutex> lock(mu_);
     shut_down_ = true;
-    for (auto& [uid, served] : by_uid_) all.push_back(served.get());
+    for (auto& [key, served] : servers_) all.push_back(served.get());
     if (refused_) all.push_back(refused_.get());
   }
   const auto deadline = std::chrono::system_clock::now() + grace;

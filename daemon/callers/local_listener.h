@@ -3,14 +3,20 @@
 // The Unix socket local clients call refitd on. refitd binds and accepts it itself, so that it
 // knows each connection's caller (SO_PEERCRED) — gRPC's C++ API doesn't say — and hands each
 // accepted connection to a gRPC server of its own class of caller:
-//   - one server per allowed uid, whose services know that uid (buffer ownership, access checks
-//     on the memory it registers);
+//   - one server per allowed client process (uid and pid by SO_PEERCRED), whose services know
+//     that process (buffer ownership, access checks on the memory it registers, and which
+//     buffers to release when it exits);
+//   - one server per allowed uid for processes whose pid refitd cannot see (another pid
+//     namespace: SO_PEERCRED says pid 0) or past kMaxProcessServers;
 //   - one server for callers the policy refuses, whose API answers PERMISSION_DENIED to every
 //     call but health.
-// Servers are built on first use through the Daemon's ServiceFactory. The socket is created
-// with its final mode (no window in which anyone may connect), and removed at Shutdown.
+// Servers are built on first use through the Daemon's ServiceFactory. A process's server is
+// watched with a pidfd: when the process exits, the ClientExitListener hears of it (the Daemon
+// releases the buffers it registered) and the server is shut down. The socket is created with
+// its final mode (no window in which anyone may connect), and removed at Shutdown.
 //
-// Thread-safety: Start and Shutdown from one thread; the accept loop runs on its own.
+// Thread-safety: Start and Shutdown from one thread; the accept loop and the exit watcher run on
+// threads of their own.
 
 #include <sys/types.h>
 
@@ -35,12 +41,30 @@ namespace refit::callers {
 using ServiceFactory = std::function<std::vector<std::shared_ptr<void>>(
     const Caller* caller, grpc::ServerBuilder* builder)>;
 
+// Hears of local client processes that exited (owner exit).
+class ClientExitListener {
+ public:
+  virtual ~ClientExitListener() = default;
+  // The process `caller` (pid != 0) that called refitd has exited. Called on the listener's
+  // exit-watcher thread, before that process's server is shut down; may block briefly.
+  virtual void OnClientExit(const Caller& caller) = 0;
+};
+
 class LocalListener {
  public:
   // Binds `path` (mode `mode`), listens, and starts accepting.
-  static absl::StatusOr<std::unique_ptr<LocalListener>> Start(const std::string& path,
-                                                             mode_t mode, Policy policy,
-                                                             ServiceFactory factory);
+  // `exits` (may be null; not owned, must outlive the listener) hears of client processes
+  // that exited.
+  static absl::StatusOr<std::unique_ptr<LocalListener>> Start(const std::string& path, mode_t mode,
+                                                              Policy policy, ServiceFactory factory,
+                                                              ClientExitListener* exits = nullptr);
+
+  // Most client processes served by a server of their own; more share their uid's server and
+  // are not watched for exit.
+  static constexpr size_t kMaxProcessServers = 512;
+
+  // Client processes served by a server of their own now.
+  size_t ProcessServers() const;
   ~LocalListener();  // Shutdown()
 
   // Stops accepting, then shuts every server down (in-flight calls get `grace`), and removes
@@ -54,23 +78,37 @@ class LocalListener {
     std::vector<std::shared_ptr<void>> keep;
     std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor;
     std::unique_ptr<grpc::Server> server;
+    Caller caller;   // pid 0: a uid's shared server
+    int pidfd = -1;  // the process's pidfd (a process's own server), else -1
+    ~Served();
   };
-  LocalListener(std::string path, int fd, Policy policy, ServiceFactory factory);
+  // (uid, pid): pid 0 for a uid's shared server.
+  using Key = std::pair<uid_t, pid_t>;
+  LocalListener(std::string path, int fd, int wake_fd, Policy policy, ServiceFactory factory,
+                ClientExitListener* exits);
   void Accept();
   void Route(int fd);
   Served* ServerFor(const Caller* caller);  // mu_ held
+  // Built for `caller` (null: the refused class) with `pidfd` (-1: none); null on failure.
+  std::unique_ptr<Served> Build(const Caller* caller, int pidfd);  // mu_ held
+  void WatchExits();
+  void Retire(const Key& key);  // the process of a server of its own exited
 
   const std::string path_;
   const int fd_;
+  const int wake_fd_;  // an eventfd: the exit watcher's set of pidfds changed, or Shutdown
   const Policy policy_;
   const ServiceFactory factory_;
+  ClientExitListener* const exits_;
   std::atomic<bool> stop_{false};
   std::thread accept_thread_;
-  std::mutex mu_;
-  std::map<uid_t, std::unique_ptr<Served>> by_uid_;  // guarded by mu_
-  std::unique_ptr<Served> refused_;                  // guarded by mu_
-  std::map<uid_t, bool> logged_refusal_;             // guarded by mu_
-  bool shut_down_ = false;
+  std::thread exit_thread_;
+  mutable std::mutex mu_;
+  std::map<Key, std::unique_ptr<Served>> servers_;  // guarded by mu_
+  std::unique_ptr<Served> refused_;                 // guarded by mu_
+  std::map<uid_t, bool> logged_refusal_;            // guarded by mu_
+  bool logged_full_ = false;                        // guarded by mu_
+  bool shut_down_ = false;                          // guarded by mu_
 };
 
 }  // namespace refit::callers

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/liveness.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/xxh3.h"
 #include "daemon/common/status_macros.h"
@@ -100,10 +101,16 @@ void DataPlane::Run() {
       const auto idle = std::chrono::steady_clock::now() - idle_since;
       const auto nap = idle > std::chrono::milliseconds(100) ? std::chrono::microseconds(1000)
                                                              : std::chrono::microseconds(20);
-      if (work_.empty() && !stop_ && by_cookie_.empty()) wake_.wait_for(lock, nap);
+      if (work_.empty() && !stop_ && by_cookie_.empty()) {
+        if (options_.liveness) options_.liveness->Idle();
+        wake_.wait_for(lock, nap);
+      }
       if (stop_) break;
       work.swap(work_);
     }
+    // Busy from here to the next wait: a turn that never ends (a wedged transport) is stuck.
+    if (options_.liveness) options_.liveness->Busy();
+    TestHookWedge("dataplane");
     bool busy = !work.empty();
     for (auto& w : work) w();
     const auto now = std::chrono::steady_clock::now();

@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/memory/region.h"
+#include "daemon/common/liveness.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/store/store.h"
 #include "daemon/transport/transport.h"
@@ -35,6 +36,9 @@ struct DataPlaneOptions {
   // Gets in flight per pull, in chunk-sized units: at most inflight x chunk_bytes bytes are in
   // flight, so shorter gets (resharded ranges) may be more of them.
   int inflight = 16;
+  // Told of each turn of the data plane's loop (null: nobody watches it): the watchdog's view
+  // of this thread (daemon/common/liveness.h).
+  Liveness::Worker* liveness = nullptr;
 };
 
 class DataPlane {

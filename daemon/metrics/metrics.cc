@@ -36,6 +36,7 @@ std::map<std::string, HistogramSnapshot> Metrics::Histograms() const {
 Metrics::Metrics() {
   for (const char* name : {kDataBytesReceived, kDataBytesSent, kVersionsCompleted, kApplyBytes,
                            kPublishBytes, kPublishes, kApplies, kVersionsDropped,
+                           kVersionsAbandoned, kOwnerExitReleases,
                            kPeersConnected, kChecksumBytesHashed, kRelayBytesSent,
                            kRelayBytesReceived, kRelayChunksRejected, kQuantizedValues,
                            kNonfiniteValues}) {

@@ -28,6 +28,10 @@ inline constexpr char kPublishes[] = "refit_publish_total";
 inline constexpr char kApplies[] = "refit_apply_total";
 inline constexpr char kVersionsDropped[] = "refit_versions_dropped_total";
 inline constexpr char kRequestErrors[] = "refit_request_errors_total";
+// Versions given up before they completed here (a source released before publishing one, a
+// pull that failed), and buffers released because the process that registered them exited.
+inline constexpr char kVersionsAbandoned[] = "refit_versions_abandoned_total";
+inline constexpr char kOwnerExitReleases[] = "refit_owner_exit_releases_total";
 inline constexpr char kPeersConnected[] = "refit_peers_connected";
 // Data-plane bytes this node read from relays (other pullers) instead of the origin, and
 // chunks a relay served that failed the origin's checksum (refetched from the origin).

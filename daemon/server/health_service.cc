@@ -3,6 +3,7 @@
 #include <chrono>
 #include <thread>
 
+#include "absl/strings/str_join.h"
 #include "daemon/common/logging.h"
 
 namespace refit::server {
@@ -11,6 +12,17 @@ using grpc::health::v1::HealthCheckResponse;
 
 bool HealthService::Faulted() const {
   if (faulted_) return true;
+  if (stall_check_) {
+    const std::vector<std::string> stuck = stall_check_();
+    if (!stuck.empty()) {
+      if (!stalled_.exchange(true)) {
+        Logger("server")->error("health is NOT_SERVING while stuck: {}",
+                                absl::StrJoin(stuck, "; "));
+      }
+      return true;
+    }
+    if (stalled_.exchange(false)) Logger("server")->warn("health: nothing is stuck any more");
+  }
   if (!fault_check_) return false;
   const absl::Status fault = fault_check_();
   if (fault.ok()) return false;

@@ -10,9 +10,9 @@
 #include <functional>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
-
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 
 namespace refit::server {
@@ -29,6 +29,12 @@ class HealthService final : public grpc::health::v1::Health::Service {
   // SetServing says; the first such answer is logged. Set before serving starts.
   void SetFaultCheck(std::function<absl::Status()> check) { fault_check_ = std::move(check); }
 
+  // Asked on every check too, but not latched: what is stuck now (Liveness::Stuck), empty when
+  // nothing is. NOT_SERVING while it says something; the change is logged. Set before serving.
+  void SetStallCheck(std::function<std::vector<std::string>()> check) {
+    stall_check_ = std::move(check);
+  }
+
   grpc::Status Check(grpc::ServerContext* context,
                      const grpc::health::v1::HealthCheckRequest* request,
                      grpc::health::v1::HealthCheckResponse* response) override;
@@ -44,6 +50,8 @@ class HealthService final : public grpc::health::v1::Health::Service {
   const std::set<std::string> services_;
   std::atomic<bool> serving_{false};
   std::function<absl::Status()> fault_check_;
+  std::function<std::vector<std::string>()> stall_check_;
+  mutable std::atomic<bool> stalled_{false};
   mutable std::atomic<bool> faulted_{false};  // latched
 };
 

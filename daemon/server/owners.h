@@ -1,8 +1,9 @@
 #pragma once
 
-// Which uid registered each buffer: only that uid may publish, apply or release it (the
-// daemon's own uid may release any, for operators cleaning up). Shared by the per-uid
-// RefitService instances (daemon/callers routes each connection to the one of its uid).
+// Which uid (and process) registered each buffer: only that uid may publish, apply or release
+// it (the daemon's own uid and root may release any, for operators cleaning up); when that
+// process exits, its buffers are released (owner exit). Shared by the RefitService instances
+// (daemon/callers routes each connection to the one of its process, or of its uid).
 //
 // Thread-safety: every method may be called from any thread.
 
@@ -10,7 +11,9 @@
 
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -20,13 +23,32 @@ namespace refit::server {
 
 class Owners {
  public:
-  void Set(const std::string& buffer_id, uid_t uid) {
+  // `pid` 0: a process refitd cannot watch (its buffers stay until released).
+  void Set(const std::string& buffer_id, uid_t uid, pid_t pid) {
     std::lock_guard<std::mutex> lock(mu_);
-    owners_[buffer_id] = uid;
+    owners_[buffer_id] = {uid, pid};
+    if (pid != 0) by_process_[{uid, pid}].insert(buffer_id);
   }
   void Forget(const std::string& buffer_id) {
     std::lock_guard<std::mutex> lock(mu_);
-    owners_.erase(buffer_id);
+    auto it = owners_.find(buffer_id);
+    if (it == owners_.end()) return;
+    auto process = by_process_.find(it->second);
+    if (process != by_process_.end()) {
+      process->second.erase(buffer_id);
+      if (process->second.empty()) by_process_.erase(process);
+    }
+    owners_.erase(it);
+  }
+  // The buffers the process (uid, pid) registered and that are still known here, forgotten.
+  std::vector<std::string> TakeProcess(uid_t uid, pid_t pid) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = by_process_.find({uid, pid});
+    if (it == by_process_.end()) return {};
+    std::vector<std::string> ids(it->second.begin(), it->second.end());
+    for (const std::string& id : ids) owners_.erase(id);
+    by_process_.erase(it);
+    return ids;
   }
   // PERMISSION_DENIED naming the first id `uid` does not own. Ids nobody registered here pass:
   // the store answers NOT_FOUND for them.
@@ -34,10 +56,10 @@ class Owners {
     std::lock_guard<std::mutex> lock(mu_);
     for (const std::string& id : ids) {
       auto it = owners_.find(id);
-      if (it != owners_.end() && it->second != uid) {
-        return absl::PermissionDeniedError(absl::StrCat(
-            "buffer ", id, " was registered by uid ", it->second, "; uid ", uid, " may not ",
-            what, " it"));
+      if (it != owners_.end() && it->second.first != uid) {
+        return absl::PermissionDeniedError(absl::StrCat("buffer ", id, " was registered by uid ",
+                                                        it->second.first, "; uid ", uid,
+                                                        " may not ", what, " it"));
       }
     }
     return absl::OkStatus();
@@ -45,7 +67,9 @@ class Owners {
 
  private:
   mutable std::mutex mu_;
-  std::map<std::string, uid_t> owners_;
+  std::map<std::string, std::pair<uid_t, pid_t>> owners_;  // by buffer id
+  // The buffers of each watched process (pid != 0).
+  std::map<std::pair<uid_t, pid_t>, std::set<std::string>> by_process_;
 };
 
 }  // namespace refit::server

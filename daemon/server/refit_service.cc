@@ -122,7 +122,14 @@ grpc::Status RefitService::RegisterBuffer(grpc::ServerContext*,
                                            std::move(region).value(), std::move(slices).value(),
                                            request->client());
   if (!id.ok()) return Finish("RegisterBuffer", id.status());
-  if (context_.owners && context_.caller) context_.owners->Set(*id, context_.caller->uid);
+  if (context_.owners && context_.caller) {
+    context_.owners->Set(*id, context_.caller->uid, context_.caller->pid);
+  }
+  if (context_.leases && context_.caller && context_.caller->pid == 0) {
+    // refitd cannot see this process exit: the client renews a lease instead.
+    context_.leases->Grant(*id, context_.caller->uid);
+    response->set_lease_ms(static_cast<uint32_t>(context_.leases->length().count()));
+  }
   response->set_buffer_id(*id);
   return grpc::Status::OK;
 }
@@ -136,16 +143,23 @@ absl::Status RefitService::CheckOwner(const google::protobuf::RepeatedPtrField<s
 grpc::Status RefitService::ReleaseBuffer(grpc::ServerContext*,
                                          const v1::ReleaseBufferRequest* request,
                                          v1::ReleaseBufferResponse*) {
-  // The daemon's own uid (an operator cleaning up) may release any buffer.
-  if (!context_.caller || context_.caller->uid != geteuid()) {
+  // The daemon's own uid and root (an operator cleaning up: refitctl release) may release any
+  // buffer.
+  if (context_.caller && context_.caller->uid != geteuid() && context_.caller->uid != 0) {
     google::protobuf::RepeatedPtrField<std::string> ids;
     ids.Add()->assign(request->buffer_id());
     if (absl::Status owned = CheckOwner(ids, "release"); !owned.ok()) {
       return Finish("ReleaseBuffer", owned);
     }
   }
-  absl::Status released = context_.store->ReleaseBuffer(request->buffer_id());
+  std::string why;
+  if (context_.caller) {
+    why = absl::StrCat("released by ", context_.caller->pid != 0 ? "pid " : "uid ",
+                       context_.caller->pid != 0 ? context_.caller->pid : context_.caller->uid);
+  }
+  absl::Status released = context_.store->ReleaseBuffer(request->buffer_id(), why);
   if (released.ok() && context_.owners) context_.owners->Forget(request->buffer_id());
+  if (released.ok() && context_.leases) context_.leases->Forget(request->buffer_id());
   return Finish("ReleaseBuffer", released);
 }
 
@@ -311,6 +325,20 @@ grpc::Status RefitService::DropModel(grpc::ServerContext*, const v1::DropModelRe
   Logger("server")->info("model={} dropped: {} versions released, newest published {} forgotten",
                          request->model(), dropped->released_versions.size(),
                          response->forgotten_version());
+  return grpc::Status::OK;
+}
+
+grpc::Status RefitService::RenewLeases(grpc::ServerContext*,
+                                       const v1::RenewLeasesRequest* request,
+                                       v1::RenewLeasesResponse* response) {
+  if (request->buffer_ids_size() > 65536) {
+    return Finish("RenewLeases", absl::InvalidArgumentError("more than 65536 buffer ids"));
+  }
+  std::vector<std::string> unknown = Ids(request->buffer_ids());
+  if (context_.leases && context_.caller) {
+    unknown = context_.leases->Renew(unknown, context_.caller->uid);
+  }
+  for (std::string& id : unknown) response->add_unknown_ids(std::move(id));
   return grpc::Status::OK;
 }
 

@@ -14,6 +14,7 @@
 
 #include "daemon/callers/caller.h"
 #include "daemon/fleet/replicas.h"
+#include "daemon/server/leases.h"
 #include "daemon/server/owners.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/state/version_ledger.h"
@@ -37,6 +38,8 @@ struct ServiceContext {
   // instance of its uid); empty: no checks (in-process use).
   std::optional<callers::Caller> caller;
   std::shared_ptr<Owners> owners;  // shared by every instance; null: no ownership checks
+  // Leases for buffers of processes refitd cannot watch (caller pid 0); null: none.
+  Leases* leases = nullptr;  // not owned
   fleet::ReplicaTable* replicas = nullptr;  // not owned; null: WaitForReplicas UNIMPLEMENTED
   // Each model's newest published version (--state-dir); null: Publish checks only the store.
   state::VersionLedger* ledger = nullptr;  // not owned
@@ -72,6 +75,8 @@ class RefitService final : public v1::Refit::Service {
                                v1::WaitForReplicasResponse* response) override;
   grpc::Status DropModel(grpc::ServerContext* context, const v1::DropModelRequest* request,
                          v1::DropModelResponse* response) override;
+  grpc::Status RenewLeases(grpc::ServerContext* context, const v1::RenewLeasesRequest* request,
+                           v1::RenewLeasesResponse* response) override;
 
  private:
   // PERMISSION_DENIED unless the caller registered every one of `ids` (what: "publish", ...).

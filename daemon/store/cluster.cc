@@ -190,6 +190,7 @@ void Store::TryCompleteWithRemotes(Model& model) {
                            candidate, model.latest, fits.ToString());
     model.failed = candidate;
     model.failed_status = std::move(fits);
+    metrics_->Add(kVersionsAbandoned, 1);
     changed_.notify_all();
     return;
   }
@@ -256,6 +257,7 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
                            job.model, job.version, model->latest, result.ToString());
     model->failed = job.version;
     model->failed_status = result.ok() ? absl::InternalError("a pull returned no staging") : result;
+    metrics_->Add(kVersionsAbandoned, 1);
     model->pending.erase(job.version);
     changed_.notify_all();
     // A newer version announced during the pull waited for it to end: take it now, rather

@@ -163,7 +163,7 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   return id;
 }
 
-absl::Status Store::ReleaseBuffer(const std::string& buffer_id) {
+absl::Status Store::ReleaseBuffer(const std::string& buffer_id, const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = buffers_.find(buffer_id);
   if (it == buffers_.end()) {
@@ -183,15 +183,40 @@ absl::Status Store::ReleaseBuffer(const std::string& buffer_id) {
   }
   model.plans.clear();
   UpdateBudget(model);
-  Logger("store")->info("model={} buffer={} released", buffer->model, buffer_id);
-  // A pending version may now have every remaining source published.
+  Logger("store")->info("model={} buffer={} client={} released{}{}", buffer->model, buffer_id,
+                        buffer->client, why.empty() ? "" : ": ", why);
   if (buffer->role == Role::kSource) {
+    AbandonUnpublished(model, *buffer, why);
+    // A pending version may now have every remaining source published.
     RecheckDestinations(model);
     if (listener_.local_layout_changed) listener_.local_layout_changed(buffer->model);
     TryComplete(model);
   }
   EraseIfEmpty(buffer->model);  // e.g. a misspelled model whose engine went away
   return absl::OkStatus();
+}
+
+void Store::AbandonUnpublished(Model& model, const Buffer& buffer, const std::string& why) {
+  for (auto it = model.pending.begin(); it != model.pending.end();) {
+    const uint64_t version = it->first;
+    if (version <= buffer.last_published || it->second.count(buffer.id) > 0) {
+      ++it;
+      continue;
+    }
+    const std::string message = absl::StrCat(
+        "model ", model.name, ": version ", version, " was abandoned: SOURCE buffer ", buffer.id,
+        buffer.client.empty() ? "" : absl::StrCat(" (client ", buffer.client, ")"),
+        " was released before it published that version",
+        why.empty() ? "" : absl::StrCat(" (", why, ")"),
+        "; the next version its successor publishes completes");
+    Logger("store")->warn("{}", message);
+    if (version > model.failed) {
+      model.failed = version;
+      model.failed_status = absl::FailedPreconditionError(message);
+    }
+    metrics_->Add(kVersionsAbandoned, 1);
+    it = model.pending.erase(it);
+  }
 }
 
 absl::StatusOr<std::vector<std::shared_ptr<Store::Buffer>>> Store::LookUpBuffers(
@@ -630,9 +655,13 @@ absl::StatusOr<uint64_t> Store::WaitForVersion(const std::string& model_name,
           model_name, " (not this one, nor any connected peer)", KnownModelsHint(model_name, known),
           "; check the model name and that the trainer's node is in --peers"));
     }
+    std::string abandoned;
+    if (model && model->failed >= min_version && model->failed > latest) {
+      abandoned = absl::StrCat("; ", model->failed_status.message());
+    }
     return absl::DeadlineExceededError(
         absl::StrCat("model ", model_name, ": no version >= ", min_version,
-                     " completed before the deadline (latest: ", latest, ")"));
+                     " completed before the deadline (latest: ", latest, ")", abandoned));
   }
   RETURN_IF_ERROR(status);
   return latest;

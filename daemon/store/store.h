@@ -222,7 +222,10 @@ class Store {
                                              const std::string& client);
 
   // Stops using a buffer. In-flight Publish/Apply calls on it finish first (they hold it).
-  absl::Status ReleaseBuffer(const std::string& buffer_id);
+  // Releasing a SOURCE buffer abandons the versions in flight that other sources published but
+  // it did not (they can't be whole); its published versions stay. `why` says why it goes
+  // (e.g. "its process exited"), for logs and the abandoned version's message.
+  absl::Status ReleaseBuffer(const std::string& buffer_id, const std::string& why = "");
 
   // Snapshots the listed SOURCE buffers as `version` of `model`.
   absl::StatusOr<PublishResult> Publish(const std::string& model, uint64_t version,
@@ -346,6 +349,8 @@ class Store {
   absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> LookUpBuffers(
       const std::string& model, Role role, const std::vector<std::string>& ids) const;
   void TryComplete(Model& model);
+  // The pending versions `buffer` (a SOURCE being released) did not publish: abandoned.
+  void AbandonUnpublished(Model& model, const Buffer& buffer, const std::string& why);
   void TryCompleteWithRemotes(Model& model);
   // ---- Slot memory per model (store_memory.cc) ----
   // The bytes of one version's slots of `model` here (ModelInfo::share_bytes), counting

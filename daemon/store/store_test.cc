@@ -182,18 +182,51 @@ TEST_CASE_METHOD(Fixture, "a version completes only when every source buffer pub
   CHECK(std::memcmp(dst.data + 128, r1.data, 128) == 0);
 }
 
-TEST_CASE_METHOD(Fixture, "releasing a lagging source completes the pending version",
+TEST_CASE_METHOD(Fixture,
+                 "releasing a lagging source abandons the version it never published; the "
+                 "next one completes",
+                 "[store]") {
+  TestBuffer r0(64), r1(64), r2(64);
+  auto a = store.RegisterBuffer("m", Role::kSource, r0.Lend(),
+                                {Whole("x", DType::kUINT8, {64}, 0)}, "rank0");
+  auto b = store.RegisterBuffer("m", Role::kSource, r1.Lend(),
+                                {Whole("y", DType::kUINT8, {64}, 0)}, "rank1");
+  REQUIRE(store.Publish("m", 1, {*a}).ok());
+  REQUIRE(store.Publish("m", 1, {*b}).ok());
+  CHECK(store.LatestVersion("m") == 1);
+  // Rank 1 goes before publishing 2: version 2 would lack tensor y.
+  REQUIRE(store.Publish("m", 2, {*a}).ok());
+  REQUIRE(store.ReleaseBuffer(*b, "its process exited").ok());
+  CHECK(store.LatestVersion("m") == 1);
+  auto models = store.Models();
+  REQUIRE(models.size() == 1);
+  CHECK(models[0].abandoned_version == 2);
+  CHECK(models[0].abandoned_error.find(*b) != std::string::npos);
+  CHECK(models[0].abandoned_error.find("its process exited") != std::string::npos);
+  CHECK(metrics.Get(kVersionsAbandoned) == 1);
+  CHECK(store.ReleaseBuffer(*b).code() == absl::StatusCode::kNotFound);
+  // A version the released buffer did publish is kept: its successor completes 3 with rank 0.
+  auto c = store.RegisterBuffer("m", Role::kSource, r2.Lend(),
+                                {Whole("y", DType::kUINT8, {64}, 0)}, "rank1-successor");
+  REQUIRE(c.ok());
+  REQUIRE(store.Publish("m", 3, {*c}).ok());
+  REQUIRE(store.Publish("m", 3, {*a}).ok());
+  CHECK(store.LatestVersion("m") == 3);
+}
+
+TEST_CASE_METHOD(Fixture, "a source released after publishing leaves its piece in the version",
                  "[store]") {
   TestBuffer r0(64), r1(64);
   auto a = store.RegisterBuffer("m", Role::kSource, r0.Lend(),
                                 {Whole("x", DType::kUINT8, {64}, 0)}, "");
   auto b = store.RegisterBuffer("m", Role::kSource, r1.Lend(),
                                 {Whole("y", DType::kUINT8, {64}, 0)}, "");
-  REQUIRE(store.Publish("m", 1, {*a}).ok());
+  REQUIRE(store.Publish("m", 1, {*b}).ok());
+  REQUIRE(store.ReleaseBuffer(*b).ok());  // published 1, then went
   CHECK(store.LatestVersion("m") == 0);
-  REQUIRE(store.ReleaseBuffer(*b).ok());
+  REQUIRE(store.Publish("m", 1, {*a}).ok());
   CHECK(store.LatestVersion("m") == 1);
-  CHECK(store.ReleaseBuffer(*b).code() == absl::StatusCode::kNotFound);
+  CHECK(store.Models()[0].abandoned_version == 0);
 }
 
 TEST_CASE_METHOD(Fixture, "retention drops old versions; codes tell dropped from not complete",

@@ -4,12 +4,17 @@
 //   as_client SOCKET status | health | release ID | publish MODEL VERSION ID
 //   as_client SOCKET register ROLE MODEL SHM_NAME      (ROLE: SOURCE or DESTINATION)
 //   as_client SOCKET register-own ROLE MODEL           (creates its own 512 KiB shm object
-//                                                       and registers it; refitd keeps it
-//                                                       mapped after this process exits)
+//                                                       and registers it; refitd releases
+//                                                       it when this process exits)
+//   as_client SOCKET hold ROLE MODEL VERSION           (register-own, then a SOURCE publishes
+//                                                       VERSION if it is not 0; prints the
+//                                                       line, then stays until its standard
+//                                                       input closes or it is killed)
 
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -52,6 +57,25 @@ int main(int argc, char** argv) {
   if (op == "release" && argc == 4) return Print(c.ReleaseBuffer(argv[3]));
   if (op == "publish" && argc == 6) {
     return Print(c.Publish(argv[3], std::stoull(argv[4]), {argv[5]}).status());
+  }
+  if (op == "hold" && argc == 6) {
+    const v1::Role role = std::string(argv[3]) == "SOURCE" ? v1::SOURCE : v1::DESTINATION;
+    auto shm = refit::client::SharedMemory::Create(
+        "/refit-as-client-hold-" + std::to_string(getpid()), 256 * 1024 * 2);
+    if (!shm.ok()) return Print(shm.status());
+    std::memset(shm->data(), 0x5a, shm->size());
+    auto id = c.RegisterBuffer(argv[4], role, shm->name(), Tensors(), "as_client-hold");
+    if (!id.ok()) return Print(id.status());
+    const uint64_t version = std::stoull(argv[5]);
+    if (role == v1::SOURCE && version > 0) {
+      auto published = c.Publish(argv[4], version, {*id});
+      if (!published.ok()) return Print(published.status());
+    }
+    Print(absl::OkStatus(), *id);
+    char byte;
+    while (read(0, &byte, 1) > 0) {
+    }
+    return 0;  // without releasing: refitd releases it when this process is gone
   }
   if ((op == "register" && argc == 6) || (op == "register-own" && argc == 5)) {
     const v1::Role role = std::string(argv[3]) == "SOURCE" ? v1::SOURCE : v1::DESTINATION;

@@ -1,6 +1,7 @@
 #include "tests/testing/daemon_process.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -59,12 +60,14 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
   d->dir_ = dir_template;
   d->socket_ = socket.empty() ? d->dir_ + "/run/refitd.sock" : socket;
 
+  std::string binary = RunfilePath("daemon/refitd");
+  for (const std::string& e : env) {
+    if (e.rfind("REFIT_TEST_BINARY=", 0) == 0) binary = e.substr(e.find('=') + 1);
+  }
   std::vector<std::string> args = wrapper;
-  args.insert(args.end(), {RunfilePath("daemon/refitd"), "--socket=" + d->socket_,
-                           "--log-level=debug"});
-  const bool has_listen = std::any_of(extra_args.begin(), extra_args.end(), [](const auto& a) {
-    return a.rfind("--listen=", 0) == 0;
-  });
+  args.insert(args.end(), {binary, "--socket=" + d->socket_, "--log-level=debug"});
+  const bool has_listen = std::any_of(extra_args.begin(), extra_args.end(),
+                                      [](const auto& a) { return a.rfind("--listen=", 0) == 0; });
   if (!has_listen) args.push_back("--listen=127.0.0.1:0");
   args.insert(args.end(), extra_args.begin(), extra_args.end());
   // Only async-signal-safe calls between fork and exec: this process has gRPC threads.
@@ -169,6 +172,78 @@ CommandResult RunCommand(const std::vector<std::string>& argv_in) {
   unlink(out_template);
   unlink(err_template);
   return result;
+}
+
+absl::StatusOr<std::unique_ptr<ChildProcess>> ChildProcess::Spawn(
+    const std::vector<std::string>& argv_in) {
+  int in_pipe[2], out_pipe[2];
+  if (pipe2(in_pipe, O_CLOEXEC) != 0) return absl::InternalError("pipe");
+  if (pipe2(out_pipe, O_CLOEXEC) != 0) {
+    close(in_pipe[0]);
+    close(in_pipe[1]);
+    return absl::InternalError("pipe");
+  }
+  std::vector<std::string> copy = argv_in;
+  std::vector<char*> argv;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid < 0) return absl::InternalError("fork");
+  if (pid == 0) {
+    dup2(in_pipe[0], 0);
+    dup2(out_pipe[1], 1);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(in_pipe[0]);
+  close(out_pipe[1]);
+  std::unique_ptr<ChildProcess> child(new ChildProcess());
+  child->pid_ = pid;
+  child->in_fd_ = in_pipe[1];
+  child->out_fd_ = out_pipe[0];
+  return child;
+}
+
+ChildProcess::~ChildProcess() {
+  if (pid_ > 0) Stop(SIGKILL);
+  CloseStdin();
+  if (out_fd_ >= 0) close(out_fd_);
+}
+
+absl::StatusOr<std::string> ChildProcess::ReadLine(double timeout_s) {
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(int64_t(timeout_s * 1000));
+  while (true) {
+    const size_t newline = buffered_.find('\n');
+    if (newline != std::string::npos) {
+      std::string line = buffered_.substr(0, newline);
+      buffered_.erase(0, newline + 1);
+      return line;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return absl::DeadlineExceededError("no line from the child");
+    pollfd p{out_fd_, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
+    char chunk[4096];
+    const ssize_t n = read(out_fd_, chunk, sizeof(chunk));
+    if (n <= 0) return absl::UnavailableError("the child closed its output: " + buffered_);
+    buffered_.append(chunk, static_cast<size_t>(n));
+  }
+}
+
+void ChildProcess::CloseStdin() {
+  if (in_fd_ >= 0) close(in_fd_);
+  in_fd_ = -1;
+}
+
+int ChildProcess::Stop(int signal) {
+  if (pid_ <= 0) return -1;
+  kill(pid_, signal);
+  int status = 0;
+  waitpid(pid_, &status, 0);
+  pid_ = -1;
+  return DecodeWaitStatus(status);
 }
 
 }  // namespace refit::testing

@@ -27,7 +27,8 @@ class DaemonProcess {
   // Starts refitd with --socket in a fresh temporary directory, --listen=127.0.0.1:0 and
   // `extra_args`; returns once the socket answers (or an error after 20 s).
   // With `socket` set, serves that path instead of one in a fresh directory.
-  // `env` entries ("NAME=value") are added to the daemon's environment.
+  // `env` entries ("NAME=value") are added to the daemon's environment; REFIT_TEST_BINARY=PATH
+  // runs that binary instead of daemon/refitd (e.g. daemon/refitd_testing).
   // `wrapper` (e.g. {"/usr/sbin/ip", "netns", "exec", "ns1"}) is run with refitd's command line.
   static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(
       const std::vector<std::string>& extra_args = {}, const std::string& socket = "",
@@ -62,5 +63,28 @@ struct CommandResult {
   std::string err;
 };
 CommandResult RunCommand(const std::vector<std::string>& argv);
+
+// A command left running: its standard input and output are pipes to the test. SIGKILLed and
+// reaped when the handle goes away.
+class ChildProcess {
+ public:
+  static absl::StatusOr<std::unique_ptr<ChildProcess>> Spawn(const std::vector<std::string>& argv);
+  ~ChildProcess();
+
+  pid_t pid() const { return pid_; }
+  // The next line of its standard output (without the newline); an error at EOF or after
+  // `timeout_s`.
+  absl::StatusOr<std::string> ReadLine(double timeout_s = 20);
+  void CloseStdin();
+  // Sends `signal` and waits for the exit; returns what RunCommand's exit_code would say.
+  int Stop(int signal);
+
+ private:
+  ChildProcess() = default;
+  pid_t pid_ = -1;
+  int in_fd_ = -1;
+  int out_fd_ = -1;
+  std::string buffered_;
+};
 
 }  // namespace refit::testing

@@ -19,6 +19,7 @@ import torch
 
 from refit import buffer as buffer_lib
 from refit import errors
+from refit import leases
 from refit import memory
 from refit.v1 import refit_pb2, refit_pb2_grpc
 
@@ -159,8 +160,12 @@ class Client:
                 "socket)",
                 what="connect") from None
         self._stub = refit_pb2_grpc.RefitStub(self._channel)
+        # Renews leases when refitd can't watch this process (RegisterBufferResponse.lease_ms).
+        self._leases = leases.LeaseKeeper(
+            lambda request, timeout: self._stub.RenewLeases(request, timeout=timeout))
 
     def close(self) -> None:
+        self._leases.stop()
         self._channel.close()
 
     def __enter__(self) -> "Client":
@@ -219,6 +224,7 @@ class Client:
                 tensors=[lay.to_proto() for lay in layouts],
                 client=client_name if client_name is not None else _default_client_name())
             response = self._call("RegisterBuffer", request)
+            self._leases.add(response.buffer_id, response.lease_ms)
         except BaseException:
             region.close()
             raise
@@ -226,10 +232,13 @@ class Client:
 
     def register_request(self, request: refit_pb2.RegisterBufferRequest) -> str:
         """Registers memory the caller manages itself; returns the buffer id."""
-        return self._call("RegisterBuffer", request).buffer_id
+        response = self._call("RegisterBuffer", request)
+        self._leases.add(response.buffer_id, response.lease_ms)
+        return response.buffer_id
 
     def release_buffer(self, buffer_id: str) -> None:
         """The daemon stops using that buffer's memory (Buffer.release() calls this)."""
+        self._leases.remove(buffer_id)
         self._call("ReleaseBuffer", refit_pb2.ReleaseBufferRequest(buffer_id=buffer_id))
 
     # ---- versions ----

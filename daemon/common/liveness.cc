@@ -1,0 +1,24 @@
+#include "daemon/common/liveness.h"
+
+#include "absl/strings/str_format.h"
+
+namespace refit {
+
+std::vector<std::string> Liveness::Stuck(std::chrono::milliseconds stall) const {
+  std::vector<std::string> stuck;
+  const int64_t bound_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(stall).count();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const Worker& worker : workers_) {
+    if (!worker.busy()) continue;
+    const int64_t since = worker.SinceProgressNs();
+    if (since > bound_ns) {
+      stuck.push_back(absl::StrFormat("%s (busy %.1f s without progress)", worker.name(),
+                                      static_cast<double>(since) / 1e9));
+    }
+  }
+  return stuck;
+}
+
+__attribute__((weak)) void TestHookWedge(const char*) {}
+
+}  // namespace refit

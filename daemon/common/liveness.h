@@ -1,0 +1,78 @@
+#pragma once
+
+// Which of the daemon's workers are alive: each long-lived worker thread (the data plane, the
+// store's quantizer, the peer pulls) holds a Worker and says when it is busy, when it makes
+// progress and when it is idle. A worker busy without progress for longer than a stall bound is
+// stuck; the daemon then stops pinging systemd's watchdog and answers health NOT_SERVING,
+// naming it (daemon/main.cc, Daemon::StuckWorkers), so that systemd restarts a wedged daemon
+// instead of a loop that merely sleeps well.
+//
+// Thread-safety: Worker's methods are lock-free and called by its own thread; Register and
+// Stuck may be called from any thread.
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace refit {
+
+class Liveness {
+ public:
+  class Worker {
+   public:
+    explicit Worker(std::string name) : name_(std::move(name)) {}
+    const std::string& name() const { return name_; }
+    // Starts a unit of work (progress counts from now).
+    void Busy() {
+      last_progress_ns_.store(Now(), std::memory_order_relaxed);
+      busy_.store(true, std::memory_order_relaxed);
+    }
+    // The work moved on (a read landed, a block was quantized, a loop turned).
+    void Progress() { last_progress_ns_.store(Now(), std::memory_order_relaxed); }
+    // Waiting for work: never stuck while idle.
+    void Idle() { busy_.store(false, std::memory_order_relaxed); }
+
+    bool busy() const { return busy_.load(std::memory_order_relaxed); }
+    // Nanoseconds since the last progress (or Busy).
+    int64_t SinceProgressNs() const {
+      return Now() - last_progress_ns_.load(std::memory_order_relaxed);
+    }
+
+   private:
+    static int64_t Now() {
+      return std::chrono::duration_cast<std::chrono::nanoseconds>(
+                 std::chrono::steady_clock::now().time_since_epoch())
+          .count();
+    }
+    const std::string name_;
+    std::atomic<bool> busy_{false};
+    std::atomic<int64_t> last_progress_ns_{0};
+  };
+
+  // A worker that lives as long as this registry. Names need not be unique.
+  Worker* Register(std::string name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    workers_.emplace_back(std::move(name));
+    return &workers_.back();
+  }
+
+  // "name (busy 42.0 s without progress)" for every worker busy without progress for longer
+  // than `stall`; empty when all is well.
+  std::vector<std::string> Stuck(std::chrono::milliseconds stall) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::deque<Worker> workers_;  // stable addresses
+};
+
+// A test hook on a worker's path (e.g. "dataplane", once per turn of its loop). The production
+// binary's is a no-op; //daemon:refitd_testing links //daemon/common:test_hooks, whose hook
+// wedges the named worker while the file $REFIT_TEST_WEDGE_FILE exists and
+// $REFIT_TEST_WEDGE names the worker. Fault switches never ship in refitd itself.
+void TestHookWedge(const char* worker);
+
+}  // namespace refit
