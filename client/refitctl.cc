@@ -139,6 +139,18 @@ void PrintStatus(const v1::StatusResponse& status) {
                                  m.versions().empty() ? "-" : absl::StrJoin(m.versions(), ","),
                                  m.source_buffers(), m.destination_buffers(),
                                  HumanBytes(static_cast<double>(m.version_bytes())));
+    if (m.budget_bytes() != 0 || m.held_bytes() != 0 || m.in_flight_bytes() != 0) {
+      std::cout << absl::StrFormat(
+          "  slots: %s held, %s spare, %s in flight; budget %s (retain + 1 versions of %s)\n",
+          HumanBytes(static_cast<double>(m.held_bytes())),
+          HumanBytes(static_cast<double>(m.spare_bytes())),
+          HumanBytes(static_cast<double>(m.in_flight_bytes())),
+          HumanBytes(static_cast<double>(m.budget_bytes())),
+          HumanBytes(static_cast<double>(m.share_bytes())));
+    }
+    if (!m.memory_warning().empty()) {
+      std::cout << "  memory: " << m.memory_warning() << "\n";
+    }
     if (m.abandoned_version() != 0) {
       std::cout << absl::StrFormat("  version %d abandoned: %s\n", m.abandoned_version(),
                                    m.abandoned_error());

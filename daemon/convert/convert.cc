@@ -64,6 +64,12 @@ void ToProto(const ModelInfo& info, v1::ModelStatus* out) {
   out->set_skipped_version(info.skipped_version);
   out->set_skipped_reason(info.skipped_reason);
   out->set_latest_nonfinite_values(info.latest_nonfinite_values);
+  out->set_held_bytes(info.held_bytes);
+  out->set_spare_bytes(info.spare_bytes);
+  out->set_in_flight_bytes(info.in_flight_bytes);
+  out->set_share_bytes(info.share_bytes);
+  out->set_budget_bytes(info.budget_bytes);
+  out->set_memory_warning(info.memory_warning);
   for (const BufferInfo& b : info.buffers) {
     v1::BufferStatus* bs = out->add_buffers();
     bs->set_buffer_id(b.id);

@@ -309,3 +309,53 @@ TEST_CASE("HashRanges hashes each range in order", "[memory]") {
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+TEST_CASE("SlotPool keeps an owner's spare slots only within its budget", "[memory]") {
+  auto pool = SlotPool::Create(/*max_spare_bytes=*/1 << 20);
+  pool->SetBudget("m", 2 * 4096);  // retain 1: the held version and the next
+  REQUIRE(pool->Reserve(4096, 3, "m").ok());
+  CHECK(pool->UsageOf("m").spare == 2 * 4096);  // the third is past the budget
+
+  auto v1 = pool->Acquire(4096, "m");
+  auto v2 = pool->Acquire(4096, "m");
+  REQUIRE(v1.ok());
+  REQUIRE(v2.ok());
+  CHECK(pool->UsageOf("m").in_use == 2 * 4096);
+  CHECK(pool->held_bytes() == 2 * 4096);
+  // A third version in flight (a reader still holds v1) goes past the budget: nothing of it
+  // is kept once released.
+  auto v3 = pool->Acquire(4096, "m");
+  REQUIRE(v3.ok());
+  v1->reset();
+  CHECK(pool->UsageOf("m").spare == 0);
+  CHECK(pool->held_bytes() == 2 * 4096);
+  v2->reset();  // v3 held, v2's slot kept for the next one
+  CHECK(pool->UsageOf("m").spare == 4096);
+  CHECK(pool->held_bytes() == 2 * 4096);
+
+  // A slot acquired for no owner (a pull's staging) takes the owner's spare and is handed to
+  // it once the version completes.
+  auto staging = pool->Acquire(4096);
+  REQUIRE(staging.ok());
+  CHECK(pool->UsageOf("m").spare == 0);
+  CHECK(pool->UsageOf("").in_use == 4096);
+  pool->Adopt(staging->get(), "m");
+  CHECK(pool->UsageOf("").in_use == 0);
+  CHECK(pool->UsageOf("m").in_use == 2 * 4096);
+  v3->reset();
+  CHECK(pool->UsageOf("m").spare == 4096);
+
+  // A budget of 0 (the model forgotten) frees the owner's spare slots now, and its slots in
+  // use once released.
+  pool->SetBudget("m", 0);
+  CHECK(pool->UsageOf("m").spare == 0);
+  CHECK(pool->held_bytes() == 4096);
+  staging->reset();
+  CHECK(pool->held_bytes() == 0);
+}
+
+}  // namespace
+}  // namespace refit

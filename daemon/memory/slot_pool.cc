@@ -12,21 +12,40 @@ std::shared_ptr<SlotPool> SlotPool::Create(uint64_t max_spare_bytes, Allocator a
       new SlotPool(max_spare_bytes, std::move(allocate), max_bytes, std::move(observe)));
 }
 
-absl::StatusOr<std::shared_ptr<Region>> SlotPool::Acquire(uint64_t size) {
+absl::StatusOr<std::shared_ptr<Region>> SlotPool::Acquire(uint64_t size, const std::string& owner) {
   std::unique_ptr<Region> region;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = spare_.find(size);
-    if (it != spare_.end()) {
-      region = std::move(it->second);
-      spare_.erase(it);
+    auto [first, last] = spare_.equal_range(size);
+    auto it = last;
+    for (auto s = first; s != last; ++s) {
+      if (s->second.owner == owner) {
+        it = s;
+        break;
+      }
+    }
+    if (it == last) it = first;  // another owner's slot of that size
+    if (it != last) {
+      region = std::move(it->second.region);
       spare_bytes_ -= size;
+      usage_[it->second.owner].spare -= size;
+      spare_.erase(it);
     }
   }
   if (!region) {
-    auto allocated = Allocate(size);
+    auto allocated = Allocate(size, owner);
     if (!allocated.ok()) return allocated.status();
     region = std::move(allocated).value();
+  }
+  return HandOut(std::move(region), owner);
+}
+
+std::shared_ptr<Region> SlotPool::HandOut(std::unique_ptr<Region> region,
+                                          const std::string& owner) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    owner_of_[region.get()] = owner;
+    usage_[owner].in_use += region->size();
   }
   std::weak_ptr<SlotPool> weak = weak_from_this();
   Region* raw = region.release();
@@ -36,7 +55,8 @@ absl::StatusOr<std::shared_ptr<Region>> SlotPool::Acquire(uint64_t size) {
   });
 }
 
-absl::StatusOr<std::unique_ptr<Region>> SlotPool::Allocate(uint64_t size) {
+absl::StatusOr<std::unique_ptr<Region>> SlotPool::Allocate(uint64_t size,
+                                                           const std::string& owner) {
   std::vector<std::unique_ptr<Region>> evicted;  // freed outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -51,12 +71,19 @@ absl::StatusOr<std::unique_ptr<Region>> SlotPool::Allocate(uint64_t size) {
             " in use; --max-slot-memory: every version held, being published or pulled takes "
             "one; lower --retain or raise the limit)"));
       }
-      // Spare slots of other sizes go (largest first) until it fits.
+      // Spare slots go until it fits: other owners' first, largest first.
       while (held_bytes_ > max_bytes_ - size) {
         auto it = std::prev(spare_.end());
+        for (auto s = spare_.rbegin(); s != spare_.rend(); ++s) {
+          if (s->second.owner != owner) {
+            it = std::prev(s.base());
+            break;
+          }
+        }
         spare_bytes_ -= it->first;
         held_bytes_ -= it->first;
-        evicted.push_back(std::move(it->second));
+        usage_[it->second.owner].spare -= it->first;
+        evicted.push_back(std::move(it->second.region));
         spare_.erase(it);
       }
     }
@@ -73,36 +100,90 @@ absl::StatusOr<std::unique_ptr<Region>> SlotPool::Allocate(uint64_t size) {
   return allocated;
 }
 
+bool SlotPool::KeepSpare(uint64_t size, const std::string& owner) const {
+  auto it = usage_.find(owner);
+  const Usage usage = it == usage_.end() ? Usage() : it->second;
+  if (owner.empty()) {
+    return size <= max_spare_bytes_ && usage.spare <= max_spare_bytes_ - size;
+  }
+  return usage.budget >= size && usage.in_use + usage.spare <= usage.budget - size;
+}
+
 void SlotPool::Release(std::unique_ptr<Region> region) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t size = region->size();
-  if (size > max_spare_bytes_ || spare_bytes_ > max_spare_bytes_ - size) {
+  std::string owner;
+  if (auto it = owner_of_.find(region.get()); it != owner_of_.end()) {
+    owner = std::move(it->second);
+    owner_of_.erase(it);
+  }
+  usage_[owner].in_use -= size;
+  if (!KeepSpare(size, owner)) {
     held_bytes_ -= size;
     Observe();
-    return;  // freed on return
+    return;  // freed on return, after the lock
   }
   spare_bytes_ += size;
-  spare_.emplace(size, std::move(region));
+  usage_[owner].spare += size;
+  spare_.emplace(size, Spare{std::move(region), std::move(owner)});
 }
 
-absl::Status SlotPool::Reserve(uint64_t size, int count) {
+absl::Status SlotPool::Reserve(uint64_t size, int count, const std::string& owner) {
   int have = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    have = static_cast<int>(spare_.count(size));
+    auto [first, last] = spare_.equal_range(size);
+    for (auto s = first; s != last; ++s) have += s->second.owner == owner ? 1 : 0;
   }
   for (; have < count; ++have) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (size > max_spare_bytes_ || spare_bytes_ > max_spare_bytes_ - size) break;
+      if (!KeepSpare(size, owner)) break;
       // Within the limit without freeing anything.
       if (max_bytes_ > 0 && (size > max_bytes_ || held_bytes_ > max_bytes_ - size)) break;
     }
-    auto region = Allocate(size);
+    auto region = Allocate(size, owner);
     if (!region.ok()) return region.status();
-    Release(std::move(region).value());
+    std::lock_guard<std::mutex> lock(mu_);
+    spare_bytes_ += size;
+    usage_[owner].spare += size;
+    spare_.emplace(size, Spare{std::move(region).value(), owner});
   }
   return absl::OkStatus();
+}
+
+void SlotPool::Adopt(const Region* slot, const std::string& owner) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = owner_of_.find(slot);
+  if (it == owner_of_.end() || it->second == owner) return;
+  usage_[it->second].in_use -= slot->size();
+  usage_[owner].in_use += slot->size();
+  it->second = owner;
+}
+
+void SlotPool::SetBudget(const std::string& owner, uint64_t bytes) {
+  std::vector<std::unique_ptr<Region>> evicted;  // freed outside the lock
+  std::lock_guard<std::mutex> lock(mu_);
+  Usage& usage = usage_[owner];
+  usage.budget = bytes;
+  if (owner.empty()) return;
+  for (auto it = spare_.end(); it != spare_.begin() && usage.in_use + usage.spare > bytes;) {
+    --it;
+    if (it->second.owner != owner) continue;
+    spare_bytes_ -= it->first;
+    held_bytes_ -= it->first;
+    usage.spare -= it->first;
+    evicted.push_back(std::move(it->second.region));
+    it = spare_.erase(it);
+  }
+  if (!evicted.empty()) Observe();
+  if (usage.in_use == 0 && usage.spare == 0 && usage.budget == 0) usage_.erase(owner);
+}
+
+SlotPool::Usage SlotPool::UsageOf(const std::string& owner) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = usage_.find(owner);
+  return it == usage_.end() ? Usage() : it->second;
 }
 
 uint64_t SlotPool::spare_bytes() const {

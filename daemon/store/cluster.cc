@@ -182,7 +182,21 @@ void Store::TryCompleteWithRemotes(Model& model) {
         {pieces[i].node, pieces[i].buffer_id, pieces[i].remote_key, bytes, needed[i], nullptr, 0, {}});
     OfferDelta(model, candidate, &job.fetches.back());
   }
+  uint64_t staging = 0;
+  for (const PullJob::Fetch& fetch : job.fetches) staging += fetch.bytes;
+  if (absl::Status fits = CheckPullFits(model, candidate, staging); !fits.ok()) {
+    // Refused before anything is pulled; a newer version is tried when it is announced.
+    Logger("store")->error("model={} version={} abandoned, staying on version {}: {}", model.name,
+                           candidate, model.latest, fits.ToString());
+    model.failed = candidate;
+    model.failed_status = std::move(fits);
+    metrics_->Add(kVersionsAbandoned, 1);
+    changed_.notify_all();
+    return;
+  }
   model.pulling = candidate;
+  model.pulling_sizes.clear();
+  for (const PullJob::Fetch& fetch : job.fetches) model.pulling_sizes.insert(fetch.bytes);
   model.pulling_pieces = std::move(pieces);
   Logger("store")->info("model={} version={} pulling {} bytes from {} pieces", model.name,
                         candidate, job.Bytes(), job.fetches.size());
@@ -235,6 +249,7 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
   Model* model = FindModel(job.model);
   if (!model || model->pulling != job.version) return;
   model->pulling = 0;
+  model->pulling_sizes.clear();
   std::vector<Piece> pieces = std::move(model->pulling_pieces);
   model->pulling_pieces.clear();
   if (!result.ok() || staging.size() != job.fetches.size()) {
@@ -254,6 +269,7 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
     for (Piece& piece : pieces) {
       if (piece.node == job.fetches[f].node && piece.buffer_id == job.fetches[f].buffer_id) {
         piece.slot = staging[f];
+        pool_->Adopt(piece.slot.get(), model->name);  // the staging slot becomes a held one
         piece.valid = std::make_shared<const ByteRanges>(job.fetches[f].ranges);
       }
     }
@@ -318,6 +334,7 @@ void Store::ImportVersion(const std::string& node, const std::string& model_name
   remote.deltas.clear();
   remote.announced = version;
   RecheckDestinations(*model);
+  UpdateBudget(*model);
   TryComplete(*model);
 }
 
@@ -340,7 +357,9 @@ void Store::ReserveStaging(const std::string& model_name) {
   }
   // Outside the lock (this faults memory in): the slots pulls will stage into, so that the
   // first versions after a start don't pay for it. A failure only means they will.
-  for (uint64_t size : sizes) (void)pool_->Reserve(size, static_cast<int>(options_.retain) + 1);
+  for (uint64_t size : sizes) {
+    (void)pool_->Reserve(size, static_cast<int>(options_.retain) + 1, model_name);
+  }
 }
 
 void Store::SetRemoteSources(const std::string& node, const std::string& model_name,
@@ -355,6 +374,7 @@ void Store::SetRemoteSources(const std::string& node, const std::string& model_n
   remote.sources = std::move(sources);
   model->plans.clear();
   RecheckDestinations(*model);
+  UpdateBudget(*model);
   TryComplete(*model);
   EraseIfEmpty(model_name);  // that node's last source of a model nothing else holds went away
 }

@@ -111,6 +111,15 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
     model->name = model_name;
   }
   absl::Status consistent = CheckAgainstModel(*model, role, buffer->slices);
+  if (consistent.ok()) {
+    const bool first_destination = role == Role::kDestination && model->destinations.empty();
+    const uint64_t share = role == Role::kSource
+                               ? ShareOf(*model, buffer->span_end - buffer->span_begin)
+                               : ShareOf(*model, 0, true);
+    if (role == Role::kSource || first_destination) {
+      consistent = CheckVersionFits(*model, share, "RegisterBuffer refused");
+    }
+  }
   if (!consistent.ok()) {
     if (model->sources.empty() && model->destinations.empty() && model->complete.empty()) {
       models_.erase(model_name);
@@ -130,6 +139,7 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   }
   model->plans.clear();
   buffers_[buffer->id] = buffer;
+  UpdateBudget(*model);
   if (role == Role::kSource) {
     RecheckDestinations(*model);  // the sources win over destinations that came first
     if (listener_.local_layout_changed) listener_.local_layout_changed(model_name);
@@ -148,7 +158,7 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
     // Warm the slot pool for the versions to come (retain + the one being published): a
     // failure here only means the first publishes fault their memory in.
     (void)pool_->Reserve(buffer->span_end - buffer->span_begin,
-                         static_cast<int>(options_.retain) + 1);
+                         static_cast<int>(options_.retain) + 1, model_name);
   }
   return id;
 }
@@ -172,6 +182,7 @@ absl::Status Store::ReleaseBuffer(const std::string& buffer_id, const std::strin
     }
   }
   model.plans.clear();
+  UpdateBudget(model);
   Logger("store")->info("model={} buffer={} client={} released{}{}", buffer->model, buffer_id,
                         buffer->client, why.empty() ? "" : ": ", why);
   if (buffer->role == Role::kSource) {
@@ -252,9 +263,9 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
     Piece piece;
     piece.buffer_id = buffer->id;
     piece.slices = buffer->snapshot_slices;
-    ASSIGN_OR_RETURN(piece.slot, (gpu_pool_ ? gpu_pool_ : pool_)->Acquire(size));
+    ASSIGN_OR_RETURN(piece.slot, (gpu_pool_ ? gpu_pool_ : pool_)->Acquire(size, buffer->model));
     if (gpu_pool_) {
-      ASSIGN_OR_RETURN(piece.host, pool_->Acquire(size));
+      ASSIGN_OR_RETURN(piece.host, pool_->Acquire(size, buffer->model));
     }
     {
       std::lock_guard<std::mutex> io(buffer->io_mu);
@@ -682,39 +693,6 @@ uint64_t Store::LatestVersion(const std::string& model_name) const {
   return model ? model->latest : 0;
 }
 
-std::vector<ModelInfo> Store::Models() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<ModelInfo> out;
-  for (const auto& [name, model] : models_) {
-    ModelInfo info;
-    info.name = name;
-    info.latest_version = model->latest;
-    for (const auto& [v, version] : model->complete) {
-      info.versions.push_back(v);
-      info.version_bytes = version->bytes;
-      info.latest_nonfinite_values = version->quant->nonfinite();
-    }
-    if (model->failed > model->latest) {
-      info.abandoned_version = model->failed;
-      info.abandoned_error = model->failed_status.ToString();
-    }
-    info.skipped_version = model->skipped;
-    info.skipped_reason = model->skipped_reason;
-    info.source_buffers = static_cast<uint32_t>(model->sources.size());
-    info.destination_buffers = static_cast<uint32_t>(model->destinations.size());
-    for (const auto* ids : {&model->sources, &model->destinations}) {
-      for (const std::string& id : *ids) {
-        const Buffer& b = *buffers_.at(id);
-        info.buffers.push_back(BufferInfo{b.id, b.role, b.client, b.region->size(),
-                                          static_cast<uint32_t>(b.slices.size()),
-                                          b.last_published, b.region->kind(), b.refused});
-      }
-    }
-    out.push_back(std::move(info));
-  }
-  return out;
-}
-
 std::vector<std::string> Store::ModelNames() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::string> out;
@@ -731,6 +709,8 @@ void Store::EraseIfEmpty(const std::string& name) {
   }
   Logger("store")->info("model={} forgotten: no buffers, versions or sources left", name);
   models_.erase(name);
+  pool_->SetBudget(name, 0);
+  if (gpu_pool_) gpu_pool_->SetBudget(name, 0);
   changed_.notify_all();
 }
 
@@ -776,6 +756,8 @@ absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
     model->latest_runs.clear();
   } else {
     models_.erase(name);
+    pool_->SetBudget(name, 0);
+    if (gpu_pool_) gpu_pool_->SetBudget(name, 0);
   }
   Logger("store")->info("model={} dropped: {} version(s) released", name,
                         result.released_versions.size());
@@ -786,10 +768,6 @@ absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
 void Store::SetListener(StoreListener listener) {
   std::lock_guard<std::mutex> lock(mu_);
   listener_ = std::move(listener);
-}
-
-absl::StatusOr<std::shared_ptr<Region>> Store::AcquireSlot(uint64_t size) {
-  return pool_->Acquire(size);
 }
 
 void Store::Shutdown() {

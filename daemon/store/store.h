@@ -9,6 +9,13 @@
 // no reader ever sees part of a version. The newest `retain` complete versions are kept; an
 // older version's slots are freed when the last Apply reading them finishes.
 //
+// Memory. A model's version slots on this node (its share: one version's slots here) are
+// budgeted at (retain + 1) x share: the versions kept and the one being published or pulled,
+// whose slot becomes a held one. Released slots are kept for reuse only within that budget;
+// a model one version of which can't fit under --max-slot-memory is refused at RegisterBuffer,
+// and a pull that can't is refused before it starts (store_memory.cc). Models() reports the
+// figures (ModelInfo::held_bytes ...).
+//
 // Apply executes a transfer plan (daemon/plan) from the version's pieces into DESTINATION
 // buffers; plans are cached per (source pieces, destination buffers) and dropped whenever a
 // registration changes.
@@ -101,6 +108,20 @@ struct ModelInfo {
   // not newer than the one held here, from another run of that node), and why; 0: none.
   uint64_t skipped_version = 0;
   std::string skipped_reason;
+  // Host version slots of the model on this node (GPU slots are not counted here).
+  // held: the complete versions kept (--retain) and the local snapshots other nodes read;
+  // spare: released slots kept for the model's next versions; in_flight: the version being
+  // published or pulled, a delta encoder's base, and dropped versions a reader still holds.
+  // budget: (retain + 1) x share, where share is the bytes of one version's slots here (local
+  // SOURCE buffers' spans, plus the other nodes' pieces when this node has DESTINATION buffers).
+  uint64_t held_bytes = 0;
+  uint64_t spare_bytes = 0;
+  uint64_t in_flight_bytes = 0;
+  uint64_t share_bytes = 0;
+  uint64_t budget_bytes = 0;
+  // Non-empty when the model's next version would not fit under --max-slot-memory (said before
+  // a Publish or a pull fails), or its (retain + 1) versions never can.
+  std::string memory_warning;
 };
 
 // What Verify found in one DESTINATION buffer.
@@ -313,7 +334,9 @@ class Store {
   void FinishPull(const PullJob& job, absl::Status result,
                   std::vector<std::shared_ptr<Region>> staging);
 
-  // A slot of `size` bytes for staging pulled bytes.
+  // A slot of `size` bytes for staging pulled bytes. It counts against the budget of the
+  // model being pulled with a piece of that size (ModelInfo::in_flight_bytes until FinishPull
+  // makes it a held version's slot).
   absl::StatusOr<std::shared_ptr<Region>> AcquireSlot(uint64_t size);
 
   // Wakes every waiter; they and all later waits return UNAVAILABLE.
@@ -343,6 +366,21 @@ class Store {
   // The pending versions `buffer` (a SOURCE being released) did not publish: abandoned.
   void AbandonUnpublished(Model& model, const Buffer& buffer, const std::string& why);
   void TryCompleteWithRemotes(Model& model);
+  // ---- Slot memory per model (store_memory.cc) ----
+  // The bytes of one version's slots of `model` here (ModelInfo::share_bytes), counting
+  // `more_source` bytes of SOURCE buffers more and, with `destination`, a DESTINATION buffer.
+  uint64_t ShareOf(const Model& model, uint64_t more_source = 0, bool destination = false) const;
+  // Recomputes the model's share and tells the slot pools its budget, (retain + 1) x share
+  // (0 once it is forgotten): spare slots are kept only within it.
+  void UpdateBudget(Model& model);
+  // RESOURCE_EXHAUSTED, with the numbers, when one version of `share` bytes of `model` cannot
+  // fit under --max-slot-memory beside the other models' slots in use. `what` names the step.
+  absl::Status CheckVersionFits(const Model& model, uint64_t share, const std::string& what) const;
+  // RESOURCE_EXHAUSTED, with the numbers, when staging `bytes` for `version` of `model` would
+  // take the slots in use past --max-slot-memory (checked before a pull starts).
+  absl::Status CheckPullFits(const Model& model, uint64_t version, uint64_t bytes) const;
+  // Fills the memory fields of `info` (mu_ held).
+  void FillMemory(const Model& model, ModelInfo* info) const;
   // Sets fetch->base and ->deltas when this node can catch up by applying deltas.
   void OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fetch) const;
   void NoteLocalReady(Model& model);

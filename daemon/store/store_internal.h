@@ -122,6 +122,8 @@ struct Store::Model {
   std::map<uint64_t, std::shared_ptr<const LocalSnapshot>> snapshots;  // for other nodes
   uint64_t pulling = 0;                        // version being pulled; 0: none
   std::vector<Piece> pulling_pieces;           // its pieces, remote ones not yet staged
+  std::set<uint64_t> pulling_sizes;            // of its staging slots (AcquireSlot's owner)
+  uint64_t share = 0;                          // UpdateBudget: one version's slot bytes here
   uint64_t failed = 0;                         // newest version whose pull failed
   absl::Status failed_status;                  // why (OK when it couldn't be planned)
   std::string staging_reserved;                // the remote layout staging slots were reserved for

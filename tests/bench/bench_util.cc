@@ -1,7 +1,17 @@
 #include "tests/bench/bench_util.h"
 
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <fstream>
+#include <sstream>
 #include <thread>
+
+#include "absl/strings/str_cat.h"
 
 namespace refit::bench {
 
@@ -35,6 +45,61 @@ bool WaitConnected(client::Client& client, int peers, std::chrono::milliseconds 
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   return false;
+}
+
+int SocketPeerPid(const std::string& path) {
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return 0;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  int pid = 0;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) pid = cred.pid;
+  }
+  close(fd);
+  return pid;
+}
+
+absl::StatusOr<ResidentMemory> ReadResidentMemory(int pid,
+                                                  const std::vector<std::string>& mapped_names) {
+  ResidentMemory out;
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  if (!status) return absl::NotFoundError(absl::StrCat("no process ", pid));
+  std::string line;
+  while (std::getline(status, line)) {
+    std::istringstream fields(line);
+    std::string key;
+    uint64_t kib = 0;
+    fields >> key >> kib;
+    if (key == "VmRSS:") out.rss = kib << 10;
+    if (key == "RssAnon:") out.anon = kib << 10;
+    if (key == "RssShmem:") out.shmem = kib << 10;
+  }
+  if (mapped_names.empty()) return out;
+  std::ifstream smaps(absl::StrCat("/proc/", pid, "/smaps"));
+  bool matching = false;
+  while (std::getline(smaps, line)) {
+    // A mapping's header: "start-end perms offset dev inode [path]".
+    const size_t dash = line.find('-');
+    if (dash != std::string::npos && dash > 0 && line.rfind("Rss:", 0) != 0 &&
+        std::all_of(line.begin(), line.begin() + dash,
+                    [](char c) { return std::isxdigit(static_cast<unsigned char>(c)); })) {
+      matching = std::any_of(mapped_names.begin(), mapped_names.end(), [&](const std::string& n) {
+        return line.find(n) != std::string::npos;
+      });
+      continue;
+    }
+    if (matching && line.rfind("Rss:", 0) == 0) {
+      std::istringstream fields(line.substr(4));
+      uint64_t kib = 0;
+      fields >> kib;
+      out.mapped += kib << 10;
+    }
+  }
+  return out;
 }
 
 }  // namespace refit::bench

@@ -26,4 +26,17 @@ absl::StatusOr<double> Metric(client::Client& client, const std::string& name);
 // Until the daemon reports at least `peers` connected peers; false after `timeout`.
 bool WaitConnected(client::Client& client, int peers, std::chrono::milliseconds timeout);
 
+// The pid of the process serving the unix socket `path` (SO_PEERCRED); 0 when unknown.
+int SocketPeerPid(const std::string& path);
+
+// Resident memory of a process, in bytes (/proc/PID/status, /proc/PID/smaps).
+struct ResidentMemory {
+  uint64_t rss = 0;     // VmRSS: every page mapped and resident, shared ones included
+  uint64_t anon = 0;    // RssAnon
+  uint64_t shmem = 0;   // RssShmem (POSIX shared memory: clients' buffers, UCX slots)
+  uint64_t mapped = 0;  // Rss of the mappings whose path contains one of `mapped_names`
+};
+absl::StatusOr<ResidentMemory> ReadResidentMemory(int pid,
+                                                  const std::vector<std::string>& mapped_names);
+
 }  // namespace refit::bench

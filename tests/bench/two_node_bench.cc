@@ -13,7 +13,14 @@
 // (RESULT key=value ...) for scripts.
 //
 //   two_node_bench --trainer-socket=A.sock --engine-socket=B.sock [--versions=5] [--warmup=1]
-//                  [--mib=1024] [--tensors=1] [--density=0] [--engine-shard=none]
+//                  [--mib=1024] [--tensors=1] [--density=0] [--engine-shard=none] [--memory]
+//
+// --memory also reports both daemons' resident memory after the last version (the daemons are
+// found through their sockets, SO_PEERCRED): VmRSS, the part of it that is the clients' own
+// buffers mapped into the daemon (shared with the client, not memory refit adds), refit's own
+// (the rest: version slots, deltas, the process), its peak while the versions ran (sampled
+// every 10 ms), and each daemon's slot figures per model from Status; all beside the model.
+// scripts/bench-memory.sh runs it for full and delta versions at --retain 1 and 2.
 //
 // --engine-shard=rows|cols makes the model one [N/8192, 8192] tensor of which the engine's node
 // holds half: the first half of the rows (a contiguous range of the source: the same bytes,
@@ -23,6 +30,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <iostream>
@@ -55,6 +63,72 @@ double Received(Client& engine) {
   return refit::bench::Metric(engine, "refit_data_bytes_received_total").value_or(0);
 }
 
+// Samples the resident memory of both daemons every 10 ms until stopped: the peak of each.
+class RssSampler {
+ public:
+  explicit RssSampler(std::vector<int> pids) : pids_(std::move(pids)), peak_(pids_.size()) {
+    thread_ = std::thread([this] {
+      while (!stop_) {
+        for (size_t i = 0; i < pids_.size(); ++i) {
+          auto m = refit::bench::ReadResidentMemory(pids_[i], {});
+          if (m.ok()) peak_[i] = std::max(peak_[i], m->rss);
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    });
+  }
+  std::vector<uint64_t> Stop() {
+    stop_ = true;
+    thread_.join();
+    return peak_;
+  }
+
+ private:
+  std::vector<int> pids_;
+  std::vector<uint64_t> peak_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// One daemon's memory after the run; returns the RESULT fields.
+std::string ReportMemory(const std::string& who, const std::string& key, int pid, uint64_t peak,
+                         Client& client, const std::string& model, uint64_t model_bytes) {
+  auto m = refit::bench::ReadResidentMemory(pid, {"refit-bench-"});
+  if (!m.ok()) {
+    std::cout << "  " << who << ": " << m.status().ToString() << "\n";
+    return "";
+  }
+  const double gib = 1 << 30, size = static_cast<double>(model_bytes);
+  const uint64_t own = m->rss - std::min(m->rss, m->mapped);
+  const uint64_t own_peak = peak - std::min(peak, m->mapped);
+  std::cout << absl::StrFormat(
+      "  %-15s RSS %6.2f GiB (%4.2fx); clients' buffers mapped %5.2f GiB; refit's own %5.2f GiB "
+      "(%4.2fx), peak %5.2f GiB (%4.2fx)\n",
+      who + ":", m->rss / gib, m->rss / size, m->mapped / gib, own / gib, own / size,
+      own_peak / gib, own_peak / size);
+  auto status = client.Status();
+  double slots = 0;
+  uint64_t held = 0, spare = 0, in_flight = 0, budget = 0;
+  if (status.ok()) {
+    slots = status->metrics().count("refit_slot_memory_bytes")
+                ? status->metrics().at("refit_slot_memory_bytes")
+                : 0;
+    for (const auto& s : status->models()) {
+      if (s.model() != model) continue;
+      held = s.held_bytes();
+      spare = s.spare_bytes();
+      in_flight = s.in_flight_bytes();
+      budget = s.budget_bytes();
+    }
+    std::cout << absl::StrFormat(
+        "  %-15s slots %5.2f GiB (%4.2fx): model held %.2f, spare %.2f, in flight %.2f GiB, "
+        "budget %.2f GiB\n",
+        "", slots / gib, slots / size, held / gib, spare / gib, in_flight / gib, budget / gib);
+  }
+  return absl::StrFormat(" %s_rss=%d %s_own=%d %s_own_peak=%d %s_slots=%.0f", key, m->rss, key, own,
+                         key, own_peak, key, slots);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -64,6 +138,8 @@ int main(int argc, char** argv) {
   uint64_t mib = 1024;
   double density = 0;
   std::string engine_shard = "none";
+  bool memory = false;
+  int burst = 0;
   CLI::App app{"refit two-node benchmark: publish on one daemon, receive on another"};
   app.add_option("--trainer-socket", trainer_socket, "the trainer node's refitd socket")
       ->required();
@@ -84,6 +160,13 @@ int main(int argc, char** argv) {
   app.add_option("--engine-shard", engine_shard,
                  "none: the engine holds the whole model; rows / cols: half of one 2-D tensor")
       ->capture_default_str()->check(CLI::IsMember({"none", "rows", "cols"}));
+  app.add_flag("--memory", memory,
+               "report both daemons' resident memory after the versions (beside the model)");
+  app.add_option("--burst", burst,
+                 "then publish this many versions back to back (not waiting for the engine's "
+                 "node between them), the engine's node taking the last")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100));
   CLI11_PARSE(app, argc, argv);
   const bool sharded = engine_shard != "none";
   if (sharded) tensors = 1;
@@ -172,12 +255,18 @@ int main(int argc, char** argv) {
   std::cout << absl::StrFormat("%-8s %14s %10s %10s %11s %10s %10s %10s %8s\n", "version",
                                "bytes pulled", "publish s", "GB/s", "transfer s", "GB/s",
                                "apply s", "GB/s", "check");
+  const int trainer_pid = memory ? refit::bench::SocketPeerPid(trainer_socket) : 0;
+  const int engine_pid = memory ? refit::bench::SocketPeerPid(engine_socket) : 0;
+  if (memory && (trainer_pid == 0 || engine_pid == 0)) {
+    return Fail("--memory", absl::NotFoundError("cannot find the daemons' pids (SO_PEERCRED)"));
+  }
+  std::unique_ptr<RssSampler> sampler;
+  if (memory) sampler = std::make_unique<RssSampler>(std::vector<int>{trainer_pid, engine_pid});
   std::vector<double> publish_s, transfer_s, apply_s, e2e_s;
   const double gb = static_cast<double>(total) / 1e9;
   const double gb_dst = static_cast<double>(dst_total) / 1e9;  // what the engine needs
-  for (int i = 1; i <= warmup + versions; ++i) {
-    const uint64_t version = base + static_cast<uint64_t>(i);
-    const bool measured = i > warmup;
+  // The trainer's step that makes version `version` (the `i`th of this run) in its buffer.
+  auto make_version = [&](int i, uint64_t version) {
     if (density == 0) {
       // The "optimizer step": every byte changes; a marker per tensor.
       std::memset(src->data(), static_cast<int>(version * 37 & 0xff), total);
@@ -193,13 +282,19 @@ int main(int argc, char** argv) {
     } else {
       // An RL-like step: `density` of the bf16 elements move by one unit in the last place.
       std::mt19937_64 rng(version);
-      const uint64_t n = total / 2, changes = static_cast<uint64_t>(density * static_cast<double>(n));
+      const uint64_t n = total / 2,
+                     changes = static_cast<uint64_t>(density * static_cast<double>(n));
       uint16_t* e = reinterpret_cast<uint16_t*>(src->data());
       for (uint64_t c = 0; c < changes; ++c) {
         const uint64_t r = rng();
         e[r % n] = static_cast<uint16_t>(e[r % n] + ((r >> 63) ? 1 : -1));
       }
     }
+  };
+  for (int i = 1; i <= warmup + versions; ++i) {
+    const uint64_t version = base + static_cast<uint64_t>(i);
+    const bool measured = i > warmup;
+    make_version(i, version);
     const double received_before = Received(**engine);
 
     // The engine waits from before Publish, as an inference engine's refit loop would.
@@ -253,11 +348,49 @@ int main(int argc, char** argv) {
         "  (engine shard %s: transfer and apply GB/s over the %.3f GB the engine holds)\n",
         engine_shard, gb_dst);
   }
+  if (burst > 0) {
+    // The trainer publishes `burst` versions back to back, faster than the engine's node takes
+    // them (it skips to the newest); then the engine's node takes the last one.
+    const int first = warmup + versions + 1;
+    uint64_t last = 0;
+    for (int i = first; i < first + burst; ++i) {
+      last = base + static_cast<uint64_t>(i);
+      make_version(i, last);
+      auto published = (*trainer)->Publish(model_name, last, {*src_id});
+      if (!published.ok()) return Fail("Publish (burst)", published.status());
+    }
+    auto ready = (*engine)->WaitForVersion(model_name, last, std::chrono::seconds(timeout_s));
+    if (!ready.ok()) return Fail("WaitForVersion (burst)", ready.status());
+    auto applied = (*engine)->Apply(model_name, last, {*dst_id});
+    if (!applied.ok()) return Fail("Apply (burst)", applied.status());
+    if (!matches(dst->data(), src->data())) {
+      std::cerr << "two_node_bench: version " << last << " (burst) arrived WRONG\n";
+      return 1;
+    }
+    // Readers' pins and the delta encoder let go of the versions in between.
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    std::cout << absl::StrFormat(
+        "burst: %d versions published back to back; the engine's node "
+        "took version %d\n",
+        burst, last);
+  }
+  std::string memory_fields;
+  if (sampler) {
+    const std::vector<uint64_t> peak = sampler->Stop();
+    std::cout << absl::StrFormat("memory after %d versions of a %.3f GiB model:\n",
+                                 warmup + versions + burst, static_cast<double>(total) / (1 << 30));
+    memory_fields += ReportMemory("trainer's node", "trainer", trainer_pid, peak[0], **trainer,
+                                  model_name, total);
+    memory_fields +=
+        ReportMemory("engine's node", "engine", engine_pid, peak[1], **engine, model_name, total);
+  }
   std::cout << absl::StrFormat(
-      "RESULT shard=%s density=%g tensors=%d bytes=%d versions=%d publish_s=%.6f transfer_s=%.6f apply_s=%.6f "
-      "e2e_s=%.6f transfer_gbs=%.4f apply_gbs=%.4f publish_gbs=%.4f\n",
-      engine_shard, density, tensors, total, versions, Median(publish_s), Median(transfer_s), Median(apply_s),
-      Median(e2e_s), transfer_gbs, apply_gbs, publish_gbs);
+      "RESULT shard=%s density=%g tensors=%d bytes=%d versions=%d burst=%d publish_s=%.6f "
+      "transfer_s=%.6f "
+      "apply_s=%.6f "
+      "e2e_s=%.6f transfer_gbs=%.4f apply_gbs=%.4f publish_gbs=%.4f%s\n",
+      engine_shard, density, tensors, total, versions, burst, Median(publish_s), Median(transfer_s),
+      Median(apply_s), Median(e2e_s), transfer_gbs, apply_gbs, publish_gbs, memory_fields);
   (void)(*engine)->ReleaseBuffer(*dst_id);
   (void)(*trainer)->ReleaseBuffer(*src_id);
   return 0;
