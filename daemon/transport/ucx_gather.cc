@@ -377,9 +377,10 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
     }
   }
   if (status == UCS_ERR_INVALID_PARAM) {
-    WarnThrottled(&gathers_refused_,
-                  "refused a gather of " + std::to_string(request.count) +
-                      " spans: malformed, or not within one registration of this transport");
+    WarnThrottled(
+        &gathers_refused_,
+        "refused a gather of " + std::to_string(request.count) +
+            " spans: malformed, not within one registration here, or not granted to its token");
   }
   ++gathers_served_;
 

@@ -346,6 +346,8 @@ UcxTransport::~UcxTransport() {
     std::abort();
   }
   if (worker_ == nullptr) return;  // Init failed early
+  for (auto& parked : parked_) CloseEp(parked, /*park=*/false);
+  parked_.clear();
   // Let endpoint closes, ops and UCX's own queued messages (wireup replies to peers) finish:
   // UCX 1.13 asserts when a worker is destroyed with a wireup message still queued
   // (openucx/ucx#8175). Bounded, because a peer that went away may never answer.
@@ -524,8 +526,22 @@ absl::StatusOr<std::unique_ptr<Endpoint>> UcxTransport::Connect(std::string_view
   return std::unique_ptr<Endpoint>(new UcxEndpoint(this, std::move(state)));
 }
 
-void UcxTransport::CloseEp(const std::shared_ptr<EpState>& state) {
+void UcxTransport::CloseEp(const std::shared_ptr<EpState>& state, bool park) {
   if (state->ep == nullptr) return;
+  const bool healthy_idle = state->failure.ok() && state->in_ucx == 0;
+  if (park && healthy_idle) {
+    // UCX pairs our endpoint to a peer with the peer's endpoint to us (both made from worker
+    // addresses), and the peer's gathers carry our endpoint's id for the reply: once it is
+    // closed, UCX drops them before any handler runs, and the peer waits forever. An idle,
+    // healthy endpoint is therefore parked, still open, until the transport goes (or, past
+    // kMaxParked, the oldest is closed).
+    parked_.push_back(state);
+    if (parked_.size() <= kMaxParked) return;
+    std::shared_ptr<EpState> oldest = parked_.front();
+    parked_.erase(parked_.begin());
+    CloseEp(oldest, /*park=*/false);
+    return;
+  }
   ucp_request_param_t param;
   std::memset(&param, 0, sizeof(param));
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;

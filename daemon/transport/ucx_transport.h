@@ -82,9 +82,12 @@
 //                  UCX is done with it. UCX 1.13 can't abort one RMA op, and closing the ep with
 //                  FORCE would also reset the PEER's endpoints to us (they share the transport
 //                  connection), so bytes already posted still move.
-//   ~Endpoint      cancels as above, then ucp_ep_close_nbx: a flushing close when idle; FORCE
-//                  when failed (as UCX requires) or when ops are outstanding, which aborts them
-//                  at once (CANCELLED) but also resets the peer's connections to us. The close
+//   ~Endpoint      cancels as above. When idle and healthy the ucp_ep stays open, parked until
+//                  ~UcxTransport (at most kMaxParked; then the oldest gets a flushing close):
+//                  UCX pairs it with the peer's endpoint to us, whose gathers are answered on
+//                  it, and drops them once it is closed. When failed (as UCX requires) or with
+//                  ops outstanding, ucp_ep_close_nbx with FORCE, which aborts them at once
+//                  (CANCELLED) but also resets the peer's connections to us. The close
 //                  finishes in later Polls (or in ~UcxTransport, bounded by close_timeout).
 //
 // Peer failure. With UCP_ERR_HANDLING_MODE_PEER, UCX reports a dead peer through the ep's error
@@ -208,7 +211,8 @@ class UcxTransport final : public Transport {
 
   UcxTransport() = default;
   absl::Status Init(const Options& options);
-  void CloseEp(const std::shared_ptr<EpState>& ep);
+  // Closes `ep`'s ucp_ep, or with `park` keeps an idle healthy one open (see the .cc).
+  void CloseEp(const std::shared_ptr<EpState>& ep, bool park = true);
   void ReapCloses();
   absl::Status Post(bool get, UcxEndpoint* endpoint, const LocalMemory& local,
                     uint64_t local_offset, const RemoteMemory& remote, uint64_t remote_offset,
@@ -267,10 +271,12 @@ class UcxTransport final : public Transport {
   std::vector<Done> done_;  // filled by UCX callbacks during progress, drained by Poll
   std::vector<std::shared_ptr<EpState>> newly_failed_;
   std::vector<PendingClose> pending_closes_;
-  uint64_t outstanding_ = 0;  // posted, not yet returned by Poll
-  uint64_t in_ucx_ = 0;       // UCX requests whose callback hasn't run
-  uint64_t in_copier_ = 0;    // ops handed to copier_ and not yet drained
-  uint64_t activity_ = 0;     // events ucp_worker_progress reported
+  static constexpr size_t kMaxParked = 256;
+  std::vector<std::shared_ptr<EpState>> parked_;  // closed Endpoints whose ucp_ep stays open
+  uint64_t outstanding_ = 0;                      // posted, not yet returned by Poll
+  uint64_t in_ucx_ = 0;                           // UCX requests whose callback hasn't run
+  uint64_t in_copier_ = 0;                        // ops handed to copier_ and not yet drained
+  uint64_t activity_ = 0;                         // events ucp_worker_progress reported
   std::vector<CopyEngine::Finished> copied_;
   uint64_t live_objects_ = 0;
 
