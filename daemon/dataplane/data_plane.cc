@@ -241,6 +241,15 @@ absl::StatusOr<DataPlane::Exposed> DataPlane::Expose(const std::shared_ptr<Regio
                                                      const std::string& node) {
   if (!transport_) return absl::UnavailableError("this refitd has no data plane");
   const std::string token = SessionToken(node);
+  // A slot from AllocateSlot is registered already, and GrantRead may be called from any
+  // thread: no trip to the data-plane thread (a Pin would otherwise wait for it).
+  if (auto* allocated = dynamic_cast<const transport::TransportRegion*>(slot.get())) {
+    std::lock_guard<std::mutex> lock(alloc_mu_);  // the transport stays while it is held
+    if (!transport_) return absl::UnavailableError("this refitd's data plane stopped");
+    ASSIGN_OR_RETURN(transport::Transport::Grant grant,
+                     transport_->GrantRead(*allocated->memory(), token));
+    return Exposed{std::move(grant.descriptor), std::move(grant.hold)};
+  }
   auto promise = std::make_shared<std::promise<absl::StatusOr<Exposed>>>();
   auto future = promise->get_future();
   Post([this, slot, token, promise] {
