@@ -16,6 +16,9 @@
 
 namespace refit::transport {
 
+// Whether a UCX_TLS value names only transports with hardware RMA (ucx_options.cc).
+bool HardwareRmaOnly(const char* tls);
+
 // A memory registration; ops in flight share it, so it outlives its LocalMemory if need be.
 struct UcxTransport::MemHolder {
   std::shared_ptr<ucp_context> context;  // declared first: outlives memh

@@ -24,9 +24,9 @@
 // messages too, so this mode is for fabrics whose peers are all trusted.
 //
 // What UCX 1.13 (Debian, verbs + CMA, no CUDA) does with it, found by trying:
-//   UCX_TLS=tcp (+ UCX_NET_DEVICES)  works everywhere. TCP has no hardware GET, so UCX emulates
-//                  it with active messages served by the TARGET's worker: the target daemon must
-//                  keep polling (transport.h, "Progress"). PUT is native (put_zcopy).
+//   UCX_TLS=tcp (+ UCX_NET_DEVICES)  works everywhere. TCP has no hardware GET: reads are
+//                  gathers (active messages) served by the TARGET's worker, so the target
+//                  daemon must keep polling (transport.h, "Progress").
 //   rc/dc/ud (verbs)  InfiniBand/RoCE hosts; they support peer-failure handling.
 //   shared memory (posix, sysv, self): refused for endpoints with peer-failure handling
 //                  ("no peer failure handler") unless UCX_POSIX_ERROR_HANDLING=y and
