@@ -226,6 +226,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
           "interface", options.listen);
     }
   }
+  // Checked reads unless the operator opts into UCX RMA on an RDMA fabric (REFIT_UCX_RMA=1 with
+  // UCX_TLS naming rc/dc transports only; docs/security.md).
+  if (const char* rma = std::getenv("REFIT_UCX_RMA"); rma != nullptr && std::string(rma) == "1") {
+    ucx_options.rma = true;
+  }
   // The data plane: UCX chooses the transport (UCX_TLS); without UCX this node can still serve
   // local clients, and pulls from it fail UNAVAILABLE.
   std::unique_ptr<transport::Transport> ucx;

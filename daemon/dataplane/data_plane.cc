@@ -13,8 +13,9 @@
 #include "daemon/common/liveness.h"
 #include "daemon/common/test_hooks.h"
 #include "daemon/common/logging.h"
-#include "daemon/common/xxh3.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/xxh3.h"
+#include "daemon/transport/wire.h"
 
 namespace refit::dataplane {
 namespace {
@@ -59,9 +60,7 @@ struct DataPlane::Transfer {
 
 DataPlane::DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneOptions options,
                      Metrics* metrics)
-    : transport_(std::move(transport)),
-      options_(options),
-      metrics_(metrics) {
+    : transport_(std::move(transport)), options_(options), metrics_(metrics) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -196,10 +195,11 @@ absl::StatusOr<std::unique_ptr<Region>> DataPlane::AllocateSlot(uint64_t size) {
     const bool room = error == EINVAL && statvfs("/dev/shm", &shm) == 0 &&
                       static_cast<uint64_t>(shm.f_bavail) * shm.f_frsize >= populate;
     if (!room) {
-      Logger("transport")->warn(
-          "cannot fault in {} B of transport memory ({}); this slot uses ordinary memory, "
-          "which peers on this host read through UCX (check the size of /dev/shm)",
-          size, std::strerror(error));
+      Logger("transport")
+          ->warn(
+              "cannot fault in {} B of transport memory ({}); this slot uses ordinary memory, "
+              "which peers on this host read through UCX (check the size of /dev/shm)",
+              size, std::strerror(error));
       memory.reset();
       return AllocateHost(size);
     }
@@ -217,8 +217,8 @@ transport::LocalMemory* DataPlane::Registration(const std::shared_ptr<Region>& r
   if (it != registrations_.end() && it->second.region == region) return it->second.memory.get();
   auto registered = transport_->RegisterMemory(region->data(), region->size(), region->kind());
   if (!registered.ok()) {
-    Logger("transport")->error("cannot register {}: {}", region->Describe(),
-                               registered.status().ToString());
+    Logger("transport")
+        ->error("cannot register {}: {}", region->Describe(), registered.status().ToString());
     return nullptr;
   }
   auto& entry = registrations_[region->data()];
@@ -230,7 +230,7 @@ transport::LocalMemory* DataPlane::Registration(const std::shared_ptr<Region>& r
 void DataPlane::SweepRegistrations() {
   for (auto it = registrations_.begin(); it != registrations_.end();) {
     if (it->second.region.use_count() == 1) {  // only the registration holds the slot
-      it->second.memory.reset();  // deregistered first: no peer reads it from now on
+      it->second.memory.reset();               // deregistered first: no peer reads it from now on
       it = registrations_.erase(it);
     } else {
       ++it;
@@ -238,16 +238,39 @@ void DataPlane::SweepRegistrations() {
   }
 }
 
-absl::StatusOr<std::string> DataPlane::Expose(const std::shared_ptr<Region>& slot) {
+std::string DataPlane::SessionToken(const std::string& node) {
+  std::lock_guard<std::mutex> lock(tokens_mu_);
+  std::string& token = tokens_[node];
+  if (token.empty()) token = transport::RandomBytes(transport::Transport::kTokenBytes);
+  return token;
+}
+
+absl::StatusOr<DataPlane::Exposed> DataPlane::Expose(const std::shared_ptr<Region>& slot,
+                                                     const std::string& node) {
   if (!transport_) return absl::UnavailableError("this refitd has no data plane");
-  auto promise = std::make_shared<std::promise<absl::StatusOr<std::string>>>();
+  const std::string token = SessionToken(node);
+  // A slot from AllocateSlot is registered already, and GrantRead may be called from any
+  // thread: no trip to the data-plane thread (a Pin would otherwise wait for it).
+  if (auto* allocated = dynamic_cast<const transport::TransportRegion*>(slot.get())) {
+    std::lock_guard<std::mutex> lock(alloc_mu_);  // the transport stays while it is held
+    if (!transport_) return absl::UnavailableError("this refitd's data plane stopped");
+    ASSIGN_OR_RETURN(transport::Transport::Grant grant,
+                     transport_->GrantRead(*allocated->memory(), token));
+    return Exposed{std::move(grant.descriptor), std::move(grant.hold)};
+  }
+  auto promise = std::make_shared<std::promise<absl::StatusOr<Exposed>>>();
   auto future = promise->get_future();
-  Post([this, slot, promise] {
+  Post([this, slot, token, promise] {
     transport::LocalMemory* memory = Registration(slot);
     if (!memory) {
       promise->set_value(absl::InternalError("cannot register a version slot"));
+      return;
+    }
+    auto grant = transport_->GrantRead(*memory, token);
+    if (!grant.ok()) {
+      promise->set_value(grant.status());
     } else {
-      promise->set_value(memory->descriptor());
+      promise->set_value(Exposed{std::move(grant->descriptor), std::move(grant->hold)});
     }
   });
   return future.get();
@@ -264,8 +287,8 @@ void DataPlane::Connect(const std::string& node, const std::string& address) {
       return;
     }
     (*endpoint)->SetFailureHandler([node](const absl::Status& status) {
-      Logger("transport")->warn("peer={} data-plane connection failed: {}", node,
-                                status.ToString());
+      Logger("transport")
+          ->warn("peer={} data-plane connection failed: {}", node, status.ToString());
     });
     endpoints_[node] = std::move(endpoint).value();
   });
@@ -280,8 +303,7 @@ void DataPlane::Disconnect(const std::string& node) {
           absl::StrCat("node ", node, " went away during the pull (its connection closed)"));
       for (auto& [cookie, in_flight] : by_cookie_) {
         Transfer& t = *in_flight.transfer;
-        if (std::find(t.endpoint.begin(), t.endpoint.end(), it->second.get()) !=
-            t.endpoint.end()) {
+        if (std::find(t.endpoint.begin(), t.endpoint.end(), it->second.get()) != t.endpoint.end()) {
           Fail(t, gone);
         }
       }
@@ -375,8 +397,7 @@ bool DataPlane::OneRead(const Transfer& t, size_t fetch) const {
   return t.remote[fetch]->BatchesSpans(t.local[fetch]->kind());
 }
 
-void DataPlane::RecordHashes(Transfer& t, const InFlight& done,
-                             const transport::Completion& c) {
+void DataPlane::RecordHashes(Transfer& t, const InFlight& done, const transport::Completion& c) {
   // Each read's digest: from the transport when it hashed the bytes on the way, otherwise
   // taken here while they are likely still in cache.
   auto& by_offset = (*t.hashes)[done.fetch];
@@ -400,16 +421,15 @@ absl::Status DataPlane::Prepare(Transfer& t, const PullJob::Fetch& fetch,
                                 std::shared_ptr<Region> slot) {
   auto ep = endpoints_.find(fetch.node);
   if (ep == endpoints_.end() || !ep->second->status().ok()) {
-    return absl::UnavailableError(
-        absl::StrCat("no data-plane connection to node ", fetch.node));
+    return absl::UnavailableError(absl::StrCat("no data-plane connection to node ", fetch.node));
   }
   absl::Status imported;
   std::shared_ptr<transport::RemoteMemory> remote =
       Import(*ep->second, fetch.node, fetch.remote_key, &imported);
   if (!remote) return imported;
   if (remote->length() < fetch.bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("node ", fetch.node, " piece ",
-                                                   fetch.buffer_id, " is smaller than announced"));
+    return absl::InvalidArgumentError(absl::StrCat("node ", fetch.node, " piece ", fetch.buffer_id,
+                                                   " is smaller than announced"));
   }
   transport::LocalMemory* local = Registration(slot);
   if (!local) return absl::InternalError("cannot register a staging slot");
@@ -431,9 +451,9 @@ void DataPlane::EvictImports(std::chrono::steady_clock::time_point now) {
 }
 
 std::shared_ptr<transport::RemoteMemory> DataPlane::Import(transport::Endpoint& endpoint,
-                                                          const std::string& node,
-                                                          const std::string& descriptor,
-                                                          absl::Status* status) {
+                                                           const std::string& node,
+                                                           const std::string& descriptor,
+                                                           absl::Status* status) {
   const auto now = std::chrono::steady_clock::now();
   EvictImports(now);
   Imported& entry = imported_[node][descriptor];
@@ -445,9 +465,10 @@ std::shared_ptr<transport::RemoteMemory> DataPlane::Import(transport::Endpoint& 
       return nullptr;
     }
     entry.memory = std::move(remote).value();
-    Logger("transport")->info("peer={} imported a {} B slot: {}", node, entry.memory->length(),
-                               entry.memory->mapped() ? "mapped here (shared memory, memcpy)"
-                                                      : "read through the transport");
+    Logger("transport")
+        ->info("peer={} imported a {} B slot: {}", node, entry.memory->length(),
+               entry.memory->mapped() ? "mapped here (shared memory, memcpy)"
+                                      : "read through the transport");
   }
   entry.used = now;
   return entry.memory;
@@ -507,8 +528,7 @@ std::future<absl::Status> DataPlane::Read(const PullJob::Fetch& from,
     return future;
   }
   if (hashes) hashes->assign(1, {});
-  Post([this, from, ranges = std::move(ranges), slot, promise, landed = std::move(landed),
-        hashes] {
+  Post([this, from, ranges = std::move(ranges), slot, promise, landed = std::move(landed), hashes] {
     auto t = std::make_shared<Transfer>();
     absl::Status ready = Prepare(*t, from, slot);
     if (!ready.ok()) {

@@ -57,8 +57,16 @@ class DataPlane {
   // AllocateHost memory without a transport. Any thread. The slot may outlive the data plane.
   absl::StatusOr<std::unique_ptr<Region>> AllocateSlot(uint64_t size);
 
-  // The remote descriptor of `slot`, registering it once (cached while the slot lives).
-  absl::StatusOr<std::string> Expose(const std::shared_ptr<Region>& slot);
+  // The remote descriptor of `slot` for peer `node`, registering the slot once (cached while the
+  // slot lives), and the grant that lets `node` read it (transport.h, "Grants"): its reads are
+  // served while `grant` lives. The descriptor carries `node`'s session token, made at random
+  // the first time this daemon speaks of `node`: send it to `node` only, over its authenticated
+  // channel. Announcing a version drops the grant; a pin (and a relay stream) keeps it.
+  struct Exposed {
+    std::string descriptor;
+    std::shared_ptr<void> grant;  // may be null (a backend without checked reads)
+  };
+  absl::StatusOr<Exposed> Expose(const std::shared_ptr<Region>& slot, const std::string& node);
 
   // (Re)connects to `node` at its transport address; replaces an earlier endpoint.
   void Connect(const std::string& node, const std::string& address);
@@ -110,6 +118,10 @@ class DataPlane {
   // AllocateSlot holds while it uses the transport from another thread).
   std::unique_ptr<transport::Transport> transport_;
   std::mutex alloc_mu_;
+  // Each peer node's session token (Transport::kTokenBytes random bytes), made on first use.
+  std::string SessionToken(const std::string& node);
+  std::mutex tokens_mu_;
+  std::map<std::string, std::string> tokens_;  // guarded by tokens_mu_
   const DataPlaneOptions options_;
   Metrics* const metrics_;
 

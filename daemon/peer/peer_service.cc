@@ -14,9 +14,9 @@
 
 namespace refit::peer {
 
-PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane,
-                         DeltaSource* deltas, Metrics* metrics, fleet::RelayBoard* board,
-                         fleet::ReplicaTable* replicas, bool relay, bool tls)
+PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane, DeltaSource* deltas,
+                         Metrics* metrics, fleet::RelayBoard* board, fleet::ReplicaTable* replicas,
+                         bool relay, bool tls)
     : node_(std::move(node)),
       store_(store),
       data_plane_(data_plane),
@@ -62,12 +62,11 @@ void PeerService::Stop() {
 }
 
 absl::Status PeerService::Authenticate(const grpc::ServerContext& context,
-                                      const std::string& node) const {
+                                       const std::string& node) const {
   if (!tls_) return absl::OkStatus();
   auto auth = context.auth_context();
   if (!auth) return absl::PermissionDeniedError("no TLS identity");
   return tls::CheckIdentity(*auth, node);
-
 }
 
 void PeerService::SetIdentity(const std::string& instance, const std::string& listen) {
@@ -128,7 +127,7 @@ grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloReq
 }
 
 bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceLayout>& layouts,
-                             bool with_sources, v1::PeerEvent* event) {
+                             bool with_sources, const std::string& node, v1::PeerEvent* event) {
   event->set_model(model);
   event->set_sources_unchanged(!with_sources);
   for (const SourceLayout& layout : with_sources ? layouts : std::vector<SourceLayout>()) {
@@ -137,33 +136,33 @@ bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceL
     piece->set_bytes(layout.bytes);
     for (const TensorSlice& s : *layout.slices) convert::ToProto(s, piece->add_tensors());
   }
-  const uint64_t version =
-      deltas_ ? deltas_->Prepared(model) : store_->LatestLocalSnapshot(model);
+  const uint64_t version = deltas_ ? deltas_->Prepared(model) : store_->LatestLocalSnapshot(model);
   if (version == 0) return true;
   auto snapshot = Snapshot(model, version);
   if (!snapshot) return true;
   for (const LocalSnapshot::Piece& p : snapshot->pieces) {
-    auto key = data_plane_->Expose(p.slot);
+    // The reader's own key; it may read once it pins the version (Pin grants it).
+    auto key = data_plane_->Expose(p.slot, node);
     if (!key.ok()) {
-      Logger("peer")->error("model={} version={} cannot expose {}: {}", model, version,
-                            p.buffer_id, key.status().ToString());
+      Logger("peer")->error("model={} version={} cannot expose {}: {}", model, version, p.buffer_id,
+                            key.status().ToString());
       return true;  // announce the layout only
     }
     v1::VersionPiece* piece = event->add_pieces();
     piece->set_buffer_id(p.buffer_id);
-    piece->set_remote_key(*key);
+    piece->set_remote_key(key->descriptor);
     piece->set_bytes(p.slot->size());
   }
   if (deltas_) {
     for (const EncodedDelta& d : deltas_->Deltas(model)) {
       if (d.version > version) continue;
-      auto key = data_plane_->Expose(d.bytes);
+      auto key = data_plane_->Expose(d.bytes, node);
       if (!key.ok()) continue;  // receivers pull that step in full
       v1::DeltaPiece* piece = event->add_deltas();
       piece->set_buffer_id(d.buffer_id);
       piece->set_base_version(d.base_version);
       piece->set_version(d.version);
-      piece->set_remote_key(*key);
+      piece->set_remote_key(key->descriptor);
       piece->set_bytes(d.bytes->size());
     }
   }
@@ -199,11 +198,10 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
   // ids, sizes and vectors mean the same layout.
   std::map<std::string, std::vector<SourceLayout>> sent_layouts;
   auto same = [](const std::vector<SourceLayout>& a, const std::vector<SourceLayout>& b) {
-    return std::equal(a.begin(), a.end(), b.begin(), b.end(),
-                      [](const SourceLayout& x, const SourceLayout& y) {
-                        return x.buffer_id == y.buffer_id && x.bytes == y.bytes &&
-                               x.slices == y.slices;
-                      });
+    return std::equal(
+        a.begin(), a.end(), b.begin(), b.end(), [](const SourceLayout& x, const SourceLayout& y) {
+          return x.buffer_id == y.buffer_id && x.bytes == y.bytes && x.slices == y.slices;
+        });
   };
   uint64_t seen = UINT64_MAX;
   while (true) {
@@ -212,9 +210,8 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
     std::vector<Pinned> lapsed;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      const bool changed = changed_.wait_for(lock, std::chrono::milliseconds(200), [&] {
-        return stopped_ || generation_ != seen;
-      });
+      const bool changed = changed_.wait_for(lock, std::chrono::milliseconds(200),
+                                             [&] { return stopped_ || generation_ != seen; });
       if (stopped_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is stopping");
       lapsed = ExpirePins();
       if (!changed) {
@@ -235,7 +232,7 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
       const bool with_sources =
           layouts_sent == sent_layouts.end() || !same(layouts_sent->second, model_layouts);
       v1::PeerEvent event;
-      BuildEvent(model, model_layouts, with_sources, &event);
+      BuildEvent(model, model_layouts, with_sources, request->node(), &event);
       {
         std::lock_guard<std::mutex> lock(mu_);
         event.set_run(instance_);
@@ -271,9 +268,9 @@ grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumReque
     if (p.buffer_id == request->buffer_id()) piece = &p;
   }
   if (!piece) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        absl::StrCat("no piece ", request->buffer_id(), " in version ",
-                                     request->version()));
+    return grpc::Status(
+        grpc::StatusCode::NOT_FOUND,
+        absl::StrCat("no piece ", request->buffer_id(), " in version ", request->version()));
   }
   const uint64_t size = piece->slot->size();
   // Every range asked for, checked before anything is read. A reader asks about what it read:
@@ -356,8 +353,7 @@ std::vector<PeerService::Pinned> PeerService::ExpirePins() {
   for (auto it = pins_.begin(); it != pins_.end();) {
     if (it->second.until < now) {
       Logger("peer")->info("model={} version={} pin of node {} lapsed (not renewed)",
-                           std::get<0>(it->first), std::get<1>(it->first),
-                           std::get<2>(it->first));
+                           std::get<0>(it->first), std::get<1>(it->first), std::get<2>(it->first));
       lapsed.push_back(std::move(it->second));
       it = pins_.erase(it);
     } else {
@@ -368,7 +364,7 @@ std::vector<PeerService::Pinned> PeerService::ExpirePins() {
 }
 
 std::shared_ptr<const LocalSnapshot> PeerService::Snapshot(const std::string& model,
-                                                          uint64_t version) {
+                                                           uint64_t version) {
   // Each source is asked on its own, never under mu_: the store calls NotifyChanged (mu_)
   // with its own lock held.
   if (auto held = store_->GetLocalSnapshot(model, version); held.ok()) return *held;
@@ -419,6 +415,15 @@ grpc::Status PeerService::Pin(grpc::ServerContext* context, const v1::PinRequest
   }
   std::vector<EncodedDelta> deltas;
   if (deltas_) deltas = deltas_->Deltas(request->model());
+  // The reader may read these slots over the data plane while the pin lasts, and only then.
+  // (A slot that can't be granted was never announced with a key: nobody reads it.)
+  std::vector<std::shared_ptr<void>> grants;
+  auto grant = [&](const std::shared_ptr<Region>& slot) {
+    auto exposed = data_plane_->Expose(slot, request->node());
+    if (exposed.ok()) grants.push_back(std::move(exposed->grant));
+  };
+  for (const LocalSnapshot::Piece& p : snapshot->pieces) grant(p.slot);
+  for (const EncodedDelta& d : deltas) grant(d.bytes);
   const uint32_t lease_ms = std::clamp<uint32_t>(request->lease_ms(), 1000, kMaxLeaseMs);
   std::lock_guard<std::mutex> lock(mu_);
   lapsed = ExpirePins();
@@ -431,8 +436,11 @@ grpc::Status PeerService::Pin(grpc::ServerContext* context, const v1::PinRequest
   }
   Logger("peer")->debug("model={} version={} pinned by node {} for {} ms", request->model(),
                         request->version(), request->node(), lease_ms);
-  pins_[key] = {std::move(snapshot), std::move(deltas),
-                std::chrono::steady_clock::now() + std::chrono::milliseconds(lease_ms)};
+  // A renewal replaces the pin: its new grants are in place before the old ones go.
+  Pinned renewed{std::move(snapshot), std::move(deltas),
+                 std::chrono::steady_clock::now() + std::chrono::milliseconds(lease_ms),
+                 std::move(grants)};
+  std::swap(pins_[key], renewed);
   return grpc::Status::OK;
 }
 
@@ -445,7 +453,8 @@ constexpr auto kRelayHeartbeat = std::chrono::milliseconds(500);
 constexpr auto kRelayLongest = std::chrono::minutes(30);
 constexpr size_t kMaxName = 1024;
 
-void AddRanges(const fleet::Ranges& ranges, google::protobuf::RepeatedPtrField<v1::ByteRange>* out) {
+void AddRanges(const fleet::Ranges& ranges,
+               google::protobuf::RepeatedPtrField<v1::ByteRange>* out) {
   for (const auto& [begin, end] : ranges) {
     v1::ByteRange* r = out->Add();
     r->set_offset(begin);
@@ -473,14 +482,14 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
   const auto start = std::chrono::steady_clock::now();
   auto view = board_->Wait(key, 0, start + kRelayStartWait);
   if (!view.ok() || view->state == fleet::RelayState::kFailed) {
-    return grpc::Status(
-        grpc::StatusCode::NOT_FOUND,
-        absl::StrCat("node ", node_, " is not pulling piece ", request->buffer_id(), " of model ",
-                     request->model(), " version ", request->version(), " from ",
-                     request->origin()));
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        absl::StrCat("node ", node_, " is not pulling piece ", request->buffer_id(),
+                                     " of model ", request->model(), " version ",
+                                     request->version(), " from ", request->origin()));
   }
   const std::shared_ptr<Region> slot = view->slot;  // held while the stream lasts
-  auto remote_key = data_plane_->Expose(slot);
+  // The reader's grant to read the relayed slot lasts as long as this stream.
+  auto remote_key = data_plane_->Expose(slot, request->node());
   if (!remote_key.ok()) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(remote_key.status().message()));
   }
@@ -488,7 +497,7 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
                         request->model(), request->version(), request->buffer_id(),
                         request->origin(), request->node());
   v1::RelayProgress progress;
-  progress.set_remote_key(*remote_key);
+  progress.set_remote_key(remote_key->descriptor);
   progress.set_bytes(view->bytes);
   AddRanges(view->planned, progress.mutable_planned());
   bool complete = false;
@@ -500,7 +509,8 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
     }
     for (const auto& [begin, end] : view->landed) {
       if (relay_flips_.load() > 0 && relay_flips_.fetch_sub(1) > 0 && end > begin) {
-        slot->data()[begin] += 1;  // a relay serving wrong bytes (tests only; adds up, never undoes)
+        slot->data()[begin] +=
+            1;  // a relay serving wrong bytes (tests only; adds up, never undoes)
       }
     }
     AddRanges(view->landed, progress.mutable_landed());
@@ -520,8 +530,7 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
       // Its entry went: a newer version's pull began here. Once complete was sent the reader
       // only finishes its reads, from the slot this stream still holds.
       if (!complete) {
-        return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                            "this node moved on to a newer version");
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "this node moved on to a newer version");
       }
       std::this_thread::sleep_for(kRelayHeartbeat);
       view = fleet::RelayView{};
@@ -553,9 +562,9 @@ grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::Replica
     // confusion (another run under the same name): refused, and nothing changes.
     const uint64_t published = store_->LatestLocalSnapshot(m.model());
     if (published > 0 && m.latest_version() > published) {
-      const std::string why = absl::StrCat("node ", request->node(), " reports version ",
-                                           m.latest_version(), " of model ", m.model(),
-                                           ", but the newest published here is ", published);
+      const std::string why =
+          absl::StrCat("node ", request->node(), " reports version ", m.latest_version(),
+                       " of model ", m.model(), ", but the newest published here is ", published);
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (refused_reports_.insert(request->node()).second) {

@@ -18,10 +18,10 @@
 #include <string>
 #include <tuple>
 
+#include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
 #include "daemon/metrics/metrics.h"
-#include "daemon/dataplane/data_plane.h"
 #include "daemon/peer/delta_source.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
@@ -49,7 +49,7 @@ class PeerService final : public v1::Peer::Service {
     std::string node;
     std::string address;  // its --listen address (else where it called from)
     bool connected = false;
-    std::string error;    // why its Hello was refused; empty for subscribers
+    std::string error;  // why its Hello was refused; empty for subscribers
   };
   // Subscribers now, then refused callers (newest 16), each once.
   std::vector<Subscriber> Subscribers() const;
@@ -75,8 +75,9 @@ class PeerService final : public v1::Peer::Service {
  private:
   // The event describing `model` now (its layouts only `with_sources`); false when there is
   // nothing to say.
+  // The remote keys in it are `node`'s (DataPlane::Expose).
   bool BuildEvent(const std::string& model, const std::vector<SourceLayout>& layouts,
-                  bool with_sources, v1::PeerEvent* event);
+                  bool with_sources, const std::string& node, v1::PeerEvent* event);
   struct Pinned;
   // Takes the pins whose lease lapsed out of pins_ (mu_ held); the caller lets them go.
   std::vector<Pinned> ExpirePins();
@@ -105,21 +106,24 @@ class PeerService final : public v1::Peer::Service {
   std::atomic<int64_t> relay_flips_{0};
 
   mutable std::mutex mu_;
-  std::string instance_;  // guarded by mu_
-  std::string listen_;    // guarded by mu_
+  std::string instance_;                                            // guarded by mu_
+  std::string listen_;                                              // guarded by mu_
   std::multiset<std::pair<std::string, std::string>> subscribers_;  // (node, address); mu_
   std::map<std::string, std::string> refused_;  // caller address -> why; mu_ (at most 16)
   std::condition_variable changed_;
   uint64_t generation_ = 0;
   bool stopped_ = false;
   // What a reader's pin keeps alive: the version's slots, the deltas offered with it, and
-  // when the pin lapses.
+  // when the pin lapses; and the reader's grants to read them over the data plane, which end
+  // with the pin (DataPlane::Expose).
   struct Pinned {
     std::shared_ptr<const LocalSnapshot> snapshot;
     std::vector<EncodedDelta> deltas;
     std::chrono::steady_clock::time_point until;
+    std::vector<std::shared_ptr<void>> grants;
   };
-  std::map<std::tuple<std::string, uint64_t, std::string>, Pinned> pins_;  // (model, version, reader)
+  std::map<std::tuple<std::string, uint64_t, std::string>, Pinned>
+      pins_;                               // (model, version, reader)
   std::set<std::string> refused_reports_;  // nodes whose report was refused (logged once)
 };
 

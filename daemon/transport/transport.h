@@ -18,10 +18,11 @@
 // (Endpoint::Cancel or the endpoint was destroyed), or INVALID_ARGUMENT (the peer refused a read
 // of ranges outside the memory it has registered, a descriptor of memory since released, or
 // answered it malformed); after
-// anything but OK the bytes of the destination range are unspecified. A Post* that returns an error yields no completion:
-// INVALID_ARGUMENT for a range outside a region or a handle from another transport/endpoint,
-// UNAVAILABLE when the endpoint has already failed. Many ops may be in flight at once; a large
-// transfer is chunked by the caller. The order in which completions arrive is unspecified.
+// anything but OK the bytes of the destination range are unspecified. A Post* that returns an error
+// yields no completion: INVALID_ARGUMENT for a range outside a region or a handle from another
+// transport/endpoint, UNAVAILABLE when the endpoint has already failed. Many ops may be in flight
+// at once; a large transfer is chunked by the caller. The order in which completions arrive is
+// unspecified.
 //
 // Peer failure. An endpoint fails when the peer process dies or becomes unreachable; from then on
 // status() is UNAVAILABLE, every outstanding op completes with UNAVAILABLE, new posts are refused
@@ -34,11 +35,23 @@
 // Bad input from the network (addresses and descriptors arrive over gRPC from other daemons) is
 // answered with INVALID_ARGUMENT and never reaches the backend unchecked: both carry a magic, a
 // version, the issuing transport's identity and a checksum. That catches truncation, corruption
-// and mix-ups (a descriptor of another peer), not forgery: peers are trusted daemons of one job.
+// and mix-ups (a descriptor of another peer), not forgery.
 //
-// Registered memory is readable by peers for as long as it is registered: keep its bytes mapped
-// until its LocalMemory is destroyed (a peer's read that arrives late, after its pin, is served
-// from them).
+// Grants (issue 17: "the data plane grants, it does not expose"). A descriptor is a capability:
+// it carries a token, and a backend with checked reads (UCX unless Options::rma) serves a peer's
+// read only if that token holds a grant covering the range, checked by the target on every read
+// (ucx_gather.cc); no peer can write into this transport's memory at all (PostPut is refused
+// unless capabilities().rma_put). LocalMemory::descriptor() grants its memory to its own
+// random token for as long as it is registered (tests, and memory a caller hands out itself).
+// GrantRead makes a descriptor of the same memory under a session's token and grants it only
+// while the returned hold lives: the daemon gives each authenticated peer its own token, hands
+// out only those descriptors, and holds a grant per pin. Same-host peers that map a slot
+// (RemoteMemory::mapped) read it with memcpy, unchecked: mapping it needs the operating
+// system's consent (the daemon's uid), see docs/security.md.
+//
+// Registered memory is readable through a live grant for as long as it is registered: keep its
+// bytes mapped until its LocalMemory is destroyed (a peer's read that arrives late, after its
+// pin, is refused or served from them).
 //
 // Ownership. The Transport owns its backend; every LocalMemory, Endpoint and RemoteMemory it
 // hands out is owned by the caller and MUST be destroyed before the Transport (the Transport
@@ -76,12 +89,12 @@ namespace refit::transport {
 struct Capabilities {
   std::string name;          // "ucx", "inproc"
   bool rma_get = false;      // PostGet works
-  bool rma_put = false;      // PostPut works
+  bool rma_put = false;      // PostPut works (never with checked reads: no peer writes here)
   bool cuda_memory = false;  // RegisterMemory accepts MemoryKind::kCuda (else stage via host)
   // PostGetSpans into host memory moves all its spans as a few messages, not one op per span
   // (UCX: gathers), so a caller may post large batches without holding a request per span.
   bool gathers_spans = false;
-  std::string detail;        // backend specifics for logs, e.g. the UCX version and memory types
+  std::string detail;  // backend specifics for logs, e.g. the UCX version and memory types
 };
 
 // One range of a PostGetSpans: local[local_offset, +length) <- remote[remote_offset, +length).
@@ -272,6 +285,23 @@ class Transport {
 
   // Ops posted and not yet returned by Poll, over all endpoints.
   virtual uint64_t outstanding() const = 0;
+
+  // A descriptor of `memory` for the peer whose session token is `token` (kTokenBytes random
+  // bytes the caller made for that peer and sends only over its authenticated channel), and the
+  // grant that lets that peer read `memory` through it: reads are served while `hold` lives (and
+  // the memory is registered). Any thread; the hold may outlive the transport. INVALID_ARGUMENT
+  // for a token of another length or memory of another transport. Backends without checked reads
+  // answer memory.descriptor() and no hold.
+  struct Grant {
+    std::string descriptor;
+    std::shared_ptr<void> hold;
+  };
+  static constexpr size_t kTokenBytes = 16;
+  [[nodiscard]] virtual absl::StatusOr<Grant> GrantRead(const LocalMemory& memory,
+                                                        std::string_view token) {
+    if (token.size() != kTokenBytes) return absl::InvalidArgumentError("a token is 16 bytes");
+    return Grant{memory.descriptor(), nullptr};
+  }
 
   // Grows whenever Poll got anything done, including serving peers' reads of this transport's
   // memory (which completes nothing here). A caller that naps between Polls when idle naps only

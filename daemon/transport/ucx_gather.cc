@@ -2,8 +2,9 @@
 // isn't mapped here, as active messages (ucx_transport.h, "PostGetSpans").
 //
 //   requester                                   target (the peer whose memory is read)
-//   GATHER   header {magic, count, id, base}  ->  looks `base` up among its registrations,
-//            data   count x {offset, length}      checks every span lies inside it, answers
+//   GATHER   header {magic, count, id, base,  ->  looks `base` up among its registrations and
+//                   token[16]}                    the grants of `token` (transport.h, "Grants"),
+//            data   count x {offset, length}      checks every span lies inside both, answers
 //   REPLY    header {magic, status, id}        <-  with the spans' bytes as one message (a UCX
 //            data   the spans' bytes, in order     iov over the registration; no copy of ours)
 //   scatters them into place, hashing each span on the way
@@ -14,15 +15,19 @@
 // gather was cancelled or its endpoint closed) is dropped without touching memory.
 //
 // What a target refuses, answered with a status and no bytes: a malformed request, a base that
-// is no registration of its own (memory since released), a span past its end (INVALID_PARAM:
-// the op completes INVALID_ARGUMENT), and memory it can't send from the host (a GPU's) or any
-// gather while serve_gathers is off (UNSUPPORTED: the requester posts the spans as ucp_get_nbx
-// instead, and uses gets for that memory from then on). A reply it couldn't send goes again
-// without bytes (BUSY: the op completes UNAVAILABLE, the connection stays up). A reply of the
-// wrong length or with another status fails the op INVALID_ARGUMENT. Memory UCX allocated is
-// sent from in place (an iov); memory the caller registered is copied into the reply first, as
-// it may be unmapped once deregistered, while a reply is still going out. Spans longer than kGatherBytes aren't gathered: such a PostGetSpans goes
-// as one ucp_get_nbx per span.
+// is no registration of its own (memory since released), a token without a grant of it (a
+// forged token, a pin that ended), a span past its end (INVALID_PARAM: the op completes
+// INVALID_ARGUMENT), and memory it can't send from the host (a GPU's) or any gather while
+// serve_gathers is off (UNSUPPORTED: with Options::rma the requester posts the spans as
+// ucp_get_nbx instead, and uses gets for that memory from then on; without it the op fails). A
+// reply it couldn't send goes again without bytes (BUSY: the op completes UNAVAILABLE, the
+// connection stays up). A reply of the wrong length or with another status fails the op
+// INVALID_ARGUMENT. Memory UCX allocated is sent from in place (an iov); memory the caller
+// registered is copied into the reply first, as it may be unmapped once deregistered, while a reply
+// is still going out. With Options::rma, spans longer than kGatherBytes aren't gathered: such a
+// PostGetSpans goes as one ucp_get_nbx per span. Without it (checked reads) a span of up to
+// kSpanBytes goes as a gather of its own, and a longer one in pieces of kSpanBytes (no digests
+// then: the caller hashes).
 
 #include <algorithm>
 #include <cstring>
@@ -40,14 +45,16 @@ namespace {
 // UCX keeps a table of handlers indexed by id: small ids (the magics tell the messages apart).
 constexpr unsigned kGatherAmId = 1;
 constexpr unsigned kReplyAmId = 2;
-constexpr uint32_t kRequestMagic = 0x31475246;  // "RFG1"
+constexpr uint32_t kRequestMagic = 0x32475246;  // "RFG2": with a token
 constexpr uint32_t kReplyMagic = 0x31525246;    // "RFR1"
 // One gather asks for at most this many bytes (unless one span alone is longer) and spans:
 // big enough that per-message costs vanish, small enough that several are in flight.
 constexpr uint64_t kGatherBytes = 1ull << 20;
 constexpr size_t kGatherSpans = 4096;
-// What a target serves in one reply at most (a requester asks for kGatherBytes).
-constexpr uint64_t kServeBytesMax = 4 * kGatherBytes;
+// Checked reads: one span this long at most per gather (a PostGet of a data-plane chunk).
+constexpr uint64_t kSpanBytes = 4ull << 20;
+// What a target serves in one reply at most.
+constexpr uint64_t kServeBytesMax = kSpanBytes;
 constexpr uint32_t kServeSpansMax = 1u << 16;
 
 struct RequestHeader {
@@ -55,6 +62,7 @@ struct RequestHeader {
   uint32_t count;
   uint64_t id;
   uint64_t base;
+  char token[Transport::kTokenBytes];
 };
 struct WireSpan {
   uint64_t offset;
@@ -96,16 +104,15 @@ void ServeDone(void* request, ucs_status_t /*status*/, void* user_data) {
   ucp_request_free(request);
 }
 
-ucs_status_t GatherRequestCallback(void* arg, const void* header, size_t header_length,
-                                   void* data, size_t length, const ucp_am_recv_param_t* param) {
+ucs_status_t GatherRequestCallback(void* arg, const void* header, size_t header_length, void* data,
+                                   size_t length, const ucp_am_recv_param_t* param) {
   return static_cast<UcxTransport*>(arg)->OnGatherRequest(header, header_length, data, length,
                                                           param);
 }
 
 ucs_status_t GatherReplyCallback(void* arg, const void* header, size_t header_length, void* data,
                                  size_t length, const ucp_am_recv_param_t* param) {
-  return static_cast<UcxTransport*>(arg)->OnGatherReply(header, header_length, data, length,
-                                                        param);
+  return static_cast<UcxTransport*>(arg)->OnGatherReply(header, header_length, data, length, param);
 }
 
 }  // namespace
@@ -166,7 +173,23 @@ absl::Status UcxTransport::PostGathers(const std::shared_ptr<EpState>& ep,
                                        const std::shared_ptr<MemHolder>& mem,
                                        const std::shared_ptr<RkeyHolder>& rkey, uint8_t* base,
                                        uint64_t remote_address, std::vector<Span> spans,
-                                       uint64_t cookie) {
+                                       uint64_t cookie, bool single) {
+  // Checked reads: spans over kSpanBytes go in pieces (whose digests aren't the span's).
+  bool pieces = false;
+  if (!rma_ && std::any_of(spans.begin(), spans.end(),
+                           [](const Span& span) { return span.length > kSpanBytes; })) {
+    std::vector<Span> cut;
+    for (const Span& span : spans) {
+      uint64_t at = 0;
+      do {
+        const uint64_t n = std::min(kSpanBytes, span.length - at);
+        cut.push_back({span.local_offset + at, span.remote_offset + at, n});
+        at += n;
+      } while (at < span.length);
+    }
+    spans = std::move(cut);
+    pieces = true;
+  }
   auto all = std::make_shared<const std::vector<Span>>(std::move(spans));
   // One ucp_get_nbx per span instead (refuse_first: an error posting the first one refuses the
   // call, as PostGetSpans must).
@@ -175,16 +198,16 @@ absl::Status UcxTransport::PostGathers(const std::shared_ptr<EpState>& ep,
     group->remaining = all->size();
     ucs_status_t failure = UCS_OK;
     const size_t posted =
-        PostSpanGets(ep, mem, MemoryKind::kHost, rkey, base, remote_address, *all, 0,
-                     all->size(), cookie, ep->epoch, group, /*refuse_first=*/true, &failure);
+        PostSpanGets(ep, mem, MemoryKind::kHost, rkey, base, remote_address, *all, 0, all->size(),
+                     cookie, ep->epoch, group, /*refuse_first=*/true, &failure);
     if (posted == 0 && failure != UCS_OK) return ucx::ToStatus(failure, "ucp_get_nbx");
     ++outstanding_;
     ++ep->outstanding;
     return absl::OkStatus();
   };
-  // A long span is better off as a get of its own (and a gather's reply stays small).
-  if (std::any_of(all->begin(), all->end(),
-                  [](const Span& span) { return span.length > kGatherBytes; })) {
+  // With RMA, a long span is better off as a get of its own (and a gather's reply stays small).
+  if (rma_ && std::any_of(all->begin(), all->end(),
+                          [](const Span& span) { return span.length > kGatherBytes; })) {
     return by_gets();
   }
   // Cut into gathers: [bounds[k], bounds[k + 1]).
@@ -203,7 +226,8 @@ absl::Status UcxTransport::PostGathers(const std::shared_ptr<EpState>& ep,
 
   auto group = std::make_shared<Group>();
   group->remaining = count;
-  group->hashed = true;
+  group->hashed = !pieces;
+  group->single = single && !pieces;
   group->span_xxh3.assign(all->size(), 0);
   for (size_t k = 0; k < count; ++k) {
     auto gather = std::make_unique<Gather>();
@@ -221,8 +245,13 @@ absl::Status UcxTransport::PostGathers(const std::shared_ptr<EpState>& ep,
       outgoing->spans.push_back({(*all)[i].remote_offset, (*all)[i].length});
       gather->bytes += (*all)[i].length;
     }
-    outgoing->header = {kRequestMagic, static_cast<uint32_t>(outgoing->spans.size()), gather->id,
-                        remote_address};
+    outgoing->header = {kRequestMagic,
+                        static_cast<uint32_t>(outgoing->spans.size()),
+                        gather->id,
+                        remote_address,
+                        {}};
+    std::memcpy(outgoing->header.token, rkey->token.data(),
+                std::min(rkey->token.size(), sizeof(outgoing->header.token)));
 
     ucp_request_param_t param;
     std::memset(&param, 0, sizeof(param));
@@ -237,7 +266,7 @@ absl::Status UcxTransport::PostGathers(const std::shared_ptr<EpState>& ep,
     if (UCS_PTR_IS_ERR(request)) {
       const ucs_status_t status = UCS_PTR_STATUS(request);
       if (ucx::IsPeerFailure(status)) OnEpError(ep.get(), status);
-      if (k == 0 && status == UCS_ERR_UNSUPPORTED) {  // this connection has no active messages
+      if (k == 0 && status == UCS_ERR_UNSUPPORTED && rma_) {  // no active messages here
         rkey->no_gather = true;
         return by_gets();
       }
@@ -270,9 +299,9 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
   if (header_length != sizeof(request) ||
       (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0) {
     // Without an id or a way back there is nobody to answer.
-    WarnThrottled(&gathers_dropped_,
-                  "dropped a gather request of " + std::to_string(header_length) +
-                      " header bytes or without a reply endpoint");
+    WarnThrottled(&gathers_dropped_, "dropped a gather request of " +
+                                         std::to_string(header_length) +
+                                         " header bytes or without a reply endpoint");
     return UCS_OK;
   }
   std::memcpy(&request, header, sizeof(request));
@@ -311,6 +340,12 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
       }
       if (found == nullptr) status = UCS_ERR_INVALID_PARAM;
     }
+    if (status == UCS_OK &&
+        !registry_->Allows(std::string(request.token, sizeof(request.token)), request.base, end)) {
+      // A forged or stale token, or a pin that ended: nothing is read.
+      status = UCS_ERR_INVALID_PARAM;
+      found = nullptr;
+    }
     if (status == UCS_OK && found->kind != MemoryKind::kHost) status = UCS_ERR_UNSUPPORTED;
     bool owned = false;
     if (status == UCS_OK) {
@@ -325,8 +360,7 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
       serve->iov.reserve(spans.size());
       for (const WireSpan& span : spans) {
         if (span.length == 0) continue;
-        serve->iov.push_back(
-            {reinterpret_cast<void*>(request.base + span.offset), span.length});
+        serve->iov.push_back({reinterpret_cast<void*>(request.base + span.offset), span.length});
       }
     } else if (status == UCS_OK) {
       // Memory the caller registered may be unmapped once it is deregistered, which can happen
@@ -343,9 +377,10 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
     }
   }
   if (status == UCS_ERR_INVALID_PARAM) {
-    WarnThrottled(&gathers_refused_,
-                  "refused a gather of " + std::to_string(request.count) +
-                      " spans: malformed, or not within one registration of this transport");
+    WarnThrottled(
+        &gathers_refused_,
+        "refused a gather of " + std::to_string(request.count) +
+            " spans: malformed, not within one registration here, or not granted to its token");
   }
   ++gathers_served_;
 
@@ -353,8 +388,9 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
   if (UCS_PTR_IS_ERR(sent) && !ucx::IsPeerFailure(UCS_PTR_STATUS(sent))) {
     // The reply couldn't go (UCX out of resources, say): tell the requester, or it would wait.
     // BUSY: its op fails UNAVAILABLE, and its connection stays up.
-    Logger("transport")->warn("gather reply not sent ({}); answering BUSY",
-                              ucs_status_string(UCS_PTR_STATUS(sent)));
+    Logger("transport")
+        ->warn("gather reply not sent ({}); answering BUSY",
+               ucs_status_string(UCS_PTR_STATUS(sent)));
     serve->iov.clear();
     serve->packed.clear();
     serve->mem.reset();
@@ -362,8 +398,8 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
   }
   if (UCS_PTR_IS_ERR(sent)) {
     // The requester is gone or going; its side fails the op.
-    Logger("transport")->debug("gather reply not sent: {}",
-                               ucs_status_string(UCS_PTR_STATUS(sent)));
+    Logger("transport")
+        ->debug("gather reply not sent: {}", ucs_status_string(UCS_PTR_STATUS(sent)));
   } else if (sent != nullptr) {
     serves_.insert(serve.release());  // ServeDone frees it
   }
@@ -399,9 +435,8 @@ void UcxTransport::OnServeDone(Serve* serve) {
   delete serve;
 }
 
-ucs_status_t UcxTransport::OnGatherReply(const void* header, size_t header_length,
-                                         const void* data, size_t length,
-                                         const ucp_am_recv_param_t* param) {
+ucs_status_t UcxTransport::OnGatherReply(const void* header, size_t header_length, const void* data,
+                                         size_t length, const ucp_am_recv_param_t* param) {
   ReplyHeader reply;
   if (header_length != sizeof(reply)) return UCS_OK;
   std::memcpy(&reply, header, sizeof(reply));
@@ -418,10 +453,10 @@ ucs_status_t UcxTransport::OnGatherReply(const void* header, size_t header_lengt
     FallBackToGets(gather.get());
     return UCS_OK;
   }
-  if (status == UCS_OK && ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 ||
-                           length != gather->bytes)) {
-    Logger("transport")->warn("gather reply of {} bytes where {} were asked for", length,
-                              gather->bytes);
+  if (status == UCS_OK &&
+      ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 || length != gather->bytes)) {
+    Logger("transport")
+        ->warn("gather reply of {} bytes where {} were asked for", length, gather->bytes);
     status = UCS_ERR_MESSAGE_TRUNCATED;
   }
   if (status == UCS_OK) {
@@ -444,6 +479,10 @@ ucs_status_t UcxTransport::OnGatherReply(const void* header, size_t header_lengt
 
 void UcxTransport::FallBackToGets(Gather* gather) {
   Op* op = gather->op;
+  if (!rma_) {  // no gets without RMA: the read can't be had
+    FinishOp(op, UCS_ERR_UNSUPPORTED);
+    return;
+  }
   op->rkey->no_gather = true;
   Group& group = *op->group;
   group.hashed = false;

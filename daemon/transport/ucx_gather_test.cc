@@ -20,10 +20,13 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr uint64_t kMiB = 1ull << 20;
 
-std::unique_ptr<UcxTransport> Tcp(bool serve_gathers = true) {
+// `rma`: UCX RMA on over tcp (the RMA code paths; refitd never runs so).
+std::unique_ptr<UcxTransport> Tcp(bool serve_gathers = true, bool rma = false) {
   UcxTransport::Options options;
   options.config.push_back({"TLS", "tcp"});
   options.serve_gathers = serve_gathers;
+  options.rma = rma;
+  options.rma_any_transport = rma;
   auto t = UcxTransport::Create(options);
   INFO(t.status().ToString());
   REQUIRE(t.ok());
@@ -33,8 +36,8 @@ std::unique_ptr<UcxTransport> Tcp(bool serve_gathers = true) {
 // `target` serves `size` bytes (byte i = i * 7 + i / 251); `self` reads them into a zeroed
 // buffer of its own. Members go in reverse order.
 struct Pair {
-  explicit Pair(uint64_t size, bool serve_gathers = true)
-      : self(Tcp()), target(Tcp(serve_gathers)), source(size), sink(size, 0) {
+  explicit Pair(uint64_t size, bool serve_gathers = true, bool rma = false)
+      : self(Tcp(true, rma)), target(Tcp(serve_gathers, rma)), source(size), sink(size, 0) {
     for (uint64_t i = 0; i < size; ++i) source[i] = static_cast<uint8_t>(i * 7 + i / 251);
     auto s = target->RegisterMemory(source.data(), size, MemoryKind::kHost);
     auto d = self->RegisterMemory(sink.data(), size, MemoryKind::kHost);
@@ -74,7 +77,8 @@ struct Pair {
 // The second half of each `row`-byte row of the first `rows` rows.
 std::vector<Span> Columns(uint64_t rows, uint64_t row) {
   std::vector<Span> spans;
-  for (uint64_t r = 0; r < rows; ++r) spans.push_back({r * row + row / 2, r * row + row / 2, row / 2});
+  for (uint64_t r = 0; r < rows; ++r)
+    spans.push_back({r * row + row / 2, r * row + row / 2, row / 2});
   return spans;
 }
 
@@ -106,7 +110,7 @@ TEST_CASE("short spans go as gathers of at most 1 MiB, with a digest per span",
 
 TEST_CASE("a target that doesn't serve gathers: the spans come by gets, and later ones too",
           "[transport][ucx][gather]") {
-  Pair p(4 * kMiB, /*serve_gathers=*/false);
+  Pair p(4 * kMiB, /*serve_gathers=*/false, /*rma=*/true);
   const std::vector<Span> spans = Columns(1024, 4096);  // 2 MiB: two gathers
   REQUIRE(p.endpoint->PostGetSpans(*p.sink_memory, *p.remote, spans, 1).ok());
   std::vector<Completion> done = p.Wait(1);
@@ -218,8 +222,49 @@ TEST_CASE("memory released on the target: its gathers are refused", "[transport]
   CHECK(std::all_of(p.sink.begin(), p.sink.end(), [](uint8_t b) { return b == 0; }));
 }
 
-TEST_CASE("spans over 1 MiB go as gets; empty spans are fine", "[transport][ucx][gather]") {
-  Pair p(8 * kMiB);
+TEST_CASE("checked reads: no gets to fall back on", "[transport][ucx][gather]") {
+  Pair p(4 * kMiB, /*serve_gathers=*/false);
+  const std::vector<Span> spans = Columns(1024, 4096);
+  REQUIRE(p.endpoint->PostGetSpans(*p.sink_memory, *p.remote, spans, 1).ok());
+  std::vector<Completion> done = p.Wait(1);
+  CHECK(done[0].status.code() == absl::StatusCode::kUnimplemented);
+  CHECK(std::all_of(p.sink.begin(), p.sink.end(), [](uint8_t b) { return b == 0; }));
+  CHECK(p.endpoint->PostPut(*p.sink_memory, 0, *p.remote, 0, 4096, 2).code() ==
+        absl::StatusCode::kUnimplemented);
+  CHECK_FALSE(p.self->capabilities().rma_put);
+}
+
+TEST_CASE("checked reads: a get is a gather with its digest; long spans go in pieces",
+          "[transport][ucx][gather]") {
+  Pair p(16 * kMiB);
+  // One 4 MiB get: one gather, hashed on the way.
+  REQUIRE(p.endpoint->PostGet(*p.sink_memory, 5, *p.remote, 7, 4 * kMiB, 1).ok());
+  std::vector<Completion> done = p.Wait(1);
+  REQUIRE(done[0].status.ok());
+  CHECK(std::equal(p.sink.begin() + 5, p.sink.begin() + 5 + 4 * kMiB, p.source.begin() + 7));
+  CHECK(done[0].has_xxh3);
+  CHECK(done[0].xxh3 == XXH3_64bits(p.sink.data() + 5, 4 * kMiB));
+  CHECK(p.self->gathers_sent() == 1);
+  // 9 MiB in one get: three gathers, no digest (the caller hashes).
+  REQUIRE(p.endpoint->PostGet(*p.sink_memory, 0, *p.remote, 0, 9 * kMiB, 2).ok());
+  done = p.Wait(1);
+  REQUIRE(done[0].status.ok());
+  CHECK(std::equal(p.sink.begin(), p.sink.begin() + 9 * kMiB, p.source.begin()));
+  CHECK_FALSE(done[0].has_xxh3);
+  CHECK(p.self->gathers_sent() == 4);
+  // Spans over 1 MiB are gathers too.
+  const std::vector<Span> long_spans = {{0, 0, 3 * kMiB}, {4 * kMiB, 5 * kMiB, 4096}};
+  REQUIRE(p.endpoint->PostGetSpans(*p.sink_memory, *p.remote, long_spans, 3).ok());
+  done = p.Wait(1);
+  REQUIRE(done[0].status.ok());
+  CheckLanded(p, long_spans);
+  CHECK(done[0].span_xxh3.size() == 2);
+  CHECK(p.self->gathers_sent() == 6);
+}
+
+TEST_CASE("with RMA, spans over 1 MiB go as gets; empty spans are fine",
+          "[transport][ucx][gather]") {
+  Pair p(8 * kMiB, /*serve_gathers=*/true, /*rma=*/true);
   const std::vector<Span> long_spans = {{0, 0, 3 * kMiB}, {4 * kMiB, 5 * kMiB, 4096}};
   REQUIRE(p.endpoint->PostGetSpans(*p.sink_memory, *p.remote, long_spans, 1).ok());
   std::vector<Completion> done = p.Wait(1);
@@ -272,8 +317,8 @@ class RawPeer {
     handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                          UCP_AM_HANDLER_PARAM_FIELD_ARG;
     handler.id = 2;  // the reply id
-    handler.cb = [](void* arg, const void* header, size_t header_length, void* data,
-                    size_t length, const ucp_am_recv_param_t*) {
+    handler.cb = [](void* arg, const void* header, size_t header_length, void* data, size_t length,
+                    const ucp_am_recv_param_t*) {
       Reply reply{};
       if (header_length == 16) {
         std::memcpy(&reply.magic, header, 4);
@@ -367,8 +412,10 @@ class RawPeer {
     void* rkey = nullptr;
     size_t rkey_length = 0;
     REQUIRE(ucp_rkey_pack(context_, memh_, &rkey, &rkey_length) == UCS_OK);
-    WireDescriptor d{WireBackend::kUcx, kIdentity, reinterpret_cast<uint64_t>(pattern_.data()),
-                     memory, std::string(static_cast<const char*>(rkey), rkey_length)};
+    // Payload: a token (this target checks none), then the rkey.
+    WireDescriptor d{
+        WireBackend::kUcx, kIdentity, reinterpret_cast<uint64_t>(pattern_.data()), memory,
+        std::string(16, 'T') + std::string(static_cast<const char*>(rkey), rkey_length)};
     ucp_rkey_buffer_release(rkey);
     return EncodeDescriptor(d);
   }
@@ -404,9 +451,8 @@ class RawPeer {
       send.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK;
       send.flags = UCP_AM_SEND_FLAG_EAGER;
       send.cb.send = [](void* request, ucs_status_t, void*) { ucp_request_free(request); };
-      ucs_status_ptr_t sent =
-          ucp_am_send_nbx(param->reply_ep, 2, self->answer_header_.data(), 16,
-                          self->answer_.data(), self->answer_.size(), &send);
+      ucs_status_ptr_t sent = ucp_am_send_nbx(param->reply_ep, 2, self->answer_header_.data(), 16,
+                                              self->answer_.data(), self->answer_.size(), &send);
       CHECK_FALSE(UCS_PTR_IS_ERR(sent));
       return UCS_OK;
     };
@@ -431,25 +477,30 @@ class RawPeer {
   std::vector<Completion> ignored_;
 };
 
-// A request header as ucx_gather.cc lays it out: magic, count, id, base.
-std::vector<uint8_t> RequestBytes(uint32_t magic, uint32_t count, uint64_t id, uint64_t base) {
-  std::vector<uint8_t> bytes(24);
+// A request header as ucx_gather.cc lays it out: magic, count, id, base, token.
+std::vector<uint8_t> RequestBytes(uint32_t magic, uint32_t count, uint64_t id, uint64_t base,
+                                  const std::string& token) {
+  std::vector<uint8_t> bytes(40, 0);
   std::memcpy(bytes.data(), &magic, 4);
   std::memcpy(bytes.data() + 4, &count, 4);
   std::memcpy(bytes.data() + 8, &id, 8);
   std::memcpy(bytes.data() + 16, &base, 8);
+  std::memcpy(bytes.data() + 24, token.data(), std::min<size_t>(16, token.size()));
   return bytes;
 }
 
 TEST_CASE("malformed gather requests are refused or dropped; the target keeps serving",
           "[transport][ucx][gather]") {
   Pair p(kMiB);
-  constexpr uint32_t kMagic = 0x31475246;
+  constexpr uint32_t kMagic = 0x32475246;
   const uint64_t base = reinterpret_cast<uint64_t>(p.source.data());
+  auto descriptor = DecodeDescriptor(p.source_memory->descriptor(), WireBackend::kUcx);
+  REQUIRE(descriptor.ok());
+  const std::string token = descriptor->payload.substr(0, 16);
   RawPeer raw(p.target->LocalAddress());
 
   // A well-formed request first: the bytes come back.
-  auto replies = raw.Send(*p.target, RequestBytes(kMagic, 1, 7, base), {16, 64});
+  auto replies = raw.Send(*p.target, RequestBytes(kMagic, 1, 7, base, token), {16, 64});
   REQUIRE(replies.size() == 1);
   CHECK(replies[0].id == 7);
   CHECK(replies[0].status == UCS_OK);
@@ -462,13 +513,16 @@ TEST_CASE("malformed gather requests are refused or dropped; the target keeps se
     std::vector<uint64_t> spans;
   };
   const std::vector<Case> refused = {
-      {"wrong magic", RequestBytes(0x12345678, 1, 8, base), {0, 64}},
-      {"count and data disagree", RequestBytes(kMagic, 3, 9, base), {0, 64}},
-      {"offset + length overflows", RequestBytes(kMagic, 1, 10, base), {~0ull - 10, 100}},
-      {"past the registration's end", RequestBytes(kMagic, 1, 11, base), {kMiB - 8, 16}},
-      {"not a registration's start", RequestBytes(kMagic, 1, 12, base + 4096), {0, 64}},
-      {"no registration at all", RequestBytes(kMagic, 1, 13, 4096), {0, 64}},
-      {"more than the target serves at once", RequestBytes(kMagic, 2, 14, base),
+      {"wrong magic", RequestBytes(0x12345678, 1, 8, base, token), {0, 64}},
+      {"count and data disagree", RequestBytes(kMagic, 3, 9, base, token), {0, 64}},
+      {"offset + length overflows", RequestBytes(kMagic, 1, 10, base, token), {~0ull - 10, 100}},
+      {"past the registration's end", RequestBytes(kMagic, 1, 11, base, token), {kMiB - 8, 16}},
+      {"not a registration's start", RequestBytes(kMagic, 1, 12, base + 4096, token), {0, 64}},
+      {"no registration at all", RequestBytes(kMagic, 1, 13, 4096, token), {0, 64}},
+      {"a token without a grant", RequestBytes(kMagic, 1, 16, base, std::string(16, 'x')), {0, 64}},
+      {"the old protocol (no token)", RequestBytes(0x31475246, 1, 17, base, token), {0, 64}},
+      {"more than the target serves at once",
+       RequestBytes(kMagic, 2, 14, base, token),
        {0, kMiB, 0, 4 * kMiB}},
   };
   for (const Case& c : refused) {
@@ -482,7 +536,7 @@ TEST_CASE("malformed gather requests are refused or dropped; the target keeps se
 
   // Nobody to answer: no id, or no way back.
   CHECK(raw.Send(*p.target, {1, 2, 3}, {0, 64}).empty());
-  CHECK(raw.Send(*p.target, RequestBytes(kMagic, 1, 15, base), {0, 64}, /*reply_flag=*/false)
+  CHECK(raw.Send(*p.target, RequestBytes(kMagic, 1, 15, base, token), {0, 64}, /*reply_flag=*/false)
             .empty());
   CHECK(p.target->gathers_dropped() == 2);
 
@@ -541,14 +595,13 @@ TEST_CASE("a target's malformed or busy replies fail the op, not the connection"
     int64_t extra;
     absl::StatusCode code;
   };
-  for (const Case& c : {Case{"BUSY: the target couldn't send", UCS_ERR_BUSY, 0,
-                             absl::StatusCode::kUnavailable},
-                        Case{"bytes missing", UCS_OK, -100, absl::StatusCode::kInvalidArgument},
-                        Case{"bytes extra", UCS_OK, 100, absl::StatusCode::kInvalidArgument},
-                        Case{"a status nobody sends", 12345, 0,
-                             absl::StatusCode::kInvalidArgument},
-                        Case{"a peer-failure status", UCS_ERR_CONNECTION_RESET, 0,
-                             absl::StatusCode::kInvalidArgument}}) {
+  for (const Case& c :
+       {Case{"BUSY: the target couldn't send", UCS_ERR_BUSY, 0, absl::StatusCode::kUnavailable},
+        Case{"bytes missing", UCS_OK, -100, absl::StatusCode::kInvalidArgument},
+        Case{"bytes extra", UCS_OK, 100, absl::StatusCode::kInvalidArgument},
+        Case{"a status nobody sends", 12345, 0, absl::StatusCode::kInvalidArgument},
+        Case{"a peer-failure status", UCS_ERR_CONNECTION_RESET, 0,
+             absl::StatusCode::kInvalidArgument}}) {
     INFO(c.what);
     const absl::Status status = gather(c.status, c.extra);
     INFO(status.ToString());

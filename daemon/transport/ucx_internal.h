@@ -16,6 +16,9 @@
 
 namespace refit::transport {
 
+// Whether a UCX_TLS value names only transports with hardware RMA (ucx_options.cc).
+bool HardwareRmaOnly(const char* tls);
+
 // A memory registration; ops in flight share it, so it outlives its LocalMemory if need be.
 struct UcxTransport::MemHolder {
   std::shared_ptr<ucp_context> context;  // declared first: outlives memh
@@ -25,7 +28,10 @@ struct UcxTransport::MemHolder {
 // A remote key unpacked on one endpoint; shared with the ops that use it.
 struct UcxTransport::RkeyHolder {
   ucx::RkeyPtr rkey;
-  // The peer answered a gather on this memory with UNSUPPORTED: use gets from now on.
+  // The token of the descriptor it came from (kTokenBytes): every gather on it carries it.
+  std::string token;
+  // The peer answered a gather on this memory with UNSUPPORTED: use gets from now on (only
+  // with Options::rma; without it such a read fails).
   bool no_gather = false;
 };
 
@@ -55,6 +61,7 @@ struct UcxTransport::Group {
   // came by gather (`hashed` stays true).
   std::vector<uint64_t> span_xxh3{};
   bool hashed = false;
+  bool single = false;  // the one span of a PostGet: reported as the op's xxh3
 };
 
 struct UcxTransport::Op {
@@ -88,7 +95,12 @@ struct UcxTransport::Serve {
   std::string header;
 };
 
-// This transport's registered memory, by address: what a peer's gather may read.
+// This transport's registered memory, by address, and the grants on it: what a peer's gather
+// may read. A gather names a token and a registration's base; it is served only if that token
+// holds a grant of [base, base + length) with length reaching its last span, and the memory is
+// still registered. Each registration grants itself to its own random token (the one in
+// LocalMemory::descriptor()); GrantRead adds grants of a registration to a session's token,
+// counted, until its hold goes.
 struct UcxTransport::Registry {
   struct Entry {
     uint64_t length = 0;
@@ -98,6 +110,30 @@ struct UcxTransport::Registry {
   };
   std::mutex mu;
   std::multimap<uint64_t, Entry> by_address;
+  // token -> {base, length} -> how many holds grant it.
+  std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, uint64_t>> grants;
+
+  // mu_ held by the caller.
+  void AddGrant(const std::string& token, uint64_t base, uint64_t length) {
+    ++grants[token][{base, length}];
+  }
+  void RemoveGrant(const std::string& token, uint64_t base, uint64_t length) {
+    auto it = grants.find(token);
+    if (it == grants.end()) return;
+    auto entry = it->second.find({base, length});
+    if (entry != it->second.end() && --entry->second == 0) it->second.erase(entry);
+    if (it->second.empty()) grants.erase(it);
+  }
+  // Whether `token` holds a grant of a registration at `base` at least `end` bytes long.
+  bool Allows(const std::string& token, uint64_t base, uint64_t end) const {
+    auto it = grants.find(token);
+    if (it == grants.end()) return false;
+    for (auto entry = it->second.lower_bound({base, 0});
+         entry != it->second.end() && entry->first.first == base; ++entry) {
+      if (entry->first.second >= end) return true;
+    }
+    return false;
+  }
 };
 
 }  // namespace refit::transport

@@ -23,10 +23,6 @@ void OpCallback(void* request, ucs_status_t status, void* user_data) {
   ucp_request_free(request);
 }
 
-void FreeRequestCallback(void* request, ucs_status_t /*status*/, void* /*user_data*/) {
-  ucp_request_free(request);
-}
-
 void EpErrorCallback(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
   auto* ep = static_cast<UcxTransport::EpState*>(arg);
   ep->owner->OnEpError(ep, status);
@@ -47,22 +43,29 @@ class UcxTransport::UcxLocalMemory final : public LocalMemory {
   // `counted`: must go before the transport (RegisterMemory); AllocateMemory's memory keeps the
   // context alive itself and never touches the transport again.
   UcxLocalMemory(UcxTransport* owner, void* address, uint64_t length, MemoryKind kind,
-                 std::shared_ptr<MemHolder> mem, std::string descriptor, bool counted,
+                 std::shared_ptr<MemHolder> mem, std::string token, std::string rkey, bool counted,
                  std::shared_ptr<Registry> registry)
-      : LocalMemory(address, length, kind), owner_(owner), mem_(std::move(mem)),
-        counted_(counted), registry_(std::move(registry)) {
-    set_descriptor(std::move(descriptor));
+      : LocalMemory(address, length, kind),
+        owner_(owner),
+        issuer_(owner->identity_),
+        mem_(std::move(mem)),
+        token_(std::move(token)),
+        rkey_(std::move(rkey)),
+        counted_(counted),
+        registry_(std::move(registry)) {
+    set_descriptor(DescriptorFor(token_));
     if (counted_) ++owner_->live_objects_;
     std::lock_guard<std::mutex> lock(registry_->mu);
     registry_->by_address.emplace(reinterpret_cast<uint64_t>(address),
                                   Registry::Entry{length, kind, mem_, !counted_});
+    registry_->AddGrant(token_, reinterpret_cast<uint64_t>(address), length);
   }
   ~UcxLocalMemory() override {
     {
       // From now on peers' gathers can't read it (one already being sent keeps mem_ alive).
       std::lock_guard<std::mutex> lock(registry_->mu);
-      auto [begin, end] =
-          registry_->by_address.equal_range(reinterpret_cast<uint64_t>(address()));
+      registry_->RemoveGrant(token_, reinterpret_cast<uint64_t>(address()), length());
+      auto [begin, end] = registry_->by_address.equal_range(reinterpret_cast<uint64_t>(address()));
       for (auto it = begin; it != end; ++it) {
         if (it->second.mem.lock() == mem_) {
           registry_->by_address.erase(it);
@@ -74,10 +77,24 @@ class UcxTransport::UcxLocalMemory final : public LocalMemory {
   }
   const UcxTransport* owner() const { return owner_; }
   const std::shared_ptr<MemHolder>& mem() const { return mem_; }
+  const std::shared_ptr<Registry>& registry() const { return registry_; }
+  // This memory's descriptor under `token` (wire payload: token, then the packed rkey).
+  std::string DescriptorFor(const std::string& token) const {
+    WireDescriptor d;
+    d.backend = WireBackend::kUcx;
+    d.issuer = issuer_;
+    d.address = reinterpret_cast<uint64_t>(address());
+    d.length = length();
+    d.payload = token + rkey_;
+    return EncodeDescriptor(d);
+  }
 
  private:
   UcxTransport* owner_;
+  const uint64_t issuer_;
   std::shared_ptr<MemHolder> mem_;
+  const std::string token_;  // the registration's own grant (descriptor())
+  const std::string rkey_;   // packed
   bool counted_;
   std::shared_ptr<Registry> registry_;
 };
@@ -86,7 +103,10 @@ class UcxTransport::UcxRemoteMemory final : public RemoteMemory {
  public:
   UcxRemoteMemory(UcxTransport* owner, const EpState* ep, uint64_t address, uint64_t length,
                   std::shared_ptr<RkeyHolder> rkey, uint8_t* mapped)
-      : RemoteMemory(address, length), owner_(owner), ep_(ep), rkey_(std::move(rkey)),
+      : RemoteMemory(address, length),
+        owner_(owner),
+        ep_(ep),
+        rkey_(std::move(rkey)),
         mapped_(mapped) {
     ++owner_->live_objects_;
   }
@@ -130,24 +150,27 @@ class UcxTransport::UcxEndpoint final : public Endpoint {
       return absl::InvalidArgumentError(
           "memory descriptor was issued by another transport than this endpoint's peer");
     }
-    if (d.payload.empty()) return absl::InvalidArgumentError("memory descriptor has no rkey");
+    if (d.payload.size() <= kTokenBytes) {
+      return absl::InvalidArgumentError("memory descriptor has no token and rkey");
+    }
     if (!state_->failure.ok()) return state_->failure;
     ucp_rkey_h rkey = nullptr;
-    ucs_status_t s = ucp_ep_rkey_unpack(state_->ep, d.payload.data(), &rkey);
+    ucs_status_t s = ucp_ep_rkey_unpack(state_->ep, d.payload.data() + kTokenBytes, &rkey);
     if (s != UCS_OK) {
       return absl::InvalidArgumentError(
           absl::StrCat("memory descriptor's rkey rejected by UCX: ", ucs_status_string(s)));
     }
     auto holder = std::make_shared<RkeyHolder>();
     holder->rkey.reset(rkey);
+    holder->token = d.payload.substr(0, kTokenBytes);
     // Shared memory of a peer on this host: UCX maps it (the whole segment, so the range the
     // descriptor announces is covered). Anything else (another host, memory UCX didn't
     // allocate) answers UNREACHABLE and goes through ucp_get/ucp_put.
     void* mapped = nullptr;
     if (ucp_rkey_ptr(rkey, d.address, &mapped) != UCS_OK) mapped = nullptr;
-    return std::unique_ptr<RemoteMemory>(new UcxRemoteMemory(
-        owner_, state_.get(), d.address, d.length, std::move(holder),
-        static_cast<uint8_t*>(mapped)));
+    return std::unique_ptr<RemoteMemory>(new UcxRemoteMemory(owner_, state_.get(), d.address,
+                                                             d.length, std::move(holder),
+                                                             static_cast<uint8_t*>(mapped)));
   }
 
   absl::Status PostGet(const LocalMemory& local, uint64_t local_offset, const RemoteMemory& remote,
@@ -177,31 +200,6 @@ class UcxTransport::UcxEndpoint final : public Endpoint {
   std::shared_ptr<EpState> state_;
 };
 
-std::vector<std::pair<std::string, std::string>> UcxTransport::Options::DefaultConfig() {
-  // Notice a dead peer on an idle connection within seconds rather than UCX's default 20 s.
-  // Shared memory with peer-failure handling (UCX_POSIX_ERROR_HANDLING / _SYSV_) stays the
-  // operator's choice: see ucx_transport.h for what a peer killed mid-transfer can do to it.
-  std::vector<std::pair<std::string, std::string>> config = {{"KEEPALIVE_INTERVAL", "1s"}};
-  // TCP: 64 KiB send segments (UCX's default 8 KiB) carry a get's reply in 8x fewer pieces; a
-  // 1 GiB version over loopback tcp took 0.41 s against 0.65 s (same hour; ucx_perftest of
-  // 4 MiB gets: 1.96 against 1.03 GB/s). Receive segments are 64 KiB already. UCX hands a
-  // setting it doesn't know itself to its transports under the unprefixed name (TX_SEG_SIZE
-  // is tcp's), and warns when none takes it: only when tcp may be in use, and never over the
-  // operator's tcp segment sizes (UCX refuses a send segment above the receive segment).
-  if (std::getenv("UCX_TCP_TX_SEG_SIZE") != nullptr || std::getenv("UCX_TCP_RX_SEG_SIZE")) {
-    return config;
-  }
-  const char* tls = std::getenv("UCX_TLS");
-  const std::string list = tls ? tls : "";
-  const bool excluding = !list.empty() && list[0] == '^';  // "^a,b": all but a and b
-  const bool names_tcp = list.find("tcp") != std::string::npos;
-  const bool all = list.empty() || list.find("all") != std::string::npos;
-  if (all || (excluding ? !names_tcp : names_tcp)) {
-    config.emplace_back("TX_SEG_SIZE", "64k");
-  }
-  return config;
-}
-
 absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(const Options& options) {
   std::unique_ptr<UcxTransport> transport(new UcxTransport());
   RETURN_IF_ERROR(transport->Init(options));
@@ -213,6 +211,12 @@ absl::Status UcxTransport::Init(const Options& options) {
   close_timeout_ = options.close_timeout;
   peer_failure_handling_ = options.peer_failure_handling;
   serve_gathers_ = options.serve_gathers;
+  rma_ = options.rma;
+  if (rma_ && !options.rma_any_transport && !HardwareRmaOnly(std::getenv("UCX_TLS"))) {
+    return absl::FailedPreconditionError(
+        "UCX RMA is only for RDMA fabrics: set UCX_TLS to rc/dc transports only (tcp and shared "
+        "memory carry raw addresses in software RMA)");
+  }
   registry_ = std::make_shared<Registry>();
 
   ucp_config_t* raw_config = nullptr;
@@ -238,7 +242,8 @@ absl::Status UcxTransport::Init(const Options& options) {
   std::memset(&params, 0, sizeof(params));
   params.field_mask =
       UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;  // AM: gathers (ucx_gather.cc)
+  // AM: gathers (ucx_gather.cc). RMA only on request (see ucx_transport.h, "Checked reads").
+  params.features = UCP_FEATURE_AM | (rma_ ? UCP_FEATURE_RMA : 0);
   params.name = "refit";
   // AllocateMemory and freeing its memory happen on any thread: the context's own lock.
   params.mt_workers_shared = 1;
@@ -246,8 +251,8 @@ absl::Status UcxTransport::Init(const Options& options) {
   s = ucp_init(&params, config.get(), &context);
   if (s != UCS_OK) return ucx::ToStatus(s, "ucp_init");
   context_ = std::shared_ptr<ucp_context>(context, ucx::ContextDeleter());
-  copier_ = std::make_unique<CopyEngine>(
-      options.copy_threads > 0 ? options.copy_threads : CopyEngine::DefaultThreads());
+  copier_ = std::make_unique<CopyEngine>(options.copy_threads > 0 ? options.copy_threads
+                                                                  : CopyEngine::DefaultThreads());
 
   ucp_worker_params_t worker_params;
   std::memset(&worker_params, 0, sizeof(worker_params));
@@ -281,11 +286,12 @@ absl::Status UcxTransport::Init(const Options& options) {
   ucp_get_version(&major, &minor, &release);
   capabilities_.name = "ucx";
   capabilities_.rma_get = true;
-  capabilities_.rma_put = true;
+  capabilities_.rma_put = false;  // no peer writes here, and we write into no peer
   capabilities_.gathers_spans = true;
   capabilities_.cuda_memory = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
   capabilities_.detail = absl::StrCat("UCX ", major, ".", minor, ".", release,
-                                      ", memory types: ", MemoryTypesString(attr.memory_types));
+                                      ", memory types: ", MemoryTypesString(attr.memory_types),
+                                      rma_ ? ", RMA (remote-read only)" : ", checked reads");
   Logger("transport")->info("ucx transport ready: {}", capabilities_.detail);
   return absl::OkStatus();
 }
@@ -298,6 +304,8 @@ UcxTransport::~UcxTransport() {
     std::abort();
   }
   if (worker_ == nullptr) return;  // Init failed early
+  for (auto& parked : parked_) CloseEp(parked, /*park=*/false);
+  parked_.clear();
   // Let endpoint closes, ops and UCX's own queued messages (wireup replies to peers) finish:
   // UCX 1.13 asserts when a worker is destroyed with a wireup message still queued
   // (openucx/ucx#8175). Bounded, because a peer that went away may never answer.
@@ -358,6 +366,11 @@ absl::StatusOr<std::unique_ptr<LocalMemory>> UcxTransport::RegisterMemory(void* 
   params.address = address;
   params.length = length;
   params.memory_type = kind == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+  if (rma_) {  // a peer's rkey may read it, never write it
+    params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_PROT;
+    params.prot =
+        UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_LOCAL_WRITE | UCP_MEM_MAP_PROT_REMOTE_READ;
+  }
   ucp_mem_h memh = nullptr;
   ucs_status_t s = ucp_mem_map(context_.get(), &params, &memh);
   if (s != UCS_OK) return ucx::ToStatus(s, "ucp_mem_map");
@@ -373,6 +386,11 @@ absl::StatusOr<std::unique_ptr<LocalMemory>> UcxTransport::AllocateMemory(uint64
   params.address = nullptr;
   params.length = length;
   params.flags = UCP_MEM_MAP_ALLOCATE;
+  if (rma_) {
+    params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_PROT;
+    params.prot =
+        UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_LOCAL_WRITE | UCP_MEM_MAP_PROT_REMOTE_READ;
+  }
   ucp_mem_h memh = nullptr;
   ucs_status_t s = ucp_mem_map(context_.get(), &params, &memh);
   if (s != UCS_OK) return ucx::ToStatus(s, "ucp_mem_map(ALLOCATE)");
@@ -398,15 +416,42 @@ absl::StatusOr<std::unique_ptr<LocalMemory>> UcxTransport::MakeLocalMemory(
   ucs_status_t s = ucp_rkey_pack(context_.get(), memh, &packed, &packed_size);
   if (s != UCS_OK) return ucx::ToStatus(s, "ucp_rkey_pack");
   ucx::RkeyBufferPtr packed_owner(packed);
-  WireDescriptor d;
-  d.backend = WireBackend::kUcx;
-  d.issuer = identity_;
-  d.address = reinterpret_cast<uint64_t>(address);
-  d.length = length;
-  d.payload.assign(static_cast<const char*>(packed), packed_size);
   return std::unique_ptr<LocalMemory>(new UcxLocalMemory(
-      this, address, length, kind, std::move(mem), EncodeDescriptor(d), /*counted=*/!owned,
-      registry_));
+      this, address, length, kind, std::move(mem), RandomBytes(kTokenBytes),
+      std::string(static_cast<const char*>(packed), packed_size), /*counted=*/!owned, registry_));
+}
+
+namespace {
+// A grant of [base, base + length) to `token`, until destroyed (any thread, any time).
+struct GrantHold {
+  std::shared_ptr<UcxTransport::Registry> registry;
+  std::string token;
+  uint64_t base = 0;
+  uint64_t length = 0;
+  ~GrantHold() {
+    std::lock_guard<std::mutex> lock(registry->mu);
+    registry->RemoveGrant(token, base, length);
+  }
+};
+}  // namespace
+
+absl::StatusOr<Transport::Grant> UcxTransport::GrantRead(const LocalMemory& memory,
+                                                         std::string_view token) {
+  if (token.size() != kTokenBytes) return absl::InvalidArgumentError("a token is 16 bytes");
+  const auto* local = dynamic_cast<const UcxLocalMemory*>(&memory);
+  if (local == nullptr || local->registry() != registry_) {
+    return absl::InvalidArgumentError("memory was registered with another transport");
+  }
+  auto hold = std::make_shared<GrantHold>();
+  hold->registry = registry_;
+  hold->token = std::string(token);
+  hold->base = reinterpret_cast<uint64_t>(memory.address());
+  hold->length = memory.length();
+  {
+    std::lock_guard<std::mutex> lock(registry_->mu);
+    registry_->AddGrant(hold->token, hold->base, hold->length);
+  }
+  return Grant{local->DescriptorFor(hold->token), std::move(hold)};
 }
 
 absl::StatusOr<std::unique_ptr<Endpoint>> UcxTransport::Connect(std::string_view peer_address) {
@@ -439,8 +484,22 @@ absl::StatusOr<std::unique_ptr<Endpoint>> UcxTransport::Connect(std::string_view
   return std::unique_ptr<Endpoint>(new UcxEndpoint(this, std::move(state)));
 }
 
-void UcxTransport::CloseEp(const std::shared_ptr<EpState>& state) {
+void UcxTransport::CloseEp(const std::shared_ptr<EpState>& state, bool park) {
   if (state->ep == nullptr) return;
+  const bool healthy_idle = state->failure.ok() && state->in_ucx == 0;
+  if (park && healthy_idle) {
+    // UCX pairs our endpoint to a peer with the peer's endpoint to us (both made from worker
+    // addresses), and the peer's gathers carry our endpoint's id for the reply: once it is
+    // closed, UCX drops them before any handler runs, and the peer waits forever. An idle,
+    // healthy endpoint is therefore parked, still open, until the transport goes (or, past
+    // kMaxParked, the oldest is closed).
+    parked_.push_back(state);
+    if (parked_.size() <= kMaxParked) return;
+    std::shared_ptr<EpState> oldest = parked_.front();
+    parked_.erase(parked_.begin());
+    CloseEp(oldest, /*park=*/false);
+    return;
+  }
   ucp_request_param_t param;
   std::memset(&param, 0, sizeof(param));
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -492,6 +551,10 @@ absl::Status UcxTransport::Post(bool get, UcxEndpoint* endpoint, const LocalMemo
   const UcxLocalMemory* local_memory = nullptr;
   const UcxRemoteMemory* remote_memory = nullptr;
   RETURN_IF_ERROR(CheckHandles(*endpoint, local, remote, &local_memory, &remote_memory));
+  if (!get) {
+    return absl::UnimplementedError(
+        "puts are off: refit never writes into a peer's memory (capabilities().rma_put)");
+  }
   const std::shared_ptr<EpState>& ep = endpoint->state();
   RETURN_IF_ERROR(
       CheckRanges(local_offset, local.length(), remote_offset, remote.length(), length));
@@ -506,19 +569,28 @@ absl::Status UcxTransport::Post(bool get, UcxEndpoint* endpoint, const LocalMemo
     ep->copying.fetch_add(1, std::memory_order_acq_rel);
     ++in_copier_;
     CopyEngine::Job job;
-    job.dst = get ? here : there;
-    job.src = get ? there : here;
+    job.dst = here;
+    job.src = there;
     job.length = length;
     job.tag = op;
     job.abandon = &ep->abandon;
     job.running = &ep->copying;
-    job.hash = get;
+    job.hash = true;
     copier_->Submit(job);
+  } else if (!rma_) {
+    // Checked reads: a gather of one span, which the target checks against our token's grants.
+    if (local.kind() != MemoryKind::kHost) {
+      return absl::UnimplementedError(
+          "checked reads land in host memory only: stage through a host slot");
+    }
+    return PostGathers(ep, local_memory->mem(), remote_memory->rkey(),
+                       static_cast<uint8_t*>(local.address()), remote.remote_address(),
+                       {Span{local_offset, remote_offset, length}}, cookie, /*single=*/true);
   } else {
     ucp_request_param_t param;
     std::memset(&param, 0, sizeof(param));
-    param.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_MEMH | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_MEMH |
+                         UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FIELD_USER_DATA;
     param.memh = local_memory->mem()->memh.get();
     param.memory_type =
         local.kind() == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
@@ -526,43 +598,20 @@ absl::Status UcxTransport::Post(bool get, UcxEndpoint* endpoint, const LocalMemo
     uint64_t remote_address = remote.remote_address() + remote_offset;
     ucp_rkey_h rkey = remote_memory->rkey()->rkey.get();
     auto* op = new Op{ep, local_memory->mem(), remote_memory->rkey(), cookie, ep->epoch, nullptr};
-    ucs_status_ptr_t request;
-    if (get) {
-      // A get's callback means the bytes are here.
-      param.op_attr_mask |= UCP_OP_ATTR_FIELD_USER_DATA;
-      param.cb.send = OpCallback;
-      param.user_data = op;
-      request = ucp_get_nbx(ep->ep, buffer, length, remote_address, rkey, &param);
-    } else {
-      // A put's callback only means the local buffer may be reused; an ep flush posted after it
-      // completes once the bytes are in the remote buffer, and that is what the op reports.
-      param.cb.send = FreeRequestCallback;
-      request = ucp_put_nbx(ep->ep, buffer, length, remote_address, rkey, &param);
-      if (!UCS_PTR_IS_ERR(request)) {
-        ucp_request_param_t flush;
-        std::memset(&flush, 0, sizeof(flush));
-        flush.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-        flush.cb.send = OpCallback;
-        flush.user_data = op;
-        request = ucp_ep_flush_nbx(ep->ep, &flush);
-        if (UCS_PTR_IS_ERR(request)) {  // the put is already in flight: report through Poll
-          done_.push_back({ep, cookie, op->epoch, UCS_PTR_STATUS(request)});
-          delete op;
-          op = nullptr;
-          request = nullptr;
-        }
-      }
-    }
+    // A get's callback means the bytes are here.
+    param.cb.send = OpCallback;
+    param.user_data = op;
+    ucs_status_ptr_t request = ucp_get_nbx(ep->ep, buffer, length, remote_address, rkey, &param);
     if (UCS_PTR_IS_ERR(request)) {
       delete op;
       ucs_status_t s = UCS_PTR_STATUS(request);
       if (ucx::IsPeerFailure(s)) OnEpError(ep.get(), s);
-      return ucx::ToStatus(s, get ? "ucp_get_nbx" : "ucp_put_nbx");
+      return ucx::ToStatus(s, "ucp_get_nbx");
     }
     if (request != nullptr) {
       ++in_ucx_;
       ++ep->in_ucx;
-    } else if (op != nullptr) {  // finished inside the call
+    } else {  // finished inside the call
       done_.push_back({ep, cookie, op->epoch, UCS_OK});
       delete op;
     }
@@ -584,8 +633,13 @@ void UcxTransport::FinishOp(Op* op, ucs_status_t status) {
     if (status != UCS_OK && group.status == UCS_OK) group.status = status;
     if (--group.remaining == 0) {
       const bool hashed = group.hashed && group.status == UCS_OK;
-      done_.push_back({std::move(op->ep), op->cookie, op->epoch, group.status, hashed, 0,
-                       hashed ? std::move(group.span_xxh3) : std::vector<uint64_t>()});
+      if (group.single) {  // a PostGet's one span: its digest is the op's
+        done_.push_back({std::move(op->ep), op->cookie, op->epoch, group.status, hashed,
+                         hashed ? group.span_xxh3[0] : 0});
+      } else {
+        done_.push_back({std::move(op->ep), op->cookie, op->epoch, group.status, hashed, 0,
+                         hashed ? std::move(group.span_xxh3) : std::vector<uint64_t>()});
+      }
     }
   } else {
     done_.push_back({std::move(op->ep), op->cookie, op->epoch, status});
@@ -620,8 +674,14 @@ absl::Status UcxTransport::PostSpans(UcxEndpoint* endpoint, const LocalMemory& l
     copier_->Submit(job);
   } else if (local.kind() == MemoryKind::kHost && !remote_memory->rkey()->no_gather) {
     RETURN_IF_ERROR(PostGathers(ep, local_memory->mem(), remote_memory->rkey(), base,
-                                remote.remote_address(), std::move(spans), cookie));
+                                remote.remote_address(), std::move(spans), cookie,
+                                /*single=*/false));
     return absl::OkStatus();  // counted by PostGathers
+  } else if (!rma_) {
+    return absl::UnimplementedError(
+        local.kind() == MemoryKind::kHost
+            ? "the peer can't serve checked reads of this memory (it is on its GPU)"
+            : "checked reads land in host memory only: stage through a host slot");
   } else {
     auto group = std::make_shared<Group>();
     group->remaining = spans.size();
@@ -656,10 +716,9 @@ size_t UcxTransport::PostSpanGets(const std::shared_ptr<EpState>& ep,
     param.cb.send = OpCallback;
     param.user_data = op;
     ucs_status_ptr_t request =
-        ep->failure.ok()
-            ? ucp_get_nbx(ep->ep, base + s.local_offset, s.length,
-                          remote_address + s.remote_offset, rkey->rkey.get(), &param)
-            : UCS_STATUS_PTR(UCS_ERR_CONNECTION_RESET);
+        ep->failure.ok() ? ucp_get_nbx(ep->ep, base + s.local_offset, s.length,
+                                       remote_address + s.remote_offset, rkey->rkey.get(), &param)
+                         : UCS_STATUS_PTR(UCS_ERR_CONNECTION_RESET);
     if (UCS_PTR_IS_ERR(request)) {
       *failure = UCS_PTR_STATUS(request);
       if (ucx::IsPeerFailure(*failure)) OnEpError(ep.get(), *failure);

@@ -1,13 +1,32 @@
 #pragma once
 
-// The UCX (UCP) backend of Transport: one ucp_context with FEATURE_RMA and one worker
-// (UCS_THREAD_MODE_SERIALIZED: the caller serializes, see transport.h). UCX chooses the
-// transports itself and honours UCX_TLS / UCX_NET_DEVICES from the environment.
+// The UCX (UCP) backend of Transport: one ucp_context and one worker (UCS_THREAD_MODE_SERIALIZED:
+// the caller serializes, see transport.h). UCX chooses the transports itself and honours UCX_TLS
+// / UCX_NET_DEVICES from the environment.
+//
+// Checked reads (the default; issue 17). The context has FEATURE_AM only, never FEATURE_RMA:
+// with RMA on, UCX 1.13 registers its software-RMA handlers (tcp, shared memory, and any
+// transport's active messages), which read and write whatever raw address a connected peer
+// names, with no range check. Without it UCX drops such messages ("no handler"). Every read of
+// a peer that doesn't map our memory is a GATHER (ucx_gather.cc) whose spans the target checks
+// against the grants of the token it carries (transport.h, "Grants"); PostGet is a gather of
+// one span; PostPut is refused (rma_put false). What stays unchecked: a peer on this host maps
+// slots from AllocateMemory (ucp_rkey_ptr still works without RMA) with the operating system's
+// consent, see docs/security.md.
+//
+// Options::rma (RDMA fabrics, opt-in, untested here: no RDMA hardware): FEATURE_RMA on, memory
+// registered remote-read only (UCP_MEM_MAP_PROT_REMOTE_READ: the HCA refuses remote writes),
+// rkeys only inside descriptors, which the daemon hands out only over the peer's mTLS channel.
+// Create refuses it unless UCX_TLS names only transports with hardware RMA (rc*, dc*), so tcp
+// and shared memory never run with RMA. Caveats, documented in docs/security.md: the HCA checks
+// the rkey, not the pin, so a grant's end doesn't revoke an rkey (the registration's end does);
+// and UCX's software-RMA handlers exist once RMA is on and are reachable over rc's active
+// messages too, so this mode is for fabrics whose peers are all trusted.
 //
 // What UCX 1.13 (Debian, verbs + CMA, no CUDA) does with it, found by trying:
-//   UCX_TLS=tcp (+ UCX_NET_DEVICES)  works everywhere. TCP has no hardware GET, so UCX emulates
-//                  it with active messages served by the TARGET's worker: the target daemon must
-//                  keep polling (transport.h, "Progress"). PUT is native (put_zcopy).
+//   UCX_TLS=tcp (+ UCX_NET_DEVICES)  works everywhere. TCP has no hardware GET: reads are
+//                  gathers (active messages) served by the TARGET's worker, so the target
+//                  daemon must keep polling (transport.h, "Progress").
 //   rc/dc/ud (verbs)  InfiniBand/RoCE hosts; they support peer-failure handling.
 //   shared memory (posix, sysv, self): refused for endpoints with peer-failure handling
 //                  ("no peer failure handler") unless UCX_POSIX_ERROR_HANDLING=y and
@@ -27,8 +46,11 @@
 //
 // Mapping of the interface onto UCP:
 //   LocalAddress   ucp_worker_get_address, framed by wire.h.
-//   RegisterMemory ucp_mem_map once + ucp_rkey_pack; the descriptor carries address, length and
-//                  the packed rkey.
+//   RegisterMemory ucp_mem_map once + ucp_rkey_pack; the descriptor carries address, length,
+//                  the registration's own token and the packed rkey (wire payload: token[16]
+//                  then the rkey). With Options::rma, remote-read only.
+//   GrantRead      the same descriptor with the session's token, and a grant of the memory to
+//                  that token in the registry until the hold goes.
 //   AllocateMemory ucp_mem_map with UCP_MEM_MAP_ALLOCATE: with shared-memory transports enabled
 //                  UCX allocates POSIX shared memory, which a peer on the same host can map.
 //   Connect        ucp_ep_create from the worker address, UCP_ERR_HANDLING_MODE_PEER and an
@@ -36,32 +58,36 @@
 //   ImportRemote   ucp_ep_rkey_unpack on the endpoint (after wire.h validated the bytes), then
 //                  ucp_rkey_ptr: when the peer's memory is UCX-allocated shared memory on this
 //                  host, UCX maps it into this process.
-//   PostGet        ucp_get_nbx; its callback means the bytes have arrived. When the remote is
-//                  mapped and the local memory is host memory, a memcpy on the CopyEngine's
-//                  threads instead: UCX 1.13 moves such gets at ~5 GB/s on one core, a memcpy on
-//                  two cores at ~19 GB/s (measured on the 2-core dev machine).
+//   PostGet        from a mapped slot into host memory: a memcpy on the CopyEngine's threads
+//                  (UCX 1.13 moves such gets at ~5 GB/s on one core, a memcpy on two cores at
+//                  ~19 GB/s on the 2-core dev machine). Otherwise a gather of one span (a span
+//                  of up to kSpanBytes goes in one gather; longer ones in pieces), its digest
+//                  computed as the reply is scattered; with Options::rma, ucp_get_nbx.
 //   PostGetSpans   from a mapped slot: one CopyEngine job copying every span. Otherwise, into
-//                  host memory, a GATHER (ucx_gather.cc): one active message names the spans,
-//                  the target's handler answers with one message carrying their bytes packed
-//                  (a UCX iov over its registered memory), and the reply handler scatters them
-//                  into place, hashing each span on the way. Over tcp every ucp_get_nbx is an
-//                  active-message round trip of its own, so a column-split pull of 8 KiB rows
-//                  ran at ~0.45x of a contiguous one. Larger batches go in several gathers of
-//                  at most kGatherBytes. A target that can't serve a gather (its memory is on
-//                  a GPU, or it was built with serve_gathers = false) answers UNSUPPORTED and
+//                  host memory, GATHERS (ucx_gather.cc): one active message names the spans
+//                  and the token, the target checks them against the token's grants and
+//                  answers with one message carrying their bytes packed (a UCX iov over its
+//                  registered memory), and the reply handler scatters them into place, hashing
+//                  each span on the way. Larger batches go in several gathers of at most
+//                  kGatherBytes. Into CUDA memory: UNIMPLEMENTED without Options::rma (stage
+//                  through host memory). With Options::rma, a target that can't serve a gather
+//                  (its memory is on a GPU, or serve_gathers = false) answers UNSUPPORTED and
 //                  the spans go as ucp_get_nbx, one per span, counted by a Group that reports
-//                  once when all are done; so do spans into CUDA memory.
-//   PostPut        ucp_put_nbx + ucp_ep_flush_nbx; the flush's callback means the bytes are in
-//                  the remote buffer (a put's own callback only frees the local buffer).
+//                  once when all are done; so do spans into CUDA memory and spans longer than
+//                  kGatherBytes. Without Options::rma such a read fails UNIMPLEMENTED.
+//   PostPut        refused (UNIMPLEMENTED): nothing in refit writes into a peer's memory.
 //   Poll           ucp_worker_progress until idle (bounded), then hands out completions; an op
 //                  UCX finished inside the post call is reported here too.
 //   Cancel         marks the endpoint's outstanding ops cancelled; each reports CANCELLED when
 //                  UCX is done with it. UCX 1.13 can't abort one RMA op, and closing the ep with
 //                  FORCE would also reset the PEER's endpoints to us (they share the transport
 //                  connection), so bytes already posted still move.
-//   ~Endpoint      cancels as above, then ucp_ep_close_nbx: a flushing close when idle; FORCE
-//                  when failed (as UCX requires) or when ops are outstanding, which aborts them
-//                  at once (CANCELLED) but also resets the peer's connections to us. The close
+//   ~Endpoint      cancels as above. When idle and healthy the ucp_ep stays open, parked until
+//                  ~UcxTransport (at most kMaxParked; then the oldest gets a flushing close):
+//                  UCX pairs it with the peer's endpoint to us, whose gathers are answered on
+//                  it, and drops them once it is closed. When failed (as UCX requires) or with
+//                  ops outstanding, ucp_ep_close_nbx with FORCE, which aborts them at once
+//                  (CANCELLED) but also resets the peer's connections to us. The close
 //                  finishes in later Polls (or in ~UcxTransport, bounded by close_timeout).
 //
 // Peer failure. With UCP_ERR_HANDLING_MODE_PEER, UCX reports a dead peer through the ep's error
@@ -107,6 +133,10 @@ class UcxTransport final : public Transport {
     // Answer peers' gathers (PostGetSpans) with packed bytes. false answers UNSUPPORTED, which
     // makes peers fall back to one get per span: tests of that fallback.
     bool serve_gathers = true;
+    // UCP_FEATURE_RMA (see above): refused (FAILED_PRECONDITION) unless UCX_TLS names only rc/dc
+    // transports, or rma_any_transport (tests of the RMA code paths only).
+    bool rma = false;
+    bool rma_any_transport = false;
 
     static std::vector<std::pair<std::string, std::string>> DefaultConfig();
   };
@@ -126,11 +156,13 @@ class UcxTransport final : public Transport {
   size_t Poll(std::vector<Completion>* out) override;
   uint64_t outstanding() const override { return outstanding_; }
   uint64_t activity() const override { return activity_; }
+  absl::StatusOr<Grant> GrantRead(const LocalMemory& memory, std::string_view token) override;
 
   // The gather protocol's counters since creation (tests and logs): requests sent; requests
-  // answered (with bytes or a refusal); requests refused as malformed or outside this
-  // transport's memory; requests dropped unanswered (no id or no way back); replies dropped
-  // because their op had already ended (cancelled, endpoint closed or failed).
+  // answered (with bytes or a refusal); requests refused as malformed, outside this
+  // transport's memory or not granted to their token; requests dropped unanswered (no id or no
+  // way back); replies dropped because their op had already ended (cancelled, endpoint closed
+  // or failed).
   uint64_t gathers_sent() const { return gathers_sent_; }
   uint64_t gathers_served() const { return gathers_served_; }
   uint64_t gathers_refused() const { return gathers_refused_; }
@@ -179,7 +211,8 @@ class UcxTransport final : public Transport {
 
   UcxTransport() = default;
   absl::Status Init(const Options& options);
-  void CloseEp(const std::shared_ptr<EpState>& ep);
+  // Closes `ep`'s ucp_ep, or with `park` keeps an idle healthy one open (see the .cc).
+  void CloseEp(const std::shared_ptr<EpState>& ep, bool park = true);
   void ReapCloses();
   absl::Status Post(bool get, UcxEndpoint* endpoint, const LocalMemory& local,
                     uint64_t local_offset, const RemoteMemory& remote, uint64_t remote_offset,
@@ -197,14 +230,17 @@ class UcxTransport final : public Transport {
                       size_t last, uint64_t cookie, uint64_t epoch,
                       const std::shared_ptr<Group>& group, bool refuse_first,
                       ucs_status_t* failure);
-  // ucx_gather.cc: registers the two handlers; posts the spans of one PostGetSpans as gathers
-  // (INVALID_ARGUMENT / UNAVAILABLE before anything is posted, as PostGetSpans); fails the
+  // ucx_gather.cc: registers the two handlers; posts the spans of one PostGetSpans (or with
+  // `single`, the one span of a PostGet, whose completion then carries xxh3 rather than
+  // span_xxh3) as gathers (INVALID_ARGUMENT / UNAVAILABLE before anything is posted, as
+  // PostGetSpans); fails the
   // gathers of an endpoint that failed or closed (their late replies are dropped).
   absl::Status InitGathers();
   absl::Status PostGathers(const std::shared_ptr<EpState>& ep,
                            const std::shared_ptr<MemHolder>& mem,
                            const std::shared_ptr<RkeyHolder>& rkey, uint8_t* base,
-                           uint64_t remote_address, std::vector<Span> spans, uint64_t cookie);
+                           uint64_t remote_address, std::vector<Span> spans, uint64_t cookie,
+                           bool single);
   void AbortGathers(const EpState* ep, ucs_status_t status);
   void FallBackToGets(Gather* gather);
   // Sends a gather's reply (header with `status`, and serve->iov's bytes if any) on `reply_ep`.
@@ -230,14 +266,17 @@ class UcxTransport final : public Transport {
   uint64_t identity_ = 0;
   std::chrono::milliseconds close_timeout_{0};
   bool peer_failure_handling_ = true;
+  bool rma_ = false;  // Options::rma: ucp_get_nbx allowed; else every unmapped read is a gather
 
   std::vector<Done> done_;  // filled by UCX callbacks during progress, drained by Poll
   std::vector<std::shared_ptr<EpState>> newly_failed_;
   std::vector<PendingClose> pending_closes_;
-  uint64_t outstanding_ = 0;  // posted, not yet returned by Poll
-  uint64_t in_ucx_ = 0;       // UCX requests whose callback hasn't run
-  uint64_t in_copier_ = 0;    // ops handed to copier_ and not yet drained
-  uint64_t activity_ = 0;     // events ucp_worker_progress reported
+  static constexpr size_t kMaxParked = 256;
+  std::vector<std::shared_ptr<EpState>> parked_;  // closed Endpoints whose ucp_ep stays open
+  uint64_t outstanding_ = 0;                      // posted, not yet returned by Poll
+  uint64_t in_ucx_ = 0;                           // UCX requests whose callback hasn't run
+  uint64_t in_copier_ = 0;                        // ops handed to copier_ and not yet drained
+  uint64_t activity_ = 0;                         // events ucp_worker_progress reported
   std::vector<CopyEngine::Finished> copied_;
   uint64_t live_objects_ = 0;
 

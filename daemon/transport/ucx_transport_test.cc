@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
+#include "daemon/transport/ucx_internal.h"
 #include "daemon/transport/ucx_utils.h"
 
 namespace refit::transport {
@@ -79,8 +80,8 @@ TEST_CASE("tcp's send segment is set only where tcp may run and the operator did
   const char* had = std::getenv("UCX_TLS");
   const std::string saved = had ? had : "";
   const std::vector<std::pair<std::string, bool>> cases = {
-      {"", true},          {"tcp", true},   {"sm,tcp", true}, {"all", true},
-      {"sm", false},       {"^tcp", false}, {"^sm", true},    {"rc,ud", false}};
+      {"", true},    {"tcp", true},   {"sm,tcp", true}, {"all", true},
+      {"sm", false}, {"^tcp", false}, {"^sm", true},    {"rc,ud", false}};
   for (const auto& [tls, expected] : cases) {
     INFO("UCX_TLS=" << tls);
     if (tls.empty()) {
@@ -181,6 +182,30 @@ TEST_CASE("transports can be destroyed at any stage of a peer's wireup", "[trans
       b->reset();
     }
   }
+}
+
+TEST_CASE("UCX RMA only where UCX_TLS names hardware RMA alone", "[transport][ucx]") {
+  CHECK(HardwareRmaOnly("rc"));
+  CHECK(HardwareRmaOnly("rc_x,dc_mlx5"));
+  CHECK_FALSE(HardwareRmaOnly(nullptr));
+  CHECK_FALSE(HardwareRmaOnly(""));
+  CHECK_FALSE(HardwareRmaOnly("all"));
+  CHECK_FALSE(HardwareRmaOnly("^tcp"));
+  CHECK_FALSE(HardwareRmaOnly("tcp"));
+  CHECK_FALSE(HardwareRmaOnly("rc,tcp"));
+  CHECK_FALSE(HardwareRmaOnly("sm,rc"));
+  CHECK_FALSE(HardwareRmaOnly("rc,"));
+  CHECK_FALSE(HardwareRmaOnly("ud"));
+  // Not with this test's UCX_TLS (unset, or tcp): refused.
+  UcxTransport::Options options;
+  options.rma = true;
+  auto refused = UcxTransport::Create(options);
+  CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
+  // The default: active messages only, reads checked, no puts.
+  auto checked = UcxTransport::Create();
+  REQUIRE(checked.ok());
+  CHECK((*checked)->capabilities().rma_get);
+  CHECK_FALSE((*checked)->capabilities().rma_put);
 }
 
 }  // namespace

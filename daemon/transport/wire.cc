@@ -2,8 +2,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -166,6 +168,16 @@ uint64_t NewTransportIdentity() {
   v = (v ^ (v >> 27)) * 0x94d049bb133111ebull;
   v ^= v >> 31;
   return v == 0 ? 1 : v;
+}
+
+std::string RandomBytes(size_t bytes) {
+  std::random_device rd;  // the kernel's getrandom: unguessable
+  std::string out(bytes, '\0');
+  for (size_t i = 0; i < bytes; i += 4) {
+    const uint32_t word = rd();
+    std::memcpy(&out[i], &word, std::min<size_t>(4, bytes - i));
+  }
+  return out;
 }
 
 absl::Status CheckRanges(uint64_t local_offset, uint64_t local_length, uint64_t remote_offset,

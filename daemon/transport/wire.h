@@ -52,6 +52,9 @@ absl::StatusOr<WireDescriptor> DecodeDescriptor(std::string_view bytes, WireBack
 // A random, process-unique identity for a new transport (never 0).
 uint64_t NewTransportIdentity();
 
+// `bytes` random bytes (std::random_device): tokens of grants (Transport::GrantRead).
+std::string RandomBytes(size_t bytes);
+
 // INVALID_ARGUMENT unless [local_offset, +length) fits in local_length and
 // [remote_offset, +length) fits in remote_length (overflow-safe).
 absl::Status CheckRanges(uint64_t local_offset, uint64_t local_length, uint64_t remote_offset,
