@@ -434,7 +434,12 @@ constexpr uint64_t kTaskBytes = 4 << 20;
 // Below this a plan runs on the calling thread: starting threads would cost more.
 constexpr uint64_t kParallelBytes = 32 << 20;
 
-std::vector<Task> CutTasks(const std::vector<CopyOp>& ops, uint64_t* total_bytes) {
+// A verified run checks each task right after it ran: small enough that the task's source and
+// destination bytes are still in the core's own cache.
+constexpr uint64_t kVerifiedTaskBytes = 256 << 10;
+
+std::vector<Task> CutTasks(const std::vector<CopyOp>& ops, uint64_t* total_bytes,
+                           uint64_t task_bytes = kTaskBytes) {
   std::vector<Task> tasks;
   *total_bytes = 0;
   for (size_t first = 0; first < ops.size();) {
@@ -448,12 +453,12 @@ std::vector<Task> CutTasks(const std::vector<CopyOp>& ops, uint64_t* total_bytes
     const bool stream = bytes >= kStreamOpBytes && (last - first > 1 || IsMemcpyOp(op));
     if (op.rows == 1 && last - first == 1) {
       // One long run: cut it by elements.
-      const uint64_t step = std::max<uint64_t>(1, kTaskBytes / std::max<uint64_t>(1, elem));
+      const uint64_t step = std::max<uint64_t>(1, task_bytes / std::max<uint64_t>(1, elem));
       for (uint64_t e = 0; e < op.count; e += step) {
         tasks.push_back({first, last, 0, 1, e, std::min<uint64_t>(op.count, e + step), stream});
       }
     } else {
-      const uint64_t step = std::max<uint64_t>(1, kTaskBytes / std::max<uint64_t>(1, row_bytes));
+      const uint64_t step = std::max<uint64_t>(1, task_bytes / std::max<uint64_t>(1, row_bytes));
       for (uint64_t r = 0; r < op.rows; r += step) {
         tasks.push_back(
             {first, last, r, std::min<uint64_t>(op.rows, r + step), 0, op.count, stream});
@@ -557,7 +562,7 @@ bool TaskLanded(const std::vector<CopyOp>& ops, const Task& t,
 std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_t*>& src,
                                 const std::vector<uint8_t*>& dst, bool run) {
   uint64_t total = 0;
-  std::vector<Task> tasks = CutTasks(plan.ops, &total);
+  std::vector<Task> tasks = CutTasks(plan.ops, &total, kVerifiedTaskBytes);
   // Checked at once, the destination bytes must still be in cache: no streaming stores.
   for (Task& t : tasks) t.stream = false;
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());

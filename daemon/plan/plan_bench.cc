@@ -95,8 +95,7 @@ double TimeExecution(const Plan& plan, const std::vector<uint64_t>& src_sizes,
     } else {
       ExecuteOnHost(plan, s, d);
     }
-    seconds.push_back(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   return Median(seconds);
 }
@@ -109,8 +108,10 @@ int RunExecution(int runs) {
                       std::vector<std::vector<TensorSlice>>* keep) -> absl::StatusOr<Plan> {
     auto src = Layout(model, from, src_sizes);
     auto dst = Layout(model, to, dst_sizes);
-    for (size_t i = 0; i < src.size(); ++i) (void)NormalizeAndValidateBuffer(src[i], (*src_sizes)[i]);
-    for (size_t i = 0; i < dst.size(); ++i) (void)NormalizeAndValidateBuffer(dst[i], (*dst_sizes)[i]);
+    for (size_t i = 0; i < src.size(); ++i)
+      (void)NormalizeAndValidateBuffer(src[i], (*src_sizes)[i]);
+    for (size_t i = 0; i < dst.size(); ++i)
+      (void)NormalizeAndValidateBuffer(dst[i], (*dst_sizes)[i]);
     keep->insert(keep->end(), src.begin(), src.end());
     const size_t split = keep->size();
     keep->insert(keep->end(), dst.begin(), dst.end());
@@ -153,7 +154,7 @@ int RunExecution(int runs) {
   }
   const double t_memcpy = Median(copies);
   std::printf(
-      "verified apply (each 4 MiB block compared as it lands), median of %d:\n"
+      "verified apply (each 256 KiB block compared as it lands), median of %d:\n"
       "  memcpy (one thread, reference): %7.2f GB/s\n"
       "  unresharded verified: %7.2f GB/s = %.2fx plain apply\n"
       "  resharded   verified: %7.2f GB/s = %.2fx plain apply\n",
