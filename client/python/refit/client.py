@@ -12,6 +12,8 @@ import os
 import socket as socket_lib
 import stat
 import sys
+import threading
+import time
 from typing import Iterable, Iterator, List, Optional, Union
 
 import grpc
@@ -151,7 +153,11 @@ class Client:
         self._channel = grpc.insecure_channel(
             "unix:" + self.socket,
             options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES)])
+                     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                     # A restarted refitd is found again within a second.
+                     ("grpc.initial_reconnect_backoff_ms", 100),
+                     ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000)])
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
         except grpc.FutureTimeoutError:
@@ -165,6 +171,12 @@ class Client:
         # Renews leases when refitd can't watch this process (RegisterBufferResponse.lease_ms).
         self._leases = leases.LeaseKeeper(
             lambda request, timeout: self._stub.RenewLeases(request, timeout=timeout))
+        # Riding out a restarted refitd: how to register each buffer again (by the id it was
+        # first given, which callers keep using), and the id refitd knows it by now.
+        self.restart_timeout = 60.0
+        self._remake = {}   # first id -> () -> RegisterBufferRequest
+        self._current = {}  # first id -> current id
+        self._restart_lock = threading.Lock()
 
     def close(self) -> None:
         self._leases.stop()
@@ -177,11 +189,50 @@ class Client:
         self.close()
 
     def _call(self, name: str, request, timeout: Optional[float] = None):
+        """Calls `name` with `request` (or what the callable `request` makes, again after a
+        restart of refitd, so that it names the buffers' new ids)."""
         method = getattr(self._stub, name)
-        try:
-            return method(request, timeout=self.call_timeout if timeout is None else timeout)
-        except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, name) from None
+        for attempt in (0, 1):
+            try:
+                return method(request() if callable(request) else request,
+                              timeout=self.call_timeout if timeout is None else timeout)
+            except grpc.RpcError as e:
+                if attempt == 0 and self._recover(e):
+                    continue
+                raise errors.from_rpc_error(e, name) from None
+
+    def _ids(self, ids: List[str]) -> List[str]:
+        return [self._current.get(i, i) for i in ids]
+
+    def _recover(self, error: grpc.RpcError) -> bool:
+        """After UNAVAILABLE (refitd down) or NOT_FOUND (a model or buffer it doesn't know):
+        waits up to `restart_timeout` for refitd to answer, registers every buffer of this
+        client again if refitd no longer knows them (it restarted), and says whether to retry."""
+        code = error.code()
+        if not self._remake or code not in (grpc.StatusCode.UNAVAILABLE,
+                                            grpc.StatusCode.NOT_FOUND):
+            return False
+        with self._restart_lock:
+            deadline = time.monotonic() + self.restart_timeout
+            delay = 0.05
+            while True:
+                try:
+                    status = self._stub.Status(refit_pb2.StatusRequest(), timeout=2.0)
+                    break
+                except grpc.RpcError:
+                    if time.monotonic() + delay > deadline:
+                        return False
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+            known = {b.buffer_id for m in status.models for b in m.buffers}
+            if any(i in known for i in self._current.values()):
+                return code == grpc.StatusCode.UNAVAILABLE  # same refitd: a transient error
+            for first, remake in list(self._remake.items()):
+                response = self._stub.RegisterBuffer(remake(), timeout=self.call_timeout)
+                self._leases.remove(self._current.get(first, first))
+                self._current[first] = response.buffer_id
+                self._leases.add(response.buffer_id, response.lease_ms)
+            return True
 
     # ---- buffers ----
 
@@ -232,16 +283,22 @@ class Client:
                         buffer_lib.typed_view(region.bytes, lay).copy_(s.tensor)
             if device.type == "cuda":
                 region.synchronize()
-            if region.kind == "memfd":
-                handle = region.memory_handle(self.pass_memfd(region.fd))
-            else:
-                handle = region.memory_handle()
-            request = refit_pb2.RegisterBufferRequest(
-                model=model, role=role, memory=handle,
-                tensors=[lay.to_proto() for lay in layouts],
-                client=client_name if client_name is not None else _default_client_name())
-            response = self._call("RegisterBuffer", request)
+            name = client_name if client_name is not None else _default_client_name()
+
+            def remake(region=region):
+                # A memfd is passed again (a token serves one registration).
+                if region.kind == "memfd":
+                    handle = region.memory_handle(self.pass_memfd(region.fd))
+                else:
+                    handle = region.memory_handle()
+                return refit_pb2.RegisterBufferRequest(
+                    model=model, role=role, memory=handle,
+                    tensors=[lay.to_proto() for lay in layouts], client=name)
+
+            response = self._call("RegisterBuffer", remake())
             self._leases.add(response.buffer_id, response.lease_ms)
+            self._remake[response.buffer_id] = remake
+            self._current[response.buffer_id] = response.buffer_id
         except BaseException:
             region.close()
             raise
@@ -251,6 +308,8 @@ class Client:
         """Registers memory the caller manages itself; returns the buffer id."""
         response = self._call("RegisterBuffer", request)
         self._leases.add(response.buffer_id, response.lease_ms)
+        self._remake[response.buffer_id] = lambda: request
+        self._current[response.buffer_id] = response.buffer_id
         return response.buffer_id
 
     def pass_memfd(self, fd: int) -> str:
@@ -284,8 +343,10 @@ class Client:
 
     def release_buffer(self, buffer_id: str) -> None:
         """The daemon stops using that buffer's memory (Buffer.release() calls this)."""
-        self._leases.remove(buffer_id)
-        self._call("ReleaseBuffer", refit_pb2.ReleaseBufferRequest(buffer_id=buffer_id))
+        current = self._current.pop(buffer_id, buffer_id)
+        self._remake.pop(buffer_id, None)
+        self._leases.remove(current)
+        self._call("ReleaseBuffer", refit_pb2.ReleaseBufferRequest(buffer_id=current))
 
     # ---- versions ----
 
@@ -295,8 +356,9 @@ class Client:
         them (`.version`, `.bytes`), so their tensors may be overwritten at once."""
         buffers = list(buffers) if not isinstance(buffers, (str, buffer_lib.Buffer)) else buffers
         _sync_cuda(buffers)
-        return self._call("Publish", refit_pb2.PublishRequest(
-            model=model, version=version, buffer_ids=_buffer_ids(buffers)))
+        ids = _buffer_ids(buffers)
+        return self._call("Publish", lambda: refit_pb2.PublishRequest(
+            model=model, version=version, buffer_ids=self._ids(ids)))
 
     def wait_for_version(self, model: str, min_version: int = 1,
                          timeout: Optional[float] = None) -> int:
@@ -305,12 +367,17 @@ class Client:
         refit.DeadlineExceededError (also a TimeoutError) after `timeout` seconds
         (None: wait for ever).
         """
+        request = refit_pb2.WaitForVersionRequest(model=model, min_version=min_version)
         try:
-            response = self._stub.WaitForVersion(
-                refit_pb2.WaitForVersionRequest(model=model, min_version=min_version),
-                timeout=timeout)
+            response = self._stub.WaitForVersion(request, timeout=timeout)
         except grpc.RpcError as e:
-            raise errors.from_rpc_error(e, "WaitForVersion") from None
+            # refitd restarted under the wait: register again, then wait on the new one.
+            if not self._recover(e):
+                raise errors.from_rpc_error(e, "WaitForVersion") from None
+            try:
+                response = self._stub.WaitForVersion(request, timeout=timeout)
+            except grpc.RpcError as e2:
+                raise errors.from_rpc_error(e2, "WaitForVersion") from None
         return response.version
 
     def wait_for_replicas(self, model: str, version: int, min_nodes: int = 0,
@@ -335,8 +402,9 @@ class Client:
               version: int = 0) -> refit_pb2.ApplyResponse:
         """Writes `version` (0: the newest complete) into the DESTINATION `buffers`,
         resharded and converted; returns `.version` and `.bytes_written`."""
-        return self._call("Apply", refit_pb2.ApplyRequest(
-            model=model, version=version, buffer_ids=_buffer_ids(buffers)))
+        ids = _buffer_ids(buffers)
+        return self._call("Apply", lambda: refit_pb2.ApplyRequest(
+            model=model, version=version, buffer_ids=self._ids(ids)))
 
     def watch(self, model: str, after_version: int = 0,
               timeout: Optional[float] = None) -> Watch:
