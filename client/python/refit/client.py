@@ -105,10 +105,23 @@ class Watch:
     """
 
     def __init__(self, stub: refit_pb2_grpc.RefitStub, model: str, after_version: int,
-                 timeout: Optional[float]):
+                 timeout: Optional[float], client: Optional["Client"] = None):
         self._cancelled = False
-        self._call = stub.Watch(refit_pb2.WatchRequest(model=model, after_version=after_version),
-                                timeout=timeout)
+        self._stub, self._model, self._timeout, self._client = stub, model, timeout, client
+        self._last = after_version
+        self._open()
+        if self._last == 0 and client is not None:
+            # "From now": remember where now was, to resume from it on another refitd.
+            try:
+                self._last = next((m.latest_version for m in client.status().models
+                                   if m.model == model), 0)
+            except errors.RefitError:
+                pass
+
+    def _open(self) -> None:
+        self._call = self._stub.Watch(
+            refit_pb2.WatchRequest(model=self._model, after_version=self._last),
+            timeout=self._timeout)
         # The daemon sends initial metadata once its watch is registered; a call that failed
         # (bad model name, no daemon) ends here too, and is raised now.
         self._call.initial_metadata()
@@ -119,12 +132,21 @@ class Watch:
         return self
 
     def __next__(self) -> refit_pb2.VersionEvent:
-        try:
-            return next(self._call)
-        except grpc.RpcError as e:
-            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
-                raise StopIteration from None
-            raise errors.from_rpc_error(e, "Watch") from None
+        while True:
+            try:
+                event = next(self._call)
+                self._last = event.version
+                return event
+            except grpc.RpcError as e:
+                if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                    raise StopIteration from None
+                # refitd went away: once it (or its successor) answers, the watch resumes
+                # after the last version seen (a restarted refitd replays what it completed).
+                if (e.code() == grpc.StatusCode.UNAVAILABLE and not self._cancelled
+                        and self._client is not None and self._client._await_refitd(e)):
+                    self._open()
+                    continue
+                raise errors.from_rpc_error(e, "Watch") from None
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -204,6 +226,26 @@ class Client:
     def _ids(self, ids: List[str]) -> List[str]:
         return [self._current.get(i, i) for i in ids]
 
+    def _status_when_back(self):
+        """refitd's Status once it answers, within `restart_timeout`; None if it doesn't."""
+        deadline = time.monotonic() + self.restart_timeout
+        delay = 0.05
+        while True:
+            try:
+                return self._stub.Status(refit_pb2.StatusRequest(), timeout=2.0)
+            except grpc.RpcError:
+                if time.monotonic() + delay > deadline:
+                    return None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _await_refitd(self, error: grpc.RpcError) -> bool:
+        """For a stream that ended UNAVAILABLE: True once refitd answers again (this client's
+        buffers registered again if it restarted)."""
+        if self._remake:
+            self._recover(error)
+        return self._status_when_back() is not None
+
     def _recover(self, error: grpc.RpcError) -> bool:
         """After UNAVAILABLE (refitd down) or NOT_FOUND (a model or buffer it doesn't know):
         waits up to `restart_timeout` for refitd to answer, registers every buffer of this
@@ -213,17 +255,9 @@ class Client:
                                             grpc.StatusCode.NOT_FOUND):
             return False
         with self._restart_lock:
-            deadline = time.monotonic() + self.restart_timeout
-            delay = 0.05
-            while True:
-                try:
-                    status = self._stub.Status(refit_pb2.StatusRequest(), timeout=2.0)
-                    break
-                except grpc.RpcError:
-                    if time.monotonic() + delay > deadline:
-                        return False
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1.0)
+            status = self._status_when_back()
+            if status is None:
+                return False
             known = {b.buffer_id for m in status.models for b in m.buffers}
             if any(i in known for i in self._current.values()):
                 return code == grpc.StatusCode.UNAVAILABLE  # same refitd: a transient error
@@ -410,7 +444,7 @@ class Client:
               timeout: Optional[float] = None) -> Watch:
         """A stream of the versions of `model` completing on this node from now on; with
         `after_version` > 0, first the retained complete versions newer than it."""
-        return Watch(self._stub, model, after_version, timeout)
+        return Watch(self._stub, model, after_version, timeout, client=self)
 
     def status(self) -> refit_pb2.StatusResponse:
         """What `refitctl status` shows: node, peers, models, buffers, metrics."""

@@ -39,6 +39,7 @@ class RestartTest(unittest.TestCase):
             engine.apply("m", dst, 1)
             self.assertTrue(torch.equal(dst.tensors["w"], weights["w"]))
             first_ids = (src.buffer_id, dst.buffer_id)
+            watch = engine.watch("m", after_version=0)
 
             restart(daemon)
 
@@ -50,6 +51,9 @@ class RestartTest(unittest.TestCase):
             engine.apply("m", dst, 2)
             self.assertTrue(torch.equal(dst.tensors["w"], weights["w"] + 1))
             self.assertTrue(torch.equal(dst.tensors["b"], weights["b"]))
+            # The watch opened before the restart goes on after it.
+            self.assertEqual(next(watch).version, 2)
+            watch.cancel()
             # Callers keep the ids they were given; refitd holds one buffer each, not two.
             self.assertEqual((src.buffer_id, dst.buffer_id), first_ids)
             status = trainer.status()
