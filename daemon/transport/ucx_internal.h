@@ -1,6 +1,6 @@
 #pragma once
 
-// The state UcxTransport's two source files share (ucx_transport.cc: memory, endpoints, RMA;
+// The state UcxTransport's source files share (ucx_transport.cc: memory, endpoints, RMA;
 // ucx_gather.cc: the gather protocol). Internal to daemon/transport.
 
 #include <atomic>
