@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -559,30 +560,45 @@ bool TaskLanded(const std::vector<CopyOp>& ops, const Task& t,
 }
 
 // Runs (when `run`) and checks every task on up to 8 cores; the ops of tasks that didn't land.
+// Runs `work` (one call per thread; it takes tasks from `next` until none is left) on up to 8
+// cores, or on the calling thread alone for plans under kParallelBytes.
+void OnCores(size_t tasks, uint64_t total, const std::function<void()>& work) {
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const unsigned threads =
+      total < kParallelBytes
+          ? 1u
+          : static_cast<unsigned>(std::min<uint64_t>({cores, 8u, std::max<uint64_t>(1, tasks)}));
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+}
+
 std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_t*>& src,
                                 const std::vector<uint8_t*>& dst, bool run) {
   uint64_t total = 0;
   std::vector<Task> tasks = CutTasks(plan.ops, &total, kVerifiedTaskBytes);
   // Checked at once, the destination bytes must still be in cache: no streaming stores.
   for (Task& t : tasks) t.stream = false;
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const unsigned threads = total < kParallelBytes
-                               ? 1u
-                               : static_cast<unsigned>(std::min<uint64_t>(
-                                     {cores, 8u, std::max<uint64_t>(1, tasks.size())}));
+  // Test build only: a destination byte changes under the first task's copy (a concurrent
+  // writer), in the first N verified applies.
+  static std::atomic<long> flips{-1};
+  if (run && flips.load() < 0) {
+    const char* flip = TestSwitch("REFIT_FAULT_APPLY_FLIP");
+    long expected = -1;
+    flips.compare_exchange_strong(expected, flip ? std::atol(flip) : 0);
+  }
   std::atomic<size_t> next{0};
   std::mutex mu;
   std::vector<size_t> bad;
-  auto work = [&] {
+  OnCores(tasks.size(), total, [&] {
     std::vector<uint8_t> scratch;
     for (size_t i = next++; i < tasks.size(); i = next++) {
       if (run) {
         RunTask(plan.ops, tasks[i], src, dst);
-        if (const char* flip = TestSwitch("REFIT_FAULT_APPLY_FLIP"); flip && i == 0) {
-          // Test build only: a destination byte changes under the copy (a concurrent writer).
-          static std::atomic<long> left{std::atol(flip)};
+        if (i == 0 && flips.load(std::memory_order_relaxed) > 0 && flips-- > 0) {
           const CopyOp& op = plan.ops[tasks[i].first];
-          if (left-- > 0) dst[op.dst_location][op.dst_offset] ^= 0x5a;
+          dst[op.dst_location][op.dst_offset] ^= 0x5a;
         }
       }
       if (!TaskLanded(plan.ops, tasks[i], src, dst, &scratch)) {
@@ -590,11 +606,7 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
         for (size_t op = tasks[i].first; op < tasks[i].last; ++op) bad.push_back(op);
       }
     }
-  };
-  std::vector<std::thread> pool;
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
+  });
   std::sort(bad.begin(), bad.end());
   bad.erase(std::unique(bad.begin(), bad.end()), bad.end());
   return bad;
@@ -616,20 +628,11 @@ void ExecuteOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
                    const std::vector<uint8_t*>& dst) {
   uint64_t total = 0;
   const std::vector<Task> tasks = CutTasks(plan.ops, &total);
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const unsigned threads = total < kParallelBytes
-                               ? 1u
-                               : static_cast<unsigned>(std::min<uint64_t>(
-                                     {cores, 8u, std::max<uint64_t>(1, tasks.size())}));
   std::atomic<size_t> next{0};
-  auto work = [&] {
+  OnCores(tasks.size(), total, [&] {
     for (size_t i = next++; i < tasks.size(); i = next++) RunTask(plan.ops, tasks[i], src, dst);
     StoreFence();
-  };
-  std::vector<std::thread> pool;
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
+  });
 }
 
 }  // namespace refit::plan
