@@ -10,9 +10,9 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "cuda/cuda.h"
 #include "daemon/common/logging.h"
+#include "daemon/config/cli.h"
 #include "daemon/config/config.h"
 #include "daemon/daemon.h"
 #include "daemon/version.h"
@@ -23,12 +23,6 @@ std::string HostName() {
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "localhost";
   return name;
-}
-
-std::vector<std::string> SplitPeers(const std::string& peers) {
-  std::vector<std::string> out;
-  for (auto& p : absl::StrSplit(peers, ',', absl::SkipWhitespace())) out.emplace_back(p);
-  return out;
 }
 
 }  // namespace
@@ -43,102 +37,11 @@ int main(int argc, char** argv) {
     options.state_dir = std::string(state).substr(0, std::string(state).find(':'));
   }
 
-  // Flags land in `flags`; only the ones given override the config file.
-  refit::DaemonOptions flags = options;
-  std::string config_path, peers;
+  std::string config_path;
   bool version = false;
   CLI::App app{"refitd: moves policy weights from trainers to inference engines"};
   app.add_option("--config", config_path, "TOML config file (flags override it)");
-  auto* socket_opt = app.add_option(
-      "--socket", flags.socket_path,
-      "Unix socket for local clients (default $REFIT_SOCKET, else /run/refit/refitd.sock)");
-  auto* listen_opt = app.add_option("--listen", flags.listen, "HOST:PORT for other daemons")
-                         ->capture_default_str();
-  auto* peers_opt = app.add_option("--peers", peers, "the other daemons, HOST:PORT,...");
-  auto* node_opt = app.add_option("--node", flags.node, "this node's name (default: host name)");
-  auto* retain_opt = app.add_option("--retain", flags.retain, "versions kept per model")
-                         ->capture_default_str()
-                         ->check(CLI::Range(1u, 1000000u));
-  auto* level_opt = app.add_option("--log-level", flags.log_level, "trace, debug, info, warn, error")
-                        ->capture_default_str()
-                        ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
-  auto* metrics_opt = app.add_option("--metrics-listen", flags.metrics_listen,
-                                     "HOST:PORT serving Prometheus /metrics (default: off)");
-  auto* health_opt = app.add_option("--health-listen", flags.health_listen,
-                                    "HOST:PORT serving only grpc.health.v1, for probes "
-                                    "(default: off)");
-  auto* chunk_opt = app.add_option("--chunk-bytes", flags.chunk_bytes,
-                                   "largest single RMA read when pulling from another node")
-                        ->capture_default_str()
-                        ->check(CLI::Range(uint64_t{4096}, uint64_t{1} << 30));
-  auto* max_slot_opt =
-      app.add_option("--max-slot-memory", flags.max_slot_memory,
-                     "most bytes of version slots in host memory, e.g. 64GiB (default 0: no "
-                     "limit); past it Publish is RESOURCE_EXHAUSTED")
-          ->transform(CLI::AsSizeValue(false));
-  auto* max_gpu_slot_opt =
-      app.add_option("--max-gpu-slot-memory", flags.max_gpu_slot_memory,
-                     "most bytes of version slots in GPU memory (--slot-memory=cuda), e.g. "
-                     "40GiB (default 0: no limit); past it Publish is RESOURCE_EXHAUSTED")
-          ->transform(CLI::AsSizeValue(false));
-  auto* inflight_opt = app.add_option("--inflight", flags.inflight, "RMA reads in flight per pull")
-                           ->capture_default_str()
-                           ->check(CLI::Range(1u, 1024u));
-  auto* threshold_opt =
-      app.add_option("--delta-threshold", flags.delta_threshold,
-                     "use a delta only when it is at most this fraction of the full bytes "
-                     "(0: never)")
-          ->capture_default_str()
-          ->check(CLI::Range(0.0, 1.0));
-  auto* chain_opt = app.add_option("--delta-chain", flags.delta_chain,
-                                   "deltas a source keeps per buffer, for receivers behind")
-                        ->capture_default_str()
-                        ->check(CLI::Range(1u, 1000u));
-  auto* export_opt = app.add_option("--bucket-export", flags.bucket_export,
-                                    "write versions of local models to this directory");
-  auto* import_opt = app.add_option("--bucket-import", flags.bucket_import,
-                                    "follow this directory and complete the versions in it");
-  auto* full_every_opt =
-      app.add_option("--bucket-full-every", flags.bucket_full_every,
-                     "write a full base (not a delta) to --bucket-export every K versions")
-          ->capture_default_str()
-          ->check(CLI::Range(1u, 1000000u));
-  auto* slot_memory_opt =
-      app.add_option("--slot-memory", flags.slot_memory,
-                     "where version slots live: host (pinned when a GPU is seen) or cuda")
-          ->capture_default_str()
-          ->check(CLI::IsMember({"host", "cuda"}));
-  auto* slot_device_opt = app.add_option("--slot-device", flags.slot_device,
-                                         "the GPU holding the slots with --slot-memory=cuda")
-                              ->capture_default_str()
-                              ->check(CLI::Range(0, 1023));
-  auto* relay_opt =
-      app.add_option("--relay", flags.relay,
-                     "serve versions this node pulled to other nodes pulling them, and read "
-                     "from them (true, false)")
-          ->capture_default_str();
-  auto* allow_uids_opt =
-      app.add_option("--allow-uids", flags.allow_uids,
-                     "local callers (by uid) allowed besides refitd's own uid, e.g. 1000,1001")
-          ->delimiter(',');
-  auto* allow_gids_opt =
-      app.add_option("--allow-gids", flags.allow_gids,
-                     "local callers allowed by group (primary or supplementary; default: the "
-                     "socket's group)")
-          ->delimiter(',');
-  auto* tls_cert_opt = app.add_option("--tls-cert", flags.tls_cert,
-                                      "PEM certificate of this node (peer plane, mutual TLS)");
-  auto* tls_key_opt = app.add_option("--tls-key", flags.tls_key, "PEM private key of --tls-cert");
-  auto* tls_ca_opt = app.add_option("--tls-ca", flags.tls_ca,
-                                    "PEM CA that every peer's certificate must chain to");
-  auto* state_opt = app.add_option(
-      "--state-dir", flags.state_dir,
-      "where refitd keeps each model's newest published version across restarts (default "
-      "$STATE_DIRECTORY, else none)");
-  auto* data_ports_opt = app.add_option(
-      "--data-ports", flags.data_ports,
-      "LOW-HIGH: the TCP ports UCX's data plane listens on (default: any; it listens on "
-      "--listen's interface)");
+  refit::config::CommandLine command_line(&app);
   app.add_flag("--version", version, "print the version and CUDA support, then exit");
   CLI11_PARSE(app, argc, argv);
 
@@ -153,33 +56,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (*socket_opt) options.socket_path = flags.socket_path;
-  if (*listen_opt) options.listen = flags.listen;
-  if (*peers_opt) options.peers = SplitPeers(peers);
-  if (*node_opt) options.node = flags.node;
-  if (*retain_opt) options.retain = flags.retain;
-  if (*level_opt) options.log_level = flags.log_level;
-  if (*metrics_opt) options.metrics_listen = flags.metrics_listen;
-  if (*health_opt) options.health_listen = flags.health_listen;
-  if (*chunk_opt) options.chunk_bytes = flags.chunk_bytes;
-  if (*inflight_opt) options.inflight = flags.inflight;
-  if (*max_slot_opt) options.max_slot_memory = flags.max_slot_memory;
-  if (*max_gpu_slot_opt) options.max_gpu_slot_memory = flags.max_gpu_slot_memory;
-  if (*threshold_opt) options.delta_threshold = flags.delta_threshold;
-  if (*chain_opt) options.delta_chain = flags.delta_chain;
-  if (*export_opt) options.bucket_export = flags.bucket_export;
-  if (*import_opt) options.bucket_import = flags.bucket_import;
-  if (*full_every_opt) options.bucket_full_every = flags.bucket_full_every;
-  if (*slot_memory_opt) options.slot_memory = flags.slot_memory;
-  if (*slot_device_opt) options.slot_device = flags.slot_device;
-  if (*relay_opt) options.relay = flags.relay;
-  if (*allow_uids_opt) options.allow_uids = flags.allow_uids;
-  if (*allow_gids_opt) options.allow_gids = flags.allow_gids;
-  if (*tls_cert_opt) options.tls_cert = flags.tls_cert;
-  if (*tls_key_opt) options.tls_key = flags.tls_key;
-  if (*tls_ca_opt) options.tls_ca = flags.tls_ca;
-  if (*state_opt) options.state_dir = flags.state_dir;
-  if (*data_ports_opt) options.data_ports = flags.data_ports;
+  command_line.ApplyGiven(&options);
   // Peers tell pieces apart by node name; an empty one would read as this node's own.
   if (options.node.empty() || options.node.size() > 255) {
     std::cerr << "refitd: --node must be 1 to 255 bytes (default: the host name)\n";

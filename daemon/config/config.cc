@@ -4,7 +4,9 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "daemon/config/option_table.h"
 #include "toml++/toml.h"
 
 namespace refit {
@@ -14,23 +16,67 @@ absl::Status Bad(const std::string& origin, const std::string& key, const std::s
   return absl::InvalidArgumentError(absl::StrCat(origin, ": key '", key, "' ", what));
 }
 
-absl::Status ReadString(const toml::node& node, const std::string& origin, const std::string& key,
-                        std::string* out) {
-  auto value = node.value<std::string>();
-  if (!node.is_string() || !value) return Bad(origin, key, "must be a string");
-  *out = *value;
-  return absl::OkStatus();
+// The TOML value as the text a flag would carry, after checking its TOML type; the table's
+// parser then applies the same rules to both.
+absl::Status SetFromToml(const config::OptionSpec& spec, const toml::node& node,
+                         DaemonOptions* options) {
+  const absl::Status wrong_type = absl::InvalidArgumentError(config::Expectation(spec));
+  // Arrays (of strings or integers) as a comma-separated list.
+  auto join = [&](bool strings, std::string* out) {
+    const toml::array* array = node.as_array();
+    if (!array) return false;
+    std::vector<std::string> items;
+    for (const toml::node& item : *array) {
+      if (strings && item.is_string() &&
+          item.value<std::string>()->find(',') == std::string::npos) {
+        items.push_back(*item.value<std::string>());
+      } else if (!strings && item.is_integer()) {
+        items.push_back(std::to_string(*item.value<int64_t>()));
+      } else {
+        return false;
+      }
+    }
+    *out = absl::StrJoin(items, ",");
+    return true;
+  };
+  return std::visit(
+      [&](auto field) -> absl::Status {
+        using T = std::remove_reference_t<decltype(options->*field)>;
+        std::string text;
+        if constexpr (std::is_same_v<T, std::string>) {
+          if (!node.is_string()) return wrong_type;
+          text = *node.value<std::string>();
+        } else if constexpr (std::is_same_v<T, bool>) {
+          if (!node.is_boolean()) return wrong_type;
+          text = *node.value<bool>() ? "true" : "false";
+        } else if constexpr (std::is_same_v<T, double>) {
+          if (!node.is_floating_point() && !node.is_integer()) return wrong_type;
+          text = absl::StrFormat("%.17g", *node.value<double>());
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+          if (node.is_string()) {
+            text = *node.value<std::string>();
+          } else if (!join(true, &text)) {
+            return wrong_type;
+          }
+        } else if constexpr (std::is_same_v<T, std::vector<uint32_t>>) {
+          if (!join(false, &text)) return wrong_type;
+        } else if (node.is_integer()) {
+          if (*node.value<int64_t>() < 0) return wrong_type;
+          text = std::to_string(*node.value<int64_t>());
+        } else if (spec.size && node.is_string()) {
+          text = *node.value<std::string>();
+        } else {
+          return wrong_type;
+        }
+        return config::SetFromText(spec, text, options);
+      },
+      spec.field);
 }
 
-// A number of bytes, 0 meaning no limit (max_slot_memory, max_gpu_slot_memory).
-absl::Status ReadByteLimit(const toml::node& node, const std::string& origin,
-                           const std::string& key, uint64_t* out) {
-  auto value = node.value<int64_t>();
-  if (!node.is_integer() || !value || *value < 0) {
-    return Bad(origin, key, "must be a number of bytes (0: no limit)");
-  }
-  *out = static_cast<uint64_t>(*value);
-  return absl::OkStatus();
+std::string KnownKeys() {
+  std::vector<std::string> keys;
+  for (const config::OptionSpec& spec : config::OptionTable()) keys.push_back(spec.Key());
+  return absl::StrJoin(keys, ", ");
 }
 
 }  // namespace
@@ -43,150 +89,17 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
   } catch (const toml::parse_error& e) {
     std::ostringstream where;
     where << e.source().begin;
-    return absl::InvalidArgumentError(
-        absl::StrCat(origin, ": not valid TOML at ", where.str(), ": ", std::string(e.description())));
+    return absl::InvalidArgumentError(absl::StrCat(origin, ": not valid TOML at ", where.str(),
+                                                   ": ", std::string(e.description())));
   }
   DaemonOptions parsed = *options;
   for (const auto& [key_view, node] : table) {
     const std::string key(key_view.str());
-    absl::Status status;
-    if (key == "socket") {
-      status = ReadString(node, origin, key, &parsed.socket_path);
-    } else if (key == "listen") {
-      status = ReadString(node, origin, key, &parsed.listen);
-    } else if (key == "node") {
-      status = ReadString(node, origin, key, &parsed.node);
-      if (status.ok() && parsed.node.empty()) parsed.node = options->node;  // "": the default
-    } else if (key == "metrics_listen") {
-      status = ReadString(node, origin, key, &parsed.metrics_listen);
-    } else if (key == "health_listen") {
-      status = ReadString(node, origin, key, &parsed.health_listen);
-    } else if (key == "log_level") {
-      status = ReadString(node, origin, key, &parsed.log_level);
-      if (status.ok() && parsed.log_level != "trace" && parsed.log_level != "debug" &&
-          parsed.log_level != "info" && parsed.log_level != "warn" &&
-          parsed.log_level != "error") {
-        status = Bad(origin, key, "must be one of trace, debug, info, warn, error");
-      }
-    } else if (key == "retain") {
-      auto value = node.value<int64_t>();
-      if (!node.is_integer() || !value || *value < 1 || *value > 1000000) {
-        status = Bad(origin, key, "must be an integer from 1 to 1000000");
-      } else {
-        parsed.retain = static_cast<uint32_t>(*value);
-      }
-    } else if (key == "chunk_bytes") {
-      auto value = node.value<int64_t>();
-      if (!node.is_integer() || !value || *value < 4096 || *value > (int64_t{1} << 30)) {
-        status = Bad(origin, key, "must be an integer from 4096 to 1073741824");
-      } else {
-        parsed.chunk_bytes = static_cast<uint64_t>(*value);
-      }
-    } else if (key == "max_slot_memory") {
-      status = ReadByteLimit(node, origin, key, &parsed.max_slot_memory);
-    } else if (key == "max_gpu_slot_memory") {
-      status = ReadByteLimit(node, origin, key, &parsed.max_gpu_slot_memory);
-    } else if (key == "inflight") {
-      auto value = node.value<int64_t>();
-      if (!node.is_integer() || !value || *value < 1 || *value > 1024) {
-        status = Bad(origin, key, "must be an integer from 1 to 1024");
-      } else {
-        parsed.inflight = static_cast<uint32_t>(*value);
-      }
-    } else if (key == "delta_threshold") {
-      auto value = node.value<double>();
-      if (!(node.is_floating_point() || node.is_integer()) || !value || *value < 0 || *value > 1) {
-        status = Bad(origin, key, "must be a number from 0 to 1");
-      } else {
-        parsed.delta_threshold = *value;
-      }
-    } else if (key == "delta_chain") {
-      auto value = node.value<int64_t>();
-      if (!node.is_integer() || !value || *value < 1 || *value > 1000) {
-        status = Bad(origin, key, "must be an integer from 1 to 1000");
-      } else {
-        parsed.delta_chain = static_cast<uint32_t>(*value);
-      }
-    } else if (key == "bucket_export") {
-      status = ReadString(node, origin, key, &parsed.bucket_export);
-    } else if (key == "bucket_import") {
-      status = ReadString(node, origin, key, &parsed.bucket_import);
-    } else if (key == "state_dir") {
-      status = ReadString(node, origin, key, &parsed.state_dir);
-    } else if (key == "data_ports") {
-      status = ReadString(node, origin, key, &parsed.data_ports);
-    } else if (key == "bucket_full_every") {
-      auto value = node.value<int64_t>();
-      if (!node.is_integer() || !value || *value < 1 || *value > 1000000) {
-        status = Bad(origin, key, "must be an integer from 1 to 1000000");
-      } else {
-        parsed.bucket_full_every = static_cast<uint32_t>(*value);
-      }
-    } else if (key == "slot_memory") {
-      status = ReadString(node, origin, key, &parsed.slot_memory);
-      if (status.ok() && parsed.slot_memory != "host" && parsed.slot_memory != "cuda") {
-        status = Bad(origin, key, "must be \"host\" or \"cuda\"");
-      }
-    } else if (key == "slot_device") {
-      auto value = node.value<int64_t>();
-      if (!node.is_integer() || !value || *value < 0 || *value > 1023) {
-        status = Bad(origin, key, "must be an integer from 0 to 1023");
-      } else {
-        parsed.slot_device = static_cast<int>(*value);
-      }
-    } else if (key == "allow_uids" || key == "allow_gids") {
-      std::vector<uint32_t>& ids = key == "allow_uids" ? parsed.allow_uids : parsed.allow_gids;
-      ids.clear();
-      const toml::array* array = node.as_array();
-      if (!array) status = Bad(origin, key, "must be an array of integer ids");
-      for (size_t i = 0; array && i < array->size(); ++i) {
-        auto value = (*array)[i].value<int64_t>();
-        if (!(*array)[i].is_integer() || !value || *value < 0 || *value > 4294967294) {
-          status = Bad(origin, key, "must be an array of integer ids");
-          break;
-        }
-        ids.push_back(static_cast<uint32_t>(*value));
-      }
-    } else if (key == "tls_cert") {
-      status = ReadString(node, origin, key, &parsed.tls_cert);
-    } else if (key == "tls_key") {
-      status = ReadString(node, origin, key, &parsed.tls_key);
-    } else if (key == "tls_ca") {
-      status = ReadString(node, origin, key, &parsed.tls_ca);
-    } else if (key == "relay") {
-      auto value = node.value<bool>();
-      if (!node.is_boolean() || !value) {
-        status = Bad(origin, key, "must be true or false");
-      } else {
-        parsed.relay = *value;
-      }
-    } else if (key == "peers") {
-      parsed.peers.clear();
-      if (node.is_string()) {
-        for (auto& p : absl::StrSplit(*node.value<std::string>(), ',', absl::SkipWhitespace())) {
-          parsed.peers.emplace_back(p);
-        }
-      } else if (const toml::array* array = node.as_array()) {
-        for (const toml::node& item : *array) {
-          auto value = item.value<std::string>();
-          if (!item.is_string() || !value) {
-            status = Bad(origin, key, "must be an array of \"HOST:PORT\" strings");
-            break;
-          }
-          parsed.peers.push_back(*value);
-        }
-      } else {
-        status = Bad(origin, key, "must be an array of \"HOST:PORT\" strings");
-      }
-    } else {
-      status = Bad(origin, key,
-                   "is unknown (known: socket, listen, peers, node, retain, log_level, "
-                   "metrics_listen, health_listen, chunk_bytes, inflight, delta_threshold, "
-                   "delta_chain, bucket_export, bucket_import, bucket_full_every, slot_memory, "
-                   "slot_device, max_slot_memory, max_gpu_slot_memory, relay, state_dir, "
-                   "data_ports, allow_uids, allow_gids, tls_cert, tls_key, tls_ca)");
-    }
-    if (!status.ok()) return status;
+    const config::OptionSpec* spec = config::FindByKey(key);
+    if (spec == nullptr)
+      return Bad(origin, key, absl::StrCat("is unknown (known: ", KnownKeys(), ")"));
+    absl::Status status = SetFromToml(*spec, node, &parsed);
+    if (!status.ok()) return Bad(origin, key, std::string(status.message()));
   }
   *options = std::move(parsed);
   return absl::OkStatus();

@@ -1,10 +1,7 @@
 #pragma once
 
-// refitd's configuration file (TOML, read with toml++). Keys are the flag names with '-' → '_':
-//   socket, listen, peers, node, retain, log_level, metrics_listen, health_listen, chunk_bytes,
-//   inflight, delta_threshold, delta_chain, bucket_export, bucket_import, bucket_full_every,
-//   slot_memory, slot_device, max_slot_memory, max_gpu_slot_memory, relay, state_dir,
-//   data_ports, allow_uids, allow_gids, tls_cert, tls_key, tls_ca
+// refitd's configuration file (TOML, read with toml++). Its keys are the flag names with '-'
+// written as '_', and each value is checked by the same rules as the flag (option_table.h).
 // Flags given on the command line override the file. Unknown keys and bad values are rejected
 // with a message naming the key. See deploy/refitd.toml for a documented sample.
 
