@@ -258,23 +258,6 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     };
   }
   impl->store = std::make_unique<Store>(store_options, &impl->metrics);
-  // Every counter api.md documents is listed from the start (at 0), not once it first moves.
-  for (const char* name : {pull::kDeltaVersions, pull::kFullVersions, pull::kDeltaBytesReceived,
-                           pull::kDeltaFallbacks, peer::kDeltaEncodedBytes}) {
-    impl->metrics.Add(name, 0);
-  }
-  if (!options.bucket_export.empty()) {
-    for (const char* name : {bucket::kBucketVersionsExported, bucket::kBucketBytesWritten,
-                             bucket::kBucketFilesPruned, bucket::kBucketExportErrors}) {
-      impl->metrics.Add(name, 0);
-    }
-  }
-  if (!options.bucket_import.empty()) {
-    for (const char* name : {bucket::kBucketVersionsImported, bucket::kBucketBytesRead,
-                             bucket::kBucketRejected}) {
-      impl->metrics.Add(name, 0);
-    }
-  }
   {
     Impl* raw = impl.get();
     peer::DeltaSourceOptions delta_options;

@@ -15,8 +15,8 @@ packages=(
   libcivetweb-dev libcli11-dev nlohmann-json3-dev libtomlplusplus-dev libbenchmark-dev
   # python client, examples and gloo reference benchmark
   python3 python3-grpcio python3-protobuf python3-torch python3-yaml
-  # multi-node tests and operations tooling
-  iproute2 procps systemd
+  # multi-node tests and operations tooling (prometheus: promtool lints /metrics in the tests)
+  iproute2 procps systemd prometheus
   # shipping (scripts/package-deb.sh, build-image.sh, test-packages.sh, client/python for pip)
   binutils dpkg-dev lintian buildah skopeo umoci python3-venv python3-setuptools python3-wheel
   util-linux mount

@@ -20,6 +20,10 @@ BucketExport::BucketExport(std::string dir, uint32_t full_every, uint32_t retain
       store_(store),
       deltas_(deltas),
       metrics_(metrics) {
+  for (const Counter& counter :
+       {kBucketVersionsExported, kBucketBytesWritten, kBucketFilesPruned, kBucketExportErrors}) {
+    if (metrics_) metrics_->Declare(counter);
+  }
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -116,7 +120,11 @@ BucketImport::BucketImport(std::string dir, Store* store, Metrics* metrics)
         ImporterOptions o;
         o.metrics = metrics;
         return o;
-      }()) {}
+      }()) {
+  for (const Counter& counter : {kBucketVersionsImported, kBucketBytesRead, kBucketRejected}) {
+    if (metrics_) metrics_->Declare(counter);
+  }
+}
 
 absl::StatusOr<std::unique_ptr<BucketImport>> BucketImport::Start(std::string dir, Store* store,
                                                                   Metrics* metrics) {

@@ -52,10 +52,14 @@
 namespace refit::bucket {
 
 // Counters the bucket adds to Metrics (not part of docs/api.md's binding set).
-inline constexpr char kBucketVersionsExported[] = "refit_bucket_versions_exported_total";
-inline constexpr char kBucketBytesWritten[] = "refit_bucket_bytes_written_total";
-inline constexpr char kBucketFilesPruned[] = "refit_bucket_files_pruned_total";
-inline constexpr char kBucketExportErrors[] = "refit_bucket_export_errors_total";
+inline constexpr Counter kBucketVersionsExported{"refit_bucket_versions_exported_total",
+                                                 "--bucket-export: versions written."};
+inline constexpr Counter kBucketBytesWritten{"refit_bucket_bytes_written_total",
+                                             "--bucket-export: file bytes written."};
+inline constexpr Counter kBucketFilesPruned{"refit_bucket_files_pruned_total",
+                                            "--bucket-export: old files removed."};
+inline constexpr Counter kBucketExportErrors{"refit_bucket_export_errors_total",
+                                             "--bucket-export: failed writes."};
 
 struct ExporterOptions {
   uint32_t full_every = 8;  // K >= 1: at most K - 1 deltas between two all-full versions

@@ -53,9 +53,13 @@
 
 namespace refit::bucket {
 
-inline constexpr char kBucketVersionsImported[] = "refit_bucket_versions_imported_total";
-inline constexpr char kBucketBytesRead[] = "refit_bucket_bytes_read_total";
-inline constexpr char kBucketRejected[] = "refit_bucket_rejected_total";
+inline constexpr Counter kBucketVersionsImported{
+    "refit_bucket_versions_imported_total",
+    "--bucket-import: versions completed from the directory."};
+inline constexpr Counter kBucketBytesRead{"refit_bucket_bytes_read_total",
+                                          "--bucket-import: file bytes read."};
+inline constexpr Counter kBucketRejected{"refit_bucket_rejected_total",
+                                         "--bucket-import: corrupt or partial versions refused."};
 
 // Gives `bytes` bytes of writable host memory for one piece (e.g. a SlotPool slot, or
 // refit::AllocateHost in tests).

@@ -46,6 +46,7 @@ absl::Status SetFromToml(const config::OptionSpec& spec, const toml::node& node,
         if constexpr (std::is_same_v<T, std::string>) {
           if (!node.is_string()) return wrong_type;
           text = *node.value<std::string>();
+          if (text.empty() && spec.empty_keeps_default) return absl::OkStatus();
         } else if constexpr (std::is_same_v<T, bool>) {
           if (!node.is_boolean()) return wrong_type;
           text = *node.value<bool>() ? "true" : "false";

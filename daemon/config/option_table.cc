@@ -240,7 +240,7 @@ absl::Status SetFromText(const OptionSpec& spec, const std::string& text, Daemon
               std::find(spec.choices.begin(), spec.choices.end(), text) == spec.choices.end()) {
             return Bad(spec);
           }
-          if (!(text.empty() && spec.empty_keeps_default)) value = std::string(text);
+          value = std::string(text);
         } else if constexpr (std::is_same_v<T, bool>) {
           if (!ParseBool(text, &value)) return Bad(spec);
         } else if constexpr (std::is_same_v<T, double>) {

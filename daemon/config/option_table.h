@@ -35,7 +35,8 @@ struct OptionSpec {
   std::vector<std::string> choices = {};
   // uint64: a size, "64GiB" as well as a byte count (in flags and in the config file).
   bool size = false;
-  // "" in the config file keeps the value it had (the node name: the host name).
+  // "" in the config file keeps the value it had (the node name: the host name); on the
+  // command line "" is refused where the daemon checks the value.
   bool empty_keeps_default = false;
 
   // The config file's key: the flag with '-' written as '_'.

@@ -11,9 +11,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/liveness.h"
-#include "daemon/common/test_hooks.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/common/xxh3.h"
 #include "daemon/transport/wire.h"
 
@@ -61,6 +61,7 @@ struct DataPlane::Transfer {
 DataPlane::DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneOptions options,
                      Metrics* metrics)
     : transport_(std::move(transport)), options_(options), metrics_(metrics) {
+  metrics_->Declare(kDataBytesReceived);
   thread_ = std::thread([this] { Run(); });
 }
 

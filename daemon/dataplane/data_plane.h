@@ -23,11 +23,19 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "daemon/memory/region.h"
 #include "daemon/common/liveness.h"
+#include "daemon/memory/region.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/store/store.h"
 #include "daemon/transport/transport.h"
+
+namespace refit {
+
+inline constexpr Counter kDataBytesReceived{
+    "refit_data_bytes_received_total",
+    "Bytes that arrived over the data plane (refetches count again)."};
+
+}  // namespace refit
 
 namespace refit::dataplane {
 

@@ -11,15 +11,75 @@ const std::vector<double>& Bounds() {
   return bounds;
 }
 
+HistogramSnapshot Empty() {
+  HistogramSnapshot h;
+  h.bounds = Bounds();
+  h.counts.assign(h.bounds.size() + 1, 0);
+  return h;
+}
+
 }  // namespace
 
-void Metrics::Observe(const std::string& name, double seconds) {
-  std::lock_guard<std::mutex> lock(mu_);
-  HistogramSnapshot& h = histograms_[name];
-  if (h.bounds.empty()) {
-    h.bounds = Bounds();
-    h.counts.assign(h.bounds.size() + 1, 0);
+void Metrics::DescribeLocked(const char* name, MetricKind kind, const char* help) {
+  if (descriptions_.find(std::string_view(name)) == descriptions_.end()) {
+    descriptions_.emplace(name, MetricDescription{kind, help});
   }
+}
+
+std::atomic<double>* Metrics::Find(const std::string& key, const char* name, MetricKind kind,
+                                   const char* help) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DescribeLocked(name, kind, help);
+  auto& slot = values_[key];
+  if (!slot) slot = std::make_unique<std::atomic<double>>(0.0);
+  return slot.get();
+}
+
+void Metrics::AddTo(const std::string& key, const char* name, MetricKind kind, const char* help,
+                    double delta) {
+  std::atomic<double>* value = Find(key, name, kind, help);
+  double current = value->load(std::memory_order_relaxed);
+  while (!value->compare_exchange_weak(current, current + delta, std::memory_order_relaxed)) {
+  }
+}
+
+void Metrics::Declare(const Counter& c) { Find(c.name, c.name, MetricKind::kCounter, c.help); }
+
+void Metrics::Declare(const Gauge& g) { Find(g.name, g.name, MetricKind::kGauge, g.help); }
+
+void Metrics::Declare(const Histogram& h) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DescribeLocked(h.name, MetricKind::kHistogram, h.help);
+  histograms_.emplace(h.name, Empty());
+}
+
+void Metrics::DeclareLabelled(const Counter& c) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DescribeLocked(c.name, MetricKind::kCounter, c.help);
+}
+
+void Metrics::Add(const Counter& c, double delta) {
+  AddTo(c.name, c.name, MetricKind::kCounter, c.help, delta);
+}
+
+void Metrics::Add(const Counter& c, const std::string& labels, double delta) {
+  AddTo(std::string(c.name) + "{" + labels + "}", c.name, MetricKind::kCounter, c.help, delta);
+}
+
+void Metrics::Add(const Gauge& g, double delta) {
+  AddTo(g.name, g.name, MetricKind::kGauge, g.help, delta);
+}
+
+void Metrics::Set(const Gauge& g, double value) {
+  Find(g.name, g.name, MetricKind::kGauge, g.help)->store(value, std::memory_order_relaxed);
+}
+
+void Metrics::Observe(const Histogram& histogram, double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DescribeLocked(histogram.name, MetricKind::kHistogram, histogram.help);
+  auto [it, added] = histograms_.emplace(histogram.name, HistogramSnapshot());
+  HistogramSnapshot& h = it->second;
+  if (added) h = Empty();
   for (size_t i = 0; i < h.bounds.size(); ++i) {
     if (seconds <= h.bounds[i]) h.counts[i]++;
   }
@@ -33,33 +93,9 @@ std::map<std::string, HistogramSnapshot> Metrics::Histograms() const {
   return histograms_;
 }
 
-Metrics::Metrics() {
-  for (const char* name : {kDataBytesReceived, kDataBytesSent, kVersionsCompleted, kApplyBytes,
-                           kPublishBytes, kPublishes, kApplies, kVersionsDropped,
-                           kVersionsAbandoned, kOwnerExitReleases, kApplyVerifyFailures,
-                           kPeersConnected, kChecksumBytesHashed, kRelayBytesSent,
-                           kRelayBytesReceived, kRelayChunksRejected, kQuantizedValues,
-                           kNonfiniteValues}) {
-    Find(name);
-  }
-}
-
-std::atomic<double>* Metrics::Find(const std::string& name) {
+std::map<std::string, MetricDescription> Metrics::Descriptions() const {
   std::lock_guard<std::mutex> lock(mu_);
-  auto& slot = values_[name];
-  if (!slot) slot = std::make_unique<std::atomic<double>>(0.0);
-  return slot.get();
-}
-
-void Metrics::Add(const std::string& name, double delta) {
-  std::atomic<double>* value = Find(name);
-  double current = value->load(std::memory_order_relaxed);
-  while (!value->compare_exchange_weak(current, current + delta, std::memory_order_relaxed)) {
-  }
-}
-
-void Metrics::Set(const std::string& name, double value) {
-  Find(name)->store(value, std::memory_order_relaxed);
+  return {descriptions_.begin(), descriptions_.end()};
 }
 
 std::map<std::string, double> Metrics::Snapshot() const {
@@ -69,9 +105,9 @@ std::map<std::string, double> Metrics::Snapshot() const {
   return out;
 }
 
-double Metrics::Get(const std::string& name) const {
+double Metrics::Get(const std::string& key) const {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = values_.find(name);
+  auto it = values_.find(key);
   return it == values_.end() ? 0.0 : it->second->load(std::memory_order_relaxed);
 }
 

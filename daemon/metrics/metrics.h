@@ -1,9 +1,16 @@
 #pragma once
 
-// Process-wide counters and gauges, keyed by their public names (docs/api.md). The store, the
-// data plane and the server increment them; Status and the Prometheus exporter read them.
+// Process-wide counters, gauges and histograms. Each metric is declared where it is counted,
+// as a typed constant with its public name (docs/api.md) and its HELP text, e.g.
 //
-// Thread-safe; incrementing is lock-free once a counter exists.
+//   inline constexpr Counter kApplyBytes{"refit_apply_bytes_total",
+//                                        "Bytes written into DESTINATION buffers by Apply."};
+//
+// and the component that counts it declares it when it starts (Metrics::Declare), so Status and
+// /metrics list it from the start, at 0, with its HELP. A counter only goes up (Add), a gauge
+// is set or moved (Set, Add), a histogram observes seconds (Observe): the type says which.
+//
+// Thread-safe; adding to a metric is lock-free once it exists.
 
 #include <atomic>
 #include <cstdint>
@@ -11,80 +18,80 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace refit {
 
-// Public metric names (binding: docs/api.md).
-inline constexpr char kDataBytesReceived[] = "refit_data_bytes_received_total";
-inline constexpr char kDataBytesSent[] = "refit_data_bytes_sent_total";
-inline constexpr char kVersionsCompleted[] = "refit_versions_completed_total";
-inline constexpr char kApplyBytes[] = "refit_apply_bytes_total";
-// Data-plane bytes this node sent from versions it pulled rather than published (relaying).
-inline constexpr char kRelayBytesSent[] = "refit_relay_bytes_sent_total";
-// Added by refit.
-inline constexpr char kPublishBytes[] = "refit_publish_bytes_total";
-inline constexpr char kPublishes[] = "refit_publish_total";
-inline constexpr char kApplies[] = "refit_apply_total";
-inline constexpr char kVersionsDropped[] = "refit_versions_dropped_total";
-inline constexpr char kRequestErrors[] = "refit_request_errors_total";
-// Versions given up before they completed here (a source released before publishing one, a
-// pull that failed), and buffers released because the process that registered them exited.
-inline constexpr char kVersionsAbandoned[] = "refit_versions_abandoned_total";
-inline constexpr char kOwnerExitReleases[] = "refit_owner_exit_releases_total";
-// Applies whose bytes, checked as they landed, differed from the version's (DATA_LOSS).
-inline constexpr char kApplyVerifyFailures[] = "refit_apply_verify_failures_total";
-inline constexpr char kPeersConnected[] = "refit_peers_connected";
-// Data-plane bytes this node read from relays (other pullers) instead of the origin, and
-// chunks a relay served that failed the origin's checksum (refetched from the origin).
-inline constexpr char kRelayBytesReceived[] = "refit_relay_bytes_received_total";
-inline constexpr char kRelayChunksRejected[] = "refit_relay_chunks_rejected_total";
-inline constexpr char kChecksumBytesHashed[] = "refit_checksum_bytes_hashed_total";
-// Host version slots held (published, pulled, in flight, kept for reuse), and the limit
-// (--max-slot-memory; 0: none). Gauges.
-inline constexpr char kSlotMemoryBytes[] = "refit_slot_memory_bytes";
-inline constexpr char kSlotMemoryLimitBytes[] = "refit_slot_memory_limit_bytes";
-// fp8 destinations with block scales: source values quantized (counted once per version and
-// destination box) and, of those, the inf and NaN ones (a diverged trainer).
-inline constexpr char kQuantizedValues[] = "refit_quantized_values_total";
-inline constexpr char kNonfiniteValues[] = "refit_nonfinite_values_total";
-// Histograms (seconds).
-inline constexpr char kPublishSeconds[] = "refit_publish_seconds";
-inline constexpr char kApplySeconds[] = "refit_apply_seconds";
-inline constexpr char kPlanSeconds[] = "refit_plan_seconds";
-inline constexpr char kTransferSeconds[] = "refit_transfer_seconds";
-inline constexpr char kQuantizeSeconds[] = "refit_quantize_seconds";
+enum class MetricKind { kCounter, kGauge, kHistogram };
+
+// The typed declarations. `name` follows Prometheus's conventions (a counter ends in _total,
+// the unit is in the name: _bytes, _seconds); `help` is one sentence for # HELP.
+struct Counter {
+  const char* name;
+  const char* help;
+  operator std::string() const { return name; }  // a Status / Snapshot key
+};
+struct Gauge {
+  const char* name;
+  const char* help;
+  operator std::string() const { return name; }
+};
+struct Histogram {  // of seconds
+  const char* name;
+  const char* help;
+  operator std::string() const { return name; }
+};
 
 // A cumulative histogram with fixed bucket bounds, Prometheus style.
 struct HistogramSnapshot {
-  std::vector<double> bounds;     // upper bounds, ascending; +Inf implied
-  std::vector<uint64_t> counts;   // cumulative count per bound, then +Inf
+  std::vector<double> bounds;    // upper bounds, ascending; +Inf implied
+  std::vector<uint64_t> counts;  // cumulative count per bound, then +Inf
   double sum = 0;
   uint64_t count = 0;
 };
 
+struct MetricDescription {
+  MetricKind kind;
+  std::string help;
+};
+
 class Metrics {
  public:
-  Metrics();  // registers the public counters at 0, so Status always shows them
+  // Lists the metric from now on (at 0; a histogram with no observations), with its HELP.
+  void Declare(const Counter& counter);
+  void Declare(const Gauge& gauge);
+  void Declare(const Histogram& histogram);
+  // Only the HELP of a counter whose series carry labels (none is listed before it moves).
+  void DeclareLabelled(const Counter& counter);
 
-  // Adds `delta` to counter `name`, creating it at 0 first.
-  void Add(const std::string& name, double delta);
-  // Sets gauge `name`.
-  void Set(const std::string& name, double value);
-  // A copy of every value.
+  void Add(const Counter& counter, double delta);
+  // The series of `counter` with `labels`, e.g. code="NOT_FOUND".
+  void Add(const Counter& counter, const std::string& labels, double delta);
+  void Add(const Gauge& gauge, double delta);
+  void Set(const Gauge& gauge, double value);
+  void Observe(const Histogram& histogram, double seconds);
+
+  // Every series ("name" or "name{labels}") and its value.
   std::map<std::string, double> Snapshot() const;
-  double Get(const std::string& name) const;
-
-  // Records one observation (seconds) in histogram `name`.
-  void Observe(const std::string& name, double seconds);
+  double Get(const std::string& key) const;
   std::map<std::string, HistogramSnapshot> Histograms() const;
+  // Kind and HELP by metric name, of everything declared or counted.
+  std::map<std::string, MetricDescription> Descriptions() const;
 
  private:
-  std::atomic<double>* Find(const std::string& name);
+  // Under mu_: records `name`'s kind and HELP the first time it is seen.
+  void DescribeLocked(const char* name, MetricKind kind, const char* help);
+  // The series `key` of metric `name` (created at 0).
+  std::atomic<double>* Find(const std::string& key, const char* name, MetricKind kind,
+                            const char* help);
+  void AddTo(const std::string& key, const char* name, MetricKind kind, const char* help,
+             double delta);
 
   mutable std::mutex mu_;
-  std::map<std::string, std::unique_ptr<std::atomic<double>>> values_;
-  std::map<std::string, HistogramSnapshot> histograms_;  // guarded by mu_
+  std::map<std::string, std::unique_ptr<std::atomic<double>>> values_;  // guarded by mu_
+  std::map<std::string, HistogramSnapshot> histograms_;                 // guarded by mu_
+  std::map<std::string, MetricDescription, std::less<>> descriptions_;  // guarded by mu_
 };
 
 }  // namespace refit

@@ -1,15 +1,23 @@
+#include "daemon/metrics/metrics.h"
+
 #include <arpa/inet.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <string>
 
 #include "catch2/catch.hpp"
-#include "daemon/metrics/metrics.h"
 #include "daemon/metrics/prometheus.h"
 
 namespace refit {
 namespace {
+
+constexpr Counter kBytes{"test_bytes_total", "Bytes counted by the test."};
+constexpr Counter kErrors{"test_errors_total", "Errors by code.\nSecond line \\ backslash."};
+constexpr Gauge kLevel{"test_level_bytes", "A level the test sets."};
+constexpr Histogram kSeconds{"test_seconds", "Time something took, in seconds."};
 
 // A plain HTTP/1.0 GET over loopback.
 std::string HttpGet(int port, const std::string& path) {
@@ -30,47 +38,92 @@ std::string HttpGet(int port, const std::string& path) {
   return out;
 }
 
-TEST_CASE("counters add up and histograms are cumulative", "[metrics]") {
+TEST_CASE("counters add up, gauges move, histograms are cumulative", "[metrics]") {
   Metrics m;
-  CHECK(m.Get(kVersionsCompleted) == 0);
-  m.Add(kVersionsCompleted, 1);
-  m.Add(kVersionsCompleted, 2);
-  CHECK(m.Get(kVersionsCompleted) == 3);
-  m.Observe(kApplySeconds, 0.002);
-  m.Observe(kApplySeconds, 5);
-  auto h = m.Histograms().at(kApplySeconds);
+  m.Declare(kBytes);
+  CHECK(m.Snapshot().count(kBytes) == 1);  // listed at 0 once declared
+  CHECK(m.Get(kBytes) == 0);
+  m.Add(kBytes, 1);
+  m.Add(kBytes, 2);
+  CHECK(m.Get(kBytes) == 3);
+  m.Set(kLevel, 10);
+  m.Add(kLevel, -4);
+  CHECK(m.Get(kLevel) == 6);
+  m.Observe(kSeconds, 0.002);
+  m.Observe(kSeconds, 5);
+  auto h = m.Histograms().at(kSeconds);
   CHECK(h.count == 2);
   CHECK(h.sum == Approx(5.002));
   CHECK(h.counts.back() == 2);
   CHECK(h.counts.front() == 0);  // 0.0001 s bucket
+  CHECK(m.Descriptions().at(kSeconds).kind == MetricKind::kHistogram);
+  CHECK(m.Descriptions().at(kLevel).kind == MetricKind::kGauge);
 }
 
-TEST_CASE("the Prometheus text names every counter and histogram", "[metrics]") {
+TEST_CASE("the Prometheus text has HELP and TYPE for every metric", "[metrics]") {
   Metrics m;
-  m.Add(kApplyBytes, 4096);
-  m.Add(std::string(kRequestErrors) + "{code=\"NOT_FOUND\"}", 1);
-  m.Observe(kPublishSeconds, 0.05);
+  m.Declare(kBytes);
+  m.Declare(kSeconds);
+  m.DeclareLabelled(kErrors);
+  m.Add(kErrors, "code=\"NOT_FOUND\"", 1);
+  m.Add(kErrors, "code=\"INTERNAL\"", 2);
+  m.Set(kLevel, 4096);
+  m.Observe(kSeconds, 0.05);
   const std::string text = RenderPrometheus(m);
-  CHECK(text.find("# TYPE refit_apply_bytes_total counter\nrefit_apply_bytes_total 4096\n") !=
+  CHECK(text.find("# HELP test_bytes_total Bytes counted by the test.\n"
+                  "# TYPE test_bytes_total counter\ntest_bytes_total 0\n") != std::string::npos);
+  CHECK(text.find("# HELP test_errors_total Errors by code.\\nSecond line \\\\ backslash.\n") !=
         std::string::npos);
-  CHECK(text.find("refit_request_errors_total{code=\"NOT_FOUND\"} 1\n") != std::string::npos);
-  CHECK(text.find("refit_publish_seconds_bucket{le=\"0.10000000000000001\"} 1\n") !=
-        std::string::npos);
-  CHECK(text.find("refit_publish_seconds_count 1\n") != std::string::npos);
-  CHECK(text.find("refit_data_bytes_received_total 0\n") != std::string::npos);
+  CHECK(text.find("test_errors_total{code=\"NOT_FOUND\"} 1\n") != std::string::npos);
+  CHECK(text.find("# TYPE test_level_bytes gauge\ntest_level_bytes 4096\n") != std::string::npos);
+  CHECK(text.find("# TYPE test_seconds histogram\n") != std::string::npos);
+  CHECK(text.find("test_seconds_bucket{le=\"0.10000000000000001\"} 1\n") != std::string::npos);
+  CHECK(text.find("test_seconds_count 1\n") != std::string::npos);
+  // Each metric's header once, however many series it has.
+  CHECK(text.find("# TYPE test_errors_total") == text.rfind("# TYPE test_errors_total"));
+}
+
+// promtool (Debian's prometheus package, installed by scripts/install-deps.sh) lints the text.
+TEST_CASE("promtool check metrics accepts the text", "[metrics]") {
+  Metrics m;
+  m.Declare(kBytes);
+  m.Declare(kSeconds);
+  m.Add(kErrors, "code=\"NOT_FOUND\"", 1);
+  m.Set(kLevel, 1);
+  m.Observe(kSeconds, 0.5);
+  const std::string text = RenderPrometheus(m);
+  INFO("promtool is /usr/bin/promtool (apt install prometheus; scripts/install-deps.sh)");
+  REQUIRE(access("/usr/bin/promtool", X_OK) == 0);
+  FILE* lint = popen("/usr/bin/promtool check metrics > promtool.out 2>&1", "w");
+  REQUIRE(lint != nullptr);
+  fwrite(text.data(), 1, text.size(), lint);
+  const int status = pclose(lint);
+  std::string out;
+  if (FILE* f = fopen("promtool.out", "r")) {
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, n);
+    fclose(f);
+  }
+  INFO(text);
+  INFO(out);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(out.empty());
 }
 
 TEST_CASE("/metrics is served over HTTP and follows the counters", "[metrics]") {
   Metrics m;
+  m.Declare(kBytes);
   auto server = MetricsHttpServer::Start("127.0.0.1:0", &m);
   REQUIRE(server.ok());
   REQUIRE((*server)->port() > 0);
   std::string first = HttpGet((*server)->port(), "/metrics");
   CHECK(first.find("200 OK") != std::string::npos);
-  CHECK(first.find("refit_versions_completed_total 0\n") != std::string::npos);
-  m.Add(kVersionsCompleted, 7);
+  CHECK(first.find("test_bytes_total 0\n") != std::string::npos);
+  m.Add(kBytes, 7);
   std::string second = HttpGet((*server)->port(), "/metrics");
-  CHECK(second.find("refit_versions_completed_total 7\n") != std::string::npos);
+  CHECK(second.find("test_bytes_total 7\n") != std::string::npos);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
 
 namespace refit {
 namespace {
@@ -17,24 +18,48 @@ std::string BaseName(const std::string& key) { return key.substr(0, key.find('{'
 
 std::string Number(double v) { return absl::StrFormat("%.17g", v); }
 
+// HELP text escapes only backslash and newline (text format 0.0.4).
+std::string EscapeHelp(const std::string& help) {
+  return absl::StrReplaceAll(help, {{"\\", "\\\\"}, {"\n", "\\n"}});
+}
+
+const char* TypeName(MetricKind kind) {
+  switch (kind) {
+    case MetricKind::kCounter:
+      return "counter";
+    case MetricKind::kGauge:
+      return "gauge";
+    case MetricKind::kHistogram:
+      return "histogram";
+  }
+  return "untyped";
+}
+
 }  // namespace
 
 std::string RenderPrometheus(const Metrics& metrics) {
+  const std::map<std::string, MetricDescription> descriptions = metrics.Descriptions();
   std::string out;
+  // # HELP and # TYPE once per metric, before its first series.
+  auto header = [&](const std::string& name, const char* fallback_type) {
+    auto it = descriptions.find(name);
+    const char* type = fallback_type;
+    if (it != descriptions.end()) {
+      absl::StrAppend(&out, "# HELP ", name, " ", EscapeHelp(it->second.help), "\n");
+      type = TypeName(it->second.kind);
+    }
+    absl::StrAppend(&out, "# TYPE ", name, " ", type, "\n");
+  };
   std::set<std::string> typed;
   for (const auto& [key, value] : metrics.Snapshot()) {
     const std::string base = BaseName(key);
-    if (typed.insert(base).second) {
-      const bool counter = base.size() > 6 && base.compare(base.size() - 6, 6, "_total") == 0;
-      absl::StrAppend(&out, "# TYPE ", base, counter ? " counter\n" : " gauge\n");
-    }
+    if (typed.insert(base).second) header(base, "untyped");
     absl::StrAppend(&out, key, " ", Number(value), "\n");
   }
   for (const auto& [name, h] : metrics.Histograms()) {
-    absl::StrAppend(&out, "# TYPE ", name, " histogram\n");
+    header(name, "histogram");
     for (size_t i = 0; i < h.bounds.size(); ++i) {
-      absl::StrAppend(&out, name, "_bucket{le=\"", Number(h.bounds[i]), "\"} ", h.counts[i],
-                      "\n");
+      absl::StrAppend(&out, name, "_bucket{le=\"", Number(h.bounds[i]), "\"} ", h.counts[i], "\n");
     }
     absl::StrAppend(&out, name, "_bucket{le=\"+Inf\"} ", h.counts.back(), "\n");
     absl::StrAppend(&out, name, "_sum ", Number(h.sum), "\n", name, "_count ", h.count, "\n");

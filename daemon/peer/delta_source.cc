@@ -39,6 +39,8 @@ DType DeltaDType(const std::vector<TensorSlice>& slices, uint64_t bytes) {
 DeltaSource::DeltaSource(Store* store, DeltaSourceOptions options, Metrics* metrics,
                          std::function<void()> ready)
     : store_(store), options_(options), metrics_(metrics), ready_(std::move(ready)) {
+  metrics_->Declare(kDeltaEncodedBytes);
+  metrics_->Declare(kDeltaEncodeSeconds);
   if (enabled()) thread_ = std::thread([this] { Run(); });
 }
 

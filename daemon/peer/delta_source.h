@@ -26,13 +26,10 @@
 
 #include "daemon/common/types.h"
 #include "daemon/memory/region.h"
-#include "daemon/metrics/metrics.h"
+#include "daemon/peer/peer_metrics.h"
 #include "daemon/store/store.h"
 
 namespace refit::peer {
-
-inline constexpr char kDeltaEncodeSeconds[] = "refit_delta_encode_seconds";
-inline constexpr char kDeltaEncodedBytes[] = "refit_delta_encoded_bytes_total";
 
 struct DeltaSourceOptions {
   // A delta bigger than this fraction of its piece is dropped (receivers pull full bytes);

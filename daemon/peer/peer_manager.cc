@@ -136,6 +136,8 @@ PeerManager::PeerManager(PeerManagerOptions options, std::vector<std::string> ad
       metrics_(metrics),
       replicas_(replicas),
       configured_(std::move(addresses)) {
+  metrics_->Declare(kPeersConnected);
+  metrics_->Declare(kTransferSeconds);
   pull::PullerOptions pull_options;
   pull_options.node = options.node;
   pull_options.delta_threshold = options.delta_threshold;

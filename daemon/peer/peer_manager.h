@@ -25,7 +25,7 @@
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
-#include "daemon/metrics/metrics.h"
+#include "daemon/peer/peer_metrics.h"
 #include "daemon/pull/puller.h"
 #include "daemon/store/store.h"
 #include "daemon/tls/peer_tls.h"

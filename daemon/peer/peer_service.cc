@@ -26,6 +26,9 @@ PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane, 
       replicas_(replicas),
       relay_(relay && board != nullptr),
       tls_(tls) {
+  metrics_->Declare(kDataBytesSent);
+  metrics_->Declare(kRelayBytesSent);
+  metrics_->Declare(kChecksumBytesHashed);
   if (const char* fault = TestSwitch("REFIT_FAULT_RELAY_FLIP")) {
     relay_flips_ = std::atoll(fault);
     Logger("peer")->warn("fault injection: the first {} relayed ranges get a flipped byte",

@@ -17,18 +17,13 @@
 #include <vector>
 
 #include "daemon/memory/region.h"
-#include "daemon/metrics/metrics.h"
+#include "daemon/pull/pull_metrics.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/store/store.h"
 
 namespace refit::pull {
 
 using dataplane::DataPlane;
-
-inline constexpr char kDeltaVersions[] = "refit_delta_versions_total";
-inline constexpr char kFullVersions[] = "refit_full_versions_total";
-inline constexpr char kDeltaBytesReceived[] = "refit_delta_bytes_received_total";
-inline constexpr char kDeltaFallbacks[] = "refit_delta_fallbacks_total";
 
 struct DeltaResult {
   std::vector<std::shared_ptr<Region>> staging;  // per fetch: built from deltas, or null

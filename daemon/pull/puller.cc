@@ -87,7 +87,12 @@ Puller::Puller(PullerOptions options, Store* store, dataplane::DataPlane* data_p
       metrics_(metrics),
       channels_(channels),
       board_(board),
-      replicas_(replicas) {}
+      replicas_(replicas) {
+  for (const Counter& counter : {kDeltaVersions, kFullVersions, kDeltaBytesReceived,
+                                 kDeltaFallbacks, kRelayBytesReceived, kRelayChunksRejected}) {
+    metrics_->Declare(counter);
+  }
+}
 
 absl::Status Puller::PinOn(const std::string& node, const PullJob& job, bool release,
                            uint64_t bytes_read, bool relay) {

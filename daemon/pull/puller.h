@@ -19,7 +19,7 @@
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
 #include "daemon/fleet/stripes.h"
-#include "daemon/metrics/metrics.h"
+#include "daemon/pull/pull_metrics.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 

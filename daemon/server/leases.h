@@ -19,8 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include "daemon/metrics/metrics.h"
 #include "daemon/server/owners.h"
+#include "daemon/server/server_metrics.h"
 #include "daemon/store/store.h"
 
 namespace refit::server {

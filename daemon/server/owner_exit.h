@@ -8,8 +8,8 @@
 // Thread-safety: OnClientExit may be called from any thread.
 
 #include "daemon/callers/local_listener.h"
-#include "daemon/metrics/metrics.h"
 #include "daemon/server/owners.h"
+#include "daemon/server/server_metrics.h"
 #include "daemon/store/store.h"
 
 namespace refit::server {
@@ -18,7 +18,9 @@ class OwnerExit final : public callers::ClientExitListener {
  public:
   // Not owned: `store` and `metrics` outlive this.
   OwnerExit(Store* store, std::shared_ptr<Owners> owners, Metrics* metrics)
-      : store_(store), owners_(std::move(owners)), metrics_(metrics) {}
+      : store_(store), owners_(std::move(owners)), metrics_(metrics) {
+    metrics_->Declare(kOwnerExitReleases);
+  }
 
   void OnClientExit(const callers::Caller& caller) override;
 

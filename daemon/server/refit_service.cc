@@ -90,9 +90,9 @@ absl::Status CheckNameLengths(const v1::RegisterBufferRequest& request) {
 
 grpc::Status RefitService::Finish(const char* rpc, const absl::Status& status) {
   if (!status.ok()) {
-    context_.metrics->Add(absl::StrCat(kRequestErrors, "{code=\"",
-                                       absl::StatusCodeToString(status.code()), "\"}"),
-                          1);
+    context_.metrics->Add(
+        kRequestErrors,
+        absl::StrCat("code=\"", absl::StatusCodeToString(status.code()), "\""), 1);
     Logger("server")->debug("rpc={} error {}", rpc, status.ToString());
   }
   return ToGrpc(status);

@@ -17,7 +17,7 @@
 #include "daemon/fleet/replicas.h"
 #include "daemon/server/leases.h"
 #include "daemon/server/owners.h"
-#include "daemon/metrics/metrics.h"
+#include "daemon/server/server_metrics.h"
 #include "daemon/state/version_ledger.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/refit.grpc.pb.h"
@@ -54,7 +54,9 @@ struct ServiceContext {
 
 class RefitService final : public v1::Refit::Service {
  public:
-  explicit RefitService(ServiceContext context) : context_(std::move(context)) {}
+  explicit RefitService(ServiceContext context) : context_(std::move(context)) {
+    if (context_.metrics) context_.metrics->DeclareLabelled(kRequestErrors);
+  }
 
   grpc::Status RegisterBuffer(grpc::ServerContext* context,
                               const v1::RegisterBufferRequest* request,

@@ -37,6 +37,17 @@ Store::Store(StoreOptions options, Metrics* metrics)
           options_.max_slot_bytes, [metrics](uint64_t held) {
             metrics->Set(kSlotMemoryBytes, static_cast<double>(held));
           })) {
+  for (const Counter& counter :
+       {kVersionsCompleted, kApplyBytes, kPublishBytes, kPublishes, kApplies, kVersionsDropped,
+        kVersionsAbandoned, kApplyVerifyFailures, kQuantizedValues, kNonfiniteValues}) {
+    metrics_->Declare(counter);
+  }
+  for (const Histogram& histogram :
+       {kPublishSeconds, kApplySeconds, kPlanSeconds, kQuantizeSeconds}) {
+    metrics_->Declare(histogram);
+  }
+  metrics_->Declare(kSlotMemoryBytes);
+  metrics_->Declare(kSlotMemoryLimitBytes);
   metrics_->Set(kSlotMemoryBytes, 0);
   metrics_->Set(kSlotMemoryLimitBytes, static_cast<double>(options_.max_slot_bytes));
   if (options_.slot_memory == MemoryKind::kCuda) {

@@ -41,7 +41,7 @@
 #include "daemon/memory/checksum.h"
 #include "daemon/memory/region.h"
 #include "daemon/memory/slot_pool.h"
-#include "daemon/metrics/metrics.h"
+#include "daemon/store/store_metrics.h"
 
 namespace refit::plan {
 struct Plan;

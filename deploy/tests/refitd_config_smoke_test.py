@@ -234,6 +234,13 @@ class ConfigSmokeTest(unittest.TestCase):
                     body = r.read().decode()
                 self.assertIn("refit_publish_total", body, "%s: /metrics:\n%s" % (
                     origin, body[:2000]))
+                # Prometheus's own linter accepts it: HELP and TYPE for every metric, names
+                # and units by its conventions (promtool: Debian's prometheus package).
+                lint = subprocess.run(["promtool", "check", "metrics"], input=body,
+                                      capture_output=True, text=True)
+                self.assertEqual((lint.returncode, lint.stdout + lint.stderr), (0, ""),
+                                 "%s: promtool check metrics on /metrics" % origin)
+                self.assertIn("# HELP refit_publish_total ", body)
 
                 # Watchdog pings from the main loop, every WATCHDOG_USEC / 2.
                 d.drain(WATCHDOG_USEC * 4 / 1e6)
