@@ -18,6 +18,7 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/fleet.h"
 
 namespace refit {
 namespace {
@@ -26,177 +27,31 @@ using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
 using testing::DaemonProcess;
-
-// A TCP port nothing listens on now (the daemons need each other's ports before they start:
-// every engine lists every other one in --peers).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  socklen_t len = sizeof(addr);
-  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
+using testing::Fill;
+using testing::Fleet;
+using testing::Metric;
 
 std::string At(int port) { return "127.0.0.1:" + std::to_string(port); }
 
-double Metric(client::Client& c, const std::string& name) {
-  auto s = c.Status();
-  REQUIRE(s.ok());
-  auto it = s->metrics().find(name);
-  return it == s->metrics().end() ? 0 : it->second;
+// A loopback fleet: one bf16 tensor [rows, 4096]; engine i holds all of it, or (half[i]) its
+// second half of rows, as a TP2 rank would.
+testing::FleetOptions Loopback(int engines, int64_t rows, std::vector<bool> half = {},
+                               std::vector<std::vector<std::string>> engine_args = {},
+                               std::vector<std::vector<std::string>> engine_env = {}) {
+  testing::FleetOptions options;
+  options.engines = engines;
+  options.rows = rows;
+  options.half = std::move(half);
+  options.engine_args = std::move(engine_args);
+  options.engine_env = std::move(engine_env);
+  return options;
 }
-
-void Fill(SharedMemory& shm, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  auto* p = reinterpret_cast<uint64_t*>(shm.data());
-  for (uint64_t i = 0; i < shm.size() / 8; ++i) p[i] = rng();
-}
-
-// One bf16 tensor [rows, 4096]; engines hold all of it, or (half = true) its second half of
-// rows, as a TP2 rank would.
-constexpr int64_t kCols = 4096;
-
-struct Engine {
-  std::unique_ptr<DaemonProcess> daemon;
-  std::unique_ptr<client::Client> client;
-  std::unique_ptr<SharedMemory> memory;
-  std::string buffer;
-  bool half = false;
-};
-
-struct Fleet {
-  // `engine_args[i]`: extra flags of engine i; `engine_env[i]`: its environment.
-  Fleet(int engines, int64_t rows, std::vector<bool> half = {},
-        std::vector<std::vector<std::string>> engine_args = {},
-        std::vector<std::vector<std::string>> engine_env = {})
-      : rows(rows) {
-    const int trainer_port = FreePort();
-    std::vector<int> ports;
-    for (int i = 0; i < engines; ++i) ports.push_back(FreePort());
-    auto t = DaemonProcess::Start({"--node=trainer", "--listen=" + At(trainer_port),
-                                   "--retain=1"});
-    REQUIRE(t.ok());
-    trainer_node = std::move(t).value();
-    trainer = trainer_node->Connect().value();
-    for (int i = 0; i < engines; ++i) {
-      std::string peers = "--peers=" + At(trainer_port);
-      for (int j = 0; j < engines; ++j) {
-        if (j != i) peers += "," + At(ports[j]);
-      }
-      std::vector<std::string> args = {"--node=engine-" + std::to_string(i),
-                                       "--listen=" + At(ports[i]), peers, "--retain=1"};
-      if (i < static_cast<int>(engine_args.size())) {
-        args.insert(args.end(), engine_args[i].begin(), engine_args[i].end());
-      }
-      auto d = DaemonProcess::Start(args, "",
-                                    i < static_cast<int>(engine_env.size()) ? engine_env[i]
-                                                                            : std::vector<std::string>());
-      REQUIRE(d.ok());
-      Engine e;
-      e.daemon = std::move(d).value();
-      e.client = e.daemon->Connect().value();
-      e.half = i < static_cast<int>(half.size()) && half[i];
-      this->engines.push_back(std::move(e));
-    }
-    const uint64_t bytes = static_cast<uint64_t>(rows) * kCols * 2;
-    source = std::make_unique<SharedMemory>(
-        SharedMemory::Create(testing::UniqueShmName("fan-src"), bytes).value());
-    auto id = trainer->RegisterBuffer("m", v1::SOURCE, source->name(),
-                                      {Slice("w", v1::BF16, {rows, kCols}, 0)}, "trainer");
-    REQUIRE(id.ok());
-    source_id = *id;
-    for (size_t i = 0; i < this->engines.size(); ++i) {
-      Engine& e = this->engines[i];
-      const int64_t first = e.half ? rows / 2 : 0, count = e.half ? rows / 2 : rows;
-      e.memory = std::make_unique<SharedMemory>(
-          SharedMemory::Create(testing::UniqueShmName("fan-dst"), count * kCols * 2).value());
-      auto d = e.client->RegisterBuffer(
-          "m", v1::DESTINATION, e.memory->name(),
-          {Slice("w", v1::BF16, {rows, kCols}, 0, {first, 0}, {count, kCols})},
-          "engine-" + std::to_string(i));
-      REQUIRE(d.ok());
-      e.buffer = *d;
-    }
-    WaitForFleet();
-  }
-
-  // Every engine connected to every other daemon and knowing every engine as a replica, and
-  // the trainer knowing them all: relaying is possible from the first version on.
-  void WaitForFleet() {
-    const size_t n = engines.size();
-    for (int round = 0; round < 300; ++round) {
-      bool ready = true;
-      for (Engine& e : engines) {
-        auto s = e.client->Status();
-        REQUIRE(s.ok());
-        int connected = 0;
-        for (const auto& p : s->peers()) connected += p.connected();
-        size_t replicas = 0;
-        for (const auto& m : s->models()) {
-          if (m.model() == "m") replicas = static_cast<size_t>(m.replicas_size());
-        }
-        ready = ready && connected == static_cast<int>(n) && replicas == n;
-      }
-      auto ts = trainer->Status();
-      REQUIRE(ts.ok());
-      for (const auto& m : ts->models()) {
-        if (m.model() == "m") ready = ready && static_cast<size_t>(m.replicas_size()) == n;
-      }
-      if (ready) return;
-      std::this_thread::sleep_for(milliseconds(50));
-    }
-    FAIL("the fleet did not connect and report replicas");
-  }
-
-  uint64_t ModelBytes() const { return source->size(); }
-
-  // Publishes `version` (every byte changed), and checks that every live engine completes it
-  // and holds exactly the trainer's bytes after Apply.
-  void PublishAndCheck(uint64_t version, const std::vector<size_t>& skip = {}) {
-    Fill(*source, version * 7919);
-    REQUIRE(trainer->Publish("m", version, {source_id}).ok());
-    CheckEngines(version, skip);
-  }
-
-  void CheckEngines(uint64_t version, const std::vector<size_t>& skip = {}) {
-    for (size_t i = 0; i < engines.size(); ++i) {
-      if (std::find(skip.begin(), skip.end(), i) != skip.end()) continue;
-      Engine& e = engines[i];
-      INFO("engine-" << i);
-      auto got = e.client->WaitForVersion("m", version, milliseconds(60000));
-      REQUIRE(got.ok());
-      REQUIRE(*got == version);
-      REQUIRE(e.client->Apply("m", version, {e.buffer}).ok());
-      const uint64_t offset = e.half ? ModelBytes() / 2 : 0;
-      REQUIRE(std::memcmp(e.memory->data(), source->data() + offset, e.memory->size()) == 0);
-    }
-  }
-
-  double RelaySent() {
-    double total = 0;
-    for (Engine& e : engines) {
-      if (e.daemon->running()) total += Metric(*e.client, "refit_relay_bytes_sent_total");
-    }
-    return total;
-  }
-
-  int64_t rows;
-  std::unique_ptr<DaemonProcess> trainer_node;
-  std::unique_ptr<client::Client> trainer;
-  std::vector<Engine> engines;
-  std::unique_ptr<SharedMemory> source;
-  std::string source_id;
-};
 
 }  // namespace
 
 TEST_CASE("four engine nodes relay each version: the trainer's node sends it about once",
           "[integration][fanout]") {
-  Fleet fleet(4, 8192);  // 64 MiB
+  Fleet fleet(Loopback(4, 8192));  // 64 MiB
   const double model = static_cast<double>(fleet.ModelBytes());
   for (uint64_t v = 1; v <= 3; ++v) {
     const double sent_before = Metric(*fleet.trainer, "refit_data_bytes_sent_total");
@@ -246,7 +101,7 @@ TEST_CASE("four engine nodes relay each version: the trainer's node sends it abo
 
 TEST_CASE("engines of different layouts share relays; each gets exactly its bytes",
           "[integration][fanout]") {
-  Fleet fleet(4, 8192, {false, true, false, true});
+  Fleet fleet(Loopback(4, 8192, {false, true, false, true}));
   const double model = static_cast<double>(fleet.ModelBytes());
   const double sent_before = Metric(*fleet.trainer, "refit_data_bytes_sent_total");
   fleet.PublishAndCheck(1);
@@ -259,7 +114,7 @@ TEST_CASE("engines of different layouts share relays; each gets exactly its byte
 
 TEST_CASE("a relay serving wrong bytes is caught: those chunks come from the trainer",
           "[integration][fanout]") {
-  Fleet fleet(3, 8192, {}, {}, {{"REFIT_FAULT_RELAY_FLIP=1000"}});
+  Fleet fleet(Loopback(3, 8192, {}, {}, {{"REFIT_FAULT_RELAY_FLIP=1000"}}));
   // engine-0 corrupts its own slot as it serves it (a node with bad memory would too), after it
   // verified its reads: its own copy is not checked, only that nobody else takes its bytes.
   fleet.PublishAndCheck(1, {0});
@@ -273,7 +128,7 @@ TEST_CASE("a relay serving wrong bytes is caught: those chunks come from the tra
 
 TEST_CASE("a relay killed mid-transfer: the others take its stripes from the trainer",
           "[integration][fanout]") {
-  Fleet fleet(4, 32768);  // 256 MiB: long enough to kill a relay while it pulls
+  Fleet fleet(Loopback(4, 32768));  // 256 MiB: long enough to kill a relay while it pulls
   fleet.PublishAndCheck(1);
   Fill(*fleet.source, 2 * 7919);
   REQUIRE(fleet.trainer->Publish("m", 2, {fleet.source_id}).ok());
@@ -282,7 +137,8 @@ TEST_CASE("a relay killed mid-transfer: the others take its stripes from the tra
     auto s = fleet.engines[0].client->Status();
     REQUIRE(s.ok());
     bool moving = false;
-    for (const auto& t : s->transfers()) moving = moving || (t.version() == 2 && t.bytes_done() > 0);
+    for (const auto& t : s->transfers())
+      moving = moving || (t.version() == 2 && t.bytes_done() > 0);
     if (moving) break;
     std::this_thread::sleep_for(milliseconds(2));
   }
@@ -297,7 +153,7 @@ TEST_CASE("a relay killed mid-transfer: the others take its stripes from the tra
 }
 
 TEST_CASE("--relay=false: every byte comes from the trainer's node", "[integration][fanout]") {
-  Fleet fleet(2, 4096, {}, {{"--relay=false"}, {"--relay=false"}});
+  Fleet fleet(Loopback(2, 4096, {}, {{"--relay=false"}, {"--relay=false"}}));
   const double model = static_cast<double>(fleet.ModelBytes());
   fleet.PublishAndCheck(1);
   std::this_thread::sleep_for(milliseconds(300));
@@ -307,7 +163,7 @@ TEST_CASE("--relay=false: every byte comes from the trainer's node", "[integrati
 
 TEST_CASE("bad relay and replica requests get clear codes and change nothing",
           "[integration][fanout]") {
-  Fleet fleet(2, 1024);
+  Fleet fleet(Loopback(2, 1024));
   fleet.PublishAndCheck(1);
   auto status = fleet.engines[0].client->Status();
   REQUIRE(status.ok());
@@ -321,6 +177,20 @@ TEST_CASE("bad relay and replica requests get clear codes and change nothing",
     request.set_node("stranger");
     request.set_origin("trainer");
     request.set_buffer_id("nope");
+    auto reader = stub->Relay(&context, request);
+    v1::RelayProgress progress;
+    REQUIRE_FALSE(reader->Read(&progress));
+    REQUIRE(reader->Finish().error_code() == grpc::StatusCode::NOT_FOUND);
+  }
+  for (const std::string& piece : {std::string("nope"), std::string()}) {
+    // a version it holds, but a piece it does not (or from an origin it never pulled from)
+    grpc::ClientContext context;
+    v1::RelayRequest request;
+    request.set_model("m");
+    request.set_version(1);
+    request.set_node("stranger");
+    request.set_origin(piece.empty() ? "elsewhere" : "trainer");
+    request.set_buffer_id(piece.empty() ? fleet.source_id : piece);
     auto reader = stub->Relay(&context, request);
     v1::RelayProgress progress;
     REQUIRE_FALSE(reader->Read(&progress));

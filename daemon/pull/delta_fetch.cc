@@ -3,17 +3,18 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <mutex>
-#include <thread>
 #include <cstring>
 #include <future>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/delta/delta.h"
 #include "daemon/memory/stream_copy.h"
+#include "daemon/pull/relay_read.h"
 
 namespace refit::pull {
 namespace {
@@ -45,8 +46,14 @@ PullJob DeltaJob(const PullJob& job, const std::vector<Step>& steps,
   out.version = job.version;
   for (size_t s = 0; s < steps.size(); ++s) {
     const PullJob::Fetch& f = job.fetches[steps[s].fetch];
-    out.fetches.push_back({f.node, f.buffer_id, steps[s].ref.remote_key, steps[s].ref.bytes,
-                           ranges[s], nullptr, 0, {}});
+    out.fetches.push_back({f.node,
+                           f.buffer_id,
+                           steps[s].ref.remote_key,
+                           steps[s].ref.bytes,
+                           ranges[s],
+                           nullptr,
+                           0,
+                           {}});
   }
   return out;
 }
@@ -62,8 +69,7 @@ absl::Status PlanSteps(const PullJob& job, const PullJob& delta_job, DataPlane* 
     if (!size.ok()) return size.status();
     if (*size > steps[s].ref.bytes) return absl::DataLossError("delta header past its end");
     header[s] = *size;
-    rest[s] = data_plane->Refetch(delta_job, s, {{delta::kFixedHeaderBytes, *size}},
-                                  steps[s].slot);
+    rest[s] = data_plane->Refetch(delta_job, s, {{delta::kFixedHeaderBytes, *size}}, steps[s].slot);
   }
   for (size_t s = 0; s < steps.size(); ++s) {
     RETURN_IF_ERROR(rest[s].get());
@@ -163,9 +169,9 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
           if (info.first_element * first.element_size != lo) {
             return fail(absl::FailedPreconditionError("a delta chunk is not where expected"));
           }
-          absl::Status status = delta::ApplyChunkTo(
-              step->index, chunk, step->slot->data() + info.encoded_offset, info.encoded_size,
-              bounce.data(), bounce.size());
+          absl::Status status =
+              delta::ApplyChunkTo(step->index, chunk, step->slot->data() + info.encoded_offset,
+                                  info.encoded_size, bounce.data(), bounce.size());
           if (!status.ok()) return fail(std::move(status));
         }
         StreamCopy(slot->data() + lo, bounce.data(), hi - lo);
@@ -188,11 +194,10 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
         const delta::ChunkInfo& info = step->index.chunks[chunk];
         const uint8_t* payload = step->slot->data() + info.encoded_offset;
         absl::Status status =
-            whole_chunks
-                ? delta::ApplyChunk(step->index, chunk, payload, info.encoded_size,
-                                    slot->data(), slot->size())
-                : delta::ApplyChunkWithin(step->index, chunk, payload, info.encoded_size,
-                                          fetch.ranges, slot->data(), slot->size());
+            whole_chunks ? delta::ApplyChunk(step->index, chunk, payload, info.encoded_size,
+                                             slot->data(), slot->size())
+                         : delta::ApplyChunkWithin(step->index, chunk, payload, info.encoded_size,
+                                                   fetch.ranges, slot->data(), slot->size());
         if (!status.ok()) return fail(std::move(status));
       }
     }
@@ -212,11 +217,126 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
   return slot;
 }
 
+// Each step's payload read into its slot: from the origin, or (relaying) stripe by stripe from
+// the node its stripe's tree names, the rest of it from the origin.
+struct PayloadReads {
+  std::vector<absl::Status> status;  // per step
+  std::vector<Ranges> relayed;       // per step: what relays served
+};
+
+PayloadReads ReadPayloads(const PullJob& job, const PullJob& delta_job,
+                          const std::vector<Step>& steps, const std::vector<bool>& use,
+                          DataPlane* data_plane, const DeltaRelays* relays, DeltaResult* result) {
+  PayloadReads out;
+  out.status.resize(steps.size());
+  out.relayed.resize(steps.size());
+  std::vector<std::vector<std::future<absl::Status>>> origin(steps.size());
+  struct Part {
+    size_t step;
+    std::string relay;
+    std::future<RelayReadResult> result;
+  };
+  std::vector<Part> parts;
+  std::vector<DataPlane::Landed> landed(steps.size());
+  const bool relaying = relays && relays->board && relays->stub && relays->pullers.size() > 1;
+  for (size_t s = 0; s < steps.size(); ++s) {
+    const Step& step = steps[s];
+    if (!use[step.fetch] || step.payload.empty()) continue;
+    if (!relaying) {
+      origin[s].push_back(data_plane->Refetch(delta_job, s, step.payload, step.slot));
+      continue;
+    }
+    PullJob::Fetch piece = delta_job.fetches[s];
+    piece.buffer_id = DeltaPieceId(job.fetches[step.fetch].buffer_id, step.ref.base_version);
+    piece.ranges = step.payload;
+    const fleet::RelayKey key{job.model, job.version, piece.node, piece.buffer_id};
+    relays->board->Begin(key, step.slot, step.ref.bytes, step.payload);
+    landed[s] = [board = relays->board, key](uint64_t offset, uint64_t length) {
+      board->Landed(key, offset, length);
+    };
+    for (auto& [parent, ranges] : ByParent(piece, relays->self, relays->pullers, relays->fanout)) {
+      if (parent == piece.node) {
+        origin[s].push_back(data_plane->Read(delta_job.fetches[s], ranges, step.slot, landed[s]));
+        continue;
+      }
+      RelayReadRequest request{relays->self, job.model, job.version, piece,
+                               parent,       ranges,    step.slot,   landed[s]};
+      v1::Peer::Stub* stub = relays->stub(parent);
+      parts.push_back({s, parent, std::async(std::launch::async, [request, stub, data_plane] {
+                         return ReadFromRelay(request, stub, data_plane);
+                       })});
+    }
+  }
+  for (Part& part : parts) {
+    RelayReadResult read = part.result.get();
+    const Step& step = steps[part.step];
+    if (read.bytes > 0) {
+      Ranges& got = out.relayed[part.step];
+      got.insert(got.end(), read.read.begin(), read.read.end());
+      result->relayed[part.relay] += read.bytes;
+      result->from_relays[step.fetch] += read.bytes;
+    }
+    if (read.leftover.empty()) continue;
+    Logger("delta")->log(read.failed ? spdlog::level::warn : spdlog::level::debug,
+                         "model={} version={} relay={}: reading {} bytes of the delta from "
+                         "version {} of piece {} from node {} instead ({})",
+                         job.model, job.version, part.relay, Total(read.leftover),
+                         step.ref.base_version, job.fetches[step.fetch].buffer_id,
+                         job.fetches[step.fetch].node, read.why);
+    origin[part.step].push_back(data_plane->Read(delta_job.fetches[part.step], read.leftover,
+                                                 step.slot, landed[part.step]));
+  }
+  for (size_t s = 0; s < steps.size(); ++s) {
+    for (auto& read : origin[s]) {
+      absl::Status status = read.get();
+      if (out.status[s].ok() && !status.ok()) out.status[s] = std::move(status);
+    }
+    Merge(&out.relayed[s]);
+  }
+  return out;
+}
+
+// A chain whose relayed delta bytes failed to apply: those chunks read again from the origin
+// (the header, from the origin, holds their checksums), counted as rejected.
+absl::Status RefetchRelayed(const PullJob& job, const PullJob& delta_job,
+                            const std::vector<Step>& steps, const PayloadReads& reads, size_t fetch,
+                            DataPlane* data_plane, Metrics* metrics) {
+  uint64_t rejected = 0;
+  std::vector<std::future<absl::Status>> again;
+  for (size_t s = 0; s < steps.size(); ++s) {
+    if (steps[s].fetch != fetch || reads.relayed[s].empty()) continue;
+    for (size_t c : steps[s].chunks) {
+      const delta::ChunkInfo& info = steps[s].index.chunks[c];
+      const Ranges chunk = {{info.encoded_offset, info.encoded_offset + info.encoded_size}};
+      rejected += Intersect(chunk, reads.relayed[s]).empty() ? 0 : 1;
+    }
+    again.push_back(data_plane->Refetch(delta_job, s, reads.relayed[s], steps[s].slot));
+  }
+  if (again.empty()) return absl::NotFoundError("nothing of it came from a relay");
+  metrics->Add(kRelayChunksRejected, static_cast<double>(rejected));
+  Logger("delta")->warn(
+      "model={} version={} buffer={}: {} delta chunks from relays fail node "
+      "{}'s checksums; reading them from node {}",
+      job.model, job.version, job.fetches[fetch].buffer_id, rejected, job.fetches[fetch].node,
+      job.fetches[fetch].node);
+  absl::Status status;
+  for (auto& read : again) {
+    absl::Status s = read.get();
+    if (status.ok() && !s.ok()) status = std::move(s);
+  }
+  return status;
+}
+
 }  // namespace
 
-DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
-                        double threshold, Metrics* metrics) {
+std::string DeltaPieceId(const std::string& buffer_id, uint64_t base_version) {
+  return absl::StrCat(buffer_id, "/delta-from-", base_version);
+}
+
+DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store, double threshold,
+                        Metrics* metrics, const DeltaRelays* relays) {
   DeltaResult result;
+  result.from_relays.assign(job.fetches.size(), 0);
   result.staging.resize(job.fetches.size());
   result.wire.assign(job.fetches.size(), 0);
   result.verified.assign(job.fetches.size(), false);
@@ -234,14 +354,15 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
     }
     if (!sane) continue;
     if (static_cast<double>(total) > threshold * static_cast<double>(fetch.bytes)) {
-      Logger("delta")->info("model={} version={} buffer={}: deltas of {} bytes exceed {} x {}; "
-                            "pulling in full",
-                            job.model, job.version, fetch.buffer_id, total, threshold,
-                            fetch.bytes);
+      Logger("delta")->info(
+          "model={} version={} buffer={}: deltas of {} bytes exceed {} x {}; "
+          "pulling in full",
+          job.model, job.version, fetch.buffer_id, total, threshold, fetch.bytes);
       metrics->Add(kDeltaFallbacks, 1);
       continue;
     }
-    for (const RemoteDeltaRef& ref : fetch.deltas) steps.push_back({f, ref, nullptr, {}, {}, {}, 0});
+    for (const RemoteDeltaRef& ref : fetch.deltas)
+      steps.push_back({f, ref, nullptr, {}, {}, {}, 0});
   }
   if (steps.empty()) return result;
   auto fail_all = [&](const absl::Status& status) {
@@ -252,6 +373,7 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
     none.staging.resize(job.fetches.size());
     none.wire.assign(job.fetches.size(), 0);
     none.verified.assign(job.fetches.size(), false);
+    none.from_relays.assign(job.fetches.size(), 0);
     return none;
   };
   // 1. The fixed part of every header, which says how long the header is.
@@ -275,25 +397,16 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
     for (const auto& [b, e] : job.fetches[f].ranges) needed += e - b;
     use[f] = static_cast<double>(wire) <= threshold * static_cast<double>(needed);
     if (!use[f]) {
-      Logger("delta")->info("model={} version={} buffer={}: {} delta bytes exceed {} x {} "
-                            "needed; pulling in full",
-                            job.model, job.version, job.fetches[f].buffer_id, wire, threshold,
-                            needed);
+      Logger("delta")->info(
+          "model={} version={} buffer={}: {} delta bytes exceed {} x {} "
+          "needed; pulling in full",
+          job.model, job.version, job.fetches[f].buffer_id, wire, threshold, needed);
       metrics->Add(kDeltaFallbacks, 1);
     }
   }
   const auto t1 = Clock::now();
   // 3. The chunks.
-  std::vector<std::future<absl::Status>> reads(steps.size());
-  for (size_t s = 0; s < steps.size(); ++s) {
-    if (use[steps[s].fetch] && !steps[s].payload.empty()) {
-      reads[s] = data_plane->Refetch(delta_job, s, steps[s].payload, steps[s].slot);
-    }
-  }
-  std::vector<absl::Status> read_status(steps.size());
-  for (size_t s = 0; s < steps.size(); ++s) {
-    if (reads[s].valid()) read_status[s] = reads[s].get();
-  }
+  const PayloadReads reads = ReadPayloads(job, delta_job, steps, use, data_plane, relays, &result);
   const auto t2 = Clock::now();
   // 4. Base + deltas -> staging, per fetch.
   for (size_t f = 0; f < job.fetches.size(); ++f) {
@@ -305,17 +418,22 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
       if (steps[s].fetch != f) continue;
       chain.push_back(&steps[s]);
       wire += steps[s].wire;
-      if (status.ok()) status = read_status[s];
+      if (status.ok()) status = reads.status[s];
     }
     const bool whole = WholeChunks(job.fetches[f], chain);
     absl::StatusOr<std::shared_ptr<Region>> built =
         status.ok() ? Build(job.fetches[f], chain, whole, store)
                     : absl::StatusOr<std::shared_ptr<Region>>(status);
+    if (!built.ok() && status.ok() &&
+        RefetchRelayed(job, delta_job, steps, reads, f, data_plane, metrics).ok()) {
+      built = Build(job.fetches[f], chain, whole, store);
+    }
     if (!built.ok()) {
-      Logger("delta")->warn("model={} version={} buffer={}: delta from version {} failed, "
-                            "pulling in full: {}",
-                            job.model, job.version, job.fetches[f].buffer_id,
-                            job.fetches[f].base_version, built.status().ToString());
+      Logger("delta")->warn(
+          "model={} version={} buffer={}: delta from version {} failed, "
+          "pulling in full: {}",
+          job.model, job.version, job.fetches[f].buffer_id, job.fetches[f].base_version,
+          built.status().ToString());
       metrics->Add(kDeltaFallbacks, 1);
       continue;
     }
@@ -323,12 +441,12 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
     const auto ms = [](Clock::time_point a, Clock::time_point b) {
       return std::chrono::duration<double, std::milli>(b - a).count();
     };
-    Logger("delta")->debug("model={} version={} buffer={}: {} delta bytes ({} step(s) from "
-                           "version {}) instead of the full ranges; headers {:.1f} ms, chunks "
-                           "{:.1f} ms, staging built {:.1f} ms",
-                           job.model, job.version, job.fetches[f].buffer_id, wire, chain.size(),
-                           job.fetches[f].base_version, ms(t0, t1), ms(t1, t2),
-                           ms(t2, Clock::now()));
+    Logger("delta")->debug(
+        "model={} version={} buffer={}: {} delta bytes ({} step(s) from "
+        "version {}) instead of the full ranges; headers {:.1f} ms, chunks "
+        "{:.1f} ms, staging built {:.1f} ms",
+        job.model, job.version, job.fetches[f].buffer_id, wire, chain.size(),
+        job.fetches[f].base_version, ms(t0, t1), ms(t1, t2), ms(t2, Clock::now()));
     result.staging[f] = std::move(built).value();
     result.wire[f] = wire;
     result.verified[f] = whole;

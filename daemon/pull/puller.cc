@@ -48,29 +48,6 @@ grpc::Status CallChecksum(v1::Peer::Stub* stub, const v1::ChecksumRequest& reque
   return stub->Checksum(&context, request, response);
 }
 
-// `ranges` cut on the checksum grid and dealt to the node each stripe is read from.
-std::map<std::string, Ranges> ByParent(const PullJob::Fetch& fetch, const std::string& self,
-                                       const std::vector<std::string>& pullers, int fanout) {
-  const int stripes = fleet::StripeCount(pullers.size(), fanout);
-  const uint64_t salt = fleet::PieceSalt(fetch.node, fetch.buffer_id);
-  std::map<std::string, Ranges> out;
-  for (const auto& [begin, end] : fetch.ranges) {
-    for (uint64_t off = begin; off < end;) {
-      const uint64_t chunk = off / kChecksumChunkBytes;
-      const uint64_t stop = std::min(end, (chunk + 1) * kChecksumChunkBytes);
-      const int stripe = fleet::StripeOf(chunk, salt, stripes);
-      Ranges& to = out[fleet::ParentFor(pullers, fetch.node, self, stripe, stripes, fanout)];
-      if (!to.empty() && to.back().second == off) {
-        to.back().second = stop;
-      } else {
-        to.emplace_back(off, stop);
-      }
-      off = stop;
-    }
-  }
-  return out;
-}
-
 }  // namespace
 
 struct Puller::Sources {
@@ -151,13 +128,22 @@ PullOutcome Puller::Pull(const PullJob& job) {
     return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
   };
   // Pieces this node can bring up to date from an older version by deltas; the rest in full.
-  DeltaResult deltas = FetchDeltas(job, data_plane_, store_, options_.delta_threshold, metrics_);
+  // Their chunks, too, come from relays where other nodes pull the same delta.
+  const std::vector<std::string> pullers = Pullers(job.model);
+  DeltaRelays relays{options_.node, pullers, options_.fanout, board_,
+                     [this](const std::string& node) { return channels_->StubFor(node); }};
+  DeltaResult deltas = FetchDeltas(job, data_plane_, store_, options_.delta_threshold, metrics_,
+                                   board_ ? &relays : nullptr);
   const double deltas_ms = ms_since(pinned);
   staging = std::move(deltas.staging);
   for (size_t f = 0; f < job.fetches.size(); ++f) {
     if (!staging[f]) continue;
-    bytes_from[job.fetches[f].node] += deltas.wire[f];
+    bytes_from[job.fetches[f].node] += deltas.wire[f] - deltas.from_relays[f];
     bytes_from[job.fetches[f].node] -= Total(job.fetches[f].ranges);
+  }
+  for (const auto& [relay, bytes] : deltas.relayed) {
+    metrics_->Add(kRelayBytesReceived, static_cast<double>(bytes));
+    (void)PinOn(relay, job, true, bytes, true);
   }
   // The origin hashes what we read while the bytes are still moving (not what deltas already
   // verified chunk by chunk).
@@ -179,9 +165,7 @@ PullOutcome Puller::Pull(const PullJob& job) {
   dataplane::DataPlane::ReadHashes hashes(job.fetches.size());  // by the job's fetch index
   Sources sources;
   sources.relayed.resize(job.fetches.size());
-  const std::vector<std::string> pullers =
-      full_index.empty() ? std::vector<std::string>() : Pullers(job.model);
-  if (pullers.size() > 1) {
+  if (!full_index.empty() && pullers.size() > 1) {
     status = PullStriped(job, full_index, pullers, &staging, &sources, &hashes);
     for (size_t f : full_index) {
       for (const auto& [relay, ranges] : sources.relayed[f]) {
@@ -197,8 +181,7 @@ PullOutcome Puller::Pull(const PullJob& job) {
         full, [this](uint64_t size) { return store_->AcquireSlot(size); }, read_hashes);
     // A long pull (a large model over a slow link) renews its pins before their lease lapses,
     // so no source recycles a slot while it is being read.
-    while (pulling.wait_for(milliseconds(options_.pin_lease_ms / 4)) !=
-           std::future_status::ready) {
+    while (pulling.wait_for(milliseconds(options_.pin_lease_ms / 4)) != std::future_status::ready) {
       for (const auto& [node, bytes] : bytes_from) (void)PinOn(node, job, false, 0, false);
     }
     auto result = pulling.get();
@@ -226,8 +209,8 @@ PullOutcome Puller::Pull(const PullJob& job) {
 
 absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& full,
                                  const std::vector<std::string>& pullers,
-                                 std::vector<std::shared_ptr<Region>>* staging,
-                                 Sources* sources, dataplane::DataPlane::ReadHashes* hashes) {
+                                 std::vector<std::shared_ptr<Region>>* staging, Sources* sources,
+                                 dataplane::DataPlane::ReadHashes* hashes) {
   struct Part {
     size_t fetch;
     std::string relay;
@@ -269,9 +252,9 @@ absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& 
   // announces what landed there.
   std::vector<std::future<RelayReadResult>> relayed;
   for (const Part& part : relay_parts) {
-    RelayReadRequest request{options_.node, job.model, job.version, job.fetches[part.fetch],
-                             part.relay,    part.ranges, (*staging)[part.fetch],
-                             landed[part.fetch]};
+    RelayReadRequest request{options_.node,           job.model,         job.version,
+                             job.fetches[part.fetch], part.relay,        part.ranges,
+                             (*staging)[part.fetch],  landed[part.fetch]};
     relayed.push_back(std::async(std::launch::async, [this, request] {
       return ReadFromRelay(request, channels_->StubFor(request.relay), data_plane_);
     }));
@@ -380,8 +363,7 @@ absl::StatusOr<std::vector<uint64_t>> Puller::RemoteChecksums(
   return sums;
 }
 
-absl::Status Puller::Verify(const PullJob& job,
-                            const std::vector<std::shared_ptr<Region>>& staging,
+absl::Status Puller::Verify(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
                             const dataplane::DataPlane::ReadHashes& read_hashes,
                             std::vector<absl::StatusOr<std::vector<uint64_t>>> remote,
                             const std::vector<bool>& verified, const Sources& sources) {
@@ -429,12 +411,13 @@ absl::Status Puller::Verify(const PullJob& job,
       }
       if (attempt >= kFetchTries) {
         return absl::DataLossError(absl::StrCat(
-            "model ", job.model, " version ", job.version, ": ", bad.size(),
-            " chunks from node ", fetch.node, " still fail their checksum after ", attempt,
-            " fetches"));
+            "model ", job.model, " version ", job.version, ": ", bad.size(), " chunks from node ",
+            fetch.node, " still fail their checksum after ", attempt, " fetches"));
       }
-      Logger("peer")->warn("model={} version={} node={} {} chunks failed their checksum; "
-                           "fetching them again", job.model, job.version, fetch.node, bad.size());
+      Logger("peer")->warn(
+          "model={} version={} node={} {} chunks failed their checksum; "
+          "fetching them again",
+          job.model, job.version, fetch.node, bad.size());
       absl::Status again = data_plane_->Refetch(job, f, bad, staging[f]).get();
       if (!again.ok()) return again;
       chunks = bad;

@@ -59,8 +59,8 @@ class Puller {
 
  private:
   struct Sources;  // where each full fetch's bytes came from
-  absl::Status PinOn(const std::string& node, const PullJob& job, bool release,
-                     uint64_t bytes_read, bool relay);
+  absl::Status PinOn(const std::string& node, const PullJob& job, bool release, uint64_t bytes_read,
+                     bool relay);
   // The nodes pulling `model` that this one reads stripes from (itself included), sorted;
   // just this node when relaying is off or nobody else pulls it.
   std::vector<std::string> Pullers(const std::string& model);

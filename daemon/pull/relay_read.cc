@@ -6,6 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/fleet/stripes.h"
+#include "daemon/memory/checksum.h"
 #include "grpcpp/grpcpp.h"
 
 namespace refit::pull {
@@ -78,6 +80,28 @@ Ranges Subtract(const Ranges& a, const Ranges& b) {
   return out;
 }
 
+std::map<std::string, Ranges> ByParent(const PullJob::Fetch& fetch, const std::string& self,
+                                       const std::vector<std::string>& pullers, int fanout) {
+  const int stripes = fleet::StripeCount(pullers.size(), fanout);
+  const uint64_t salt = fleet::PieceSalt(fetch.node, fetch.buffer_id);
+  std::map<std::string, Ranges> out;
+  for (const auto& [begin, end] : fetch.ranges) {
+    for (uint64_t off = begin; off < end;) {
+      const uint64_t chunk = off / kChecksumChunkBytes;
+      const uint64_t stop = std::min(end, (chunk + 1) * kChecksumChunkBytes);
+      const int stripe = fleet::StripeOf(chunk, salt, stripes);
+      Ranges& to = out[fleet::ParentFor(pullers, fetch.node, self, stripe, stripes, fanout)];
+      if (!to.empty() && to.back().second == off) {
+        to.back().second = stop;
+      } else {
+        to.emplace_back(off, stop);
+      }
+      off = stop;
+    }
+  }
+  return out;
+}
+
 uint64_t Total(const Ranges& ranges) {
   uint64_t total = 0;
   for (const auto& [b, e] : ranges) total += e - b;
@@ -136,8 +160,8 @@ RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* s
     (void)stream->Finish();
     result.leftover = request.wanted;
     result.failed = true;
-    result.why = absl::StrCat("it offered a ", message.bytes(), "-byte piece, not ",
-                              request.fetch.bytes);
+    result.why =
+        absl::StrCat("it offered a ", message.bytes(), "-byte piece, not ", request.fetch.bytes);
     return result;
   }
   from.remote_key = message.remote_key();
@@ -186,8 +210,8 @@ RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* s
     result.leftover.insert(result.leftover.end(), pending.begin(), pending.end());
     result.failed = true;
     if (result.why.empty() || result.why == "it holds only part of what this node needs") {
-      result.why = ended ? absl::StrCat("its stream ended: ", finished.error_message())
-                         : "it stopped short";
+      result.why =
+          ended ? absl::StrCat("its stream ended: ", finished.error_message()) : "it stopped short";
     }
   }
   Merge(&result.read);

@@ -12,6 +12,7 @@
 // Thread-safety: one RelayRead per call; it blocks the calling thread until it is done.
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -26,29 +27,34 @@ namespace refit::pull {
 using Ranges = std::vector<std::pair<uint64_t, uint64_t>>;
 
 struct RelayReadResult {
-  Ranges read;      // read from the relay (sorted, merged)
-  Ranges leftover;  // still to read from the origin (sorted, merged)
-  uint64_t bytes = 0;  // the bytes of `read`
-  std::string why;     // why there is a leftover, for the log ("" when none)
+  Ranges read;          // read from the relay (sorted, merged)
+  Ranges leftover;      // still to read from the origin (sorted, merged)
+  uint64_t bytes = 0;   // the bytes of `read`
+  std::string why;      // why there is a leftover, for the log ("" when none)
   bool failed = false;  // the relay failed, stalled or went away (not just another layout)
   // Offset of each read of `read` -> {length, XXH3-64 of what it brought}, for Verify.
   std::unordered_map<uint64_t, std::pair<uint64_t, uint64_t>> hashes;
 };
 
 struct RelayReadRequest {
-  std::string self;             // this node
+  std::string self;  // this node
   std::string model;
   uint64_t version = 0;
-  PullJob::Fetch fetch;         // the piece, as the origin offered it
-  std::string relay;            // the node to read from
-  Ranges wanted;                // sorted, disjoint, within fetch.ranges
-  std::shared_ptr<Region> slot;  // this node's staging slot for the piece
+  PullJob::Fetch fetch;                 // the piece, as the origin offered it
+  std::string relay;                    // the node to read from
+  Ranges wanted;                        // sorted, disjoint, within fetch.ranges
+  std::shared_ptr<Region> slot;         // this node's staging slot for the piece
   dataplane::DataPlane::Landed landed;  // told of each read that lands (may be null)
 };
 
 // `stub`: the relay's control channel (null: everything is leftover).
 RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* stub,
                               dataplane::DataPlane* data_plane);
+
+// `fetch.ranges` cut on the checksum grid and dealt to the node each stripe is read from
+// (fleet::ParentFor): the origin (fetch.node) or another of `pullers`.
+std::map<std::string, Ranges> ByParent(const PullJob::Fetch& fetch, const std::string& self,
+                                       const std::vector<std::string>& pullers, int fanout);
 
 // Range arithmetic on sorted, disjoint [begin, end) lists.
 Ranges Intersect(const Ranges& a, const Ranges& b);

@@ -1,0 +1,222 @@
+// A fleet across network namespaces: one trainer's node and four engine nodes, each in its own
+// namespace on one bridge, each node's link throttled (tc tbf, both directions), so every
+// version is in flight for seconds and relays serve each other over separate network stacks.
+// Bit-exact versions through relays, deltas with relays on, engines of different layouts, a
+// relay killed mid-transfer, a relay serving corrupted bytes (test build of refitd), and
+// WaitForReplicas with its deadline. Needs root and iproute2: where namespaces can't be made,
+// every case FAILS (it is never silently green).
+
+#include <signal.h>
+
+#include <algorithm>
+#include <cstring>
+#include <iostream>
+#include <random>
+#include <thread>
+
+#include "catch2/catch.hpp"
+#include "client/refit_client.h"
+#include "tests/testing/fleet.h"
+
+namespace refit {
+namespace {
+
+using std::chrono::milliseconds;
+using testing::Fill;
+using testing::Fleet;
+using testing::FleetOptions;
+using testing::Metric;
+using testing::Network;
+
+// 200 Mbit/s per link: a 32 MiB version needs at least 1.3 s on the trainer's uplink.
+constexpr char kRate[] = "200mbit";
+constexpr int kEngines = 4;
+
+std::unique_ptr<Network> MakeNetwork() {
+  auto network = Network::Create("r16", kEngines + 1, kRate);
+  if (!network.ok()) {
+    FAIL("cannot create the network namespaces this test needs (root and iproute2): "
+         << network.status().message());
+  }
+  return std::move(network).value();
+}
+
+FleetOptions InNetwork(Network* network, int64_t rows) {
+  FleetOptions options;
+  options.engines = kEngines;
+  options.rows = rows;
+  options.network = network;
+  return options;
+}
+
+double TrainerSent(Fleet& fleet) { return Metric(*fleet.trainer, "refit_data_bytes_sent_total"); }
+
+// Changes one bf16 element in every `stride` of the source: a small delta of the last version.
+void Touch(Fleet& fleet, uint64_t seed, uint64_t stride) {
+  std::mt19937_64 rng(seed);
+  auto* p = reinterpret_cast<uint16_t*>(fleet.source->data());
+  for (uint64_t i = rng() % stride; i < fleet.ModelBytes() / 2; i += stride) {
+    p[i] = static_cast<uint16_t>(rng());
+  }
+}
+
+}  // namespace
+
+TEST_CASE(
+    "netns fleet: versions arrive bit-exact through relays; WaitForReplicas and its "
+    "deadline",
+    "[integration][netns][fanout]") {
+  auto network = MakeNetwork();
+  Fleet fleet(InNetwork(network.get(), 4096));  // 32 MiB
+  const double model = static_cast<double>(fleet.ModelBytes());
+  for (uint64_t v = 1; v <= 3; ++v) {
+    const double sent_before = TrainerSent(fleet), relayed_before = fleet.RelaySent();
+    Fill(*fleet.source, v * 7919);
+    fleet.Publish(v);
+    if (v == 2) {
+      // In flight for over a second: a short deadline passes before any replica has it, and
+      // says so with DEADLINE_EXCEEDED; nothing else changes.
+      auto early = fleet.trainer->WaitForReplicas("m", 2, 1, milliseconds(200));
+      REQUIRE(early.status().code() == absl::StatusCode::kDeadlineExceeded);
+      // A quorum of two arrives before all four need to.
+      auto quorum = fleet.trainer->WaitForReplicas("m", 2, 2, milliseconds(60000));
+      REQUIRE(quorum.ok());
+      REQUIRE(quorum->version() >= 2);
+      REQUIRE(quorum->nodes_size() >= 2);
+    }
+    auto all = fleet.trainer->WaitForReplicas("m", v, 0, milliseconds(60000));
+    REQUIRE(all.ok());
+    REQUIRE(all->nodes_size() == kEngines);
+    fleet.CheckEngines(v);
+    std::this_thread::sleep_for(milliseconds(500));  // the pins' releases carry the counts
+    const double sent = TrainerSent(fleet) - sent_before;
+    const double relayed = fleet.RelaySent() - relayed_before;
+    INFO("version " << v << ": the trainer's node sent " << sent / model << " models, relays "
+                    << relayed / model);
+    REQUIRE(sent >= 0.9 * model);
+    REQUIRE(sent <= 1.25 * model);
+    REQUIRE(relayed >= 2.5 * model);
+  }
+  // Every replica is known with its version; more replicas than exist, or a version never
+  // published, wait out their deadline.
+  auto status = fleet.trainer->Status();
+  REQUIRE(status.ok());
+  REQUIRE(status->models_size() == 1);
+  REQUIRE(status->models(0).replicas_size() == kEngines);
+  for (const auto& r : status->models(0).replicas()) REQUIRE(r.latest_version() == 3);
+  auto too_many = fleet.trainer->WaitForReplicas("m", 3, kEngines + 1, milliseconds(300));
+  REQUIRE(too_many.status().code() == absl::StatusCode::kDeadlineExceeded);
+  auto unpublished = fleet.trainer->WaitForReplicas("m", 4, 1, milliseconds(300));
+  REQUIRE(unpublished.status().code() == absl::StatusCode::kDeadlineExceeded);
+  // An engine asks the same of its own daemon, which learns the others' versions by reports.
+  auto from_engine = fleet.engines[1].client->WaitForReplicas("m", 3, 0, milliseconds(10000));
+  REQUIRE(from_engine.ok());
+  REQUIRE(from_engine->nodes_size() == kEngines);
+}
+
+TEST_CASE("netns fleet: deltas with relays on; a node without the base gets full bytes",
+          "[integration][netns][fanout]") {
+  auto network = MakeNetwork();
+  Fleet fleet(InNetwork(network.get(), 4096));
+  const double model = static_cast<double>(fleet.ModelBytes());
+  fleet.PublishAndCheck(1);
+  const double deltas_before = fleet.Sum("refit_delta_versions_total");
+  for (uint64_t v = 2; v <= 3; ++v) {
+    const double sent_before = TrainerSent(fleet), relayed_before = fleet.RelaySent();
+    Touch(fleet, v, 4096);  // ~8 K of 16 M elements change
+    fleet.Publish(v);
+    fleet.CheckEngines(v);
+    std::this_thread::sleep_for(milliseconds(500));
+    const double sent = TrainerSent(fleet) - sent_before;
+    const double relayed = fleet.RelaySent() - relayed_before;
+    std::cout << "delta version " << v << ": the trainer's node sent " << sent << " bytes, relays "
+              << relayed << " (delta bytes received on the engines: "
+              << fleet.Sum("refit_delta_bytes_received_total") << " in all so far)\n";
+    INFO("version " << v << ": trainer sent " << sent << " bytes, relays " << relayed);
+    REQUIRE(sent < 0.25 * model);  // deltas, not full bytes, to each of four nodes
+    REQUIRE(relayed > 0);          // delta chunks relayed between the engines
+  }
+  REQUIRE(fleet.Sum("refit_delta_versions_total") - deltas_before == 2 * kEngines);
+  // engine-3 comes back with nothing: its first version is full bytes, the others' a delta.
+  fleet.RestartEngine(3);
+  fleet.WaitForFleet();
+  Touch(fleet, 4, 4096);
+  fleet.Publish(4);
+  fleet.CheckEngines(4);
+  // Whatever it pulled first after the restart (version 3 or 4) came in full.
+  REQUIRE(Metric(*fleet.engines[3].client, "refit_full_versions_total") >= 1);
+  REQUIRE(fleet.Sum("refit_delta_versions_total", {3}) - deltas_before == 3 * (kEngines - 1));
+}
+
+TEST_CASE("netns fleet: engines of different layouts share relays, each gets its bytes",
+          "[integration][netns][fanout]") {
+  auto network = MakeNetwork();
+  FleetOptions options = InNetwork(network.get(), 4096);
+  options.half = {false, true, false, true};
+  Fleet fleet(std::move(options));
+  const double model = static_cast<double>(fleet.ModelBytes());
+  for (uint64_t v = 1; v <= 2; ++v) {
+    const double sent_before = TrainerSent(fleet), relayed_before = fleet.RelaySent();
+    fleet.PublishAndCheck(v);
+    std::this_thread::sleep_for(milliseconds(500));
+    const double sent = TrainerSent(fleet) - sent_before;
+    const double relayed = fleet.RelaySent() - relayed_before;
+    INFO("version " << v << ": trainer sent " << sent / model << " models, relays "
+                    << relayed / model);
+    REQUIRE(sent <= 1.6 * model);  // half-row engines don't relay the rows they don't hold
+    REQUIRE(relayed > 0.5 * model);
+  }
+}
+
+TEST_CASE("netns fleet: a relay killed mid-transfer; the others complete bit-exact",
+          "[integration][netns][fanout]") {
+  auto network = MakeNetwork();
+  Fleet fleet(InNetwork(network.get(), 8192));  // 64 MiB: over 2.7 s on the trainer's link
+  fleet.PublishAndCheck(1);
+  Fill(*fleet.source, 2 * 7919);
+  fleet.Publish(2);
+  // Kill engine-0 while version 2 is partly on it (and it serves its stripes to the others).
+  bool mid = false;
+  for (int i = 0; i < 5000 && !mid; ++i) {
+    auto s = fleet.engines[0].client->Status();
+    REQUIRE(s.ok());
+    for (const auto& t : s->transfers()) {
+      mid = mid || (t.version() == 2 && t.bytes_done() > 0 && t.bytes_done() < t.bytes_total());
+    }
+    if (!mid) std::this_thread::sleep_for(milliseconds(2));
+  }
+  REQUIRE(mid);
+  REQUIRE(fleet.engines[0].daemon->Stop(SIGKILL) == 128 + SIGKILL);
+  const double from_relays = fleet.Sum("refit_relay_bytes_received_total", {0});
+  fleet.CheckEngines(2, {0});
+  INFO("the three others read " << from_relays << " bytes from relays");
+  REQUIRE(fleet.Sum("refit_relay_bytes_received_total", {0}) > 0);
+  fleet.PublishAndCheck(3, {0});
+  // It comes back empty and catches up with the rest.
+  fleet.RestartEngine(0);
+  fleet.WaitForFleet();
+  fleet.PublishAndCheck(4);
+}
+
+TEST_CASE("netns fleet: a relay serving corrupted bytes is caught, the chunks are refetched",
+          "[integration][netns][fanout]") {
+  auto network = MakeNetwork();
+  FleetOptions options = InNetwork(network.get(), 4096);
+  // engine-0 (test build of refitd) flips a byte in what it serves, after verifying its own
+  // copy: only the others' checks against the trainer's digests can catch it.
+  options.engine_env = {{"REFIT_FAULT_RELAY_FLIP=1000"}};
+  Fleet fleet(std::move(options));
+  fleet.PublishAndCheck(1, {0});
+  const double rejected = fleet.Sum("refit_relay_chunks_rejected_total", {0});
+  INFO("chunks rejected: " << rejected);
+  REQUIRE(rejected > 0);
+  fleet.PublishAndCheck(2, {0});
+  // A small change: a delta, whose chunks may come through the same relay; what it flips fails
+  // the checksums in the origin's delta header and is read from the trainer's node again.
+  Touch(fleet, 3, 4096);
+  fleet.Publish(3);
+  fleet.CheckEngines(3, {0});
+  REQUIRE(fleet.Sum("refit_delta_versions_total", {0}) == 3);
+}
+
+}  // namespace refit

@@ -1,0 +1,245 @@
+#include "tests/testing/fleet.h"
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "catch2/catch.hpp"
+
+namespace refit::testing {
+namespace {
+
+using client::SharedMemory;
+using client::Slice;
+using std::chrono::milliseconds;
+
+constexpr int kNetnsPort = 7070;
+
+// A TCP port nothing listens on now (the daemons need each other's ports before they start:
+// every engine lists every other one in --peers).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  socklen_t len = sizeof(addr);
+  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+absl::Status Run(const std::string& command) {
+  const int rc = std::system((command + " >/dev/null 2>&1").c_str());
+  if (rc == 0) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("`", command, "` failed (", rc, ")"));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Network>> Network::Create(const std::string& prefix, int nodes,
+                                                         const std::string& rate) {
+  std::unique_ptr<Network> net(new Network());
+  net->prefix_ = absl::StrCat(prefix, "-", getpid() % 100000);
+  const std::string sw = net->prefix_ + "-sw";
+  const std::string tbf = " root tbf rate " + rate + " burst 256kb latency 20ms";
+  std::vector<std::string> commands = {"ip netns add " + sw, "ip -n " + sw + " link set lo up",
+                                       "ip -n " + sw + " link add br0 type bridge",
+                                       "ip -n " + sw + " link set br0 up"};
+  for (const std::string& c : commands) {
+    absl::Status s = Run(c);
+    if (!s.ok()) return s;
+    net->switch_made_ = true;
+  }
+  for (int i = 0; i < nodes; ++i) {
+    const std::string ns = net->Namespace(i), p = absl::StrCat("p", i), n = absl::StrCat("n", i);
+    const std::string ip = net->Ip(i);
+    commands = {"ip netns add " + ns,
+                "ip -n " + sw + " link add " + p + " type veth peer name " + n,
+                "ip -n " + sw + " link set " + n + " netns " + ns,
+                "ip -n " + ns + " link set " + n + " name eth0",
+                "ip -n " + ns + " addr add " + ip + "/24 dev eth0",
+                "ip -n " + ns + " link set lo up",
+                "ip -n " + ns + " link set eth0 up",
+                "ip -n " + sw + " link set " + p + " master br0",
+                "ip -n " + sw + " link set " + p + " up",
+                "ip netns exec " + ns + " tc qdisc replace dev eth0" + tbf,
+                "ip netns exec " + sw + " tc qdisc replace dev " + p + tbf};
+    net->nodes_ = i + 1;
+    for (const std::string& c : commands) {
+      absl::Status s = Run(c);
+      if (!s.ok()) return s;
+    }
+  }
+  return net;
+}
+
+Network::~Network() {
+  for (int i = 0; i < nodes_; ++i) (void)Run("ip netns del " + Namespace(i));
+  if (switch_made_) (void)Run("ip netns del " + prefix_ + "-sw");
+}
+
+std::string Network::Namespace(int node) const { return absl::StrCat(prefix_, "-n", node); }
+std::string Network::Ip(int node) const { return absl::StrCat("10.77.0.", node + 1); }
+std::vector<std::string> Network::In(int node) const {
+  return {"/usr/sbin/ip", "netns", "exec", Namespace(node)};
+}
+std::vector<std::string> Network::Env(int node) const {
+  (void)node;
+  return {"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0"};
+}
+
+void Fill(SharedMemory& shm, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto* p = reinterpret_cast<uint64_t*>(shm.data());
+  for (uint64_t i = 0; i < shm.size() / 8; ++i) p[i] = rng();
+}
+
+double Metric(client::Client& c, const std::string& name) {
+  auto s = c.Status();
+  REQUIRE(s.ok());
+  auto it = s->metrics().find(name);
+  return it == s->metrics().end() ? 0 : it->second;
+}
+
+std::string Fleet::Address(int node) const {
+  if (options.network) return absl::StrCat(options.network->Ip(node), ":", kNetnsPort);
+  return absl::StrCat("127.0.0.1:", ports_[node]);
+}
+
+Fleet::Fleet(FleetOptions opts) : options(std::move(opts)) {
+  const int engine_count = options.engines;
+  for (int i = 0; i <= engine_count; ++i) ports_.push_back(options.network ? 0 : FreePort());
+  std::vector<std::string> args = {"--node=trainer", "--listen=" + Address(0), "--retain=1"};
+  args.insert(args.end(), options.trainer_args.begin(), options.trainer_args.end());
+  auto t = DaemonProcess::Start(
+      args, "", options.network ? options.network->Env(0) : std::vector<std::string>(),
+      options.network ? options.network->In(0) : std::vector<std::string>());
+  REQUIRE(t.ok());
+  trainer_node = std::move(t).value();
+  trainer = trainer_node->Connect().value();
+  const uint64_t bytes = static_cast<uint64_t>(options.rows) * kFleetCols * 2;
+  source =
+      std::make_unique<SharedMemory>(SharedMemory::Create(UniqueShmName("fan-src"), bytes).value());
+  auto id =
+      trainer->RegisterBuffer("m", v1::SOURCE, source->name(),
+                              {Slice("w", v1::BF16, {options.rows, kFleetCols}, 0)}, "trainer");
+  REQUIRE(id.ok());
+  source_id = *id;
+  engines.resize(engine_count);
+  for (int i = 0; i < engine_count; ++i) {
+    FleetEngine& e = engines[i];
+    e.half = i < static_cast<int>(options.half.size()) && options.half[i];
+    std::string peers = "--peers=" + Address(0);
+    for (int j = 0; j < engine_count; ++j) {
+      if (j != i) peers += "," + Address(j + 1);
+    }
+    e.args = {"--node=engine-" + std::to_string(i), "--listen=" + Address(i + 1), peers,
+              "--retain=1"};
+    if (i < static_cast<int>(options.engine_args.size())) {
+      e.args.insert(e.args.end(), options.engine_args[i].begin(), options.engine_args[i].end());
+    }
+    if (options.network) e.env = options.network->Env(i + 1);
+    if (i < static_cast<int>(options.engine_env.size())) {
+      e.env.insert(e.env.end(), options.engine_env[i].begin(), options.engine_env[i].end());
+    }
+    StartEngine(i);
+  }
+  WaitForFleet();
+}
+
+void Fleet::StartEngine(size_t i) {
+  FleetEngine& e = engines[i];
+  auto d = DaemonProcess::Start(
+      e.args, "", e.env,
+      options.network ? options.network->In(static_cast<int>(i) + 1) : std::vector<std::string>());
+  REQUIRE(d.ok());
+  e.daemon = std::move(d).value();
+  e.client = e.daemon->Connect().value();
+  const int64_t rows = options.rows;
+  const int64_t first = e.half ? rows / 2 : 0, count = e.half ? rows / 2 : rows;
+  e.memory = std::make_unique<SharedMemory>(
+      SharedMemory::Create(UniqueShmName("fan-dst"), count * kFleetCols * 2).value());
+  auto buffer = e.client->RegisterBuffer(
+      "m", v1::DESTINATION, e.memory->name(),
+      {Slice("w", v1::BF16, {rows, kFleetCols}, 0, {first, 0}, {count, kFleetCols})},
+      "engine-" + std::to_string(i));
+  REQUIRE(buffer.ok());
+  e.buffer = *buffer;
+}
+
+void Fleet::RestartEngine(size_t i) {
+  engines[i].client.reset();
+  engines[i].daemon->Stop(SIGKILL);
+  engines[i].daemon.reset();
+  StartEngine(i);
+}
+
+void Fleet::WaitForFleet() {
+  const size_t n = engines.size();
+  for (int round = 0; round < 600; ++round) {
+    bool ready = true;
+    for (FleetEngine& e : engines) {
+      auto s = e.client->Status();
+      REQUIRE(s.ok());
+      int connected = 0;
+      for (const auto& p : s->peers()) connected += p.connected();
+      size_t replicas = 0;
+      for (const auto& m : s->models()) {
+        if (m.model() == "m") replicas = static_cast<size_t>(m.replicas_size());
+      }
+      ready = ready && connected == static_cast<int>(n) && replicas == n;
+    }
+    auto ts = trainer->Status();
+    REQUIRE(ts.ok());
+    for (const auto& m : ts->models()) {
+      if (m.model() == "m") ready = ready && static_cast<size_t>(m.replicas_size()) == n;
+    }
+    if (ready) return;
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  FAIL("the fleet did not connect and report replicas");
+}
+
+void Fleet::Publish(uint64_t version) { REQUIRE(trainer->Publish("m", version, {source_id}).ok()); }
+
+void Fleet::PublishAndCheck(uint64_t version, const std::vector<size_t>& skip) {
+  Fill(*source, version * 7919);
+  Publish(version);
+  CheckEngines(version, skip);
+}
+
+void Fleet::CheckEngines(uint64_t version, const std::vector<size_t>& skip, milliseconds timeout) {
+  for (size_t i = 0; i < engines.size(); ++i) {
+    if (std::find(skip.begin(), skip.end(), i) != skip.end()) continue;
+    FleetEngine& e = engines[i];
+    INFO("engine-" << i << ", version " << version);
+    auto got = e.client->WaitForVersion("m", version, timeout);
+    REQUIRE(got.ok());
+    REQUIRE(*got == version);
+    REQUIRE(e.client->Apply("m", version, {e.buffer}).ok());
+    const uint64_t offset = e.half ? ModelBytes() / 2 : 0;
+    REQUIRE(std::memcmp(e.memory->data(), source->data() + offset, e.memory->size()) == 0);
+  }
+}
+
+double Fleet::Sum(const std::string& metric, const std::vector<size_t>& skip) {
+  double total = 0;
+  for (size_t i = 0; i < engines.size(); ++i) {
+    if (std::find(skip.begin(), skip.end(), i) != skip.end()) continue;
+    if (engines[i].daemon->running()) total += Metric(*engines[i].client, metric);
+  }
+  return total;
+}
+
+double Fleet::RelaySent() { return Sum("refit_relay_bytes_sent_total"); }
+
+}  // namespace refit::testing

@@ -1,0 +1,114 @@
+#pragma once
+
+// One trainer's node and several engine nodes, each a real refitd process, for the fan-out
+// tests (relays, replicas). The daemons run on loopback, or (with a Network) each in its own
+// network namespace on one bridge, each node's link throttled with tc tbf in both directions,
+// so a version takes long enough to be caught mid-flight.
+//
+// Not thread-safe; one test thread owns a Fleet. Failures are Catch2 REQUIRE/FAIL.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "client/refit_client.h"
+#include "tests/testing/daemon_process.h"
+
+namespace refit::testing {
+
+// Network namespaces `<prefix>-<tag>-sw` (a bridge), `<prefix>-<tag>-n0` .. `-n<nodes-1>`
+// (node i's end of a veth pair, eth0, 10.77.0.<i+1>/24), each veth end limited to `rate` (tc
+// tbf syntax, e.g. "200mbit") on both sides. `tag` is this process's pid, so tests running
+// at the same time don't collide. Everything is removed on destruction.
+class Network {
+ public:
+  // An error (the failing command) where namespaces can't be made (not root, no iproute2).
+  static absl::StatusOr<std::unique_ptr<Network>> Create(const std::string& prefix, int nodes,
+                                                         const std::string& rate);
+  ~Network();
+
+  std::string Ip(int node) const;
+  // The command prefix that runs a program in node i's namespace.
+  std::vector<std::string> In(int node) const;
+  // What node i's daemon needs in its environment (UCX over eth0 only).
+  std::vector<std::string> Env(int node) const;
+
+ private:
+  Network() = default;
+  std::string Namespace(int node) const;
+  std::string prefix_;
+  int nodes_ = 0;
+  bool switch_made_ = false;
+};
+
+// A bf16 value stream from `seed`, over all of `shm`.
+void Fill(client::SharedMemory& shm, uint64_t seed);
+
+// Node `client`'s metric `name` (0 when it has none yet).
+double Metric(client::Client& client, const std::string& name);
+
+struct FleetEngine {
+  std::unique_ptr<DaemonProcess> daemon;
+  std::unique_ptr<client::Client> client;
+  std::unique_ptr<client::SharedMemory> memory;
+  std::string buffer;
+  bool half = false;
+  std::vector<std::string> args;  // what it was started with, to restart it
+  std::vector<std::string> env;
+};
+
+struct FleetOptions {
+  int engines = 4;
+  int64_t rows = 8192;  // one bf16 tensor [rows, kFleetCols]: 64 MiB by default
+  // Engine i holds the second half of the rows (a TP2 rank) instead of all of them.
+  std::vector<bool> half;
+  std::vector<std::vector<std::string>> engine_args;  // more flags for engine i
+  std::vector<std::vector<std::string>> engine_env;   // more environment for engine i
+  std::vector<std::string> trainer_args;              // more flags for the trainer's node
+  Network* network = nullptr;                         // null: loopback
+};
+
+inline constexpr int64_t kFleetCols = 4096;
+
+class Fleet {
+ public:
+  explicit Fleet(FleetOptions options);
+
+  // Every engine connected to every other daemon and knowing every live engine as a replica,
+  // and the trainer knowing them all: relaying is possible from the next version on.
+  void WaitForFleet();
+
+  uint64_t ModelBytes() const { return source->size(); }
+
+  // Publishes what `source` holds as `version`.
+  void Publish(uint64_t version);
+  // Publishes `version` (every byte changed), and checks that every live engine completes it
+  // and holds exactly the trainer's bytes after Apply.
+  void PublishAndCheck(uint64_t version, const std::vector<size_t>& skip = {});
+  void CheckEngines(uint64_t version, const std::vector<size_t>& skip = {},
+                    std::chrono::milliseconds timeout = std::chrono::milliseconds(120000));
+
+  // Kills engine i (SIGKILL) and starts it again with the same flags and a fresh destination
+  // buffer (it holds no version then).
+  void RestartEngine(size_t i);
+
+  // refit_relay_bytes_sent_total summed over the live engines.
+  double RelaySent();
+  double Sum(const std::string& metric, const std::vector<size_t>& skip = {});
+
+  FleetOptions options;
+  std::unique_ptr<DaemonProcess> trainer_node;
+  std::unique_ptr<client::Client> trainer;
+  std::vector<FleetEngine> engines;
+  std::unique_ptr<client::SharedMemory> source;
+  std::string source_id;
+
+ private:
+  void StartEngine(size_t i);
+  std::string Address(int node) const;  // host:port of node 0 (trainer) .. engines
+  std::vector<int> ports_;
+};
+
+}  // namespace refit::testing
