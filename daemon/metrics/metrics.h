@@ -39,6 +39,9 @@ inline constexpr char kPeersConnected[] = "refit_peers_connected";
 // chunks a relay served that failed the origin's checksum (refetched from the origin).
 inline constexpr char kRelayBytesReceived[] = "refit_relay_bytes_received_total";
 inline constexpr char kRelayChunksRejected[] = "refit_relay_chunks_rejected_total";
+// Chunks of a pull that failed the source's checksum when they landed (a byte corrupted in
+// transit, a relay's bad bytes) and were fetched again; none of them is ever applied.
+inline constexpr char kChunksRefetched[] = "refit_pull_chunks_refetched_total";
 inline constexpr char kChecksumBytesHashed[] = "refit_checksum_bytes_hashed_total";
 // Host version slots held (published, pulled, in flight, kept for reuse), and the limit
 // (--max-slot-memory; 0: none). Gauges.
@@ -57,8 +60,8 @@ inline constexpr char kQuantizeSeconds[] = "refit_quantize_seconds";
 
 // A cumulative histogram with fixed bucket bounds, Prometheus style.
 struct HistogramSnapshot {
-  std::vector<double> bounds;     // upper bounds, ascending; +Inf implied
-  std::vector<uint64_t> counts;   // cumulative count per bound, then +Inf
+  std::vector<double> bounds;    // upper bounds, ascending; +Inf implied
+  std::vector<uint64_t> counts;  // cumulative count per bound, then +Inf
   double sum = 0;
   uint64_t count = 0;
 };

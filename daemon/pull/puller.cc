@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/memory/checksum.h"
 #include "daemon/pull/delta_fetch.h"
 #include "daemon/pull/relay_read.h"
@@ -192,8 +193,7 @@ PullOutcome Puller::Pull(const PullJob& job) {
         full, [this](uint64_t size) { return store_->AcquireSlot(size); }, read_hashes);
     // A long pull (a large model over a slow link) renews its pins before their lease lapses,
     // so no source recycles a slot while it is being read.
-    while (pulling.wait_for(milliseconds(options_.pin_lease_ms / 4)) !=
-           std::future_status::ready) {
+    while (pulling.wait_for(milliseconds(options_.pin_lease_ms / 4)) != std::future_status::ready) {
       for (const auto& [node, bytes] : bytes_from) (void)PinOn(node, job, false, 0, false);
     }
     auto result = pulling.get();
@@ -215,14 +215,15 @@ PullOutcome Puller::Pull(const PullJob& job) {
       job.model, job.version, deltas_ms, data_ms, sums_wait_ms,
       ms_since(pinned) - deltas_ms - data_ms - sums_wait_ms);
   for (const auto& [node, bytes] : bytes_from) (void)PinOn(node, job, true, bytes, false);
+  if (status.ok()) TestHookKillAt("pull_complete");  // test build only: a commit point
   if (status.ok()) metrics_->Add(used_delta ? kDeltaVersions : kFullVersions, 1);
   return finish(status);
 }
 
 absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& full,
                                  const std::vector<std::string>& pullers,
-                                 std::vector<std::shared_ptr<Region>>* staging,
-                                 Sources* sources, dataplane::DataPlane::ReadHashes* hashes) {
+                                 std::vector<std::shared_ptr<Region>>* staging, Sources* sources,
+                                 dataplane::DataPlane::ReadHashes* hashes) {
   struct Part {
     size_t fetch;
     std::string relay;
@@ -264,9 +265,9 @@ absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& 
   // announces what landed there.
   std::vector<std::future<RelayReadResult>> relayed;
   for (const Part& part : relay_parts) {
-    RelayReadRequest request{options_.node, job.model, job.version, job.fetches[part.fetch],
-                             part.relay,    part.ranges, (*staging)[part.fetch],
-                             landed[part.fetch]};
+    RelayReadRequest request{options_.node,           job.model,         job.version,
+                             job.fetches[part.fetch], part.relay,        part.ranges,
+                             (*staging)[part.fetch],  landed[part.fetch]};
     relayed.push_back(std::async(std::launch::async, [this, request] {
       return ReadFromRelay(request, channels_->StubFor(request.relay), data_plane_);
     }));
@@ -375,8 +376,7 @@ absl::StatusOr<std::vector<uint64_t>> Puller::RemoteChecksums(
   return sums;
 }
 
-absl::Status Puller::Verify(const PullJob& job,
-                            const std::vector<std::shared_ptr<Region>>& staging,
+absl::Status Puller::Verify(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
                             const dataplane::DataPlane::ReadHashes& read_hashes,
                             std::vector<absl::StatusOr<std::vector<uint64_t>>> remote,
                             const std::vector<bool>& verified, const Sources& sources) {
@@ -424,12 +424,14 @@ absl::Status Puller::Verify(const PullJob& job,
       }
       if (attempt >= kFetchTries) {
         return absl::DataLossError(absl::StrCat(
-            "model ", job.model, " version ", job.version, ": ", bad.size(),
-            " chunks from node ", fetch.node, " still fail their checksum after ", attempt,
-            " fetches"));
+            "model ", job.model, " version ", job.version, ": ", bad.size(), " chunks from node ",
+            fetch.node, " still fail their checksum after ", attempt, " fetches"));
       }
-      Logger("peer")->warn("model={} version={} node={} {} chunks failed their checksum; "
-                           "fetching them again", job.model, job.version, fetch.node, bad.size());
+      Logger("peer")->warn(
+          "model={} version={} node={} {} chunks failed their checksum; "
+          "fetching them again",
+          job.model, job.version, fetch.node, bad.size());
+      metrics_->Add(kChunksRefetched, static_cast<double>(bad.size()));
       absl::Status again = data_plane_->Refetch(job, f, bad, staging[f]).get();
       if (!again.ok()) return again;
       chunks = bad;
