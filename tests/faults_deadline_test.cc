@@ -62,12 +62,11 @@ TEST_CASE("WaitForVersion, WaitForReplicas and Apply honour the client's deadlin
     for (const int ms : {200, 1000, 3000}) {
       double started = testing::Now();
       auto waited = client.WaitForVersion("m", 99, milliseconds(ms));
-      wait_errors.push_back(
-          100 * Honoured(waited.status(), testing::Now() - started, ms / 1000.0));
+      wait_errors.push_back(100 * Honoured(waited.status(), testing::Now() - started, ms / 1000.0));
       started = testing::Now();
       auto replicas = client.WaitForReplicas("m", 99, 0, milliseconds(ms));
-      replicas_errors.push_back(
-          100 * Honoured(replicas.status(), testing::Now() - started, ms / 1000.0));
+      replicas_errors.push_back(100 *
+                                Honoured(replicas.status(), testing::Now() - started, ms / 1000.0));
     }
     // An Apply of 256 MiB given 1 ms: cut short by its deadline, refitd goes on serving.
     client.set_call_timeout(milliseconds(1));

@@ -45,8 +45,8 @@ TEST_CASE("SIGTERM with publishes and pulls in flight drains within 10 s and exi
     auto status = (*tc)->Status();
     REQUIRE(status.ok());
     auto engine_node = DaemonProcess::Start(
-        {"--node=engine-node", "--peers=127.0.0.1:" + std::to_string(status->listen_port())},
-        "", {"UCX_TLS=tcp"});
+        {"--node=engine-node", "--peers=127.0.0.1:" + std::to_string(status->listen_port())}, "",
+        {"UCX_TLS=tcp"});
     REQUIRE(engine_node.ok());
     auto ec = (*engine_node)->Connect();
     REQUIRE(ec.ok());
@@ -80,7 +80,8 @@ TEST_CASE("SIGTERM with publishes and pulls in flight drains within 10 s and exi
       }
     });
     // Load for a while: several versions published and applied.
-    for (int i = 0; i < 300 && applied.load() < 3; ++i) std::this_thread::sleep_for(milliseconds(50));
+    for (int i = 0; i < 300 && applied.load() < 3; ++i)
+      std::this_thread::sleep_for(milliseconds(50));
     CHECK(applied.load() >= 3);
     const double started = testing::Now();
     kill((*engine_node)->pid(), SIGTERM);

@@ -70,11 +70,12 @@ TEST_CASE("bytes flipped in transit are all detected, refetched and never applie
   const double refetched = testing::Metric(engine, "refit_pull_chunks_refetched_total");
   const double received = testing::Metric(engine, "refit_data_bytes_received_total");
   testing::PrintFigureText("transit_flips", std::to_string(static_cast<long>(flips)));
-  testing::PrintFigureText("transit_chunks_refetched", std::to_string(static_cast<long>(refetched)));
+  testing::PrintFigureText("transit_chunks_refetched",
+                           std::to_string(static_cast<long>(refetched)));
   testing::PrintFigureText("transit_versions_exact",
                            std::to_string(exact) + "/" + std::to_string(versions));
   testing::PrintFigureText("transit_bytes_received", std::to_string(static_cast<long>(received)));
-  CHECK(exact == versions);  // never applied
+  CHECK(exact == versions);          // never applied
   REQUIRE(flips >= versions / 2.0);  // the fault did fire
   // Each flip lands in one chunk and fails it: 100 % detected (and each refetched).
   CHECK(refetched == flips);
