@@ -64,7 +64,7 @@ for scenario in $only; do
       echo "== plan_bench" >&2
       bazel build --jobs=2 //daemon/plan:plan_bench >&2 &&
         bazel-bin/daemon/plan/plan_bench 5 |
-        sed -n '/^verified apply/,/^[^ ]/p; /^execution/,/resharded/p' |
+        grep -A3 -E '^(execution|verified apply)' |
         sed 's/^/FIGURE apply /' >>"$figures" ;;
     *) echo "unknown scenario $scenario" >&2; exit 2 ;;
   esac
