@@ -17,26 +17,26 @@
 #include "cuda/cuda.h"
 #include "daemon/bucket/bucket_sync.h"
 #include "daemon/callers/local_listener.h"
-#include "daemon/common/logging.h"
-#include "daemon/tls/peer_tls.h"
 #include "daemon/common/liveness.h"
-#include "daemon/metrics/metrics.h"
-#include "daemon/metrics/prometheus.h"
-#include "daemon/server/denied_service.h"
-#include "daemon/server/health_service.h"
-#include "daemon/server/owner_exit.h"
+#include "daemon/common/logging.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
-#include "daemon/pull/delta_fetch.h"
+#include "daemon/metrics/metrics.h"
+#include "daemon/metrics/prometheus.h"
 #include "daemon/peer/delta_source.h"
 #include "daemon/peer/peer_manager.h"
 #include "daemon/peer/peer_service.h"
+#include "daemon/pull/delta_fetch.h"
+#include "daemon/server/denied_service.h"
+#include "daemon/server/health_service.h"
+#include "daemon/server/owner_exit.h"
+#include "daemon/server/refit_service.h"
 #include "daemon/state/version_ledger.h"
+#include "daemon/store/store.h"
+#include "daemon/tls/peer_tls.h"
 #include "daemon/transport/ucx_binding.h"
 #include "daemon/transport/ucx_transport.h"
-#include "daemon/server/refit_service.h"
-#include "daemon/store/store.h"
 #include "daemon/version.h"
 #include "grpcpp/grpcpp.h"
 
@@ -111,8 +111,7 @@ absl::Status PrepareSocketPath(const std::string& path) {
           absl::StrCat(path, " exists and is not a socket; refusing to replace it"));
     }
     if (SocketIsServed(path)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("another refitd already serves ", path));
+      return absl::FailedPreconditionError(absl::StrCat("another refitd already serves ", path));
     }
     unlink(path.c_str());  // stale socket of a daemon that died
   }
@@ -153,10 +152,10 @@ struct Daemon::Impl {
   std::unique_ptr<grpc::Server> health_server;  // --health-listen: health checks only
   std::unique_ptr<MetricsHttpServer> metrics_server;
   int health_port = 0;
-  std::unique_ptr<server::OwnerExit> owner_exit;  // hears of client processes that exit
-  std::unique_ptr<server::Leases> leases;         // for those it can't watch
+  std::unique_ptr<server::OwnerExit> owner_exit;           // hears of client processes that exit
+  std::unique_ptr<server::Leases> leases;                  // for those it can't watch
   std::unique_ptr<callers::LocalListener> local_listener;  // --socket
-  tls::PeerTlsFiles tls;  // --tls-*: the peer plane's mutual TLS (none: plaintext)
+  tls::PeerTlsFiles tls;                   // --tls-*: the peer plane's mutual TLS (none: plaintext)
   server::ServiceContext service_context;  // what each local caller's RefitService starts from
   std::unique_ptr<grpc::Server> peer_server;
   int listen_port = 0;
@@ -189,9 +188,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   store_options.max_gpu_slot_bytes = options.max_gpu_slot_memory;
   if (options.slot_memory == "cuda") {
     if (options.slot_device < 0 || options.slot_device >= cuda::DeviceCount()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "--slot-memory=cuda needs CUDA device ", options.slot_device, "; this refitd has ",
-          cuda::Describe()));
+      return absl::FailedPreconditionError(absl::StrCat("--slot-memory=cuda needs CUDA device ",
+                                                        options.slot_device, "; this refitd has ",
+                                                        cuda::Describe()));
     }
     store_options.slot_memory = MemoryKind::kCuda;
     store_options.slot_device = options.slot_device;
@@ -221,9 +220,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       ucx_options.config.emplace_back(setting.name, setting.value);
     }
     if (binding->empty()) {
-      Logger("transport")->warn(
-          "--listen={} names no single interface: UCX's tcp data plane listens on every "
-          "interface", options.listen);
+      Logger("transport")
+          ->warn(
+              "--listen={} names no single interface: UCX's tcp data plane listens on every "
+              "interface",
+              options.listen);
     }
   }
   // Checked reads unless the operator opts into UCX RMA on an RDMA fabric (REFIT_UCX_RMA=1 with
@@ -240,8 +241,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   } else {
     Logger("transport")->error("no data plane: {}", created.status().ToString());
   }
-  impl->data_plane =
-      std::make_unique<dataplane::DataPlane>(
+  impl->data_plane = std::make_unique<dataplane::DataPlane>(
       std::move(ucx),
       dataplane::DataPlaneOptions{options.chunk_bytes, static_cast<int>(options.inflight),
                                   impl->liveness.Register("data plane")},
@@ -263,11 +263,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     peer::DeltaSourceOptions delta_options;
     delta_options.threshold = options.delta_threshold;
     delta_options.chain = options.delta_chain;
-    impl->deltas = std::make_unique<peer::DeltaSource>(
-        impl->store.get(), delta_options, &impl->metrics, [raw] {
-          raw->peer_service->NotifyChanged();
-          if (raw->bucket_export) raw->bucket_export->Notify();
-        });
+    impl->deltas = std::make_unique<peer::DeltaSource>(impl->store.get(), delta_options,
+                                                       &impl->metrics, [raw] {
+                                                         raw->peer_service->NotifyChanged();
+                                                         if (raw->bucket_export)
+                                                           raw->bucket_export->Notify();
+                                                       });
   }
   if (!options.bucket_export.empty()) {
     impl->bucket_export = std::make_unique<bucket::BucketExport>(
@@ -275,8 +276,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
         impl->deltas.get(), &impl->metrics);
   }
   if (!options.bucket_import.empty()) {
-    auto import = bucket::BucketImport::Start(options.bucket_import, impl->store.get(),
-                                              &impl->metrics);
+    auto import =
+        bucket::BucketImport::Start(options.bucket_import, impl->store.get(), &impl->metrics);
     if (!import.ok()) return import.status();
     impl->bucket_import = std::move(import).value();
   }
@@ -290,14 +291,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
         options.listen);
   }
   impl->peer_service = std::make_unique<peer::PeerService>(
-      options.node, impl->store.get(), impl->data_plane.get(), impl->deltas.get(),
-      &impl->metrics, &impl->relay_board, &impl->replicas, options.relay,
-      impl->tls.enabled());
+      options.node, impl->store.get(), impl->data_plane.get(), impl->deltas.get(), &impl->metrics,
+      &impl->relay_board, &impl->replicas, options.relay, impl->tls.enabled());
   impl->peers = std::make_unique<peer::PeerManager>(
-      peer::PeerManagerOptions{options.node, impl->instance, options.delta_threshold,
-                               options.relay, impl->tls},
-      options.peers, impl->store.get(), impl->data_plane.get(), &impl->metrics,
-      &impl->relay_board, &impl->replicas);
+      peer::PeerManagerOptions{options.node, impl->instance, options.delta_threshold, options.relay,
+                               impl->tls},
+      options.peers, impl->store.get(), impl->data_plane.get(), &impl->metrics, &impl->relay_board,
+      &impl->replicas);
   {
     peer::PeerService* service = impl->peer_service.get();
     peer::DeltaSource* deltas = impl->deltas.get();
@@ -379,8 +379,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   grpc::EnableDefaultHealthCheckService(false);
   {
     grpc::ServerBuilder builder;
-    builder.AddListeningPort(options.listen, tls::ServerCredentials(impl->tls),
-                             &impl->listen_port);
+    builder.AddListeningPort(options.listen, tls::ServerCredentials(impl->tls), &impl->listen_port);
     // Peers ping every second (keepalive, PeerManager) to notice a dead node within ~3 s; by
     // default gRPC's server would answer that with GOAWAY "too_many_pings", closing the channel
     // under a pull's last calls (its pin release, which carries the byte count, got lost).
@@ -416,9 +415,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     }
     auto owners = std::make_shared<server::Owners>();
     server::HealthService* health = impl->health.get();
-    const std::string refused = absl::StrCat(
-        "this local caller is not allowed to use refitd on node ", options.node, " (allowed: ",
-        policy.Describe(), "; see --allow-uids and --allow-gids)");
+    const std::string refused =
+        absl::StrCat("this local caller is not allowed to use refitd on node ", options.node,
+                     " (allowed: ", policy.Describe(), "; see --allow-uids and --allow-gids)");
     // Sealed memfds passed over the same socket (fd_exchange.h), named by token.
     auto memfds = std::make_shared<callers::FdTokens>();
     auto fd_exchange = std::make_shared<callers::FdExchange>(policy, memfds);
@@ -490,12 +489,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       kRefitVersion, options.node, options.socket_path, impl->listen_port, impl->health_port,
       impl->metrics_server ? impl->metrics_server->port() : 0, options.retain,
       options.slot_memory == "cuda"
-          ? absl::StrCat("cuda:", options.slot_device, " (", cuda::DeviceUuid(options.slot_device),
-                         ", max ",
-                         options.max_gpu_slot_memory == 0
-                             ? std::string("unlimited")
-                             : absl::StrCat(options.max_gpu_slot_memory, " B"),
-                         ")")
+          ? absl::StrCat(
+                "cuda:", options.slot_device, " (", cuda::DeviceUuid(options.slot_device), ", max ",
+                options.max_gpu_slot_memory == 0 ? std::string("unlimited")
+                                                 : absl::StrCat(options.max_gpu_slot_memory, " B"),
+                ")")
           : std::string("host"),
       options.max_slot_memory == 0 ? std::string("unlimited")
                                    : absl::StrCat(options.max_slot_memory, " B"),
@@ -510,7 +508,7 @@ void Daemon::Shutdown(double grace_seconds) {
   impl_->shut_down = true;
   Logger("daemon")->info("node={} shutting down", impl_->options.node);
   impl_->health->SetServing(false);
-  impl_->store->Shutdown();  // blocked WaitForVersion/Watch calls return now
+  impl_->store->Shutdown();    // blocked WaitForVersion/Watch calls return now
   impl_->replicas.Shutdown();  // and WaitForReplicas
   impl_->peers->Stop();
   if (impl_->bucket_import) impl_->bucket_import->Stop();
@@ -519,11 +517,20 @@ void Daemon::Shutdown(double grace_seconds) {
   impl_->peer_service->Stop();
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000));
-  impl_->local_listener->Shutdown(std::chrono::milliseconds(
-      static_cast<int64_t>(grace_seconds * 1000)));
+  // Each step's time in the debug log: a drain that takes the whole grace period says which
+  // server still had a call open (tests/faults_sigterm_test).
+  const auto began = std::chrono::steady_clock::now();
+  auto since = [&began] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+  };
+  impl_->local_listener->Shutdown(
+      std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000)));
+  Logger("daemon")->debug("shutdown: local servers stopped after {:.3f} s", since());
   impl_->peer_server->Shutdown(deadline);
+  Logger("daemon")->debug("shutdown: peer server stopped after {:.3f} s", since());
   if (impl_->health_server) impl_->health_server->Shutdown(deadline);
   impl_->peer_server->Wait();
+  Logger("daemon")->debug("shutdown: servers done after {:.3f} s", since());
   impl_->metrics_server.reset();
   unlink(impl_->options.socket_path.c_str());
   Logger("daemon")->info("node={} stopped", impl_->options.node);
@@ -532,8 +539,8 @@ void Daemon::Shutdown(double grace_seconds) {
 std::vector<std::string> Daemon::StuckWorkers(std::chrono::milliseconds stall) {
   std::vector<std::string> stuck = impl_->liveness.Stuck(stall);
   // The local gRPC server: a health check through the socket, as a client makes it.
-  auto channel = grpc::CreateChannel("unix:" + impl_->options.socket_path,
-                                     grpc::InsecureChannelCredentials());
+  auto channel =
+      grpc::CreateChannel("unix:" + impl_->options.socket_path, grpc::InsecureChannelCredentials());
   auto stub = grpc::health::v1::Health::NewStub(channel);
   grpc::ClientContext context;
   const auto bound = std::min<std::chrono::milliseconds>(stall, std::chrono::seconds(5));
@@ -542,9 +549,9 @@ std::vector<std::string> Daemon::StuckWorkers(std::chrono::milliseconds stall) {
   grpc::health::v1::HealthCheckResponse response;
   const grpc::Status answered = stub->Check(&context, request, &response);
   if (!answered.ok()) {
-    stuck.push_back(absl::StrCat("local gRPC server (no health answer on ", impl_->options.socket_path,
-                                 " within ", bound.count(), " ms: ",
-                                 answered.error_message(), ")"));
+    stuck.push_back(absl::StrCat("local gRPC server (no health answer on ",
+                                 impl_->options.socket_path, " within ", bound.count(),
+                                 " ms: ", answered.error_message(), ")"));
   }
   return stuck;
 }

@@ -1,14 +1,18 @@
 #include "daemon/callers/local_listener.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -106,6 +110,31 @@ LocalListener::Served::~Served() {
 }
 
 void LocalListener::Accept() {
+  // Connections past the file-descriptor limit are refused: closed at once, so that their
+  // clients see the connection end (UNAVAILABLE) instead of waiting in the backlog, and refitd
+  // keeps descriptors for its own work (the memory it maps, peers, files). Descriptors are
+  // handed out lowest first, so an accepted one numbered past the cap means the table is full
+  // up to it. At EMFILE itself a spare descriptor is given up to take the connection and
+  // close it, so the backlog never stalls (tests/faults_connections_test).
+  rlimit limit{};
+  getrlimit(RLIMIT_NOFILE, &limit);
+  const long soft = limit.rlim_cur == RLIM_INFINITY ? LONG_MAX : static_cast<long>(limit.rlim_cur);
+  const long cap = soft == LONG_MAX ? LONG_MAX : soft - std::max<long>(64, soft / 16);
+  int spare = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  uint64_t refused = 0;
+  auto logged = std::chrono::steady_clock::time_point();
+  auto refuse = [&](int fd) {
+    close(fd);
+    ++refused;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - logged > std::chrono::seconds(10)) {
+      logged = now;
+      Logger("server")->warn(
+          "refusing local connections: refitd is near its file-descriptor limit ({}; it keeps "
+          "{} for its own work); {} refused so far (raise LimitNOFILE to serve more clients)",
+          soft, soft - cap, refused);
+    }
+  };
   while (!stop_.load()) {
     pollfd p{fd_, POLLIN, 0};
     const int ready = poll(&p, 1, 200);
@@ -114,14 +143,25 @@ void LocalListener::Accept() {
     const int client = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (client < 0) {
       if (errno == EMFILE || errno == ENFILE) {
-        Logger("server")->warn("cannot accept a local connection: {}", std::strerror(errno));
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        if (spare >= 0) {
+          close(spare);
+          const int fd = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+          if (fd >= 0) refuse(fd);
+          spare = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        } else {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
       }
+      continue;
+    }
+    if (client >= cap) {
+      refuse(client);
       continue;
     }
     if (fd_exchange_ && fd_exchange_->Divert(client)) continue;  // memfd passing, or not yet known
     Route(client);
   }
+  if (spare >= 0) close(spare);
 }
 
 void LocalListener::Route(int fd) {

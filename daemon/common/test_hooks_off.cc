@@ -7,6 +7,8 @@ namespace refit {
 
 __attribute__((weak)) void TestHookWedge(const char*) {}
 
+__attribute__((weak)) void TestHookKillAt(const char*) {}
+
 __attribute__((weak)) const char* TestSwitch(const char*) { return nullptr; }
 
 }  // namespace refit

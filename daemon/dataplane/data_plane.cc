@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -34,6 +35,23 @@ constexpr size_t kSpansPerBatch = 256;
 constexpr auto kSweepEvery = std::chrono::milliseconds(5);
 // A peer's slot not used by any pull for this long is no longer imported (unmapped).
 constexpr auto kRemoteIdle = std::chrono::seconds(30);
+
+// Test build only ($REFIT_FAULT_TRANSIT_FLIP=1/N): true for every Nth read that lands, whose
+// first byte the caller then flips before the read is hashed, as a byte corrupted on the wire
+// would be. Read once; 0 (off) in refitd.
+bool TransitFlip() {
+  static const long every = [] {
+    const char* fault = TestSwitch("REFIT_FAULT_TRANSIT_FLIP");
+    if (!fault) return 0L;
+    const char* slash = std::strchr(fault, '/');
+    const long n = std::atol(slash ? slash + 1 : fault);
+    if (n > 0) Logger("dataplane")->warn("fault injection: every {}th read gets a flipped byte", n);
+    return n;
+  }();
+  if (every <= 0) return false;
+  static std::atomic<long> reads{0};
+  return ++reads % every == 0;
+}
 
 }  // namespace
 
@@ -141,7 +159,13 @@ void DataPlane::Run() {
         if (c.status.ok()) {
           metrics_->Add(kDataBytesReceived, static_cast<double>(done.length));
           Transfer& t = *done.transfer;
-          if (t.hashes && t.status.ok()) RecordHashes(t, done, c);
+          const bool flipped = t.status.ok() && TransitFlip();
+          if (flipped) {
+            const Transfer::Op& op = t.ops[done.first_op];
+            static_cast<uint8_t*>(t.local[done.fetch]->address())[op.offset] ^= 0x5a;
+            metrics_->Add("refit_test_transit_flips_total", 1);
+          }
+          if (t.hashes && t.status.ok()) RecordHashes(t, done, c, /*rehash=*/flipped);
           if (t.landed && t.status.ok()) {
             for (size_t i = 0; i < done.count; ++i) {
               const Transfer::Op& op = t.ops[done.first_op + i];
@@ -398,16 +422,17 @@ bool DataPlane::OneRead(const Transfer& t, size_t fetch) const {
   return t.remote[fetch]->BatchesSpans(t.local[fetch]->kind());
 }
 
-void DataPlane::RecordHashes(Transfer& t, const InFlight& done, const transport::Completion& c) {
+void DataPlane::RecordHashes(Transfer& t, const InFlight& done, const transport::Completion& c,
+                             bool rehash) {
   // Each read's digest: from the transport when it hashed the bytes on the way, otherwise
   // taken here while they are likely still in cache.
   auto& by_offset = (*t.hashes)[done.fetch];
   const auto* bytes = static_cast<const uint8_t*>(t.local[done.fetch]->address());
-  const bool given = c.span_xxh3.size() == done.count;
+  const bool given = !rehash && c.span_xxh3.size() == done.count;
   for (size_t i = 0; i < done.count; ++i) {
     const Transfer::Op& op = t.ops[done.first_op + i];
     uint64_t sum;
-    if (done.count == 1 && c.has_xxh3) {
+    if (done.count == 1 && c.has_xxh3 && !rehash) {
       sum = c.xxh3;
     } else if (given && done.count > 1) {
       sum = c.span_xxh3[i];

@@ -176,7 +176,8 @@ class DataPlane {
     int reads = 1;        // what it counts against kMaxReadsInFlight
   };
   // Notes the digest of each read of `done` in the transfer's ReadHashes.
-  void RecordHashes(Transfer& t, const InFlight& done, const transport::Completion& c);
+  // `rehash`: hash the landed bytes even where the transport hashed them on the way.
+  void RecordHashes(Transfer& t, const InFlight& done, const transport::Completion& c, bool rehash);
   // Whether a batch of short reads of fetch `fetch` is one transport op or a few messages
   // (RemoteMemory::BatchesSpans) rather than one op per span.
   bool OneRead(const Transfer& t, size_t fetch) const;

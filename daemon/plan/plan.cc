@@ -596,6 +596,7 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
     for (size_t i = next++; i < tasks.size(); i = next++) {
       if (run) {
         RunTask(plan.ops, tasks[i], src, dst);
+        if (i == tasks.size() / 2) TestHookKillAt("apply");  // test build: a commit point
         if (i == 0 && flips.load(std::memory_order_relaxed) > 0 && flips-- > 0) {
           const CopyOp& op = plan.ops[tasks[i].first];
           dst[op.dst_location][op.dst_offset] ^= 0x5a;

@@ -25,4 +25,9 @@ inline constexpr Counter kRelayChunksRejected{
     "refit_relay_chunks_rejected_total",
     "Chunks a relay served that failed the origin's checksums (read again from the origin)."};
 
+inline constexpr Counter kChunksRefetched{
+    "refit_pull_chunks_refetched_total",
+    "Chunks of a pull that failed the source's checksum as they landed (corrupted in transit, a "
+    "relay's bad bytes) and were fetched again; none is ever applied."};
+
 }  // namespace refit::pull

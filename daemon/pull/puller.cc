@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/memory/checksum.h"
 #include "daemon/pull/delta_fetch.h"
 #include "daemon/pull/relay_read.h"
@@ -66,7 +67,8 @@ Puller::Puller(PullerOptions options, Store* store, dataplane::DataPlane* data_p
       board_(board),
       replicas_(replicas) {
   for (const Counter& counter : {kDeltaVersions, kFullVersions, kDeltaBytesReceived,
-                                 kDeltaFallbacks, kRelayBytesReceived, kRelayChunksRejected}) {
+                                 kDeltaFallbacks, kRelayBytesReceived, kRelayChunksRejected,
+                                 kChunksRefetched}) {
     metrics_->Declare(counter);
   }
 }
@@ -203,6 +205,7 @@ PullOutcome Puller::Pull(const PullJob& job) {
       job.model, job.version, deltas_ms, data_ms, sums_wait_ms,
       ms_since(pinned) - deltas_ms - data_ms - sums_wait_ms);
   for (const auto& [node, bytes] : bytes_from) (void)PinOn(node, job, true, bytes, false);
+  if (status.ok()) TestHookKillAt("pull_complete");  // test build only: a commit point
   if (status.ok()) metrics_->Add(used_delta ? kDeltaVersions : kFullVersions, 1);
   return finish(status);
 }
@@ -418,6 +421,7 @@ absl::Status Puller::Verify(const PullJob& job, const std::vector<std::shared_pt
           "model={} version={} node={} {} chunks failed their checksum; "
           "fetching them again",
           job.model, job.version, fetch.node, bad.size());
+      metrics_->Add(kChunksRefetched, static_cast<double>(bad.size()));
       absl::Status again = data_plane_->Refetch(job, f, bad, staging[f]).get();
       if (!again.ok()) return again;
       chunks = bad;

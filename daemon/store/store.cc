@@ -2,11 +2,10 @@
 
 #include <sys/random.h>
 
-#include <random>
-
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <random>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -15,6 +14,7 @@
 #include "daemon/common/logging.h"
 #include "daemon/common/names.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/plan/convert.h"
 #include "daemon/plan/plan.h"
 #include "daemon/plan/scales.h"
@@ -23,7 +23,7 @@
 namespace refit {
 namespace {
 
-constexpr size_t kHistoryLength = 4096;     // completed versions remembered for Watch
+constexpr size_t kHistoryLength = 4096;  // completed versions remembered for Watch
 constexpr auto kWaitSlice = std::chrono::milliseconds(50);  // re-check of `cancelled`
 
 }  // namespace
@@ -141,9 +141,9 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   // told about (ownership is checked too, in daemon/server).
   uint64_t nonce = 0;
   if (getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce)) nonce = std::random_device{}();
-  buffer->id = absl::StrCat(options_.node, "/", model_name, "/",
-                            role == Role::kSource ? "src" : "dst", "-", next_buffer_++, "-",
-                            absl::Hex(nonce, absl::kZeroPad16));
+  buffer->id =
+      absl::StrCat(options_.node, "/", model_name, "/", role == Role::kSource ? "src" : "dst", "-",
+                   next_buffer_++, "-", absl::Hex(nonce, absl::kZeroPad16));
   (role == Role::kSource ? model->sources : model->destinations).insert(buffer->id);
   for (const TensorSlice& s : buffer->slices) {
     if (plan::IsScaled(s)) ++model->scale_tensors[s.scale_tensor];
@@ -246,9 +246,8 @@ absl::StatusOr<std::vector<std::shared_ptr<Store::Buffer>>> Store::LookUpBuffers
           absl::StrCat("buffer ", id, " belongs to model ", buffer.model, ", not ", model));
     }
     if (buffer.role != role) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("buffer ", id, " is a ", RoleName(buffer.role), " buffer, not a ",
-                       RoleName(role), " buffer"));
+      return absl::InvalidArgumentError(absl::StrCat("buffer ", id, " is a ", RoleName(buffer.role),
+                                                     " buffer, not a ", RoleName(role), " buffer"));
     }
     if (!seen.insert(id).second) {
       return absl::InvalidArgumentError(absl::StrCat("buffer ", id, " is listed twice"));
@@ -261,10 +260,11 @@ absl::StatusOr<std::vector<std::shared_ptr<Store::Buffer>>> Store::LookUpBuffers
 absl::Status Store::MemoryWentAway(const Buffer& buffer, const std::string& more) {
   Logger("store")->warn("buffer={} model={} client={}: its memory went away under refitd ({})",
                         buffer.id, buffer.model, buffer.client, buffer.region->Describe());
-  return absl::FailedPreconditionError(absl::StrCat(
-      "buffer ", buffer.id, " (", buffer.region->Describe(),
-      "): its memory went away while refitd used it (the shm object was truncated or "
-      "shrunk)", more, "; nothing else changed: release the buffer and register it again"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("buffer ", buffer.id, " (", buffer.region->Describe(),
+                   "): its memory went away while refitd used it (the shm object was truncated or "
+                   "shrunk)",
+                   more, "; nothing else changed: release the buffer and register it again"));
 }
 
 absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& buffers,
@@ -287,9 +287,8 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
       if (from.kind() == MemoryKind::kHost && piece.slot->kind() == MemoryKind::kHost) {
         const auto hints = HintsForPublish(*buffer, size);
         auto range_sums = std::make_shared<RangeSums>();
-        piece.xxh3 = std::make_shared<const std::vector<uint64_t>>(
-            CopyAndHash(piece.slot->data(), from.data() + buffer->span_begin, size, *hints,
-                        range_sums.get()));
+        piece.xxh3 = std::make_shared<const std::vector<uint64_t>>(CopyAndHash(
+            piece.slot->data(), from.data() + buffer->span_begin, size, *hints, range_sums.get()));
         if (range_sums->size() > 0) piece.range_xxh3 = std::move(range_sums);
       } else {
         RETURN_IF_ERROR(cuda::Copy(*piece.slot, 0, from, buffer->span_begin, size));
@@ -303,8 +302,8 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
       if (!piece.xxh3) {
         const Region& served = piece.host ? *piece.host : *piece.slot;
         if (served.kind() == MemoryKind::kHost) {
-          piece.xxh3 = std::make_shared<const std::vector<uint64_t>>(
-              HashChunks(served.data(), size));
+          piece.xxh3 =
+              std::make_shared<const std::vector<uint64_t>>(HashChunks(served.data(), size));
         }
       }
     }
@@ -334,8 +333,7 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
       if (version <= buffer->last_published) {
         return absl::FailedPreconditionError(
             absl::StrCat("buffer ", buffer->id, ": version ", version,
-                         " is not newer than its last published version ",
-                         buffer->last_published));
+                         " is not newer than its last published version ", buffer->last_published));
       }
     }
     // Reserve the version so a concurrent Publish of the same buffer can't take it too.
@@ -358,6 +356,7 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
     }
     return snapped;
   }
+  TestHookKillAt("publish");  // test build only: the fault suite's commit point
   metrics_->Add(kPublishBytes, static_cast<double>(bytes));
   metrics_->Add(kPublishes, 1);
   metrics_->Observe(kPublishSeconds, std::chrono::duration<double>(Clock::now() - started).count());
@@ -365,14 +364,14 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
   std::lock_guard<std::mutex> lock(mu_);
   Model* model = FindModel(model_name);
   if (!model) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "model ", model_name, ": its buffers were released while version ", version,
-        " was being published"));
+    return absl::FailedPreconditionError(absl::StrCat("model ", model_name,
+                                                      ": its buffers were released while version ",
+                                                      version, " was being published"));
   }
   if (version <= model->latest) {
     // Another buffer's publish completed a newer version meanwhile; this one can't complete.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "model ", model_name, ": version ", version, " was overtaken by version ", model->latest));
+    return absl::FailedPreconditionError(absl::StrCat("model ", model_name, ": version ", version,
+                                                      " was overtaken by version ", model->latest));
   }
   auto& pending = model->pending[version];
   for (Piece& piece : pieces) pending[piece.buffer_id] = std::move(piece);
@@ -380,8 +379,8 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
   // Bound the memory held by versions some source never finishes.
   const size_t max_pending = std::max<size_t>(4, 2 * options_.retain);
   while (model->pending.size() > max_pending) {
-    Logger("store")->warn("model={} version={} dropped: not every source published it",
-                          model_name, model->pending.begin()->first);
+    Logger("store")->warn("model={} version={} dropped: not every source published it", model_name,
+                          model->pending.begin()->first);
     model->pending.erase(model->pending.begin());
   }
   return PublishResult{version, bytes};
@@ -450,8 +449,8 @@ void Store::PublishVersion(Model& model, std::shared_ptr<const Version> version)
     metrics_->Add(kVersionsDropped, 1);
   }
   metrics_->Add(kVersionsCompleted, 1);
-  Logger("store")->info("model={} version={} complete: {} pieces, {} bytes held here",
-                        model.name, number, version->pieces.size(), version->bytes);
+  Logger("store")->info("model={} version={} complete: {} pieces, {} bytes held here", model.name,
+                        number, version->pieces.size(), version->bytes);
   if (listener_.version_complete) listener_.version_complete(model.name, number);
   changed_.notify_all();
 }
@@ -546,12 +545,12 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
       const bool dropped =
           wanted < model->latest &&
           (model->history.empty() || wanted < model->history.front() ||
-           std::find(model->history.begin(), model->history.end(), wanted) !=
-               model->history.end());
+           std::find(model->history.begin(), model->history.end(), wanted) != model->history.end());
       if (dropped) {
-        return absl::NotFoundError(absl::StrCat(
-            "model ", model_name, ": version ", wanted, " is no longer held (--retain=",
-            options_.retain, "; oldest held is ", model->complete.begin()->first, ")"));
+        return absl::NotFoundError(absl::StrCat("model ", model_name, ": version ", wanted,
+                                                " is no longer held (--retain=", options_.retain,
+                                                "; oldest held is ", model->complete.begin()->first,
+                                                ")"));
       }
       if (wanted == model->failed) {
         return absl::FailedPreconditionError(absl::StrCat(
@@ -611,8 +610,8 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
 
   for (const auto& d : dests) {
     if (d->region->Broken()) {
-      return MemoryWentAway(*d, absl::StrCat(" (the other destination buffers hold version ",
-                                             source->number, ")"));
+      return MemoryWentAway(
+          *d, absl::StrCat(" (the other destination buffers hold version ", source->number, ")"));
     }
   }
   for (const auto& d : dests) d->applied = source->number;
@@ -648,8 +647,8 @@ absl::Status Store::WaitUntil(std::unique_lock<std::mutex>& lock, Clock::time_po
   }
 }
 
-absl::StatusOr<uint64_t> Store::WaitForVersion(const std::string& model_name,
-                                               uint64_t min_version, Clock::time_point deadline,
+absl::StatusOr<uint64_t> Store::WaitForVersion(const std::string& model_name, uint64_t min_version,
+                                               Clock::time_point deadline,
                                                const CancelledFn& cancelled) {
   std::unique_lock<std::mutex> lock(mu_);
   uint64_t latest = 0;
@@ -665,8 +664,8 @@ absl::StatusOr<uint64_t> Store::WaitForVersion(const std::string& model_name,
       for (const auto& [name, m] : models_) known.push_back(name);
       return absl::DeadlineExceededError(absl::StrCat(
           "model ", model_name, ": no version >= ", min_version,
-          " before the deadline, and none will come: no node has SOURCE buffers for ",
-          model_name, " (not this one, nor any connected peer)", KnownModelsHint(model_name, known),
+          " before the deadline, and none will come: no node has SOURCE buffers for ", model_name,
+          " (not this one, nor any connected peer)", KnownModelsHint(model_name, known),
           "; check the model name and that the trainer's node is in --peers"));
     }
     std::string abandoned;
@@ -731,8 +730,8 @@ absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
   if (!model) {
     std::vector<std::string> known;
     for (const auto& [n, m] : models_) known.push_back(n);
-    return absl::NotFoundError(absl::StrCat("model ", name, " is not known to this node",
-                                            KnownModelsHint(name, known)));
+    return absl::NotFoundError(
+        absl::StrCat("model ", name, " is not known to this node", KnownModelsHint(name, known)));
   }
   if (!model->sources.empty() || !model->destinations.empty()) {
     std::vector<std::string> held;
@@ -743,8 +742,8 @@ absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
       }
     }
     return absl::FailedPreconditionError(absl::StrCat(
-        "model ", name, " still has ", held.size(), " buffer(s) registered: ",
-        absl::StrJoin(held, ", "),
+        "model ", name, " still has ", held.size(),
+        " buffer(s) registered: ", absl::StrJoin(held, ", "),
         "; stop its trainers and engines (or `refitctl release` their buffers) first"));
   }
   DropResult result;
