@@ -21,6 +21,13 @@
 namespace refit::dataplane {
 namespace {
 
+// Counted only by the test build's REFIT_FAULT_TRANSIT_FLIP (daemon/common/test_hooks.h).
+constexpr Counter kTestTransitFlips{"refit_test_transit_flips_total",
+                                    "Test builds only: bytes flipped in transit on purpose."};
+
+}  // namespace
+namespace {
+
 // Reads posted at once by one pull, whatever their size (each holds a UCX request).
 constexpr int kMaxReadsInFlight = 1024;
 // madvise(MADV_POPULATE_WRITE), Linux 5.14; glibc 2.36's headers may lack the name.
@@ -163,7 +170,7 @@ void DataPlane::Run() {
           if (flipped) {
             const Transfer::Op& op = t.ops[done.first_op];
             static_cast<uint8_t*>(t.local[done.fetch]->address())[op.offset] ^= 0x5a;
-            metrics_->Add("refit_test_transit_flips_total", 1);
+            metrics_->Add(kTestTransitFlips, 1);
           }
           if (t.hashes && t.status.ok()) RecordHashes(t, done, c, /*rehash=*/flipped);
           if (t.landed && t.status.ok()) {
