@@ -94,6 +94,12 @@ int main(int argc, char** argv) {
                                    "deltas a source keeps per buffer, for receivers behind")
                         ->capture_default_str()
                         ->check(CLI::Range(1u, 1000u));
+  auto* delta_base_opt =
+      app.add_option("--delta-base", flags.delta_base,
+                     "what an engine node applies deltas to: held (a held copy of the newest "
+                     "version), destination (the DESTINATION buffers its last Apply filled; the "
+                     "held copy is released), or per model: MODEL=held|destination,...")
+          ->capture_default_str();
   auto* export_opt = app.add_option("--bucket-export", flags.bucket_export,
                                     "write versions of local models to this directory");
   auto* import_opt = app.add_option("--bucket-import", flags.bucket_import,
@@ -167,6 +173,7 @@ int main(int argc, char** argv) {
   if (*max_gpu_slot_opt) options.max_gpu_slot_memory = flags.max_gpu_slot_memory;
   if (*threshold_opt) options.delta_threshold = flags.delta_threshold;
   if (*chain_opt) options.delta_chain = flags.delta_chain;
+  if (*delta_base_opt) options.delta_base = flags.delta_base;
   if (*export_opt) options.bucket_export = flags.bucket_export;
   if (*import_opt) options.bucket_import = flags.bucket_import;
   if (*full_every_opt) options.bucket_full_every = flags.bucket_full_every;

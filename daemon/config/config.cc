@@ -107,6 +107,8 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
       } else {
         parsed.delta_chain = static_cast<uint32_t>(*value);
       }
+    } else if (key == "delta_base") {
+      status = ReadString(node, origin, key, &parsed.delta_base);
     } else if (key == "bucket_export") {
       status = ReadString(node, origin, key, &parsed.bucket_export);
     } else if (key == "bucket_import") {
@@ -179,12 +181,13 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
         status = Bad(origin, key, "must be an array of \"HOST:PORT\" strings");
       }
     } else {
-      status = Bad(origin, key,
-                   "is unknown (known: socket, listen, peers, node, retain, log_level, "
-                   "metrics_listen, health_listen, chunk_bytes, inflight, delta_threshold, "
-                   "delta_chain, bucket_export, bucket_import, bucket_full_every, slot_memory, "
-                   "slot_device, max_slot_memory, max_gpu_slot_memory, relay, state_dir, "
-                   "data_ports, allow_uids, allow_gids, tls_cert, tls_key, tls_ca)");
+      status = Bad(
+          origin, key,
+          "is unknown (known: socket, listen, peers, node, retain, log_level, "
+          "metrics_listen, health_listen, chunk_bytes, inflight, delta_threshold, "
+          "delta_chain, delta_base, bucket_export, bucket_import, bucket_full_every, slot_memory, "
+          "slot_device, max_slot_memory, max_gpu_slot_memory, relay, state_dir, "
+          "data_ports, allow_uids, allow_gids, tls_cert, tls_key, tls_ca)");
     }
     if (!status.ok()) return status;
   }

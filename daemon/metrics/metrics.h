@@ -34,6 +34,8 @@ inline constexpr char kVersionsAbandoned[] = "refit_versions_abandoned_total";
 inline constexpr char kOwnerExitReleases[] = "refit_owner_exit_releases_total";
 // Applies whose bytes, checked as they landed, differed from the version's (DATA_LOSS).
 inline constexpr char kApplyVerifyFailures[] = "refit_apply_verify_failures_total";
+// --delta-base=destination: pulls that could not use the destinations as the delta base.
+inline constexpr char kDeltaBaseFallbacks[] = "refit_delta_base_fallbacks_total";
 inline constexpr char kPeersConnected[] = "refit_peers_connected";
 // Data-plane bytes this node read from relays (other pullers) instead of the origin, and
 // chunks a relay served that failed the origin's checksum (refetched from the origin).

@@ -605,9 +605,11 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     }
   }
   for (const auto& d : dests) d->applied = source->number;
+  locks.clear();
   metrics_->Add(kApplyBytes, static_cast<double>(cached->plan.dst_bytes));
   metrics_->Add(kApplies, 1);
   metrics_->Observe(kApplySeconds, std::chrono::duration<double>(Clock::now() - started).count());
+  ReleaseApplied(model_name, source);  // --delta-base=destination: the destinations hold it now
   return ApplyResult{source->number, cached->plan.dst_bytes};
 }
 
@@ -616,6 +618,12 @@ absl::Status Store::CheckHeld(const Version& version, const plan::Plan& plan) co
     const Piece& piece = version.pieces[op.src_location];
     if (piece.slot && !piece.valid) continue;
     if (piece.slot && RangesCover(*piece.valid, op)) continue;
+    if (piece.released) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "version ", version.number,
+          " is held here only in the DESTINATION buffers its Apply "
+          "filled (--delta-base=destination released the held copy): Apply the next version"));
+    }
     return absl::FailedPreconditionError(absl::StrCat(
         "version ", version.number, " was pulled for other destination buffers; bytes of ",
         piece.buffer_id, " on node ", piece.node,
