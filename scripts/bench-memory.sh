@@ -126,6 +126,13 @@ for round in $(seq "$rounds"); do
              --mib="$mib" --density="$density" --burst="$burst" --timeout=120 --memory >"$work/$tag.out" 2>&1; then
           sed -n '/^memory after/,$p' "$work/$tag.out" | grep -v '^RESULT'
           grep '^  publish+transfer' "$work/$tag.out" | sed 's/^  /  median /' || true
+          # How the engine's node took the versions (deltas on which base, or in full).
+          "$refitctl" --socket="$work/$tag-engine.sock" status --json | python3 -c '
+import json, sys
+m = json.load(sys.stdin).get("metrics", {})
+print("  engine: %d delta versions, %d full, %d delta-base fallbacks" % (
+    m.get("refit_delta_versions_total", 0), m.get("refit_full_versions_total", 0),
+    m.get("refit_delta_base_fallbacks_total", 0)))' || true
           echo "build=$name retain=$retain kind=$kind base=$base $(grep '^RESULT' "$work/$tag.out")" >>"$results"
         else
           cat "$work/$tag.out"

@@ -17,6 +17,9 @@
 // refit_delta_base_fallbacks_total and logged with the reason (the tensors, on a mismatch).
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -24,6 +27,7 @@
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/memory/checksum.h"
+#include "daemon/memory/stream_copy.h"
 #include "daemon/plan/plan.h"
 #include "daemon/store/store.h"
 #include "daemon/store/store_internal.h"
@@ -66,6 +70,63 @@ ByteRanges Segments(const ByteRanges& valid, const plan::Plan& plan, size_t inde
     }
   }
   return out;
+}
+
+// Runs fn(0) .. fn(n - 1) over the cores; each thread orders its streaming stores when done.
+void EachOnCores(size_t n, const std::function<void(size_t)>& fn) {
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < n; i = next++) fn(i);
+    StoreFence();
+  };
+  const unsigned threads = std::max(1u, std::min(std::thread::hardware_concurrency(), 16u));
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < threads && t < n; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+}
+
+// Copies `segments` of the piece from the destinations into `slot` and hashes each as it lands
+// (one pass, over the cores) when every segment lies inside one contiguous op of `forward` from
+// piece `index` (whole-tensor and row-sharded layouts); false (nothing done) otherwise.
+bool CopyAndHashSegments(const plan::Plan& forward, size_t index, const ByteRanges& segments,
+                         const std::vector<const uint8_t*>& dests, uint8_t* slot,
+                         std::vector<uint64_t>* sums) {
+  struct Run {
+    uint64_t begin, end;  // in the piece
+    const uint8_t* from;  // the piece's byte `begin` in its destination
+  };
+  std::vector<Run> runs;
+  for (const plan::CopyOp& op : forward.ops) {
+    if (op.src_location != index) continue;
+    if (op.rows != 1 || op.src_stride != 1 || op.dst_stride != 1) return false;
+    const uint64_t bytes = op.count * DTypeSize(op.src_dtype);
+    runs.push_back({op.src_offset, op.src_offset + bytes, dests[op.dst_location] + op.dst_offset});
+  }
+  std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.begin < b.begin; });
+  std::vector<const uint8_t*> from(segments.size());
+  for (size_t s = 0; s < segments.size(); ++s) {
+    auto it = std::upper_bound(runs.begin(), runs.end(), segments[s].first,
+                               [](uint64_t at, const Run& r) { return at < r.begin; });
+    if (it == runs.begin()) return false;
+    --it;
+    if (segments[s].second > it->end) return false;
+    from[s] = it->from + (segments[s].first - it->begin);
+  }
+  sums->assign(segments.size(), 0);
+  EachOnCores(segments.size(), [&](size_t s) {
+    const auto& [begin, end] = segments[s];
+    (*sums)[s] = CopyAndHashRange(slot + begin, from[s], end - begin);
+  });
+  return true;
+}
+
+// XXH3-64 of each of `segments` of `data`, over the cores.
+std::vector<uint64_t> HashSegments(const uint8_t* data, const ByteRanges& segments) {
+  std::vector<uint64_t> sums(segments.size());
+  EachOnCores(segments.size(),
+              [&](size_t s) { sums[s] = HashRanges(data, {segments[s]}).front(); });
+  return sums;
 }
 
 }  // namespace
@@ -175,7 +236,7 @@ void Store::ReleaseApplied(const std::string& model_name,
     const Piece& piece = version->pieces[i];
     DestinationBase::Digests& digests = base->pieces[i];
     digests.segments = Segments(*piece.valid, plan->plan, i);
-    digests.xxh3 = HashRanges(piece.slot->data(), digests.segments);
+    digests.xxh3 = HashSegments(piece.slot->data(), digests.segments);
     bytes += piece.slot->size();
   }
   auto kept = std::make_shared<Version>(*version);
@@ -295,6 +356,7 @@ absl::StatusOr<std::shared_ptr<Region>> Store::BaseFromDestinations(const std::s
     ops.push_back(i);
   }
   ASSIGN_OR_RETURN(std::shared_ptr<Region> slot, AcquireSlot(fetch.bytes));
+  std::vector<uint64_t> got;  // the digests of what was rebuilt
   if (slot->size() < fetch.bytes || slot->kind() != MemoryKind::kHost) {
     return absl::InternalError("a staging slot of the wrong size or kind");
   }
@@ -314,11 +376,13 @@ absl::StatusOr<std::shared_ptr<Region>> Store::BaseFromDestinations(const std::s
       }
       src.push_back(d->region->data());
     }
-    plan::ExecuteOnHost(back, src, {slot->data()});
+    if (!CopyAndHashSegments(forward, index, digests->second.segments, src, slot->data(), &got)) {
+      plan::ExecuteOnHost(back, src, {slot->data()});
+      got = HashSegments(slot->data(), digests->second.segments);
+    }
   }
   // The bytes rebuilt must be version base->version's exactly.
   const DestinationBase::Digests& want = digests->second;
-  const std::vector<uint64_t> got = HashRanges(slot->data(), want.segments);
   ByteRanges differ;
   for (size_t s = 0; s < got.size(); ++s) {
     if (got[s] != want.xxh3[s]) differ.push_back(want.segments[s]);
