@@ -173,7 +173,8 @@ absl::Status Store::ReleaseBuffer(const std::string& buffer_id, const std::strin
   buffers_.erase(it);
   Model& model = *FindModel(buffer->model);
   model.sources.erase(buffer_id);
-  model.destinations.erase(buffer_id);
+  // A destination that stood in for a released version no longer can; let go of its memory.
+  if (model.destinations.erase(buffer_id)) model.destination_base.reset();
   for (const TensorSlice& s : buffer->slices) {
     if (!plan::IsScaled(s)) continue;
     auto scale = model.scale_tensors.find(s.scale_tensor);

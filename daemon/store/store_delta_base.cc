@@ -273,7 +273,11 @@ bool Store::CanUseDestinationBase(const Model& model, const Piece& piece,
     return false;
   };
   const std::shared_ptr<const DestinationBase>& base = model.destination_base;
-  if (!base || base->version != model.latest) return fallback("no Apply of it released it");
+  if (!base || base->version != model.latest) {
+    return fallback(
+        "no DESTINATION buffer holds it since an Apply: not every one applied it, "
+        "or one was released since");
+  }
   size_t index = base->source->pieces.size();
   for (size_t i = 0; i < base->source->pieces.size(); ++i) {
     const Piece& p = base->source->pieces[i];
