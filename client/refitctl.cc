@@ -151,6 +151,16 @@ void PrintStatus(const v1::StatusResponse& status) {
     if (!m.memory_warning().empty()) {
       std::cout << "  memory: " << m.memory_warning() << "\n";
     }
+    if (m.delta_base() == "destination") {
+      std::cout << "  delta base: destination"
+                << (m.destination_base_version() != 0
+                        ? absl::StrCat(" (version ", m.destination_base_version(),
+                                       " held only in the DESTINATION buffers)")
+                        : std::string())
+                << (m.delta_base_note().empty() ? std::string()
+                                                : "; held copy kept: " + m.delta_base_note())
+                << "\n";
+    }
     if (m.abandoned_version() != 0) {
       std::cout << absl::StrFormat("  version %d abandoned: %s\n", m.abandoned_version(),
                                    m.abandoned_error());

@@ -186,6 +186,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   store_options.node = options.node;
   store_options.max_slot_bytes = options.max_slot_memory;
   store_options.max_gpu_slot_bytes = options.max_gpu_slot_memory;
+  if (absl::Status parsed = ParseDeltaBase(options.delta_base, &store_options.delta_base,
+                                           &store_options.delta_base_models);
+      !parsed.ok()) {
+    return parsed;
+  }
   if (options.slot_memory == "cuda") {
     if (options.slot_device < 0 || options.slot_device >= cuda::DeviceCount()) {
       return absl::FailedPreconditionError(absl::StrCat("--slot-memory=cuda needs CUDA device ",

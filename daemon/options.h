@@ -23,6 +23,10 @@ struct DaemonOptions {
   // off); a source keeps the newest `delta_chain` deltas of each piece.
   double delta_threshold = 0.5;
   uint32_t delta_chain = 4;
+  // An engine node's delta base: "held" (a held copy of the newest version), "destination"
+  // (the DESTINATION buffers its last Apply filled; the held copy is released), or per model,
+  // e.g. "policy=destination,critic=held" (Store's ParseDeltaBase; checked at start).
+  std::string delta_base = "held";
   // The storage-bucket path (daemon/bucket): write versions of local SOURCE models to
   // bucket_export, with a full base every bucket_full_every versions; follow bucket_import.
   std::string bucket_export;

@@ -12,6 +12,9 @@
 # e.g. a worktree of the commit before), interleaved, so that before and after come from the
 # same run; two_node_bench always comes from this checkout.
 #
+# --delta-base "held destination" runs each configuration with each of the engine's
+# --delta-base modes (destination: the engine's buffers are the delta base, issue 20 part 2).
+#
 # --burst K then has the trainer publish K versions back to back (not waiting for the engine's
 # node between them; it skips to the newest), and memory is read 2 s after the last arrived:
 # what a trainer faster than its readers and its delta encoder leaves behind.
@@ -19,6 +22,7 @@
 # Usage: scripts/bench-memory.sh [--mib 1024] [--versions 5] [--retain "1 2"]
 #                                [--density "0 0.01"] [--bins "new=$(bazel info bazel-bin)"]
 #                                [--burst 0] [--rounds 1] [--no-build]
+#                                [--delta-base "held"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,6 +34,7 @@ bins=""
 rounds=1
 burst=0
 build=1
+base_list="held"
 while [ $# -gt 0 ]; do
   case "$1" in
     --mib) mib="$2"; shift 2 ;;
@@ -40,6 +45,7 @@ while [ $# -gt 0 ]; do
     --rounds) rounds="$2"; shift 2 ;;
     --burst) burst="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
+    --delta-base) base_list="$2"; shift 2 ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "bench-memory: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -74,7 +80,7 @@ wait_healthy() {
   return 1
 }
 
-# $1: refitd binary, $2: --retain, $3: tag.
+# $1: refitd binary, $2: --retain, $3: tag, $4: the engine's --delta-base.
 start_daemons() {
   UCX_TLS=tcp "$1" --socket="$work/$3-trainer.sock" --listen=127.0.0.1:0 --node=trainer-node \
     --retain="$2" >"$work/$3-trainer.log" 2>&1 &
@@ -85,7 +91,7 @@ start_daemons() {
   port=$("$refitctl" --socket="$work/$3-trainer.sock" status --json |
          python3 -c 'import json,sys; d=json.load(sys.stdin); print(d.get("listen_port") or d.get("listenPort"))')
   UCX_TLS=tcp "$1" --socket="$work/$3-engine.sock" --listen=127.0.0.1:0 --node=engine-node \
-    --retain="$2" --peers="127.0.0.1:$port" >"$work/$3-engine.log" 2>&1 &
+    --retain="$2" ${4:+--delta-base="$4"} --peers="127.0.0.1:$port" >"$work/$3-engine.log" 2>&1 &
   engine=$!
   pids+=("$engine")
   wait_healthy "$work/$3-engine.sock" "$work/$3-engine.log"
@@ -98,33 +104,43 @@ stop_daemons() {
 }
 
 echo "bench-memory: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "  model ${mib} MiB bf16, ${versions} versions (+ a burst of ${burst}), UCX_TLS=tcp, builds: $bins"
+echo "  model ${mib} MiB bf16, ${versions} versions (+ a burst of ${burst}), UCX_TLS=tcp, builds: $bins, engine --delta-base: $base_list"
 results="$work/results.txt"
 : >"$results"
 for round in $(seq "$rounds"); do
   for retain in $retain_list; do
     for density in $density_list; do
+     for base in $base_list; do
       for entry in $bins; do
         name="${entry%%=*}"
         dir="${entry#*=}"
-        tag="$name-r$retain-d$density-$round"
+        tag="$name-r$retain-d$density-$base-$round"
         kind=full
         [ "$density" != 0 ] && kind=delta
         echo
-        echo "=== $name: --retain=$retain, $kind versions (density $density), round $round"
-        start_daemons "$dir/daemon/refitd" "$retain" "$tag"
+        echo "=== $name: --retain=$retain, $kind versions (density $density), engine --delta-base=$base, round $round"
+        # held is the default: not passed, so that builds from before the flag run too.
+        start_daemons "$dir/daemon/refitd" "$retain" "$tag" "${base#held}"
         if "$bench" --trainer-socket="$work/$tag-trainer.sock" \
              --engine-socket="$work/$tag-engine.sock" --versions="$versions" --warmup=0 \
              --mib="$mib" --density="$density" --burst="$burst" --timeout=120 --memory >"$work/$tag.out" 2>&1; then
           sed -n '/^memory after/,$p' "$work/$tag.out" | grep -v '^RESULT'
           grep '^  publish+transfer' "$work/$tag.out" | sed 's/^  /  median /' || true
-          echo "build=$name retain=$retain kind=$kind $(grep '^RESULT' "$work/$tag.out")" >>"$results"
+          # How the engine's node took the versions (deltas on which base, or in full).
+          "$refitctl" --socket="$work/$tag-engine.sock" status --json | python3 -c '
+import json, sys
+m = json.load(sys.stdin).get("metrics", {})
+print("  engine: %d delta versions, %d full, %d delta-base fallbacks" % (
+    m.get("refit_delta_versions_total", 0), m.get("refit_full_versions_total", 0),
+    m.get("refit_delta_base_fallbacks_total", 0)))' || true
+          echo "build=$name retain=$retain kind=$kind base=$base $(grep '^RESULT' "$work/$tag.out")" >>"$results"
         else
           cat "$work/$tag.out"
           echo "two_node_bench FAILED"
         fi
         stop_daemons
       done
+     done
     done
   done
 done
@@ -136,13 +152,13 @@ import collections, statistics, sys
 rows = [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in open(sys.argv[1])]
 groups = collections.OrderedDict()
 for r in rows:
-    groups.setdefault((r["build"], r["retain"], r["kind"]), []).append(r)
-print(f"{'build':<8} {'retain':>6} {'kind':<6} {'trainer RSS':>11} {'own':>6} {'own peak':>8} "
+    groups.setdefault((r["build"], r["retain"], r["kind"], r["base"]), []).append(r)
+print(f"{'build':<8} {'retain':>6} {'kind':<6} {'base':<11} {'trainer RSS':>11} {'own':>6} {'own peak':>8} "
       f"{'engine RSS':>10} {'own':>6} {'own peak':>8} {'publish->complete s':>20}")
-for (build, retain, kind), rs in groups.items():
+for (build, retain, kind, base), rs in groups.items():
     size = float(rs[0]["bytes"])
     med = lambda k: statistics.median(float(r[k]) for r in rs)
-    print(f"{build:<8} {retain:>6} {kind:<6} {med('trainer_rss') / size:>11.2f} "
+    print(f"{build:<8} {retain:>6} {kind:<6} {base:<11} {med('trainer_rss') / size:>11.2f} "
           f"{med('trainer_own') / size:>6.2f} {med('trainer_own_peak') / size:>8.2f} "
           f"{med('engine_rss') / size:>10.2f} {med('engine_own') / size:>6.2f} "
           f"{med('engine_own_peak') / size:>8.2f} {med('e2e_s'):>20.4f}")

@@ -18,7 +18,6 @@ namespace {
 using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
-using testing::DaemonProcess;
 
 constexpr uint64_t kMiB = 1 << 20;
 
@@ -29,13 +28,9 @@ SharedMemory MakeShm(uint64_t size) {
 }
 
 v1::ModelStatus ModelOf(client::Client& client, const std::string& model) {
-  auto status = client.Status();
-  REQUIRE(status.ok());
-  for (const v1::ModelStatus& m : status->models()) {
-    if (m.model() == model) return m;
-  }
-  FAIL("no model " << model);
-  return {};
+  auto m = testing::ModelStatusOf(client, model);
+  REQUIRE(m.ok());
+  return *m;
 }
 
 // Until `ok(status of model)` or 10 s; the last status either way.
@@ -60,19 +55,11 @@ void CheckWithinBudget(const v1::ModelStatus& m, uint64_t share) {
 
 TEST_CASE("each node's slots stay within (retain + 1) x its share; too big is refused early",
           "[integration][memory]") {
-  auto t = DaemonProcess::Start({"--node=trainer-node", "--retain=1"});
-  REQUIRE(t.ok());
-  auto trainer_client = (*t)->Connect();
-  REQUIRE(trainer_client.ok());
-  auto status = (*trainer_client)->Status();
-  REQUIRE(status.ok());
-  auto e = DaemonProcess::Start({"--node=engine-node", "--retain=1", "--max-slot-memory=5MiB",
-                                 "--peers=127.0.0.1:" + std::to_string(status->listen_port())});
-  REQUIRE(e.ok());
-  auto engine_client = (*e)->Connect();
-  REQUIRE(engine_client.ok());
-  client::Client& trainer = **trainer_client;
-  client::Client& engine = **engine_client;
+  auto pair = testing::StartPair({"--node=trainer-node", "--retain=1"},
+                                 {"--node=engine-node", "--retain=1", "--max-slot-memory=5MiB"});
+  REQUIRE(pair.ok());
+  client::Client& trainer = *pair->trainer_client;
+  client::Client& engine = *pair->engine_client;
 
   const uint64_t share = 2 * kMiB;
   SharedMemory src = MakeShm(share);
@@ -116,7 +103,7 @@ TEST_CASE("each node's slots stay within (retain + 1) x its share; too big is re
   }
   // refitctl status says the same.
   const std::string refitctl = testing::RunfilePath("client/refitctl");
-  auto shown = testing::RunCommand({refitctl, "--socket=" + (*e)->socket(), "status"});
+  auto shown = testing::RunCommand({refitctl, "--socket=" + pair->engine->socket(), "status"});
   CHECK(shown.exit_code == 0);
   INFO(shown.out);
   CHECK(shown.out.find("slots: 2.0 MiB held, 2.0 MiB spare, 0 B in flight; budget 4.0 MiB "
@@ -135,7 +122,7 @@ TEST_CASE("each node's slots stay within (retain + 1) x its share; too big is re
       engine, "big", [](const v1::ModelStatus& m) { return !m.memory_warning().empty(); });
   INFO(warned.memory_warning());
   CHECK(warned.memory_warning().find("its next version would not fit") != std::string::npos);
-  auto warned_cli = testing::RunCommand({refitctl, "--socket=" + (*e)->socket(), "status"});
+  auto warned_cli = testing::RunCommand({refitctl, "--socket=" + pair->engine->socket(), "status"});
   CHECK(warned_cli.out.find("  memory: its next version would not fit") != std::string::npos);
   REQUIRE(trainer.Publish("big", 1, {*bs}).ok());
   const v1::ModelStatus refused =

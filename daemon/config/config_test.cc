@@ -18,6 +18,7 @@ metrics_listen = "0.0.0.0:9464"
 health_listen = "0.0.0.0:7071"
 max_slot_memory = 1073741824
 max_gpu_slot_memory = 2147483648
+delta_base = "policy=destination"
 )",
                             "test.toml", &options);
   REQUIRE(status.ok());
@@ -31,6 +32,7 @@ max_gpu_slot_memory = 2147483648
   CHECK(options.health_listen == "0.0.0.0:7071");
   CHECK(options.max_slot_memory == uint64_t{1} << 30);
   CHECK(options.max_gpu_slot_memory == uint64_t{2} << 30);
+  CHECK(options.delta_base == "policy=destination");  // its grammar is checked at start
 }
 
 TEST_CASE("peers may be one comma-separated string (a headless Service name)", "[config]") {
@@ -58,6 +60,7 @@ TEST_CASE("unknown keys and bad values are rejected naming the key, changing not
   check("retain = = 2\n", "not valid TOML");
   check("max_gpu_slot_memory = -1\n", "'max_gpu_slot_memory'");
   check("max_gpu_slot_memory = \"40 elephants\"\n", "'max_gpu_slot_memory'");
+  check("delta_base = 1\n", "'delta_base'");
 }
 
 TEST_CASE("a missing file is NOT_FOUND", "[config]") {

@@ -75,6 +75,17 @@ std::vector<OptionSpec> MakeTable() {
                {},
                1,
                1000});
+  t.push_back({"delta-base", "MODE", &O::delta_base,
+               "what an engine's node applies a delta to: `held` (its held copy of the newest "
+               "version) or `destination` (its host-memory DESTINATION buffers, which the last "
+               "Apply filled: the held copy is released once every destination holds the "
+               "version, so the node keeps 1 × the model plus the deltas; see the operator guide "
+               "for when this is safe; an `Apply` of a version whose held copy was released "
+               "answers `FAILED_PRECONDITION` saying so, and `Verify` notes it cannot compare). "
+               "Per model: comma-separated `MODEL=held\\|destination`, a bare mode for the "
+               "models not named (`destination,critic=held`). A bad value stops refitd at start "
+               "(`INVALID_ARGUMENT: --delta-base=…: 'x' …`). Status: `ModelStatus.delta_base`, "
+               "`destination_base_version`, `delta_base_note`"});
   t.push_back({"bucket-export", "DIR", &O::bucket_export,
                "write each version of this node's SOURCE models to DIR (manifest + deltas, a "
                "full base every K)",

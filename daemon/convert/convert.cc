@@ -70,6 +70,9 @@ void ToProto(const ModelInfo& info, v1::ModelStatus* out) {
   out->set_share_bytes(info.share_bytes);
   out->set_budget_bytes(info.budget_bytes);
   out->set_memory_warning(info.memory_warning);
+  out->set_delta_base(info.delta_base);
+  out->set_destination_base_version(info.destination_base_version);
+  out->set_delta_base_note(info.delta_base_note);
   for (const BufferInfo& b : info.buffers) {
     v1::BufferStatus* bs = out->add_buffers();
     bs->set_buffer_id(b.id);

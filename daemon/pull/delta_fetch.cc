@@ -120,14 +120,19 @@ bool WholeChunks(const PullJob::Fetch& fetch, const std::vector<const Step*>& ch
   return true;
 }
 
-// Copies the base's needed ranges into a fresh slot and applies the fetch's steps in order.
+// Copies the base's needed ranges into a fresh slot and applies the fetch's steps in order; a
+// base rebuilt from the destinations (`in_place`) is a staging slot already, patched where it is.
 // With whole chunks each chunk's result is checked against the source's checksum of it. The
 // work is split by chunk (every delta of a piece has the same chunk geometry) over the cores:
 // each chunk is copied and patched while it is in cache.
 absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
+                                              const std::shared_ptr<Region>& base,
                                               const std::vector<const Step*>& chain,
-                                              bool whole_chunks, Store* store) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Region> slot, store->AcquireSlot(fetch.bytes));
+                                              bool whole_chunks, bool in_place, Store* store) {
+  std::shared_ptr<Region> slot = base;
+  if (!in_place) {
+    ASSIGN_OR_RETURN(slot, store->AcquireSlot(fetch.bytes));
+  }
   const delta::DeltaIndex& first = chain.front()->index;
   for (const Step* step : chain) {
     if (step->index.chunk_elements != first.chunk_elements ||
@@ -163,7 +168,7 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
       const uint64_t lo = c * chunk_bytes, hi = std::min(fetch.bytes, lo + chunk_bytes);
       if (bounce_chunks && !work[c].empty()) {
         bounce.resize(hi - lo);
-        std::memcpy(bounce.data(), fetch.base->data() + lo, hi - lo);
+        std::memcpy(bounce.data(), base->data() + lo, hi - lo);
         for (const auto& [step, chunk] : work[c]) {
           const delta::ChunkInfo& info = step->index.chunks[chunk];
           if (info.first_element * first.element_size != lo) {
@@ -180,14 +185,14 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
       // The needed ranges overlapping [lo, hi), copied from the base.
       auto it = std::partition_point(fetch.ranges.begin(), fetch.ranges.end(),
                                      [lo](const auto& r) { return r.second <= lo; });
-      for (; it != fetch.ranges.end() && it->first < hi; ++it) {
+      for (; !in_place && it != fetch.ranges.end() && it->first < hi; ++it) {
         const uint64_t b = std::max(lo, it->first), e = std::min(hi, it->second);
         // Unchanged whole chunks aren't read again soon; anything else is patched or hashed
         // next, while in cache.
         if (bounce_chunks && work[c].empty()) {
-          StreamCopy(slot->data() + b, fetch.base->data() + b, e - b);
+          StreamCopy(slot->data() + b, base->data() + b, e - b);
         } else {
-          std::memcpy(slot->data() + b, fetch.base->data() + b, e - b);
+          std::memcpy(slot->data() + b, base->data() + b, e - b);
         }
       }
       for (const auto& [step, chunk] : work[c]) {
@@ -341,9 +346,13 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
   result.wire.assign(job.fetches.size(), 0);
   result.verified.assign(job.fetches.size(), false);
   std::vector<Step> steps;
+  // Per fetch: the base (the held copy, or one rebuilt from the destinations).
+  std::vector<std::shared_ptr<Region>> bases(job.fetches.size());
   for (size_t f = 0; f < job.fetches.size(); ++f) {
     const PullJob::Fetch& fetch = job.fetches[f];
-    if (!fetch.base || fetch.deltas.empty() || threshold <= 0) continue;
+    if ((!fetch.base && !fetch.destination_base) || fetch.deltas.empty() || threshold <= 0) {
+      continue;
+    }
     // Whole deltas at most `threshold` of the whole piece, or the part this node needs would
     // rarely be either: decided before reading a byte of them.
     uint64_t total = 0;
@@ -360,6 +369,21 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
           job.model, job.version, fetch.buffer_id, total, threshold, fetch.bytes);
       metrics->Add(kDeltaFallbacks, 1);
       continue;
+    }
+    if (fetch.destination_base) {
+      // --delta-base=destination: the engine's buffers, checked against the version's digests.
+      auto rebuilt = store->BaseFromDestinations(job.model, fetch);
+      if (!rebuilt.ok()) {
+        Logger("delta")->warn(
+            "model={} version={} buffer={}: the destinations can't be the "
+            "delta base, pulling in full: {}",
+            job.model, job.version, fetch.buffer_id, std::string(rebuilt.status().message()));
+        metrics->Add(kDeltaBaseFallbacks, 1);
+        continue;
+      }
+      bases[f] = std::move(rebuilt).value();
+    } else {
+      bases[f] = fetch.base;
     }
     for (const RemoteDeltaRef& ref : fetch.deltas)
       steps.push_back({f, ref, nullptr, {}, {}, {}, 0});
@@ -422,11 +446,14 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store,
     }
     const bool whole = WholeChunks(job.fetches[f], chain);
     absl::StatusOr<std::shared_ptr<Region>> built =
-        status.ok() ? Build(job.fetches[f], chain, whole, store)
-                    : absl::StatusOr<std::shared_ptr<Region>>(status);
-    if (!built.ok() && status.ok() &&
+        status.ok()
+            ? Build(job.fetches[f], bases[f], chain, whole, job.fetches[f].destination_base, store)
+            : absl::StatusOr<std::shared_ptr<Region>>(status);
+    // Relayed chunks that failed are read again from the origin and the delta rebuilt — not
+    // over a destination base, which an in-place build has already changed (a full pull then).
+    if (!built.ok() && status.ok() && !job.fetches[f].destination_base &&
         RefetchRelayed(job, delta_job, steps, reads, f, data_plane, metrics).ok()) {
-      built = Build(job.fetches[f], chain, whole, store);
+      built = Build(job.fetches[f], bases[f], chain, whole, false, store);
     }
     if (!built.ok()) {
       Logger("delta")->warn(

@@ -213,8 +213,12 @@ void Store::OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fet
   for (const Piece& piece : held->second->pieces) {
     if (piece.node == fetch->node && piece.buffer_id == fetch->buffer_id) base = &piece;
   }
-  if (!base || !base->slot || base->slot->size() != fetch->bytes) return;
-  if (base->valid) {
+  if (base && base->released) {
+    // --delta-base=destination: the DESTINATION buffers hold that version instead.
+    if (!CanUseDestinationBase(model, *base, *fetch)) return;
+  } else if (!base || !base->slot || base->slot->size() != fetch->bytes) {
+    return;
+  } else if (base->valid) {
     for (const auto& [begin, end] : fetch->ranges) {
       auto it = std::upper_bound(base->valid->begin(), base->valid->end(),
                                  std::make_pair(begin, UINT64_MAX));
@@ -238,6 +242,7 @@ void Store::OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fet
     at = next->version;
   }
   if (at != version) return;
+  fetch->destination_base = base->released;
   fetch->base = base->slot;
   fetch->base_version = model.latest;
   fetch->deltas = std::move(chain);
@@ -357,8 +362,12 @@ void Store::ReserveStaging(const std::string& model_name) {
   }
   // Outside the lock (this faults memory in): the slots pulls will stage into, so that the
   // first versions after a start don't pay for it. A failure only means they will.
+  // With the destinations as the delta base the node stages one version at a time.
+  const int count = DeltaBaseOf(model_name) == DeltaBase::kDestination
+                        ? 1
+                        : static_cast<int>(options_.retain) + 1;
   for (uint64_t size : sizes) {
-    (void)pool_->Reserve(size, static_cast<int>(options_.retain) + 1, model_name);
+    (void)pool_->Reserve(size, count, model_name);
   }
 }
 

@@ -39,7 +39,8 @@ Store::Store(StoreOptions options, Metrics* metrics)
           })) {
   for (const Counter& counter :
        {kVersionsCompleted, kApplyBytes, kPublishBytes, kPublishes, kApplies, kVersionsDropped,
-        kVersionsAbandoned, kApplyVerifyFailures, kQuantizedValues, kNonfiniteValues}) {
+        kVersionsAbandoned, kApplyVerifyFailures, kDeltaBaseFallbacks, kQuantizedValues,
+        kNonfiniteValues}) {
     metrics_->Declare(counter);
   }
   for (const Histogram& histogram :
@@ -184,7 +185,8 @@ absl::Status Store::ReleaseBuffer(const std::string& buffer_id, const std::strin
   buffers_.erase(it);
   Model& model = *FindModel(buffer->model);
   model.sources.erase(buffer_id);
-  model.destinations.erase(buffer_id);
+  // A destination that stood in for a released version no longer can; let go of its memory.
+  if (model.destinations.erase(buffer_id)) model.destination_base.reset();
   for (const TensorSlice& s : buffer->slices) {
     if (!plan::IsScaled(s)) continue;
     auto scale = model.scale_tensors.find(s.scale_tensor);
@@ -615,9 +617,11 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     }
   }
   for (const auto& d : dests) d->applied = source->number;
+  locks.clear();
   metrics_->Add(kApplyBytes, static_cast<double>(cached->plan.dst_bytes));
   metrics_->Add(kApplies, 1);
   metrics_->Observe(kApplySeconds, std::chrono::duration<double>(Clock::now() - started).count());
+  ReleaseApplied(model_name, source);  // --delta-base=destination: the destinations hold it now
   return ApplyResult{source->number, cached->plan.dst_bytes};
 }
 
@@ -626,6 +630,12 @@ absl::Status Store::CheckHeld(const Version& version, const plan::Plan& plan) co
     const Piece& piece = version.pieces[op.src_location];
     if (piece.slot && !piece.valid) continue;
     if (piece.slot && RangesCover(*piece.valid, op)) continue;
+    if (piece.released) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "version ", version.number,
+          " is held here only in the DESTINATION buffers its Apply "
+          "filled (--delta-base=destination released the held copy): Apply the next version"));
+    }
     return absl::FailedPreconditionError(absl::StrCat(
         "version ", version.number, " was pulled for other destination buffers; bytes of ",
         piece.buffer_id, " on node ", piece.node,

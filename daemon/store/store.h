@@ -51,6 +51,21 @@ namespace refit {
 
 struct QuantJob;
 
+// Where an engine node takes the base a delta is applied to (--delta-base): its held copy of
+// the newest version (kHeld), or its own DESTINATION buffers, which the last Apply filled with
+// that version (kDestination: the held copy is released once every destination holds it, so
+// the node keeps 1 x the model plus the deltas; store_delta_base.cc).
+enum class DeltaBase { kHeld, kDestination };
+
+// Parses --delta-base / the config key delta_base: comma-separated items, each "held" or
+// "destination" (every model not named) or MODEL=held|destination (that model), e.g.
+// "destination", "policy=destination", "destination,critic=held". Not given: held.
+// INVALID_ARGUMENT naming the item for an empty item, an unknown mode, two defaults or a model
+// named twice.
+absl::Status ParseDeltaBase(const std::string& text, DeltaBase* default_base,
+                            std::map<std::string, DeltaBase>* per_model);
+const char* DeltaBaseName(DeltaBase base);
+
 struct StoreOptions {
   uint32_t retain = 2;                          // complete versions kept per model (>= 1)
   uint64_t max_spare_slot_bytes = 4ull << 30;  // released slots kept for reuse
@@ -67,6 +82,9 @@ struct StoreOptions {
   uint64_t max_slot_bytes = 0;
   // The same for GPU slots (slot_memory kCuda), counted apart from host slots.
   uint64_t max_gpu_slot_bytes = 0;
+  // --delta-base: for every model, and per model (ParseDeltaBase).
+  DeltaBase delta_base = DeltaBase::kHeld;
+  std::map<std::string, DeltaBase> delta_base_models;
 };
 
 struct PublishResult {
@@ -122,6 +140,12 @@ struct ModelInfo {
   // Non-empty when the model's next version would not fit under --max-slot-memory (said before
   // a Publish or a pull fails), or its (retain + 1) versions never can.
   std::string memory_warning;
+  // --delta-base for the model: "held" or "destination"; with destination, the version whose
+  // held copy was released because the DESTINATION buffers hold it (0: none), or why the held
+  // copy is kept (e.g. a GPU destination).
+  std::string delta_base = "held";
+  uint64_t destination_base_version = 0;
+  std::string delta_base_note;
 };
 
 // What Verify found in one DESTINATION buffer.
@@ -193,6 +217,9 @@ struct PullJob {
     std::shared_ptr<Region> base;
     uint64_t base_version = 0;
     std::vector<RemoteDeltaRef> deltas;
+    // --delta-base=destination: instead of `base`, this node's DESTINATION buffers hold
+    // base_version (its held copy was released); Store::BaseFromDestinations rebuilds it.
+    bool destination_base = false;
   };
   std::vector<Fetch> fetches;
   uint64_t Bytes() const;
@@ -339,6 +366,17 @@ class Store {
   // makes it a held version's slot).
   absl::StatusOr<std::shared_ptr<Region>> AcquireSlot(uint64_t size);
 
+  // --delta-base=destination: `fetch.ranges` of the piece as version fetch.base_version held
+  // them, rebuilt from this node's DESTINATION buffers (what its last Apply installed) into a
+  // fresh staging slot of the model (the slot the new version is then built in, in place), and
+  // checked against the XXH3 digests taken of the held copy before it was released.
+  // FAILED_PRECONDITION naming the buffers and tensors when a destination no longer holds that
+  // version (written by someone else since, a failed Apply, a new buffer): pull in full then.
+  // Takes each destination's io lock while it reads (never during an Apply); writes nothing
+  // the engine sees.
+  absl::StatusOr<std::shared_ptr<Region>> BaseFromDestinations(const std::string& model,
+                                                               const PullJob::Fetch& fetch);
+
   // Wakes every waiter; they and all later waits return UNAVAILABLE.
   void Shutdown();
 
@@ -349,6 +387,7 @@ class Store {
   struct Version;
   struct Model;
   struct CachedPlan;
+  struct DestinationBase;
 
   Model* FindModel(const std::string& name);
   const Model* FindModel(const std::string& name) const;
@@ -381,8 +420,19 @@ class Store {
   absl::Status CheckPullFits(const Model& model, uint64_t version, uint64_t bytes) const;
   // Fills the memory fields of `info` (mu_ held).
   void FillMemory(const Model& model, ModelInfo* info) const;
-  // Sets fetch->base and ->deltas when this node can catch up by applying deltas.
+  // Sets fetch->base (or ->destination_base) and ->deltas when this node can catch up by
+  // applying deltas.
   void OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fetch) const;
+  // ---- --delta-base=destination (store_delta_base.cc) ----
+  DeltaBase DeltaBaseOf(const std::string& model) const;
+  // For OfferDelta, a piece of the newest version whose held copy was released: true when the
+  // destinations can stand in for it (they held it at the release and cover `fetch->ranges`);
+  // otherwise counts a fallback (refit_delta_base_fallbacks_total) and logs why.
+  bool CanUseDestinationBase(const Model& model, const Piece& piece,
+                             const PullJob::Fetch& fetch) const;
+  // After an Apply of `version`: once every DESTINATION buffer of the model holds it (verified),
+  // releases the held copy of its pulled pieces, keeping their digests (destination mode only).
+  void ReleaseApplied(const std::string& model, const std::shared_ptr<const Version>& version);
   void NoteLocalReady(Model& model);
   // For a Publish of `buffer`: the ranges NoteChecksumRanges kept (sorted), less those not
   // asked about lately or past `size`.

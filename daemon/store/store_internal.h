@@ -70,6 +70,9 @@ struct Store::Piece {
   // grid peers asked for before (LocalSnapshot::Piece).
   std::shared_ptr<const std::vector<uint64_t>> xxh3;
   std::shared_ptr<const RangeSums> range_xxh3;
+  // --delta-base=destination: `slot` was let go once every DESTINATION buffer held the
+  // version; they are its copy now (Model::destination_base).
+  bool released = false;
 };
 
 struct Store::Version {
@@ -91,6 +94,21 @@ struct Store::CachedPlan {
   // converted from their sources), for pulls and CheckHeld. Otherwise `plan` says it.
   plan::Plan reads;
   const plan::Plan& Reads() const { return jobs.empty() ? plan : reads; }
+};
+
+// --delta-base=destination: a version whose pulled pieces' held copy was released because every
+// DESTINATION buffer of the model held it (verified Apply). What rebuilds and checks it.
+struct Store::DestinationBase {
+  uint64_t version = 0;
+  std::shared_ptr<const Version> source;       // the version as kept (released pieces: no slot)
+  std::shared_ptr<const CachedPlan> plan;      // the plan that filled `dests` from `source`
+  std::vector<std::shared_ptr<Buffer>> dests;  // plan locations, in order
+  struct Digests {
+    std::vector<std::pair<uint64_t, uint64_t>>
+        segments;                // the piece's valid ranges cut at the checksum grid
+    std::vector<uint64_t> xxh3;  // of each segment, taken before the slot was released
+  };
+  std::map<size_t, Digests> pieces;  // by index into source->pieces: the released ones
 };
 
 struct Store::Model {
@@ -131,6 +149,10 @@ struct Store::Model {
   std::map<std::string, std::string> latest_runs;
   uint64_t skipped = 0;                        // newest announced version not taken
   std::string skipped_reason;
+  // --delta-base=destination: the version the destinations stand in for (null: none), and why
+  // the held copy is kept instead (said once in the log, and in Status).
+  std::shared_ptr<const DestinationBase> destination_base;
+  std::string delta_base_note;
 
   bool HasRemoteSources() const {
     for (const auto& [node, remote] : remotes) {

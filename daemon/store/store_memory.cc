@@ -162,6 +162,11 @@ std::vector<ModelInfo> Store::Models() const {
       }
     }
     FillMemory(*model, &info);
+    info.delta_base = DeltaBaseName(DeltaBaseOf(name));
+    if (model->destination_base && model->complete.count(model->destination_base->version)) {
+      info.destination_base_version = model->destination_base->version;
+    }
+    info.delta_base_note = model->delta_base_note;
     out.push_back(std::move(info));
   }
   return out;

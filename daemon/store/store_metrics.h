@@ -23,6 +23,10 @@ inline constexpr Counter kVersionsAbandoned{
 inline constexpr Counter kApplyVerifyFailures{
     "refit_apply_verify_failures_total",
     "Applies whose bytes, checked as they landed, differed from the version's (DATA_LOSS)."};
+inline constexpr Counter kDeltaBaseFallbacks{
+    "refit_delta_base_fallbacks_total",
+    "--delta-base=destination: pulls that could not use the destinations as the delta base "
+    "(pulled in full)."};
 inline constexpr Gauge kSlotMemoryBytes{
     "refit_slot_memory_bytes",
     "Bytes of host version slots held: published, pulled, in flight and kept for reuse."};

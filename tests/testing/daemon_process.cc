@@ -252,4 +252,34 @@ int ChildProcess::Stop(int signal) {
   return DecodeWaitStatus(status);
 }
 
+absl::StatusOr<DaemonPair> StartPair(const std::vector<std::string>& trainer_args,
+                                     std::vector<std::string> engine_args) {
+  DaemonPair pair;
+  auto trainer = DaemonProcess::Start(trainer_args);
+  if (!trainer.ok()) return trainer.status();
+  pair.trainer = std::move(trainer).value();
+  auto trainer_client = pair.trainer->Connect();
+  if (!trainer_client.ok()) return trainer_client.status();
+  pair.trainer_client = std::move(trainer_client).value();
+  auto status = pair.trainer_client->Status();
+  if (!status.ok()) return status.status();
+  engine_args.push_back(absl::StrCat("--peers=127.0.0.1:", status->listen_port()));
+  auto engine = DaemonProcess::Start(engine_args);
+  if (!engine.ok()) return engine.status();
+  pair.engine = std::move(engine).value();
+  auto engine_client = pair.engine->Connect();
+  if (!engine_client.ok()) return engine_client.status();
+  pair.engine_client = std::move(engine_client).value();
+  return pair;
+}
+
+absl::StatusOr<v1::ModelStatus> ModelStatusOf(client::Client& client, const std::string& model) {
+  auto status = client.Status();
+  if (!status.ok()) return status.status();
+  for (const v1::ModelStatus& m : status->models()) {
+    if (m.model() == model) return m;
+  }
+  return absl::NotFoundError(absl::StrCat("Status lists no model ", model));
+}
+
 }  // namespace refit::testing

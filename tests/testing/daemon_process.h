@@ -65,6 +65,20 @@ struct CommandResult {
 };
 CommandResult RunCommand(const std::vector<std::string>& argv);
 
+// Two refitd: a trainer's node and an engine's node peered with it (--peers), each started
+// with its `args` and connected.
+struct DaemonPair {
+  std::unique_ptr<DaemonProcess> trainer;
+  std::unique_ptr<DaemonProcess> engine;
+  std::unique_ptr<client::Client> trainer_client;
+  std::unique_ptr<client::Client> engine_client;
+};
+absl::StatusOr<DaemonPair> StartPair(const std::vector<std::string>& trainer_args,
+                                     std::vector<std::string> engine_args);
+
+// The Status entry of `model` on the daemon `client` talks to; NOT_FOUND when it lists none.
+absl::StatusOr<v1::ModelStatus> ModelStatusOf(client::Client& client, const std::string& model);
+
 // A command left running: its standard input and output are pipes to the test. SIGKILLed and
 // reaped when the handle goes away.
 class ChildProcess {
