@@ -1,9 +1,5 @@
 #include "daemon/store/store.h"
 
-#include <sys/random.h>
-
-#include <random>
-
 #include <algorithm>
 #include <cstring>
 #include <deque>
@@ -23,7 +19,7 @@
 namespace refit {
 namespace {
 
-constexpr size_t kHistoryLength = 4096;     // completed versions remembered for Watch
+constexpr size_t kHistoryLength = 4096;  // completed versions remembered for Watch
 constexpr auto kWaitSlice = std::chrono::milliseconds(50);  // re-check of `cancelled`
 
 }  // namespace
@@ -63,162 +59,6 @@ const Store::Model* Store::FindModel(const std::string& name) const {
   return it == models_.end() ? nullptr : it->second.get();
 }
 
-absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name, Role role,
-                                                  std::unique_ptr<Region> region,
-                                                  std::vector<TensorSlice> slices,
-                                                  const std::string& client) {
-  if (model_name.empty()) return absl::InvalidArgumentError("model name is empty");
-  if (role != Role::kSource && role != Role::kDestination) {
-    return absl::InvalidArgumentError("role must be SOURCE or DESTINATION");
-  }
-  if (!region) return absl::InvalidArgumentError("no memory region");
-  if (slices.empty()) return absl::InvalidArgumentError("a buffer needs at least one tensor");
-  RETURN_IF_ERROR(plan::NormalizeAndValidateBuffer(slices, region->size()));
-  bool scaled = false;
-  for (const TensorSlice& s : slices) {
-    if (!plan::IsScaled(s)) continue;
-    if (role != Role::kDestination) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor ", s.name, ": scale_tensor and scale_block are for DESTINATION slices"));
-    }
-    RETURN_IF_ERROR(plan::CheckScaledSlice(s));
-    scaled = true;
-  }
-
-  auto buffer = std::make_shared<Buffer>();
-  buffer->scaled = scaled;
-  buffer->model = model_name;
-  buffer->client = client;
-  buffer->role = role;
-  buffer->region = std::move(region);
-  buffer->slices = std::move(slices);
-  if (role == Role::kSource) {
-    buffer->span_begin = UINT64_MAX;
-    for (const TensorSlice& s : buffer->slices) {
-      auto [begin, end] = plan::SliceByteExtent(s);
-      buffer->span_begin = std::min(buffer->span_begin, begin);
-      buffer->span_end = std::max(buffer->span_end, end);
-    }
-    auto relative = std::make_shared<std::vector<TensorSlice>>(buffer->slices);
-    for (TensorSlice& s : *relative) s.buffer_offset -= buffer->span_begin;
-    buffer->snapshot_slices = std::move(relative);
-  }
-
-  std::unique_lock<std::mutex> lock(mu_);
-  auto& model = models_[model_name];
-  if (!model) {
-    model = std::make_unique<Model>();
-    model->name = model_name;
-  }
-  absl::Status consistent = CheckAgainstModel(*model, role, buffer->slices);
-  if (consistent.ok()) {
-    const bool first_destination = role == Role::kDestination && model->destinations.empty();
-    const uint64_t share = role == Role::kSource
-                               ? ShareOf(*model, buffer->span_end - buffer->span_begin)
-                               : ShareOf(*model, 0, true);
-    if (role == Role::kSource || first_destination) {
-      consistent = CheckVersionFits(*model, share, "RegisterBuffer refused");
-    }
-  }
-  if (!consistent.ok()) {
-    if (model->sources.empty() && model->destinations.empty() && model->complete.empty()) {
-      models_.erase(model_name);
-    }
-    return consistent;
-  }
-  // A random part makes ids unguessable: another local caller can't name a buffer it wasn't
-  // told about (ownership is checked too, in daemon/server).
-  uint64_t nonce = 0;
-  if (getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce)) nonce = std::random_device{}();
-  buffer->id = absl::StrCat(options_.node, "/", model_name, "/",
-                            role == Role::kSource ? "src" : "dst", "-", next_buffer_++, "-",
-                            absl::Hex(nonce, absl::kZeroPad16));
-  (role == Role::kSource ? model->sources : model->destinations).insert(buffer->id);
-  for (const TensorSlice& s : buffer->slices) {
-    if (plan::IsScaled(s)) ++model->scale_tensors[s.scale_tensor];
-  }
-  model->plans.clear();
-  buffers_[buffer->id] = buffer;
-  UpdateBudget(*model);
-  if (role == Role::kSource) {
-    RecheckDestinations(*model);  // the sources win over destinations that came first
-    if (listener_.local_layout_changed) listener_.local_layout_changed(model_name);
-  }
-
-  Logger("store")->info("model={} buffer={} registered: {} {} tensors, {} client={}", model_name,
-                        buffer->id, RoleName(role), buffer->slices.size(),
-                        buffer->region->Describe(), client);
-  if (role == Role::kDestination && model->HasRemoteSources()) {
-    TryComplete(*model);  // an engine that just arrived wants the newest announced version
-  }
-  const std::string id = buffer->id;
-  lock.unlock();
-  if (role == Role::kDestination) ReserveStaging(model_name);
-  if (role == Role::kSource) {
-    // Warm the slot pool for the versions to come (retain + the one being published): a
-    // failure here only means the first publishes fault their memory in.
-    (void)pool_->Reserve(buffer->span_end - buffer->span_begin,
-                         static_cast<int>(options_.retain) + 1, model_name);
-  }
-  return id;
-}
-
-absl::Status Store::ReleaseBuffer(const std::string& buffer_id, const std::string& why) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = buffers_.find(buffer_id);
-  if (it == buffers_.end()) {
-    return absl::NotFoundError(absl::StrCat("buffer ", buffer_id, " does not exist"));
-  }
-  std::shared_ptr<Buffer> buffer = it->second;
-  buffers_.erase(it);
-  Model& model = *FindModel(buffer->model);
-  model.sources.erase(buffer_id);
-  model.destinations.erase(buffer_id);
-  for (const TensorSlice& s : buffer->slices) {
-    if (!plan::IsScaled(s)) continue;
-    auto scale = model.scale_tensors.find(s.scale_tensor);
-    if (scale != model.scale_tensors.end() && --scale->second <= 0) {
-      model.scale_tensors.erase(scale);
-    }
-  }
-  model.plans.clear();
-  UpdateBudget(model);
-  Logger("store")->info("model={} buffer={} client={} released{}{}", buffer->model, buffer_id,
-                        buffer->client, why.empty() ? "" : ": ", why);
-  if (buffer->role == Role::kSource) {
-    AbandonUnpublished(model, *buffer, why);
-    // A pending version may now have every remaining source published.
-    RecheckDestinations(model);
-    if (listener_.local_layout_changed) listener_.local_layout_changed(buffer->model);
-    TryComplete(model);
-  }
-  EraseIfEmpty(buffer->model);  // e.g. a misspelled model whose engine went away
-  return absl::OkStatus();
-}
-
-void Store::AbandonUnpublished(Model& model, const Buffer& buffer, const std::string& why) {
-  for (auto it = model.pending.begin(); it != model.pending.end();) {
-    const uint64_t version = it->first;
-    if (version <= buffer.last_published || it->second.count(buffer.id) > 0) {
-      ++it;
-      continue;
-    }
-    const std::string message = absl::StrCat(
-        "model ", model.name, ": version ", version, " was abandoned: SOURCE buffer ", buffer.id,
-        buffer.client.empty() ? "" : absl::StrCat(" (client ", buffer.client, ")"),
-        " was released before it published that version",
-        why.empty() ? "" : absl::StrCat(" (", why, ")"),
-        "; the next version its successor publishes completes");
-    Logger("store")->warn("{}", message);
-    if (version > model.failed) {
-      model.failed = version;
-      model.failed_status = absl::FailedPreconditionError(message);
-    }
-    metrics_->Add(kVersionsAbandoned, 1);
-    it = model.pending.erase(it);
-  }
-}
-
 absl::StatusOr<std::vector<std::shared_ptr<Store::Buffer>>> Store::LookUpBuffers(
     const std::string& model, Role role, const std::vector<std::string>& ids) const {
   if (ids.empty()) return absl::InvalidArgumentError("no buffer_ids given");
@@ -235,9 +75,8 @@ absl::StatusOr<std::vector<std::shared_ptr<Store::Buffer>>> Store::LookUpBuffers
           absl::StrCat("buffer ", id, " belongs to model ", buffer.model, ", not ", model));
     }
     if (buffer.role != role) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("buffer ", id, " is a ", RoleName(buffer.role), " buffer, not a ",
-                       RoleName(role), " buffer"));
+      return absl::InvalidArgumentError(absl::StrCat("buffer ", id, " is a ", RoleName(buffer.role),
+                                                     " buffer, not a ", RoleName(role), " buffer"));
     }
     if (!seen.insert(id).second) {
       return absl::InvalidArgumentError(absl::StrCat("buffer ", id, " is listed twice"));
@@ -250,10 +89,11 @@ absl::StatusOr<std::vector<std::shared_ptr<Store::Buffer>>> Store::LookUpBuffers
 absl::Status Store::MemoryWentAway(const Buffer& buffer, const std::string& more) {
   Logger("store")->warn("buffer={} model={} client={}: its memory went away under refitd ({})",
                         buffer.id, buffer.model, buffer.client, buffer.region->Describe());
-  return absl::FailedPreconditionError(absl::StrCat(
-      "buffer ", buffer.id, " (", buffer.region->Describe(),
-      "): its memory went away while refitd used it (the shm object was truncated or "
-      "shrunk)", more, "; nothing else changed: release the buffer and register it again"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("buffer ", buffer.id, " (", buffer.region->Describe(),
+                   "): its memory went away while refitd used it (the shm object was truncated or "
+                   "shrunk)",
+                   more, "; nothing else changed: release the buffer and register it again"));
 }
 
 absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& buffers,
@@ -276,9 +116,8 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
       if (from.kind() == MemoryKind::kHost && piece.slot->kind() == MemoryKind::kHost) {
         const auto hints = HintsForPublish(*buffer, size);
         auto range_sums = std::make_shared<RangeSums>();
-        piece.xxh3 = std::make_shared<const std::vector<uint64_t>>(
-            CopyAndHash(piece.slot->data(), from.data() + buffer->span_begin, size, *hints,
-                        range_sums.get()));
+        piece.xxh3 = std::make_shared<const std::vector<uint64_t>>(CopyAndHash(
+            piece.slot->data(), from.data() + buffer->span_begin, size, *hints, range_sums.get()));
         if (range_sums->size() > 0) piece.range_xxh3 = std::move(range_sums);
       } else {
         RETURN_IF_ERROR(cuda::Copy(*piece.slot, 0, from, buffer->span_begin, size));
@@ -292,8 +131,8 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
       if (!piece.xxh3) {
         const Region& served = piece.host ? *piece.host : *piece.slot;
         if (served.kind() == MemoryKind::kHost) {
-          piece.xxh3 = std::make_shared<const std::vector<uint64_t>>(
-              HashChunks(served.data(), size));
+          piece.xxh3 =
+              std::make_shared<const std::vector<uint64_t>>(HashChunks(served.data(), size));
         }
       }
     }
@@ -323,8 +162,7 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
       if (version <= buffer->last_published) {
         return absl::FailedPreconditionError(
             absl::StrCat("buffer ", buffer->id, ": version ", version,
-                         " is not newer than its last published version ",
-                         buffer->last_published));
+                         " is not newer than its last published version ", buffer->last_published));
       }
     }
     // Reserve the version so a concurrent Publish of the same buffer can't take it too.
@@ -354,14 +192,14 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
   std::lock_guard<std::mutex> lock(mu_);
   Model* model = FindModel(model_name);
   if (!model) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "model ", model_name, ": its buffers were released while version ", version,
-        " was being published"));
+    return absl::FailedPreconditionError(absl::StrCat("model ", model_name,
+                                                      ": its buffers were released while version ",
+                                                      version, " was being published"));
   }
   if (version <= model->latest) {
     // Another buffer's publish completed a newer version meanwhile; this one can't complete.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "model ", model_name, ": version ", version, " was overtaken by version ", model->latest));
+    return absl::FailedPreconditionError(absl::StrCat("model ", model_name, ": version ", version,
+                                                      " was overtaken by version ", model->latest));
   }
   auto& pending = model->pending[version];
   for (Piece& piece : pieces) pending[piece.buffer_id] = std::move(piece);
@@ -369,8 +207,8 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
   // Bound the memory held by versions some source never finishes.
   const size_t max_pending = std::max<size_t>(4, 2 * options_.retain);
   while (model->pending.size() > max_pending) {
-    Logger("store")->warn("model={} version={} dropped: not every source published it",
-                          model_name, model->pending.begin()->first);
+    Logger("store")->warn("model={} version={} dropped: not every source published it", model_name,
+                          model->pending.begin()->first);
     model->pending.erase(model->pending.begin());
   }
   return PublishResult{version, bytes};
@@ -439,8 +277,8 @@ void Store::PublishVersion(Model& model, std::shared_ptr<const Version> version)
     metrics_->Add(kVersionsDropped, 1);
   }
   metrics_->Add(kVersionsCompleted, 1);
-  Logger("store")->info("model={} version={} complete: {} pieces, {} bytes held here",
-                        model.name, number, version->pieces.size(), version->bytes);
+  Logger("store")->info("model={} version={} complete: {} pieces, {} bytes held here", model.name,
+                        number, version->pieces.size(), version->bytes);
   if (listener_.version_complete) listener_.version_complete(model.name, number);
   changed_.notify_all();
 }
@@ -535,12 +373,12 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
       const bool dropped =
           wanted < model->latest &&
           (model->history.empty() || wanted < model->history.front() ||
-           std::find(model->history.begin(), model->history.end(), wanted) !=
-               model->history.end());
+           std::find(model->history.begin(), model->history.end(), wanted) != model->history.end());
       if (dropped) {
-        return absl::NotFoundError(absl::StrCat(
-            "model ", model_name, ": version ", wanted, " is no longer held (--retain=",
-            options_.retain, "; oldest held is ", model->complete.begin()->first, ")"));
+        return absl::NotFoundError(absl::StrCat("model ", model_name, ": version ", wanted,
+                                                " is no longer held (--retain=", options_.retain,
+                                                "; oldest held is ", model->complete.begin()->first,
+                                                ")"));
       }
       if (wanted == model->failed) {
         return absl::FailedPreconditionError(absl::StrCat(
@@ -600,8 +438,8 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
 
   for (const auto& d : dests) {
     if (d->region->Broken()) {
-      return MemoryWentAway(*d, absl::StrCat(" (the other destination buffers hold version ",
-                                             source->number, ")"));
+      return MemoryWentAway(
+          *d, absl::StrCat(" (the other destination buffers hold version ", source->number, ")"));
     }
   }
   for (const auto& d : dests) d->applied = source->number;
@@ -637,8 +475,8 @@ absl::Status Store::WaitUntil(std::unique_lock<std::mutex>& lock, Clock::time_po
   }
 }
 
-absl::StatusOr<uint64_t> Store::WaitForVersion(const std::string& model_name,
-                                               uint64_t min_version, Clock::time_point deadline,
+absl::StatusOr<uint64_t> Store::WaitForVersion(const std::string& model_name, uint64_t min_version,
+                                               Clock::time_point deadline,
                                                const CancelledFn& cancelled) {
   std::unique_lock<std::mutex> lock(mu_);
   uint64_t latest = 0;
@@ -654,8 +492,8 @@ absl::StatusOr<uint64_t> Store::WaitForVersion(const std::string& model_name,
       for (const auto& [name, m] : models_) known.push_back(name);
       return absl::DeadlineExceededError(absl::StrCat(
           "model ", model_name, ": no version >= ", min_version,
-          " before the deadline, and none will come: no node has SOURCE buffers for ",
-          model_name, " (not this one, nor any connected peer)", KnownModelsHint(model_name, known),
+          " before the deadline, and none will come: no node has SOURCE buffers for ", model_name,
+          " (not this one, nor any connected peer)", KnownModelsHint(model_name, known),
           "; check the model name and that the trainer's node is in --peers"));
     }
     std::string abandoned;
@@ -720,8 +558,8 @@ absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
   if (!model) {
     std::vector<std::string> known;
     for (const auto& [n, m] : models_) known.push_back(n);
-    return absl::NotFoundError(absl::StrCat("model ", name, " is not known to this node",
-                                            KnownModelsHint(name, known)));
+    return absl::NotFoundError(
+        absl::StrCat("model ", name, " is not known to this node", KnownModelsHint(name, known)));
   }
   if (!model->sources.empty() || !model->destinations.empty()) {
     std::vector<std::string> held;
@@ -732,8 +570,8 @@ absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
       }
     }
     return absl::FailedPreconditionError(absl::StrCat(
-        "model ", name, " still has ", held.size(), " buffer(s) registered: ",
-        absl::StrJoin(held, ", "),
+        "model ", name, " still has ", held.size(),
+        " buffer(s) registered: ", absl::StrJoin(held, ", "),
         "; stop its trainers and engines (or `refitctl release` their buffers) first"));
   }
   DropResult result;
