@@ -252,8 +252,9 @@ TEST_CASE("registering the same memory again: the same id for its caller, refuse
   auto role = client.RegisterBuffer("m", v1::DESTINATION, shm->name(), Tensors(), "engine");
   CHECK(role.status().code() == absl::StatusCode::kAlreadyExists);
   CHECK(role.status().message().find(*first) != std::string::npos);
-  auto layout = client.RegisterBuffer("m", v1::SOURCE, shm->name(),
-                                      {Slice("w", v1::BF16, {kRows / 2, kCols}, 0)}, "trainer");
+  auto layout = client.RegisterBuffer(
+      "m", v1::SOURCE, shm->name(),
+      {Slice("w", v1::BF16, {kRows, kCols}, 0, {0, 0}, {kRows / 2, kCols})}, "trainer");
   CHECK(layout.status().code() == absl::StatusCode::kAlreadyExists);
   // Another process registering it: refused the same way.
   auto other = testing::RunCommand({testing::RunfilePath("tests/testing/as_client"),

@@ -354,9 +354,9 @@ class Store {
   struct CachedPlan;
 
   Model* FindModel(const std::string& name);
-  // True when `again` registers `existing`'s memory the same way (same owner, model, role,
+  // OK when `again` registers `existing`'s memory the same way (same owner, model, role,
   // slices); ALREADY_EXISTS naming `existing` and what differs otherwise.
-  static absl::StatusOr<bool> SameRegistration(const Buffer& existing, const Buffer& again);
+  static absl::Status SameRegistration(const Buffer& existing, const Buffer& again);
   const Model* FindModel(const std::string& name) const;
   absl::Status CheckAgainstModel(const Model& model, Role role,
                                  const std::vector<TensorSlice>& slices) const;

@@ -35,7 +35,7 @@ bool SameSlices(const std::vector<TensorSlice>& a, const std::vector<TensorSlice
 
 }  // namespace
 
-absl::StatusOr<bool> Store::SameRegistration(const Buffer& existing, const Buffer& again) {
+absl::Status Store::SameRegistration(const Buffer& existing, const Buffer& again) {
   std::string differs;
   if (existing.owner != again.owner) {
     differs = "by another process";
@@ -46,7 +46,7 @@ absl::StatusOr<bool> Store::SameRegistration(const Buffer& existing, const Buffe
   } else if (!SameSlices(existing.slices, again.slices)) {
     differs = "with another tensor layout";
   } else {
-    return true;
+    return absl::OkStatus();
   }
   return absl::AlreadyExistsError(absl::StrCat(
       "this memory (", again.region->Describe(), ") is already registered as buffer ", existing.id,
@@ -100,20 +100,20 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   buffer->memory = buffer->region->Identity();
 
   std::unique_lock<std::mutex> lock(mu_);
-  if (!buffer->memory.empty()) {
-    // The same memory again: the same caller gets its buffer back; anyone else is refused.
-    auto known = by_memory_.find(buffer->memory);
-    if (known != by_memory_.end()) {
-      ASSIGN_OR_RETURN(const bool same, SameRegistration(*buffers_.at(known->second), *buffer));
-      if (same) return known->second;
-    }
-  }
   auto& model = models_[model_name];
   if (!model) {
     model = std::make_unique<Model>();
     model->name = model_name;
   }
   absl::Status consistent = CheckAgainstModel(*model, role, buffer->slices);
+  if (consistent.ok() && !buffer->memory.empty()) {
+    // The same memory again: the same caller gets its buffer back; anyone else is refused.
+    auto known = by_memory_.find(buffer->memory);
+    if (known != by_memory_.end()) {
+      consistent = SameRegistration(*buffers_.at(known->second), *buffer);
+      if (consistent.ok()) return known->second;
+    }
+  }
   if (consistent.ok()) {
     const bool first_destination = role == Role::kDestination && model->destinations.empty();
     const uint64_t share = role == Role::kSource

@@ -24,6 +24,14 @@ TensorSlice Whole(const std::string& name, DType dtype, std::vector<int64_t> sha
   return s;
 }
 
+// The first half of FP32 tensor `name` of 1024 elements: a layout the model agrees with.
+TensorSlice Half(const std::string& name) {
+  TensorSlice s = Whole(name, DType::kFP32, {1024});
+  s.offsets = {0};
+  s.sizes = {512};
+  return s;
+}
+
 // A POSIX shm object of `size` bytes for the test's life.
 struct Shm {
   explicit Shm(uint64_t size) : name(absl::StrCat("/r18c-register-", getpid(), "-", ++count)) {
@@ -99,7 +107,7 @@ TEST_CASE_METHOD(Fixture, "a conflicting registration of the same memory changes
   } cases[] = {
       {"another owner", "m", Role::kSource, Whole("w", DType::kFP32, {1024}), "uid 1 pid 3"},
       {"another role", "m", Role::kDestination, Whole("w", DType::kFP32, {1024}), "uid 1 pid 2"},
-      {"another layout", "m", Role::kSource, Whole("w", DType::kBF16, {2048}), "uid 1 pid 2"},
+      {"another layout", "m", Role::kSource, Half("w"), "uid 1 pid 2"},
       {"another model", "n", Role::kSource, Whole("w", DType::kFP32, {1024}), "uid 1 pid 2"},
   };
   for (const Case& c : cases) {
@@ -110,6 +118,10 @@ TEST_CASE_METHOD(Fixture, "a conflicting registration of the same memory changes
     CHECK(Buffers("m") == 1);
     CHECK(Buffers("n") == 0);
   }
+  // A layout the model disagrees with is refused as before, whatever the memory.
+  auto bad = store->RegisterBuffer("m", Role::kSource, shm.Map(),
+                                   {Whole("w", DType::kBF16, {2048})}, "x", "uid 1 pid 2");
+  CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
   // The buffer still works.
   REQUIRE(store->Publish("m", 2, {*first}).ok());
 }
