@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/lease_keeper.h"
+#include "client/registrations.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 
@@ -30,159 +31,14 @@ absl::Status FromGrpc(const grpc::Status& status, const std::string& what) {
                       absl::StrCat(what, ": ", status.error_message()));
 }
 
-// ---- SharedMemory ----
-
-absl::StatusOr<SharedMemory> SharedMemory::Create(const std::string& name, uint64_t size,
-                                                  bool replace) {
-  if (size == 0) return absl::InvalidArgumentError("shared memory size must be > 0");
-  if (replace) shm_unlink(name.c_str());
-  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0660);
-  if (fd < 0) {
-    int err = errno;
-    if (err == EEXIST) return absl::AlreadyExistsError(absl::StrCat(name, " already exists"));
-    return absl::InvalidArgumentError(absl::StrCat("shm_open ", name, ": ", std::strerror(err)));
-  }
-  // The daemon may run as another user of the same group: the umask must not take g+rw away.
-  (void)fchmod(fd, 0660);
-  // posix_fallocate reserves the pages now, so running out of /dev/shm is an error here rather
-  // than a SIGBUS later.
-  int err = posix_fallocate(fd, 0, static_cast<off_t>(size));
-  if (err != 0) {
-    close(fd);
-    shm_unlink(name.c_str());
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot reserve ", size, " bytes for ", name, ": ", std::strerror(err)));
-  }
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  err = errno;
-  close(fd);
-  if (p == MAP_FAILED) {
-    shm_unlink(name.c_str());
-    return absl::ResourceExhaustedError(absl::StrCat("mmap ", name, ": ", std::strerror(err)));
-  }
-  return SharedMemory(name, static_cast<uint8_t*>(p), size, /*owner=*/true);
-}
-
-absl::StatusOr<SharedMemory> SharedMemory::CreateSealed(uint64_t size, const std::string& label) {
-  if (size == 0) return absl::InvalidArgumentError("shared memory size must be > 0");
-  // memfd names are at most 249 bytes.
-  int fd = memfd_create(label.substr(0, 200).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("memfd_create ", label, ": ", std::strerror(errno)));
-  }
-  auto fail = [&](const char* what) {
-    const int err = errno;
-    close(fd);
-    return absl::ResourceExhaustedError(
-        absl::StrCat(what, " of memfd ", label, " (", size, " bytes): ", std::strerror(err)));
-  };
-  if (ftruncate(fd, static_cast<off_t>(size)) != 0) return fail("ftruncate");
-  // Reserve the pages now (as Create does): running out of memory is an error here.
-  if (int err = posix_fallocate(fd, 0, static_cast<off_t>(size)); err != 0) {
-    errno = err;
-    return fail("posix_fallocate");
-  }
-  // Its size is final: refitd refuses memfds that could shrink under its mappings.
-  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    return fail("sealing");
-  }
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-  if (p == MAP_FAILED) return fail("mmap");
-  return SharedMemory("", static_cast<uint8_t*>(p), size, /*owner=*/true, fd);
-}
-
-absl::StatusOr<SharedMemory> SharedMemory::Open(const std::string& name) {
-  int fd = shm_open(name.c_str(), O_RDWR, 0);
-  if (fd < 0) {
-    int err = errno;
-    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(name, " does not exist"));
-    return absl::InvalidArgumentError(absl::StrCat("shm_open ", name, ": ", std::strerror(err)));
-  }
-  struct stat st;
-  if (fstat(fd, &st) != 0 || st.st_size <= 0) {
-    close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(name, " is empty"));
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  int err = errno;
-  close(fd);
-  if (p == MAP_FAILED) {
-    return absl::ResourceExhaustedError(absl::StrCat("mmap ", name, ": ", std::strerror(err)));
-  }
-  return SharedMemory(name, static_cast<uint8_t*>(p), size, /*owner=*/false);
-}
-
-SharedMemory::SharedMemory(SharedMemory&& other) noexcept { *this = std::move(other); }
-
-SharedMemory& SharedMemory::operator=(SharedMemory&& other) noexcept {
-  if (this != &other) {
-    Reset();
-    name_ = std::move(other.name_);
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-    owner_ = std::exchange(other.owner_, false);
-    fd_ = std::exchange(other.fd_, -1);
-  }
-  return *this;
-}
-
-SharedMemory::~SharedMemory() { Reset(); }
-
-void SharedMemory::Reset() {
-  if (data_) munmap(data_, size_);
-  if (owner_ && fd_ < 0) shm_unlink(name_.c_str());
-  if (fd_ >= 0) close(fd_);
-  data_ = nullptr;
-  owner_ = false;
-  fd_ = -1;
-}
-
-// ---- helpers ----
-
-v1::TensorSlice Slice(const std::string& name, v1::DType dtype,
-                      const std::vector<int64_t>& global_shape, uint64_t buffer_offset,
-                      const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes,
-                      const std::vector<int64_t>& buffer_strides) {
-  v1::TensorSlice s;
-  s.set_name(name);
-  s.set_dtype(dtype);
-  for (int64_t d : global_shape) s.add_global_shape(d);
-  for (int64_t d : offsets) s.add_offsets(d);
-  for (int64_t d : sizes) s.add_sizes(d);
-  s.set_buffer_offset(buffer_offset);
-  for (int64_t d : buffer_strides) s.add_buffer_strides(d);
-  return s;
-}
-
-uint64_t DTypeBytes(v1::DType dtype) {
-  switch (dtype) {
-    case v1::BF16:
-    case v1::FP16:
-      return 2;
-    case v1::FP32:
-    case v1::INT32:
-      return 4;
-    case v1::INT64:
-      return 8;
-    case v1::FP8_E4M3:
-    case v1::FP8_E5M2:
-    case v1::INT8:
-    case v1::UINT8:
-      return 1;
-    default:
-      return 0;
-  }
-}
-
 // ---- Client ----
 
 Client::Client(std::string socket_path, std::shared_ptr<grpc::Channel> channel)
     : socket_path_(std::move(socket_path)),
       channel_(std::move(channel)),
       stub_(v1::Refit::NewStub(channel_)),
-      leases_(std::make_unique<LeaseKeeper>(stub_.get())) {}
+      leases_(std::make_unique<LeaseKeeper>(stub_.get())),
+      registrations_(std::make_unique<Registrations>()) {}
 
 Client::~Client() = default;
 
@@ -192,8 +48,7 @@ namespace {
 // that nothing listens on will not start answering within any timeout worth waiting for, so
 // those are told at once; a socket that accepts (or is slow to) is left to gRPC.
 absl::Status ProbeSocket(const std::string& path) {
-  const std::string hint =
-      " (is refitd running? --socket or $REFIT_SOCKET select another socket)";
+  const std::string hint = " (is refitd running? --socket or $REFIT_SOCKET select another socket)";
   if (path.empty()) return absl::InvalidArgumentError("the socket path is empty");
   sockaddr_un addr{};
   if (path.size() >= sizeof(addr.sun_path)) {
@@ -222,9 +77,9 @@ absl::Status ProbeSocket(const std::string& path) {
   const int err = rc == 0 ? 0 : errno;
   close(fd);
   if (err == ECONNREFUSED) {
-    return absl::UnavailableError(absl::StrCat(
-        "no refitd at ", path, ": nothing listens on the socket (a refitd that exited left it)",
-        hint));
+    return absl::UnavailableError(
+        absl::StrCat("no refitd at ", path,
+                     ": nothing listens on the socket (a refitd that exited left it)", hint));
   }
   if (err == EACCES || err == EPERM) {
     return absl::PermissionDeniedError(absl::StrCat(
@@ -242,8 +97,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& socke
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   args.SetMaxSendMessageSize(64 << 20);
-  auto channel = grpc::CreateCustomChannel("unix:" + socket_path,
-                                           grpc::InsecureChannelCredentials(), args);
+  // A restarted refitd is found again within a second (gRPC's default backoff grows to 120 s).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  auto channel =
+      grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(), args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + timeout)) {
     return absl::UnavailableError(
         absl::StrCat("no refitd answers at ", socket_path, " within ", timeout.count(),
@@ -257,21 +116,38 @@ void Client::SetDeadline(grpc::ClientContext* context) const {
   context->set_deadline(std::chrono::system_clock::now() + call_timeout_);
 }
 
-absl::StatusOr<std::string> Client::RegisterBuffer(const v1::RegisterBufferRequest& request) {
+template <typename T>
+absl::StatusOr<T> Client::WithRestart(const std::function<absl::StatusOr<T>()>& call) {
+  const uint64_t generation = registrations_->generation();
+  absl::StatusOr<T> result = call();
+  if (result.ok() || !Recover(result.status(), generation)) return result;
+  return call();
+}
+
+absl::StatusOr<v1::RegisterBufferResponse> Client::RegisterOnce(
+    const v1::RegisterBufferRequest& request) {
   grpc::ClientContext context;
   SetDeadline(&context);
   v1::RegisterBufferResponse response;
   auto status = FromGrpc(stub_->RegisterBuffer(&context, request, &response), "RegisterBuffer");
   if (!status.ok()) return status;
   if (response.lease_ms() > 0) leases_->Add(response.buffer_id(), response.lease_ms());
-  return response.buffer_id();
+  return response;
+}
+
+absl::StatusOr<std::string> Client::RegisterBuffer(const v1::RegisterBufferRequest& request) {
+  auto response = WithRestart<v1::RegisterBufferResponse>([&] { return RegisterOnce(request); });
+  if (!response.ok()) return response.status();
+  // A memfd token serves one registration: such a request can't be made again.
+  if (!request.memory().has_memfd()) registrations_->Add(response->buffer_id(), request, -1);
+  return response->buffer_id();
 }
 
 absl::StatusOr<std::string> Client::RegisterBuffer(const std::string& model, v1::Role role,
                                                    const std::string& shm_name,
                                                    const std::vector<v1::TensorSlice>& tensors,
-                                                   const std::string& client_name,
-                                                   uint64_t offset, uint64_t size) {
+                                                   const std::string& client_name, uint64_t offset,
+                                                   uint64_t size) {
   v1::RegisterBufferRequest request;
   request.set_model(model);
   request.set_role(role);
@@ -291,229 +167,135 @@ absl::StatusOr<std::string> Client::RegisterBuffer(const std::string& model, v1:
   if (!memory.sealed()) {
     return RegisterBuffer(model, role, memory.name(), tensors, client_name, offset, size);
   }
-  auto token = PassMemfd(memory.fd());
-  if (!token.ok()) return token.status();
   v1::RegisterBufferRequest request;
   request.set_model(model);
   request.set_role(role);
-  request.mutable_memory()->mutable_memfd()->set_token(*token);
   request.mutable_memory()->set_offset(offset);
   request.mutable_memory()->set_size(size);
   for (const auto& t : tensors) *request.add_tensors() = t;
   request.set_client(client_name);
-  return RegisterBuffer(request);
+  // The memfd is passed for each try (a token serves one registration).
+  auto response =
+      WithRestart<v1::RegisterBufferResponse>([&]() -> absl::StatusOr<v1::RegisterBufferResponse> {
+        auto token = PassMemfd(memory.fd());
+        if (!token.ok()) return token.status();
+        v1::RegisterBufferRequest with_token = request;
+        with_token.mutable_memory()->mutable_memfd()->set_token(*token);
+        return RegisterOnce(with_token);
+      });
+  if (!response.ok()) return response.status();
+  registrations_->Add(response->buffer_id(), request, memory.fd());
+  return response->buffer_id();
 }
 
 namespace {
 
-// refitd's fd-passing preface (daemon/callers/fd_exchange.h, docs/api.md "Sealed memfds").
-constexpr char kFdPreface[] = "REFITFD1";
+using SystemTime = std::chrono::system_clock::time_point;
 
-absl::StatusCode CodeNamed(const std::string& name) {
-  for (int code = 0; code <= 16; ++code) {
-    if (absl::StatusCodeToString(static_cast<absl::StatusCode>(code)) == name) {
-      return static_cast<absl::StatusCode>(code);
-    }
-  }
-  return absl::StatusCode::kUnknown;
-}
-
-}  // namespace
-
-absl::StatusOr<std::string> Client::PassMemfd(int memfd) {
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::UnavailableError(absl::StrCat("socket: ", std::strerror(errno)));
-  auto fail = [&](const std::string& what) {
-    const int err = errno;
-    close(fd);
-    return absl::UnavailableError(absl::StrCat("passing a memfd to refitd at ", socket_path_, ": ",
-                                               what, ": ", std::strerror(err)));
-  };
-  timeval timeout{};
-  timeout.tv_sec = static_cast<time_t>(call_timeout_.count() / 1000);
-  timeout.tv_usec = static_cast<suseconds_t>(call_timeout_.count() % 1000 * 1000);
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, socket_path_.c_str(), sizeof(addr.sun_path) - 1);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return fail("connect");
-  char preface[sizeof(kFdPreface) - 1];
-  std::memcpy(preface, kFdPreface, sizeof(preface));
-  iovec iov{preface, sizeof(preface)};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &memfd, sizeof(int));
-  if (sendmsg(fd, &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(preface))) {
-    return fail("sendmsg");
-  }
-  std::string line;
-  char chunk[256];
-  while (line.find('\n') == std::string::npos && line.size() < 4096) {
-    const ssize_t n = recv(fd, chunk, sizeof(chunk), 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return fail("reading the answer");
-    if (n == 0) break;
-    line.append(chunk, static_cast<size_t>(n));
-  }
-  close(fd);
-  line = line.substr(0, line.find('\n'));
-  if (line.rfind("OK ", 0) == 0) return line.substr(3);
-  if (line.rfind("ERR ", 0) == 0) {
-    const size_t space = line.find(' ', 4);
-    const std::string code = line.substr(4, space == std::string::npos ? space : space - 4);
-    return absl::Status(
-        CodeNamed(code),
-        absl::StrCat("PassMemfd: ", space == std::string::npos ? "" : line.substr(space + 1)));
-  }
-  return absl::UnavailableError(absl::StrCat("passing a memfd to refitd at ", socket_path_,
-                                             ": no answer (is it a refitd older than memfd ",
-                                             "passing?) ", line.substr(0, 200)));
-}
-
-absl::Status Client::ReleaseBuffer(const std::string& buffer_id) {
+// One unary call of `method` with `request`, ending by `deadline`.
+template <typename Request, typename Response>
+absl::StatusOr<Response> Call(v1::Refit::Stub* stub,
+                              grpc::Status (v1::Refit::Stub::*method)(grpc::ClientContext*,
+                                                                      const Request&, Response*),
+                              const char* what, const Request& request, SystemTime deadline) {
   grpc::ClientContext context;
-  SetDeadline(&context);
-  v1::ReleaseBufferRequest request;
-  request.set_buffer_id(buffer_id);
-  v1::ReleaseBufferResponse response;
-  leases_->Remove(buffer_id);
-  return FromGrpc(stub_->ReleaseBuffer(&context, request, &response), "ReleaseBuffer");
-}
-
-absl::StatusOr<v1::PublishResponse> Client::Publish(const std::string& model, uint64_t version,
-                                                    const std::vector<std::string>& buffer_ids) {
-  grpc::ClientContext context;
-  SetDeadline(&context);
-  v1::PublishRequest request;
-  request.set_model(model);
-  request.set_version(version);
-  for (const auto& id : buffer_ids) request.add_buffer_ids(id);
-  v1::PublishResponse response;
-  auto status = FromGrpc(stub_->Publish(&context, request, &response), "Publish");
+  context.set_deadline(deadline);
+  Response response;
+  auto status = FromGrpc((stub->*method)(&context, request, &response), what);
   if (!status.ok()) return status;
   return response;
 }
 
+template <typename Request>
+void AddIds(const std::vector<std::string>& ids, Request* request) {
+  for (const auto& id : ids) request->add_buffer_ids(id);
+}
+
+}  // namespace
+
+absl::Status Client::ReleaseBuffer(const std::string& buffer_id) {
+  // Forgotten first: after a restart of refitd it is not registered again, and the retry
+  // answers NOT_FOUND (it is gone either way).
+  const std::string current = registrations_->Remove(buffer_id);
+  leases_->Remove(current);
+  return WithRestart<v1::ReleaseBufferResponse>([&] {
+           v1::ReleaseBufferRequest request;
+           request.set_buffer_id(current);
+           return Call(stub_.get(), &v1::Refit::Stub::ReleaseBuffer, "ReleaseBuffer", request,
+                       std::chrono::system_clock::now() + call_timeout_);
+         })
+      .status();
+}
+
+absl::StatusOr<v1::PublishResponse> Client::Publish(const std::string& model, uint64_t version,
+                                                    const std::vector<std::string>& buffer_ids) {
+  return WithRestart<v1::PublishResponse>([&] {
+    v1::PublishRequest request;
+    request.set_model(model);
+    request.set_version(version);
+    AddIds(registrations_->Current(buffer_ids), &request);
+    return Call(stub_.get(), &v1::Refit::Stub::Publish, "Publish", request,
+                std::chrono::system_clock::now() + call_timeout_);
+  });
+}
+
 absl::StatusOr<uint64_t> Client::WaitForVersion(const std::string& model, uint64_t min_version,
                                                 std::chrono::milliseconds timeout) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  const SystemTime deadline = std::chrono::system_clock::now() + timeout;
   v1::WaitForVersionRequest request;
   request.set_model(model);
   request.set_min_version(min_version);
-  v1::WaitForVersionResponse response;
-  auto status = FromGrpc(stub_->WaitForVersion(&context, request, &response), "WaitForVersion");
-  if (!status.ok()) return status;
-  return response.version();
+  auto response = WithRestart<v1::WaitForVersionResponse>([&] {
+    return Call(stub_.get(), &v1::Refit::Stub::WaitForVersion, "WaitForVersion", request, deadline);
+  });
+  if (!response.ok()) return response.status();
+  return response->version();
 }
 
 absl::StatusOr<v1::WaitForReplicasResponse> Client::WaitForReplicas(
     const std::string& model, uint64_t version, uint32_t min_nodes,
     std::chrono::milliseconds timeout) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + timeout);
   v1::WaitForReplicasRequest request;
   request.set_model(model);
   request.set_version(version);
   request.set_min_nodes(min_nodes);
-  v1::WaitForReplicasResponse response;
-  auto status =
-      FromGrpc(stub_->WaitForReplicas(&context, request, &response), "WaitForReplicas");
-  if (!status.ok()) return status;
-  return response;
+  return Call(stub_.get(), &v1::Refit::Stub::WaitForReplicas, "WaitForReplicas", request,
+              std::chrono::system_clock::now() + timeout);
 }
 
 absl::StatusOr<v1::ApplyResponse> Client::Apply(const std::string& model, uint64_t version,
                                                 const std::vector<std::string>& buffer_ids) {
-  grpc::ClientContext context;
-  SetDeadline(&context);
-  v1::ApplyRequest request;
-  request.set_model(model);
-  request.set_version(version);
-  for (const auto& id : buffer_ids) request.add_buffer_ids(id);
-  v1::ApplyResponse response;
-  auto status = FromGrpc(stub_->Apply(&context, request, &response), "Apply");
-  if (!status.ok()) return status;
-  return response;
+  return WithRestart<v1::ApplyResponse>([&] {
+    v1::ApplyRequest request;
+    request.set_model(model);
+    request.set_version(version);
+    AddIds(registrations_->Current(buffer_ids), &request);
+    return Call(stub_.get(), &v1::Refit::Stub::Apply, "Apply", request,
+                std::chrono::system_clock::now() + call_timeout_);
+  });
 }
 
 absl::StatusOr<v1::StatusResponse> Client::Status() {
-  grpc::ClientContext context;
-  SetDeadline(&context);
-  v1::StatusResponse response;
-  auto status = FromGrpc(stub_->Status(&context, v1::StatusRequest(), &response), "Status");
-  if (!status.ok()) return status;
-  return response;
+  return WithRestart<v1::StatusResponse>([&] {
+    return Call(stub_.get(), &v1::Refit::Stub::Status, "Status", v1::StatusRequest(),
+                std::chrono::system_clock::now() + call_timeout_);
+  });
 }
 
 absl::StatusOr<v1::VerifyResponse> Client::Verify(const std::string& model) {
-  grpc::ClientContext context;
-  SetDeadline(&context);
   v1::VerifyRequest request;
   request.set_model(model);
-  v1::VerifyResponse response;
-  auto status = FromGrpc(stub_->Verify(&context, request, &response), "Verify");
-  if (!status.ok()) return status;
-  return response;
+  return WithRestart<v1::VerifyResponse>([&] {
+    return Call(stub_.get(), &v1::Refit::Stub::Verify, "Verify", request,
+                std::chrono::system_clock::now() + call_timeout_);
+  });
 }
 
 absl::StatusOr<v1::DropModelResponse> Client::DropModel(const std::string& model) {
-  grpc::ClientContext context;
-  SetDeadline(&context);
   v1::DropModelRequest request;
   request.set_model(model);
-  v1::DropModelResponse response;
-  auto status = FromGrpc(stub_->DropModel(&context, request, &response), "DropModel");
-  if (!status.ok()) return status;
-  return response;
-}
-
-namespace {
-
-class StreamWatcher final : public Watcher {
- public:
-  StreamWatcher(v1::Refit::Stub* stub, const v1::WatchRequest& request)
-      : reader_(stub->Watch(&context_, request)) {}
-  bool Start() {
-    reader_->WaitForInitialMetadata();
-    return true;
-  }
-  bool Next(v1::VersionEvent* event) override { return reader_->Read(event); }
-  void Cancel() override { context_.TryCancel(); }
-  absl::Status status() override {
-    if (!finished_) {
-      final_ = FromGrpc(reader_->Finish(), "Watch");
-      finished_ = true;
-    }
-    return final_;
-  }
-
- private:
-  grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReader<v1::VersionEvent>> reader_;
-  bool finished_ = false;
-  absl::Status final_;
-};
-
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<Watcher>> Client::Watch(const std::string& model,
-                                                       uint64_t after_version) {
-  v1::WatchRequest request;
-  request.set_model(model);
-  request.set_after_version(after_version);
-  auto watcher = std::make_unique<StreamWatcher>(stub_.get(), request);
-  watcher->Start();
-  return std::unique_ptr<Watcher>(std::move(watcher));
+  return Call(stub_.get(), &v1::Refit::Stub::DropModel, "DropModel", request,
+              std::chrono::system_clock::now() + call_timeout_);
 }
 
 absl::StatusOr<bool> Client::Healthy(const std::string& service) {

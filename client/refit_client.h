@@ -10,10 +10,21 @@
 //   ...on the engine: WaitForVersion, then Apply into its DESTINATION buffers.
 //
 // A Client is thread-safe (gRPC channels and stubs are); a SharedMemory is not synchronized.
+//
+// Riding out a restarted refitd (issue 18): a Client that registered buffers, when a call
+// answers UNAVAILABLE (refitd is down) or NOT_FOUND (refitd does not know one of its buffers),
+// waits for refitd to answer again (retrying with a 0.1-1 s backoff, up to restart_timeout),
+// registers its buffers again if refitd no longer knows them (a sealed memfd is passed anew, a
+// named shm object goes by its name), and retries the call once. Callers keep the ids they
+// were given: the Client maps them to the new ones. Leases follow the new ids; a Watch
+// resumes after the last version it delivered.
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -91,6 +102,7 @@ class Watcher {
 };
 
 class LeaseKeeper;
+class Registrations;
 
 class Client {
  public:
@@ -102,6 +114,11 @@ class Client {
       const std::string& socket_path = DefaultSocketPath(),
       std::chrono::milliseconds timeout = std::chrono::seconds(5));
 
+  // Registering the same memory (the same shm object or memfd, offset and size) the same way
+  // again returns the same id (refitd's registration is idempotent for its caller); the same
+  // memory registered otherwise is ALREADY_EXISTS naming the buffer that has it.
+  // A request naming a memfd token is not registered again after a restart (its token is
+  // spent): use the SharedMemory overload for that.
   absl::StatusOr<std::string> RegisterBuffer(const v1::RegisterBufferRequest& request);
   // Registers [offset, offset + size) of `memory` (size 0: to the end): a sealed memfd is
   // passed to refitd (PassMemfd), a named object goes by its name.
@@ -133,8 +150,7 @@ class Client {
   // DESTINATION buffers for `model` (0: all of them), as this node's daemon knows them; a
   // trainer's staleness control. DEADLINE_EXCEEDED after `timeout`, naming who is behind.
   absl::StatusOr<v1::WaitForReplicasResponse> WaitForReplicas(const std::string& model,
-                                                              uint64_t version,
-                                                              uint32_t min_nodes,
+                                                              uint64_t version, uint32_t min_nodes,
                                                               std::chrono::milliseconds timeout);
   absl::StatusOr<v1::StatusResponse> Status();
   // Releases `model`'s held versions and forgets it (and its remembered newest version, so a
@@ -152,11 +168,32 @@ class Client {
 
   // Deadline of calls that don't wait for versions (default 60 s).
   void set_call_timeout(std::chrono::milliseconds timeout) { call_timeout_ = timeout; }
+  // How long a call waits for a restarted refitd before it answers UNAVAILABLE (default 60 s;
+  // 0: no waiting, no registering again, no retry).
+  void set_restart_timeout(std::chrono::milliseconds timeout) { restart_timeout_ = timeout; }
   const std::string& socket_path() const { return socket_path_; }
+  // Times this Client registered its buffers again on a restarted refitd.
+  uint64_t restarts_ridden() const;
+
+  // ---- for the Watcher (refit_client.cc) ----
+  // After a call (made at registrations generation `generation`) answered `error`: waits for
+  // refitd, registers the buffers again where refitd lost them; true when the call is worth
+  // retrying. False at once for other codes, for a Client without buffers, or with
+  // restart_timeout 0.
+  bool Recover(const absl::Status& error, uint64_t generation);
+  uint64_t generation() const;
+  v1::Refit::Stub* stub() const { return stub_.get(); }
 
  private:
   Client(std::string socket_path, std::shared_ptr<grpc::Channel> channel);
   void SetDeadline(grpc::ClientContext* context) const;
+  // `call`, and once more after Recover says so.
+  template <typename T>
+  absl::StatusOr<T> WithRestart(const std::function<absl::StatusOr<T>()>& call);
+  absl::StatusOr<v1::RegisterBufferResponse> RegisterOnce(const v1::RegisterBufferRequest& request);
+  // refitd's Status once it answers, within restart_timeout.
+  std::optional<v1::StatusResponse> StatusWhenBack();
+  absl::Status RegisterAgain();
 
   std::string socket_path_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -164,6 +201,10 @@ class Client {
   std::chrono::milliseconds call_timeout_{60000};
   // Renews leases when refitd can't watch this process (RegisterBufferResponse.lease_ms).
   std::unique_ptr<LeaseKeeper> leases_;
+  std::chrono::milliseconds restart_timeout_{60000};
+  std::unique_ptr<Registrations> registrations_;
+  mutable std::mutex restart_mu_;  // one recovery at a time
+  uint64_t restarts_ = 0;          // guarded by restart_mu_
 };
 
 // grpc::Status to absl::Status (same codes), prefixed with `what`.

@@ -11,14 +11,17 @@
 //
 // $REFIT_FUZZ_SEED and $REFIT_FUZZ_ROUNDS explore further; a failure prints the seed, the round
 // and the request.
+#include "tests/testing/fuzz.h"
+
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <random>
-#include <mutex>
 #include <set>
 #include <thread>
 
@@ -28,7 +31,6 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/refit/v1/refit.grpc.pb.h"
 #include "tests/testing/daemon_process.h"
-#include "tests/testing/fuzz.h"
 
 namespace refit {
 namespace {
@@ -44,8 +46,12 @@ using testing::PrintCodes;
 
 // What RegisterBuffer, Publish and Apply may answer (docs/api.md).
 const std::set<StatusCode> kChangeCodes = {StatusCode::OK, StatusCode::INVALID_ARGUMENT,
-                                           StatusCode::NOT_FOUND,
-                                           StatusCode::FAILED_PRECONDITION};
+                                           StatusCode::NOT_FOUND, StatusCode::FAILED_PRECONDITION};
+// RegisterBuffer also: the same memory (sources share their region) registered again for
+// another model, role or layout answers ALREADY_EXISTS (docs/api.md, Registering again).
+const std::set<StatusCode> kRegisterCodes = {StatusCode::OK, StatusCode::INVALID_ARGUMENT,
+                                             StatusCode::NOT_FOUND, StatusCode::FAILED_PRECONDITION,
+                                             StatusCode::ALREADY_EXISTS};
 
 // What a refused request must leave alone: every model's versions and buffers.
 std::string Fingerprint(const v1::StatusResponse& status) {
@@ -70,8 +76,8 @@ class ClientFuzz {
  public:
   ClientFuzz(testing::DaemonProcess& daemon, uint64_t seed)
       : gen_(seed),
-        stub_(v1::Refit::NewStub(grpc::CreateChannel("unix:" + daemon.socket(),
-                                                     grpc::InsecureChannelCredentials()))),
+        stub_(v1::Refit::NewStub(
+            grpc::CreateChannel("unix:" + daemon.socket(), grpc::InsecureChannelCredentials()))),
         daemon_(daemon) {
     auto s = SharedMemory::Create(testing::UniqueShmName("fuzz-src"), kShmBytes);
     auto d = SharedMemory::Create(testing::UniqueShmName("fuzz-dst"), kShmBytes);
@@ -87,14 +93,20 @@ class ClientFuzz {
     switch (gen_.Below(10)) {
       case 0:
       case 1:
-      case 2: return Register();
+      case 2:
+        return Register();
       case 3:
-      case 4: return Publish();
+      case 4:
+        return Publish();
       case 5:
-      case 6: return Apply();
-      case 7: return Wait();
-      case 8: return Release();
-      default: return Watch();
+      case 6:
+        return Apply();
+      case 7:
+        return Wait();
+      case 8:
+        return Release();
+      default:
+        return Watch();
     }
   }
 
@@ -109,13 +121,18 @@ class ClientFuzz {
     for (uint64_t n = 1 + gen_.Below(4); n > 0 && !bytes.empty(); --n) {
       const uint64_t at = gen_.Below(bytes.size());
       switch (gen_.Below(3)) {
-        case 0: bytes[at] = static_cast<char>(gen_.Below(256)); break;
-        case 1: bytes.resize(at); break;
-        default: bytes.insert(at, 1 + gen_.Below(8), static_cast<char>(gen_.Below(256)));
+        case 0:
+          bytes[at] = static_cast<char>(gen_.Below(256));
+          break;
+        case 1:
+          bytes.resize(at);
+          break;
+        default:
+          bytes.insert(at, 1 + gen_.Below(8), static_cast<char>(gen_.Below(256)));
       }
     }
-    grpc::GenericStub generic(grpc::CreateChannel("unix:" + daemon_.socket(),
-                                                  grpc::InsecureChannelCredentials()));
+    grpc::GenericStub generic(
+        grpc::CreateChannel("unix:" + daemon_.socket(), grpc::InsecureChannelCredentials()));
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
     grpc::Slice slice(bytes);
@@ -170,22 +187,36 @@ class ClientFuzz {
     }
     for (uint64_t n = gen_.Below(4); n > 0; --n) {
       switch (gen_.Below(12)) {
-        case 0: r.set_role(static_cast<v1::Role>(gen_.Int(8))); break;
-        case 1: r.mutable_memory()->mutable_host_shm()->set_name(ShmName()); break;
-        case 2: r.mutable_memory()->set_offset(gen_.U64(kShmBytes)); break;
-        case 3: r.mutable_memory()->set_size(gen_.U64(kShmBytes)); break;
+        case 0:
+          r.set_role(static_cast<v1::Role>(gen_.Int(8)));
+          break;
+        case 1:
+          r.mutable_memory()->mutable_host_shm()->set_name(ShmName());
+          break;
+        case 2:
+          r.mutable_memory()->set_offset(gen_.U64(kShmBytes));
+          break;
+        case 3:
+          r.mutable_memory()->set_size(gen_.U64(kShmBytes));
+          break;
         case 4: {
           auto* cuda = r.mutable_memory()->mutable_cuda_ipc();
           cuda->set_handle(std::string(gen_.OneIn(2) ? 64 : gen_.Below(100), 'h'));
           cuda->set_device(static_cast<int32_t>(gen_.Int(8)));
           break;
         }
-        case 5: r.mutable_memory()->clear_kind(); break;
-        case 6: r.clear_tensors(); break;
+        case 5:
+          r.mutable_memory()->clear_kind();
+          break;
+        case 6:
+          r.clear_tensors();
+          break;
         case 7:  // many slices of one tensor: overlapping in the buffer, or out of it
           for (int i = 0; i < 3000; ++i) *r.add_tensors() = gen_.SaneSlice(gen_.Below(kShmBytes));
           break;
-        case 8: r.clear_memory(); break;
+        case 8:
+          r.clear_memory();
+          break;
         default:
           if (r.tensors_size() > 0) {
             gen_.MutateSlice(r.mutable_tensors(static_cast<int>(gen_.Below(r.tensors_size()))));
@@ -197,9 +228,15 @@ class ClientFuzz {
 
   std::string ShmName() {
     const std::string plain = src_->name().substr(1);  // shm_open's form without the '/'
-    const std::vector<std::string> names = {
-        plain, "/refit-fuzz-missing", "", "/", "//", "/a/b", "/..", std::string(300, 'n'),
-        dst_->name() + "x"};
+    const std::vector<std::string> names = {plain,
+                                            "/refit-fuzz-missing",
+                                            "",
+                                            "/",
+                                            "//",
+                                            "/a/b",
+                                            "/..",
+                                            std::string(300, 'n'),
+                                            dst_->name() + "x"};
     return gen_.Pick(names);
   }
 
@@ -226,9 +263,8 @@ class ClientFuzz {
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     grpc::Status status = call(&context);
     ++codes_[status.error_code()];
-    INFO("round " << round_ << ": " << request.GetDescriptor()->name() << " "
-                  << Describe(request) << " -> " << status.error_code() << " "
-                  << status.error_message());
+    INFO("round " << round_ << ": " << request.GetDescriptor()->name() << " " << Describe(request)
+                  << " -> " << status.error_code() << " " << status.error_message());
     REQUIRE(daemon_.running());
     CHECK(allowed.count(status.error_code()) == 1);
     if (!status.ok()) {
@@ -257,10 +293,14 @@ class ClientFuzz {
   void Register() {
     const v1::RegisterBufferRequest request = RegisterRequest();
     v1::RegisterBufferResponse response;
-    grpc::Status s = Check(request, kChangeCodes, [&](grpc::ClientContext* c) {
+    grpc::Status s = Check(request, kRegisterCodes, [&](grpc::ClientContext* c) {
       return stub_->RegisterBuffer(c, request, &response);
     });
-    if (s.ok()) buffers_.push_back({response.buffer_id(), request.model(), request.role()});
+    // The same request again is the same buffer (RegisterBuffer is idempotent): listed once.
+    if (s.ok() && std::none_of(buffers_.begin(), buffers_.end(),
+                               [&](const auto& b) { return b.id == response.buffer_id(); })) {
+      buffers_.push_back({response.buffer_id(), request.model(), request.role()});
+    }
   }
 
   void Publish() {
@@ -272,8 +312,7 @@ class ClientFuzz {
     // Each version's bytes differ, so an Apply that wrote anything shows.
     std::memset(src_->data(), static_cast<int>(request.version() & 0xff), 8192);
     v1::PublishResponse response;
-    Check(request,
-          kChangeCodes,
+    Check(request, kChangeCodes,
           [&](grpc::ClientContext* c) { return stub_->Publish(c, request, &response); });
   }
 
@@ -283,8 +322,7 @@ class ClientFuzz {
     request.set_version(gen_.OneIn(3) ? gen_.U64(next_version_[request.model()] + 2) : 0);
     for (const std::string& id : Ids()) request.add_buffer_ids(id);
     v1::ApplyResponse response;
-    Check(request,
-          kChangeCodes,
+    Check(request, kChangeCodes,
           [&](grpc::ClientContext* c) { return stub_->Apply(c, request, &response); });
   }
 

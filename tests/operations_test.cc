@@ -129,9 +129,12 @@ TEST_CASE("the config file sets options; flags override it; bad files stop the s
   // retain = 1 from the file: version 1 is gone once 2 completes.
   auto shm = SharedMemory::Create(testing::UniqueShmName("cfg"), 64);
   REQUIRE(shm.ok());
+  // (One memory is one buffer: the destination needs memory of its own.)
+  auto dst = SharedMemory::Create(testing::UniqueShmName("cfg-dst"), 64);
+  REQUIRE(dst.ok());
   auto s = (*client)->RegisterBuffer("m", v1::SOURCE, shm->name(), {Slice("w", v1::UINT8, {64})});
-  auto d = (*client)->RegisterBuffer("m", v1::DESTINATION, shm->name(),
-                                     {Slice("w", v1::UINT8, {64})});
+  auto d =
+      (*client)->RegisterBuffer("m", v1::DESTINATION, dst->name(), {Slice("w", v1::UINT8, {64})});
   REQUIRE(s.ok());
   REQUIRE(d.ok());
   REQUIRE((*client)->Publish("m", 1, {*s}).ok());
@@ -169,10 +172,9 @@ TEST_CASE("Prometheus /metrics follows versions as they flow", "[integration][op
   auto dst = SharedMemory::Create(testing::UniqueShmName("prom"), 4096);
   REQUIRE(src.ok());
   REQUIRE(dst.ok());
-  auto s = (*client)->RegisterBuffer("m", v1::SOURCE, src->name(),
-                                     {Slice("w", v1::FP32, {1024})});
-  auto d = (*client)->RegisterBuffer("m", v1::DESTINATION, dst->name(),
-                                     {Slice("w", v1::FP32, {1024})});
+  auto s = (*client)->RegisterBuffer("m", v1::SOURCE, src->name(), {Slice("w", v1::FP32, {1024})});
+  auto d =
+      (*client)->RegisterBuffer("m", v1::DESTINATION, dst->name(), {Slice("w", v1::FP32, {1024})});
   for (uint64_t v = 1; v <= 3; ++v) {
     REQUIRE((*client)->Publish("m", v, {*s}).ok());
     REQUIRE((*client)->Apply("m", 0, {*d}).ok());

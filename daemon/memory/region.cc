@@ -23,10 +23,11 @@ uint64_t PageSize() {
 class HostShmRegion final : public Region {
  public:
   // `what`: "shm /trainer-0" or "memfd refit-trainer".
-  HostShmRegion(std::string what, void* map_base, uint64_t map_length, uint64_t offset,
-                uint64_t size, uint8_t* data)
+  HostShmRegion(std::string what, std::string identity, void* map_base, uint64_t map_length,
+                uint64_t offset, uint64_t size, uint8_t* data)
       : Region(MemoryKind::kHost, -1, data, size),
         name_(std::move(what)),
+        identity_(std::move(identity)),
         map_base_(map_base),
         map_length_(map_length),
         offset_(offset),
@@ -40,10 +41,12 @@ class HostShmRegion final : public Region {
     return absl::StrCat("host ", name_, " [", offset_, ", ", offset_ + size(), ")");
   }
   bool Broken() const override { return guard_->Broken(); }
+  std::string Identity() const override { return identity_; }
   bool guarded() const { return guard_->ok(); }
 
  private:
   std::string name_;
+  std::string identity_;
   void* map_base_;
   uint64_t map_length_;
   uint64_t offset_;
@@ -64,10 +67,11 @@ class OwnedHostRegion final : public Region {
 
 // Maps [offset, offset + size) of the shared file `fd` of `object_size` bytes, guarded. `what`
 // names it in Describe() ("shm /x"), `object` in errors ("shm object /x").
-absl::StatusOr<std::unique_ptr<Region>> MapShared(int fd, uint64_t object_size,
+absl::StatusOr<std::unique_ptr<Region>> MapShared(int fd, const struct stat& st,
                                                   const std::string& what,
                                                   const std::string& object, uint64_t offset,
                                                   uint64_t size) {
+  const uint64_t object_size = static_cast<uint64_t>(st.st_size);
   if (size == 0) size = offset < object_size ? object_size - offset : 0;
   if (size == 0 || offset > object_size || size > object_size - offset) {
     return absl::InvalidArgumentError(absl::StrCat("region [", offset, ", ", offset + size,
@@ -83,7 +87,11 @@ absl::StatusOr<std::unique_ptr<Region>> MapShared(int fd, uint64_t object_size,
         absl::StrCat("mmap of ", object, " failed: ", std::strerror(errno)));
   }
   uint8_t* data = static_cast<uint8_t*>(base) + (offset - map_offset);
-  auto region = std::make_unique<HostShmRegion>(what, base, map_length, offset, size, data);
+  const std::string identity =
+      absl::StrCat(static_cast<uint64_t>(st.st_dev), ":", static_cast<uint64_t>(st.st_ino), " [",
+                   offset, ", ", offset + size, ")");
+  auto region =
+      std::make_unique<HostShmRegion>(what, identity, base, map_length, offset, size, data);
   if (!region->guarded()) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot map ", object, ": ",
                                                      FaultGuard::kMaxGuarded,
@@ -94,9 +102,7 @@ absl::StatusOr<std::unique_ptr<Region>> MapShared(int fd, uint64_t object_size,
 
 }  // namespace
 
-const char* MemoryKindName(MemoryKind kind) {
-  return kind == MemoryKind::kCuda ? "cuda" : "host";
-}
+const char* MemoryKindName(MemoryKind kind) { return kind == MemoryKind::kCuda ? "cuda" : "host"; }
 
 absl::StatusOr<std::unique_ptr<Region>> MapHostShm(
     const std::string& given, uint64_t offset, uint64_t size,
@@ -117,8 +123,8 @@ absl::StatusOr<std::unique_ptr<Region>> MapHostShm(
       return absl::NotFoundError(absl::StrCat("shm object ", name, " does not exist"));
     }
     if (err == EINVAL || err == ENAMETOOLONG) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("host_shm name '", given, "' is not a POSIX shm name: ", std::strerror(err)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "host_shm name '", given, "' is not a POSIX shm name: ", std::strerror(err)));
     }
     if (err == EMFILE || err == ENFILE) {
       return absl::ResourceExhaustedError(
@@ -140,8 +146,8 @@ absl::StatusOr<std::unique_ptr<Region>> MapHostShm(
       return allowed;
     }
   }
-  auto region = MapShared(fd, static_cast<uint64_t>(st.st_size), absl::StrCat("shm ", name),
-                          absl::StrCat("shm object ", name), offset, size);
+  auto region = MapShared(fd, st, absl::StrCat("shm ", name), absl::StrCat("shm object ", name),
+                          offset, size);
   close(fd);
   return region;
 }
@@ -184,12 +190,12 @@ absl::StatusOr<std::unique_ptr<Region>> MapSealedMemfd(int fd, uint64_t offset, 
   if (fstat(fd, &st) != 0) {
     return absl::InternalError(absl::StrCat("fstat of ", what, ": ", std::strerror(errno)));
   }
-  return MapShared(fd, static_cast<uint64_t>(st.st_size), what, what, offset, size);
+  return MapShared(fd, st, what, what, offset, size);
 }
 
 absl::StatusOr<std::unique_ptr<Region>> AllocateHost(uint64_t size) {
-  const uint64_t length = std::max<uint64_t>(PageSize(), (size + PageSize() - 1) / PageSize() *
-                                                             PageSize());
+  const uint64_t length =
+      std::max<uint64_t>(PageSize(), (size + PageSize() - 1) / PageSize() * PageSize());
   void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE,
                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
   if (base == MAP_FAILED) {

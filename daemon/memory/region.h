@@ -39,6 +39,10 @@ class Region {
   // zeros now, and whatever was read from or written to it since is not the client's
   // (fault_guard.h). Client buffers only; never true for the daemon's own slots.
   virtual bool Broken() const { return false; }
+  // Which memory this is, for telling a second registration of the same memory (RegisterBuffer
+  // is idempotent for it): "dev:inode [offset, end)" of the shm object or memfd a client region
+  // maps; empty for memory without such an identity (CUDA, the daemon's own slots).
+  virtual std::string Identity() const { return ""; }
 
  protected:
   Region(MemoryKind kind, int device, uint8_t* data, uint64_t size)

@@ -134,27 +134,30 @@ int RunExecution(int runs) {
   auto straight = plan_for(1, 1, &ss_b, &ds_b, &keep_b);
   if (!resharded.ok() || !straight.ok()) return 1;
   const double bytes = static_cast<double>(straight->dst_bytes);
-  const double t_straight = TimeExecution(*straight, ss_b, ds_b, runs);
-  const double t_resharded = TimeExecution(*resharded, ss_a, ds_a, runs);
+  // Interleaved: each round times plain, verified and memcpy back to back, so that a machine
+  // whose load drifts (shared build hosts) weighs on all of them alike; medians over rounds.
+  std::vector<double> plain_s, plain_r, verified_s, verified_r, copies;
+  std::vector<uint8_t> from(straight->dst_bytes, 1), to(straight->dst_bytes, 0);
+  for (int r = 0; r < runs; ++r) {
+    plain_s.push_back(TimeExecution(*straight, ss_b, ds_b, 1));
+    verified_s.push_back(TimeExecution(*straight, ss_b, ds_b, 1, true));
+    plain_r.push_back(TimeExecution(*resharded, ss_a, ds_a, 1));
+    verified_r.push_back(TimeExecution(*resharded, ss_a, ds_a, 1, true));
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memcpy(to.data(), from.data(), from.size());
+    copies.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  const double t_straight = Median(plain_s), t_resharded = Median(plain_r);
   std::printf(
       "execution, %.2f GiB bf16 (8 layers, hidden 2048), median of %d:\n"
       "  unresharded TP1 -> TP1: %7.2f GB/s (%zu ops)\n"
       "  resharded   TP8 -> TP2: %7.2f GB/s (%zu ops) = %.2fx unresharded\n",
       bytes / (1ull << 30), runs, bytes / t_straight / 1e9, straight->ops.size(),
       bytes / t_resharded / 1e9, resharded->ops.size(), t_straight / t_resharded);
-  // Verified install: the same plans with each block checked as it lands, beside memcpy.
-  const double t_straight_v = TimeExecution(*straight, ss_b, ds_b, runs, true);
-  const double t_resharded_v = TimeExecution(*resharded, ss_a, ds_a, runs, true);
-  std::vector<uint8_t> from(straight->dst_bytes, 1), to(straight->dst_bytes, 0);
-  std::vector<double> copies;
-  for (int r = 0; r < runs; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    std::memcpy(to.data(), from.data(), from.size());
-    copies.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
+  const double t_straight_v = Median(verified_s), t_resharded_v = Median(verified_r);
   const double t_memcpy = Median(copies);
   std::printf(
-      "verified apply (each 256 KiB block compared as it lands), median of %d:\n"
+      "verified apply (memcpy ops copied and compared in 8 KiB pieces), median of %d:\n"
       "  memcpy (one thread, reference): %7.2f GB/s\n"
       "  unresharded verified: %7.2f GB/s = %.2fx plain apply\n"
       "  resharded   verified: %7.2f GB/s = %.2fx plain apply\n",
@@ -224,7 +227,11 @@ int Run(int repetitions) {
 }  // namespace
 }  // namespace refit::plan
 
+// plan_bench [REPETITIONS]: both parts; plan_bench execution [ROUNDS]: execution only.
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "execution") {
+    return refit::plan::RunExecution(argc > 2 ? std::max(1, std::atoi(argv[2])) : 9);
+  }
   const int repetitions = argc > 1 ? std::max(1, std::atoi(argv[1])) : 9;
   const int status = refit::plan::Run(repetitions);
   return status != 0 ? status : refit::plan::RunExecution(5);

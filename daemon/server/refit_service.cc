@@ -1,15 +1,16 @@
 #include "daemon/server/refit_service.h"
 
 #include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda.h"
 #include "daemon/common/logging.h"
+#include "daemon/convert/convert.h"
 #include "daemon/memory/region.h"
 #include "daemon/plan/plan.h"
-#include "daemon/convert/convert.h"
 #include "daemon/version.h"
 
 namespace refit::server {
@@ -75,8 +76,8 @@ constexpr size_t kMaxNameBytes = 1024;
 
 absl::Status CheckNameLengths(const v1::RegisterBufferRequest& request) {
   auto too_long = [](const char* what, const std::string& name) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " of ", name.size(),
-                                                   " bytes is longer than ", kMaxNameBytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " of ", name.size(), " bytes is longer than ", kMaxNameBytes));
   };
   if (request.model().size() > kMaxNameBytes) return too_long("model name", request.model());
   if (request.client().size() > kMaxNameBytes) return too_long("client name", request.client());
@@ -126,10 +127,14 @@ grpc::Status RefitService::RegisterBuffer(grpc::ServerContext*,
   auto region = OpenRegion(request->memory(), context_.caller, request->role() == v1::DESTINATION,
                            context_.memfds.get());
   if (!region.ok()) return Finish("RegisterBuffer", region.status());
-  auto id = context_.store->RegisterBuffer(request->model(),
-                                           static_cast<Role>(request->role()),
+  // Who registers: the same caller registering the same memory again gets the same buffer.
+  std::string owner;
+  if (context_.caller) {
+    owner = absl::StrCat("uid ", context_.caller->uid, " pid ", context_.caller->pid);
+  }
+  auto id = context_.store->RegisterBuffer(request->model(), static_cast<Role>(request->role()),
                                            std::move(region).value(), std::move(slices).value(),
-                                           request->client());
+                                           request->client(), owner);
   if (!id.ok()) return Finish("RegisterBuffer", id.status());
   if (context_.owners && context_.caller) {
     context_.owners->Set(*id, context_.caller->uid, context_.caller->pid);
@@ -176,7 +181,6 @@ grpc::Status RefitService::Publish(grpc::ServerContext*, const v1::PublishReques
                                    v1::PublishResponse* response) {
   if (absl::Status owned = CheckOwner(request->buffer_ids(), "publish"); !owned.ok()) {
     return Finish("Publish", owned);
-
   }
   // A number the model used before (in this process or, with --state-dir, an earlier one) is
   // refused: engines' nodes would take it for the version they hold.
@@ -241,9 +245,8 @@ grpc::Status RefitService::Watch(grpc::ServerContext* context, const v1::WatchRe
   // can be missed.
   writer->SendInitialMetadata();
   while (true) {
-    auto versions = context_.store->WaitForCompletions(request->model(), after,
-                                                       SteadyDeadline(*context),
-                                                       CancelledOf(context));
+    auto versions = context_.store->WaitForCompletions(
+        request->model(), after, SteadyDeadline(*context), CancelledOf(context));
     if (!versions.ok()) {
       if (versions.status().code() == absl::StatusCode::kCancelled) return grpc::Status::OK;
       return Finish("Watch", versions.status());
@@ -338,8 +341,7 @@ grpc::Status RefitService::DropModel(grpc::ServerContext*, const v1::DropModelRe
   return grpc::Status::OK;
 }
 
-grpc::Status RefitService::RenewLeases(grpc::ServerContext*,
-                                       const v1::RenewLeasesRequest* request,
+grpc::Status RefitService::RenewLeases(grpc::ServerContext*, const v1::RenewLeasesRequest* request,
                                        v1::RenewLeasesResponse* response) {
   if (request->buffer_ids_size() > 65536) {
     return Finish("RenewLeases", absl::InvalidArgumentError("more than 65536 buffer ids"));

@@ -67,9 +67,9 @@ absl::Status ParseDeltaBase(const std::string& text, DeltaBase* default_base,
 const char* DeltaBaseName(DeltaBase base);
 
 struct StoreOptions {
-  uint32_t retain = 2;                          // complete versions kept per model (>= 1)
+  uint32_t retain = 2;                         // complete versions kept per model (>= 1)
   uint64_t max_spare_slot_bytes = 4ull << 30;  // released slots kept for reuse
-  std::string node = "node";                    // used in buffer ids
+  std::string node = "node";                   // used in buffer ids
   // Where version slots live: host memory (pinned when CUDA is compiled in and a GPU is seen,
   // so GPU buffers copy at PCIe speed) or GPU memory on `slot_device`. GPU slots keep a pinned
   // host mirror, made at Publish, for what other nodes read (UCX here has no CUDA support).
@@ -151,8 +151,8 @@ struct ModelInfo {
 // What Verify found in one DESTINATION buffer.
 struct VerifyResult {
   std::string buffer_id;
-  uint64_t version = 0;  // the version its last Apply installed; 0: none to check
-  bool checked = false;  // its bytes were compared (else `note` says why not)
+  uint64_t version = 0;                    // the version its last Apply installed; 0: none to check
+  bool checked = false;                    // its bytes were compared (else `note` says why not)
   std::vector<std::string> stale_tensors;  // tensors whose bytes differ from `version`'s
   std::string note;
 };
@@ -251,11 +251,16 @@ class Store {
 
   // Lends the store `region` holding `slices` of `model`'s tensors. Slices are normalized and
   // validated against the region and against the model's other buffers (INVALID_ARGUMENT).
-  // Returns the new buffer's id.
+  // Returns the new buffer's id. `owner` names the registering caller (e.g. "uid:pid").
+  // Idempotent for the same memory (Region::Identity): the same owner registering it again for
+  // the same model, role and slices gets the existing buffer's id back (nothing changes);
+  // another owner, model, role or layout on it is ALREADY_EXISTS naming that buffer, and
+  // nothing changes either.
   absl::StatusOr<std::string> RegisterBuffer(const std::string& model, Role role,
                                              std::unique_ptr<Region> region,
                                              std::vector<TensorSlice> slices,
-                                             const std::string& client);
+                                             const std::string& client,
+                                             const std::string& owner = "");
 
   // Stops using a buffer. In-flight Publish/Apply calls on it finish first (they hold it).
   // Releasing a SOURCE buffer abandons the versions in flight that other sources published but
@@ -314,7 +319,7 @@ class Store {
   // The local snapshot of `version`, kept alive as long as the caller holds it. NOT_FOUND when
   // it is no longer held.
   absl::StatusOr<std::shared_ptr<const LocalSnapshot>> GetLocalSnapshot(const std::string& model,
-                                                                     uint64_t version) const;
+                                                                        uint64_t version) const;
 
   // A peer asked for the checksums of `ranges` ([begin, end) of a piece) of SOURCE buffer
   // `buffer_id`, off the Publish-time grid. The next Publishes of the buffer hash these ranges
@@ -322,8 +327,8 @@ class Store {
   // resharded pull asks for the same ranges every version). Runs are kept by offset (a later
   // one replaces an earlier one there, unless it is only that run's first ranges, as a reader
   // asking again about chunks that failed would send); a run not asked for again during 4
-  // Publishes is dropped. Kept per buffer: at most kMaxChecksumHints ranges, of at most kCopyBlockBytes each
-  // (longer ones are never hashed at Publish), and twice `piece_bytes` in all.
+  // Publishes is dropped. Kept per buffer: at most kMaxChecksumHints ranges, of at most
+  // kCopyBlockBytes each (longer ones are never hashed at Publish), and twice `piece_bytes` in all.
   void NoteChecksumRanges(const std::string& buffer_id, uint64_t piece_bytes,
                           const std::vector<RangeRun>& runs);
   static constexpr size_t kMaxChecksumHints = 1u << 19;
@@ -343,8 +348,7 @@ class Store {
   // from, is a reused number; it is skipped, logged and shown (ModelInfo.skipped_version).
   void AnnounceRemoteVersion(const std::string& node, const std::string& model, uint64_t version,
                              std::vector<RemotePieceRef> pieces,
-                             std::vector<RemoteDeltaRef> deltas = {},
-                             const std::string& run = "");
+                             std::vector<RemoteDeltaRef> deltas = {}, const std::string& run = "");
   // `node` is gone: its sources stay expected (no version completes without them) and a pull
   // from it fails.
   void ForgetRemoteVersions(const std::string& node);
@@ -354,8 +358,7 @@ class Store {
   // if pulled from a peer (once any local sources published it too); `slots` are kept as the
   // version's pieces.
   void ImportVersion(const std::string& node, const std::string& model, uint64_t version,
-                     std::vector<SourceLayout> layouts,
-                     std::vector<std::shared_ptr<Region>> slots);
+                     std::vector<SourceLayout> layouts, std::vector<std::shared_ptr<Region>> slots);
 
   // The data plane finished `job`: on success `staging[i]` holds job.fetches[i].ranges.
   void FinishPull(const PullJob& job, absl::Status result,
@@ -390,6 +393,9 @@ class Store {
   struct DestinationBase;
 
   Model* FindModel(const std::string& name);
+  // OK when `again` registers `existing`'s memory the same way (same owner, model, role,
+  // slices); ALREADY_EXISTS naming `existing` and what differs otherwise.
+  static absl::Status SameRegistration(const Buffer& existing, const Buffer& again);
   const Model* FindModel(const std::string& name) const;
   absl::Status CheckAgainstModel(const Model& model, Role role,
                                  const std::vector<TensorSlice>& slices) const;
@@ -478,6 +484,7 @@ class Store {
   uint64_t next_buffer_ = 1;
   std::map<std::string, std::unique_ptr<Model>> models_;
   std::map<std::string, std::shared_ptr<Buffer>> buffers_;  // by id
+  std::map<std::string, std::string> by_memory_;            // buffer ids by Region::Identity()
   StoreListener listener_;
   // Versions waiting for quantization (model, version); the thread starts with the first.
   std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_queue_;

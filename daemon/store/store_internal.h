@@ -35,6 +35,8 @@ struct Store::Buffer {
   std::string id;
   std::string model;
   std::string client;
+  std::string owner;   // who registered it (RegisterBuffer's `owner`)
+  std::string memory;  // region->Identity(); empty: none
   Role role = Role::kUnspecified;
   std::shared_ptr<Region> region;
   std::vector<TensorSlice> slices;  // normalized; offsets from the region start
@@ -47,11 +49,11 @@ struct Store::Buffer {
   // DESTINATION buffers: non-empty when its layout disagrees with the model's sources (set by
   // RecheckDestinations); such a buffer is left out of plans and Apply refuses it.
   std::string refused;  // guarded by Store::mu_
-  std::mutex io_mu;             // one snapshot or one Apply at a time on this memory
+  std::mutex io_mu;     // one snapshot or one Apply at a time on this memory
   // DESTINATION buffers: the version the last Apply installed and verified here; 0: none, or
   // what landed is stale (a failed or unverified Apply). Written under io_mu.
   std::atomic<uint64_t> applied{0};
-  ChecksumHints hints;          // SOURCE buffers; guarded by hints.mu
+  ChecksumHints hints;  // SOURCE buffers; guarded by hints.mu
 };
 
 struct Store::Piece {
@@ -128,7 +130,7 @@ struct Store::Model {
   // Several nodes.
   struct RemoteNode {
     std::vector<SourceLayout> sources;
-    std::string run;  // the run (daemon instance) that announced `announced`
+    std::string run;         // the run (daemon instance) that announced `announced`
     uint64_t announced = 0;  // newest version all its sources published; 0: none known
     std::vector<RemotePieceRef> pieces;
     std::vector<RemoteDeltaRef> deltas;
@@ -136,18 +138,18 @@ struct Store::Model {
     std::map<std::string, std::shared_ptr<Region>> imported;
   };
   std::map<std::string, RemoteNode> remotes;  // by node name
-  uint64_t local_ready = 0;                    // newest version all local sources published
+  uint64_t local_ready = 0;                   // newest version all local sources published
   std::map<uint64_t, std::shared_ptr<const LocalSnapshot>> snapshots;  // for other nodes
-  uint64_t pulling = 0;                        // version being pulled; 0: none
-  std::vector<Piece> pulling_pieces;           // its pieces, remote ones not yet staged
-  std::set<uint64_t> pulling_sizes;            // of its staging slots (AcquireSlot's owner)
-  uint64_t share = 0;                          // UpdateBudget: one version's slot bytes here
-  uint64_t failed = 0;                         // newest version whose pull failed
-  absl::Status failed_status;                  // why (OK when it couldn't be planned)
-  std::string staging_reserved;                // the remote layout staging slots were reserved for
+  uint64_t pulling = 0;               // version being pulled; 0: none
+  std::vector<Piece> pulling_pieces;  // its pieces, remote ones not yet staged
+  std::set<uint64_t> pulling_sizes;   // of its staging slots (AcquireSlot's owner)
+  uint64_t share = 0;                 // UpdateBudget: one version's slot bytes here
+  uint64_t failed = 0;                // newest version whose pull failed
+  absl::Status failed_status;         // why (OK when it couldn't be planned)
+  std::string staging_reserved;       // the remote layout staging slots were reserved for
   // The run of each other node whose pieces the newest complete version came from.
   std::map<std::string, std::string> latest_runs;
-  uint64_t skipped = 0;                        // newest announced version not taken
+  uint64_t skipped = 0;  // newest announced version not taken
   std::string skipped_reason;
   // --delta-base=destination: the version the destinations stand in for (null: none), and why
   // the held copy is kept instead (said once in the log, and in Status).

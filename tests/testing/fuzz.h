@@ -41,21 +41,36 @@ class Gen {
   }
 
   int64_t Int(int64_t usual) {
-    static const int64_t kEdges[] = {0,         -1, 1, INT64_MAX, INT64_MIN, INT32_MAX,
-                                     int64_t{1} << 32, int64_t{1} << 62, -(int64_t{1} << 40)};
+    static const int64_t kEdges[] = {0,
+                                     -1,
+                                     1,
+                                     INT64_MAX,
+                                     INT64_MIN,
+                                     INT32_MAX,
+                                     int64_t{1} << 32,
+                                     int64_t{1} << 62,
+                                     -(int64_t{1} << 40)};
     if (OneIn(5)) return kEdges[Below(std::size(kEdges))];
     return static_cast<int64_t>(Below(static_cast<uint64_t>(usual)));
   }
   uint64_t U64(uint64_t usual) {
-    static const uint64_t kEdges[] = {0,          1,         UINT64_MAX, UINT64_MAX - 3,
+    static const uint64_t kEdges[] = {0,          1,          UINT64_MAX, UINT64_MAX - 3,
                                       1ull << 63, 1ull << 32, kShmBytes,  kShmBytes + 1};
     if (OneIn(5)) return kEdges[Below(std::size(kEdges))];
     return Below(usual);
   }
   std::string Text() {
-    static const std::vector<std::string> kTexts = {
-        "", "m", "w", "v", "x", "a b/c", "model.layers.0.self_attn.q_proj.weight", "\xc3\xa9t\xc3\xa9",
-        std::string(5000, 'a'), "%s%s%n", "../../etc/passwd"};
+    static const std::vector<std::string> kTexts = {"",
+                                                    "m",
+                                                    "w",
+                                                    "v",
+                                                    "x",
+                                                    "a b/c",
+                                                    "model.layers.0.self_attn.q_proj.weight",
+                                                    "\xc3\xa9t\xc3\xa9",
+                                                    std::string(5000, 'a'),
+                                                    "%s%s%n",
+                                                    "../../etc/passwd"};
     if (OneIn(3)) {
       std::string s(Below(20), ' ');
       for (char& c : s) c = static_cast<char>(' ' + Below(95));
@@ -67,10 +82,14 @@ class Gen {
   // Slices that register: "w" [32, 32] fp32 whole or in row halves, "v" [64] bf16.
   v1::TensorSlice SaneSlice(uint64_t buffer_offset) {
     switch (Below(4)) {
-      case 0: return client::Slice("w", v1::FP32, {32, 32}, buffer_offset);
-      case 1: return client::Slice("w", v1::FP32, {32, 32}, buffer_offset, {0, 0}, {16, 32});
-      case 2: return client::Slice("w", v1::FP32, {32, 32}, buffer_offset, {16, 0}, {16, 32});
-      default: return client::Slice("v", v1::BF16, {64}, buffer_offset);
+      case 0:
+        return client::Slice("w", v1::FP32, {32, 32}, buffer_offset);
+      case 1:
+        return client::Slice("w", v1::FP32, {32, 32}, buffer_offset, {0, 0}, {16, 32});
+      case 2:
+        return client::Slice("w", v1::FP32, {32, 32}, buffer_offset, {16, 0}, {16, 32});
+      default:
+        return client::Slice("v", v1::BF16, {64}, buffer_offset);
     }
   }
 
@@ -84,14 +103,26 @@ class Gen {
       }
     };
     switch (Below(7)) {
-      case 0: s->set_name(Text()); break;
-      case 1: s->set_dtype(static_cast<v1::DType>(OneIn(4) ? Int(100) : Below(12)));
+      case 0:
+        s->set_name(Text());
         break;
-      case 2: dims(s->mutable_global_shape()); break;
-      case 3: dims(s->mutable_offsets()); break;
-      case 4: dims(s->mutable_sizes()); break;
-      case 5: s->set_buffer_offset(U64(kShmBytes)); break;
-      default: dims(s->mutable_buffer_strides());
+      case 1:
+        s->set_dtype(static_cast<v1::DType>(OneIn(4) ? Int(100) : Below(12)));
+        break;
+      case 2:
+        dims(s->mutable_global_shape());
+        break;
+      case 3:
+        dims(s->mutable_offsets());
+        break;
+      case 4:
+        dims(s->mutable_sizes());
+        break;
+      case 5:
+        s->set_buffer_offset(U64(kShmBytes));
+        break;
+      default:
+        dims(s->mutable_buffer_strides());
     }
   }
 
@@ -123,10 +154,12 @@ inline void ExpectStillServing(DaemonProcess& daemon, client::SharedMemory& src,
   auto c = daemon.Connect();
   REQUIRE(c.ok());
   auto& client = **c;
+  // Windows of their own ([0, 4 KiB) and [8 KiB, 12 KiB)): the whole objects may still be
+  // registered by the requests before, and one memory is one buffer.
   auto sid = client.RegisterBuffer("after", v1::SOURCE, src.name(),
-                                   {client::Slice("w", v1::FP32, {32, 32})});
+                                   {client::Slice("w", v1::FP32, {32, 32})}, "", 0, 4096);
   auto did = client.RegisterBuffer("after", v1::DESTINATION, dst.name(),
-                                   {client::Slice("w", v1::FP32, {32, 32}, 8192)});
+                                   {client::Slice("w", v1::FP32, {32, 32})}, "", 8192, 4096);
   REQUIRE(sid.ok());
   REQUIRE(did.ok());
   REQUIRE(client.Publish("after", 1, {*sid}).ok());
