@@ -312,7 +312,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       impl->tls.enabled());
   impl->peers = std::make_unique<peer::PeerManager>(
       peer::PeerManagerOptions{options.node, impl->instance, options.delta_threshold,
-                               options.relay, impl->tls},
+                               options.relay, impl->tls, options.max_peer_connections},
       options.peers, impl->store.get(), impl->data_plane.get(), &impl->metrics,
       &impl->relay_board, &impl->replicas);
   {

@@ -59,9 +59,10 @@ int main(int argc, char** argv) {
   auto* retain_opt = app.add_option("--retain", flags.retain, "versions kept per model")
                          ->capture_default_str()
                          ->check(CLI::Range(1u, 1000000u));
-  auto* level_opt = app.add_option("--log-level", flags.log_level, "trace, debug, info, warn, error")
-                        ->capture_default_str()
-                        ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
+  auto* level_opt =
+      app.add_option("--log-level", flags.log_level, "trace, debug, info, warn, error")
+          ->capture_default_str()
+          ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
   auto* metrics_opt = app.add_option("--metrics-listen", flags.metrics_listen,
                                      "HOST:PORT serving Prometheus /metrics (default: off)");
   auto* health_opt = app.add_option("--health-listen", flags.health_listen,
@@ -117,6 +118,12 @@ int main(int argc, char** argv) {
                      "serve versions this node pulled to other nodes pulling them, and read "
                      "from them (true, false)")
           ->capture_default_str();
+  auto* max_peer_opt =
+      app.add_option("--max-peer-connections", flags.max_peer_connections,
+                     "the most control channels open to other daemons: --peers, plus relay "
+                     "channels opened on demand")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 65536));
   auto* allow_uids_opt =
       app.add_option("--allow-uids", flags.allow_uids,
                      "local callers (by uid) allowed besides refitd's own uid, e.g. 1000,1001")
@@ -173,6 +180,7 @@ int main(int argc, char** argv) {
   if (*slot_memory_opt) options.slot_memory = flags.slot_memory;
   if (*slot_device_opt) options.slot_device = flags.slot_device;
   if (*relay_opt) options.relay = flags.relay;
+  if (*max_peer_opt) options.max_peer_connections = flags.max_peer_connections;
   if (*allow_uids_opt) options.allow_uids = flags.allow_uids;
   if (*allow_gids_opt) options.allow_gids = flags.allow_gids;
   if (*tls_cert_opt) options.tls_cert = flags.tls_cert;

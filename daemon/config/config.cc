@@ -43,8 +43,8 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
   } catch (const toml::parse_error& e) {
     std::ostringstream where;
     where << e.source().begin;
-    return absl::InvalidArgumentError(
-        absl::StrCat(origin, ": not valid TOML at ", where.str(), ": ", std::string(e.description())));
+    return absl::InvalidArgumentError(absl::StrCat(origin, ": not valid TOML at ", where.str(),
+                                                   ": ", std::string(e.description())));
   }
   DaemonOptions parsed = *options;
   for (const auto& [key_view, node] : table) {
@@ -64,8 +64,7 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
     } else if (key == "log_level") {
       status = ReadString(node, origin, key, &parsed.log_level);
       if (status.ok() && parsed.log_level != "trace" && parsed.log_level != "debug" &&
-          parsed.log_level != "info" && parsed.log_level != "warn" &&
-          parsed.log_level != "error") {
+          parsed.log_level != "info" && parsed.log_level != "warn" && parsed.log_level != "error") {
         status = Bad(origin, key, "must be one of trace, debug, info, warn, error");
       }
     } else if (key == "retain") {
@@ -160,6 +159,13 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
       } else {
         parsed.relay = *value;
       }
+    } else if (key == "max_peer_connections") {
+      auto value = node.value<int64_t>();
+      if (!node.is_integer() || !value || *value < 1 || *value > 65536) {
+        status = Bad(origin, key, "must be an integer from 1 to 65536");
+      } else {
+        parsed.max_peer_connections = static_cast<uint32_t>(*value);
+      }
     } else if (key == "peers") {
       parsed.peers.clear();
       if (node.is_string()) {
@@ -183,8 +189,9 @@ absl::Status ParseConfig(const std::string& text, const std::string& origin,
                    "is unknown (known: socket, listen, peers, node, retain, log_level, "
                    "metrics_listen, health_listen, chunk_bytes, inflight, delta_threshold, "
                    "delta_chain, bucket_export, bucket_import, bucket_full_every, slot_memory, "
-                   "slot_device, max_slot_memory, max_gpu_slot_memory, relay, state_dir, "
-                   "data_ports, allow_uids, allow_gids, tls_cert, tls_key, tls_ca)");
+                   "slot_device, max_slot_memory, max_gpu_slot_memory, relay, "
+                   "max_peer_connections, state_dir, data_ports, allow_uids, allow_gids, tls_cert, "
+                   "tls_key, tls_ca)");
     }
     if (!status.ok()) return status;
   }

@@ -3,7 +3,7 @@
 // refitd's configuration file (TOML, read with toml++). Keys are the flag names with '-' → '_':
 //   socket, listen, peers, node, retain, log_level, metrics_listen, health_listen, chunk_bytes,
 //   inflight, delta_threshold, delta_chain, bucket_export, bucket_import, bucket_full_every,
-//   slot_memory, slot_device, max_slot_memory, max_gpu_slot_memory, relay, state_dir,
+//   slot_memory, slot_device, max_slot_memory, max_gpu_slot_memory, relay, max_peer_connections, state_dir,
 //   data_ports, allow_uids, allow_gids, tls_cert, tls_key, tls_ca
 // Flags given on the command line override the file. Unknown keys and bad values are rejected
 // with a message naming the key. See deploy/refitd.toml for a documented sample.

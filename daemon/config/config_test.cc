@@ -18,6 +18,7 @@ metrics_listen = "0.0.0.0:9464"
 health_listen = "0.0.0.0:7071"
 max_slot_memory = 1073741824
 max_gpu_slot_memory = 2147483648
+max_peer_connections = 24
 )",
                             "test.toml", &options);
   REQUIRE(status.ok());
@@ -31,6 +32,7 @@ max_gpu_slot_memory = 2147483648
   CHECK(options.health_listen == "0.0.0.0:7071");
   CHECK(options.max_slot_memory == uint64_t{1} << 30);
   CHECK(options.max_gpu_slot_memory == uint64_t{2} << 30);
+  CHECK(options.max_peer_connections == 24);
 }
 
 TEST_CASE("peers may be one comma-separated string (a headless Service name)", "[config]") {
@@ -39,8 +41,7 @@ TEST_CASE("peers may be one comma-separated string (a headless Service name)", "
   CHECK(options.peers == std::vector<std::string>{"refit-peers:7070"});
 }
 
-TEST_CASE("unknown keys and bad values are rejected naming the key, changing nothing",
-          "[config]") {
+TEST_CASE("unknown keys and bad values are rejected naming the key, changing nothing", "[config]") {
   DaemonOptions options;
   options.retain = 5;
   auto check = [&](const std::string& text, const std::string& needle) {
@@ -59,12 +60,12 @@ TEST_CASE("unknown keys and bad values are rejected naming the key, changing not
   check("retain = = 2\n", "not valid TOML");
   check("max_gpu_slot_memory = -1\n", "'max_gpu_slot_memory'");
   check("max_gpu_slot_memory = \"40GiB\"\n", "'max_gpu_slot_memory'");
+  check("max_peer_connections = 0\n", "'max_peer_connections'");
 }
 
 TEST_CASE("a missing file is NOT_FOUND", "[config]") {
   DaemonOptions options;
-  CHECK(LoadConfigFile("/nonexistent/refitd.toml", &options).code() ==
-        absl::StatusCode::kNotFound);
+  CHECK(LoadConfigFile("/nonexistent/refitd.toml", &options).code() == absl::StatusCode::kNotFound);
 }
 
 }  // namespace

@@ -34,12 +34,12 @@ std::map<std::string, HistogramSnapshot> Metrics::Histograms() const {
 }
 
 Metrics::Metrics() {
-  for (const char* name : {kDataBytesReceived, kDataBytesSent, kVersionsCompleted, kApplyBytes,
-                           kPublishBytes, kPublishes, kApplies, kVersionsDropped,
-                           kVersionsAbandoned, kOwnerExitReleases, kApplyVerifyFailures,
-                           kPeersConnected, kChecksumBytesHashed, kRelayBytesSent,
-                           kRelayBytesReceived, kRelayChunksRejected, kQuantizedValues,
-                           kNonfiniteValues}) {
+  for (const char* name :
+       {kDataBytesReceived, kDataBytesSent, kVersionsCompleted, kApplyBytes, kPublishBytes,
+        kPublishes, kApplies, kVersionsDropped, kVersionsAbandoned, kOwnerExitReleases,
+        kApplyVerifyFailures, kPeersConnected, kPeerChannelsOpen, kChecksumBytesHashed,
+        kRelayBytesSent, kRelayBytesReceived, kRelayChunksRejected, kQuantizedValues,
+        kNonfiniteValues}) {
     Find(name);
   }
 }

@@ -35,6 +35,9 @@ inline constexpr char kOwnerExitReleases[] = "refit_owner_exit_releases_total";
 // Applies whose bytes, checked as they landed, differed from the version's (DATA_LOSS).
 inline constexpr char kApplyVerifyFailures[] = "refit_apply_verify_failures_total";
 inline constexpr char kPeersConnected[] = "refit_peers_connected";
+// Control channels open to other daemons: --peers connected, plus relay channels opened on
+// demand (bounded by --max-peer-connections).
+inline constexpr char kPeerChannelsOpen[] = "refit_peer_channels_open";
 // Data-plane bytes this node read from relays (other pullers) instead of the origin, and
 // chunks a relay served that failed the origin's checksum (refetched from the origin).
 inline constexpr char kRelayBytesReceived[] = "refit_relay_bytes_received_total";
@@ -57,8 +60,8 @@ inline constexpr char kQuantizeSeconds[] = "refit_quantize_seconds";
 
 // A cumulative histogram with fixed bucket bounds, Prometheus style.
 struct HistogramSnapshot {
-  std::vector<double> bounds;     // upper bounds, ascending; +Inf implied
-  std::vector<uint64_t> counts;   // cumulative count per bound, then +Inf
+  std::vector<double> bounds;    // upper bounds, ascending; +Inf implied
+  std::vector<uint64_t> counts;  // cumulative count per bound, then +Inf
   double sum = 0;
   uint64_t count = 0;
 };
