@@ -4,6 +4,7 @@
 // --max-peer-connections; idle relay channels close. Every version still arrives bit-exact on
 // every engine, through relays, with the trainer's node sending it about once.
 
+#include <cstdio>
 #include <thread>
 
 #include "catch2/catch.hpp"
@@ -58,9 +59,10 @@ void RequireOnePeer(Fleet& fleet) {
 
 TEST_CASE("engines that know only the trainer relay to each other, within the channel cap",
           "[integration][fanout]") {
-  // 8 engines, 16 MiB; relay channels close after 2 s unused.
+  // 8 engines, 64 MiB (16 checksum chunks of 4 MiB: each of the 8 stripes holds two, so every
+  // engine relays one); relay channels close after 2 s unused.
   Fleet fleet(
-      TrainerOnly(8, 2048, {"--max-peer-connections=9"}, {"REFIT_TEST_RELAY_IDLE_MS=2000"}));
+      TrainerOnly(8, 8192, {"--max-peer-connections=9"}, {"REFIT_TEST_RELAY_IDLE_MS=2000"}));
   RequireOnePeer(fleet);
   const double model = static_cast<double>(fleet.ModelBytes());
   for (uint64_t v = 1; v <= 3; ++v) {
@@ -73,6 +75,8 @@ TEST_CASE("engines that know only the trainer relay to each other, within the ch
     const double relayed = fleet.RelaySent() - relayed_before;
     INFO("version " << v << ": trainer sent " << sent / model << " models, relays "
                     << relayed / model);
+    std::printf("version %llu: the trainer's node sent %.3f models, the relays %.3f\n",
+                static_cast<unsigned long long>(v), sent / model, relayed / model);
     REQUIRE(sent >= 0.9 * model);
     REQUIRE(sent <= 1.25 * model);
     REQUIRE(relayed >= 5.5 * model);  // 7/8 of the model to each of 8 nodes

@@ -525,6 +525,7 @@ v1::Peer::Stub* PeerManager::OpenRelay(const std::string& node) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return nullptr;
+    if (v1::Peer::Stub* stub = ConnectedLocked(node)) return stub;  // its --peers entry came up
     if (auto relay = relays_.find(node); relay != relays_.end()) {  // opened meanwhile
       relay->second.used = std::chrono::steady_clock::now();
       return relay->second.stub.get();
@@ -585,7 +586,8 @@ void PeerManager::CloseIdle() {
       ++it;
       continue;
     }
-    data_plane_->Disconnect(it->first);
+    // A --peers connection to the same node (it came up meanwhile) owns the endpoint now.
+    if (!ConnectedLocked(it->first)) data_plane_->Disconnect(it->first);
     metrics_->Add(kPeerChannelsOpen, -1);
     Logger("peer")->info("relay channel to node {} closed (idle)", it->first);
     it = relays_.erase(it);
