@@ -299,10 +299,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       options.node, impl->store.get(), impl->data_plane.get(), impl->deltas.get(), &impl->metrics,
       &impl->relay_board, &impl->replicas, options.relay, impl->tls.enabled());
   impl->peers = std::make_unique<peer::PeerManager>(
-      peer::PeerManagerOptions{options.node, impl->instance, options.delta_threshold, options.relay,
-                               impl->tls},
-      options.peers, impl->store.get(), impl->data_plane.get(), &impl->metrics, &impl->relay_board,
-      &impl->replicas);
+      peer::PeerManagerOptions{options.node, impl->instance, options.delta_threshold,
+                               options.relay, impl->tls, options.max_peer_connections},
+      options.peers, impl->store.get(), impl->data_plane.get(), &impl->metrics,
+      &impl->relay_board, &impl->replicas);
   {
     peer::PeerService* service = impl->peer_service.get();
     peer::DeltaSource* deltas = impl->deltas.get();

@@ -15,8 +15,8 @@ struct DaemonOptions {
   std::string node;
   uint32_t retain = 2;
   std::string log_level = "info";
-  std::string metrics_listen;  // HOST:PORT for Prometheus /metrics; empty: off
-  std::string health_listen;   // HOST:PORT for grpc.health.v1 alone (probes); empty: off
+  std::string metrics_listen;         // HOST:PORT for Prometheus /metrics; empty: off
+  std::string health_listen;          // HOST:PORT for grpc.health.v1 alone (probes); empty: off
   uint64_t chunk_bytes = 4ull << 20;  // largest single RMA read of a pull
   uint32_t inflight = 16;             // RMA reads in flight per pull
   // Delta sync: a delta bigger than this fraction of the full bytes is not used (0: deltas
@@ -43,6 +43,10 @@ struct DaemonOptions {
   // Fan-out: serve what this node pulled to other nodes pulling the same version, and read
   // from them (daemon/fleet); false: every byte comes from the node that published it.
   bool relay = true;
+  // Bounded peer connections: the most control channels this daemon keeps open to other
+  // daemons. --peers are always connected; relay channels (the stripe parents this node reads
+  // from) open on demand while the total is below it, and close after a minute idle.
+  uint32_t max_peer_connections = 16;
   // Local callers (SO_PEERCRED) allowed on --socket besides the daemon's own uid; empty
   // allow_gids: the socket's group. Others get PERMISSION_DENIED on every RPC but health.
   std::vector<uint32_t> allow_uids;

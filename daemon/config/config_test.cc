@@ -19,6 +19,7 @@ health_listen = "0.0.0.0:7071"
 max_slot_memory = 1073741824
 max_gpu_slot_memory = 2147483648
 delta_base = "policy=destination"
+max_peer_connections = 24
 )",
                             "test.toml", &options);
   REQUIRE(status.ok());
@@ -33,6 +34,7 @@ delta_base = "policy=destination"
   CHECK(options.max_slot_memory == uint64_t{1} << 30);
   CHECK(options.max_gpu_slot_memory == uint64_t{2} << 30);
   CHECK(options.delta_base == "policy=destination");  // its grammar is checked at start
+  CHECK(options.max_peer_connections == 24);
 }
 
 TEST_CASE("peers may be one comma-separated string (a headless Service name)", "[config]") {
@@ -61,6 +63,7 @@ TEST_CASE("unknown keys and bad values are rejected naming the key, changing not
   check("max_gpu_slot_memory = -1\n", "'max_gpu_slot_memory'");
   check("max_gpu_slot_memory = \"40 elephants\"\n", "'max_gpu_slot_memory'");
   check("delta_base = 1\n", "'delta_base'");
+  check("max_peer_connections = 0\n", "'max_peer_connections'");
 }
 
 TEST_CASE("a missing file is NOT_FOUND", "[config]") {

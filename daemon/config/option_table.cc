@@ -58,6 +58,15 @@ std::vector<OptionSpec> MakeTable() {
                4096,
                double(uint64_t{1} << 30)});
   t.push_back({"inflight", "N", &O::inflight, "UCX reads in flight per pull", {}, 1, 1024});
+  t.push_back({"max-peer-connections",
+               "N",
+               &O::max_peer_connections,
+               "the most control channels this daemon opens to other daemons: `--peers`, plus "
+               "relay channels opened on demand to the engines it reads stripes from (learned "
+               "from the trainer's replica reports); past it a stripe is read from its origin",
+               {},
+               1,
+               65536});
   t.push_back({"delta-threshold",
                "F",
                &O::delta_threshold,

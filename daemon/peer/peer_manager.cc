@@ -1,8 +1,8 @@
 #include "daemon/peer/peer_manager.h"
 
+#include <arpa/inet.h>
 #include <netdb.h>
 #include <sys/socket.h>
-#include <arpa/inet.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -10,12 +10,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
-#include "daemon/common/test_hooks.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/test_hooks.h"
+#include "daemon/convert/convert.h"
+#include "daemon/plan/plan.h"
 #include "daemon/pull/delta_fetch.h"
 #include "daemon/pull/puller.h"
-#include "daemon/plan/plan.h"
-#include "daemon/convert/convert.h"
 #include "daemon/version.h"
 #include "grpcpp/grpcpp.h"
 
@@ -52,7 +52,8 @@ absl::Status PeerLayouts(const v1::PeerEvent& event, std::vector<SourceLayout>* 
     }
     ASSIGN_OR_RETURN(std::vector<TensorSlice> slices, convert::FromProto(source.tensors()));
     if (slices.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("piece ", source.buffer_id(), " has no tensors"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("piece ", source.buffer_id(), " has no tensors"));
     }
     absl::Status valid = plan::NormalizeAndValidateBuffer(slices, source.bytes());
     if (!valid.ok()) {
@@ -73,10 +74,19 @@ uint32_t PinLeaseMs() {
   return kPinLeaseMs;
 }
 
+// A relay channel unused this long is closed; $REFIT_TEST_RELAY_IDLE_MS in test builds.
+milliseconds RelayIdle() {
+  if (const char* test = TestSwitch("REFIT_TEST_RELAY_IDLE_MS")) {
+    if (const long ms = std::strtol(test, nullptr, 10); ms > 0) return milliseconds(ms);
+  }
+  return milliseconds(60000);
+}
+// After a relay channel failed to open, it is not tried again for this long.
+constexpr auto kRedialAfter = milliseconds(2000);
+
 std::chrono::system_clock::time_point In(milliseconds d) {
   return std::chrono::system_clock::now() + d;
 }
-
 
 }  // namespace
 
@@ -102,8 +112,7 @@ std::vector<std::string> ResolvePeerAddress(const std::string& address) {
       inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, ip, sizeof(ip));
       out.insert(std::string(ip) + ":" + port);
     } else if (a->ai_family == AF_INET6) {
-      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, ip,
-                sizeof(ip));
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, ip, sizeof(ip));
       out.insert("[" + std::string(ip) + "]:" + port);
     }
   }
@@ -112,12 +121,11 @@ std::vector<std::string> ResolvePeerAddress(const std::string& address) {
   return {out.begin(), out.end()};
 }
 
-
 struct PeerManager::Peer {
   std::string address;
   std::string node;
-  bool connected = false;  // guarded by PeerManager::mu_
-  std::string error;       // guarded by PeerManager::mu_
+  bool connected = false;                // guarded by PeerManager::mu_
+  std::string error;                     // guarded by PeerManager::mu_
   std::unique_ptr<v1::Peer::Stub> stub;  // set by its thread before `node`, under mu_
   std::shared_ptr<grpc::Channel> channel;
   grpc::ClientContext* stream = nullptr;  // the live Subscribe call, for Stop
@@ -135,9 +143,12 @@ PeerManager::PeerManager(PeerManagerOptions options, std::vector<std::string> ad
       data_plane_(data_plane),
       metrics_(metrics),
       replicas_(replicas),
-      configured_(std::move(addresses)) {
+      configured_(std::move(addresses)),
+      max_channels_(std::max<uint32_t>(1, options.max_peer_connections)),
+      idle_(RelayIdle()) {
   metrics_->Declare(kPeersConnected);
   metrics_->Declare(kTransferSeconds);
+  metrics_->Declare(kPeerChannelsOpen);
   pull::PullerOptions pull_options;
   pull_options.node = options.node;
   pull_options.delta_threshold = options.delta_threshold;
@@ -200,6 +211,7 @@ void PeerManager::Stop() {
       // Dropping the endpoint cancels a pull in flight, so the pull worker can finish.
       if (!peer->node.empty()) data_plane_->Disconnect(peer->node);
     }
+    for (const auto& relay : relays_) data_plane_->Disconnect(relay.first);
   }
   wake_.notify_all();
   if (resolver_thread_.joinable()) resolver_thread_.join();
@@ -216,10 +228,51 @@ std::vector<PeerState> PeerManager::Peers() const {
   for (const auto& peer : peers_) {
     if (peer->node == node_ + " (self)") continue;
     // A refused peer has this node's name (kept out of `node`, which names endpoints).
-    out.push_back({peer->address, peer->error.empty() ? peer->node : node_, peer->connected,
-                   peer->error});
+    out.push_back(
+        {peer->address, peer->error.empty() ? peer->node : node_, peer->connected, peer->error});
   }
   return out;
+}
+
+grpc::Status PeerManager::Dial(const std::string& address, Dialed* out) const {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 1000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 2000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  args.SetMaxReceiveMessageSize(64 << 20);
+  auto channel = grpc::CreateCustomChannel(address, tls::ChannelCredentials(tls_), args);
+  auto stub = v1::Peer::NewStub(channel);
+  v1::HelloRequest hello;
+  hello.set_node(node_);
+  hello.set_version(kRefitVersion);
+  hello.set_instance(instance_);
+  hello.set_listen(listen_);
+  v1::HelloResponse who;
+  grpc::ClientContext hello_context;
+  hello_context.set_deadline(In(kHelloDeadline));
+  grpc::Status status = stub->Hello(&hello_context, hello, &who);
+  if (status.ok() && (who.node().empty() || who.node().size() > 255)) {
+    // Pieces without a node are this node's own: such a peer's versions would look complete
+    // here without a byte pulled.
+    status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("it names itself '", who.node().substr(0, 64),
+                                       "' (a node name is 1 to 255 bytes)"));
+  }
+  if (status.ok() && tls_.enabled()) {
+    // Its identity is its certificate: a peer may not call itself another node.
+    if (auto auth = hello_context.auth_context(); auth) {
+      absl::Status identity = tls::CheckIdentity(*auth, who.node());
+      if (!identity.ok()) {
+        status = grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(identity.message()));
+      }
+    }
+  }
+  out->who = std::move(who);
+  out->channel = std::move(channel);
+  out->stub = std::move(stub);
+  return status;
 }
 
 void PeerManager::RunPeer(Peer* peer) {
@@ -230,42 +283,11 @@ void PeerManager::RunPeer(Peer* peer) {
       std::lock_guard<std::mutex> lock(mu_);
       if (stop_) return;
     }
-    grpc::ChannelArguments args;
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 1000);
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 2000);
-    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-    args.SetMaxReceiveMessageSize(64 << 20);
-    auto channel = grpc::CreateCustomChannel(peer->address, tls::ChannelCredentials(tls_),
-                                             args);
-    auto stub = v1::Peer::NewStub(channel);
-    v1::HelloRequest hello;
-    hello.set_node(node_);
-    hello.set_version(kRefitVersion);
-    hello.set_instance(instance_);
-    hello.set_listen(listen_);
-    v1::HelloResponse who;
-    grpc::ClientContext hello_context;
-    hello_context.set_deadline(In(kHelloDeadline));
-    grpc::Status status = stub->Hello(&hello_context, hello, &who);
-    if (status.ok() && (who.node().empty() || who.node().size() > 255)) {
-      // Pieces without a node are this node's own: such a peer's versions would look complete
-      // here without a byte pulled.
-      status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                            absl::StrCat("it names itself '", who.node().substr(0, 64),
-                                         "' (a node name is 1 to 255 bytes)"));
-    }
-    if (status.ok() && tls_.enabled()) {
-      // Its identity is its certificate: a peer may not call itself another node.
-      if (auto auth = hello_context.auth_context(); auth) {
-        absl::Status identity = tls::CheckIdentity(*auth, who.node());
-        if (!identity.ok()) {
-          status = grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                                std::string(identity.message()));
-        }
-      }
-    }
+    Dialed dialed;
+    grpc::Status status = Dial(peer->address, &dialed);
+    const v1::HelloResponse& who = dialed.who;
+    auto& channel = dialed.channel;
+    auto& stub = dialed.stub;
     if (status.ok() && who.node() == node_ &&
         (who.instance() == instance_ || who.instance().empty())) {
       // A name that resolves to every daemon (a headless Service) includes this one.
@@ -278,10 +300,11 @@ void PeerManager::RunPeer(Peer* peer) {
       // Another daemon with this node's name: its pieces would pass for this node's own.
       status = grpc::Status(
           grpc::StatusCode::FAILED_PRECONDITION,
-          absl::StrCat("two daemons have --node=", node_, ": the one at ", peer->address,
-                       who.listen().empty() ? "" : absl::StrCat(" (listening on ", who.listen(), ")"),
-                       " and this one at ", listen_,
-                       "; node names must be unique: give each refitd its own --node"));
+          absl::StrCat(
+              "two daemons have --node=", node_, ": the one at ", peer->address,
+              who.listen().empty() ? "" : absl::StrCat(" (listening on ", who.listen(), ")"),
+              " and this one at ", listen_,
+              "; node names must be unique: give each refitd its own --node"));
     }
     if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION &&
         status.error_message().rfind("two daemons have --node=", 0) == 0) {
@@ -315,6 +338,7 @@ void PeerManager::RunPeer(Peer* peer) {
         peer->stream = &context;
       }
       metrics_->Add(kPeersConnected, 1);
+      metrics_->Add(kPeerChannelsOpen, 1);
       Logger("peer")->info("peer={} connected at {} (refitd {}, data plane {})", node,
                            peer->address, who.version(), who.transport());
       v1::SubscribeRequest request;
@@ -361,12 +385,13 @@ void PeerManager::RunPeer(Peer* peer) {
         peer->stream = nullptr;
       }
       metrics_->Add(kPeersConnected, -1);
+      metrics_->Add(kPeerChannelsOpen, -1);
       store_->ForgetRemoteVersions(node);
       if (replicas_) replicas_->Forget(node);
       data_plane_->Disconnect(node);
-      Logger("peer")->warn("peer={} at {} disconnected: {}", node, peer->address,
-                           status.error_message().empty() ? "stream ended"
-                                                          : status.error_message());
+      Logger("peer")->warn(
+          "peer={} at {} disconnected: {}", node, peer->address,
+          status.error_message().empty() ? "stream ended" : status.error_message());
     } else if (!reported_down) {
       if (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT) {
         Logger("peer")->error("peer at {} refused: {}; retrying", peer->address,
@@ -417,6 +442,7 @@ void PeerManager::RunReports() {
       if (stop_) return;
       report_due_ = false;
     }
+    CloseIdle();
     v1::ReplicaReport report;
     report.set_node(node_);
     report.set_relay(relay_);
@@ -449,6 +475,7 @@ void PeerManager::RunReports() {
       context.set_deadline(In(kReportDeadline));
       v1::ReplicaReportResponse response;
       grpc::Status status = stub->Report(&context, report, &response);
+      if (status.ok()) Learn(response);
       if (!status.ok() && status.error_code() != grpc::StatusCode::UNAVAILABLE) {
         Logger("peer")->debug("peer={} refused this node's replica report: {}", node,
                               status.error_message());
@@ -457,12 +484,142 @@ void PeerManager::RunReports() {
   }
 }
 
-v1::Peer::Stub* PeerManager::StubFor(const std::string& node) {
-  std::lock_guard<std::mutex> lock(mu_);
+v1::Peer::Stub* PeerManager::ConnectedLocked(const std::string& node) const {
   for (const auto& peer : peers_) {
     if (peer->node == node && peer->connected) return peer->stub.get();
   }
   return nullptr;
+}
+
+size_t PeerManager::OpenLocked() const {
+  size_t open = relays_.size();
+  for (const auto& peer : peers_) open += peer->connected ? 1 : 0;
+  return open;
+}
+
+size_t PeerManager::OpenChannels() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return OpenLocked();
+}
+
+bool PeerManager::CanReach(const std::string& node) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (ConnectedLocked(node)) return true;
+  return relay_ && (relays_.count(node) > 0 || known_.count(node) > 0);
+}
+
+v1::Peer::Stub* PeerManager::StubFor(const std::string& node) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (v1::Peer::Stub* stub = ConnectedLocked(node)) return stub;
+    if (!relay_) return nullptr;
+    if (auto relay = relays_.find(node); relay != relays_.end()) {
+      relay->second.used = std::chrono::steady_clock::now();
+      return relay->second.stub.get();
+    }
+    if (known_.count(node) == 0) return nullptr;
+  }
+  return OpenRelay(node);
+}
+
+v1::Peer::Stub* PeerManager::OpenRelay(const std::string& node) {
+  std::lock_guard<std::mutex> opening(open_mu_);
+  std::string address;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return nullptr;
+    if (v1::Peer::Stub* stub = ConnectedLocked(node)) return stub;  // its --peers entry came up
+    if (auto relay = relays_.find(node); relay != relays_.end()) {  // opened meanwhile
+      relay->second.used = std::chrono::steady_clock::now();
+      return relay->second.stub.get();
+    }
+    auto known = known_.find(node);
+    if (known == known_.end()) return nullptr;
+    if (OpenLocked() >= max_channels_) {
+      Logger("peer")->debug(
+          "not opening a relay channel to node {}: {} channels open "
+          "(--max-peer-connections)",
+          node, max_channels_);
+      return nullptr;
+    }
+    if (auto failed = dial_failed_.find(node);
+        failed != dial_failed_.end() &&
+        std::chrono::steady_clock::now() - failed->second < kRedialAfter) {
+      return nullptr;
+    }
+    address = known->second;
+  }
+  Dialed dialed;
+  grpc::Status status = Dial(address, &dialed);
+  if (status.ok() && dialed.who.node() != node) {
+    status =
+        grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                     absl::StrCat("it answers as node '", dialed.who.node().substr(0, 64), "'"));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!status.ok() || stop_) {
+    if (!status.ok()) {
+      dial_failed_[node] = std::chrono::steady_clock::now();
+      Logger("peer")->warn("relay channel to node {} at {} not opened: {}", node, address,
+                           status.error_message());
+    }
+    return nullptr;
+  }
+  dial_failed_.erase(node);
+  if (!dialed.who.transport_address().empty()) {
+    data_plane_->Connect(node, dialed.who.transport_address());
+  }
+  Relay& relay = relays_[node];
+  relay.channel = std::move(dialed.channel);
+  relay.stub = std::move(dialed.stub);
+  relay.used = std::chrono::steady_clock::now();
+  metrics_->Add(kPeerChannelsOpen, 1);
+  Logger("peer")->info("relay channel to node {} at {} open ({} channels)", node, address,
+                       OpenLocked());
+  return relay.stub.get();
+}
+
+void PeerManager::CloseIdle() {
+  std::lock_guard<std::mutex> opening(open_mu_);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (pulling_) return;  // its stubs may be in use
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = relays_.begin(); it != relays_.end();) {
+    if (now - it->second.used < idle_ && !stop_) {
+      ++it;
+      continue;
+    }
+    // A --peers connection to the same node (it came up meanwhile) owns the endpoint now.
+    if (!ConnectedLocked(it->first)) data_plane_->Disconnect(it->first);
+    metrics_->Add(kPeerChannelsOpen, -1);
+    Logger("peer")->info("relay channel to node {} closed (idle)", it->first);
+    it = relays_.erase(it);
+  }
+}
+
+void PeerManager::Learn(const v1::ReplicaReportResponse& response) {
+  constexpr int kMaxModels = 10000;
+  for (const v1::FleetMember& member : response.members()) {
+    if (member.node().empty() || member.node().size() > 255 || member.node() == node_ ||
+        member.listen().empty() || member.listen().size() > 1024 ||
+        member.models_size() > kMaxModels) {
+      continue;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // A --peers node speaks for itself (its own reports, its own address).
+      bool configured = false;
+      for (const auto& peer : peers_) configured = configured || peer->node == member.node();
+      if (configured) continue;
+      known_[member.node()] = member.listen();
+    }
+    if (!replicas_) continue;
+    std::vector<fleet::ReplicaEntry> entries;
+    for (const auto& m : member.models()) {
+      if (!m.model().empty()) entries.push_back({m.model(), m.latest_version()});
+    }
+    replicas_->Report(member.node(), member.relay(), std::move(entries));
+  }
 }
 
 void PeerManager::RunPulls() {
@@ -479,23 +636,24 @@ void PeerManager::RunPulls() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       current_ = Transfer{job.model, job.version, job.Bytes(), 0};
+      pulling_ = true;
       received_at_start_ = metrics_->Get(kDataBytesReceived);
     }
     pull::PullOutcome outcome = puller_->Pull(job);
     {
       std::lock_guard<std::mutex> lock(mu_);
       current_.reset();  // before the store shows the version: no stale progress after it
+      pulling_ = false;
     }
     store_->FinishPull(job, outcome.status, std::move(outcome.staging));
     const absl::Status& status = outcome.status;
-    metrics_->Observe(kTransferSeconds,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-                          .count());
+    metrics_->Observe(
+        kTransferSeconds,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     if (status.ok()) {
-      Logger("peer")->info("model={} version={} pulled {} bytes in {:.3f} s", job.model,
-                           job.version, job.Bytes(),
-                           std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-                               .count());
+      Logger("peer")->info(
+          "model={} version={} pulled {} bytes in {:.3f} s", job.model, job.version, job.Bytes(),
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
   }
 }

@@ -13,9 +13,9 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <future>
 #include <map>
 #include <memory>
-#include <future>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -54,8 +54,11 @@ struct PeerManagerOptions {
   // Use a source's deltas when they are at most this fraction of the bytes a pull needs (0:
   // always pull full bytes).
   double delta_threshold = 0.5;
-  bool relay = true;  // --relay
+  bool relay = true;      // --relay
   tls::PeerTlsFiles tls;  // mutual TLS on every channel to a peer (none: plaintext)
+  // --max-peer-connections: --peers are always connected; relay channels open on demand only
+  // while fewer than this many channels are open.
+  uint32_t max_peer_connections = 16;
 };
 
 class PeerManager final : public pull::PeerChannels {
@@ -76,7 +79,13 @@ class PeerManager final : public pull::PeerChannels {
   // A version became complete here (called by the store, under its lock): report it.
   void OnVersionComplete();
 
+  // A connected --peers node's stub; else, with --relay, a relay channel to a node an origin
+  // named (its Report answer), opened on demand (Hello, data-plane endpoint) while fewer than
+  // --max-peer-connections channels are open, and closed after a while unused.
   v1::Peer::Stub* StubFor(const std::string& node) override;
+  bool CanReach(const std::string& node) override;
+  // Control channels open now: --peers connected plus relay channels (refit_peer_channels_open).
+  size_t OpenChannels() const;
 
   std::vector<PeerState> Peers() const;
 
@@ -91,6 +100,25 @@ class PeerManager final : public pull::PeerChannels {
 
  private:
   struct Peer;
+  struct Dialed {
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::Peer::Stub> stub;
+    v1::HelloResponse who;
+  };
+  // A channel to `address` and its Hello, checked (a node name; with TLS, its certificate's).
+  grpc::Status Dial(const std::string& address, Dialed* out) const;
+  // A relay channel opened on demand: used by pulls, closed when idle (CloseIdle).
+  struct Relay {
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::Peer::Stub> stub;
+    std::chrono::steady_clock::time_point used;
+  };
+  v1::Peer::Stub* OpenRelay(const std::string& node);
+  void CloseIdle();
+  // The other nodes an origin named in its answer to this node's report.
+  void Learn(const v1::ReplicaReportResponse& response);
+  size_t OpenLocked() const;
+  v1::Peer::Stub* ConnectedLocked(const std::string& node) const;
   void RunPeer(Peer* peer);
   void RunResolver();
   void AddPeer(const std::string& address);  // with mu_ held
@@ -105,9 +133,9 @@ class PeerManager final : public pull::PeerChannels {
   DataPlane* const data_plane_;
   Metrics* const metrics_;
   fleet::ReplicaTable* const replicas_;
-  const std::vector<std::string> configured_;    // --peers as given
+  const std::vector<std::string> configured_;  // --peers as given
   std::unique_ptr<pull::Puller> puller_;
-  std::vector<std::unique_ptr<Peer>> peers_;     // guarded by mu_ (grows only)
+  std::vector<std::unique_ptr<Peer>> peers_;  // guarded by mu_ (grows only)
   std::thread resolver_thread_;
   bool started_ = false;
 
@@ -121,6 +149,13 @@ class PeerManager final : public pull::PeerChannels {
   std::thread pull_thread_;
   bool report_due_ = false;  // a version completed since the last report
   std::thread report_thread_;
+  const uint32_t max_channels_;
+  const std::chrono::milliseconds idle_;      // a relay channel unused this long closes
+  std::mutex open_mu_;                        // serializes opening and closing relay channels
+  std::map<std::string, Relay> relays_;       // node -> relay channel; mu_
+  std::map<std::string, std::string> known_;  // node -> peer address, learned; mu_
+  std::map<std::string, std::chrono::steady_clock::time_point> dial_failed_;  // mu_
+  bool pulling_ = false;  // a pull is using channels; mu_
 };
 
 }  // namespace refit::peer

@@ -17,6 +17,10 @@ inline constexpr Counter kChecksumBytesHashed{
     "refit_checksum_bytes_hashed_total", "On a source: bytes the Checksum RPC hashed on demand."};
 inline constexpr Gauge kPeersConnected{"refit_peers_connected",
                                        "Daemons this one pulls from that are connected now."};
+inline constexpr Gauge kPeerChannelsOpen{
+    "refit_peer_channels_open",
+    "Control channels open to other daemons: --peers connected, plus relay channels opened on "
+    "demand (at most --max-peer-connections)."};
 inline constexpr Histogram kTransferSeconds{
     "refit_transfer_seconds",
     "Time a pull took, from its start to the version complete, in seconds."};

@@ -64,6 +64,23 @@ void PeerService::Stop() {
   changed_.notify_all();
 }
 
+namespace {
+
+// `listen` ("host:port") with an unspecified host (0.0.0.0, [::], none) replaced by the host of
+// `peer` (grpc's "ipv4:10.0.0.2:41234" / "ipv6:[fd00::2]:41234").
+std::string DialAddress(const std::string& listen, const std::string& peer) {
+  const auto colon = listen.rfind(':');
+  if (colon == std::string::npos) return listen;
+  const std::string host = listen.substr(0, colon);
+  if (host != "0.0.0.0" && host != "[::]" && host != "::" && !host.empty()) return listen;
+  const auto scheme = peer.find(':');
+  const auto port = peer.rfind(':');
+  if (scheme == std::string::npos || port <= scheme) return listen;
+  return peer.substr(scheme + 1, port - scheme - 1) + listen.substr(colon);
+}
+
+}  // namespace
+
 absl::Status PeerService::Authenticate(const grpc::ServerContext& context,
                                        const std::string& node) const {
   if (!tls_) return absl::OkStatus();
@@ -185,6 +202,8 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
   {
     std::lock_guard<std::mutex> lock(mu_);
     subscribers_.insert(me);
+    if (!request->listen().empty())
+      dial_[me.first] = DialAddress(request->listen(), context->peer());
   }
   struct Leave {
     PeerService* service;
@@ -544,7 +563,7 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
 }
 
 grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::ReplicaReport* request,
-                                 v1::ReplicaReportResponse*) {
+                                 v1::ReplicaReportResponse* response) {
   if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
   }
@@ -578,7 +597,30 @@ grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::Replica
     }
     entries.push_back({m.model(), m.latest_version()});
   }
+  // Who else pulls these models, and where to reach them: the reporter's relay candidates,
+  // so that it needn't be connected to every node (bounded peer connections).
+  std::map<std::string, v1::FleetMember> members;
+  for (const fleet::ReplicaEntry& entry : entries) {
+    for (const fleet::Replica& replica : replicas_->ReplicasOf(entry.model)) {
+      if (replica.node == request->node()) continue;
+      v1::FleetMember& member = members[replica.node];
+      member.set_node(replica.node);
+      member.set_relay(replica.relay);
+      v1::ReplicaReport::Model* m = member.add_models();
+      m->set_model(entry.model);
+      m->set_latest_version(replica.latest_version);
+    }
+  }
   replicas_->Report(request->node(), request->relay(), std::move(entries));
+  constexpr int kMaxMembers = 4096;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [node, member] : members) {
+    auto dial = dial_.find(node);
+    if (dial == dial_.end()) continue;  // not subscribed here: nowhere to send the reporter
+    if (response->members_size() >= kMaxMembers) break;
+    member.set_listen(dial->second);
+    *response->add_members() = std::move(member);
+  }
   return grpc::Status::OK;
 }
 

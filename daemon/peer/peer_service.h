@@ -109,6 +109,9 @@ class PeerService final : public v1::Peer::Service {
   std::string instance_;                                            // guarded by mu_
   std::string listen_;                                              // guarded by mu_
   std::multiset<std::pair<std::string, std::string>> subscribers_;  // (node, address); mu_
+  // Subscriber -> an address other nodes can dial (its --listen, with an unspecified host
+  // replaced by the one it called from), for Report's answer; guarded by mu_.
+  std::map<std::string, std::string> dial_;
   std::map<std::string, std::string> refused_;  // caller address -> why; mu_ (at most 16)
   std::condition_variable changed_;
   uint64_t generation_ = 0;

@@ -98,7 +98,7 @@ std::vector<std::string> Puller::Pullers(const std::string& model) {
   std::vector<std::string> out = {options_.node};
   if (!options_.relay || !replicas_) return out;
   for (const std::string& node : replicas_->Relays(model)) {
-    if (node != options_.node && channels_->StubFor(node)) out.push_back(node);
+    if (node != options_.node && channels_->CanReach(node)) out.push_back(node);
   }
   std::sort(out.begin(), out.end());
   return out;

@@ -31,6 +31,9 @@ class PeerChannels {
   virtual ~PeerChannels() = default;
   // The stub of the connected node `node`, or null.
   virtual v1::Peer::Stub* StubFor(const std::string& node) = 0;
+  // Whether a channel to `node` is open or could be opened (StubFor may open it). Opens
+  // nothing.
+  virtual bool CanReach(const std::string& node) { return StubFor(node) != nullptr; }
 };
 
 struct PullerOptions {

@@ -139,7 +139,7 @@ Fleet::Fleet(FleetOptions opts) : options(std::move(opts)) {
     FleetEngine& e = engines[i];
     e.half = i < static_cast<int>(options.half.size()) && options.half[i];
     std::string peers = "--peers=" + Address(0);
-    for (int j = 0; j < engine_count; ++j) {
+    for (int j = 0; j < engine_count && !options.peers_trainer_only; ++j) {
       if (j != i) peers += "," + Address(j + 1);
     }
     e.args = {"--node=engine-" + std::to_string(i), "--listen=" + Address(i + 1), peers,
@@ -196,7 +196,8 @@ void Fleet::WaitForFleet() {
       for (const auto& m : s->models()) {
         if (m.model() == "m") replicas = static_cast<size_t>(m.replicas_size());
       }
-      ready = ready && connected == static_cast<int>(n) && replicas == n;
+      const int peers = options.peers_trainer_only ? 1 : static_cast<int>(n);
+      ready = ready && connected == peers && replicas == n;
     }
     auto ts = trainer->Status();
     REQUIRE(ts.ok());

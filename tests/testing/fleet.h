@@ -68,6 +68,10 @@ struct FleetOptions {
   std::vector<std::vector<std::string>> engine_env;   // more environment for engine i
   std::vector<std::string> trainer_args;              // more flags for the trainer's node
   Network* network = nullptr;                         // null: loopback
+  // Bounded peer connections: each engine's --peers names only the trainer's node (it learns
+  // the other engines from the trainer's answers to its replica reports); else every engine
+  // lists every other daemon.
+  bool peers_trainer_only = false;
 };
 
 inline constexpr int64_t kFleetCols = 4096;
@@ -76,7 +80,8 @@ class Fleet {
  public:
   explicit Fleet(FleetOptions options);
 
-  // Every engine connected to every other daemon and knowing every live engine as a replica,
+  // Every engine connected to every other daemon (the trainer only, with peers_trainer_only)
+  // and knowing every live engine as a replica,
   // and the trainer knowing them all: relaying is possible from the next version on.
   void WaitForFleet();
 
