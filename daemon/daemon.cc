@@ -132,6 +132,7 @@ struct Daemon::Impl {
   Metrics metrics;
   Liveness liveness;  // the workers the watchdog looks at (StuckWorkers)
   std::unique_ptr<Store> store;
+  std::unique_ptr<LivenessProbe> store_probe;  // the store, for the watchdog (stopped first)
   std::unique_ptr<state::VersionLedger> ledger;
   std::string instance;  // NewInstanceId()
   std::string listen;    // --listen's host with the port bound
@@ -165,6 +166,7 @@ struct Daemon::Impl {
   // The worker threads call into the peer service and the store: stop them before any member
   // goes (this also covers a Start that fails half-way).
   ~Impl() {
+    if (store_probe) store_probe->Stop();
     if (bucket_import) bucket_import->Stop();
     if (deltas) deltas->Stop();
     if (bucket_export) bucket_export->Stop();
@@ -263,6 +265,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     };
   }
   impl->store = std::make_unique<Store>(store_options, &impl->metrics);
+  {
+    // The store has no thread: a probe takes its lock twice a second, so a caller wedged while
+    // holding it shows as "store" in StuckWorkers (and stops the watchdog's pings).
+    Store* store = impl->store.get();
+    impl->store_probe = std::make_unique<LivenessProbe>(
+        impl->liveness.Register("store"), [store] { store->Probe(); },
+        std::chrono::milliseconds(500));
+  }
   {
     Impl* raw = impl.get();
     peer::DeltaSourceOptions delta_options;
@@ -513,6 +523,7 @@ void Daemon::Shutdown(double grace_seconds) {
   impl_->shut_down = true;
   Logger("daemon")->info("node={} shutting down", impl_->options.node);
   impl_->health->SetServing(false);
+  if (impl_->store_probe) impl_->store_probe->Stop();
   impl_->store->Shutdown();    // blocked WaitForVersion/Watch calls return now
   impl_->replicas.Shutdown();  // and WaitForReplicas
   impl_->peers->Stop();

@@ -119,6 +119,44 @@ TEST_CASE("a wedged data plane stops the watchdog and health; both come back",
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("a wedged store (its lock held) stops the watchdog and health, naming it",
+          "[integration][liveness]") {
+  char dir_template[] = "/tmp/refit-watchdog-XXXXXX";
+  REQUIRE(mkdtemp(dir_template));
+  const std::string dir = dir_template;
+  FakeSystemd systemd(dir + "/notify.sock");
+  const std::string wedge = dir + "/wedge";
+  auto daemon =
+      DaemonProcess::Start({}, "",
+                           {"NOTIFY_SOCKET=" + dir + "/notify.sock", "WATCHDOG_USEC=1000000",
+                            "REFIT_TEST_WEDGE=store", "REFIT_TEST_WEDGE_FILE=" + wedge,
+                            "REFIT_TEST_BINARY=" + testing::RunfilePath("daemon/refitd_testing")});
+  REQUIRE(daemon.ok());
+  auto c = (*daemon)->Connect();
+  REQUIRE(c.ok());
+  (*c)->set_call_timeout(std::chrono::seconds(3));
+  CHECK(systemd.Listen(2).watchdog >= 3);
+
+  // The store's probe wedges holding the store's lock: no pings, health NOT_SERVING, "store".
+  std::ofstream(wedge) << "wedge\n";
+  systemd.Listen(3);
+  Notifications stuck = systemd.Listen(2);
+  CHECK(stuck.watchdog == 0);
+  INFO("status: " << stuck.status);
+  CHECK(stuck.status.find("store") != std::string::npos);
+  auto not_serving = (*c)->Healthy();
+  REQUIRE(not_serving.ok());
+  CHECK_FALSE(*not_serving);
+
+  std::filesystem::remove(wedge);
+  systemd.Listen(1.5);
+  CHECK(systemd.Listen(2).watchdog >= 2);
+  auto again = (*c)->Healthy();
+  REQUIRE(again.ok());
+  CHECK(*again);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("refitd itself has no test hooks: the same switch wedges nothing",
           "[integration][liveness]") {
   char dir_template[] = "/tmp/refit-watchdog-XXXXXX";
@@ -127,10 +165,11 @@ TEST_CASE("refitd itself has no test hooks: the same switch wedges nothing",
   FakeSystemd systemd(dir + "/notify.sock");
   const std::string wedge = dir + "/wedge";
   std::ofstream(wedge) << "wedge\n";
-  auto daemon = DaemonProcess::Start(
-      {}, "", {"NOTIFY_SOCKET=" + dir + "/notify.sock", "WATCHDOG_USEC=1000000",
-               "REFIT_TEST_WEDGE=dataplane", "REFIT_TEST_WEDGE_FILE=" + wedge,
-               "REFIT_TEST_BINARY=" + testing::RunfilePath("daemon/refitd")});
+  auto daemon =
+      DaemonProcess::Start({}, "",
+                           {"NOTIFY_SOCKET=" + dir + "/notify.sock", "WATCHDOG_USEC=1000000",
+                            "REFIT_TEST_WEDGE=dataplane", "REFIT_TEST_WEDGE_FILE=" + wedge,
+                            "REFIT_TEST_BINARY=" + testing::RunfilePath("daemon/refitd")});
   REQUIRE(daemon.ok());
   systemd.Listen(3);
   Notifications n = systemd.Listen(2);

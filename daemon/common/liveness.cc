@@ -19,4 +19,33 @@ std::vector<std::string> Liveness::Stuck(std::chrono::milliseconds stall) const 
   return stuck;
 }
 
+LivenessProbe::LivenessProbe(Liveness::Worker* worker, std::function<void()> probe,
+                             std::chrono::milliseconds interval)
+    : worker_(worker), probe_(std::move(probe)), interval_(interval) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+LivenessProbe::~LivenessProbe() { Stop(); }
+
+void LivenessProbe::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void LivenessProbe::Run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    lock.unlock();
+    worker_->Busy();
+    probe_();
+    worker_->Idle();
+    lock.lock();
+    wake_.wait_for(lock, interval_, [this] { return stop_; });
+  }
+}
+
 }  // namespace refit

@@ -12,10 +12,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace refit {
@@ -67,6 +70,27 @@ class Liveness {
  private:
   mutable std::mutex mu_;
   std::deque<Worker> workers_;  // stable addresses
+};
+
+// A worker for something that has no thread of its own (the store, behind its lock): every
+// `interval` it runs `probe` as a unit of work. A probe that blocks (the lock held by a wedged
+// caller) leaves the worker busy without progress, so the watchdog sees the component stuck.
+class LivenessProbe {
+ public:
+  LivenessProbe(Liveness::Worker* worker, std::function<void()> probe,
+                std::chrono::milliseconds interval);
+  ~LivenessProbe();  // Stop()
+  void Stop();       // waits for a probe in progress
+
+ private:
+  void Run();
+  Liveness::Worker* const worker_;
+  const std::function<void()> probe_;
+  const std::chrono::milliseconds interval_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;  // guarded by mu_
+  std::thread thread_;
 };
 
 }  // namespace refit

@@ -26,6 +26,11 @@ constexpr auto kWaitSlice = std::chrono::milliseconds(50);  // re-check of `canc
 
 }  // namespace
 
+void Store::Probe() {
+  std::lock_guard<std::mutex> lock(mu_);
+  TestHookWedge("store");
+}
+
 Store::Store(StoreOptions options, Metrics* metrics)
     : options_(std::move(options)),
       metrics_(metrics),

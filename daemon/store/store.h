@@ -382,6 +382,9 @@ class Store {
 
   // Wakes every waiter; they and all later waits return UNAVAILABLE.
   void Shutdown();
+  // Takes and releases the store's lock: the watchdog's probe of the store (a caller wedged
+  // while holding it makes the probe block). Test build: wedges here on REFIT_TEST_WEDGE=store.
+  void Probe();
 
  private:
   struct Buffer;
