@@ -71,8 +71,10 @@ class FakeSystemd {
 
 }  // namespace
 
-TEST_CASE("a wedged data plane stops the watchdog and health; both come back",
-          "[integration][liveness]") {
+// Runs refitd_testing under a fake systemd watchdog, wedges `worker` through the test hook
+// ($REFIT_TEST_WEDGE) and checks that the pings stop and health is NOT_SERVING, with the unit's
+// status naming `shown`; then that both come back once the worker goes on.
+void WedgeAndRecover(const std::string& worker, const std::string& shown) {
   char dir_template[] = "/tmp/refit-watchdog-XXXXXX";
   REQUIRE(mkdtemp(dir_template));
   const std::string dir = dir_template;
@@ -81,7 +83,7 @@ TEST_CASE("a wedged data plane stops the watchdog and health; both come back",
   auto daemon =
       DaemonProcess::Start({}, "",
                            {"NOTIFY_SOCKET=" + dir + "/notify.sock", "WATCHDOG_USEC=1000000",
-                            "REFIT_TEST_WEDGE=dataplane", "REFIT_TEST_WEDGE_FILE=" + wedge,
+                            "REFIT_TEST_WEDGE=" + worker, "REFIT_TEST_WEDGE_FILE=" + wedge,
                             "REFIT_TEST_BINARY=" + testing::RunfilePath("daemon/refitd_testing")});
   REQUIRE(daemon.ok());
   auto c = (*daemon)->Connect();
@@ -95,14 +97,14 @@ TEST_CASE("a wedged data plane stops the watchdog and health; both come back",
   REQUIRE(serving.ok());
   CHECK(*serving);
 
-  // The data plane's loop wedges at its next turn: past the stall bound (2 s) no more pings.
+  // The worker wedges at its next turn: past the stall bound (2 s) no more pings.
   std::ofstream(wedge) << "wedge\n";
   systemd.Listen(3);
   Notifications stuck = systemd.Listen(2);
   CHECK(stuck.watchdog == 0);
   INFO("status: " << stuck.status);
   CHECK(stuck.status.find("stuck") != std::string::npos);
-  CHECK(stuck.status.find("data plane") != std::string::npos);
+  CHECK(stuck.status.find(shown) != std::string::npos);
   auto not_serving = (*c)->Healthy();
   REQUIRE(not_serving.ok());
   CHECK_FALSE(*not_serving);
@@ -119,42 +121,15 @@ TEST_CASE("a wedged data plane stops the watchdog and health; both come back",
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("a wedged data plane stops the watchdog and health; both come back",
+          "[integration][liveness]") {
+  WedgeAndRecover("dataplane", "data plane");
+}
+
+// The store has no thread: its probe takes the store's lock, and wedges holding it.
 TEST_CASE("a wedged store (its lock held) stops the watchdog and health, naming it",
           "[integration][liveness]") {
-  char dir_template[] = "/tmp/refit-watchdog-XXXXXX";
-  REQUIRE(mkdtemp(dir_template));
-  const std::string dir = dir_template;
-  FakeSystemd systemd(dir + "/notify.sock");
-  const std::string wedge = dir + "/wedge";
-  auto daemon =
-      DaemonProcess::Start({}, "",
-                           {"NOTIFY_SOCKET=" + dir + "/notify.sock", "WATCHDOG_USEC=1000000",
-                            "REFIT_TEST_WEDGE=store", "REFIT_TEST_WEDGE_FILE=" + wedge,
-                            "REFIT_TEST_BINARY=" + testing::RunfilePath("daemon/refitd_testing")});
-  REQUIRE(daemon.ok());
-  auto c = (*daemon)->Connect();
-  REQUIRE(c.ok());
-  (*c)->set_call_timeout(std::chrono::seconds(3));
-  CHECK(systemd.Listen(2).watchdog >= 3);
-
-  // The store's probe wedges holding the store's lock: no pings, health NOT_SERVING, "store".
-  std::ofstream(wedge) << "wedge\n";
-  systemd.Listen(3);
-  Notifications stuck = systemd.Listen(2);
-  CHECK(stuck.watchdog == 0);
-  INFO("status: " << stuck.status);
-  CHECK(stuck.status.find("store") != std::string::npos);
-  auto not_serving = (*c)->Healthy();
-  REQUIRE(not_serving.ok());
-  CHECK_FALSE(*not_serving);
-
-  std::filesystem::remove(wedge);
-  systemd.Listen(1.5);
-  CHECK(systemd.Listen(2).watchdog >= 2);
-  auto again = (*c)->Healthy();
-  REQUIRE(again.ok());
-  CHECK(*again);
-  std::filesystem::remove_all(dir);
+  WedgeAndRecover("store", "store");
 }
 
 TEST_CASE("refitd itself has no test hooks: the same switch wedges nothing",
