@@ -8,29 +8,29 @@ namespace refit::client {
 
 LeaseKeeper::~LeaseKeeper() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     stop_ = true;
   }
-  wake_.notify_all();
+  wake_.NotifyAll();
   if (thread_.joinable()) thread_.join();
 }
 
 void LeaseKeeper::Add(const std::string& buffer_id, uint32_t lease_ms) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   ids_.insert(buffer_id);
   period_ = std::min(period_, std::chrono::milliseconds(std::max<uint32_t>(lease_ms / 3, 50)));
   if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
 }
 
 void LeaseKeeper::Remove(const std::string& buffer_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   ids_.erase(buffer_id);
 }
 
 void LeaseKeeper::Run() {
-  std::unique_lock<std::mutex> lock(mu_);
+  common::UniqueLock lock(mu_);
   while (!stop_) {
-    wake_.wait_for(lock, period_, [this] { return stop_; });
+    wake_.WaitFor(lock, period_, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; });
     if (stop_ || ids_.empty()) continue;
     v1::RenewLeasesRequest request;
     for (const std::string& id : ids_) request.add_buffer_ids(id);

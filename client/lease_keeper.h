@@ -9,13 +9,12 @@
 // Thread-safety: every method may be called from any thread.
 
 #include <chrono>
-#include <condition_variable>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
 
+#include "daemon/common/mutex.h"
 #include "proto/refit/v1/refit.grpc.pb.h"
 
 namespace refit::client {
@@ -33,11 +32,11 @@ class LeaseKeeper {
   void Run();
 
   v1::Refit::StubInterface* const stub_;
-  std::mutex mu_;
-  std::condition_variable wake_;
-  std::set<std::string> ids_;               // guarded by mu_
-  std::chrono::milliseconds period_{1000};  // guarded by mu_
-  bool stop_ = false;                       // guarded by mu_
+  common::Mutex mu_;
+  common::CondVar wake_;
+  std::set<std::string> ids_ ABSL_GUARDED_BY(mu_);
+  std::chrono::milliseconds period_ ABSL_GUARDED_BY(mu_){1000};
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;                      // started by the first Add
 };
 

@@ -23,12 +23,12 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "daemon/common/mutex.h"
 #include "proto/refit/v1/refit.grpc.pb.h"
 
 namespace refit::client {
@@ -203,8 +203,8 @@ class Client {
   std::unique_ptr<LeaseKeeper> leases_;
   std::chrono::milliseconds restart_timeout_{60000};
   std::unique_ptr<Registrations> registrations_;
-  mutable std::mutex restart_mu_;  // one recovery at a time
-  uint64_t restarts_ = 0;          // guarded by restart_mu_
+  mutable common::Mutex restart_mu_;  // one recovery at a time
+  uint64_t restarts_ ABSL_GUARDED_BY(restart_mu_) = 0;
 };
 
 // grpc::Status to absl::Status (same codes), prefixed with `what`.

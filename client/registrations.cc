@@ -15,7 +15,7 @@ void Registrations::Add(const std::string& id, const v1::RegisterBufferRequest& 
                         int memfd) {
   const int owned = memfd >= 0 ? fcntl(memfd, F_DUPFD_CLOEXEC, 0) : -1;
   if (memfd >= 0 && owned < 0) return;  // out of fds: this one won't be registered again
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto [it, added] = entries_.try_emplace(id);
   Entry& entry = it->second;
   if (!added) {
@@ -30,7 +30,7 @@ void Registrations::Add(const std::string& id, const v1::RegisterBufferRequest& 
 }
 
 std::string Registrations::Remove(const std::string& id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto it = entries_.find(id);
   if (it == entries_.end()) return id;
   std::string current = it->second.current;
@@ -40,13 +40,13 @@ std::string Registrations::Remove(const std::string& id) {
 }
 
 std::string Registrations::Current(const std::string& id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto it = entries_.find(id);
   return it == entries_.end() ? id : it->second.current;
 }
 
 std::vector<std::string> Registrations::Current(const std::vector<std::string>& ids) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   std::vector<std::string> out;
   out.reserve(ids.size());
   for (const std::string& id : ids) {
@@ -57,26 +57,26 @@ std::vector<std::string> Registrations::Current(const std::vector<std::string>& 
 }
 
 std::vector<Registrations::Entry> Registrations::All() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   std::vector<Entry> out;
   for (const auto& [id, entry] : entries_) out.push_back(entry);
   return out;
 }
 
 bool Registrations::empty() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   return entries_.empty();
 }
 
 void Registrations::Moved(const std::string& first, const std::string& now) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto it = entries_.find(first);
   if (it != entries_.end()) it->second.current = now;
   ++generation_;
 }
 
 uint64_t Registrations::generation() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   return generation_;
 }
 

@@ -9,10 +9,10 @@
 
 #include <cstdint>
 #include <map>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "daemon/common/mutex.h"
 #include "proto/refit/v1/refit.pb.h"
 
 namespace refit::client {
@@ -50,9 +50,9 @@ class Registrations {
   uint64_t generation() const;
 
  private:
-  mutable std::mutex mu_;
-  std::map<std::string, Entry> entries_;  // by first id
-  uint64_t generation_ = 0;
+  mutable common::Mutex mu_;
+  std::map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);  // by first id
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace refit::client

@@ -9,12 +9,13 @@
 #include "client/lease_keeper.h"
 #include "client/refit_client.h"
 #include "client/registrations.h"
+#include "daemon/common/mutex.h"
 #include "grpcpp/grpcpp.h"
 
 namespace refit::client {
 
 uint64_t Client::restarts_ridden() const {
-  std::lock_guard<std::mutex> lock(restart_mu_);
+  common::MutexLock lock(restart_mu_);
   return restarts_;
 }
 
@@ -61,7 +62,7 @@ bool Client::Recover(const absl::Status& error, uint64_t generation) {
       (code != absl::StatusCode::kUnavailable && code != absl::StatusCode::kNotFound)) {
     return false;
   }
-  std::lock_guard<std::mutex> lock(restart_mu_);
+  common::MutexLock lock(restart_mu_);
   // Another call registered the buffers again meanwhile: retry with the ids it got.
   if (registrations_->generation() != generation) return true;
   const std::optional<v1::StatusResponse> status = StatusWhenBack();
@@ -89,7 +90,7 @@ class ResumingWatcher final : public Watcher {
       : client_(client), model_(std::move(model)), last_(after_version) {}
 
   void Open() {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     context_ = std::make_unique<grpc::ClientContext>();
     if (cancelled_) context_->TryCancel();
     v1::WatchRequest request;
@@ -114,7 +115,7 @@ class ResumingWatcher final : public Watcher {
     }
   }
   void Cancel() override {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     cancelled_ = true;
     if (context_) context_->TryCancel();
   }
@@ -122,16 +123,16 @@ class ResumingWatcher final : public Watcher {
 
  private:
   bool Cancelled() {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     return cancelled_;
   }
 
   Client* const client_;
   const std::string model_;
   uint64_t last_;
-  std::mutex mu_;  // context_ and cancelled_ (Cancel comes from any thread)
-  std::unique_ptr<grpc::ClientContext> context_;
-  bool cancelled_ = false;
+  common::Mutex mu_;  // Cancel comes from any thread
+  std::unique_ptr<grpc::ClientContext> context_ ABSL_GUARDED_BY(mu_);
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<grpc::ClientReader<v1::VersionEvent>> reader_;
   absl::Status final_;
 };

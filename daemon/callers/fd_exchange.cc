@@ -70,7 +70,7 @@ bool FdExchange::Divert(int fd) {
   w.deadline = std::chrono::steady_clock::now() + kFirstBytesTimeout;
   ++waiting_count_;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     incoming_.push_back(std::move(w));
   }
   const uint64_t one = 1;
@@ -83,7 +83,7 @@ void FdExchange::Sort() {
   std::vector<pollfd> polled;
   while (!stop_.load()) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(mu_);
       for (Waiting& w : incoming_) waiting.push_back(std::move(w));
       incoming_.clear();
     }
@@ -119,7 +119,7 @@ void FdExchange::Sort() {
     waiting.resize(kept);
     tokens_->Expire();
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   for (Waiting& w : incoming_) waiting.push_back(std::move(w));
   incoming_.clear();
   for (Waiting& w : waiting) Drop(w);

@@ -23,7 +23,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/callers/caller.h"
 #include "daemon/callers/fd_tokens.h"
+#include "daemon/common/mutex.h"
 
 namespace refit::callers {
 
@@ -80,8 +80,8 @@ class FdExchange {
   std::atomic<bool> stop_{false};
   std::atomic<size_t> waiting_count_{0};
   std::thread thread_;
-  std::mutex mu_;
-  std::vector<Waiting> incoming_;         // guarded by mu_
+  common::Mutex mu_;
+  std::vector<Waiting> incoming_ ABSL_GUARDED_BY(mu_);
   std::map<uid_t, bool> logged_refusal_;  // sorting thread only
   bool logged_full_ = false;              // accept thread only
 };

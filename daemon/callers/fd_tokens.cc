@@ -29,12 +29,12 @@ FdTokens::FdTokens(Limits limits, std::function<Clock::time_point()> now)
     : limits_(limits), now_(std::move(now)) {}
 
 FdTokens::~FdTokens() {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   for (auto& [token, entry] : by_token_) close(entry.fd);
 }
 
 absl::StatusOr<std::string> FdTokens::Deposit(uid_t uid, int fd) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   const Clock::time_point now = now_();
   ExpireLocked(now);
   size_t& count = count_[uid];
@@ -56,7 +56,7 @@ absl::StatusOr<std::string> FdTokens::Deposit(uid_t uid, int fd) {
 }
 
 absl::StatusOr<int> FdTokens::Redeem(uid_t uid, const std::string& token) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   ExpireLocked(now_());
   auto it = by_token_.find(token);
   if (it == by_token_.end()) {
@@ -78,7 +78,7 @@ absl::StatusOr<int> FdTokens::Redeem(uid_t uid, const std::string& token) {
 }
 
 void FdTokens::Expire() {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   ExpireLocked(now_());
 }
 
@@ -95,7 +95,7 @@ void FdTokens::ExpireLocked(Clock::time_point now) {
 }
 
 size_t FdTokens::held() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   return by_token_.size();
 }
 

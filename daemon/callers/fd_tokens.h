@@ -15,11 +15,11 @@
 #include <cstddef>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "daemon/common/mutex.h"
 
 namespace refit::callers {
 
@@ -65,7 +65,7 @@ class FdTokens {
 
   const Limits limits_;
   const std::function<Clock::time_point()> now_;
-  mutable std::mutex mu_;
+  mutable common::Mutex mu_;
   std::map<std::string, Entry> by_token_ ABSL_GUARDED_BY(mu_);
   std::map<uid_t, size_t> count_ ABSL_GUARDED_BY(mu_);
 };

@@ -70,7 +70,7 @@ absl::StatusOr<std::unique_ptr<LocalListener>> LocalListener::Start(
       new LocalListener(path, fd, wake_fd, std::move(policy), std::move(factory), exits));
   {
     // The daemon's own class is built now: a Start that fails does so before it is serving.
-    std::lock_guard<std::mutex> lock(listener->mu_);
+    common::MutexLock lock(listener->mu_);
     Caller self;
     self.pid = 0;  // the uid's shared server
     self.uid = listener->policy_.daemon_uid;
@@ -166,7 +166,7 @@ void LocalListener::Accept() {
 
 void LocalListener::Route(int fd) {
   auto caller = PeerOf(fd);
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   if (shut_down_) {
     close(fd);
     return;
@@ -259,7 +259,7 @@ std::unique_ptr<LocalListener::Served> LocalListener::Build(const Caller* caller
 }
 
 size_t LocalListener::ProcessServers() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   size_t processes = 0;
   for (const auto& [key, served] : servers_) processes += key.second != 0;
   return processes;
@@ -272,7 +272,7 @@ void LocalListener::WatchExits() {
     fds.assign(1, pollfd{wake_fd_, POLLIN, 0});
     keys.assign(1, Key{});
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(mu_);
       for (const auto& [key, served] : servers_) {
         if (served->pidfd < 0) continue;
         fds.push_back(pollfd{served->pidfd, POLLIN, 0});
@@ -293,7 +293,7 @@ void LocalListener::WatchExits() {
 void LocalListener::Retire(const Key& key) {
   std::unique_ptr<Served> served;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     auto it = servers_.find(key);
     if (it == servers_.end() || shut_down_) return;
     served = std::move(it->second);
@@ -314,7 +314,7 @@ void LocalListener::Shutdown(std::chrono::milliseconds grace) {
   close(fd_);
   std::vector<Served*> all;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     shut_down_ = true;
     for (auto& [key, served] : servers_) all.push_back(served.get());
     if (refused_) all.push_back(refused_.get());

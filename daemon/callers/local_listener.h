@@ -24,7 +24,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/callers/caller.h"
 #include "daemon/callers/fd_exchange.h"
+#include "daemon/common/mutex.h"
 #include "grpcpp/grpcpp.h"
 
 namespace refit::callers {
@@ -90,9 +90,9 @@ class LocalListener {
                 ClientExitListener* exits);
   void Accept();
   void Route(int fd);
-  Served* ServerFor(const Caller* caller);  // mu_ held
+  Served* ServerFor(const Caller* caller) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Built for `caller` (null: the refused class) with `pidfd` (-1: none); null on failure.
-  std::unique_ptr<Served> Build(const Caller* caller, int pidfd);  // mu_ held
+  std::unique_ptr<Served> Build(const Caller* caller, int pidfd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WatchExits();
   void Retire(const Key& key);  // the process of a server of its own exited
 
@@ -105,12 +105,12 @@ class LocalListener {
   std::atomic<bool> stop_{false};
   std::thread accept_thread_;
   std::thread exit_thread_;
-  mutable std::mutex mu_;
-  std::map<Key, std::unique_ptr<Served>> servers_;  // guarded by mu_
-  std::unique_ptr<Served> refused_;                 // guarded by mu_
-  std::map<uid_t, bool> logged_refusal_;            // guarded by mu_
-  bool logged_full_ = false;                        // guarded by mu_
-  bool shut_down_ = false;                          // guarded by mu_
+  mutable common::Mutex mu_;
+  std::map<Key, std::unique_ptr<Served>> servers_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<Served> refused_ ABSL_GUARDED_BY(mu_);
+  std::map<uid_t, bool> logged_refusal_ ABSL_GUARDED_BY(mu_);
+  bool logged_full_ ABSL_GUARDED_BY(mu_) = false;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   std::shared_ptr<FdExchange> fd_exchange_;  // may be null; set before accepting starts
 };
 

@@ -7,7 +7,7 @@ namespace refit::fleet {
 void RelayBoard::Begin(const RelayKey& key, std::shared_ptr<Region> slot, uint64_t bytes,
                        Ranges planned) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     Entry& e = entries_[key];
     e.slot = std::move(slot);
     e.bytes = bytes;
@@ -28,22 +28,22 @@ void RelayBoard::Begin(const RelayKey& key, std::shared_ptr<Region> slot, uint64
       }
     }
   }
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 void RelayBoard::Landed(const RelayKey& key, uint64_t offset, uint64_t length) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     auto it = entries_.find(key);
     if (it == entries_.end() || it->second.state != RelayState::kPulling) return;
     it->second.landed.emplace_back(offset, offset + length);
   }
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 void RelayBoard::End(const std::string& model, uint64_t version, bool complete) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     for (auto it = entries_.begin(); it != entries_.end();) {
       if (it->first.model == model && it->first.version == version) {
         if (!complete) {
@@ -55,12 +55,12 @@ void RelayBoard::End(const std::string& model, uint64_t version, bool complete) 
       ++it;
     }
   }
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 absl::StatusOr<RelayView> RelayBoard::Wait(const RelayKey& key, size_t cursor,
                                            std::chrono::steady_clock::time_point deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
+  common::UniqueLock lock(mu_);
   bool seen = false;
   while (true) {
     auto it = entries_.find(key);
@@ -89,7 +89,7 @@ absl::StatusOr<RelayView> RelayBoard::Wait(const RelayKey& key, size_t cursor,
     if (std::chrono::steady_clock::now() >= deadline) {
       return absl::NotFoundError("this node is not pulling that piece of that version");
     }
-    changed_.wait_until(lock, deadline);
+    changed_.WaitUntil(lock, deadline);
   }
 }
 

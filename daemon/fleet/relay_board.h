@@ -13,17 +13,16 @@
 // thread: it only appends under a mutex and notifies).
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "daemon/common/mutex.h"
 #include "daemon/memory/region.h"
 
 namespace refit::fleet {
@@ -79,9 +78,9 @@ class RelayBoard {
     Ranges landed;  // in the order reads completed
     RelayState state = RelayState::kPulling;
   };
-  std::mutex mu_;
-  std::condition_variable changed_;
-  std::map<RelayKey, Entry> entries_;
+  common::Mutex mu_;
+  common::CondVar changed_;
+  std::map<RelayKey, Entry> entries_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit::fleet

@@ -11,22 +11,22 @@ ReplicaTable::ReplicaTable(std::function<Clock::time_point()> now) : now_(std::m
 
 void ReplicaTable::Report(const std::string& node, bool relay, std::vector<ReplicaEntry> entries) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     Node& n = nodes_[node];
     n.relay = relay;
     n.heard = now_();
     n.latest.clear();
     for (const ReplicaEntry& e : entries) n.latest[e.model] = e.latest_version;
   }
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 void ReplicaTable::Forget(const std::string& node) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     nodes_.erase(node);
   }
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 std::vector<Replica> ReplicaTable::LiveLocked(const std::string& model) const {
@@ -42,12 +42,12 @@ std::vector<Replica> ReplicaTable::LiveLocked(const std::string& model) const {
 }
 
 std::vector<Replica> ReplicaTable::ReplicasOf(const std::string& model) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   return LiveLocked(model);
 }
 
 std::vector<std::string> ReplicaTable::Relays(const std::string& model) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   std::vector<std::string> out;
   for (const Replica& r : LiveLocked(model)) {
     if (r.relay) out.push_back(r.node);
@@ -59,7 +59,7 @@ absl::StatusOr<ReplicasReached> ReplicaTable::WaitFor(const std::string& model,
                                                       uint64_t version, uint32_t min_nodes,
                                                       Clock::time_point deadline,
                                                       const std::function<bool()>& cancelled) {
-  std::unique_lock<std::mutex> lock(mu_);
+  common::UniqueLock lock(mu_);
   while (true) {
     if (shutdown_) return absl::UnavailableError("refitd is shutting down");
     const std::vector<Replica> live = LiveLocked(model);
@@ -88,16 +88,16 @@ absl::StatusOr<ReplicasReached> ReplicaTable::WaitFor(const std::string& model,
     }
     // Reports arrive at least every heartbeat; a replica that goes silent leaves the live set
     // after kReplicaTtl, which a wake-up every 50 ms notices.
-    changed_.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
+    changed_.WaitUntil(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(50)));
   }
 }
 
 void ReplicaTable::Shutdown() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     shutdown_ = true;
   }
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 }  // namespace refit::fleet

@@ -9,15 +9,14 @@
 // Thread-safety: every method may be called from any thread.
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "daemon/common/mutex.h"
 
 namespace refit::fleet {
 
@@ -70,13 +69,13 @@ class ReplicaTable {
     Clock::time_point heard;
     std::map<std::string, uint64_t> latest;  // model -> version
   };
-  std::vector<Replica> LiveLocked(const std::string& model) const;
+  std::vector<Replica> LiveLocked(const std::string& model) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::function<Clock::time_point()> now_;
-  mutable std::mutex mu_;
-  std::condition_variable changed_;
-  std::map<std::string, Node> nodes_;
-  bool shutdown_ = false;
+  mutable common::Mutex mu_;
+  common::CondVar changed_;
+  std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace refit::fleet

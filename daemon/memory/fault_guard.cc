@@ -8,6 +8,8 @@
 #include <csignal>
 #include <mutex>
 
+#include "daemon/common/mutex.h"
+
 namespace refit {
 namespace {
 
@@ -20,7 +22,7 @@ struct Entry {
 Entry g_table[FaultGuard::kMaxGuarded];
 std::atomic<int> g_high{0};  // slots below this may be in use
 std::atomic<uint64_t> g_hits{0};
-std::mutex g_claim_mu;  // claiming and freeing slots (never in the handler)
+common::Mutex g_claim_mu;  // claiming and freeing slots (never in the handler)
 struct sigaction g_previous;
 
 void Handler(int signal, siginfo_t* info, void* context) {
@@ -73,7 +75,7 @@ void InstallFaultGuard() {
 
 FaultGuard::FaultGuard(void* begin, size_t length) {
   InstallFaultGuard();
-  std::lock_guard<std::mutex> lock(g_claim_mu);
+  common::MutexLock lock(g_claim_mu);
   for (int i = 0; i < kMaxGuarded; ++i) {
     Entry& e = g_table[i];
     if (e.end.load(std::memory_order_relaxed) != 0) continue;
@@ -90,7 +92,7 @@ FaultGuard::FaultGuard(void* begin, size_t length) {
 
 FaultGuard::~FaultGuard() {
   if (slot_ < 0) return;
-  std::lock_guard<std::mutex> lock(g_claim_mu);
+  common::MutexLock lock(g_claim_mu);
   g_table[slot_].end.store(0, std::memory_order_release);
 }
 

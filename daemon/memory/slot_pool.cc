@@ -15,7 +15,7 @@ std::shared_ptr<SlotPool> SlotPool::Create(uint64_t max_spare_bytes, Allocator a
 absl::StatusOr<std::shared_ptr<Region>> SlotPool::Acquire(uint64_t size, const std::string& owner) {
   std::unique_ptr<Region> region;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     auto [first, last] = spare_.equal_range(size);
     auto it = last;
     for (auto s = first; s != last; ++s) {
@@ -43,7 +43,7 @@ absl::StatusOr<std::shared_ptr<Region>> SlotPool::Acquire(uint64_t size, const s
 std::shared_ptr<Region> SlotPool::HandOut(std::unique_ptr<Region> region,
                                           const std::string& owner) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     owner_of_[region.get()] = owner;
     usage_[owner].in_use += region->size();
   }
@@ -59,7 +59,7 @@ absl::StatusOr<std::unique_ptr<Region>> SlotPool::Allocate(uint64_t size,
                                                            const std::string& owner) {
   std::vector<std::unique_ptr<Region>> evicted;  // freed outside the lock
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     if (max_bytes_ > 0) {
       // Spare slots can make room; slots in use can't. Refused before anything is freed, and
       // compared without sums that could wrap (a size may come from a peer's announcement).
@@ -93,7 +93,7 @@ absl::StatusOr<std::unique_ptr<Region>> SlotPool::Allocate(uint64_t size,
   evicted.clear();
   auto allocated = allocate_(size);
   if (!allocated.ok()) {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     held_bytes_ -= size;
     Observe();
   }
@@ -110,7 +110,7 @@ bool SlotPool::KeepSpare(uint64_t size, const std::string& owner) const {
 }
 
 void SlotPool::Release(std::unique_ptr<Region> region) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   const uint64_t size = region->size();
   std::string owner;
   if (auto it = owner_of_.find(region.get()); it != owner_of_.end()) {
@@ -131,20 +131,20 @@ void SlotPool::Release(std::unique_ptr<Region> region) {
 absl::Status SlotPool::Reserve(uint64_t size, int count, const std::string& owner) {
   int have = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     auto [first, last] = spare_.equal_range(size);
     for (auto s = first; s != last; ++s) have += s->second.owner == owner ? 1 : 0;
   }
   for (; have < count; ++have) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(mu_);
       if (!KeepSpare(size, owner)) break;
       // Within the limit without freeing anything.
       if (max_bytes_ > 0 && (size > max_bytes_ || held_bytes_ > max_bytes_ - size)) break;
     }
     auto region = Allocate(size, owner);
     if (!region.ok()) return region.status();
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     spare_bytes_ += size;
     usage_[owner].spare += size;
     spare_.emplace(size, Spare{std::move(region).value(), owner});
@@ -153,7 +153,7 @@ absl::Status SlotPool::Reserve(uint64_t size, int count, const std::string& owne
 }
 
 void SlotPool::Adopt(const Region* slot, const std::string& owner) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto it = owner_of_.find(slot);
   if (it == owner_of_.end() || it->second == owner) return;
   usage_[it->second].in_use -= slot->size();
@@ -163,7 +163,7 @@ void SlotPool::Adopt(const Region* slot, const std::string& owner) {
 
 void SlotPool::SetBudget(const std::string& owner, uint64_t bytes) {
   std::vector<std::unique_ptr<Region>> evicted;  // freed outside the lock
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   Usage& usage = usage_[owner];
   usage.budget = bytes;
   if (owner.empty()) return;
@@ -181,18 +181,18 @@ void SlotPool::SetBudget(const std::string& owner, uint64_t bytes) {
 }
 
 SlotPool::Usage SlotPool::UsageOf(const std::string& owner) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto it = usage_.find(owner);
   return it == usage_.end() ? Usage() : it->second;
 }
 
 uint64_t SlotPool::spare_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   return spare_bytes_;
 }
 
 uint64_t SlotPool::held_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   return held_bytes_;
 }
 

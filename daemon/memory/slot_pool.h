@@ -15,11 +15,11 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 
 #include "absl/status/statusor.h"
+#include "daemon/common/mutex.h"
 #include "daemon/memory/region.h"
 
 namespace refit {
@@ -81,21 +81,22 @@ class SlotPool : public std::enable_shared_from_this<SlotPool> {
   absl::StatusOr<std::unique_ptr<Region>> Allocate(uint64_t size, const std::string& owner);
   std::shared_ptr<Region> HandOut(std::unique_ptr<Region> region, const std::string& owner);
   void Release(std::unique_ptr<Region> region);
-  // Whether a released slot of `size` of `owner` is kept (mu_ held; `owner`'s in_use already
-  // less the slot).
-  bool KeepSpare(uint64_t size, const std::string& owner) const;
-  void Observe() const;  // mu_ held
+  // Whether a released slot of `size` of `owner` is kept (`owner`'s in_use already less the
+  // slot).
+  bool KeepSpare(uint64_t size, const std::string& owner) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Observe() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const uint64_t max_spare_bytes_;
   const Allocator allocate_;
   const uint64_t max_bytes_;
   const Observer observe_;
-  mutable std::mutex mu_;
-  std::multimap<uint64_t, Spare> spare_;  // by size
-  uint64_t spare_bytes_ = 0;
-  uint64_t held_bytes_ = 0;
-  std::unordered_map<const Region*, std::string> owner_of_;  // slots handed out
-  std::map<std::string, Usage> usage_;                       // by owner ("" included)
+  mutable common::Mutex mu_;
+  std::multimap<uint64_t, Spare> spare_ ABSL_GUARDED_BY(mu_);  // by size
+  uint64_t spare_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Slots handed out.
+  std::unordered_map<const Region*, std::string> owner_of_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);  // by owner ("" included)
 };
 
 }  // namespace refit

@@ -28,7 +28,7 @@ void Metrics::DescribeLocked(const char* name, MetricKind kind, const char* help
 
 std::atomic<double>* Metrics::Find(const std::string& key, const char* name, MetricKind kind,
                                    const char* help) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   DescribeLocked(name, kind, help);
   auto& slot = values_[key];
   if (!slot) slot = std::make_unique<std::atomic<double>>(0.0);
@@ -48,13 +48,13 @@ void Metrics::Declare(const Counter& c) { Find(c.name, c.name, MetricKind::kCoun
 void Metrics::Declare(const Gauge& g) { Find(g.name, g.name, MetricKind::kGauge, g.help); }
 
 void Metrics::Declare(const Histogram& h) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   DescribeLocked(h.name, MetricKind::kHistogram, h.help);
   histograms_.emplace(h.name, Empty());
 }
 
 void Metrics::DeclareLabelled(const Counter& c) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   DescribeLocked(c.name, MetricKind::kCounter, c.help);
 }
 
@@ -75,7 +75,7 @@ void Metrics::Set(const Gauge& g, double value) {
 }
 
 void Metrics::Observe(const Histogram& histogram, double seconds) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   DescribeLocked(histogram.name, MetricKind::kHistogram, histogram.help);
   auto [it, added] = histograms_.emplace(histogram.name, HistogramSnapshot());
   HistogramSnapshot& h = it->second;
@@ -89,24 +89,24 @@ void Metrics::Observe(const Histogram& histogram, double seconds) {
 }
 
 std::map<std::string, HistogramSnapshot> Metrics::Histograms() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   return histograms_;
 }
 
 std::map<std::string, MetricDescription> Metrics::Descriptions() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   return {descriptions_.begin(), descriptions_.end()};
 }
 
 std::map<std::string, double> Metrics::Snapshot() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   std::map<std::string, double> out;
   for (const auto& [name, value] : values_) out[name] = value->load(std::memory_order_relaxed);
   return out;
 }
 
 double Metrics::Get(const std::string& key) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto it = values_.find(key);
   return it == values_.end() ? 0.0 : it->second->load(std::memory_order_relaxed);
 }

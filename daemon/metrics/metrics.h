@@ -16,10 +16,11 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "daemon/common/mutex.h"
 
 namespace refit {
 
@@ -81,17 +82,18 @@ class Metrics {
 
  private:
   // Under mu_: records `name`'s kind and HELP the first time it is seen.
-  void DescribeLocked(const char* name, MetricKind kind, const char* help);
+  void DescribeLocked(const char* name, MetricKind kind, const char* help)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The series `key` of metric `name` (created at 0).
   std::atomic<double>* Find(const std::string& key, const char* name, MetricKind kind,
                             const char* help);
   void AddTo(const std::string& key, const char* name, MetricKind kind, const char* help,
              double delta);
 
-  mutable std::mutex mu_;
-  std::map<std::string, std::unique_ptr<std::atomic<double>>> values_;  // guarded by mu_
-  std::map<std::string, HistogramSnapshot> histograms_;                 // guarded by mu_
-  std::map<std::string, MetricDescription, std::less<>> descriptions_;  // guarded by mu_
+  mutable common::Mutex mu_;
+  std::map<std::string, std::unique_ptr<std::atomic<double>>> values_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, HistogramSnapshot> histograms_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, MetricDescription, std::less<>> descriptions_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit

@@ -16,24 +16,24 @@ Leases::Leases(Store* store, std::shared_ptr<Owners> owners, Metrics* metrics,
 
 Leases::~Leases() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     stop_ = true;
   }
-  wake_.notify_all();
+  wake_.NotifyAll();
   thread_.join();
 }
 
 void Leases::Grant(const std::string& buffer_id, uid_t uid) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     leases_[buffer_id] = Lease{uid, Clock::now() + length_};
   }
-  wake_.notify_all();
+  wake_.NotifyAll();
 }
 
 std::vector<std::string> Leases::Renew(const std::vector<std::string>& ids, uid_t uid) {
   std::vector<std::string> unknown;
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   const auto expires = Clock::now() + length_;
   for (const std::string& id : ids) {
     auto it = leases_.find(id);
@@ -47,15 +47,15 @@ std::vector<std::string> Leases::Renew(const std::vector<std::string>& ids, uid_
 }
 
 void Leases::Forget(const std::string& buffer_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   leases_.erase(buffer_id);
 }
 
 void Leases::Run() {
-  std::unique_lock<std::mutex> lock(mu_);
+  common::UniqueLock lock(mu_);
   while (!stop_) {
     if (leases_.empty()) {
-      wake_.wait(lock);
+      wake_.Wait(lock);
       continue;
     }
     const auto now = Clock::now();
@@ -71,7 +71,7 @@ void Leases::Run() {
       }
     }
     if (expired.empty()) {
-      wake_.wait_until(lock, next);
+      wake_.WaitUntil(lock, next);
       continue;
     }
     lock.unlock();

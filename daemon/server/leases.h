@@ -11,14 +11,13 @@
 #include <sys/types.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "daemon/common/mutex.h"
 #include "daemon/server/owners.h"
 #include "daemon/server/server_metrics.h"
 #include "daemon/store/store.h"
@@ -56,10 +55,10 @@ class Leases {
   const std::shared_ptr<Owners> owners_;
   Metrics* const metrics_;
   const std::chrono::milliseconds length_;
-  std::mutex mu_;
-  std::condition_variable wake_;
-  std::map<std::string, Lease> leases_;  // guarded by mu_
-  bool stop_ = false;                    // guarded by mu_
+  common::Mutex mu_;
+  common::CondVar wake_;
+  std::map<std::string, Lease> leases_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

@@ -10,7 +10,6 @@
 #include <sys/types.h>
 
 #include <map>
-#include <mutex>
 #include <set>
 #include <string>
 #include <utility>
@@ -18,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/common/mutex.h"
 
 namespace refit::server {
 
@@ -25,12 +25,12 @@ class Owners {
  public:
   // `pid` 0: a process refitd cannot watch (its buffers stay until released).
   void Set(const std::string& buffer_id, uid_t uid, pid_t pid) {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     owners_[buffer_id] = {uid, pid};
     if (pid != 0) by_process_[{uid, pid}].insert(buffer_id);
   }
   void Forget(const std::string& buffer_id) {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     auto it = owners_.find(buffer_id);
     if (it == owners_.end()) return;
     auto process = by_process_.find(it->second);
@@ -42,7 +42,7 @@ class Owners {
   }
   // The buffers the process (uid, pid) registered and that are still known here, forgotten.
   std::vector<std::string> TakeProcess(uid_t uid, pid_t pid) {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     auto it = by_process_.find({uid, pid});
     if (it == by_process_.end()) return {};
     std::vector<std::string> ids(it->second.begin(), it->second.end());
@@ -53,7 +53,7 @@ class Owners {
   // PERMISSION_DENIED naming the first id `uid` does not own. Ids nobody registered here pass:
   // the store answers NOT_FOUND for them.
   absl::Status Check(const std::vector<std::string>& ids, uid_t uid, const char* what) const {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     for (const std::string& id : ids) {
       auto it = owners_.find(id);
       if (it != owners_.end() && it->second.first != uid) {
@@ -66,10 +66,10 @@ class Owners {
   }
 
  private:
-  mutable std::mutex mu_;
-  std::map<std::string, std::pair<uid_t, pid_t>> owners_;  // by buffer id
+  mutable common::Mutex mu_;
+  std::map<std::string, std::pair<uid_t, pid_t>> owners_ ABSL_GUARDED_BY(mu_);  // by buffer id
   // The buffers of each watched process (pid != 0).
-  std::map<std::pair<uid_t, pid_t>, std::set<std::string>> by_process_;
+  std::map<std::pair<uid_t, pid_t>, std::set<std::string>> by_process_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit::server

@@ -68,6 +68,7 @@ absl::StatusOr<std::unique_ptr<VersionLedger>> VersionLedger::Open(const std::st
     return invalid(absl::StrCat("format_version is not ", kFormatVersion));
   }
   if (!json.contains("models") || !json["models"].is_object()) return invalid("no models object");
+  common::MutexLock lock(ledger->mu_);  // not shared yet; the analysis asks for it
   for (const auto& [name, entry] : json["models"].items()) {
     if (name.empty() || !entry.is_object() || !entry.contains("newest_published") ||
         !entry["newest_published"].is_number_unsigned() ||
@@ -81,7 +82,7 @@ absl::StatusOr<std::unique_ptr<VersionLedger>> VersionLedger::Open(const std::st
 }
 
 absl::Status VersionLedger::Check(const std::string& model, uint64_t version) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto it = models_.find(model);
   if (it == models_.end()) return absl::OkStatus();
   const Entry& entry = it->second;
@@ -98,7 +99,7 @@ absl::Status VersionLedger::Check(const std::string& model, uint64_t version) co
 }
 
 absl::Status VersionLedger::Record(const std::string& model, uint64_t version) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   Entry& entry = models_[model];
   if (version < entry.newest) return absl::OkStatus();
   const bool changed = version != entry.newest;
@@ -108,7 +109,7 @@ absl::Status VersionLedger::Record(const std::string& model, uint64_t version) {
 }
 
 absl::StatusOr<uint64_t> VersionLedger::Forget(const std::string& model) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto it = models_.find(model);
   if (it == models_.end()) return 0;
   const uint64_t newest = it->second.newest;
@@ -119,7 +120,7 @@ absl::StatusOr<uint64_t> VersionLedger::Forget(const std::string& model) {
 }
 
 uint64_t VersionLedger::Newest(const std::string& model) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto it = models_.find(model);
   return it == models_.end() ? 0 : it->second.newest;
 }

@@ -15,11 +15,11 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/common/mutex.h"
 
 namespace refit::state {
 
@@ -48,15 +48,15 @@ class VersionLedger {
 
  private:
   explicit VersionLedger(std::string path) : path_(std::move(path)) {}
-  absl::Status Save() const;  // mu_ held
+  absl::Status Save() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   struct Entry {
     uint64_t newest = 0;
     bool this_process = false;  // `newest` was published since this process started
   };
   const std::string path_;
-  mutable std::mutex mu_;
-  std::map<std::string, Entry> models_;
+  mutable common::Mutex mu_;
+  std::map<std::string, Entry> models_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit::state
