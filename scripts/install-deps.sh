@@ -6,6 +6,8 @@ set -euo pipefail
 packages=(
   # build
   bazel-bootstrap bazel-rules-java g++ pkg-config git ca-certificates
+  # source checks (scripts/check-format.sh, scripts/check-thread-safety.sh)
+  clang clang-format
   # API and control plane
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   # data plane
