@@ -35,8 +35,8 @@
 #include "daemon/state/version_ledger.h"
 #include "daemon/store/store.h"
 #include "daemon/tls/peer_tls.h"
-#include "daemon/transport/ucx_binding.h"
-#include "daemon/transport/ucx_transport.h"
+#include "daemon/transport/ucx/ucx_binding.h"
+#include "daemon/transport/ucx/ucx_transport.h"
 #include "daemon/version.h"
 #include "grpcpp/grpcpp.h"
 

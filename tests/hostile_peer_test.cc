@@ -24,7 +24,7 @@
 
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
-#include "daemon/transport/ucx_transport.h"
+#include "daemon/transport/ucx/ucx_transport.h"
 #include "daemon/transport/wire.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/refit/v1/peer.grpc.pb.h"

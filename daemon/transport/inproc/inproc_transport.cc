@@ -1,4 +1,4 @@
-#include "daemon/transport/inproc_transport.h"
+#include "daemon/transport/inproc/inproc_transport.h"
 
 #include <cstdlib>
 #include <cstring>

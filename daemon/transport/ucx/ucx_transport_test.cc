@@ -1,7 +1,7 @@
 // Behaviour specific to the UCX backend: status mapping, capabilities of Debian's UCX, options.
 // The common contract is in the conformance suite (ucx_*_conformance_test).
 
-#include "daemon/transport/ucx_transport.h"
+#include "daemon/transport/ucx/ucx_transport.h"
 
 #include <chrono>
 #include <cstdlib>
@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
-#include "daemon/transport/ucx_internal.h"
-#include "daemon/transport/ucx_utils.h"
+#include "daemon/transport/ucx/ucx_internal.h"
+#include "daemon/transport/ucx/ucx_utils.h"
 
 namespace refit::transport {
 namespace {

@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "daemon/transport/peer_process.h"
+#include "daemon/transport/testing/peer_process.h"
+#include "daemon/transport/testing/transport_conformance.h"
 #include "daemon/transport/transport.h"
-#include "daemon/transport/transport_conformance.h"
 
 namespace refit::transport::testing {
 

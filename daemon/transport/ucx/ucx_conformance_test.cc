@@ -10,8 +10,8 @@
 #include <cstring>
 #include <string>
 
-#include "daemon/transport/transport_conformance.h"
-#include "daemon/transport/ucx_transport.h"
+#include "daemon/transport/testing/transport_conformance.h"
+#include "daemon/transport/ucx/ucx_transport.h"
 
 namespace refit::transport {
 namespace {

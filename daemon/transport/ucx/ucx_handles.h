@@ -12,8 +12,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/transport/ucx_internal.h"
-#include "daemon/transport/ucx_transport.h"
+#include "daemon/transport/ucx/ucx_internal.h"
+#include "daemon/transport/ucx/ucx_transport.h"
 #include "daemon/transport/wire.h"
 
 namespace refit::transport {

@@ -1,4 +1,4 @@
-#include "daemon/transport/ucx_transport.h"
+#include "daemon/transport/ucx/ucx_transport.h"
 
 #include <algorithm>
 #include <atomic>
@@ -10,8 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
-#include "daemon/transport/ucx_handles.h"
-#include "daemon/transport/ucx_internal.h"
+#include "daemon/transport/ucx/ucx_handles.h"
+#include "daemon/transport/ucx/ucx_internal.h"
 #include "daemon/transport/wire.h"
 
 namespace refit::transport {

@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "daemon/transport/ucx_internal.h"
+#include "daemon/transport/ucx/ucx_internal.h"
 
 namespace refit::transport {
 

@@ -1,7 +1,7 @@
 // The conformance suite against the in-process backend.
 
-#include "daemon/transport/inproc_transport.h"
-#include "daemon/transport/transport_conformance.h"
+#include "daemon/transport/inproc/inproc_transport.h"
+#include "daemon/transport/testing/transport_conformance.h"
 
 namespace refit::transport {
 

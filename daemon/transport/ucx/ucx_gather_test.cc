@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
-#include "daemon/transport/ucx_transport.h"
+#include "daemon/transport/ucx/ucx_transport.h"
 #include "daemon/transport/wire.h"
 #include "xxhash.h"
 

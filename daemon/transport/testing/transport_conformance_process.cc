@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
-#include "daemon/transport/conformance_helpers.h"
-#include "daemon/transport/transport_conformance.h"
+#include "daemon/transport/testing/conformance_testing.h"
+#include "daemon/transport/testing/transport_conformance.h"
 
 namespace refit::transport::testing {
 namespace {

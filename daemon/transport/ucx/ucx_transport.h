@@ -111,7 +111,7 @@
 
 #include "daemon/transport/copy_engine.h"
 #include "daemon/transport/transport.h"
-#include "daemon/transport/ucx_utils.h"
+#include "daemon/transport/ucx/ucx_utils.h"
 
 namespace refit::transport {
 

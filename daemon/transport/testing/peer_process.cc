@@ -1,4 +1,4 @@
-#include "daemon/transport/peer_process.h"
+#include "daemon/transport/testing/peer_process.h"
 
 #include <dirent.h>
 #include <poll.h>

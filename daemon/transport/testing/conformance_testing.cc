@@ -1,4 +1,4 @@
-#include "daemon/transport/conformance_helpers.h"
+#include "daemon/transport/testing/conformance_testing.h"
 
 #include <algorithm>
 

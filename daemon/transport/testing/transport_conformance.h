@@ -17,7 +17,7 @@
 #include <functional>
 #include <string>
 
-#include "daemon/transport/peer_process.h"
+#include "daemon/transport/testing/peer_process.h"
 #include "daemon/transport/transport.h"
 
 namespace refit::transport {

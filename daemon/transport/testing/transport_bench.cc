@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "daemon/transport/peer_process.h"
-#include "daemon/transport/ucx_transport.h"
+#include "daemon/transport/testing/peer_process.h"
+#include "daemon/transport/ucx/ucx_transport.h"
 
 namespace refit::transport {
 namespace {

@@ -37,7 +37,7 @@
 #include "daemon/common/xxh3.h"
 #include "daemon/memory/checksum.h"
 #include "daemon/memory/stream_copy.h"
-#include "daemon/transport/ucx_internal.h"
+#include "daemon/transport/ucx/ucx_internal.h"
 
 namespace refit::transport {
 namespace {

@@ -1,4 +1,4 @@
-#include "daemon/transport/ucx_binding.h"
+#include "daemon/transport/ucx/ucx_binding.h"
 
 #include "catch2/catch.hpp"
 

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "daemon/transport/ucx_transport.h"
+#include "daemon/transport/ucx/ucx_transport.h"
 
 namespace refit::transport {
 

@@ -2,7 +2,7 @@
 // threads (several "daemons" in one test process). The common contract is in the conformance
 // suite (inproc_conformance_test).
 
-#include "daemon/transport/inproc_transport.h"
+#include "daemon/transport/inproc/inproc_transport.h"
 
 #include <atomic>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "daemon/transport/ucx_utils.h"
+#include "daemon/transport/ucx/ucx_utils.h"
 
 #include "absl/strings/str_cat.h"
 

@@ -1,6 +1,6 @@
 // The backend-independent Transport cases in one process; see transport_conformance.h.
 
-#include "daemon/transport/transport_conformance.h"
+#include "daemon/transport/testing/transport_conformance.h"
 
 #include <algorithm>
 #include <cstring>
@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
-#include "daemon/transport/conformance_helpers.h"
+#include "daemon/transport/testing/conformance_testing.h"
 
 namespace refit::transport::testing {
 namespace {
