@@ -60,7 +60,7 @@ void Store::NoteLocalReady(Model& model) {
   uint64_t newest = 0;
   for (const auto& [version, pieces] : model.pending) {
     if (std::all_of(model.sources.begin(), model.sources.end(),
-                    [&](const std::string& id) { return pieces.count(id) > 0; })) {
+                    [&p = pieces](const std::string& id) { return p.count(id) > 0; })) {
       newest = version;
     }
   }

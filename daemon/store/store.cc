@@ -245,7 +245,7 @@ void Store::TryComplete(Model& model) {
   uint64_t newest_ready = 0;
   for (const auto& [version, pieces] : model.pending) {
     bool ready = std::all_of(model.sources.begin(), model.sources.end(),
-                             [&](const std::string& id) { return pieces.count(id) > 0; });
+                             [&p = pieces](const std::string& id) { return p.count(id) > 0; });
     if (ready) newest_ready = version;
   }
   if (newest_ready == 0) return;
