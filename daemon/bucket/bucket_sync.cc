@@ -37,6 +37,10 @@ void BucketExport::Notify() {
   wake_.notify_all();
 }
 
+void BucketExport::OnLocalVersionReady(const std::string& /*model*/, uint64_t /*version*/) {
+  Notify();
+}
+
 void BucketExport::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);

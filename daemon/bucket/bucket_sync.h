@@ -12,8 +12,12 @@
 // store (Store::ImportVersion) as if a peer had sent it. A corrupt or partial file is rejected
 // by the Importer (one log line, refit_bucket_rejected_total) and the node stays where it was.
 //
+// BucketExport listens to the store (StoreEvents): OnLocalVersionReady wakes it, as does
+// DeltaSource's "prepared" (daemon/wiring.cc).
+//
 // Thread-safety: each worker runs one thread of its own; Notify() may be called from any
-// thread (the store calls it with its lock held: it only sets a flag).
+// thread (the store calls it, through OnLocalVersionReady, with its lock held: it only sets a
+// flag).
 
 #include <condition_variable>
 #include <map>
@@ -33,17 +37,21 @@
 
 namespace refit::bucket {
 
-class BucketExport {
+class BucketExport final : public StoreEvents {
  public:
   // `deltas` may be null (no delta sync: every version is written in full).
   BucketExport(std::string dir, uint32_t full_every, uint32_t retain, Store* store,
                peer::DeltaSource* deltas, Metrics* metrics);
-  ~BucketExport();  // Stop()
+  ~BucketExport() override;  // Stop()
   BucketExport(const BucketExport&) = delete;
   BucketExport& operator=(const BucketExport&) = delete;
 
   void Notify();
   void Stop();
+
+  // StoreEvents: a new local version is a version to write; it reads the version's snapshot.
+  void OnLocalVersionReady(const std::string& model, uint64_t version) override;
+  bool WantsLocalSnapshots() const override { return true; }
 
  private:
   void Run();

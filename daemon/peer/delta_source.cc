@@ -54,6 +54,10 @@ void DeltaSource::Notify() {
   wake_.notify_all();
 }
 
+void DeltaSource::OnLocalVersionReady(const std::string& /*model*/, uint64_t /*version*/) {
+  Notify();
+}
+
 void DeltaSource::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -9,8 +9,11 @@
 // announces a version only once it is prepared, so a receiver never starts a full pull of a
 // version whose delta is a moment away.
 //
+// Listens to the store (StoreEvents): OnLocalVersionReady wakes the encoder.
+//
 // Thread-safety: public methods may be called from any thread. Notify() only sets a flag (the
-// store calls it with its lock held); encoding runs on DeltaSource's own thread.
+// store calls it, through OnLocalVersionReady, with its lock held); encoding runs on
+// DeltaSource's own thread.
 
 #include <chrono>
 #include <condition_variable>
@@ -52,18 +55,22 @@ struct EncodedDelta {
 // slice starts on an element boundary, else bytes (still exact, just less compact).
 DType DeltaDType(const std::vector<TensorSlice>& slices, uint64_t bytes);
 
-class DeltaSource {
+class DeltaSource final : public StoreEvents {
  public:
   // `ready` is called (from DeltaSource's thread) whenever a version became prepared.
   DeltaSource(Store* store, DeltaSourceOptions options, Metrics* metrics,
               std::function<void()> ready);
-  ~DeltaSource();  // Stop()
+  ~DeltaSource() override;  // Stop()
   DeltaSource(const DeltaSource&) = delete;
   DeltaSource& operator=(const DeltaSource&) = delete;
 
   // A local version may be ready to encode.
   void Notify();
   void Stop();
+
+  // StoreEvents: a new local version is a version to encode (enabled: it reads its snapshot).
+  void OnLocalVersionReady(const std::string& model, uint64_t version) override;
+  bool WantsLocalSnapshots() const override { return enabled(); }
 
   bool enabled() const { return options_.threshold > 0; }
   // The newest version of `model` whose deltas are settled: what may be announced now.

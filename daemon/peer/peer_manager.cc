@@ -417,15 +417,15 @@ std::vector<PeerManager::Transfer> PeerManager::Transfers() const {
   return {t};
 }
 
-void PeerManager::OnPull(PullJob job) {
+void PeerManager::OnPullNeeded(const PullJob& job) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    jobs_.push_back(std::move(job));
+    jobs_.push_back(job);
   }
   wake_.notify_all();
 }
 
-void PeerManager::OnVersionComplete() {
+void PeerManager::OnVersionComplete(const std::string& /*model*/, uint64_t /*version*/) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     report_due_ = true;

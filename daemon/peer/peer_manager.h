@@ -7,8 +7,11 @@
 // DESTINATION buffers' models are complete at (Peer.Report: on every completion and every
 // second), for replica status, WaitForReplicas and the choice of relays.
 //
-// Thread-safety: public methods may be called from any thread. The store's listener hooks
-// (OnPull) only queue work.
+// Listens to the store (StoreEvents): OnPullNeeded queues a pull, OnVersionComplete makes a
+// report due.
+//
+// Thread-safety: public methods may be called from any thread. The store's events only queue
+// work or set a flag (the store calls them with its lock held).
 
 #include <atomic>
 #include <condition_variable>
@@ -61,7 +64,7 @@ struct PeerManagerOptions {
   uint32_t max_peer_connections = 16;
 };
 
-class PeerManager final : public pull::PeerChannels {
+class PeerManager final : public pull::PeerChannels, public StoreEvents {
  public:
   // Nothing is owned; `board` and `replicas` may be null (no relaying, no replica reports).
   PeerManager(PeerManagerOptions options, std::vector<std::string> addresses, Store* store,
@@ -74,10 +77,10 @@ class PeerManager final : public pull::PeerChannels {
   void Start();
   void Stop();
 
-  // Queues `job` (called by the store, under its lock).
-  void OnPull(PullJob job);
+  // StoreEvents. Queues `job` for the pull worker (called by the store, under its lock).
+  void OnPullNeeded(const PullJob& job) override;
   // A version became complete here (called by the store, under its lock): report it.
-  void OnVersionComplete();
+  void OnVersionComplete(const std::string& model, uint64_t version) override;
 
   // A connected --peers node's stub; else, with --relay, a relay channel to a node an origin
   // named (its Report answer), opened on demand (Hello, data-plane endpoint) while fewer than
