@@ -16,7 +16,6 @@
 // DeltaSource's own thread.
 
 #include <chrono>
-#include <condition_variable>
 #include <deque>
 #include <cstdint>
 #include <functional>
@@ -24,10 +23,10 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "daemon/common/types.h"
+#include "daemon/common/worker_loop.h"
 #include "daemon/memory/region.h"
 #include "daemon/peer/peer_metrics.h"
 #include "daemon/store/store.h"
@@ -84,7 +83,7 @@ class DeltaSource final : public StoreEvents {
                                                         uint64_t version) const;
 
  private:
-  void Run();
+  void Step();
   void Prepare(const std::string& model, const std::vector<SourceLayout>& layouts);
 
   Store* const store_;
@@ -93,9 +92,6 @@ class DeltaSource final : public StoreEvents {
   const std::function<void()> ready_;
 
   mutable std::mutex mu_;
-  std::condition_variable wake_;
-  bool stop_ = false;
-  bool pending_ = false;
   std::map<std::string, uint64_t> prepared_;  // by model
   std::map<std::string, std::vector<EncodedDelta>> deltas_;  // by model, oldest first
   std::map<std::string, std::shared_ptr<const LocalSnapshot>> prepared_snapshot_;  // by model
@@ -104,7 +100,7 @@ class DeltaSource final : public StoreEvents {
   std::deque<std::pair<std::chrono::steady_clock::time_point, std::shared_ptr<Region>>> retired_;
   // Encoder thread only: the last snapshot encoded against, per model.
   std::map<std::string, std::shared_ptr<const LocalSnapshot>> last_;
-  std::thread thread_;
+  WorkerLoop loop_{"delta encoder"};  // runs Step; started only when enabled()
 };
 
 }  // namespace refit::peer

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "daemon/common/worker_loop.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
@@ -126,7 +127,7 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   void RunResolver();
   void AddPeer(const std::string& address);  // with mu_ held
   void RunPulls();
-  void RunReports();
+  void Report();  // one turn of reporter_
   const std::string node_;
   const std::string instance_;
   std::string listen_;  // set before Start
@@ -150,8 +151,9 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   std::optional<Transfer> current_;
   double received_at_start_ = 0;
   std::thread pull_thread_;
-  bool report_due_ = false;  // a version completed since the last report
-  std::thread report_thread_;
+  // The replica reporter: Report every second and on each completion (OnVersionComplete).
+  WorkerLoop reporter_;
+  bool reported_ = false;  // reporter thread only: the last report held a model
   const uint32_t max_channels_;
   const std::chrono::milliseconds idle_;      // a relay channel unused this long closes
   std::mutex open_mu_;                        // serializes opening and closing relay channels
