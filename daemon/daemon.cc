@@ -38,6 +38,7 @@
 #include "daemon/transport/ucx/ucx_binding.h"
 #include "daemon/transport/ucx/ucx_transport.h"
 #include "daemon/version.h"
+#include "daemon/wiring.h"
 #include "grpcpp/grpcpp.h"
 
 namespace refit {
@@ -163,6 +164,10 @@ struct Daemon::Impl {
   std::mutex shutdown_mu;
   bool shut_down = false;
 
+  EventWiring Wiring() {
+    return {store.get(), deltas.get(), peer_service.get(), peers.get(), bucket_export.get()};
+  }
+
   // The worker threads call into the peer service and the store: stop them before any member
   // goes (this also covers a Start that fails half-way).
   ~Impl() {
@@ -278,12 +283,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     peer::DeltaSourceOptions delta_options;
     delta_options.threshold = options.delta_threshold;
     delta_options.chain = options.delta_chain;
-    impl->deltas = std::make_unique<peer::DeltaSource>(impl->store.get(), delta_options,
-                                                       &impl->metrics, [raw] {
-                                                         raw->peer_service->NotifyChanged();
-                                                         if (raw->bucket_export)
-                                                           raw->bucket_export->Notify();
-                                                       });
+    // Called from DeltaSource's thread, which starts here and is stopped before the peer
+    // service and the exporter go (~Impl).
+    impl->deltas = std::make_unique<peer::DeltaSource>(
+        impl->store.get(), delta_options, &impl->metrics,
+        [raw] { OnDeltasPrepared(raw->Wiring()); });
   }
   if (!options.bucket_export.empty()) {
     impl->bucket_export = std::make_unique<bucket::BucketExport>(
@@ -313,24 +317,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
                                options.relay, impl->tls, options.max_peer_connections},
       options.peers, impl->store.get(), impl->data_plane.get(), &impl->metrics,
       &impl->relay_board, &impl->replicas);
-  {
-    peer::PeerService* service = impl->peer_service.get();
-    peer::DeltaSource* deltas = impl->deltas.get();
-    peer::PeerManager* manager = impl->peers.get();
-    StoreListener listener;
-    bucket::BucketExport* exporter = impl->bucket_export.get();
-    listener.local_version_ready = [service, deltas, exporter](const std::string&, uint64_t) {
-      deltas->Notify();
-      service->NotifyChanged();
-      if (exporter) exporter->Notify();
-    };
-    listener.local_layout_changed = [service](const std::string&) { service->NotifyChanged(); };
-    listener.pull = [manager](PullJob job) { manager->OnPull(std::move(job)); };
-    listener.version_complete = [manager](const std::string&, uint64_t) {
-      manager->OnVersionComplete();
-    };
-    impl->store->SetListener(std::move(listener));
-  }
+  // Who hears the store's events: daemon/wiring.cc.
+  ConnectStoreEvents(impl->Wiring());
 
   Impl* raw = impl.get();
   server::ServiceContext context;

@@ -10,6 +10,9 @@ cd "$(dirname "$0")/.."
 
 ./scripts/install-deps.sh
 
+# Every link in README.md and docs/ resolves inside the repository (a second or so).
+./scripts/check-doc-links.sh
+
 # Real weight versions for the delta tests live in ../shared/data/deltas next to the checkout.
 shared_dir="$(cd .. && pwd)/shared"
 test_env=()

@@ -24,43 +24,26 @@ BucketExport::BucketExport(std::string dir, uint32_t full_every, uint32_t retain
        {kBucketVersionsExported, kBucketBytesWritten, kBucketFilesPruned, kBucketExportErrors}) {
     if (metrics_) metrics_->Declare(counter);
   }
-  thread_ = std::thread([this] { Run(); });
+  loop_.Start([this] { ExportAll(); });
 }
 
 BucketExport::~BucketExport() { Stop(); }
 
-void BucketExport::Notify() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    pending_ = true;
-  }
-  wake_.notify_all();
+void BucketExport::Notify() { loop_.Notify(); }
+
+void BucketExport::OnLocalVersionReady(const std::string& /*model*/, uint64_t /*version*/) {
+  Notify();
 }
 
-void BucketExport::Stop() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  wake_.notify_all();
-  if (thread_.joinable()) thread_.join();
-}
+void BucketExport::Stop() { loop_.Stop(); }
 
-void BucketExport::Run() {
-  while (true) {
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [this] { return stop_ || pending_; });
-      if (stop_) return;
-      pending_ = false;
-    }
-    for (const auto& [model, layouts] : store_->LocalSourceLayouts()) {
-      // With delta sync, wait until the version's deltas are ready: they go into the bucket.
-      const uint64_t version = deltas_ && deltas_->enabled() ? deltas_->Prepared(model)
-                                                             : store_->LatestLocalSnapshot(model);
-      if (version == 0 || version <= exported_[model]) continue;
-      Export(model, version);
-    }
+void BucketExport::ExportAll() {
+  for (const auto& [model, layouts] : store_->LocalSourceLayouts()) {
+    // With delta sync, wait until the version's deltas are ready: they go into the bucket.
+    const uint64_t version = deltas_ && deltas_->enabled() ? deltas_->Prepared(model)
+                                                           : store_->LatestLocalSnapshot(model);
+    if (version == 0 || version <= exported_[model]) continue;
+    Export(model, version);
   }
 }
 
@@ -137,16 +120,10 @@ absl::StatusOr<std::unique_ptr<BucketImport>> BucketImport::Start(std::string di
   BucketImport* raw = self.get();
   DirWatcherOptions options;
   options.max_depth = 1;  // DIR and the model directories in it
-  auto watcher = DirWatcher::Start(dir, options, [raw] {
-    {
-      std::lock_guard<std::mutex> lock(raw->mu_);
-      raw->pending_ = true;
-    }
-    raw->wake_.notify_all();
-  });
+  auto watcher = DirWatcher::Start(dir, options, [raw] { raw->loop_.Notify(); });
   if (!watcher.ok()) return watcher.status();
   self->watcher_ = std::move(watcher).value();
-  self->thread_ = std::thread([raw] { raw->Run(); });
+  self->loop_.Start([raw] { raw->ImportAll(); });
   Logger("bucket")->info("following {} ({})", dir,
                          self->watcher_->using_inotify() ? "inotify and polling" : "polling");
   return self;
@@ -156,24 +133,7 @@ BucketImport::~BucketImport() { Stop(); }
 
 void BucketImport::Stop() {
   if (watcher_) watcher_->Stop();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  wake_.notify_all();
-  if (thread_.joinable()) thread_.join();
-}
-
-void BucketImport::Run() {
-  while (true) {
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [this] { return stop_ || pending_; });
-      if (stop_) return;
-      pending_ = false;
-    }
-    ImportAll();
-  }
+  loop_.Stop();
 }
 
 void BucketImport::ImportAll() {

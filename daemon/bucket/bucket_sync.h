@@ -12,41 +12,47 @@
 // store (Store::ImportVersion) as if a peer had sent it. A corrupt or partial file is rejected
 // by the Importer (one log line, refit_bucket_rejected_total) and the node stays where it was.
 //
+// BucketExport listens to the store (StoreEvents): OnLocalVersionReady wakes it, as does
+// DeltaSource's "prepared" (daemon/wiring.cc).
+//
 // Thread-safety: each worker runs one thread of its own; Notify() may be called from any
-// thread (the store calls it with its lock held: it only sets a flag).
+// thread (the store calls it, through OnLocalVersionReady, with its lock held: it only sets a
+// flag).
 
-#include <condition_variable>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 
 #include "absl/status/statusor.h"
 #include "daemon/bucket/dir_watcher.h"
 #include "daemon/bucket/exporter.h"
 #include "daemon/bucket/importer.h"
+#include "daemon/common/worker_loop.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/peer/delta_source.h"
 #include "daemon/store/store.h"
 
 namespace refit::bucket {
 
-class BucketExport {
+class BucketExport final : public StoreEvents {
  public:
   // `deltas` may be null (no delta sync: every version is written in full).
   BucketExport(std::string dir, uint32_t full_every, uint32_t retain, Store* store,
                peer::DeltaSource* deltas, Metrics* metrics);
-  ~BucketExport();  // Stop()
+  ~BucketExport() override;  // Stop()
   BucketExport(const BucketExport&) = delete;
   BucketExport& operator=(const BucketExport&) = delete;
 
   void Notify();
   void Stop();
 
+  // StoreEvents: a new local version is a version to write; it reads the version's snapshot.
+  void OnLocalVersionReady(const std::string& model, uint64_t version) override;
+  bool WantsLocalSnapshots() const override { return true; }
+
  private:
-  void Run();
+  void ExportAll();
   void Export(const std::string& model, uint64_t version);
 
   const std::string dir_;
@@ -55,14 +61,10 @@ class BucketExport {
   peer::DeltaSource* const deltas_;
   Metrics* const metrics_;
 
-  std::mutex mu_;
-  std::condition_variable wake_;
-  bool stop_ = false;
-  bool pending_ = false;
   // Worker thread only.
   std::map<std::string, std::unique_ptr<Exporter>> exporters_;  // by model
   std::map<std::string, uint64_t> exported_;                    // newest version written
-  std::thread thread_;
+  WorkerLoop loop_{"bucket export"};  // runs ExportAll
 };
 
 class BucketImport {
@@ -80,7 +82,6 @@ class BucketImport {
 
  private:
   BucketImport(std::string dir, Store* store, Metrics* metrics);
-  void Run();
   void ImportAll();
 
   const std::string dir_;
@@ -89,14 +90,12 @@ class BucketImport {
   Metrics* const metrics_;
   Importer importer_;
 
-  std::mutex mu_;
-  std::condition_variable wake_;
-  bool stop_ = false;
-  bool pending_ = true;  // look once at start
   // Worker thread only: the newest version imported per model (the base for its deltas).
   std::map<std::string, ImportedVersion> current_;
-  std::unique_ptr<DirWatcher> watcher_;
-  std::thread thread_;
+  std::unique_ptr<DirWatcher> watcher_;  // notifies loop_
+  // Runs ImportAll: once at start, then whenever the watcher sees a change.
+  WorkerLoop loop_{WorkerLoop::Options{"bucket import", std::chrono::milliseconds(0),
+                                       /*run_at_start=*/true}};
 };
 
 }  // namespace refit::bucket

@@ -9,7 +9,7 @@
 #include "catch2/catch.hpp"
 #include "daemon/bucket/exporter.h"
 #include "daemon/bucket/importer.h"
-#include "daemon/bucket/test_util.h"
+#include "daemon/bucket/bucket_testing.h"
 #include "daemon/metrics/metrics.h"
 
 namespace refit::bucket {

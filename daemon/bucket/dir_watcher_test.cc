@@ -17,7 +17,7 @@
 #include <thread>
 
 #include "catch2/catch.hpp"
-#include "daemon/bucket/temp_dir.h"
+#include "daemon/bucket/temp_dir_testing.h"
 
 namespace refit::bucket {
 namespace {

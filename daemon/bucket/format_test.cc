@@ -8,7 +8,7 @@
 #include <string>
 
 #include "catch2/catch.hpp"
-#include "daemon/bucket/test_util.h"
+#include "daemon/bucket/bucket_testing.h"
 #include "nlohmann/json.hpp"
 
 namespace refit::bucket {

@@ -21,31 +21,20 @@ std::vector<std::string> Liveness::Stuck(std::chrono::milliseconds stall) const 
 
 LivenessProbe::LivenessProbe(Liveness::Worker* worker, std::function<void()> probe,
                              std::chrono::milliseconds interval)
-    : worker_(worker), probe_(std::move(probe)), interval_(interval) {
-  thread_ = std::thread([this] { Run(); });
+    : worker_(worker),
+      probe_(std::move(probe)),
+      loop_(WorkerLoop::Options{"probe " + worker->name(), interval, /*run_at_start=*/true}) {
+  loop_.Start([this] { Probe(); });
 }
 
 LivenessProbe::~LivenessProbe() { Stop(); }
 
-void LivenessProbe::Stop() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  wake_.notify_all();
-  if (thread_.joinable()) thread_.join();
-}
+void LivenessProbe::Stop() { loop_.Stop(); }
 
-void LivenessProbe::Run() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stop_) {
-    lock.unlock();
-    worker_->Busy();
-    probe_();
-    worker_->Idle();
-    lock.lock();
-    wake_.wait_for(lock, interval_, [this] { return stop_; });
-  }
+void LivenessProbe::Probe() {
+  worker_->Busy();
+  probe_();
+  worker_->Idle();
 }
 
 }  // namespace refit

@@ -12,14 +12,14 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
+
+#include "daemon/common/worker_loop.h"
 
 namespace refit {
 
@@ -83,14 +83,10 @@ class LivenessProbe {
   void Stop();       // waits for a probe in progress
 
  private:
-  void Run();
+  void Probe();
   Liveness::Worker* const worker_;
   const std::function<void()> probe_;
-  const std::chrono::milliseconds interval_;
-  std::mutex mu_;
-  std::condition_variable wake_;
-  bool stop_ = false;  // guarded by mu_
-  std::thread thread_;
+  WorkerLoop loop_;  // periodic, from Start
 };
 
 }  // namespace refit

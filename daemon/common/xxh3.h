@@ -1,9 +1,9 @@
 #pragma once
 
 // XXH3-64 from libxxhash, the one hash refit uses for checksums (pulls, deltas, the bucket). On
-// x86-64 the calls go through the library's runtime CPU dispatch (AVX2 / AVX-512 where present:
-// 37 GB/s against 9.7 GB/s for the plain SSE2 entry points on the dev machine, cache-hot); the
-// hash values are the same either way. Thread-safe.
+// x86-64 the calls go through the library's runtime CPU dispatch (AVX2 / AVX-512 where present,
+// several times the plain SSE2 entry points: docs/benchmarks.md, "Figures behind constants");
+// the hash values are the same either way. Thread-safe.
 
 #include <xxhash.h>
 

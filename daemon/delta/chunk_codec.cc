@@ -197,7 +197,7 @@ void ChunkEncoder::ScanRange(const uint8_t* base, const uint8_t* target, uint64_
 }
 
 #if defined(REFIT_DELTA_X86_AVX2)
-// ScanRange with 32-byte compares: about 1.5x the SSE2 loop's speed on data in L3.
+// ScanRange with 32-byte compares (docs/benchmarks.md, "Figures behind constants").
 template <typename T>
 __attribute__((target("avx2"))) void ChunkEncoder::ScanRangeAvx2(const uint8_t* base,
                                                                  const uint8_t* target,
@@ -207,7 +207,7 @@ __attribute__((target("avx2"))) void ChunkEncoder::ScanRangeAvx2(const uint8_t* 
   const uint64_t bytes = count * sizeof(T);
   uint64_t i = 0;
   for (; i + 64 <= bytes; i += 64) {
-    if (i + kPrefetchBytes < bytes) {  // about 10 % faster than the hardware prefetcher alone
+    if (i + kPrefetchBytes < bytes) {  // beats the hardware prefetcher alone (docs/benchmarks.md)
       _mm_prefetch(reinterpret_cast<const char*>(a + i + kPrefetchBytes), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(b + i + kPrefetchBytes), _MM_HINT_T0);
     }
@@ -219,7 +219,8 @@ __attribute__((target("avx2"))) void ChunkEncoder::ScanRangeAvx2(const uint8_t* 
 #endif
 
 #if defined(REFIT_DELTA_X86_AVX512)
-// One 64-byte compare per block, straight into a mask: about 15 % faster than AVX2.
+// One 64-byte compare per block, straight into a mask (docs/benchmarks.md, "Figures behind
+// constants").
 template <typename T>
 __attribute__((target("avx512f,avx512bw"))) void ChunkEncoder::ScanRangeAvx512(
     const uint8_t* base, const uint8_t* target, uint64_t first, uint64_t count) {

@@ -12,8 +12,8 @@
 // Why it pays: in bf16 RL fine-tuning a step changes well under 1 % of elements at lr 1e-6 and
 // a few % at 1e-5, mostly by one unit in the last place. Per changed element the delta stores
 // the gap since the previous change and the zigzag of the bit-pattern difference as Rice codes,
-// about 1.5 bytes per change on real data: 328x smaller than the full bf16 bytes at lr 1e-6 and
-// 4x smaller than 6 bytes (int32 index + bf16 value) per change. delta_bench prints figures.
+// about 1.5 bytes per change on real data. delta_bench prints figures; docs/benchmarks.md
+// ("Delta codec on the real weight versions") keeps them.
 //
 // Format (version 1; FORMAT.md has every field, the checks a reader makes, and the
 // measurements behind the choices). Little-endian throughout.

@@ -8,7 +8,7 @@
 
 #include "catch2/catch.hpp"
 #include "daemon/delta/delta.h"
-#include "daemon/delta/test_util.h"
+#include "daemon/delta/delta_testing.h"
 
 namespace refit::delta {
 namespace {

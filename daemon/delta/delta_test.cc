@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
-#include "daemon/delta/test_util.h"
+#include "daemon/delta/delta_testing.h"
 
 namespace refit::delta {
 namespace {

@@ -87,9 +87,8 @@ bool RangeSums::Find(uint64_t b, uint64_t l, uint64_t* out) const {
 }
 
 uint64_t CopyAndHashRange(uint8_t* dst, const uint8_t* src, uint64_t size) {
-  // A bounce buffer that stays in L1: the extra copy then costs next to nothing (1 GiB on two
-  // threads: 0.10-0.11 s, as fast as hashing the source and streaming it; 0.11-0.12 s with a
-  // 256 KiB buffer in L2).
+  // A bounce buffer that stays in L1: the extra copy then costs next to nothing (its size:
+  // docs/benchmarks.md, "Figures behind constants").
   constexpr uint64_t kBounceBytes = 16 << 10;
   thread_local std::unique_ptr<uint8_t[]> block(new uint8_t[kBounceBytes]);
   if (size <= kBounceBytes) {  // the one-shot hash (a short span of a column shard)

@@ -41,27 +41,18 @@ DeltaSource::DeltaSource(Store* store, DeltaSourceOptions options, Metrics* metr
     : store_(store), options_(options), metrics_(metrics), ready_(std::move(ready)) {
   metrics_->Declare(kDeltaEncodedBytes);
   metrics_->Declare(kDeltaEncodeSeconds);
-  if (enabled()) thread_ = std::thread([this] { Run(); });
+  if (enabled()) loop_.Start([this] { Step(); });
 }
 
 DeltaSource::~DeltaSource() { Stop(); }
 
-void DeltaSource::Notify() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    pending_ = true;
-  }
-  wake_.notify_all();
+void DeltaSource::Notify() { loop_.Notify(); }
+
+void DeltaSource::OnLocalVersionReady(const std::string& /*model*/, uint64_t /*version*/) {
+  Notify();
 }
 
-void DeltaSource::Stop() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  wake_.notify_all();
-  if (thread_.joinable()) thread_.join();
-}
+void DeltaSource::Stop() { loop_.Stop(); }
 
 uint64_t DeltaSource::Prepared(const std::string& model) const {
   if (!enabled()) return store_->LatestLocalSnapshot(model);
@@ -76,23 +67,15 @@ std::vector<EncodedDelta> DeltaSource::Deltas(const std::string& model) const {
   return it == deltas_.end() ? std::vector<EncodedDelta>() : it->second;
 }
 
-void DeltaSource::Run() {
-  while (true) {
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [this] { return stop_ || pending_; });
-      if (stop_) return;
-      pending_ = false;
-    }
-    bool any = false;
-    for (const auto& [model, layouts] : store_->LocalSourceLayouts()) {
-      const uint64_t newest = store_->LatestLocalSnapshot(model);
-      if (newest == 0 || newest <= Prepared(model)) continue;
-      Prepare(model, layouts);
-      any = true;
-    }
-    if (any && ready_) ready_();
+void DeltaSource::Step() {
+  bool any = false;
+  for (const auto& [model, layouts] : store_->LocalSourceLayouts()) {
+    const uint64_t newest = store_->LatestLocalSnapshot(model);
+    if (newest == 0 || newest <= Prepared(model)) continue;
+    Prepare(model, layouts);
+    any = true;
   }
+  if (any && ready_) ready_();
 }
 
 void DeltaSource::Prepare(const std::string& model, const std::vector<SourceLayout>& layouts) {

@@ -9,11 +9,13 @@
 // announces a version only once it is prepared, so a receiver never starts a full pull of a
 // version whose delta is a moment away.
 //
+// Listens to the store (StoreEvents): OnLocalVersionReady wakes the encoder.
+//
 // Thread-safety: public methods may be called from any thread. Notify() only sets a flag (the
-// store calls it with its lock held); encoding runs on DeltaSource's own thread.
+// store calls it, through OnLocalVersionReady, with its lock held); encoding runs on
+// DeltaSource's own thread.
 
 #include <chrono>
-#include <condition_variable>
 #include <deque>
 #include <cstdint>
 #include <functional>
@@ -21,10 +23,10 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "daemon/common/types.h"
+#include "daemon/common/worker_loop.h"
 #include "daemon/memory/region.h"
 #include "daemon/peer/peer_metrics.h"
 #include "daemon/store/store.h"
@@ -52,18 +54,22 @@ struct EncodedDelta {
 // slice starts on an element boundary, else bytes (still exact, just less compact).
 DType DeltaDType(const std::vector<TensorSlice>& slices, uint64_t bytes);
 
-class DeltaSource {
+class DeltaSource final : public StoreEvents {
  public:
   // `ready` is called (from DeltaSource's thread) whenever a version became prepared.
   DeltaSource(Store* store, DeltaSourceOptions options, Metrics* metrics,
               std::function<void()> ready);
-  ~DeltaSource();  // Stop()
+  ~DeltaSource() override;  // Stop()
   DeltaSource(const DeltaSource&) = delete;
   DeltaSource& operator=(const DeltaSource&) = delete;
 
   // A local version may be ready to encode.
   void Notify();
   void Stop();
+
+  // StoreEvents: a new local version is a version to encode (enabled: it reads its snapshot).
+  void OnLocalVersionReady(const std::string& model, uint64_t version) override;
+  bool WantsLocalSnapshots() const override { return enabled(); }
 
   bool enabled() const { return options_.threshold > 0; }
   // The newest version of `model` whose deltas are settled: what may be announced now.
@@ -77,7 +83,7 @@ class DeltaSource {
                                                         uint64_t version) const;
 
  private:
-  void Run();
+  void Step();
   void Prepare(const std::string& model, const std::vector<SourceLayout>& layouts);
 
   Store* const store_;
@@ -86,9 +92,6 @@ class DeltaSource {
   const std::function<void()> ready_;
 
   mutable std::mutex mu_;
-  std::condition_variable wake_;
-  bool stop_ = false;
-  bool pending_ = false;
   std::map<std::string, uint64_t> prepared_;  // by model
   std::map<std::string, std::vector<EncodedDelta>> deltas_;  // by model, oldest first
   std::map<std::string, std::shared_ptr<const LocalSnapshot>> prepared_snapshot_;  // by model
@@ -97,7 +100,7 @@ class DeltaSource {
   std::deque<std::pair<std::chrono::steady_clock::time_point, std::shared_ptr<Region>>> retired_;
   // Encoder thread only: the last snapshot encoded against, per model.
   std::map<std::string, std::shared_ptr<const LocalSnapshot>> last_;
-  std::thread thread_;
+  WorkerLoop loop_{"delta encoder"};  // runs Step; started only when enabled()
 };
 
 }  // namespace refit::peer

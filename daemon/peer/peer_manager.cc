@@ -144,6 +144,7 @@ PeerManager::PeerManager(PeerManagerOptions options, std::vector<std::string> ad
       metrics_(metrics),
       replicas_(replicas),
       configured_(std::move(addresses)),
+      reporter_(WorkerLoop::Options{"replica reports", kReportEvery, /*run_at_start=*/false}),
       max_channels_(std::max<uint32_t>(1, options.max_peer_connections)),
       idle_(RelayIdle()) {
   metrics_->Declare(kPeersConnected);
@@ -181,7 +182,7 @@ void PeerManager::Start() {
   }
   pull_thread_ = std::thread([this] { RunPulls(); });
   resolver_thread_ = std::thread([this] { RunResolver(); });
-  report_thread_ = std::thread([this] { RunReports(); });
+  reporter_.Start([this] { Report(); });
 }
 
 void PeerManager::RunResolver() {
@@ -215,7 +216,7 @@ void PeerManager::Stop() {
   }
   wake_.notify_all();
   if (resolver_thread_.joinable()) resolver_thread_.join();
-  if (report_thread_.joinable()) report_thread_.join();
+  reporter_.Stop();
   for (auto& peer : peers_) {  // no longer grows: stop_ is set
     if (peer->thread.joinable()) peer->thread.join();
   }
@@ -417,69 +418,56 @@ std::vector<PeerManager::Transfer> PeerManager::Transfers() const {
   return {t};
 }
 
-void PeerManager::OnPull(PullJob job) {
+void PeerManager::OnPullNeeded(const PullJob& job) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    jobs_.push_back(std::move(job));
+    jobs_.push_back(job);
   }
   wake_.notify_all();
 }
 
-void PeerManager::OnVersionComplete() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    report_due_ = true;
-  }
-  wake_.notify_all();
+void PeerManager::OnVersionComplete(const std::string& /*model*/, uint64_t /*version*/) {
+  reporter_.Notify();
 }
 
-void PeerManager::RunReports() {
-  bool reported = false;  // the last report held a model
-  while (true) {
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait_for(lock, kReportEvery, [this] { return stop_ || report_due_; });
-      if (stop_) return;
-      report_due_ = false;
+void PeerManager::Report() {
+  CloseIdle();
+  v1::ReplicaReport report;
+  report.set_node(node_);
+  report.set_relay(relay_);
+  std::vector<fleet::ReplicaEntry> entries;
+  for (const ModelInfo& model : store_->Models()) {
+    if (model.destination_buffers == 0) continue;
+    entries.push_back({model.name, model.latest_version});
+    v1::ReplicaReport::Model* m = report.add_models();
+    m->set_model(model.name);
+    m->set_latest_version(model.latest_version);
+  }
+  if (entries.empty() && !reported_) return;  // a trainer's node has nothing to say
+  reported_ = !entries.empty();
+  if (replicas_) {
+    if (entries.empty()) {
+      replicas_->Forget(node_);
+    } else {
+      replicas_->Report(node_, relay_, entries);
     }
-    CloseIdle();
-    v1::ReplicaReport report;
-    report.set_node(node_);
-    report.set_relay(relay_);
-    std::vector<fleet::ReplicaEntry> entries;
-    for (const ModelInfo& model : store_->Models()) {
-      if (model.destination_buffers == 0) continue;
-      entries.push_back({model.name, model.latest_version});
-      v1::ReplicaReport::Model* m = report.add_models();
-      m->set_model(model.name);
-      m->set_latest_version(model.latest_version);
+  }
+  std::vector<std::pair<std::string, v1::Peer::Stub*>> stubs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& peer : peers_) {
+      if (peer->connected && peer->stub) stubs.emplace_back(peer->node, peer->stub.get());
     }
-    if (entries.empty() && !reported) continue;  // a trainer's node has nothing to say
-    reported = !entries.empty();
-    if (replicas_) {
-      if (entries.empty()) {
-        replicas_->Forget(node_);
-      } else {
-        replicas_->Report(node_, relay_, entries);
-      }
-    }
-    std::vector<std::pair<std::string, v1::Peer::Stub*>> stubs;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& peer : peers_) {
-        if (peer->connected && peer->stub) stubs.emplace_back(peer->node, peer->stub.get());
-      }
-    }
-    for (const auto& [node, stub] : stubs) {
-      grpc::ClientContext context;
-      context.set_deadline(In(kReportDeadline));
-      v1::ReplicaReportResponse response;
-      grpc::Status status = stub->Report(&context, report, &response);
-      if (status.ok()) Learn(response);
-      if (!status.ok() && status.error_code() != grpc::StatusCode::UNAVAILABLE) {
-        Logger("peer")->debug("peer={} refused this node's replica report: {}", node,
-                              status.error_message());
-      }
+  }
+  for (const auto& [node, stub] : stubs) {
+    grpc::ClientContext context;
+    context.set_deadline(In(kReportDeadline));
+    v1::ReplicaReportResponse response;
+    grpc::Status status = stub->Report(&context, report, &response);
+    if (status.ok()) Learn(response);
+    if (!status.ok() && status.error_code() != grpc::StatusCode::UNAVAILABLE) {
+      Logger("peer")->debug("peer={} refused this node's replica report: {}", node,
+                            status.error_message());
     }
   }
 }

@@ -7,8 +7,11 @@
 // DESTINATION buffers' models are complete at (Peer.Report: on every completion and every
 // second), for replica status, WaitForReplicas and the choice of relays.
 //
-// Thread-safety: public methods may be called from any thread. The store's listener hooks
-// (OnPull) only queue work.
+// Listens to the store (StoreEvents): OnPullNeeded queues a pull, OnVersionComplete makes a
+// report due.
+//
+// Thread-safety: public methods may be called from any thread. The store's events only queue
+// work or set a flag (the store calls them with its lock held).
 
 #include <atomic>
 #include <condition_variable>
@@ -22,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "daemon/common/worker_loop.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
@@ -61,7 +65,7 @@ struct PeerManagerOptions {
   uint32_t max_peer_connections = 16;
 };
 
-class PeerManager final : public pull::PeerChannels {
+class PeerManager final : public pull::PeerChannels, public StoreEvents {
  public:
   // Nothing is owned; `board` and `replicas` may be null (no relaying, no replica reports).
   PeerManager(PeerManagerOptions options, std::vector<std::string> addresses, Store* store,
@@ -74,10 +78,10 @@ class PeerManager final : public pull::PeerChannels {
   void Start();
   void Stop();
 
-  // Queues `job` (called by the store, under its lock).
-  void OnPull(PullJob job);
+  // StoreEvents. Queues `job` for the pull worker (called by the store, under its lock).
+  void OnPullNeeded(const PullJob& job) override;
   // A version became complete here (called by the store, under its lock): report it.
-  void OnVersionComplete();
+  void OnVersionComplete(const std::string& model, uint64_t version) override;
 
   // A connected --peers node's stub; else, with --relay, a relay channel to a node an origin
   // named (its Report answer), opened on demand (Hello, data-plane endpoint) while fewer than
@@ -123,7 +127,7 @@ class PeerManager final : public pull::PeerChannels {
   void RunResolver();
   void AddPeer(const std::string& address);  // with mu_ held
   void RunPulls();
-  void RunReports();
+  void Report();  // one turn of reporter_
   const std::string node_;
   const std::string instance_;
   std::string listen_;  // set before Start
@@ -147,8 +151,9 @@ class PeerManager final : public pull::PeerChannels {
   std::optional<Transfer> current_;
   double received_at_start_ = 0;
   std::thread pull_thread_;
-  bool report_due_ = false;  // a version completed since the last report
-  std::thread report_thread_;
+  // The replica reporter: Report every second and on each completion (OnVersionComplete).
+  WorkerLoop reporter_;
+  bool reported_ = false;  // reporter thread only: the last report held a model
   const uint32_t max_channels_;
   const std::chrono::milliseconds idle_;      // a relay channel unused this long closes
   std::mutex open_mu_;                        // serializes opening and closing relay channels

@@ -54,6 +54,12 @@ void PeerService::NotifyChanged() {
   changed_.notify_all();
 }
 
+void PeerService::OnLocalVersionReady(const std::string& /*model*/, uint64_t /*version*/) {
+  NotifyChanged();
+}
+
+void PeerService::OnLayoutChanged(const std::string& /*model*/) { NotifyChanged(); }
+
 void PeerService::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -5,8 +5,11 @@
 // sources have all published (with the remote keys of the slots to read); Checksum lets a
 // reader verify what it pulled; Pin keeps a version's slots alive while a reader pulls.
 //
+// Listens to the store (StoreEvents): a new local version or a changed SOURCE layout wakes the
+// Subscribe streams, which send what changed.
+//
 // Thread-safety: gRPC calls the handlers concurrently; NotifyChanged may be called from any
-// thread (the store calls it with its lock held: it only bumps a counter).
+// thread (the store calls it, through its events, with its lock held: it only bumps a counter).
 
 #include <atomic>
 #include <condition_variable>
@@ -30,7 +33,7 @@ namespace refit::peer {
 
 using dataplane::DataPlane;
 
-class PeerService final : public v1::Peer::Service {
+class PeerService final : public v1::Peer::Service, public StoreEvents {
  public:
   // `deltas` (may be null: no delta sync) says which versions may be announced and which
   // deltas to offer with them.
@@ -56,6 +59,10 @@ class PeerService final : public v1::Peer::Service {
 
   // Something a subscriber should hear about changed (a layout or a new local version).
   void NotifyChanged();
+  // StoreEvents: both mean NotifyChanged. Subscribers read local versions' snapshots.
+  void OnLocalVersionReady(const std::string& model, uint64_t version) override;
+  void OnLayoutChanged(const std::string& model) override;
+  bool WantsLocalSnapshots() const override { return true; }
   // Ends every Subscribe stream (shutdown).
   void Stop();
 

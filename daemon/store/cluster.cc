@@ -66,7 +66,12 @@ void Store::NoteLocalReady(Model& model) {
   }
   if (newest <= model.local_ready) return;
   model.local_ready = newest;
-  if (!listener_.local_version_ready) return;  // no other nodes to serve
+  if (std::none_of(listeners_.begin(), listeners_.end(),
+                   [](const StoreEvents* l) { return l->WantsLocalSnapshots(); })) {
+    // Nobody reads local snapshots (no other nodes to serve), but listeners still hear of it.
+    for (StoreEvents* listener : listeners_) listener->OnLocalVersionReady(model.name, newest);
+    return;
+  }
   auto snapshot = std::make_shared<LocalSnapshot>();
   snapshot->model = model.name;
   snapshot->version = newest;
@@ -80,7 +85,7 @@ void Store::NoteLocalReady(Model& model) {
   while (model.snapshots.size() > std::max<uint32_t>(1, options_.retain)) {
     model.snapshots.erase(model.snapshots.begin());  // pinned readers keep their own reference
   }
-  listener_.local_version_ready(model.name, newest);
+  for (StoreEvents* listener : listeners_) listener->OnLocalVersionReady(model.name, newest);
 }
 
 void Store::TryCompleteWithRemotes(Model& model) {
@@ -200,7 +205,7 @@ void Store::TryCompleteWithRemotes(Model& model) {
   model.pulling_pieces = std::move(pieces);
   Logger("store")->info("model={} version={} pulling {} bytes from {} pieces", model.name,
                         candidate, job.Bytes(), job.fetches.size());
-  if (listener_.pull) listener_.pull(std::move(job));
+  for (StoreEvents* listener : listeners_) listener->OnPullNeeded(job);
 }
 
 void Store::OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fetch) const {

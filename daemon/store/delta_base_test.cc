@@ -7,6 +7,7 @@
 
 #include "catch2/catch.hpp"
 #include "daemon/store/store.h"
+#include "daemon/store/store_testing.h"
 
 namespace refit {
 namespace {
@@ -50,9 +51,7 @@ TensorSlice Columns(int64_t first, int64_t count) {
 // half of "w" (its first and second half, or with `columns` its left and right columns).
 struct Engine {
   explicit Engine(bool columns = false) : store(Options(), &metrics), columns(columns) {
-    StoreListener listener;
-    listener.pull = [this](PullJob job) { jobs.push_back(std::move(job)); };
-    store.SetListener(std::move(listener));
+    store.AddListener(&recorder);
     for (int half = 0; half < 2; ++half) Register(half);
     const TensorSlice source = columns ? Columns(0, kCols) : Part(0, kShare / 2);
     store.SetRemoteSources(
@@ -123,9 +122,10 @@ struct Engine {
     return {};
   }
   Metrics metrics;
+  std::vector<PullJob> jobs;
+  testing::PullRecorder recorder{&jobs};
   Store store;
   const bool columns;
-  std::vector<PullJob> jobs;
   uint8_t* bytes[2] = {nullptr, nullptr};
   std::string ids[2];
 };

@@ -299,7 +299,7 @@ void Store::PublishVersion(Model& model, std::shared_ptr<const Version> version)
   metrics_->Add(kVersionsCompleted, 1);
   Logger("store")->info("model={} version={} complete: {} pieces, {} bytes held here", model.name,
                         number, version->pieces.size(), version->bytes);
-  if (listener_.version_complete) listener_.version_complete(model.name, number);
+  for (StoreEvents* listener : listeners_) listener->OnVersionComplete(model.name, number);
   changed_.notify_all();
 }
 
@@ -631,9 +631,9 @@ absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
   return result;
 }
 
-void Store::SetListener(StoreListener listener) {
+void Store::AddListener(StoreEvents* listener) {
   std::lock_guard<std::mutex> lock(mu_);
-  listener_ = std::move(listener);
+  listeners_.push_back(listener);
 }
 
 void Store::Shutdown() {

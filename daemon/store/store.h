@@ -225,17 +225,33 @@ struct PullJob {
   uint64_t Bytes() const;
 };
 
-// Hooks from the store to the layer that talks to other daemons. Called with the store's lock
-// held: they must only queue work, never call back into the store.
-struct StoreListener {
-  // Every local SOURCE buffer of `model` has published `version`.
-  std::function<void(const std::string& model, uint64_t version)> local_version_ready;
+// The store's events: what the rest of the daemon hears about (docs/architecture.md, "Store
+// events"). A listener overrides the events it cares about; the others do nothing. Registered
+// with Store::AddListener (refitd: daemon/wiring.cc), called in the order they were added.
+//
+// Called with the store's lock held, on the thread whose call caused the event (a Publish,
+// RegisterBuffer or ReleaseBuffer caller, a peer's announcement, the pull worker's FinishPull,
+// the bucket importer, or the store's quantizer thread): a listener must only queue work or set
+// a flag, and never call back into the store.
+class StoreEvents {
+ public:
+  virtual ~StoreEvents() = default;
+
+  // Every local SOURCE buffer of `model` has published `version`; its snapshot is held
+  // (GetLocalSnapshot) when a listener WantsLocalSnapshots.
+  virtual void OnLocalVersionReady(const std::string& /*model*/, uint64_t /*version*/) {}
   // The local SOURCE layout of `model` changed (a source registered or released).
-  std::function<void(const std::string& model)> local_layout_changed;
-  // Start fetching; answer with Store::FinishPull.
-  std::function<void(PullJob job)> pull;
-  // `version` of `model` became complete on this node.
-  std::function<void(const std::string& model, uint64_t version)> version_complete;
+  virtual void OnLayoutChanged(const std::string& /*model*/) {}
+  // Other nodes' sources announced a version this node should take: start fetching `job`'s
+  // pieces and answer with Store::FinishPull (one listener takes pulls: refitd's PeerManager).
+  virtual void OnPullNeeded(const PullJob& /*job*/) {}
+  // `version` of `model` became complete on this node (visible to WaitForVersion and Apply).
+  virtual void OnVersionComplete(const std::string& /*model*/, uint64_t /*version*/) {}
+
+  // True when the listener reads local versions' snapshots (other nodes pull them, deltas
+  // are encoded from them, the bucket exports them): the store keeps the newest --retain
+  // snapshots of each model's local versions only while some listener wants them.
+  virtual bool WantsLocalSnapshots() const { return false; }
 };
 
 // Checks whether the caller has gone away (e.g. a cancelled RPC).
@@ -310,7 +326,9 @@ class Store {
 
   // ---- Several nodes (driven by daemon/peer) ----
 
-  void SetListener(StoreListener listener);
+  // Adds `listener` to those told of the store's events (StoreEvents); not owned, it must
+  // outlive the store's last event (refitd stops the store's callers first).
+  void AddListener(StoreEvents* listener);
 
   // Models with SOURCE buffers on this node, and their layouts.
   std::map<std::string, std::vector<SourceLayout>> LocalSourceLayouts() const;
@@ -488,7 +506,7 @@ class Store {
   std::map<std::string, std::unique_ptr<Model>> models_;
   std::map<std::string, std::shared_ptr<Buffer>> buffers_;  // by id
   std::map<std::string, std::string> by_memory_;            // buffer ids by Region::Identity()
-  StoreListener listener_;
+  std::vector<StoreEvents*> listeners_;  // in the order added
   // Versions waiting for quantization (model, version); the thread starts with the first.
   std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_queue_;
   std::condition_variable quant_wake_;

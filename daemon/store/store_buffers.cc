@@ -146,7 +146,7 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   UpdateBudget(*model);
   if (role == Role::kSource) {
     RecheckDestinations(*model);  // the sources win over destinations that came first
-    if (listener_.local_layout_changed) listener_.local_layout_changed(model_name);
+    for (StoreEvents* listener : listeners_) listener->OnLayoutChanged(model_name);
   }
 
   Logger("store")->info("model={} buffer={} registered: {} {} tensors, {} client={}", model_name,
@@ -195,7 +195,7 @@ absl::Status Store::ReleaseBuffer(const std::string& buffer_id, const std::strin
     AbandonUnpublished(model, *buffer, why);
     // A pending version may now have every remaining source published.
     RecheckDestinations(model);
-    if (listener_.local_layout_changed) listener_.local_layout_changed(buffer->model);
+    for (StoreEvents* listener : listeners_) listener->OnLayoutChanged(buffer->model);
     TryComplete(model);
   }
   EraseIfEmpty(buffer->model);  // e.g. a misspelled model whose engine went away

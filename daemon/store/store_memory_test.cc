@@ -6,6 +6,7 @@
 
 #include "catch2/catch.hpp"
 #include "daemon/store/store.h"
+#include "daemon/store/store_testing.h"
 
 namespace refit {
 namespace {
@@ -59,10 +60,9 @@ TEST_CASE("a trainer's node holds at most (retain + 1) versions, the delta base 
   const uint32_t retain = GENERATE(1u, 2u);
   const uint64_t share = 4096;
   Metrics metrics;
+  testing::SnapshotReader reader;  // snapshots for peers
   Store store(Options(retain), &metrics);
-  StoreListener listener;
-  listener.local_version_ready = [](const std::string&, uint64_t) {};  // snapshots for peers
-  store.SetListener(listener);
+  store.AddListener(&reader);
   auto region = Memory(share);
   uint8_t* bytes = region->data();
   auto id = store.RegisterBuffer("m", Role::kSource, std::move(region), {Whole("w", share / 2)},
@@ -96,9 +96,7 @@ TEST_CASE("a trainer's node holds at most (retain + 1) versions, the delta base 
 struct Engine {
   explicit Engine(uint32_t retain, uint64_t max_slot_bytes = 0)
       : store(Options(retain, max_slot_bytes), &metrics) {
-    StoreListener listener;
-    listener.pull = [this](PullJob job) { jobs.push_back(std::move(job)); };
-    store.SetListener(std::move(listener));
+    store.AddListener(&recorder);
   }
   absl::StatusOr<std::string> Register(uint64_t bytes) {
     return store.RegisterBuffer("m", Role::kDestination, Memory(bytes), {Whole("w", bytes / 2)},
@@ -115,8 +113,9 @@ struct Engine {
           bytes}});
   }
   Metrics metrics;
-  Store store;
   std::vector<PullJob> jobs;
+  testing::PullRecorder recorder{&jobs};
+  Store store;
 };
 
 TEST_CASE("an engine's node holds at most (retain + 1) versions over full and delta pulls",

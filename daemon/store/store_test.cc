@@ -6,6 +6,7 @@
 #include <xxhash.h>
 
 #include "catch2/catch.hpp"
+#include "daemon/store/store_testing.h"
 
 namespace refit {
 namespace {
@@ -58,6 +59,7 @@ Clock::time_point In(int ms) { return Clock::now() + milliseconds(ms); }
 
 struct Fixture {
   Metrics metrics;
+  testing::SnapshotReader snapshot_reader;  // added by the tests that need local snapshots
   Store store{TestOptions("test"), &metrics};
 };
 
@@ -91,9 +93,7 @@ TEST_CASE_METHOD(Fixture, "publish then apply copies a version bit-exact", "[sto
 TEST_CASE_METHOD(Fixture, "Publish hashes the ranges peers asked checksums for", "[store]") {
   constexpr uint64_t kSize = 1 << 20;
   // Snapshots for other nodes are kept only when something serves them.
-  StoreListener listener;
-  listener.local_version_ready = [](const std::string&, uint64_t) {};
-  store.SetListener(listener);
+  store.AddListener(&snapshot_reader);
   TestBuffer src(kSize);
   auto s = store.RegisterBuffer("m", Role::kSource, src.Lend(),
                                 {Whole("w", DType::kUINT8, {static_cast<int64_t>(kSize)}, 0)}, "");
@@ -369,14 +369,13 @@ namespace {
 // A receiving node: the pull jobs the store asks for, with the deltas it offers in them.
 struct Receiver {
   Metrics metrics;
-  Store store{TestOptions("engine"), &metrics};
   std::vector<PullJob> jobs;
+  testing::PullRecorder recorder{&jobs};
+  Store store{TestOptions("engine"), &metrics};
   std::shared_ptr<std::mutex> mu = std::make_shared<std::mutex>();
 
   Receiver() {
-    StoreListener listener;
-    listener.pull = [this](PullJob job) { jobs.push_back(std::move(job)); };
-    store.SetListener(std::move(listener));
+    store.AddListener(&recorder);
     TestBuffer dest(2048);
     REQUIRE(store
                 .RegisterBuffer("m", Role::kDestination, dest.Lend(),

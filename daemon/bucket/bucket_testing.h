@@ -27,7 +27,7 @@
 #include "catch2/catch.hpp"
 #include "daemon/bucket/exporter.h"
 #include "daemon/bucket/importer.h"
-#include "daemon/bucket/temp_dir.h"
+#include "daemon/bucket/temp_dir_testing.h"
 #include "daemon/delta/delta.h"
 #include "daemon/memory/region.h"
 #include "nlohmann/json.hpp"

@@ -1,0 +1,27 @@
+#include "daemon/wiring.h"
+
+#include "daemon/bucket/bucket_sync.h"
+#include "daemon/peer/delta_source.h"
+#include "daemon/peer/peer_manager.h"
+#include "daemon/peer/peer_service.h"
+#include "daemon/store/store.h"
+
+namespace refit {
+
+void ConnectStoreEvents(const EventWiring& wiring) {
+  // OnLocalVersionReady: the delta encoder first (its deltas decide when a version is
+  // announced), then the Subscribe streams (layouts and versions that need no delta), then the
+  // bucket. OnLayoutChanged: the Subscribe streams.
+  wiring.store->AddListener(wiring.deltas);
+  wiring.store->AddListener(wiring.peer_service);
+  if (wiring.bucket_export) wiring.store->AddListener(wiring.bucket_export);
+  // OnPullNeeded and OnVersionComplete: the pull worker and the replica reporter.
+  wiring.store->AddListener(wiring.peers);
+}
+
+void OnDeltasPrepared(const EventWiring& wiring) {
+  wiring.peer_service->NotifyChanged();
+  if (wiring.bucket_export) wiring.bucket_export->Notify();
+}
+
+}  // namespace refit
