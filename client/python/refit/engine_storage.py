@@ -117,6 +117,7 @@ def plan(params_of_module: Dict[str, torch.Tensor], mapping: FusedMapping,
     tensors = checkpoint_tensors(params, fp8, fp8_block)
     groups = mapping.parts(tensors, experts)
     result = Plan()
+    mismatches: List[str] = []
     for target, members in groups.items():
         names = [n for n, _ in members]
         param = params_of_module.get(target)
@@ -132,7 +133,14 @@ def plan(params_of_module: Dict[str, torch.Tensor], mapping: FusedMapping,
             for n in names:
                 result.fallback[n] = f"engine parameter {target!r}: {problem}"
             continue
-        result.placed[target] = _parts(target, tuple(param.shape), members, tensors, fp8_block)
+        try:
+            result.placed[target] = _parts(target, tuple(param.shape), members, tensors,
+                                           fp8_block)
+        except MappingError as e:
+            mismatches.append(str(e))
+    if mismatches:
+        raise MappingError("the mapping does not fit the engine's parameters: "
+                           + "; ".join(mismatches))
     # A weight and its scale tensor go together (the scale lives in the weight's buffer).
     moved = True
     while moved:

@@ -113,14 +113,15 @@ def _receiver_from(model: torch.nn.Module, data: torch.Tensor) -> RefitWeightRec
 def custom_weight_loader(model: torch.nn.Module,
                          named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
     """SGLang's custom weight loader signature, `loader(model, named_tensors)`: `refit.init`
-    (re)creates the model's receiver, `refit.version` receives a version into the model."""
+    creates the model's receiver (replacing one held), `refit.version` receives a version into
+    the model."""
     for name, tensor in named_tensors:
-        if name == INIT_NAME:
+        if name == INIT_NAME:  # bad settings raise and leave the receiver held as it was
+            new = _receiver_from(model, tensor)
             old = getattr(model, _ATTRIBUTE, None)
+            setattr(model, _ATTRIBUTE, new)
             if old is not None:
                 old.destroy()
-                setattr(model, _ATTRIBUTE, None)
-            setattr(model, _ATTRIBUTE, _receiver_from(model, tensor))
         elif name == VERSION_NAME:
             receiver = getattr(model, _ATTRIBUTE, None)
             if receiver is None:

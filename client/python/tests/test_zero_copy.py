@@ -282,6 +282,8 @@ class ZeroCopyTest(DaemonCase):
                     mapping=short, storage=storage, experts=LOCAL)
             self.assertIn("qkv_proj.weight' [512, 256]: its parts", str(e.exception))
             self.assertIn("add up to 384 rows, not 512", str(e.exception))
+            self.assertIn("qkv_proj.weight_scale_inv' [4, 2]: its parts", str(e.exception))
+            self.assertIn("add up to 3 rows, not 4 (fused block scales", str(e.exception))
         # Experts: a rank told it holds three experts whose w13 has room for two.
         with self.assertRaises(refit_sglang.MappingError) as e:
             refit_sglang.RefitWeightReceiver(
@@ -293,8 +295,8 @@ class ZeroCopyTest(DaemonCase):
         self.assertIn("the mapping gives it 3 expert(s)", str(e.exception))
         for name, p in model.named_parameters():  # nothing was re-homed or changed
             self.assertTrue(same_bytes(p.detach(), before[name]), name)
-        self.assertFalse(any(m.model == "zc-bad" for m in self.client.status().models
-                             if getattr(m, "buffers", None)))
+        self.assertEqual([m.destination_buffers for m in self.client.status().models
+                          if m.model == "zc-bad"], [])
 
     def test_sglang_custom_weight_loader(self):
         model = VllmShapedModel()
@@ -322,6 +324,11 @@ class ZeroCopyTest(DaemonCase):
             loader(model, [("model.layers.0.mlp.down_proj.weight", torch.zeros(1))])
         with self.assertRaises(ValueError):
             loader(model, refit_sglang.init_tensors({"model": "x", "params": {}, "bogus": 1}))
+        self.assertIs(model._refit_receiver, receiver)  # bad settings change nothing
+        ckpt = checkpoint(33)
+        self.publish("zc-sgl", 3, ckpt, src)
+        loader(model, refit_sglang.version_tensors(0))  # 0: the next version
+        self.check(model, ckpt)
 
 
 class FakeCudaParam:
