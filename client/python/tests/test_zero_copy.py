@@ -8,6 +8,7 @@ parameters that can't be registered), the forced modes, a NaN version refused be
 mapping that does not fit refused, SGLang's custom-weight-loader entry point, and the CUDA
 handle building with fake parameters (no GPU here: that path was not run on a device)."""
 
+import gc
 import sys
 import unittest
 from unittest import mock
@@ -197,6 +198,8 @@ class ZeroCopyTest(DaemonCase):
             self.assertEqual({n: p.data_ptr() for n, p in model.named_parameters()}, pointers)
         self.assertEqual(model.load_weights_calls, 0)
         engine.shutdown()  # the buffers go; the parameters keep the last version
+        del engine
+        gc.collect()  # nothing but the parameters holds the mapping now
         self.check(model, ckpt)
         self.assertEqual({n: p.data_ptr() for n, p in model.named_parameters()}, pointers)
 
