@@ -396,5 +396,33 @@ class CudaHandleTest(unittest.TestCase):
                                         uuid_of=str)
 
 
+    def test_fp8_expert_scales_go_into_the_fused_scale_parameter(self):
+        # vLLM's fp8 MoE: experts.w13_weight [E, 2I, H] e4m3fn + w13_weight_scale_inv
+        # [E, 2I/128, H/128]; per-expert checkpoints gate/up_proj.weight (+ _scale_inv).
+        params = {L1 + "mlp.experts.w13_weight": torch.zeros(2, 2 * I, H, dtype=torch.uint8),
+                  L1 + "mlp.experts.w13_weight_scale_inv": torch.zeros(2, 2, 2)}
+        ckpt = {L1 + f"mlp.experts.{e}.{p}.weight": ((I, H), torch.bfloat16)
+                for e in LOCAL for p in ("gate_proj", "up_proj")}
+        result = engine_storage.plan(params, MAPPING, ckpt, list(ckpt), (128, 128), LOCAL)
+        self.assertEqual(result.fallback, {})
+        scales = result.placed[L1 + "mlp.experts.w13_weight_scale_inv"]
+        self.assertEqual([(p.name.split(".")[5], p.name.split(".")[6], p.expert, p.row)
+                          for p in scales],
+                         [("1", "gate_proj", 0, 0), ("1", "up_proj", 0, 1),
+                          ("3", "gate_proj", 1, 0), ("3", "up_proj", 1, 1)])
+        weights = result.placed[L1 + "mlp.experts.w13_weight"]
+        self.assertEqual({p.scale_tensor for p in weights}, {p.name for p in scales})
+        self.assertEqual({p.refit_dtype for p in weights}, {refit_pb2.FP8_E4M3})
+        # A CPU model never takes the CUDA path: its plan is re-homed into a memfd.
+        with mock.patch.object(engine_storage, "_torch_cuda_block",
+                               side_effect=AssertionError("CUDA path")):
+            region, layouts = engine_storage.rehome_cpu("m", params, result.placed)
+        self.assertEqual(region.kind, "memfd")
+        base = region.bytes.data_ptr()
+        for param in params.values():  # both now live in the memfd
+            self.assertTrue(base <= param.data_ptr() < base + region.size)
+        region.close()
+
+
 if __name__ == "__main__":
     unittest.main(argv=[sys.argv[0]])
