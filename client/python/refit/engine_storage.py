@@ -209,18 +209,6 @@ def _layout(part: Part, param, buffer_offset: int) -> SliceLayout:
                        part.scale_block)
 
 
-class EngineMemfdRegion(memory.MemfdRegion):
-    """The memfd re-homed CPU parameters live in. close() closes the fd but never unmaps: torch
-    tensors made with frombuffer keep a reference to the mmap object, not a buffer export, so
-    mmap.close() would pull the pages from under the engine's parameters. The mapping goes when
-    the last parameter viewing it does."""
-
-    def close(self) -> None:
-        self._finalizer()  # the fd; the mapping stays
-        self.bytes = None
-        self._mmap = None
-
-
 def rehome_cpu(model: str, params_of_module: Dict[str, torch.Tensor],
                placed: Dict[str, List[Part]]) -> Tuple[memory.MemfdRegion, List[SliceLayout]]:
     """Moves the placed CPU parameters into one new memfd (values kept, `param.data` pointed at
@@ -231,7 +219,7 @@ def rehome_cpu(model: str, params_of_module: Dict[str, torch.Tensor],
         start = -(-end // ALIGNMENT) * ALIGNMENT
         slots[target] = start
         end = start + param.numel() * param.element_size()
-    region = EngineMemfdRegion(end, label=f"refit-{model}-engine")
+    region = memory.MemfdRegion(end, label=f"refit-{model}-engine")
     layouts: List[SliceLayout] = []
     with torch.no_grad():
         for target, parts in placed.items():

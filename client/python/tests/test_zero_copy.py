@@ -424,5 +424,17 @@ class CudaHandleTest(unittest.TestCase):
         region.close()
 
 
+    def test_a_closed_region_keeps_its_pages_for_live_views(self):
+        # torch.frombuffer holds the mmap object, not a buffer export: close() must not unmap.
+        from refit import memory
+        for region in (memory.MemfdRegion(4096, "zc-close"),
+                       memory.HostRegion(memory.unique_shm_name("zc-close"), 4096)):
+            view = region.bytes.narrow(0, 100, 8)
+            view.fill_(7)
+            region.close()
+            gc.collect()
+            self.assertEqual(view.tolist(), [7] * 8)
+
+
 if __name__ == "__main__":
     unittest.main(argv=[sys.argv[0]])
