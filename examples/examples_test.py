@@ -115,11 +115,14 @@ class ExamplesTest(unittest.TestCase):
         self.assertEqual(trainer.returncode, 0, trainer.stdout)
         out, _ = engine.communicate(timeout=120)
         self.assertEqual(engine.returncode, 0, out)
-        applied = re.findall(r"applied version (\d+) bytes=(\d+) max_err_over_scale=([\d.]+)",
-                             out)
-        self.assertEqual([int(v) for v, _, _ in applied], list(range(1, STEPS + 1)), out)
+        applied = re.findall(r"applied version (\d+) bytes=(\d+) max_err_over_scale=([\d.]+) "
+                             r"tag=(\S+) data_ptr_moved=(\d+)", out)
+        self.assertEqual([int(a[0]) for a in applied], list(range(1, STEPS + 1)), out)
         # |q * s - x| <= 16 s: half the e4m3 step at the top of the range, nothing worse.
-        self.assertTrue(all(float(e) <= 16.0 for _, _, e in applied), out)
+        self.assertTrue(all(float(a[2]) <= 16.0 for a in applied), out)
+        # Written in place by Apply (the adapter's zero copy): no parameter ever moved.
+        self.assertEqual([a[3] for a in applied], [f"tiny-lm@{v}" for v in range(1, STEPS + 1)])
+        self.assertEqual({a[4] for a in applied}, {"0"}, out)
         status = self.daemon.client().status()
         self.assertGreater(status.metrics["refit_quantized_values_total"], 0)
         self.assertEqual(status.metrics["refit_nonfinite_values_total"], 0)

@@ -7,6 +7,7 @@
 #     summary.txt   written first, one line per step, the bench figures against their goals
 #     machine.txt   date, host, glibc, nvidia-smi, the bundle's MANIFEST
 #     kernels.log   cuda/gpu_kernels_test: every GPU kernel against its CPU twin, bit-exact
+#     quantize.log  cuda/gpu_quantize_test: fp8 block quantization on the GPU against the CPU's
 #     runtime.log   cuda/cuda_runtime_test: IPC import, slots, copies, plans on the GPU
 #     e2e.log       tests/gpu_e2e_test: two refitd with CUDA slots, a GPU source and destination
 #     bench.txt     cuda/gpu_bench
@@ -110,12 +111,13 @@ step() {
 }
 
 catch_args=(--use-colour no --durations yes)
-step kernels 170 "$OUT/kernels.log" cuda/gpu_kernels_test "${catch_args[@]}"
+step kernels 160 "$OUT/kernels.log" cuda/gpu_kernels_test "${catch_args[@]}"
 grep -E 'real-data checks|SKIPPING' "$OUT/kernels.log" | sort -u | sed 's/^ */        /' \
   >>"$summary"
-step runtime 110 "$OUT/runtime.log" cuda/cuda_runtime_test "${catch_args[@]}"
-step e2e 110 "$OUT/e2e.log" tests/gpu_e2e_test "${catch_args[@]}"
-step bench 110 "$OUT/bench.txt" cuda/gpu_bench --reps=5
+step quantize 40 "$OUT/quantize.log" cuda/gpu_quantize_test "${catch_args[@]}"
+step runtime 100 "$OUT/runtime.log" cuda/cuda_runtime_test "${catch_args[@]}"
+step e2e 100 "$OUT/e2e.log" tests/gpu_e2e_test "${catch_args[@]}"
+step bench 100 "$OUT/bench.txt" cuda/gpu_bench --reps=5
 
 # ---- the figures against the goals ----
 # goal WHAT PATTERN MIN: the "= N.NNx" of the bench line matching PATTERN, against MIN.

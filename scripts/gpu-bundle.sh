@@ -27,6 +27,7 @@ command -v bazel >/dev/null || die "no bazel on PATH"
 declare -A targets=(
   [daemon/refitd]=//daemon:refitd
   [cuda/gpu_kernels_test]=//cuda:gpu_kernels_test
+  [cuda/gpu_quantize_test]=//cuda:gpu_quantize_test
   [cuda/cuda_runtime_test]=//cuda:cuda_runtime_test
   [cuda/ipc_exporter]=//cuda:ipc_exporter
   [cuda/gpu_bench]=//cuda:gpu_bench

@@ -199,7 +199,9 @@ class Buffer:
         self.buffer_id = buffer_id
         self.region = region
         self.layouts: Dict[str, SliceLayout] = {lay.name: lay for lay in layouts}
-        self.tensors: Dict[str, torch.Tensor] = {
+        # A region without a byte view (an engine's own CUDA parameters) has no tensors here:
+        # the engine's parameters are the views.
+        self.tensors: Dict[str, torch.Tensor] = {} if region.bytes is None else {
             lay.name: typed_view(region.bytes, lay) for lay in layouts}
         self.released = False
 

@@ -315,7 +315,20 @@ class Client:
                 for s, lay in zip(slices, layouts):
                     if s.tensor is not None:
                         buffer_lib.typed_view(region.bytes, lay).copy_(s.tensor)
-            if device.type == "cuda":
+        except BaseException:
+            region.close()
+            raise
+        return self.register_region(model, role, region, layouts, client_name=client_name)
+
+    def register_region(self, model: str, role: Union[int, str], region,
+                        layouts: List[buffer_lib.SliceLayout], *,
+                        client_name: Optional[str] = None) -> buffer_lib.Buffer:
+        """Registers a region this process already holds (a MemfdRegion, HostRegion or CUDA
+        region) with tensors already placed in it (`layouts`); its values are left as they
+        are. The Buffer owns the region from here on (closed on failure or release)."""
+        role = parse_role(role)
+        try:
+            if region.memory == "cuda":
                 region.synchronize()
             name = client_name if client_name is not None else _default_client_name()
 

@@ -1,8 +1,9 @@
-"""What the engine adapters (refit.vllm, refit.sglang) share: the engine node's DESTINATION
-buffer in the trainer's checkpoint layout, and one update — wait for a version, refuse it if
-it holds inf/NaN values, Apply it, hand the tensors to the engine's own
-`load_weights(weights: Iterable[tuple[str, Tensor]])`, which maps checkpoint names onto its
-(possibly fused: `qkv_proj`, `gate_up_proj`, expert `w13`/`w2`) parameters.
+"""What the engine adapters (refit.vllm, refit.sglang) share: the engine's weights as refit
+DESTINATION memory, and one update — wait for a version, refuse it if it holds inf/NaN values,
+Apply it. Zero copy where the engine's parameters allow it (refit.engine_storage: Apply writes
+into the parameters, fused `qkv_proj`, `gate_up_proj`, expert `w13`/`w2` and fp8 `weight` +
+`weight_scale_inv` included); the rest goes through a buffer in the trainer's checkpoint layout
+handed to the engine's own `load_weights(weights: Iterable[tuple[str, Tensor]])`.
 
 fp8 parameters: names listed in `fp8` are registered as fp8 destinations with block scales; the
 engine receives `<name>` (e4m3fn bytes, torch.uint8 storage where torch has no float8 dtype) and
@@ -11,16 +12,20 @@ engine receives `<name>` (e4m3fn bytes, torch.uint8 storage where torch has no f
 Not thread-safe: one thread drives an EngineWeights.
 """
 
-from typing import Dict, Iterable, Iterator, Optional, Sequence, Tuple
+import logging
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from refit import client as client_lib
+from refit import engine_storage
 from refit import errors
+from refit.mapping import FusedMapping
 from refit.buffer import Slice
 from refit.v1 import refit_pb2
 
 DESTINATION = refit_pb2.DESTINATION
+log = logging.getLogger("refit.engine")
 
 
 class NonFiniteVersionError(errors.RefitError):
@@ -38,31 +43,100 @@ def weight_version(model: str, version: int) -> str:
 
 
 class EngineWeights:
-    """A DESTINATION buffer holding `params` {checkpoint name: (shape, torch dtype)}."""
+    """The engine's weights as refit DESTINATION memory, for `params` {checkpoint name: (shape,
+    torch dtype)}.
+
+    `storage` chooses how a version reaches the engine's parameters:
+    - "zero_copy": every checkpoint tensor is written by Apply into the engine's own parameter
+      storage (`module`'s parameters, through `mapping`; see refit.engine_storage); a tensor
+      that cannot be placed is an error (ValueError naming each and why);
+    - "auto" (with a `module`): the same where the parameters allow it, the rest through
+      `load_weights` (logged, with the reason for each);
+    - "load_weights" (the default without a `module`): a buffer in checkpoint layout, handed to
+      the engine's `load_weights` after each Apply.
+    A mapping that disagrees with the parameters' shapes is refused (MappingError) in both
+    zero-copy modes. `experts`: the experts this rank holds (expert parallelism; None: all).
+    """
 
     def __init__(self, client: client_lib.Client, model: str,
                  params: Dict[str, Tuple[Sequence[int], torch.dtype]],
                  fp8: Iterable[str] = (), fp8_block: Sequence[int] = (128, 128),
-                 client_name: str = "engine"):
+                 client_name: str = "engine", module: Optional[torch.nn.Module] = None,
+                 mapping: Optional[FusedMapping] = None, storage: Optional[str] = None,
+                 experts: Optional[Iterable[int]] = None):
         self.client = client
         self.model = model
         fp8 = set(fp8)
         unknown = fp8 - set(params)
         if unknown:
             raise ValueError(f"fp8 names not among the params: {sorted(unknown)}")
-        tensors: Dict[str, object] = {}
-        for name, (shape, dtype) in params.items():
-            shape = tuple(int(d) for d in shape)
-            if name in fp8:
-                grid = tuple(-(-d // b) for d, b in zip(shape, fp8_block))
-                tensors[name + "_scale_inv"] = Slice(sizes=grid, dtype=torch.float32)
-                tensors[name] = Slice(sizes=shape, dtype=torch.uint8,
-                                      refit_dtype=refit_pb2.FP8_E4M3,
-                                      scale_tensor=name + "_scale_inv", scale_block=fp8_block)
-            else:
-                tensors[name] = Slice(sizes=shape, dtype=dtype)
-        self.buffer = client.register(model, DESTINATION, tensors, client_name=client_name)
+        if storage is None:
+            storage = "auto" if module is not None else "load_weights"
+        if storage not in engine_storage.STORAGE_MODES:
+            raise ValueError(f"storage must be one of {engine_storage.STORAGE_MODES}, "
+                             f"not {storage!r}")
+        if storage != "load_weights" and module is None:
+            raise ValueError(f"storage={storage!r} needs the engine's module")
+        self.storage = storage
+        self.buffers: List = []  # zero-copy buffers: the engine's own parameter storage
+        self.fallback = None     # the load_weights buffer, in checkpoint layout
+        self.fallback_reasons: Dict[str, str] = {}
         self.version = 0
+        fp8_block = tuple(int(b) for b in fp8_block)
+        try:
+            fallback_names = set(params) | {n + "_scale_inv" for n in fp8}
+            if storage != "load_weights":
+                fallback_names = self._zero_copy(module, mapping or FusedMapping(), params, fp8,
+                                                 fp8_block, experts, client_name)
+            tensors: Dict[str, object] = {}
+            for name, (shape, dtype) in params.items():
+                shape = tuple(int(d) for d in shape)
+                if name not in fallback_names:
+                    continue
+                if name in fp8:
+                    grid = tuple(-(-d // b) for d, b in zip(shape, fp8_block))
+                    tensors[name + "_scale_inv"] = Slice(sizes=grid, dtype=torch.float32)
+                    tensors[name] = Slice(sizes=shape, dtype=torch.uint8,
+                                          refit_dtype=refit_pb2.FP8_E4M3,
+                                          scale_tensor=name + "_scale_inv",
+                                          scale_block=fp8_block)
+                else:
+                    tensors[name] = Slice(sizes=shape, dtype=dtype)
+            if tensors:
+                self.fallback = client.register(model, DESTINATION, tensors,
+                                                client_name=client_name)
+        except BaseException:
+            self.release()
+            raise
+
+    def _zero_copy(self, module, mapping, params, fp8, fp8_block, experts, client_name):
+        """Registers the placed parameters' storage; returns the checkpoint names left over."""
+        named = dict(module.named_parameters())
+        result = engine_storage.plan(named, mapping, params, fp8, fp8_block, experts)
+        self.fallback_reasons = dict(result.fallback)
+        if result.fallback:
+            text = engine_storage.describe_fallback(self.model, result.fallback)
+            if self.storage == "zero_copy":
+                raise ValueError(text.replace("go through the engine's load_weights, not in "
+                                              "place", "cannot be written in place "
+                                              "(storage='zero_copy')"))
+            log.warning("%s", text)
+        on_cpu = {t: p for t, p in result.placed.items() if named[t].device.type == "cpu"}
+        on_cuda = {t: p for t, p in result.placed.items() if named[t].device.type == "cuda"}
+        if on_cpu:
+            region, layouts = engine_storage.rehome_cpu(self.model, named, on_cpu)
+            self.buffers.append(self.client.register_region(
+                self.model, DESTINATION, region, layouts, client_name=client_name))
+        if on_cuda:  # only parameters that are on a CUDA device come here
+            for region, layouts in engine_storage.cuda_regions(named, on_cuda):
+                self.buffers.append(self.client.register_region(
+                    self.model, DESTINATION, region, layouts, client_name=client_name))
+        placed = sum(len(p) for p in result.placed.values())
+        log.info("refit: model %s: %d checkpoint tensor(s) in place in %d engine parameter(s) "
+                 "(%d CPU, %d CUDA), %d through load_weights", self.model, placed,
+                 len(result.placed), len(on_cpu), len(on_cuda), len(result.fallback))
+        # Which checkpoint names and their fp8 weights still need the load_weights buffer.
+        return {n for n in result.fallback if n in params}
 
     def _nonfinite(self, version: int) -> int:
         for m in self.client.status().models:
@@ -72,21 +146,33 @@ class EngineWeights:
 
     def update(self, load_weights, version: int = 0, timeout: Optional[float] = 60.0,
                refuse_nonfinite: bool = True) -> int:
-        """Waits for `version` (0: the newest after the one held), applies it, loads it."""
+        """Waits for `version` (0: the newest after the one held), applies it (into the
+        engine's parameters where they are registered), and hands what is left to
+        `load_weights`; a version holding inf/NaN values is refused before Apply."""
         wanted = version or self.version + 1
         got = self.client.wait_for_version(self.model, wanted, timeout=timeout)
         target = version or got
         count = self._nonfinite(target)
         if refuse_nonfinite and count:
             raise NonFiniteVersionError(self.model, target, count)
-        applied = self.client.apply(self.model, [self.buffer], target)
-        load_weights(self.weights())
+        buffers = self.buffers + ([self.fallback] if self.fallback is not None else [])
+        applied = self.client.apply(self.model, buffers, target)
+        if self.fallback is not None:
+            load_weights(self.weights())
         self.version = applied.version
         return applied.version
 
     def weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        """(checkpoint name, tensor viewing the buffer) for every tensor held."""
-        return iter(list(self.buffer.tensors.items()))
+        """(checkpoint name, tensor viewing the load_weights buffer) for each tensor that
+        goes through load_weights (none in zero-copy mode)."""
+        if self.fallback is None:
+            return iter([])
+        return iter(list(self.fallback.tensors.items()))
 
     def release(self) -> None:
-        self.buffer.release()
+        """Releases the buffers. Re-homed CPU parameters keep their memory (the mapping lives
+        as long as the parameters view it), so the engine keeps serving the last version."""
+        buffers, self.buffers = self.buffers, []
+        fallback, self.fallback = self.fallback, None
+        for b in buffers + ([fallback] if fallback is not None else []):
+            b.release()

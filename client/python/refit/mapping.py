@@ -28,7 +28,10 @@ import torch
 
 from refit.buffer import Slice
 
-_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<part>[A-Za-z0-9_]+)\.weight$")
+# Per-expert checkpoint names: "<prefix>.experts.<e>.<part>.weight" and, for fp8 checkpoints,
+# its "...weight_scale_inv" (into the fused "<fused>_scale_inv", vLLM's `w13_weight_scale_inv`).
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<part>[A-Za-z0-9_]+)"
+                     r"\.weight(?P<suffix>_scale_inv)?$")
 
 
 class FusedMapping:
@@ -36,6 +39,26 @@ class FusedMapping:
                  experts: Sequence[Tuple[str, Sequence[str]]] = ()):
         self.stacked = [(fused, list(parts)) for fused, parts in stacked]
         self.experts = [(fused, list(parts)) for fused, parts in experts]
+
+    @classmethod
+    def from_dict(cls, spec: Optional[Dict[str, Sequence]]) -> "FusedMapping":
+        """From JSON-able tables: {"stacked": [[fused, [parts...]], ...], "experts": [...]}
+        (None or {}: no fused parameters, every checkpoint name is a parameter name)."""
+        spec = dict(spec or {})
+        unknown = set(spec) - {"stacked", "experts"}
+        if unknown:
+            raise ValueError(f"a mapping has 'stacked' and 'experts' tables, not {sorted(unknown)}")
+        try:
+            return cls(stacked=[(str(f), [str(p) for p in parts])
+                                for f, parts in spec.get("stacked", ())],
+                       experts=[(str(f), [str(p) for p in parts])
+                                for f, parts in spec.get("experts", ())])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"a mapping table row is [fused name, [part names]]: {e}") from None
+
+    def to_dict(self) -> Dict[str, List]:
+        return {"stacked": [[f, list(p)] for f, p in self.stacked],
+                "experts": [[f, list(p)] for f, p in self.experts]}
 
     def _fused_of(self, name: str) -> Optional[Tuple[str, int]]:
         """(fused engine name, part index) of a stacked checkpoint name, or None."""
@@ -53,36 +76,49 @@ class FusedMapping:
         for fused, parts in self.experts:
             if m["part"] in parts:
                 base = m["prefix"][: -len(".experts")]
-                return f"{base}.{fused}", int(m["e"]), parts.index(m["part"])
+                return (f"{base}.{fused}{m['suffix'] or ''}", int(m["e"]),
+                        parts.index(m["part"]))
         return None
 
-    def layout(self, shapes: Dict[str, Sequence[int]], dtype: torch.dtype,
-               experts: Optional[Iterable[int]] = None) -> Dict[str, Slice]:
-        """Checkpoint tensors ordered so that each fused parameter's parts are consecutive;
-        experts not in `experts` (None: all) are left out."""
+    def parts(self, names: Iterable[str], experts: Optional[Iterable[int]] = None
+              ) -> Dict[str, List[Tuple[str, Optional[int]]]]:
+        """Engine parameter name -> its checkpoint parts in storage order, each with the index of
+        its expert inside the fused parameter (None where the parameter is not per expert):
+        stacked parts in the table's order (q, k, v), expert parts by expert and then in the
+        table's order (gate, up). Experts not in `experts` (None: all) are left out; a kept
+        expert's index counts only kept experts (an expert-parallel rank's local index)."""
         keep = None if experts is None else set(experts)
         groups: Dict[str, List[Tuple[Tuple[int, int], str]]] = {}
-        order: List[str] = []
-        for name in shapes:
-            fused = self._fused_of(name)
+        is_expert: Dict[str, bool] = {}
+        for name in names:
             expert = self._expert_of(name)
             if expert is not None:
                 target, e, i = expert
                 if keep is not None and e not in keep:
                     continue
                 key = (e, i)
-            elif fused is not None:
-                target, i = fused
-                key = (0, i)
             else:
-                target, key = name, (0, 0)
-            if target not in groups:
-                groups[target] = []
-                order.append(target)
-            groups[target].append((key, name))
+                fused = self._fused_of(name)
+                target, key = (fused[0], (0, fused[1])) if fused else (name, (0, 0))
+            groups.setdefault(target, []).append((key, name))
+            is_expert[target] = expert is not None
+        out: Dict[str, List[Tuple[str, Optional[int]]]] = {}
+        for target, members in groups.items():
+            members.sort()
+            if is_expert[target]:
+                local = {e: i for i, e in enumerate(sorted({key[0] for key, _ in members}))}
+                out[target] = [(name, local[key[0]]) for key, name in members]
+            else:
+                out[target] = [(name, None) for _, name in members]
+        return out
+
+    def layout(self, shapes: Dict[str, Sequence[int]], dtype: torch.dtype,
+               experts: Optional[Iterable[int]] = None) -> Dict[str, Slice]:
+        """Checkpoint tensors ordered so that each fused parameter's parts are consecutive;
+        experts not in `experts` (None: all) are left out."""
         out: Dict[str, Slice] = {}
-        for target in order:
-            for _, name in sorted(groups[target]):
+        for members in self.parts(shapes, experts).values():
+            for name, _ in members:
                 out[name] = Slice(sizes=tuple(shapes[name]), dtype=dtype)
         return out
 

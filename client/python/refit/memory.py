@@ -46,6 +46,16 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
+def _drop_mapping(region) -> None:
+    """Lets go of a region's mapping without unmapping it: torch.frombuffer tensors keep a
+    reference to the mmap object but no buffer export, so mmap.close() would unmap the pages
+    under tensors still alive (a bound model's parameters, a kept view) and reading them would
+    crash. Dropping the references unmaps it when the last tensor viewing it goes (at once when
+    none is left)."""
+    region.bytes = None
+    region._mmap = None
+
+
 class HostRegion:
     """A new POSIX shm object of `size` bytes, mapped read-write; unlinked by close()."""
 
@@ -84,13 +94,7 @@ class HostRegion:
     def close(self) -> None:
         """Unlinks the name. The mapping goes once no tensor view of it is left alive."""
         self._finalizer()
-        self.bytes = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # views still exported: the mapping is freed with the last of them
-            self._mmap = None
+        _drop_mapping(self)
 
     def describe(self) -> str:
         return f"host shm {self.name} ({self.size} bytes)"
@@ -136,13 +140,7 @@ class MemfdRegion:
     def close(self) -> None:
         """Closes the fd. The mapping goes once no tensor view of it is left alive."""
         self._finalizer()
-        self.bytes = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # views still exported: the mapping is freed with the last of them
-            self._mmap = None
+        _drop_mapping(self)
 
     def describe(self) -> str:
         return f"host memfd {self.label} ({self.size} bytes)"

@@ -2,15 +2,22 @@
 API, `vllm.distributed.weight_transfer.base.WeightTransferEngine`, as documented for vLLM
 v0.25-v0.32: `init_transfer_engine(init_info)`, `start_weight_update()`,
 `update_weights(update_info)` -> `receive_weights(...)`, `finish_weight_update()`,
-`shutdown()`), pulling by version from the node's refitd and loading through the model's own
-`load_weights`. It does not import vLLM (which can't be installed here): it has the same
+`shutdown()`), pulling by version from the node's refitd. Zero copy where the model's
+parameters allow it (`storage="auto"`, the default): the parameters themselves are refit
+DESTINATION memory (fused `qkv_proj` / `gate_up_proj` / expert `w13` / `w2` through `mapping`,
+fp8 `weight` + `weight_scale_inv`), so `update_weights` is an Apply and nothing else — vLLM's
+"engines that apply weights in place" case, whose start/finish phases are no-ops. The rest, or
+everything with `storage="load_weights"`, goes through the model's own `load_weights`
+(refit.engine_storage, docs/engines.md). It does not import vLLM (which can't be installed here): it has the same
 method names and constructor arguments, so it can be registered where vLLM takes a backend,
 and it was run only against a torch model with vLLM's `load_weights` signature and parameter
 naming (client/python/tests/test_engines.py).
 
     engine = RefitWeightTransferEngine(config=None, vllm_config=None, device="cpu", model=model)
-    engine.init_transfer_engine(engine.parse_init_info({"model": "policy", "params": {...},
-                                                        "fp8": [...]}))
+    engine.init_transfer_engine(engine.parse_init_info({
+        "model": "policy", "params": {...}, "fp8": [...],
+        "mapping": {"stacked": [["qkv_proj", ["q_proj", "k_proj", "v_proj"]], ...],
+                    "experts": [["experts.w13_weight", ["gate_proj", "up_proj"]], ...]}}))
     engine.start_weight_update(); engine.update_weights({"version": 7});
     engine.finish_weight_update()
 
@@ -24,23 +31,30 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from refit import client as client_lib
+from refit.engine_storage import MappingError
 from refit.engine_sync import EngineWeights, NonFiniteVersionError, weight_version
+from refit.mapping import FusedMapping
 
 __all__ = ["RefitInitInfo", "RefitUpdateInfo", "RefitWeightTransferEngine", "sync",
-           "NonFiniteVersionError", "weight_version"]
+           "MappingError", "NonFiniteVersionError", "weight_version"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
 class RefitInitInfo:
-    """`params`: {checkpoint name: [shape, dtype name]}; `fp8`: names quantized with scales."""
+    """`params`: {checkpoint name: [shape, dtype name]}; `fp8`: names quantized with scales;
+    `mapping`: {"stacked": [[fused, [parts]]], "experts": [[fused, [parts]]]} (FusedMapping);
+    `storage`: "auto" | "zero_copy" | "load_weights"; `experts`: this rank's experts (EP)."""
 
     model: str
     params: Dict[str, List[Any]]
     fp8: List[str] = field(default_factory=list)
     fp8_block: List[int] = field(default_factory=lambda: [128, 128])
     socket: Optional[str] = None
+    mapping: Optional[Dict[str, List[Any]]] = None
+    storage: str = "auto"
+    experts: Optional[List[int]] = None
 
 
 @dataclass
@@ -80,8 +94,17 @@ class RefitWeightTransferEngine:
         self.client = client_lib.Client(init_info.socket)
         params = {name: (shape, _DTYPES[dtype]) for name, (shape, dtype) in
                   init_info.params.items()}
-        self.weights = EngineWeights(self.client, init_info.model, params, init_info.fp8,
-                                     init_info.fp8_block, client_name="vllm")
+        storage = init_info.storage if self.model is not None else "load_weights"
+        try:
+            self.weights = EngineWeights(
+                self.client, init_info.model, params, init_info.fp8, init_info.fp8_block,
+                client_name="vllm", module=self.model,
+                mapping=FusedMapping.from_dict(init_info.mapping), storage=storage,
+                experts=init_info.experts)
+        except BaseException:
+            self.client.close()
+            self.client = None
+            raise
 
     def start_weight_update(self) -> None:
         self.updating = True
@@ -92,11 +115,16 @@ class RefitWeightTransferEngine:
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         if self.weights is None or self.model is None:
             raise RuntimeError("init_transfer_engine first, with a model")
-        self.weights.update(self.model.load_weights, update_info.version, update_info.timeout,
-                            update_info.refuse_nonfinite)
+        self.weights.update(getattr(self.model, "load_weights", None), update_info.version,
+                            update_info.timeout, update_info.refuse_nonfinite)
 
     def finish_weight_update(self) -> None:
         self.updating = False
+
+    @property
+    def zero_copy(self) -> bool:
+        """True when every tensor is written in place (no load_weights call per update)."""
+        return bool(self.weights and self.weights.buffers and self.weights.fallback is None)
 
     @property
     def weight_version(self) -> str:
