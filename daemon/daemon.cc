@@ -9,7 +9,6 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
-#include <mutex>
 #include <random>
 #include <set>
 
@@ -161,7 +160,7 @@ struct Daemon::Impl {
   server::ServiceContext service_context;  // what each local caller's RefitService starts from
   std::unique_ptr<grpc::Server> peer_server;
   int listen_port = 0;
-  std::mutex shutdown_mu;
+  common::Mutex shutdown_mu;
   bool shut_down = false;
 
   EventWiring Wiring() {
@@ -506,7 +505,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
 }
 
 void Daemon::Shutdown(double grace_seconds) {
-  std::lock_guard<std::mutex> lock(impl_->shutdown_mu);
+  common::MutexLock lock(impl_->shutdown_mu);
   if (impl_->shut_down) return;
   impl_->shut_down = true;
   Logger("daemon")->info("node={} shutting down", impl_->options.node);

@@ -90,7 +90,7 @@ DirWatcher::~DirWatcher() {
 }
 
 void DirWatcher::Stop() {
-  std::lock_guard<std::mutex> lock(stop_mu_);
+  common::MutexLock lock(stop_mu_);
   if (!thread_.joinable()) return;
   const uint64_t one = 1;
   while (write(wake_fd_, &one, sizeof(one)) < 0 && errno == EINTR) {

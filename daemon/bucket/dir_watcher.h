@@ -29,11 +29,11 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "daemon/common/mutex.h"
 
 namespace refit::bucket {
 
@@ -80,7 +80,7 @@ class DirWatcher {
   int wake_fd_ = -1;                                    // eventfd: Stop() writes it
   std::map<int, std::pair<std::string, int>> watches_;  // wd -> (path, depth); watcher thread
   std::atomic<uint64_t> callbacks_{0};
-  std::mutex stop_mu_;
+  common::Mutex stop_mu_;
   std::thread thread_;
 };
 

@@ -69,7 +69,7 @@ Exporter::~Exporter() = default;
 
 absl::StatusOr<ExportResult> Exporter::Write(const std::string& model, uint64_t version,
                                              const std::vector<ExportPiece>& pieces) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   if (options_.full_every < 1 || options_.retain < 1) {
     return absl::InvalidArgumentError("bucket export: full_every and retain must be >= 1");
   }

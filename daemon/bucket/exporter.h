@@ -37,7 +37,6 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -46,6 +45,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "daemon/bucket/format.h"
+#include "daemon/common/mutex.h"
 #include "daemon/common/types.h"
 #include "daemon/metrics/metrics.h"
 
@@ -128,13 +128,13 @@ class Exporter {
   absl::Status LoadModel(const std::string& model, ModelState& state);
   absl::StatusOr<ExportResult> WriteLocked(const std::string& model, uint64_t version,
                                            const std::vector<ExportPiece>& pieces,
-                                           ModelState& state);
+                                           ModelState& state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<std::string> Prune(const std::string& model_dir, ModelState& state);
 
   const std::string dir_;
   const ExporterOptions options_;
-  std::mutex mu_;
-  std::map<std::string, ModelState> models_;  // guarded by mu_
+  common::Mutex mu_;
+  std::map<std::string, ModelState> models_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit::bucket

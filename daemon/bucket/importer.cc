@@ -262,7 +262,7 @@ absl::StatusOr<ImportedVersion> Importer::Materialize(const std::string& model, 
     return result.status();
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     rejected_.erase({model, version});
   }
   if (options_.metrics) {
@@ -275,7 +275,7 @@ absl::StatusOr<ImportedVersion> Importer::Materialize(const std::string& model, 
 void Importer::Reject(const std::string& model, uint64_t version, uint64_t base_version,
                       const absl::Status& status, int64_t mtime_ns, uint64_t size) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     Rejection& entry = rejected_[{model, version}];
     const std::string message = status.ToString();
     const bool repeated = entry.message == message && entry.base_version == base_version;
@@ -308,7 +308,7 @@ absl::StatusOr<std::optional<ImportedVersion>> Importer::Next(const std::string&
     const uint64_t version = *VersionOfFileName(it->name);
     if (version <= held) break;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(mu_);
       auto rejected = rejected_.find({model, version});
       if (rejected != rejected_.end() && rejected->second.sticky &&
           rejected->second.base_version == held &&
@@ -320,7 +320,7 @@ absl::StatusOr<std::optional<ImportedVersion>> Importer::Next(const std::string&
     auto result = MaterializeUnlogged(model, version, current, allocate);
     if (result.ok()) {
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        common::MutexLock lock(mu_);
         rejected_.erase({model, version});
       }
       if (options_.metrics) {

@@ -38,7 +38,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -47,6 +46,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "daemon/bucket/format.h"
+#include "daemon/common/mutex.h"
 #include "daemon/common/types.h"
 #include "daemon/memory/region.h"
 #include "daemon/metrics/metrics.h"
@@ -138,8 +138,8 @@ class Importer {
 
   const std::string dir_;
   const ImporterOptions options_;
-  std::mutex mu_;
-  std::map<std::pair<std::string, uint64_t>, Rejection> rejected_;  // guarded by mu_
+  common::Mutex mu_;
+  std::map<std::pair<std::string, uint64_t>, Rejection> rejected_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit::bucket

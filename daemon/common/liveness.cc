@@ -7,7 +7,7 @@ namespace refit {
 std::vector<std::string> Liveness::Stuck(std::chrono::milliseconds stall) const {
   std::vector<std::string> stuck;
   const int64_t bound_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(stall).count();
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   for (const Worker& worker : workers_) {
     if (!worker.busy()) continue;
     const int64_t since = worker.SinceProgressNs();

@@ -15,10 +15,10 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "daemon/common/mutex.h"
 #include "daemon/common/worker_loop.h"
 
 namespace refit {
@@ -58,7 +58,7 @@ class Liveness {
 
   // A worker that lives as long as this registry. Names need not be unique.
   Worker* Register(std::string name) {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     workers_.emplace_back(std::move(name));
     return &workers_.back();
   }
@@ -68,8 +68,8 @@ class Liveness {
   std::vector<std::string> Stuck(std::chrono::milliseconds stall) const;
 
  private:
-  mutable std::mutex mu_;
-  std::deque<Worker> workers_;  // stable addresses
+  mutable common::Mutex mu_;
+  std::deque<Worker> workers_ ABSL_GUARDED_BY(mu_);  // stable addresses
 };
 
 // A worker for something that has no thread of its own (the store, behind its lock): every

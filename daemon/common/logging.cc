@@ -1,14 +1,14 @@
 #include "daemon/common/logging.h"
 
-#include <mutex>
+#include "daemon/common/mutex.h"
 
 #include "spdlog/sinks/stdout_color_sinks.h"
 
 namespace refit {
 namespace {
 
-std::mutex& LoggerMutex() {
-  static std::mutex mu;
+common::Mutex& LoggerMutex() {
+  static common::Mutex mu;
   return mu;
 }
 
@@ -20,7 +20,7 @@ spdlog::level::level_enum& CurrentLevel() {
 }  // namespace
 
 std::shared_ptr<spdlog::logger> Logger(const std::string& component) {
-  std::lock_guard<std::mutex> lock(LoggerMutex());
+  common::MutexLock lock(LoggerMutex());
   if (auto existing = spdlog::get(component)) return existing;
   auto logger = spdlog::stderr_color_mt(component);
   logger->set_level(CurrentLevel());
@@ -31,7 +31,7 @@ std::shared_ptr<spdlog::logger> Logger(const std::string& component) {
 bool SetLogLevel(const std::string& level) {
   auto parsed = spdlog::level::from_str(level);
   if (parsed == spdlog::level::off && level != "off") return false;
-  std::lock_guard<std::mutex> lock(LoggerMutex());
+  common::MutexLock lock(LoggerMutex());
   CurrentLevel() = parsed;
   spdlog::apply_all([parsed](std::shared_ptr<spdlog::logger> l) { l->set_level(parsed); });
   return true;

@@ -14,7 +14,7 @@ WorkerLoop::~WorkerLoop() { Stop(); }
 
 void WorkerLoop::Start(std::function<void()> step) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     if (stop_ || thread_.joinable()) return;
   }
   step_ = std::move(step);
@@ -25,30 +25,30 @@ void WorkerLoop::Start(std::function<void()> step) {
 
 void WorkerLoop::Notify() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     pending_ = true;
   }
-  wake_.notify_all();
+  wake_.NotifyAll();
 }
 
 void WorkerLoop::Stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     stop_ = true;
   }
-  wake_.notify_all();
+  wake_.NotifyAll();
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
 }
 
 void WorkerLoop::Run() {
   while (true) {
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      auto ready = [this] { return stop_ || pending_; };
+      common::UniqueLock lock(mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || pending_; };
       if (options_.period.count() > 0) {
-        wake_.wait_for(lock, options_.period, ready);
+        wake_.WaitFor(lock, options_.period, ready);
       } else {
-        wake_.wait(lock, ready);
+        wake_.Wait(lock, ready);
       }
       if (stop_) break;
       pending_ = false;

@@ -14,12 +14,12 @@
 // with itself. Start is called once, by the owner.
 
 #include <chrono>
-#include <condition_variable>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
+
+#include "daemon/common/mutex.h"
 
 namespace refit {
 
@@ -56,10 +56,10 @@ class WorkerLoop {
 
   const Options options_;
   std::function<void()> step_;  // set by Start, before the thread starts
-  std::mutex mu_;
-  std::condition_variable wake_;
-  bool stop_ = false;     // guarded by mu_
-  bool pending_ = false;  // guarded by mu_
+  common::Mutex mu_;
+  common::CondVar wake_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool pending_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

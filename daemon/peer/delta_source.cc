@@ -56,13 +56,13 @@ void DeltaSource::Stop() { loop_.Stop(); }
 
 uint64_t DeltaSource::Prepared(const std::string& model) const {
   if (!enabled()) return store_->LatestLocalSnapshot(model);
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto it = prepared_.find(model);
   return it == prepared_.end() ? 0 : it->second;
 }
 
 std::vector<EncodedDelta> DeltaSource::Deltas(const std::string& model) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto it = deltas_.find(model);
   return it == deltas_.end() ? std::vector<EncodedDelta>() : it->second;
 }
@@ -138,7 +138,7 @@ void DeltaSource::Prepare(const std::string& model, const std::vector<SourceLayo
                     std::shared_ptr<Region>(std::move(region).value())});
   }
   last_[model] = *snapshot;
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto& held = deltas_[model];
   held.insert(held.end(), made.begin(), made.end());
   // Keep the newest `chain` deltas of each piece the model still has. A delta dropped here may
@@ -164,7 +164,7 @@ void DeltaSource::Prepare(const std::string& model, const std::vector<SourceLayo
 
 std::shared_ptr<const LocalSnapshot> DeltaSource::PreparedSnapshot(const std::string& model,
                                                                    uint64_t version) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto it = prepared_snapshot_.find(model);
   if (it == prepared_snapshot_.end() || it->second->version != version) return nullptr;
   return it->second;

@@ -21,10 +21,10 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "daemon/common/mutex.h"
 #include "daemon/common/types.h"
 #include "daemon/common/worker_loop.h"
 #include "daemon/memory/region.h"
@@ -91,15 +91,15 @@ class DeltaSource final : public StoreEvents {
   Metrics* const metrics_;
   const std::function<void()> ready_;
 
-  mutable std::mutex mu_;
-  std::map<std::string, uint64_t> prepared_;  // by model
-  std::map<std::string, std::vector<EncodedDelta>> deltas_;  // by model, oldest first
-  std::map<std::string, std::shared_ptr<const LocalSnapshot>> prepared_snapshot_;  // by model
+  mutable common::Mutex mu_;
+  std::map<std::string, uint64_t> prepared_ ABSL_GUARDED_BY(mu_);  // by model
+  std::map<std::string, std::vector<EncodedDelta>> deltas_ ABSL_GUARDED_BY(mu_);  // by model, oldest first
+  std::map<std::string, std::shared_ptr<const LocalSnapshot>> prepared_snapshot_ ABSL_GUARDED_BY(mu_);  // by model
   // Deltas no longer offered, kept allocated until receivers can no longer be reading them.
   static constexpr std::chrono::seconds kRetiredGrace{150};
-  std::deque<std::pair<std::chrono::steady_clock::time_point, std::shared_ptr<Region>>> retired_;
+  std::deque<std::pair<std::chrono::steady_clock::time_point, std::shared_ptr<Region>>> retired_ ABSL_GUARDED_BY(mu_);
   // Encoder thread only: the last snapshot encoded against, per model.
-  std::map<std::string, std::shared_ptr<const LocalSnapshot>> last_;
+  std::map<std::string, std::shared_ptr<const LocalSnapshot>> last_;  // the worker thread only
   WorkerLoop loop_{"delta encoder"};  // runs Step; started only when enabled()
 };
 

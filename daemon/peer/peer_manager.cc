@@ -174,7 +174,7 @@ void PeerManager::AddPeer(const std::string& address) {
 
 void PeerManager::Start() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     started_ = true;
     for (const std::string& configured : configured_) {
       for (const std::string& address : ResolvePeerAddress(configured)) AddPeer(address);
@@ -189,13 +189,13 @@ void PeerManager::RunResolver() {
   // Names may resolve to more daemons later (a DaemonSet scaling up behind a headless Service).
   while (true) {
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait_for(lock, std::chrono::seconds(10), [this] { return stop_; });
+      common::UniqueLock lock(mu_);
+      wake_.WaitFor(lock, std::chrono::seconds(10), [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; });
       if (stop_) return;
     }
     for (const std::string& configured : configured_) {
       auto addresses = ResolvePeerAddress(configured);
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(mu_);
       if (stop_) return;
       for (const std::string& address : addresses) AddPeer(address);
     }
@@ -204,7 +204,7 @@ void PeerManager::RunResolver() {
 
 void PeerManager::Stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     if (stop_) return;
     stop_ = true;
     for (auto& peer : peers_) {
@@ -214,17 +214,22 @@ void PeerManager::Stop() {
     }
     for (const auto& relay : relays_) data_plane_->Disconnect(relay.first);
   }
-  wake_.notify_all();
+  wake_.NotifyAll();
   if (resolver_thread_.joinable()) resolver_thread_.join();
   reporter_.Stop();
-  for (auto& peer : peers_) {  // no longer grows: stop_ is set
+  std::vector<Peer*> joining;  // peers_ no longer grows: stop_ is set
+  {
+    common::MutexLock lock(mu_);
+    for (auto& peer : peers_) joining.push_back(peer.get());
+  }
+  for (Peer* peer : joining) {
     if (peer->thread.joinable()) peer->thread.join();
   }
   if (pull_thread_.joinable()) pull_thread_.join();
 }
 
 std::vector<PeerState> PeerManager::Peers() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   std::vector<PeerState> out;
   for (const auto& peer : peers_) {
     if (peer->node == node_ + " (self)") continue;
@@ -281,7 +286,7 @@ void PeerManager::RunPeer(Peer* peer) {
   bool reported_down = false;
   while (true) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(mu_);
       if (stop_) return;
     }
     Dialed dialed;
@@ -293,7 +298,7 @@ void PeerManager::RunPeer(Peer* peer) {
         (who.instance() == instance_ || who.instance().empty())) {
       // A name that resolves to every daemon (a headless Service) includes this one.
       Logger("peer")->info("peer at {} is this node; not connecting to it", peer->address);
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(mu_);
       peer->node = node_ + " (self)";
       return;
     }
@@ -311,14 +316,14 @@ void PeerManager::RunPeer(Peer* peer) {
         status.error_message().rfind("two daemons have --node=", 0) == 0) {
       bool first = false;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        common::MutexLock lock(mu_);
         first = peer->error != status.error_message();
         peer->error = status.error_message();
         peer->node.clear();
       }
       if (first) Logger("peer")->warn("peer at {} refused: {}", peer->address, peer->error);
-      std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait_for(lock, kMaxBackoff, [this] { return stop_; });
+      common::UniqueLock lock(mu_);
+      wake_.WaitFor(lock, kMaxBackoff, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; });
       continue;  // the operator may restart it under another name
     }
     if (status.ok()) {
@@ -329,7 +334,7 @@ void PeerManager::RunPeer(Peer* peer) {
       grpc::ClientContext context;
       context.set_deadline(In(milliseconds(24ll * 3600 * 1000)));
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        common::MutexLock lock(mu_);
         if (stop_) return;
         peer->node = node;
         peer->connected = true;
@@ -381,7 +386,7 @@ void PeerManager::RunPeer(Peer* peer) {
       }
       status = reader->Finish();
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        common::MutexLock lock(mu_);
         peer->connected = false;
         peer->stream = nullptr;
       }
@@ -403,14 +408,14 @@ void PeerManager::RunPeer(Peer* peer) {
       }
       reported_down = true;
     }
-    std::unique_lock<std::mutex> lock(mu_);
-    wake_.wait_for(lock, backoff, [this] { return stop_; });
+    common::UniqueLock lock(mu_);
+    wake_.WaitFor(lock, backoff, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; });
     backoff = std::min(backoff * 2, kMaxBackoff);
   }
 }
 
 std::vector<PeerManager::Transfer> PeerManager::Transfers() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   if (!current_) return {};
   Transfer t = *current_;
   const double done = metrics_->Get(kDataBytesReceived) - received_at_start_;
@@ -420,10 +425,10 @@ std::vector<PeerManager::Transfer> PeerManager::Transfers() const {
 
 void PeerManager::OnPullNeeded(const PullJob& job) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     jobs_.push_back(job);
   }
-  wake_.notify_all();
+  wake_.NotifyAll();
 }
 
 void PeerManager::OnVersionComplete(const std::string& /*model*/, uint64_t /*version*/) {
@@ -454,7 +459,7 @@ void PeerManager::Report() {
   }
   std::vector<std::pair<std::string, v1::Peer::Stub*>> stubs;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     for (const auto& peer : peers_) {
       if (peer->connected && peer->stub) stubs.emplace_back(peer->node, peer->stub.get());
     }
@@ -486,19 +491,19 @@ size_t PeerManager::OpenLocked() const {
 }
 
 size_t PeerManager::OpenChannels() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   return OpenLocked();
 }
 
 bool PeerManager::CanReach(const std::string& node) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   if (ConnectedLocked(node)) return true;
   return relay_ && (relays_.count(node) > 0 || known_.count(node) > 0);
 }
 
 v1::Peer::Stub* PeerManager::StubFor(const std::string& node) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     if (v1::Peer::Stub* stub = ConnectedLocked(node)) return stub;
     if (!relay_) return nullptr;
     if (auto relay = relays_.find(node); relay != relays_.end()) {
@@ -511,10 +516,10 @@ v1::Peer::Stub* PeerManager::StubFor(const std::string& node) {
 }
 
 v1::Peer::Stub* PeerManager::OpenRelay(const std::string& node) {
-  std::lock_guard<std::mutex> opening(open_mu_);
+  common::MutexLock opening(open_mu_);
   std::string address;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     if (stop_) return nullptr;
     if (v1::Peer::Stub* stub = ConnectedLocked(node)) return stub;  // its --peers entry came up
     if (auto relay = relays_.find(node); relay != relays_.end()) {  // opened meanwhile
@@ -544,7 +549,7 @@ v1::Peer::Stub* PeerManager::OpenRelay(const std::string& node) {
         grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                      absl::StrCat("it answers as node '", dialed.who.node().substr(0, 64), "'"));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   if (!status.ok() || stop_) {
     if (!status.ok()) {
       dial_failed_[node] = std::chrono::steady_clock::now();
@@ -568,8 +573,8 @@ v1::Peer::Stub* PeerManager::OpenRelay(const std::string& node) {
 }
 
 void PeerManager::CloseIdle() {
-  std::lock_guard<std::mutex> opening(open_mu_);
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock opening(open_mu_);
+  common::MutexLock lock(mu_);
   if (pulling_) return;  // its stubs may be in use
   const auto now = std::chrono::steady_clock::now();
   for (auto it = relays_.begin(); it != relays_.end();) {
@@ -594,7 +599,7 @@ void PeerManager::Learn(const v1::ReplicaReportResponse& response) {
       continue;
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(mu_);
       // A --peers node speaks for itself (its own reports, its own address).
       bool configured = false;
       for (const auto& peer : peers_) configured = configured || peer->node == member.node();
@@ -614,22 +619,22 @@ void PeerManager::RunPulls() {
   while (true) {
     PullJob job;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+      common::UniqueLock lock(mu_);
+      wake_.Wait(lock, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !jobs_.empty(); });
       if (stop_) return;
       job = std::move(jobs_.front());
       jobs_.pop_front();
     }
     const auto start = std::chrono::steady_clock::now();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(mu_);
       current_ = Transfer{job.model, job.version, job.Bytes(), 0};
       pulling_ = true;
       received_at_start_ = metrics_->Get(kDataBytesReceived);
     }
     pull::PullOutcome outcome = puller_->Pull(job);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(mu_);
       current_.reset();  // before the store shows the version: no stale progress after it
       pulling_ = false;
     }

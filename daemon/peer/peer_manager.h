@@ -14,17 +14,16 @@
 // work or set a flag (the store calls them with its lock held).
 
 #include <atomic>
-#include <condition_variable>
 #include <deque>
 #include <future>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "daemon/common/mutex.h"
 #include "daemon/common/worker_loop.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
@@ -121,11 +120,11 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   void CloseIdle();
   // The other nodes an origin named in its answer to this node's report.
   void Learn(const v1::ReplicaReportResponse& response);
-  size_t OpenLocked() const;
-  v1::Peer::Stub* ConnectedLocked(const std::string& node) const;
+  size_t OpenLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::Peer::Stub* ConnectedLocked(const std::string& node) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunPeer(Peer* peer);
   void RunResolver();
-  void AddPeer(const std::string& address);  // with mu_ held
+  void AddPeer(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunPulls();
   void Report();  // one turn of reporter_
   const std::string node_;
@@ -139,28 +138,28 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   fleet::ReplicaTable* const replicas_;
   const std::vector<std::string> configured_;  // --peers as given
   std::unique_ptr<pull::Puller> puller_;
-  std::vector<std::unique_ptr<Peer>> peers_;  // guarded by mu_ (grows only)
+  std::vector<std::unique_ptr<Peer>> peers_ ABSL_GUARDED_BY(mu_);  // grows only
   std::thread resolver_thread_;
   bool started_ = false;
 
-  mutable std::mutex mu_;
-  std::condition_variable wake_;
-  bool stop_ = false;
-  std::deque<PullJob> jobs_;
+  mutable common::Mutex mu_;
+  common::CondVar wake_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<PullJob> jobs_ ABSL_GUARDED_BY(mu_);
   // The pull in flight: bytes_done = received counter now - at its start.
-  std::optional<Transfer> current_;
-  double received_at_start_ = 0;
+  std::optional<Transfer> current_ ABSL_GUARDED_BY(mu_);
+  double received_at_start_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread pull_thread_;
   // The replica reporter: Report every second and on each completion (OnVersionComplete).
   WorkerLoop reporter_;
   bool reported_ = false;  // reporter thread only: the last report held a model
   const uint32_t max_channels_;
   const std::chrono::milliseconds idle_;      // a relay channel unused this long closes
-  std::mutex open_mu_;                        // serializes opening and closing relay channels
-  std::map<std::string, Relay> relays_;       // node -> relay channel; mu_
-  std::map<std::string, std::string> known_;  // node -> peer address, learned; mu_
-  std::map<std::string, std::chrono::steady_clock::time_point> dial_failed_;  // mu_
-  bool pulling_ = false;  // a pull is using channels; mu_
+  common::Mutex open_mu_;                        // serializes opening and closing relay channels
+  std::map<std::string, Relay> relays_ ABSL_GUARDED_BY(mu_);  // node -> relay channel
+  std::map<std::string, std::string> known_ ABSL_GUARDED_BY(mu_);  // node -> address, learned
+  std::map<std::string, std::chrono::steady_clock::time_point> dial_failed_ ABSL_GUARDED_BY(mu_);
+  bool pulling_ ABSL_GUARDED_BY(mu_) = false;  // a pull is using channels
 };
 
 }  // namespace refit::peer

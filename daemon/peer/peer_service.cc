@@ -48,10 +48,10 @@ PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane, 
 
 void PeerService::NotifyChanged() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     generation_++;
   }
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 void PeerService::OnLocalVersionReady(const std::string& /*model*/, uint64_t /*version*/) {
@@ -62,12 +62,12 @@ void PeerService::OnLayoutChanged(const std::string& /*model*/) { NotifyChanged(
 
 void PeerService::Stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     stopped_ = true;
     // Pins stay until the service is destroyed, after the data plane: peers' reads in flight
     // must not find their memory gone.
   }
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 namespace {
@@ -96,13 +96,13 @@ absl::Status PeerService::Authenticate(const grpc::ServerContext& context,
 }
 
 void PeerService::SetIdentity(const std::string& instance, const std::string& listen) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   instance_ = instance;
   listen_ = listen;
 }
 
 std::vector<PeerService::Subscriber> PeerService::Subscribers() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   std::vector<Subscriber> out;
   std::set<std::pair<std::string, std::string>> seen;
   for (const auto& entry : subscribers_) {
@@ -123,7 +123,7 @@ grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloReq
   }
   std::string instance, listen;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     instance = instance_;
     listen = listen_;
   }
@@ -136,7 +136,7 @@ grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloReq
         "; node names must be unique: give each refitd its own --node");
     bool first = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(mu_);
       first = refused_.emplace(caller, error).second;
       if (refused_.size() > 16) refused_.erase(refused_.begin());
     }
@@ -206,7 +206,7 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
   const std::pair<std::string, std::string> me(
       request->node(), request->listen().empty() ? context->peer() : request->listen());
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     subscribers_.insert(me);
     if (!request->listen().empty())
       dial_[me.first] = DialAddress(request->listen(), context->peer());
@@ -215,7 +215,7 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
     PeerService* service;
     std::pair<std::string, std::string> me;
     ~Leave() {
-      std::lock_guard<std::mutex> lock(service->mu_);
+      common::MutexLock lock(service->mu_);
       auto it = service->subscribers_.find(me);
       if (it != service->subscribers_.end()) service->subscribers_.erase(it);
     }
@@ -237,9 +237,9 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
     // not only at the next Pin call; they are released here, outside the lock.
     std::vector<Pinned> lapsed;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      const bool changed = changed_.wait_for(lock, std::chrono::milliseconds(200),
-                                             [&] { return stopped_ || generation_ != seen; });
+      common::UniqueLock lock(mu_);
+      const bool changed = changed_.WaitFor(lock, std::chrono::milliseconds(200),
+                                             [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopped_ || generation_ != seen; });
       if (stopped_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is stopping");
       lapsed = ExpirePins();
       if (!changed) {
@@ -262,7 +262,7 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
       v1::PeerEvent event;
       BuildEvent(model, model_layouts, with_sources, request->node(), &event);
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        common::MutexLock lock(mu_);
         event.set_run(instance_);
       }
       // Remote keys are stable per slot, so equal text means nothing new.
@@ -399,7 +399,7 @@ std::shared_ptr<const LocalSnapshot> PeerService::Snapshot(const std::string& mo
   if (deltas_) {
     if (auto prepared = deltas_->PreparedSnapshot(model, version)) return prepared;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   for (const auto& [key, pinned] : pins_) {
     if (std::get<0>(key) == model && std::get<1>(key) == version) return pinned.snapshot;
   }
@@ -429,7 +429,7 @@ grpc::Status PeerService::Pin(grpc::ServerContext* context, const v1::PinRequest
     return grpc::Status::OK;
   }
   if (request->release()) {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     lapsed = ExpirePins();
     pins_.erase(key);
     metrics_->Add(kDataBytesSent, static_cast<double>(request->bytes_read()));
@@ -453,7 +453,7 @@ grpc::Status PeerService::Pin(grpc::ServerContext* context, const v1::PinRequest
   for (const LocalSnapshot::Piece& p : snapshot->pieces) grant(p.slot);
   for (const EncodedDelta& d : deltas) grant(d.bytes);
   const uint32_t lease_ms = std::clamp<uint32_t>(request->lease_ms(), 1000, kMaxLeaseMs);
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   lapsed = ExpirePins();
   size_t held = 0;
   for (const auto& [k, pinned] : pins_) held += std::get<2>(k) == request->node() && k != key;
@@ -549,7 +549,7 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
     progress.Clear();
     if (context->IsCancelled()) return grpc::Status::CANCELLED;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(mu_);
       if (stopped_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is stopping");
     }
     if (std::chrono::steady_clock::now() - start > kRelayLongest) return grpc::Status::OK;
@@ -594,7 +594,7 @@ grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::Replica
           absl::StrCat("node ", request->node(), " reports version ", m.latest_version(),
                        " of model ", m.model(), ", but the newest published here is ", published);
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        common::MutexLock lock(mu_);
         if (refused_reports_.insert(request->node()).second) {
           Logger("peer")->warn("replica report refused: {}", why);
         }
@@ -619,7 +619,7 @@ grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::Replica
   }
   replicas_->Report(request->node(), request->relay(), std::move(entries));
   constexpr int kMaxMembers = 4096;
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   for (auto& [node, member] : members) {
     auto dial = dial_.find(node);
     if (dial == dial_.end()) continue;  // not subscribed here: nowhere to send the reporter

@@ -12,15 +12,14 @@
 // thread (the store calls it, through its events, with its lock held: it only bumps a counter).
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <tuple>
 
+#include "daemon/common/mutex.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
@@ -86,8 +85,8 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
   bool BuildEvent(const std::string& model, const std::vector<SourceLayout>& layouts,
                   bool with_sources, const std::string& node, v1::PeerEvent* event);
   struct Pinned;
-  // Takes the pins whose lease lapsed out of pins_ (mu_ held); the caller lets them go.
-  std::vector<Pinned> ExpirePins();
+  // Takes the pins whose lease lapsed out of pins_; the caller lets them go.
+  std::vector<Pinned> ExpirePins() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Version `version` of `model` held here: from the store, or the one DeltaSource prepared.
   std::shared_ptr<const LocalSnapshot> Snapshot(const std::string& model, uint64_t version);
 
@@ -112,17 +111,19 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
   // first N ranges it announces, as a relay serving wrong bytes would (test build only).
   std::atomic<int64_t> relay_flips_{0};
 
-  mutable std::mutex mu_;
-  std::string instance_;                                            // guarded by mu_
-  std::string listen_;                                              // guarded by mu_
-  std::multiset<std::pair<std::string, std::string>> subscribers_;  // (node, address); mu_
+  mutable common::Mutex mu_;
+  std::string instance_ ABSL_GUARDED_BY(mu_);
+  std::string listen_ ABSL_GUARDED_BY(mu_);
+  // (node, address)
+  std::multiset<std::pair<std::string, std::string>> subscribers_ ABSL_GUARDED_BY(mu_);
   // Subscriber -> an address other nodes can dial (its --listen, with an unspecified host
-  // replaced by the one it called from), for Report's answer; guarded by mu_.
-  std::map<std::string, std::string> dial_;
-  std::map<std::string, std::string> refused_;  // caller address -> why; mu_ (at most 16)
-  std::condition_variable changed_;
-  uint64_t generation_ = 0;
-  bool stopped_ = false;
+  // replaced by the one it called from), for Report's answer.
+  std::map<std::string, std::string> dial_ ABSL_GUARDED_BY(mu_);
+  // Caller address -> why (at most 16).
+  std::map<std::string, std::string> refused_ ABSL_GUARDED_BY(mu_);
+  common::CondVar changed_;
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   // What a reader's pin keeps alive: the version's slots, the deltas offered with it, and
   // when the pin lapses; and the reader's grants to read them over the data plane, which end
   // with the pin (DataPlane::Expose).
@@ -132,9 +133,10 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
     std::chrono::steady_clock::time_point until;
     std::vector<std::shared_ptr<void>> grants;
   };
-  std::map<std::tuple<std::string, uint64_t, std::string>, Pinned>
-      pins_;                               // (model, version, reader)
-  std::set<std::string> refused_reports_;  // nodes whose report was refused (logged once)
+  // (model, version, reader)
+  std::map<std::tuple<std::string, uint64_t, std::string>, Pinned> pins_ ABSL_GUARDED_BY(mu_);
+  // Nodes whose report was refused (logged once).
+  std::set<std::string> refused_reports_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit::peer

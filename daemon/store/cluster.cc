@@ -196,7 +196,7 @@ void Store::TryCompleteWithRemotes(Model& model) {
     model.failed = candidate;
     model.failed_status = std::move(fits);
     metrics_->Add(kVersionsAbandoned, 1);
-    changed_.notify_all();
+    changed_.NotifyAll();
     return;
   }
   model.pulling = candidate;
@@ -255,7 +255,7 @@ void Store::OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fet
 
 void Store::FinishPull(const PullJob& job, absl::Status result,
                        std::vector<std::shared_ptr<Region>> staging) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   Model* model = FindModel(job.model);
   if (!model || model->pulling != job.version) return;
   model->pulling = 0;
@@ -269,7 +269,7 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
     model->failed_status = result.ok() ? absl::InternalError("a pull returned no staging") : result;
     metrics_->Add(kVersionsAbandoned, 1);
     model->pending.erase(job.version);
-    changed_.notify_all();
+    changed_.NotifyAll();
     // A newer version announced during the pull waited for it to end: take it now, rather
     // than at the next announcement (which may never come).
     TryComplete(*model);
@@ -289,7 +289,7 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
 }
 
 std::map<std::string, std::vector<SourceLayout>> Store::LocalSourceLayouts() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   std::map<std::string, std::vector<SourceLayout>> out;
   for (const auto& [name, model] : models_) {
     for (const std::string& id : model->sources) {
@@ -301,7 +301,7 @@ std::map<std::string, std::vector<SourceLayout>> Store::LocalSourceLayouts() con
 }
 
 uint64_t Store::LatestLocalSnapshot(const std::string& model_name) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   const Model* model = FindModel(model_name);
   if (!model || model->snapshots.empty()) return 0;
   return model->snapshots.rbegin()->first;
@@ -309,7 +309,7 @@ uint64_t Store::LatestLocalSnapshot(const std::string& model_name) const {
 
 absl::StatusOr<std::shared_ptr<const LocalSnapshot>> Store::GetLocalSnapshot(
     const std::string& model_name, uint64_t version) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   const Model* model = FindModel(model_name);
   if (model) {
     auto it = model->snapshots.find(version);
@@ -322,7 +322,7 @@ absl::StatusOr<std::shared_ptr<const LocalSnapshot>> Store::GetLocalSnapshot(
 void Store::ImportVersion(const std::string& node, const std::string& model_name,
                           uint64_t version, std::vector<SourceLayout> layouts,
                           std::vector<std::shared_ptr<Region>> slots) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto& model = models_[model_name];
   if (!model) {
     model = std::make_unique<Model>();
@@ -351,7 +351,7 @@ void Store::ImportVersion(const std::string& node, const std::string& model_name
 void Store::ReserveStaging(const std::string& model_name) {
   std::vector<uint64_t> sizes;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     Model* model = FindModel(model_name);
     if (!model || model->destinations.empty()) return;
     std::string key;
@@ -378,7 +378,7 @@ void Store::ReserveStaging(const std::string& model_name) {
 
 void Store::SetRemoteSources(const std::string& node, const std::string& model_name,
                              std::vector<SourceLayout> sources) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto& model = models_[model_name];
   if (!model) {
     model = std::make_unique<Model>();
@@ -396,7 +396,7 @@ void Store::SetRemoteSources(const std::string& node, const std::string& model_n
 void Store::AnnounceRemoteVersion(const std::string& node, const std::string& model_name,
                                   uint64_t version, std::vector<RemotePieceRef> pieces,
                                   std::vector<RemoteDeltaRef> deltas, const std::string& run) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   Model* model = FindModel(model_name);
   if (!model) return;
   auto& remote = model->remotes[node];
@@ -425,7 +425,7 @@ void Store::AnnounceRemoteVersion(const std::string& node, const std::string& mo
 }
 
 void Store::ForgetRemoteVersions(const std::string& node) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   for (auto& [name, model] : models_) {
     auto it = model->remotes.find(node);
     if (it != model->remotes.end()) {
@@ -445,13 +445,13 @@ void Store::NoteChecksumRanges(const std::string& buffer_id, uint64_t piece_byte
                                const std::vector<RangeRun>& runs) {
   std::shared_ptr<Buffer> buffer;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     auto it = buffers_.find(buffer_id);
     if (it == buffers_.end() || it->second->role != Role::kSource) return;
     buffer = it->second;
   }
   ChecksumHints& hints = buffer->hints;
-  std::lock_guard<std::mutex> lock(hints.mu);
+  common::MutexLock lock(hints.mu);
   const uint64_t max_bytes = 2 * piece_bytes;
   for (const RangeRun& run : runs) {
     if (run.count == 0 || run.length == 0 || run.length > kCopyBlockBytes) continue;
@@ -487,7 +487,7 @@ void Store::NoteChecksumRanges(const std::string& buffer_id, uint64_t piece_byte
 std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> Store::HintsForPublish(
     Buffer& buffer, uint64_t size) {
   ChecksumHints& hints = buffer.hints;
-  std::lock_guard<std::mutex> lock(hints.mu);
+  common::MutexLock lock(hints.mu);
   ++hints.publishes;
   for (auto it = hints.runs.begin(); it != hints.runs.end();) {
     const auto& [run, asked] = it->second;

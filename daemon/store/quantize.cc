@@ -252,7 +252,7 @@ absl::StatusOr<std::vector<std::shared_ptr<Region>>> QuantCache::Slots(
   std::vector<std::shared_ptr<Entry>> entries(jobs.size());
   std::vector<size_t> mine;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     for (size_t i = 0; i < jobs.size(); ++i) {
       auto& entry = entries_[jobs[i].key];
       if (!entry) {
@@ -297,7 +297,7 @@ absl::StatusOr<std::vector<std::shared_ptr<Region>>> QuantCache::Slots(
     }
     std::atomic<size_t> next{0};
     std::atomic<uint64_t> nonfinite{0};
-    std::mutex status_mu;
+    common::Mutex status_mu;
     auto work = [&] {
       for (size_t t; (t = next.fetch_add(1)) < tasks.size();) {
         const size_t m = tasks[t].job;
@@ -307,7 +307,7 @@ absl::StatusOr<std::vector<std::shared_ptr<Region>>> QuantCache::Slots(
         if (n.ok()) {
           nonfinite += *n;
         } else {
-          std::lock_guard<std::mutex> lock(status_mu);
+          common::MutexLock lock(status_mu);
           if (status[m].ok()) status[m] = n.status();
         }
       }
@@ -320,19 +320,19 @@ absl::StatusOr<std::vector<std::shared_ptr<Region>>> QuantCache::Slots(
     for (std::thread& t : pool_threads) t.join();
     *nonfinite_added = nonfinite.load();
     nonfinite_ += *nonfinite_added;
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     for (size_t m = 0; m < mine.size(); ++m) {
       Entry& entry = *entries[mine[m]];
       entry.status = status[m];
       if (!entry.status.ok()) entry.slot.reset();
       entry.done = true;
     }
-    done_.notify_all();
+    done_.NotifyAll();
   }
-  std::unique_lock<std::mutex> lock(mu_);
+  common::UniqueLock lock(mu_);
   std::vector<std::shared_ptr<Region>> out;
   for (const auto& entry : entries) {
-    done_.wait(lock, [&] { return entry->done; });
+    done_.Wait(lock, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return entry->done; });
     if (!entry->status.ok()) return entry->status;
     out.push_back(entry->slot);
   }

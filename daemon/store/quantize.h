@@ -9,15 +9,14 @@
 // (a delta pull has already been applied to them), never a delta.
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "daemon/common/mutex.h"
 #include "daemon/common/types.h"
 #include "daemon/memory/region.h"
 #include "daemon/memory/slot_pool.h"
@@ -71,9 +70,9 @@ class QuantCache {
     absl::Status status;
     std::shared_ptr<Region> slot;
   };
-  std::mutex mu_;
-  std::condition_variable done_;
-  std::map<std::string, std::shared_ptr<Entry>> entries_;  // guarded by mu_
+  common::Mutex mu_;
+  common::CondVar done_;
+  std::map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> nonfinite_{0};
 };
 

@@ -27,7 +27,7 @@ constexpr auto kWaitSlice = std::chrono::milliseconds(50);  // re-check of `canc
 }  // namespace
 
 void Store::Probe() {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   TestHookWedge("store");
 }
 
@@ -127,7 +127,7 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
       ASSIGN_OR_RETURN(piece.host, pool_->Acquire(size, buffer->model));
     }
     {
-      std::lock_guard<std::mutex> io(buffer->io_mu);
+      common::MutexLock io(buffer->io_mu);
       const Region& from = *buffer->region;
       if (from.Broken()) return MemoryWentAway(*buffer, "");
       // Host to host: copy and checksum in one pass over the cores, each block hashed while
@@ -167,7 +167,7 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
   std::vector<std::shared_ptr<Buffer>> buffers;
   std::vector<uint64_t> previous;  // each buffer's last published version before this call
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     if (shutdown_) return absl::UnavailableError("refitd is shutting down");
     Model* model = FindModel(model_name);
     if (!model) return absl::NotFoundError(absl::StrCat("model ", model_name, " does not exist"));
@@ -198,7 +198,7 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
   absl::Status snapped = SnapshotBuffers(buffers, &pieces, &bytes);
   if (!snapped.ok()) {
     // A refused Publish changes nothing: the buffers may publish this version again.
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     for (size_t i = 0; i < buffers.size(); ++i) {
       if (buffers[i]->last_published == version) buffers[i]->last_published = previous[i];
     }
@@ -209,7 +209,7 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
   metrics_->Add(kPublishes, 1);
   metrics_->Observe(kPublishSeconds, std::chrono::duration<double>(Clock::now() - started).count());
 
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   Model* model = FindModel(model_name);
   if (!model) {
     return absl::FailedPreconditionError(absl::StrCat("model ", model_name,
@@ -274,7 +274,7 @@ void Store::CompleteVersion(Model& model, uint64_t number, std::vector<Piece> pi
     model.finishing = number;
     quant_queue_.emplace_back(model.name, std::move(version));
     if (!quantizer_.joinable()) quantizer_ = std::thread([this] { RunQuantizer(); });
-    quant_wake_.notify_one();
+    quant_wake_.NotifyOne();
     return;
   }
   PublishVersion(model, std::move(version));
@@ -300,7 +300,7 @@ void Store::PublishVersion(Model& model, std::shared_ptr<const Version> version)
   Logger("store")->info("model={} version={} complete: {} pieces, {} bytes held here", model.name,
                         number, version->pieces.size(), version->bytes);
   for (StoreEvents* listener : listeners_) listener->OnVersionComplete(model.name, number);
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
@@ -373,7 +373,7 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
   std::shared_ptr<const CachedPlan> cached;
   std::vector<std::shared_ptr<Buffer>> dests;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     if (shutdown_) return absl::UnavailableError("refitd is shutting down");
     Model* model = FindModel(model_name);
     if (!model) return absl::NotFoundError(absl::StrCat("model ", model_name, " does not exist"));
@@ -424,7 +424,7 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
   for (const auto& d : dests) order.push_back(d.get());
   std::sort(order.begin(), order.end(),
             [](const Buffer* a, const Buffer* b) { return a->id < b->id; });
-  std::vector<std::unique_lock<std::mutex>> locks;
+  std::vector<std::unique_lock<common::Mutex>> locks;
   for (Buffer* b : order) locks.emplace_back(b->io_mu);
   for (const auto& d : dests) {
     if (d->region->Broken()) return MemoryWentAway(*d, "");
@@ -491,7 +491,7 @@ absl::Status Store::CheckHeld(const Version& version, const plan::Plan& plan) co
 }
 
 template <typename Ready>
-absl::Status Store::WaitUntil(std::unique_lock<std::mutex>& lock, Clock::time_point deadline,
+absl::Status Store::WaitUntil(common::UniqueLock& lock, Clock::time_point deadline,
                               const CancelledFn& cancelled, Ready ready) {
   while (true) {
     if (shutdown_) return absl::UnavailableError("refitd is shutting down");
@@ -499,16 +499,16 @@ absl::Status Store::WaitUntil(std::unique_lock<std::mutex>& lock, Clock::time_po
     if (cancelled && cancelled()) return absl::CancelledError("the caller went away");
     const auto now = Clock::now();
     if (now >= deadline) return absl::DeadlineExceededError("deadline passed while waiting");
-    changed_.wait_until(lock, std::min(deadline, now + kWaitSlice));
+    changed_.WaitUntil(lock, std::min(deadline, now + kWaitSlice));
   }
 }
 
 absl::StatusOr<uint64_t> Store::WaitForVersion(const std::string& model_name, uint64_t min_version,
                                                Clock::time_point deadline,
                                                const CancelledFn& cancelled) {
-  std::unique_lock<std::mutex> lock(mu_);
+  common::UniqueLock lock(mu_);
   uint64_t latest = 0;
-  absl::Status status = WaitUntil(lock, deadline, cancelled, [&] {
+  absl::Status status = WaitUntil(lock, deadline, cancelled, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const Model* model = FindModel(model_name);
     latest = model ? model->latest : 0;
     return latest != 0 && latest >= min_version;
@@ -540,9 +540,9 @@ absl::StatusOr<std::vector<uint64_t>> Store::WaitForCompletions(const std::strin
                                                                 uint64_t after_version,
                                                                 Clock::time_point deadline,
                                                                 const CancelledFn& cancelled) {
-  std::unique_lock<std::mutex> lock(mu_);
+  common::UniqueLock lock(mu_);
   std::vector<uint64_t> out;
-  RETURN_IF_ERROR(WaitUntil(lock, deadline, cancelled, [&] {
+  RETURN_IF_ERROR(WaitUntil(lock, deadline, cancelled, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const Model* model = FindModel(model_name);
     if (!model || model->latest <= after_version) return false;
     for (uint64_t v : model->history) {
@@ -554,13 +554,13 @@ absl::StatusOr<std::vector<uint64_t>> Store::WaitForCompletions(const std::strin
 }
 
 uint64_t Store::LatestVersion(const std::string& model_name) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   const Model* model = FindModel(model_name);
   return model ? model->latest : 0;
 }
 
 std::vector<std::string> Store::ModelNames() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   std::vector<std::string> out;
   for (const auto& [name, model] : models_) out.push_back(name);
   return out;
@@ -577,11 +577,11 @@ void Store::EraseIfEmpty(const std::string& name) {
   models_.erase(name);
   pool_->SetBudget(name, 0);
   if (gpu_pool_) gpu_pool_->SetBudget(name, 0);
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   Model* model = FindModel(name);
   if (!model) {
     std::vector<std::string> known;
@@ -627,20 +627,20 @@ absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
   }
   Logger("store")->info("model={} dropped: {} version(s) released", name,
                         result.released_versions.size());
-  changed_.notify_all();
+  changed_.NotifyAll();
   return result;
 }
 
 void Store::AddListener(StoreEvents* listener) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   listeners_.push_back(listener);
 }
 
 void Store::Shutdown() {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   shutdown_ = true;
-  changed_.notify_all();
-  quant_wake_.notify_all();
+  changed_.NotifyAll();
+  quant_wake_.NotifyAll();
 }
 
 }  // namespace refit

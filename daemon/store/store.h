@@ -24,19 +24,18 @@
 // waits end at their deadline, when `cancelled` returns true, or at Shutdown.
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "daemon/common/mutex.h"
 #include "daemon/common/types.h"
 #include "daemon/memory/checksum.h"
 #include "daemon/memory/region.h"
@@ -413,32 +412,32 @@ class Store {
   struct CachedPlan;
   struct DestinationBase;
 
-  Model* FindModel(const std::string& name);
+  Model* FindModel(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // OK when `again` registers `existing`'s memory the same way (same owner, model, role,
   // slices); ALREADY_EXISTS naming `existing` and what differs otherwise.
   static absl::Status SameRegistration(const Buffer& existing, const Buffer& again);
-  const Model* FindModel(const std::string& name) const;
+  const Model* FindModel(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckAgainstModel(const Model& model, Role role,
-                                 const std::vector<TensorSlice>& slices) const;
+                                 const std::vector<TensorSlice>& slices) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks the model's DESTINATION buffers whose layout disagrees with its SOURCE buffers (here
   // and on other nodes) as refused, and clears the mark of those that agree again.
-  void RecheckDestinations(Model& model);
+  void RecheckDestinations(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops `model` from models_ when nothing is left of it: no buffers, versions, pulls or other
   // nodes' sources.
-  void EraseIfEmpty(const std::string& model);
+  void EraseIfEmpty(const std::string& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> LookUpBuffers(
-      const std::string& model, Role role, const std::vector<std::string>& ids) const;
-  void TryComplete(Model& model);
+      const std::string& model, Role role, const std::vector<std::string>& ids) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TryComplete(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The pending versions `buffer` (a SOURCE being released) did not publish: abandoned.
   void AbandonUnpublished(Model& model, const Buffer& buffer, const std::string& why);
-  void TryCompleteWithRemotes(Model& model);
+  void TryCompleteWithRemotes(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ---- Slot memory per model (store_memory.cc) ----
   // The bytes of one version's slots of `model` here (ModelInfo::share_bytes), counting
   // `more_source` bytes of SOURCE buffers more and, with `destination`, a DESTINATION buffer.
-  uint64_t ShareOf(const Model& model, uint64_t more_source = 0, bool destination = false) const;
+  uint64_t ShareOf(const Model& model, uint64_t more_source = 0, bool destination = false) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Recomputes the model's share and tells the slot pools its budget, (retain + 1) x share
   // (0 once it is forgotten): spare slots are kept only within it.
-  void UpdateBudget(Model& model);
+  void UpdateBudget(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED, with the numbers, when one version of `share` bytes of `model` cannot
   // fit under --max-slot-memory beside the other models' slots in use. `what` names the step.
   absl::Status CheckVersionFits(const Model& model, uint64_t share, const std::string& what) const;
@@ -449,14 +448,14 @@ class Store {
   void FillMemory(const Model& model, ModelInfo* info) const;
   // Sets fetch->base (or ->destination_base) and ->deltas when this node can catch up by
   // applying deltas.
-  void OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fetch) const;
+  void OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fetch) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ---- --delta-base=destination (store_delta_base.cc) ----
   DeltaBase DeltaBaseOf(const std::string& model) const;
   // For OfferDelta, a piece of the newest version whose held copy was released: true when the
   // destinations can stand in for it (they held it at the release and cover `fetch->ranges`);
   // otherwise counts a fallback (refit_delta_base_fallbacks_total) and logs why.
   bool CanUseDestinationBase(const Model& model, const Piece& piece,
-                             const PullJob::Fetch& fetch) const;
+                             const PullJob::Fetch& fetch) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After an Apply of `version`: once every DESTINATION buffer of the model holds it (verified),
   // releases the held copy of its pulled pieces, keeping their digests (destination mode only).
   void ReleaseApplied(const std::string& model, const std::shared_ptr<const Version>& version);
@@ -472,7 +471,7 @@ class Store {
                                std::vector<Piece>* pieces, uint64_t* bytes);
   // A version whose pieces are all here: it completes now, or once the quantizer thread has
   // quantized it for the model's fp8 destinations (Model::finishing meanwhile).
-  void CompleteVersion(Model& model, uint64_t version, std::vector<Piece> pieces);
+  void CompleteVersion(Model& model, uint64_t version, std::vector<Piece> pieces) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishVersion(Model& model, std::shared_ptr<const Version> version);
   void RunQuantizer();
   // The derived slots of `jobs` for `version` (no store lock held).
@@ -491,25 +490,25 @@ class Store {
   absl::StatusOr<std::shared_ptr<const CachedPlan>> PlanFor(
       Model& model, const Version& version, const std::vector<std::shared_ptr<Buffer>>& dests);
   template <typename Ready>
-  absl::Status WaitUntil(std::unique_lock<std::mutex>& lock, Clock::time_point deadline,
-                         const CancelledFn& cancelled, Ready ready);
+  absl::Status WaitUntil(common::UniqueLock& lock, Clock::time_point deadline,
+                         const CancelledFn& cancelled, Ready ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const StoreOptions options_;
   Metrics* const metrics_;
   std::shared_ptr<SlotPool> pool_;      // host slots: local snapshots, staging, mirrors
   std::shared_ptr<SlotPool> gpu_pool_;  // GPU slots (--slot-memory=cuda); null otherwise
 
-  mutable std::mutex mu_;
-  std::condition_variable changed_;  // a version completed, or Shutdown
-  bool shutdown_ = false;
-  uint64_t next_buffer_ = 1;
-  std::map<std::string, std::unique_ptr<Model>> models_;
-  std::map<std::string, std::shared_ptr<Buffer>> buffers_;  // by id
-  std::map<std::string, std::string> by_memory_;            // buffer ids by Region::Identity()
+  mutable common::Mutex mu_;
+  common::CondVar changed_;  // a version completed, or Shutdown
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_buffer_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<std::string, std::unique_ptr<Model>> models_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<Buffer>> buffers_ ABSL_GUARDED_BY(mu_);  // by id
+  std::map<std::string, std::string> by_memory_ ABSL_GUARDED_BY(mu_);            // buffer ids by Region::Identity()
   std::vector<StoreEvents*> listeners_;  // in the order added
   // Versions waiting for quantization (model, version); the thread starts with the first.
-  std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_queue_;
-  std::condition_variable quant_wake_;
+  std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_queue_ ABSL_GUARDED_BY(mu_);
+  common::CondVar quant_wake_;
   std::thread quantizer_;
 };
 

@@ -99,7 +99,7 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   buffer->owner = owner;
   buffer->memory = buffer->region->Identity();
 
-  std::unique_lock<std::mutex> lock(mu_);
+  common::UniqueLock lock(mu_);
   auto& model = models_[model_name];
   if (!model) {
     model = std::make_unique<Model>();
@@ -168,7 +168,7 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
 }
 
 absl::Status Store::ReleaseBuffer(const std::string& buffer_id, const std::string& why) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   auto it = buffers_.find(buffer_id);
   if (it == buffers_.end()) {
     return absl::NotFoundError(absl::StrCat("buffer ", buffer_id, " does not exist"));

@@ -180,7 +180,7 @@ void Store::ReleaseApplied(const std::string& model_name,
   std::vector<std::shared_ptr<Buffer>> dests;
   std::vector<size_t> release;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     Model* model = FindModel(model_name);
     if (!model || model->latest != number) return;
     auto it = model->complete.find(number);
@@ -249,7 +249,7 @@ void Store::ReleaseApplied(const std::string& model_name,
     if (piece.slot) kept->bytes += piece.slot->size();
   }
   base->source = kept;
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   Model* model = FindModel(model_name);
   if (!model) return;
   auto it = model->complete.find(number);
@@ -311,7 +311,7 @@ absl::StatusOr<std::shared_ptr<Region>> Store::BaseFromDestinations(const std::s
   std::shared_ptr<const DestinationBase> base;
   std::vector<std::string> gone;  // buffers released since: their owners may write them
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     const Model* model = FindModel(model_name);
     if (model) base = model->destination_base;
     for (size_t i = 0; base && i < base->dests.size(); ++i) {
@@ -369,7 +369,7 @@ absl::StatusOr<std::shared_ptr<Region>> Store::BaseFromDestinations(const std::s
     for (const auto& d : base->dests) order.push_back(d.get());
     std::sort(order.begin(), order.end(),
               [](const Buffer* a, const Buffer* b) { return a->id < b->id; });
-    std::vector<std::unique_lock<std::mutex>> locks;
+    std::vector<std::unique_lock<common::Mutex>> locks;
     for (Buffer* b : order) locks.emplace_back(b->io_mu);
     std::vector<const uint8_t*> src;
     for (const auto& d : base->dests) {

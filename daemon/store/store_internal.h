@@ -7,13 +7,13 @@
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "daemon/common/mutex.h"
 #include "daemon/plan/plan.h"
 #include "daemon/store/quantize.h"
 #include "daemon/store/store.h"
@@ -23,7 +23,7 @@ namespace refit {
 // Runs of ranges peers asked checksums for, by offset: (the run, `publishes` when last asked
 // about).
 struct Store::ChecksumHints {
-  std::mutex mu;
+  common::Mutex mu;
   uint64_t publishes = 0;  // of the buffer so far
   uint64_t ranges = 0;     // in `runs`
   uint64_t bytes = 0;      // in `runs`
@@ -49,7 +49,7 @@ struct Store::Buffer {
   // DESTINATION buffers: non-empty when its layout disagrees with the model's sources (set by
   // RecheckDestinations); such a buffer is left out of plans and Apply refuses it.
   std::string refused;  // guarded by Store::mu_
-  std::mutex io_mu;     // one snapshot or one Apply at a time on this memory
+  common::Mutex io_mu;     // one snapshot or one Apply at a time on this memory
   // DESTINATION buffers: the version the last Apply installed and verified here; 0: none, or
   // what landed is stale (a failed or unverified Apply). Written under io_mu.
   std::atomic<uint64_t> applied{0};

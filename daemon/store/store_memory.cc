@@ -122,7 +122,7 @@ absl::StatusOr<std::shared_ptr<Region>> Store::AcquireSlot(uint64_t size) {
   // that model's budget and, released, is kept only within it.
   std::string owner;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     for (const auto& [name, model] : models_) {
       if (model->pulling != 0 && model->pulling_sizes.count(size)) {
         owner = name;
@@ -134,7 +134,7 @@ absl::StatusOr<std::shared_ptr<Region>> Store::AcquireSlot(uint64_t size) {
 }
 
 std::vector<ModelInfo> Store::Models() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   std::vector<ModelInfo> out;
   for (const auto& [name, model] : models_) {
     ModelInfo info;

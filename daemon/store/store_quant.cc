@@ -91,9 +91,9 @@ absl::StatusOr<std::vector<std::shared_ptr<Region>>> Store::QuantizedSlots(
 }
 
 void Store::RunQuantizer() {
-  std::unique_lock<std::mutex> lock(mu_);
+  common::UniqueLock lock(mu_);
   while (true) {
-    quant_wake_.wait(lock, [&] { return shutdown_ || !quant_queue_.empty(); });
+    quant_wake_.Wait(lock, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return shutdown_ || !quant_queue_.empty(); });
     if (shutdown_) return;
     auto [name, version] = std::move(quant_queue_.front());
     quant_queue_.pop_front();
@@ -119,7 +119,7 @@ void Store::RunQuantizer() {
                              name, version->number, slots.status().ToString());
       model->failed = version->number;
       model->failed_status = slots.status();
-      changed_.notify_all();
+      changed_.NotifyAll();
     } else {
       const uint64_t nonfinite = version->quant->nonfinite();
       auto log = Logger("store");

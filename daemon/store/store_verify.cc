@@ -88,7 +88,7 @@ absl::StatusOr<std::vector<VerifyResult>> Store::Verify(const std::string& model
   std::vector<VerifyResult> results;
   std::vector<Job> jobs;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     Model* model = FindModel(model_name);
     if (!model) return absl::NotFoundError(absl::StrCat("model ", model_name, " does not exist"));
     for (const std::string& id : model->destinations) {
@@ -136,7 +136,7 @@ absl::StatusOr<std::vector<VerifyResult>> Store::Verify(const std::string& model
       src.push_back(piece.slot ? piece.slot->data() : nullptr);
     }
     for (const auto& slot : derived) src.push_back(slot->data());
-    std::lock_guard<std::mutex> io(job.buffer->io_mu);
+    common::MutexLock io(job.buffer->io_mu);
     if (job.buffer->region->Broken()) {
       result.note = "its memory went away under refitd";
       continue;
