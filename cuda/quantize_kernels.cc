@@ -139,38 +139,134 @@ REFIT_AVX2 uint32_t HorizontalMax(__m256i v) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
 }
 
+// The quotients x / s of eight elements, as IEEE division rounds them, for the e4m3 cast: a
+// multiply by r = 1 / s where that cannot change the cast's result, a division otherwise.
+// fp32(x * r) is within 3 ulps of fp32(x / s) (r carries one rounding, the product another),
+// so the cast of either is the same unless the product lies near one of the cast's rounding
+// points: within 16 patterns of a midpoint between two e4m3 normals (bits 0..19 near
+// 0x80000), or in e4m3's subnormal range (|y| < 2^-6, other than 0), where the rounding points
+// are elsewhere. Any such lane sends all eight to the division. `fast` is false where r or s
+// is not a normal fp32 (a zero, subnormal, inf or NaN scale): division for the whole block.
+REFIT_AVX2 __m256 Quotients(__m256 x, __m256 s, __m256 r, bool fast) {
+  if (!fast) return _mm256_div_ps(x, s);
+  const __m256 y = _mm256_mul_ps(x, r);
+  const __m256i abs = _mm256_and_si256(_mm256_castps_si256(y), _mm256_set1_epi32(0x7fffffff));
+  // (low 20 bits - (0x80000 - 16)) < 33, unsigned: via a signed compare after a bias.
+  const __m256i low = _mm256_sub_epi32(_mm256_and_si256(abs, _mm256_set1_epi32(0xfffff)),
+                                       _mm256_set1_epi32(0x80000 - 16));
+  const __m256i near_mid = _mm256_and_si256(_mm256_cmpgt_epi32(low, _mm256_set1_epi32(-1)),
+                                            _mm256_cmpgt_epi32(_mm256_set1_epi32(33), low));
+  const __m256i subnormal =
+      _mm256_andnot_si256(_mm256_cmpeq_epi32(abs, _mm256_setzero_si256()),
+                          _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), abs));
+  if (!_mm256_testz_si256(_mm256_or_si256(near_mid, subnormal), _mm256_set1_epi32(-1))) {
+    return _mm256_div_ps(x, s);
+  }
+  return y;
+}
+
+// True when the reciprocal of `s` may stand in for it (Quotients): both normal fp32.
+bool ReciprocalUsable(float s) {
+  const float r = 1.0f / s;
+  const uint32_t e_s = (fp8::BitsOf(s) >> 23) & 0xff;
+  const uint32_t e_r = (fp8::BitsOf(r) >> 23) & 0xff;
+  return e_s != 0 && e_s != 0xff && e_r != 0 && e_r != 0xff;
+}
+
+// Elements [begin, end) of `row` quantized with scale `s` into `out`.
+template <DType kDtype>
+REFIT_AVX2 void QuantizeSpan(const uint8_t* row, uint8_t* out, uint64_t begin, uint64_t end,
+                             float s) {
+  const bool fast = ReciprocalUsable(s);
+  const __m256 scale = _mm256_set1_ps(s);
+  const __m256 inverse = _mm256_set1_ps(1.0f / s);
+  uint64_t c = begin;
+  for (; c + 8 <= end; c += 8) {
+    Store8(out + c, E4M3Codes(Quotients(Load8<kDtype>(row, c), scale, inverse, fast)));
+  }
+  for (; c < end; ++c) out[c] = fp8::QuantizeOne(fp8::FloatOf(LoadBits(row, kDtype, c)), s);
+}
+
+// The largest |x| bit pattern of elements [begin, end) of rows [first, last); adds their infs
+// and NaNs to `nonfinite`.
+template <DType kDtype>
+REFIT_AVX2 uint32_t SpanAmax(const Fp8BlockRun& run, uint64_t first, uint64_t last, uint64_t begin,
+                             uint64_t end, uint64_t* nonfinite) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i finite_max = _mm256_set1_epi32(0x7f7fffff);
+  __m256i best = _mm256_setzero_si256();
+  __m256i bad = _mm256_setzero_si256();  // lanes count down by one per inf or NaN
+  uint32_t m = 0;
+  for (uint64_t r = first; r < last; ++r) {
+    const uint8_t* row = SrcRow(run, r);
+    uint64_t c = begin;
+    for (; c + 8 <= end; c += 8) {
+      const __m256i abs = _mm256_and_si256(_mm256_castps_si256(Load8<kDtype>(row, c)), abs_mask);
+      best = _mm256_max_epu32(best, abs);
+      bad = _mm256_add_epi32(bad, _mm256_cmpgt_epi32(abs, finite_max));
+    }
+    for (; c < end; ++c) {
+      const uint32_t abs = LoadBits(row, kDtype, c) & fp8::kAbsMask;
+      m = std::max(m, abs);
+      *nonfinite += abs >= fp8::kInfBits ? 1 : 0;
+    }
+  }
+  if (!_mm256_testz_si256(bad, bad)) {
+    alignas(32) int32_t counts[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(counts), bad);
+    for (int k = 0; k < 8; ++k) {
+      *nonfinite += static_cast<uint64_t>(-static_cast<int64_t>(counts[k]));
+    }
+  }
+  return std::max(m, HorizontalMax(best));
+}
+
+// True when the rows sharing each scale row are consecutive (one run per scale row): every
+// block is then a rectangle, quantized right after its amax while it is in cache.
+bool RowRunsDisjoint(const Fp8BlockRun& run) {
+  std::vector<bool> seen(run.scale_rows, false);
+  for (uint64_t r = 0; r < run.rows; ++r) {
+    const uint32_t sr = run.scale_row_of[r];
+    if (r > 0 && run.scale_row_of[r - 1] == sr) continue;
+    if (seen[sr]) return false;
+    seen[sr] = true;
+  }
+  return true;
+}
+
 template <DType kDtype>
 __attribute__((target("avx2"))) uint64_t QuantizeAvx2(const Fp8BlockRun& run) {
   const uint64_t col_blocks = CeilDiv(run.cols, run.block_cols);
-  std::vector<uint32_t> amax(run.scale_rows * col_blocks, 0);
-  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-  const __m256i finite_max = _mm256_set1_epi32(0x7f7fffff);
   uint64_t nonfinite = 0;
+  if (RowRunsDisjoint(run)) {
+    for (uint64_t first = 0, last; first < run.rows; first = last) {
+      const uint32_t sr = run.scale_row_of[first];
+      for (last = first + 1; last < run.rows && run.scale_row_of[last] == sr; ++last) {
+      }
+      float* scale_row = run.scales + sr * run.scale_row_stride;
+      for (uint64_t j = 0; j < col_blocks; ++j) {
+        const uint64_t begin = j * run.block_cols;
+        const uint64_t end = std::min(run.cols, begin + run.block_cols);
+        const float s =
+            fp8::ScaleFromAmaxBits(SpanAmax<kDtype>(run, first, last, begin, end, &nonfinite));
+        scale_row[j] = s;
+        for (uint64_t r = first; r < last; ++r) {
+          QuantizeSpan<kDtype>(SrcRow(run, r),
+                               run.dst + static_cast<int64_t>(r) * run.dst_row_stride, begin, end,
+                               s);
+        }
+      }
+    }
+    return nonfinite;
+  }
+  // Scale rows spread over the run: the amax grid first, then every row.
+  std::vector<uint32_t> amax(run.scale_rows * col_blocks, 0);
   for (uint64_t r = 0; r < run.rows; ++r) {
-    const uint8_t* row = SrcRow(run, r);
     uint32_t* grid = amax.data() + run.scale_row_of[r] * col_blocks;
     for (uint64_t j = 0; j < col_blocks; ++j) {
       const uint64_t begin = j * run.block_cols;
       const uint64_t end = std::min(run.cols, begin + run.block_cols);
-      __m256i best = _mm256_setzero_si256();
-      __m256i bad = _mm256_setzero_si256();  // lanes count down by one per inf or NaN
-      uint64_t c = begin;
-      for (; c + 8 <= end; c += 8) {
-        const __m256i abs = _mm256_and_si256(_mm256_castps_si256(Load8<kDtype>(row, c)), abs_mask);
-        best = _mm256_max_epu32(best, abs);
-        bad = _mm256_add_epi32(bad, _mm256_cmpgt_epi32(abs, finite_max));
-      }
-      uint32_t m = HorizontalMax(best);
-      alignas(32) int32_t counts[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(counts), bad);
-      for (int k = 0; k < 8; ++k)
-        nonfinite += static_cast<uint64_t>(-static_cast<int64_t>(counts[k]));
-      for (; c < end; ++c) {
-        const uint32_t abs = LoadBits(row, kDtype, c) & fp8::kAbsMask;
-        m = std::max(m, abs);
-        nonfinite += abs >= fp8::kInfBits ? 1 : 0;
-      }
-      grid[j] = std::max(grid[j], m);
+      grid[j] = std::max(grid[j], SpanAmax<kDtype>(run, r, r + 1, begin, end, &nonfinite));
     }
   }
   WriteScales(run, amax, col_blocks);
@@ -180,16 +276,8 @@ __attribute__((target("avx2"))) uint64_t QuantizeAvx2(const Fp8BlockRun& run) {
     const float* scale_row = run.scales + run.scale_row_of[r] * run.scale_row_stride;
     for (uint64_t j = 0; j < col_blocks; ++j) {
       const uint64_t begin = j * run.block_cols;
-      const uint64_t end = std::min(run.cols, begin + run.block_cols);
-      const float s = scale_row[j];
-      const __m256 scale = _mm256_set1_ps(s);
-      uint64_t c = begin;
-      for (; c + 8 <= end; c += 8) {
-        Store8(out + c, E4M3Codes(_mm256_div_ps(Load8<kDtype>(row, c), scale)));
-      }
-      for (; c < end; ++c) {
-        out[c] = fp8::QuantizeOne(fp8::FloatOf(LoadBits(row, kDtype, c)), s);
-      }
+      QuantizeSpan<kDtype>(row, out, begin, std::min(run.cols, begin + run.block_cols),
+                           scale_row[j]);
     }
   }
   return nonfinite;
