@@ -10,8 +10,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/quantize.h"
@@ -33,6 +35,22 @@ double Time(Fn&& fn) {
   const auto start = Clock::now();
   fn();
   return Seconds(Clock::now() - start).count();
+}
+
+double ThreadCpuSeconds() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
+// `fn`'s wall time, and the CPU time of this thread during it in `*cpu` (on a shared machine
+// the wall time counts the other processes' turns on the core; the CPU time does not).
+template <typename Fn>
+double Time(Fn&& fn, double* cpu) {
+  const double cpu_start = ThreadCpuSeconds();
+  const double wall = Time(fn);
+  *cpu = ThreadCpuSeconds() - cpu_start;
+  return wall;
 }
 
 void FillBf16(uint8_t* data, uint64_t bytes, uint64_t seed) {
@@ -74,27 +92,34 @@ void KernelFigures() {
                              static_cast<int64_t>(cols),
                              scales.data(),
                              static_cast<int64_t>(cols / 128)};
-  std::vector<double> memcpy_s, vec_s, scalar_s;
-  for (int i = 0; i < 7; ++i) {
-    memcpy_s.push_back(Time([&] { std::memcpy((*copy)->data(), (*src)->data(), bytes); }));
-    vec_s.push_back(Time([&] { (void)cuda::cpu::QuantizeFp8Blocks(run); }));
+  std::vector<double> memcpy_s, vec_s, scalar_s, memcpy_cpu, vec_cpu;
+  for (int i = 0; i < 9; ++i) {
+    double cpu;
+    memcpy_s.push_back(Time([&] { std::memcpy((*copy)->data(), (*src)->data(), bytes); }, &cpu));
+    memcpy_cpu.push_back(cpu);
+    vec_s.push_back(Time([&] { (void)cuda::cpu::QuantizeFp8Blocks(run); }, &cpu));
+    vec_cpu.push_back(cpu);
     if (i < 3) scalar_s.push_back(Time([&] { (void)cuda::cpu::QuantizeFp8BlocksScalar(run); }));
   }
   const double gb = bytes / 1e9;
   std::printf(
       "1. fp8 block quantization on one core, [%lu, %lu] bf16 (%.0f MiB), [128, 128] "
-      "blocks; medians\n",
+      "blocks; medians of 9, wall time (CPU time of the thread)\n",
       rows, cols, bytes / 1048576.0);
-  std::printf("  memcpy of the bf16 bytes   %7.2f GB/s  (reference)\n", gb / Median(memcpy_s));
-  std::printf("  quantize, %-15s %7.2f GB/s of bf16 = %.2fx memcpy (goal >= 0.5x)\n",
-              cuda::cpu::Fp8BlocksVectorized() ? "AVX2" : "scalar only", gb / Median(vec_s),
-              Median(memcpy_s) / Median(vec_s));
+  std::printf("  memcpy of the bf16 bytes   %7.2f GB/s (%5.2f)  (reference)\n",
+              gb / Median(memcpy_s), gb / Median(memcpy_cpu));
+  std::printf(
+      "  quantize, %-15s %7.2f GB/s (%5.2f) of bf16 = %.2fx memcpy (%.2fx) (goal >= 0.5x)\n",
+      cuda::cpu::Fp8BlocksVectorized() ? "AVX2" : "scalar only", gb / Median(vec_s),
+      gb / Median(vec_cpu), Median(memcpy_s) / Median(vec_s), Median(memcpy_cpu) / Median(vec_cpu));
   std::printf("  quantize, scalar twin      %7.2f GB/s of bf16 = %.2fx memcpy\n",
               gb / Median(scalar_s), Median(memcpy_s) / Median(scalar_s));
 }
 
 struct Run {
   double register_s = 0, plan_s = 0, publish_s = 0, complete_s = 0, apply_s = 0, total_s = 0;
+  double plan_build_s = 0;  // of plan_s: building the plans (refit_plan_seconds)
+  double quantize_s = 0;    // per version: quantizing (refit_quantize_seconds, mean)
 };
 
 // One store, one model: `tensors` bf16 tensors [rows, cols] in one SOURCE buffer, one
@@ -181,6 +206,15 @@ Run Measure(uint64_t tensors, uint64_t rows, uint64_t cols, bool fp8, int versio
     total.push_back(p + c + a);
   }
   run.plan_s = plan[0];
+  const auto histograms = metrics.Histograms();
+  auto sum = [&](const Histogram& h, uint64_t* count) {
+    auto it = histograms.find(h.name);
+    *count = it == histograms.end() ? 0 : it->second.count;
+    return it == histograms.end() ? 0.0 : it->second.sum;
+  };
+  uint64_t count = 0;
+  run.plan_build_s = sum(kPlanSeconds, &count);
+  run.quantize_s = sum(kQuantizeSeconds, &count) / (versions + 1);
   run.publish_s = Median(publish);
   run.complete_s = Median(complete);
   run.apply_s = Median(apply);
@@ -194,7 +228,8 @@ void PrintRun(const char* label, const Run& r, const Run* ref) {
       "%7.4f  apply %7.4f  total %7.4f s",
       label, r.register_s, r.plan_s, r.publish_s, r.complete_s, r.apply_s, r.total_s);
   if (ref) std::printf("  = %.2fx", r.total_s / ref->total_s);
-  std::printf("\n");
+  std::printf("\n  %-26s (of which: building plans %.4f s; quantizing %.4f s a version)\n", "",
+              r.plan_build_s, r.quantize_s);
 }
 
 }  // namespace
@@ -206,6 +241,11 @@ int main(int argc, char** argv) {
   const uint64_t many = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 100000;
   const int versions = argc > 3 ? std::atoi(argv[3]) : 5;
   SetLogLevel("warn");
+  double load[3] = {0, 0, 0};
+  if (getloadavg(load, 3) == 3) {
+    std::printf("load average at start: %.2f %.2f %.2f on %u cores\n\n", load[0], load[1], load[2],
+                std::thread::hardware_concurrency());
+  }
   KernelFigures();
   // 2. 1 GiB as 32 tensors of [4096, 4096] bf16 (for 1024 MiB).
   const uint64_t tensors = std::max<uint64_t>(1, mib / 32);

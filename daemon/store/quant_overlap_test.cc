@@ -270,7 +270,7 @@ TEST_CASE("fp8 batching: 20,000 small tensors are a few tasks, each value quanti
   }
   std::vector<const TensorSlice*> scaled;
   for (const TensorSlice& q : dest) scaled.push_back(&q);
-  auto batch = QuantBatch::Make(QuantJobsFor(scaled), {&source});
+  auto batch = QuantBatch::Make(scaled, {&source});
   REQUIRE(batch->jobs().size() == static_cast<size_t>(n));
   CHECK(batch->bands().size() == static_cast<size_t>(n));
   const uint64_t bytes = n * rows * cols * 2;

@@ -121,15 +121,23 @@ std::string ScalePlanName(const std::string& scale_tensor) {
   return absl::StrCat(std::string("\0s:", 3), scale_tensor);
 }
 
-std::vector<QuantJob> QuantJobsFor(const std::vector<const TensorSlice*>& slices) {
-  std::map<std::string, QuantJob> jobs;
-  for (const TensorSlice* s : slices) {
+std::vector<QuantJob> QuantJobsFor(const std::vector<const TensorSlice*>& slices,
+                                   std::vector<size_t>* job_of_slice) {
+  using Jobs = std::map<std::string, std::pair<QuantJob, size_t>>;
+  Jobs jobs;
+  std::vector<Jobs::iterator> of_slice(slices.size(), jobs.end());
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const TensorSlice* s = slices[i];
     if (!plan::IsScaled(*s)) continue;
     QuantJob job;
     job.key = absl::StrCat(s->name, "|", absl::StrJoin(s->offsets, ","), "|",
                            absl::StrJoin(s->sizes, ","), "|", absl::StrJoin(s->scale_block, ","),
                            "|", s->scale_tensor);
-    if (jobs.count(job.key)) continue;
+    auto known = jobs.find(job.key);
+    if (known != jobs.end()) {
+      of_slice[i] = known;
+      continue;
+    }
     job.tensor = s->name;
     job.block = s->scale_block;
     job.fp8.name = QuantPlanName(*s);
@@ -147,10 +155,21 @@ std::vector<QuantJob> QuantJobsFor(const std::vector<const TensorSlice*>& slices
     job.scales.buffer_offset = (fp8_bytes + 63) / 64 * 64;
     job.bytes =
         job.scales.buffer_offset + 4 * Product(job.scales.sizes, 0, job.scales.sizes.size());
-    jobs.emplace(job.key, std::move(job));
+    std::string key = job.key;
+    of_slice[i] = jobs.emplace(std::move(key), std::make_pair(std::move(job), 0)).first;
   }
   std::vector<QuantJob> out;
-  for (auto& [key, job] : jobs) out.push_back(std::move(job));
+  out.reserve(jobs.size());
+  for (auto& [key, job] : jobs) {
+    job.second = out.size();
+    out.push_back(std::move(job.first));
+  }
+  if (job_of_slice) {
+    job_of_slice->assign(slices.size(), kNoJob);
+    for (size_t i = 0; i < slices.size(); ++i) {
+      if (of_slice[i] != jobs.end()) (*job_of_slice)[i] = of_slice[i]->second.second;
+    }
+  }
   return out;
 }
 
@@ -159,10 +178,22 @@ const QuantJob* QuantBatch::Find(const std::string& key) const {
   return it == by_key_.end() ? nullptr : &jobs_[it->second];
 }
 
+const QuantJob* QuantBatch::JobOf(const TensorSlice* scaled) const {
+  auto it = by_slice_.find(scaled);
+  return it == by_slice_.end() ? nullptr : &jobs_[it->second];
+}
+
 std::shared_ptr<const QuantBatch> QuantBatch::Make(
-    std::vector<QuantJob> jobs, const std::vector<const std::vector<TensorSlice>*>& pieces) {
+    const std::vector<const TensorSlice*>& scaled,
+    const std::vector<const std::vector<TensorSlice>*>& pieces) {
   auto batch = std::make_shared<QuantBatch>();
-  batch->jobs_ = std::move(jobs);
+  std::vector<size_t> job_of_slice;
+  batch->jobs_ = QuantJobsFor(scaled, &job_of_slice);
+  for (size_t i = 0; i < scaled.size(); ++i) {
+    if (job_of_slice[i] != kNoJob) {
+      batch->by_slice_.emplace(scaled[i], static_cast<uint32_t>(job_of_slice[i]));
+    }
+  }
   batch->job_errors_.resize(batch->jobs_.size());
   // Which pieces hold each tensor quantized: one pass over the layout.
   std::unordered_map<std::string, std::vector<TensorSource>> of_tensor;

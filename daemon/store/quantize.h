@@ -43,8 +43,11 @@ struct QuantJob {
 std::string QuantPlanName(const TensorSlice& scaled);
 std::string ScalePlanName(const std::string& scale_tensor);
 
-// The jobs for the scaled slices among `slices` (deduplicated, sorted by key).
-std::vector<QuantJob> QuantJobsFor(const std::vector<const TensorSlice*>& slices);
+// The jobs for the scaled slices among `slices` (deduplicated, sorted by key); with
+// `job_of_slice`, the index of each slice's job (kNoJob for a slice without scales).
+inline constexpr size_t kNoJob = ~size_t{0};
+std::vector<QuantJob> QuantJobsFor(const std::vector<const TensorSlice*>& slices,
+                                   std::vector<size_t>* job_of_slice = nullptr);
 
 // A source piece as the quantizer reads it: host memory with the version's bytes.
 struct QuantSource {
@@ -60,14 +63,18 @@ struct QuantSource {
 // 100,000 lookups, slots and allocations per version. Immutable once made.
 class QuantBatch {
  public:
-  // `jobs` from QuantJobsFor; `pieces`: the slices of each piece of the layout, in order.
+  // The jobs of the scaled slices among `slices` (QuantJobsFor), read from a layout whose
+  // pieces hold `pieces` (the slices of each, in order).
   static std::shared_ptr<const QuantBatch> Make(
-      std::vector<QuantJob> jobs, const std::vector<const std::vector<TensorSlice>*>& pieces);
+      const std::vector<const TensorSlice*>& slices,
+      const std::vector<const std::vector<TensorSlice>*>& pieces);
 
   // The jobs, their fp8 and scale slices placed in the batch's slot (buffer_offset).
   const std::vector<QuantJob>& jobs() const { return jobs_; }
   // The job of `key`, or null.
   const QuantJob* Find(const std::string& key) const;
+  // The job of one of the slices the batch was made from (by address), or null.
+  const QuantJob* JobOf(const TensorSlice* scaled) const;
   uint64_t bytes() const { return bytes_; }  // of the slot
 
   struct Band {
@@ -104,6 +111,7 @@ class QuantBatch {
  private:
   std::vector<QuantJob> jobs_;
   std::unordered_map<std::string, uint32_t> by_key_;
+  std::unordered_map<const TensorSlice*, uint32_t> by_slice_;
   std::vector<absl::Status> job_errors_;
   std::vector<Band> bands_;
   std::vector<Task> tasks_;

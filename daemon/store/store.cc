@@ -335,16 +335,20 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
   auto cached = std::make_shared<CachedPlan>();
   std::vector<const TensorSlice*> dest_slices;
   for (const plan::PlacedSlice& d : destinations) dest_slices.push_back(d.slice);
-  cached->jobs = QuantJobsFor(dest_slices);
-  if (!cached->jobs.empty()) {
-    // The jobs as the model's batch places them in its slot (one plan location).
+  if (!model.scale_tensors.empty()) {
+    // The jobs of these destinations, as the model's batch places them in its slot (one plan
+    // location), each once.
     std::vector<const std::vector<TensorSlice>*> layout;
     for (const Piece& piece : version.pieces) layout.push_back(piece.slices.get());
     cached->batch = QuantBatchFor(model, version.layout_key, layout);
-    for (QuantJob& job : cached->jobs) {
-      const QuantJob* placed = cached->batch->Find(job.key);
-      if (!placed) return absl::InternalError(absl::StrCat("no quantization of ", job.tensor));
-      job = *placed;
+    std::vector<char> taken(cached->batch->jobs().size(), 0);
+    for (const TensorSlice* s : dest_slices) {
+      if (!plan::IsScaled(*s)) continue;
+      const QuantJob* job = cached->batch->JobOf(s);
+      if (!job) return absl::InternalError(absl::StrCat("no quantization of ", s->name));
+      const size_t index = static_cast<size_t>(job - cached->batch->jobs().data());
+      if (!taken[index]) cached->jobs.push_back(job);
+      taken[index] = 1;
     }
   }
   if (cached->jobs.empty() && model.scale_tensors.empty()) {
@@ -370,9 +374,9 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
     }
     std::vector<plan::PlacedSlice> derived_sources = sources;
     const uint32_t first = static_cast<uint32_t>(version.pieces.size());
-    for (const QuantJob& job : cached->jobs) {
-      derived_sources.push_back({&job.fp8, first, 0});
-      derived_sources.push_back({&job.scales, first, 0});
+    for (const QuantJob* job : cached->jobs) {
+      derived_sources.push_back({&job->fp8, first, 0});
+      derived_sources.push_back({&job->scales, first, 0});
     }
     ASSIGN_OR_RETURN(cached->plan, plan::BuildPlan(derived_sources, derived_dests, plan_options));
     ASSIGN_OR_RETURN(cached->reads, plan::BuildPlan(sources, read_dests, plan_options));

@@ -92,7 +92,7 @@ struct Store::CachedPlan {
   // What Apply runs: locations 0 .. pieces-1 are the version's pieces, then one per job (its
   // derived slot), from which the scaled fp8 slices and their scale tensors are copied.
   plan::Plan plan;
-  std::vector<QuantJob> jobs;  // placed in `batch`'s slot, which is one location of the plan
+  std::vector<const QuantJob*> jobs;  // of `batch`, whose slot is one location of the plan
   // The model's batch for the source layout (every DESTINATION buffer's jobs): what the
   // quantizer fills for each version, and Apply copies from. A CachedPlan kept in `plans`
   // under a name of its own holds only this (so that whatever drops the plans drops it too).

@@ -77,7 +77,7 @@ std::shared_ptr<const QuantBatch> Store::QuantBatchFor(
     for (const TensorSlice& s : buffers_.at(id)->slices) slices.push_back(&s);
   }
   auto cached = std::make_shared<CachedPlan>();
-  cached->batch = QuantBatch::Make(QuantJobsFor(slices), pieces);
+  cached->batch = QuantBatch::Make(slices, pieces);
   model.plans[key] = cached;
   return cached->batch;
 }
