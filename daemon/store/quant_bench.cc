@@ -122,35 +122,45 @@ struct Run {
   double quantize_s = 0;    // per version: quantizing (refit_quantize_seconds, mean)
 };
 
-// One store, one model: `tensors` bf16 tensors [rows, cols] in one SOURCE buffer, one
-// DESTINATION buffer of bf16 or of fp8 + block scales; medians over `versions`.
-Run Measure(uint64_t tensors, uint64_t rows, uint64_t cols, bool fp8, int versions) {
+// One store, one model: `tensors` bf16 tensors [rows, cols] in `sources` SOURCE buffers (as
+// ranks of a trainer on this node would hold them, each published by its own call, one after
+// another), one DESTINATION buffer of bf16 or of fp8 + block scales; medians over `versions`.
+Run Measure(uint64_t tensors, uint64_t rows, uint64_t cols, bool fp8, int versions,
+            uint64_t sources = 1) {
   Metrics metrics;
   StoreOptions options;
   options.retain = 2;
   options.node = "bench";
   Store store(options, &metrics);
   const uint64_t tensor_bytes = rows * cols * 2;
-  const uint64_t src_bytes = tensors * tensor_bytes;
   const uint64_t q_bytes = rows * cols;
   const uint64_t grid_r = (rows + 127) / 128, grid_c = (cols + 127) / 128;
   const uint64_t dst_tensor = fp8 ? q_bytes : tensor_bytes;
   const uint64_t scale_bytes = fp8 ? grid_r * grid_c * 4 : 0;
   const uint64_t dst_bytes = tensors * (dst_tensor + scale_bytes);
-  auto src_region = AllocateHost(src_bytes);
+  const uint64_t per_source = (tensors + sources - 1) / sources;  // tensors
+  std::vector<std::unique_ptr<Region>> src_regions;
+  for (uint64_t k = 0; k < sources; ++k) {
+    const uint64_t n = std::min(per_source, tensors - std::min(tensors, k * per_source));
+    auto region = AllocateHost(std::max<uint64_t>(1, n) * tensor_bytes);
+    if (!region.ok()) std::abort();
+    FillBf16((*region)->data(), (*region)->size(), 2 + k);
+    src_regions.push_back(std::move(region).value());
+  }
   auto dst_region = AllocateHost(dst_bytes);
-  if (!src_region.ok() || !dst_region.ok()) std::abort();
-  uint8_t* src = (*src_region)->data();
-  FillBf16(src, src_bytes, 2);
+  if (!dst_region.ok()) std::abort();
+  uint8_t* src = src_regions[0]->data();
+  const uint64_t first_bytes = src_regions[0]->size();
   std::memset((*dst_region)->data(), 0, dst_bytes);
-  std::vector<TensorSlice> src_slices, dst_slices;
+  std::vector<std::vector<TensorSlice>> src_slices(sources);
+  std::vector<TensorSlice> dst_slices;
   for (uint64_t t = 0; t < tensors; ++t) {
     TensorSlice s;
     s.name = "model.layers." + std::to_string(t / 8) + ".w" + std::to_string(t % 8);
     s.dtype = DType::kBF16;
     s.global_shape = {static_cast<int64_t>(rows), static_cast<int64_t>(cols)};
-    s.buffer_offset = t * tensor_bytes;
-    src_slices.push_back(s);
+    s.buffer_offset = (t % per_source) * tensor_bytes;
+    src_slices[t / per_source].push_back(s);
     TensorSlice d = s;
     d.buffer_offset = t * dst_tensor;
     if (fp8) {
@@ -167,23 +177,32 @@ Run Measure(uint64_t tensors, uint64_t rows, uint64_t cols, bool fp8, int versio
     dst_slices.push_back(d);
   }
   Run run;
-  std::string src_id, dst_id;
+  std::vector<std::string> src_ids;
+  std::string dst_id;
   run.register_s = Time([&] {
-    auto a = store.RegisterBuffer("m", Role::kSource, std::move(*src_region), src_slices, "t");
+    for (uint64_t k = 0; k < sources; ++k) {
+      auto a = store.RegisterBuffer("m", Role::kSource, std::move(src_regions[k]),
+                                    std::move(src_slices[k]), "t");
+      if (!a.ok()) {
+        std::fprintf(stderr, "register: %s\n", a.status().ToString().c_str());
+        std::abort();
+      }
+      src_ids.push_back(*a);
+    }
     auto b = store.RegisterBuffer("m", Role::kDestination, std::move(*dst_region), dst_slices, "e");
-    if (!a.ok() || !b.ok()) {
-      std::fprintf(stderr, "register: %s %s\n", a.status().ToString().c_str(),
-                   b.status().ToString().c_str());
+    if (!b.ok()) {
+      std::fprintf(stderr, "register: %s\n", b.status().ToString().c_str());
       std::abort();
     }
-    src_id = *a;
     dst_id = *b;
   });
   std::vector<double> publish, complete, apply, total, plan;
   for (int v = 1; v <= versions + 1; ++v) {
-    src[(v * 4099) % src_bytes] ^= 1;
+    src[(v * 4099) % first_bytes] ^= 1;
     const double p = Time([&] {
-      if (!store.Publish("m", v, {src_id}).ok()) std::abort();
+      for (const std::string& id : src_ids) {
+        if (!store.Publish("m", v, {id}).ok()) std::abort();
+      }
     });
     const double c = Time([&] {
       if (!store.WaitForVersion("m", v, Clock::now() + std::chrono::seconds(120), nullptr).ok())
@@ -258,6 +277,13 @@ int main(int argc, char** argv) {
   const Run fp8 = Measure(tensors, 4096, 4096, true, versions);
   PrintRun("into fp8 + [128,128] scales", fp8, &bf16);
   std::printf("  goal: fp8 <= 1.3x bf16\n");
+  // The same from 8 SOURCE buffers published one after another (a trainer's 8 ranks on this
+  // node): the pieces published first are quantized while the others are published.
+  std::printf("  the same from 8 SOURCE buffers, published one after another:\n");
+  const Run bf16_8 = Measure(tensors, 4096, 4096, false, versions, 8);
+  PrintRun("into bf16 (reference)", bf16_8, nullptr);
+  const Run fp8_8 = Measure(tensors, 4096, 4096, true, versions, 8);
+  PrintRun("into fp8 + [128,128] scales", fp8_8, &bf16_8);
   // 3. The same bytes as `many` tensors of [128, cols] beside one tensor.
   const uint64_t bytes = tensors * 32 * 1048576;
   const uint64_t cols = std::max<uint64_t>(1, bytes / 2 / many / 128);
