@@ -4,6 +4,7 @@
 //      scales) beside the same into a bf16 engine, through the store on one node;
 //   3. the same with the model cut into many tensors beside one tensor of the same bytes.
 // Usage: quant_bench [model MiB (1024)] [tensors for part 3 (100000)] [versions (5)]
+//                    [parts to run (123)]
 
 #include <algorithm>
 #include <chrono>
@@ -259,43 +260,48 @@ int main(int argc, char** argv) {
   const uint64_t mib = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 1024;
   const uint64_t many = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 100000;
   const int versions = argc > 3 ? std::atoi(argv[3]) : 5;
+  const std::string parts = argc > 4 ? argv[4] : "123";  // which parts to run
   SetLogLevel("warn");
   double load[3] = {0, 0, 0};
   if (getloadavg(load, 3) == 3) {
     std::printf("load average at start: %.2f %.2f %.2f on %u cores\n\n", load[0], load[1], load[2],
                 std::thread::hardware_concurrency());
   }
-  KernelFigures();
-  // 2. 1 GiB as 32 tensors of [4096, 4096] bf16 (for 1024 MiB).
+  if (parts.find('1') != std::string::npos) KernelFigures();
   const uint64_t tensors = std::max<uint64_t>(1, mib / 32);
-  std::printf(
-      "\n2. publish -> complete -> Apply, %lu MiB bf16 (%lu tensors [4096, 4096]), one "
-      "node, medians of %d versions\n",
-      tensors * 32, tensors, versions);
-  const Run bf16 = Measure(tensors, 4096, 4096, false, versions);
-  PrintRun("into bf16 (reference)", bf16, nullptr);
-  const Run fp8 = Measure(tensors, 4096, 4096, true, versions);
-  PrintRun("into fp8 + [128,128] scales", fp8, &bf16);
-  std::printf("  goal: fp8 <= 1.3x bf16\n");
-  // The same from 8 SOURCE buffers published one after another (a trainer's 8 ranks on this
-  // node): the pieces published first are quantized while the others are published.
-  std::printf("  the same from 8 SOURCE buffers, published one after another:\n");
-  const Run bf16_8 = Measure(tensors, 4096, 4096, false, versions, 8);
-  PrintRun("into bf16 (reference)", bf16_8, nullptr);
-  const Run fp8_8 = Measure(tensors, 4096, 4096, true, versions, 8);
-  PrintRun("into fp8 + [128,128] scales", fp8_8, &bf16_8);
-  // 3. The same bytes as `many` tensors of [128, cols] beside one tensor.
-  const uint64_t bytes = tensors * 32 * 1048576;
-  const uint64_t cols = std::max<uint64_t>(1, bytes / 2 / many / 128);
-  const uint64_t rows_one = many * 128;
-  std::printf("\n3. %lu tensors of [128, %lu] beside one tensor [%lu, %lu] (the same bytes)\n",
-              many, cols, rows_one, cols);
-  for (bool q : {false, true}) {
-    const Run one = Measure(1, rows_one, cols, q, versions);
-    const Run lots = Measure(many, 128, cols, q, versions);
-    PrintRun(q ? "fp8, 1 tensor" : "bf16, 1 tensor", one, nullptr);
-    PrintRun(q ? "fp8, many tensors" : "bf16, many tensors", lots, &one);
+  if (parts.find('2') != std::string::npos) {
+    // 2. 1 GiB as 32 tensors of [4096, 4096] bf16 (for 1024 MiB).
+    std::printf(
+        "\n2. publish -> complete -> Apply, %lu MiB bf16 (%lu tensors [4096, 4096]), one "
+        "node, medians of %d versions\n",
+        tensors * 32, tensors, versions);
+    const Run bf16 = Measure(tensors, 4096, 4096, false, versions);
+    PrintRun("into bf16 (reference)", bf16, nullptr);
+    const Run fp8 = Measure(tensors, 4096, 4096, true, versions);
+    PrintRun("into fp8 + [128,128] scales", fp8, &bf16);
+    std::printf("  goal: fp8 <= 1.3x bf16\n");
+    // The same from 8 SOURCE buffers published one after another (a trainer's 8 ranks on this
+    // node): the pieces published first are quantized while the others are published.
+    std::printf("  the same from 8 SOURCE buffers, published one after another:\n");
+    const Run bf16_8 = Measure(tensors, 4096, 4096, false, versions, 8);
+    PrintRun("into bf16 (reference)", bf16_8, nullptr);
+    const Run fp8_8 = Measure(tensors, 4096, 4096, true, versions, 8);
+    PrintRun("into fp8 + [128,128] scales", fp8_8, &bf16_8);
   }
-  std::printf("  goal: many tensors <= 1.2x one tensor\n");
+  if (parts.find('3') != std::string::npos) {
+    // 3. The same bytes as `many` tensors of [128, cols] beside one tensor.
+    const uint64_t bytes = tensors * 32 * 1048576;
+    const uint64_t cols = std::max<uint64_t>(1, bytes / 2 / many / 128);
+    const uint64_t rows_one = many * 128;
+    std::printf("\n3. %lu tensors of [128, %lu] beside one tensor [%lu, %lu] (the same bytes)\n",
+                many, cols, rows_one, cols);
+    for (bool q : {false, true}) {
+      const Run one = Measure(1, rows_one, cols, q, versions);
+      const Run lots = Measure(many, 128, cols, q, versions);
+      PrintRun(q ? "fp8, 1 tensor" : "bf16, 1 tensor", one, nullptr);
+      PrintRun(q ? "fp8, many tensors" : "bf16, many tensors", lots, &one);
+    }
+    std::printf("  goal: many tensors <= 1.2x one tensor\n");
+  }
   return 0;
 }

@@ -89,8 +89,8 @@ struct Store::Version {
 };
 
 struct Store::CachedPlan {
-  // What Apply runs: locations 0 .. pieces-1 are the version's pieces, then one per job (its
-  // derived slot), from which the scaled fp8 slices and their scale tensors are copied.
+  // What Apply runs: locations 0 .. pieces-1 are the version's pieces, then one more (the
+  // batch's derived slot), from which the scaled fp8 slices and their scale tensors are copied.
   plan::Plan plan;
   std::vector<const QuantJob*> jobs;  // of `batch`, whose slot is one location of the plan
   // The model's batch for the source layout (every DESTINATION buffer's jobs): what the
