@@ -139,38 +139,144 @@ REFIT_AVX2 uint32_t HorizontalMax(__m256i v) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
 }
 
+// FiniteCodes: E4M3Codes where the block's scale is finite (every block without inf or NaN).
+// Its quotients are then finite and at most 448 (and a hair): saturation is a clamp of |y| to
+// 448 before rounding, and there is no NaN to test for.
+REFIT_AVX2 __m256i FiniteAbsCodes(__m256i abs) {
+  const __m256i clamped = _mm256_min_epu32(abs, _mm256_set1_epi32(0x43e00000));  // 448
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(clamped, 20), _mm256_set1_epi32(1));
+  const __m256i normal = _mm256_sub_epi32(
+      _mm256_srli_epi32(
+          _mm256_add_epi32(_mm256_add_epi32(clamped, _mm256_set1_epi32(0x7ffff)), lsb), 20),
+      _mm256_set1_epi32(960));
+  const __m256 shifted = _mm256_add_ps(_mm256_castsi256_ps(abs), _mm256_set1_ps(16384.0f));
+  const __m256i subnormal =
+      _mm256_sub_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(0x46800000));
+  const __m256i is_subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), abs);
+  return _mm256_blendv_epi8(normal, subnormal, is_subnormal);
+}
+
+REFIT_AVX2 __m256i FiniteCodes(__m256 y) {
+  const __m256i bits = _mm256_castps_si256(y);
+  const __m256i abs = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+  return _mm256_or_si256(FiniteAbsCodes(abs), sign);
+}
+
+// FiniteAbsCodes of |x| / scale for eight fp32 bit patterns x (the sign is added apart: with a
+// finite scale, which is positive, a quotient has the sign of its dividend).
+REFIT_AVX2 __m256i WideAbsCodes(__m256i wide, __m256 scale) {
+  const __m256 y = _mm256_div_ps(_mm256_castsi256_ps(wide), scale);
+  return FiniteAbsCodes(_mm256_and_si256(_mm256_castps_si256(y), _mm256_set1_epi32(0x7fffffff)));
+}
+
+// Elements [begin, end) of `row` quantized with scale `s` into `out`. bf16 rows with a finite
+// scale go 32 elements at a time: widened by interleaving with zeros, and the codes packed
+// back with two saturating packs (each works within 128-bit halves, so the interleave's order
+// and the packs' cancel out up to one final 64-bit permute).
+template <DType kDtype>
+REFIT_AVX2 void QuantizeSpan(const uint8_t* row, uint8_t* out, uint64_t begin, uint64_t end,
+                             float s) {
+  const __m256 scale = _mm256_set1_ps(s);
+  uint64_t c = begin;
+  if (fp8::NonFinite(fp8::BitsOf(s))) {
+    for (; c + 8 <= end; c += 8) {
+      Store8(out + c, E4M3Codes(_mm256_div_ps(Load8<kDtype>(row, c), scale)));
+    }
+  } else {
+    if constexpr (kDtype == DType::kBF16) {
+      const __m256i zero = _mm256_setzero_si256();
+      for (; c + 32 <= end; c += 32) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c + 32));
+        const __m256i low = _mm256_packs_epi32(WideAbsCodes(_mm256_unpacklo_epi16(zero, a), scale),
+                                               WideAbsCodes(_mm256_unpackhi_epi16(zero, a), scale));
+        const __m256i high =
+            _mm256_packs_epi32(WideAbsCodes(_mm256_unpacklo_epi16(zero, b), scale),
+                               WideAbsCodes(_mm256_unpackhi_epi16(zero, b), scale));
+        // The signs, as 0x80 in each element's 16 bits, in the same order as the packed codes.
+        const __m256i sign_mask = _mm256_set1_epi16(0x80);
+        const __m256i low_signed =
+            _mm256_or_si256(low, _mm256_and_si256(_mm256_srli_epi16(a, 8), sign_mask));
+        const __m256i high_signed =
+            _mm256_or_si256(high, _mm256_and_si256(_mm256_srli_epi16(b, 8), sign_mask));
+        const __m256i packed =
+            _mm256_permute4x64_epi64(_mm256_packus_epi16(low_signed, high_signed), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), packed);
+      }
+    }
+    for (; c + 8 <= end; c += 8) {
+      Store8(out + c, FiniteCodes(_mm256_div_ps(Load8<kDtype>(row, c), scale)));
+    }
+  }
+  for (; c < end; ++c) out[c] = fp8::QuantizeOne(fp8::FloatOf(LoadBits(row, kDtype, c)), s);
+}
+
+// The largest |x| bit pattern of elements [begin, end) of `row`; adds its infs and NaNs to
+// `nonfinite`. bf16 is compared as 16-bit patterns (their order is that of the fp32 ones),
+// sixteen at a time, and counted only where the span holds an inf or NaN.
+template <DType kDtype>
+REFIT_AVX2 uint32_t SpanAmax(const uint8_t* row, uint64_t begin, uint64_t end,
+                             uint64_t* nonfinite) {
+  uint64_t c = begin;
+  uint32_t m = 0;
+  if constexpr (kDtype == DType::kBF16) {
+    __m256i best16 = _mm256_setzero_si256();
+    const __m256i abs16 = _mm256_set1_epi16(0x7fff);
+    for (; c + 16 <= end; c += 16) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c));
+      best16 = _mm256_max_epu16(best16, _mm256_and_si256(raw, abs16));
+    }
+    __m128i m16 =
+        _mm_max_epu16(_mm256_castsi256_si128(best16), _mm256_extracti128_si256(best16, 1));
+    m16 = _mm_max_epu16(m16, _mm_srli_si128(m16, 8));
+    m16 = _mm_max_epu16(m16, _mm_srli_si128(m16, 4));
+    m16 = _mm_max_epu16(m16, _mm_srli_si128(m16, 2));
+    m = static_cast<uint32_t>(_mm_extract_epi16(m16, 0)) << 16;
+    if (m >= fp8::kInfBits) {
+      for (uint64_t k = begin; k < c; ++k) {
+        *nonfinite += (LoadBits(row, kDtype, k) & fp8::kAbsMask) >= fp8::kInfBits ? 1 : 0;
+      }
+    }
+  } else {
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+    const __m256i finite_max = _mm256_set1_epi32(0x7f7fffff);
+    __m256i best = _mm256_setzero_si256();
+    __m256i bad = _mm256_setzero_si256();  // lanes count down by one per inf or NaN
+    for (; c + 8 <= end; c += 8) {
+      const __m256i abs = _mm256_and_si256(_mm256_castps_si256(Load8<kDtype>(row, c)), abs_mask);
+      best = _mm256_max_epu32(best, abs);
+      bad = _mm256_add_epi32(bad, _mm256_cmpgt_epi32(abs, finite_max));
+    }
+    m = HorizontalMax(best);
+    alignas(32) int32_t counts[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(counts), bad);
+    for (int k = 0; k < 8; ++k) {
+      *nonfinite += static_cast<uint64_t>(-static_cast<int64_t>(counts[k]));
+    }
+  }
+  for (; c < end; ++c) {
+    const uint32_t abs = LoadBits(row, kDtype, c) & fp8::kAbsMask;
+    m = std::max(m, abs);
+    *nonfinite += abs >= fp8::kInfBits ? 1 : 0;
+  }
+  return m;
+}
+
+// Two passes over the run: the amax grid first, then every row (row after row, so the reads
+// stream; a band of 128 rows mostly stays in cache between the passes).
 template <DType kDtype>
 __attribute__((target("avx2"))) uint64_t QuantizeAvx2(const Fp8BlockRun& run) {
   const uint64_t col_blocks = CeilDiv(run.cols, run.block_cols);
-  std::vector<uint32_t> amax(run.scale_rows * col_blocks, 0);
-  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-  const __m256i finite_max = _mm256_set1_epi32(0x7f7fffff);
   uint64_t nonfinite = 0;
+  std::vector<uint32_t> amax(run.scale_rows * col_blocks, 0);
   for (uint64_t r = 0; r < run.rows; ++r) {
     const uint8_t* row = SrcRow(run, r);
     uint32_t* grid = amax.data() + run.scale_row_of[r] * col_blocks;
     for (uint64_t j = 0; j < col_blocks; ++j) {
       const uint64_t begin = j * run.block_cols;
       const uint64_t end = std::min(run.cols, begin + run.block_cols);
-      __m256i best = _mm256_setzero_si256();
-      __m256i bad = _mm256_setzero_si256();  // lanes count down by one per inf or NaN
-      uint64_t c = begin;
-      for (; c + 8 <= end; c += 8) {
-        const __m256i abs = _mm256_and_si256(_mm256_castps_si256(Load8<kDtype>(row, c)), abs_mask);
-        best = _mm256_max_epu32(best, abs);
-        bad = _mm256_add_epi32(bad, _mm256_cmpgt_epi32(abs, finite_max));
-      }
-      uint32_t m = HorizontalMax(best);
-      alignas(32) int32_t counts[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(counts), bad);
-      for (int k = 0; k < 8; ++k)
-        nonfinite += static_cast<uint64_t>(-static_cast<int64_t>(counts[k]));
-      for (; c < end; ++c) {
-        const uint32_t abs = LoadBits(row, kDtype, c) & fp8::kAbsMask;
-        m = std::max(m, abs);
-        nonfinite += abs >= fp8::kInfBits ? 1 : 0;
-      }
-      grid[j] = std::max(grid[j], m);
+      grid[j] = std::max(grid[j], SpanAmax<kDtype>(row, begin, end, &nonfinite));
     }
   }
   WriteScales(run, amax, col_blocks);
@@ -180,16 +286,8 @@ __attribute__((target("avx2"))) uint64_t QuantizeAvx2(const Fp8BlockRun& run) {
     const float* scale_row = run.scales + run.scale_row_of[r] * run.scale_row_stride;
     for (uint64_t j = 0; j < col_blocks; ++j) {
       const uint64_t begin = j * run.block_cols;
-      const uint64_t end = std::min(run.cols, begin + run.block_cols);
-      const float s = scale_row[j];
-      const __m256 scale = _mm256_set1_ps(s);
-      uint64_t c = begin;
-      for (; c + 8 <= end; c += 8) {
-        Store8(out + c, E4M3Codes(_mm256_div_ps(Load8<kDtype>(row, c), scale)));
-      }
-      for (; c < end; ++c) {
-        out[c] = fp8::QuantizeOne(fp8::FloatOf(LoadBits(row, kDtype, c)), s);
-      }
+      QuantizeSpan<kDtype>(row, out, begin, std::min(run.cols, begin + run.block_cols),
+                           scale_row[j]);
     }
   }
   return nonfinite;

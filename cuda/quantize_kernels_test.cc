@@ -170,6 +170,56 @@ TEST_CASE("fp8 blocks: fp32 quotients of every class round like plan::ConvertRun
   }
 }
 
+TEST_CASE("fp8 blocks: quotients next to the cast's rounding points, scales not powers of two",
+          "[kernels][fp8]") {
+  // Every row is one block whose first element fixes amax (s = amax / 448, rarely a power of
+  // two), and the others are the fp32 values whose quotients land on, and a few patterns either
+  // side of, the midpoints between neighbouring e4m3 values (normal and subnormal ones), the
+  // subnormal boundary 2^-6 and 448 (where the vectorized kernel clamps instead of testing).
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> amaxes(1e-3f, 10.0f);
+  std::uniform_int_distribution<int> exponent(-6, 8), mantissa(0, 7), delta(-8, 8);
+  const uint64_t cols = 1024, rows = 96;
+  std::vector<float> x(rows * cols, 0.0f);
+  for (uint64_t r = 0; r < rows; ++r) {
+    const float amax = r == 0 ? 448.0f * 3.0f : amaxes(rng);
+    const float s = amax / 448.0f;
+    x[r * cols] = amax;
+    for (uint64_t col = 1; col < cols; ++col) {
+      float target;
+      switch (col % 4) {
+        case 0:  // between two subnormals: (k + 1/2) 2^-9
+          target = std::ldexp(static_cast<float>(mantissa(rng)) + 0.5f, -9);
+          break;
+        case 1:  // the subnormal boundary, and 448
+          target = col % 8 == 1 ? std::ldexp(1.0f, -6) : 448.0f;
+          break;
+        default: {  // between two normals: (1 + (2m + 1) / 16) 2^e
+          const int e = exponent(rng);
+          target = std::ldexp(1.0f + static_cast<float>(2 * mantissa(rng) + 1) / 16.0f, e);
+          if (target > 448.0f) target = 416.0f;
+        }
+      }
+      uint32_t bits = testing::FloatBits(target * s);
+      bits = static_cast<uint32_t>(static_cast<int64_t>(bits) + delta(rng));
+      float value;
+      std::memcpy(&value, &bits, 4);
+      if (std::fabs(value) > amax) value = amax;
+      x[r * cols + col] = (col / 4) % 2 ? -value : value;
+    }
+  }
+  std::vector<uint32_t> map(rows);
+  for (uint64_t r = 0; r < rows; ++r) map[r] = static_cast<uint32_t>(r);
+  const auto ref = ReferenceQuantize(x, rows, cols, cols, map, rows);
+  for (bool vectorized : {false, true}) {
+    INFO("vectorized " << vectorized);
+    const Result got = Run(vectorized, reinterpret_cast<const uint8_t*>(x.data()), DType::kFP32,
+                           {rows, cols, 1, cols}, map, rows);
+    REQUIRE(got.q == ref.q);
+    RequireSameBits(got.scales, ref.scales);
+  }
+}
+
 TEST_CASE("fp8 blocks: fp16 and fp8 sources, rows mapped to shared scale rows", "[kernels][fp8]") {
   // A fused [E=3, N=40, K=50] tensor with [1, 16, 16] blocks: rows of one expert map to r / 16,
   // offset by the expert's scale rows.

@@ -4,14 +4,17 @@
 //      scales) beside the same into a bf16 engine, through the store on one node;
 //   3. the same with the model cut into many tensors beside one tensor of the same bytes.
 // Usage: quant_bench [model MiB (1024)] [tensors for part 3 (100000)] [versions (5)]
+//                    [parts to run (123)]
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda/quantize.h"
@@ -33,6 +36,22 @@ double Time(Fn&& fn) {
   const auto start = Clock::now();
   fn();
   return Seconds(Clock::now() - start).count();
+}
+
+double ThreadCpuSeconds() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
+// `fn`'s wall time, and the CPU time of this thread during it in `*cpu` (on a shared machine
+// the wall time counts the other processes' turns on the core; the CPU time does not).
+template <typename Fn>
+double Time(Fn&& fn, double* cpu) {
+  const double cpu_start = ThreadCpuSeconds();
+  const double wall = Time(fn);
+  *cpu = ThreadCpuSeconds() - cpu_start;
+  return wall;
 }
 
 void FillBf16(uint8_t* data, uint64_t bytes, uint64_t seed) {
@@ -74,58 +93,75 @@ void KernelFigures() {
                              static_cast<int64_t>(cols),
                              scales.data(),
                              static_cast<int64_t>(cols / 128)};
-  std::vector<double> memcpy_s, vec_s, scalar_s;
-  for (int i = 0; i < 7; ++i) {
-    memcpy_s.push_back(Time([&] { std::memcpy((*copy)->data(), (*src)->data(), bytes); }));
-    vec_s.push_back(Time([&] { (void)cuda::cpu::QuantizeFp8Blocks(run); }));
+  std::vector<double> memcpy_s, vec_s, scalar_s, memcpy_cpu, vec_cpu;
+  for (int i = 0; i < 9; ++i) {
+    double cpu;
+    memcpy_s.push_back(Time([&] { std::memcpy((*copy)->data(), (*src)->data(), bytes); }, &cpu));
+    memcpy_cpu.push_back(cpu);
+    vec_s.push_back(Time([&] { (void)cuda::cpu::QuantizeFp8Blocks(run); }, &cpu));
+    vec_cpu.push_back(cpu);
     if (i < 3) scalar_s.push_back(Time([&] { (void)cuda::cpu::QuantizeFp8BlocksScalar(run); }));
   }
   const double gb = bytes / 1e9;
   std::printf(
       "1. fp8 block quantization on one core, [%lu, %lu] bf16 (%.0f MiB), [128, 128] "
-      "blocks; medians\n",
+      "blocks; medians of 9, wall time (CPU time of the thread)\n",
       rows, cols, bytes / 1048576.0);
-  std::printf("  memcpy of the bf16 bytes   %7.2f GB/s  (reference)\n", gb / Median(memcpy_s));
-  std::printf("  quantize, %-15s %7.2f GB/s of bf16 = %.2fx memcpy (goal >= 0.5x)\n",
-              cuda::cpu::Fp8BlocksVectorized() ? "AVX2" : "scalar only", gb / Median(vec_s),
-              Median(memcpy_s) / Median(vec_s));
+  std::printf("  memcpy of the bf16 bytes   %7.2f GB/s (%5.2f)  (reference)\n",
+              gb / Median(memcpy_s), gb / Median(memcpy_cpu));
+  std::printf(
+      "  quantize, %-15s %7.2f GB/s (%5.2f) of bf16 = %.2fx memcpy (%.2fx) (goal >= 0.5x)\n",
+      cuda::cpu::Fp8BlocksVectorized() ? "AVX2" : "scalar only", gb / Median(vec_s),
+      gb / Median(vec_cpu), Median(memcpy_s) / Median(vec_s), Median(memcpy_cpu) / Median(vec_cpu));
   std::printf("  quantize, scalar twin      %7.2f GB/s of bf16 = %.2fx memcpy\n",
               gb / Median(scalar_s), Median(memcpy_s) / Median(scalar_s));
 }
 
 struct Run {
   double register_s = 0, plan_s = 0, publish_s = 0, complete_s = 0, apply_s = 0, total_s = 0;
+  double plan_build_s = 0;  // of plan_s: building the plans (refit_plan_seconds)
+  double quantize_s = 0;    // per version: quantizing (refit_quantize_seconds, mean)
 };
 
-// One store, one model: `tensors` bf16 tensors [rows, cols] in one SOURCE buffer, one
-// DESTINATION buffer of bf16 or of fp8 + block scales; medians over `versions`.
-Run Measure(uint64_t tensors, uint64_t rows, uint64_t cols, bool fp8, int versions) {
+// One store, one model: `tensors` bf16 tensors [rows, cols] in `sources` SOURCE buffers (as
+// ranks of a trainer on this node would hold them, each published by its own call, one after
+// another), one DESTINATION buffer of bf16 or of fp8 + block scales; medians over `versions`.
+Run Measure(uint64_t tensors, uint64_t rows, uint64_t cols, bool fp8, int versions,
+            uint64_t sources = 1) {
   Metrics metrics;
   StoreOptions options;
   options.retain = 2;
   options.node = "bench";
   Store store(options, &metrics);
   const uint64_t tensor_bytes = rows * cols * 2;
-  const uint64_t src_bytes = tensors * tensor_bytes;
   const uint64_t q_bytes = rows * cols;
   const uint64_t grid_r = (rows + 127) / 128, grid_c = (cols + 127) / 128;
   const uint64_t dst_tensor = fp8 ? q_bytes : tensor_bytes;
   const uint64_t scale_bytes = fp8 ? grid_r * grid_c * 4 : 0;
   const uint64_t dst_bytes = tensors * (dst_tensor + scale_bytes);
-  auto src_region = AllocateHost(src_bytes);
+  const uint64_t per_source = (tensors + sources - 1) / sources;  // tensors
+  std::vector<std::unique_ptr<Region>> src_regions;
+  for (uint64_t k = 0; k < sources; ++k) {
+    const uint64_t n = std::min(per_source, tensors - std::min(tensors, k * per_source));
+    auto region = AllocateHost(std::max<uint64_t>(1, n) * tensor_bytes);
+    if (!region.ok()) std::abort();
+    FillBf16((*region)->data(), (*region)->size(), 2 + k);
+    src_regions.push_back(std::move(region).value());
+  }
   auto dst_region = AllocateHost(dst_bytes);
-  if (!src_region.ok() || !dst_region.ok()) std::abort();
-  uint8_t* src = (*src_region)->data();
-  FillBf16(src, src_bytes, 2);
+  if (!dst_region.ok()) std::abort();
+  uint8_t* src = src_regions[0]->data();
+  const uint64_t first_bytes = src_regions[0]->size();
   std::memset((*dst_region)->data(), 0, dst_bytes);
-  std::vector<TensorSlice> src_slices, dst_slices;
+  std::vector<std::vector<TensorSlice>> src_slices(sources);
+  std::vector<TensorSlice> dst_slices;
   for (uint64_t t = 0; t < tensors; ++t) {
     TensorSlice s;
     s.name = "model.layers." + std::to_string(t / 8) + ".w" + std::to_string(t % 8);
     s.dtype = DType::kBF16;
     s.global_shape = {static_cast<int64_t>(rows), static_cast<int64_t>(cols)};
-    s.buffer_offset = t * tensor_bytes;
-    src_slices.push_back(s);
+    s.buffer_offset = (t % per_source) * tensor_bytes;
+    src_slices[t / per_source].push_back(s);
     TensorSlice d = s;
     d.buffer_offset = t * dst_tensor;
     if (fp8) {
@@ -142,23 +178,32 @@ Run Measure(uint64_t tensors, uint64_t rows, uint64_t cols, bool fp8, int versio
     dst_slices.push_back(d);
   }
   Run run;
-  std::string src_id, dst_id;
+  std::vector<std::string> src_ids;
+  std::string dst_id;
   run.register_s = Time([&] {
-    auto a = store.RegisterBuffer("m", Role::kSource, std::move(*src_region), src_slices, "t");
+    for (uint64_t k = 0; k < sources; ++k) {
+      auto a = store.RegisterBuffer("m", Role::kSource, std::move(src_regions[k]),
+                                    std::move(src_slices[k]), "t");
+      if (!a.ok()) {
+        std::fprintf(stderr, "register: %s\n", a.status().ToString().c_str());
+        std::abort();
+      }
+      src_ids.push_back(*a);
+    }
     auto b = store.RegisterBuffer("m", Role::kDestination, std::move(*dst_region), dst_slices, "e");
-    if (!a.ok() || !b.ok()) {
-      std::fprintf(stderr, "register: %s %s\n", a.status().ToString().c_str(),
-                   b.status().ToString().c_str());
+    if (!b.ok()) {
+      std::fprintf(stderr, "register: %s\n", b.status().ToString().c_str());
       std::abort();
     }
-    src_id = *a;
     dst_id = *b;
   });
   std::vector<double> publish, complete, apply, total, plan;
   for (int v = 1; v <= versions + 1; ++v) {
-    src[(v * 4099) % src_bytes] ^= 1;
+    src[(v * 4099) % first_bytes] ^= 1;
     const double p = Time([&] {
-      if (!store.Publish("m", v, {src_id}).ok()) std::abort();
+      for (const std::string& id : src_ids) {
+        if (!store.Publish("m", v, {id}).ok()) std::abort();
+      }
     });
     const double c = Time([&] {
       if (!store.WaitForVersion("m", v, Clock::now() + std::chrono::seconds(120), nullptr).ok())
@@ -181,6 +226,15 @@ Run Measure(uint64_t tensors, uint64_t rows, uint64_t cols, bool fp8, int versio
     total.push_back(p + c + a);
   }
   run.plan_s = plan[0];
+  const auto histograms = metrics.Histograms();
+  auto sum = [&](const Histogram& h, uint64_t* count) {
+    auto it = histograms.find(h.name);
+    *count = it == histograms.end() ? 0 : it->second.count;
+    return it == histograms.end() ? 0.0 : it->second.sum;
+  };
+  uint64_t count = 0;
+  run.plan_build_s = sum(kPlanSeconds, &count);
+  run.quantize_s = sum(kQuantizeSeconds, &count) / (versions + 1);
   run.publish_s = Median(publish);
   run.complete_s = Median(complete);
   run.apply_s = Median(apply);
@@ -194,7 +248,8 @@ void PrintRun(const char* label, const Run& r, const Run* ref) {
       "%7.4f  apply %7.4f  total %7.4f s",
       label, r.register_s, r.plan_s, r.publish_s, r.complete_s, r.apply_s, r.total_s);
   if (ref) std::printf("  = %.2fx", r.total_s / ref->total_s);
-  std::printf("\n");
+  std::printf("\n  %-26s (of which: building plans %.4f s; quantizing %.4f s a version)\n", "",
+              r.plan_build_s, r.quantize_s);
 }
 
 }  // namespace
@@ -205,31 +260,48 @@ int main(int argc, char** argv) {
   const uint64_t mib = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 1024;
   const uint64_t many = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 100000;
   const int versions = argc > 3 ? std::atoi(argv[3]) : 5;
+  const std::string parts = argc > 4 ? argv[4] : "123";  // which parts to run
   SetLogLevel("warn");
-  KernelFigures();
-  // 2. 1 GiB as 32 tensors of [4096, 4096] bf16 (for 1024 MiB).
-  const uint64_t tensors = std::max<uint64_t>(1, mib / 32);
-  std::printf(
-      "\n2. publish -> complete -> Apply, %lu MiB bf16 (%lu tensors [4096, 4096]), one "
-      "node, medians of %d versions\n",
-      tensors * 32, tensors, versions);
-  const Run bf16 = Measure(tensors, 4096, 4096, false, versions);
-  PrintRun("into bf16 (reference)", bf16, nullptr);
-  const Run fp8 = Measure(tensors, 4096, 4096, true, versions);
-  PrintRun("into fp8 + [128,128] scales", fp8, &bf16);
-  std::printf("  goal: fp8 <= 1.3x bf16\n");
-  // 3. The same bytes as `many` tensors of [128, cols] beside one tensor.
-  const uint64_t bytes = tensors * 32 * 1048576;
-  const uint64_t cols = std::max<uint64_t>(1, bytes / 2 / many / 128);
-  const uint64_t rows_one = many * 128;
-  std::printf("\n3. %lu tensors of [128, %lu] beside one tensor [%lu, %lu] (the same bytes)\n",
-              many, cols, rows_one, cols);
-  for (bool q : {false, true}) {
-    const Run one = Measure(1, rows_one, cols, q, versions);
-    const Run lots = Measure(many, 128, cols, q, versions);
-    PrintRun(q ? "fp8, 1 tensor" : "bf16, 1 tensor", one, nullptr);
-    PrintRun(q ? "fp8, many tensors" : "bf16, many tensors", lots, &one);
+  double load[3] = {0, 0, 0};
+  if (getloadavg(load, 3) == 3) {
+    std::printf("load average at start: %.2f %.2f %.2f on %u cores\n\n", load[0], load[1], load[2],
+                std::thread::hardware_concurrency());
   }
-  std::printf("  goal: many tensors <= 1.2x one tensor\n");
+  if (parts.find('1') != std::string::npos) KernelFigures();
+  const uint64_t tensors = std::max<uint64_t>(1, mib / 32);
+  if (parts.find('2') != std::string::npos) {
+    // 2. 1 GiB as 32 tensors of [4096, 4096] bf16 (for 1024 MiB).
+    std::printf(
+        "\n2. publish -> complete -> Apply, %lu MiB bf16 (%lu tensors [4096, 4096]), one "
+        "node, medians of %d versions\n",
+        tensors * 32, tensors, versions);
+    const Run bf16 = Measure(tensors, 4096, 4096, false, versions);
+    PrintRun("into bf16 (reference)", bf16, nullptr);
+    const Run fp8 = Measure(tensors, 4096, 4096, true, versions);
+    PrintRun("into fp8 + [128,128] scales", fp8, &bf16);
+    std::printf("  goal: fp8 <= 1.3x bf16\n");
+    // The same from 8 SOURCE buffers published one after another (a trainer's 8 ranks on this
+    // node): the pieces published first are quantized while the others are published.
+    std::printf("  the same from 8 SOURCE buffers, published one after another:\n");
+    const Run bf16_8 = Measure(tensors, 4096, 4096, false, versions, 8);
+    PrintRun("into bf16 (reference)", bf16_8, nullptr);
+    const Run fp8_8 = Measure(tensors, 4096, 4096, true, versions, 8);
+    PrintRun("into fp8 + [128,128] scales", fp8_8, &bf16_8);
+  }
+  if (parts.find('3') != std::string::npos) {
+    // 3. The same bytes as `many` tensors of [128, cols] beside one tensor.
+    const uint64_t bytes = tensors * 32 * 1048576;
+    const uint64_t cols = std::max<uint64_t>(1, bytes / 2 / many / 128);
+    const uint64_t rows_one = many * 128;
+    std::printf("\n3. %lu tensors of [128, %lu] beside one tensor [%lu, %lu] (the same bytes)\n",
+                many, cols, rows_one, cols);
+    for (bool q : {false, true}) {
+      const Run one = Measure(1, rows_one, cols, q, versions);
+      const Run lots = Measure(many, 128, cols, q, versions);
+      PrintRun(q ? "fp8, 1 tensor" : "bf16, 1 tensor", one, nullptr);
+      PrintRun(q ? "fp8, many tensors" : "bf16, many tensors", lots, &one);
+    }
+    std::printf("  goal: many tensors <= 1.2x one tensor\n");
+  }
   return 0;
 }

@@ -1,7 +1,9 @@
-// QuantCache: a version's fp8 destinations quantized into derived slots, band by band.
+// QuantBatch and QuantCache: a version's fp8 destinations quantized into one derived slot,
+// task by task.
 #include "daemon/store/quantize.h"
 
 #include <algorithm>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -13,19 +15,6 @@ namespace refit {
 namespace {
 
 uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
-
-// One job's part of the slot a Slots call acquires for all the jobs it quantizes (one slot, not
-// one per job: a model of 100,000 tensors would otherwise take 100,000 slots a version).
-class SubRegion : public Region {
- public:
-  SubRegion(std::shared_ptr<Region> parent, uint64_t offset, uint64_t size)
-      : Region(parent->kind(), parent->device(), parent->data() + offset, size),
-        parent_(std::move(parent)) {}
-  std::string Describe() const override { return absl::StrCat("part of ", parent_->Describe()); }
-
- private:
-  std::shared_ptr<Region> parent_;
-};
 
 std::vector<int64_t> RowMajorStrides(const std::vector<int64_t>& sizes) {
   std::vector<int64_t> strides(sizes.size(), 1);
@@ -96,11 +85,12 @@ struct TensorSource {
   const TensorSlice* slice;
 };
 
-// Where the band's rows start in `s`, when they lie in it as evenly strided contiguous rows.
-bool DirectRows(const QuantSource& source, const TensorSlice& s, const std::vector<int64_t>& off,
-                const std::vector<int64_t>& sizes, const uint8_t** start, int64_t* row_stride) {
+// Where the band's rows start in the piece of `s` (bytes), when they lie in `s` as evenly
+// strided contiguous rows.
+bool DirectRows(const TensorSlice& s, const std::vector<int64_t>& off,
+                const std::vector<int64_t>& sizes, uint64_t* start, int64_t* row_stride) {
   const size_t rank = off.size();
-  if (!source.data || s.buffer_strides[rank - 1] != 1) return false;
+  if (s.buffer_strides[rank - 1] != 1) return false;
   for (size_t d = 0; d < rank; ++d) {
     if (off[d] < s.offsets[d] || off[d] + sizes[d] > s.offsets[d] + s.sizes[d]) return false;
   }
@@ -115,89 +105,9 @@ bool DirectRows(const QuantSource& source, const TensorSlice& s, const std::vect
   }
   int64_t element = 0;
   for (size_t d = 0; d < rank; ++d) element += (off[d] - s.offsets[d]) * s.buffer_strides[d];
-  *start = source.data + s.buffer_offset + static_cast<uint64_t>(element) * DTypeSize(s.dtype);
+  *start = s.buffer_offset + static_cast<uint64_t>(element) * DTypeSize(s.dtype);
   *row_stride = stride;
   return true;
-}
-
-// Quantizes band `band` of `job` into `slot`; returns the inf/NaN count.
-absl::StatusOr<uint64_t> QuantizeBand(const std::vector<QuantSource>& sources,
-                                      const std::vector<TensorSource>& of_tensor,
-                                      const QuantJob& job, const Geometry& g, uint64_t band,
-                                      Region& slot) {
-  if (of_tensor.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("tensor ", job.tensor, ": no source to quantize from"));
-  }
-  const DType dtype = of_tensor[0].slice->dtype;
-  if (!IsFloat(dtype)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "tensor ", job.tensor, ": fp8 block scales need a float source, not ", DTypeName(dtype)));
-  }
-  std::vector<int64_t> off = job.fp8.offsets;
-  std::vector<int64_t> sizes = job.fp8.sizes;
-  uint64_t rows = 1;
-  if (g.rank >= 2) {
-    off[0] += static_cast<int64_t>(band) * g.band_step;
-    sizes[0] = std::min<int64_t>(g.band_step, job.fp8.sizes[0] - off[0] + job.fp8.offsets[0]);
-    rows = static_cast<uint64_t>(sizes[0]) * g.inner_rows;
-  }
-  std::vector<uint32_t> map(rows);
-  for (uint64_t r = 0; r < rows; ++r) map[r] = g.map_inner[r % g.inner_rows];
-
-  const uint8_t* src = nullptr;
-  int64_t src_row_stride = 0;
-  for (const TensorSource& ts : of_tensor) {
-    if (DirectRows(sources[ts.piece], *ts.slice, off, sizes, &src, &src_row_stride)) break;
-    src = nullptr;
-  }
-  std::vector<uint8_t> scratch;
-  if (!src) {
-    // The band spans several source slices (another sharding) or is strided: gather it, in
-    // the source dtype, with a plan of its own.
-    TensorSlice gathered;
-    gathered.name = job.tensor;
-    gathered.dtype = dtype;
-    gathered.global_shape = job.fp8.global_shape;
-    gathered.offsets = off;
-    gathered.sizes = sizes;
-    gathered.buffer_strides = RowMajorStrides(sizes);
-    std::vector<plan::PlacedSlice> placed;
-    for (const TensorSource& ts : of_tensor) {
-      if (sources[ts.piece].data) placed.push_back({ts.slice, ts.piece, 0});
-    }
-    plan::PlanOptions options;
-    options.multi_row_ops = true;
-    auto gather = plan::BuildPlan(placed, {{&gathered, 0, 0}}, options);
-    if (!gather.ok()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("tensor ", job.tensor,
-                       ": cannot gather a block band to quantize: ", gather.status().message()));
-    }
-    scratch.resize(rows * g.cols * DTypeSize(dtype));
-    std::vector<const uint8_t*> from;
-    for (const QuantSource& s : sources) from.push_back(s.data);
-    plan::ExecuteOnHost(*gather, from, {scratch.data()});
-    src = scratch.data();
-    src_row_stride = static_cast<int64_t>(g.cols);
-  }
-  const uint64_t band_rows_before =
-      g.rank >= 2 ? band * static_cast<uint64_t>(g.band_step) * g.inner_rows : 0;
-  cuda::cpu::Fp8BlockRun run;
-  run.src = src;
-  run.src_dtype = dtype;
-  run.rows = rows;
-  run.cols = g.cols;
-  run.src_row_stride = src_row_stride;
-  run.block_cols = g.block_cols;
-  run.scale_row_of = map.data();
-  run.scale_rows = g.scale_rows;
-  run.dst = slot.data() + band_rows_before * g.cols;
-  run.dst_row_stride = static_cast<int64_t>(g.cols);
-  run.scales = reinterpret_cast<float*>(slot.data() + job.scales.buffer_offset) +
-               band * g.scale_rows * g.scale_cols;
-  run.scale_row_stride = static_cast<int64_t>(g.scale_cols);
-  return cuda::cpu::QuantizeFp8Blocks(run);
 }
 
 }  // namespace
@@ -211,15 +121,23 @@ std::string ScalePlanName(const std::string& scale_tensor) {
   return absl::StrCat(std::string("\0s:", 3), scale_tensor);
 }
 
-std::vector<QuantJob> QuantJobsFor(const std::vector<const TensorSlice*>& slices) {
-  std::map<std::string, QuantJob> jobs;
-  for (const TensorSlice* s : slices) {
+std::vector<QuantJob> QuantJobsFor(const std::vector<const TensorSlice*>& slices,
+                                   std::vector<size_t>* job_of_slice) {
+  using Jobs = std::map<std::string, std::pair<QuantJob, size_t>>;
+  Jobs jobs;
+  std::vector<Jobs::iterator> of_slice(slices.size(), jobs.end());
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const TensorSlice* s = slices[i];
     if (!plan::IsScaled(*s)) continue;
     QuantJob job;
     job.key = absl::StrCat(s->name, "|", absl::StrJoin(s->offsets, ","), "|",
                            absl::StrJoin(s->sizes, ","), "|", absl::StrJoin(s->scale_block, ","),
                            "|", s->scale_tensor);
-    if (jobs.count(job.key)) continue;
+    auto known = jobs.find(job.key);
+    if (known != jobs.end()) {
+      of_slice[i] = known;
+      continue;
+    }
     job.tensor = s->name;
     job.block = s->scale_block;
     job.fp8.name = QuantPlanName(*s);
@@ -237,106 +155,305 @@ std::vector<QuantJob> QuantJobsFor(const std::vector<const TensorSlice*>& slices
     job.scales.buffer_offset = (fp8_bytes + 63) / 64 * 64;
     job.bytes =
         job.scales.buffer_offset + 4 * Product(job.scales.sizes, 0, job.scales.sizes.size());
-    jobs.emplace(job.key, std::move(job));
+    std::string key = job.key;
+    of_slice[i] = jobs.emplace(std::move(key), std::make_pair(std::move(job), 0)).first;
   }
   std::vector<QuantJob> out;
-  for (auto& [key, job] : jobs) out.push_back(std::move(job));
+  out.reserve(jobs.size());
+  for (auto& [key, job] : jobs) {
+    job.second = out.size();
+    out.push_back(std::move(job.first));
+  }
+  if (job_of_slice) {
+    job_of_slice->assign(slices.size(), kNoJob);
+    for (size_t i = 0; i < slices.size(); ++i) {
+      if (of_slice[i] != jobs.end()) (*job_of_slice)[i] = of_slice[i]->second.second;
+    }
+  }
   return out;
 }
 
-absl::StatusOr<std::vector<std::shared_ptr<Region>>> QuantCache::Slots(
-    const std::vector<QuantSource>& sources, const std::vector<QuantJob>& jobs, SlotPool& pool,
-    unsigned threads, uint64_t* nonfinite_added, uint64_t* values) {
-  *nonfinite_added = 0;
-  *values = 0;
-  std::vector<std::shared_ptr<Entry>> entries(jobs.size());
-  std::vector<size_t> mine;
-  {
-    common::MutexLock lock(mu_);
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      auto& entry = entries_[jobs[i].key];
-      if (!entry) {
-        entry = std::make_shared<Entry>();
-        mine.push_back(i);
-      }
-      entries[i] = entry;
+const QuantJob* QuantBatch::Find(const std::string& key) const {
+  auto it = by_key_.find(key);
+  return it == by_key_.end() ? nullptr : &jobs_[it->second];
+}
+
+const QuantJob* QuantBatch::JobOf(const TensorSlice* scaled) const {
+  auto it = by_slice_.find(scaled);
+  return it == by_slice_.end() ? nullptr : &jobs_[it->second];
+}
+
+std::shared_ptr<const QuantBatch> QuantBatch::Make(
+    const std::vector<const TensorSlice*>& scaled,
+    const std::vector<const std::vector<TensorSlice>*>& pieces) {
+  auto batch = std::make_shared<QuantBatch>();
+  std::vector<size_t> job_of_slice;
+  batch->jobs_ = QuantJobsFor(scaled, &job_of_slice);
+  for (size_t i = 0; i < scaled.size(); ++i) {
+    if (job_of_slice[i] != kNoJob) {
+      batch->by_slice_.emplace(scaled[i], static_cast<uint32_t>(job_of_slice[i]));
     }
   }
-  if (!mine.empty()) {
-    // Which pieces hold each tensor this call quantizes: one pass over the sources.
-    std::map<std::string, std::vector<TensorSource>> of_tensor;
-    for (size_t i : mine) of_tensor[jobs[i].tensor];
-    for (uint32_t p = 0; p < sources.size(); ++p) {
-      if (!sources[p].slices) continue;
-      for (const TensorSlice& s : *sources[p].slices) {
-        auto it = of_tensor.find(s.name);
-        if (it != of_tensor.end()) it->second.push_back({p, &s});
-      }
+  batch->job_errors_.resize(batch->jobs_.size());
+  // Which pieces hold each tensor quantized: one pass over the layout.
+  std::unordered_map<std::string, std::vector<TensorSource>> of_tensor;
+  for (const QuantJob& job : batch->jobs_) of_tensor[job.tensor];
+  for (uint32_t p = 0; p < pieces.size(); ++p) {
+    if (!pieces[p]) continue;
+    for (const TensorSlice& s : *pieces[p]) {
+      auto it = of_tensor.find(s.name);
+      if (it != of_tensor.end()) it->second.push_back({p, &s});
     }
-    struct Task {
-      size_t job;  // index into mine
-      uint64_t band;
-    };
-    std::vector<Task> tasks;
-    std::vector<Geometry> geometry(mine.size());
-    std::vector<absl::Status> status(mine.size());
-    uint64_t total = 0;
-    for (size_t i : mine) total += (jobs[i].bytes + 63) / 64 * 64;
-    auto slot = pool.Acquire(total);
-    for (size_t m = 0, at = 0; m < mine.size(); ++m) {
-      const QuantJob& job = jobs[mine[m]];
-      geometry[m] = GeometryOf(job);
-      if (!slot.ok()) {
-        status[m] = slot.status();
-        continue;
-      }
-      entries[mine[m]]->slot = std::make_shared<SubRegion>(*slot, at, job.bytes);
-      at += (job.bytes + 63) / 64 * 64;
-      for (uint64_t b = 0; b < geometry[m].bands; ++b) tasks.push_back({m, b});
-      *values += Product(job.fp8.sizes, 0, job.fp8.sizes.size());
+  }
+  std::map<std::string, Geometry> geometries;  // by box shape and block
+  constexpr uint64_t kTaskBytes = 4ull << 20;  // of source per task
+  uint64_t task_bytes = 0;
+  for (uint32_t j = 0; j < batch->jobs_.size(); ++j) {
+    QuantJob& job = batch->jobs_[j];
+    batch->by_key_.emplace(job.key, j);
+    // The job's place in the slot: its fp8 bytes, then its scales.
+    const uint64_t at = batch->bytes_;
+    job.fp8.buffer_offset = at;
+    job.scales.buffer_offset += at;
+    batch->bytes_ += (job.bytes + 63) / 64 * 64;
+    const std::vector<TensorSource>& sources = of_tensor[job.tensor];
+    if (sources.empty()) {
+      batch->job_errors_[j] = absl::FailedPreconditionError(
+          absl::StrCat("tensor ", job.tensor, ": no source to quantize from"));
+      continue;
     }
-    std::atomic<size_t> next{0};
-    std::atomic<uint64_t> nonfinite{0};
-    common::Mutex status_mu;
-    auto work = [&] {
-      for (size_t t; (t = next.fetch_add(1)) < tasks.size();) {
-        const size_t m = tasks[t].job;
-        const QuantJob& job = jobs[mine[m]];
-        auto n = QuantizeBand(sources, of_tensor[job.tensor], job, geometry[m], tasks[t].band,
-                              *entries[mine[m]]->slot);
-        if (n.ok()) {
-          nonfinite += *n;
-        } else {
-          common::MutexLock lock(status_mu);
-          if (status[m].ok()) status[m] = n.status();
+    const DType dtype = sources[0].slice->dtype;
+    if (!IsFloat(dtype)) {
+      batch->job_errors_[j] = absl::FailedPreconditionError(absl::StrCat(
+          "tensor ", job.tensor, ": fp8 block scales need a float source, not ", DTypeName(dtype)));
+      continue;
+    }
+    const std::string shape =
+        absl::StrCat(absl::StrJoin(job.fp8.sizes, ","), "|", absl::StrJoin(job.block, ","));
+    auto g_it = geometries.find(shape);
+    if (g_it == geometries.end()) g_it = geometries.emplace(shape, GeometryOf(job)).first;
+    const Geometry& g = g_it->second;
+    for (uint64_t b = 0; b < g.bands; ++b) {
+      std::vector<int64_t> off = job.fp8.offsets;
+      std::vector<int64_t> sizes = job.fp8.sizes;
+      uint64_t rows = 1;
+      if (g.rank >= 2) {
+        off[0] += static_cast<int64_t>(b) * g.band_step;
+        sizes[0] = std::min<int64_t>(g.band_step, job.fp8.sizes[0] - off[0] + job.fp8.offsets[0]);
+        rows = static_cast<uint64_t>(sizes[0]) * g.inner_rows;
+      }
+      Band band;
+      band.job = j;
+      band.dtype = dtype;
+      band.rows = rows;
+      band.scale_rows = g.scale_rows;
+      band.cols = g.cols;
+      band.block_cols = g.block_cols;
+      const uint64_t rows_before =
+          g.rank >= 2 ? b * static_cast<uint64_t>(g.band_step) * g.inner_rows : 0;
+      band.dst_offset = job.fp8.buffer_offset + rows_before * g.cols;
+      band.scales_offset = job.scales.buffer_offset + 4 * b * g.scale_rows * g.scale_cols;
+      std::vector<uint32_t>& map = batch->maps_[absl::StrCat(shape, "|", rows)];
+      if (map.empty()) {
+        map.resize(rows);
+        for (uint64_t r = 0; r < rows; ++r) map[r] = g.map_inner[r % g.inner_rows];
+      }
+      band.map = map.data();
+      for (const TensorSource& ts : sources) {
+        Band::Direct d;
+        if (DirectRows(*ts.slice, off, sizes, &d.offset, &d.row_stride)) {
+          d.piece = ts.piece;
+          band.direct.push_back(d);
         }
       }
-    };
-    const unsigned count =
-        static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(threads, tasks.size())));
-    std::vector<std::thread> pool_threads;
-    for (unsigned t = 1; t < count; ++t) pool_threads.emplace_back(work);
-    work();
-    for (std::thread& t : pool_threads) t.join();
-    *nonfinite_added = nonfinite.load();
-    nonfinite_ += *nonfinite_added;
-    common::MutexLock lock(mu_);
-    for (size_t m = 0; m < mine.size(); ++m) {
-      Entry& entry = *entries[mine[m]];
-      entry.status = status[m];
-      if (!entry.status.ok()) entry.slot.reset();
-      entry.done = true;
+      if (band.direct.empty()) {
+        // The band spans several source slices (another sharding) or is strided: gather it,
+        // in the source dtype, with a plan of its own, into scratch memory.
+        TensorSlice gathered;
+        gathered.name = job.tensor;
+        gathered.dtype = dtype;
+        gathered.global_shape = job.fp8.global_shape;
+        gathered.offsets = off;
+        gathered.sizes = sizes;
+        gathered.buffer_strides = RowMajorStrides(sizes);
+        std::vector<plan::PlacedSlice> placed;
+        for (const TensorSource& ts : sources) placed.push_back({ts.slice, ts.piece, 0});
+        plan::PlanOptions options;
+        options.multi_row_ops = true;
+        auto gather = plan::BuildPlan(placed, {{&gathered, 0, 0}}, options);
+        if (!gather.ok()) {
+          batch->job_errors_[j] = absl::FailedPreconditionError(absl::StrCat(
+              "tensor ", job.tensor,
+              ": cannot gather a block band to quantize: ", gather.status().message()));
+          break;
+        }
+        std::set<uint32_t> read;
+        for (const plan::CopyOp& op : gather->ops) read.insert(op.src_location);
+        band.gather_pieces.assign(read.begin(), read.end());
+        band.gather = std::make_shared<const plan::Plan>(std::move(gather).value());
+      }
+      // A task reads one piece (a gathered band is a task of its own) and a few MiB of it.
+      const uint64_t bytes = rows * g.cols * DTypeSize(dtype);
+      const bool direct = !band.direct.empty();
+      const bool join = !batch->tasks_.empty() && direct && task_bytes < kTaskBytes &&
+                        !batch->bands_[batch->tasks_.back().first_band].gather &&
+                        batch->tasks_.back().pieces[0] == band.direct[0].piece;
+      if (!join) {
+        Task task;
+        task.first_band = batch->bands_.size();
+        if (direct) {
+          task.pieces = {band.direct[0].piece};
+        } else {
+          task.pieces = band.gather_pieces;
+        }
+        batch->tasks_.push_back(std::move(task));
+        task_bytes = 0;
+      }
+      task_bytes += bytes;
+      batch->bands_.push_back(std::move(band));
+      batch->tasks_.back().end_band = batch->bands_.size();
     }
-    done_.NotifyAll();
   }
-  common::UniqueLock lock(mu_);
-  std::vector<std::shared_ptr<Region>> out;
-  for (const auto& entry : entries) {
-    done_.Wait(lock, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return entry->done; });
+  return batch;
+}
+
+namespace {
+
+// Runs `band` of a batch from `sources` into `slot`; returns the inf/NaN count.
+absl::StatusOr<uint64_t> RunBand(const QuantBatch::Band& band, const QuantJob& job,
+                                 const std::vector<QuantSource>& sources, uint8_t* slot) {
+  const uint8_t* src = nullptr;
+  int64_t row_stride = static_cast<int64_t>(band.cols);
+  std::vector<uint8_t> scratch;
+  if (!band.direct.empty()) {
+    for (const QuantBatch::Band::Direct& d : band.direct) {
+      if (d.piece < sources.size() && sources[d.piece].data) {
+        src = sources[d.piece].data + d.offset;
+        row_stride = d.row_stride;
+        break;
+      }
+    }
+    if (!src) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("tensor ", job.tensor, ": its source bytes are not held on this node"));
+    }
+  } else {
+    std::vector<const uint8_t*> from;
+    for (const QuantSource& s : sources) from.push_back(s.data);
+    for (uint32_t p : band.gather_pieces) {
+      if (p >= from.size() || !from[p]) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("tensor ", job.tensor, ": its source bytes are not held on this node"));
+      }
+    }
+    scratch.resize(band.rows * band.cols * DTypeSize(band.dtype));
+    plan::ExecuteOnHost(*band.gather, from, {scratch.data()});
+    src = scratch.data();
+  }
+  cuda::cpu::Fp8BlockRun run;
+  run.src = src;
+  run.src_dtype = band.dtype;
+  run.rows = band.rows;
+  run.cols = band.cols;
+  run.src_row_stride = row_stride;
+  run.block_cols = band.block_cols;
+  run.scale_row_of = band.map;
+  run.scale_rows = band.scale_rows;
+  run.dst = slot + band.dst_offset;
+  run.dst_row_stride = static_cast<int64_t>(band.cols);
+  run.scales = reinterpret_cast<float*>(slot + band.scales_offset);
+  run.scale_row_stride = static_cast<int64_t>(CeilDiv(band.cols, band.block_cols));
+  return cuda::cpu::QuantizeFp8Blocks(run);
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Region>> QuantCache::Run(
+    const std::shared_ptr<const QuantBatch>& batch, const std::vector<QuantSource>& sources,
+    SlotPool& pool, unsigned threads, bool partial, uint64_t* nonfinite_added, uint64_t* values) {
+  *nonfinite_added = 0;
+  *values = 0;
+  std::shared_ptr<Entry> entry;
+  {
+    common::MutexLock lock(mu_);
+    std::shared_ptr<Entry>& e = entries_[batch.get()];
+    if (!e) {
+      e = std::make_shared<Entry>();
+      e->batch = batch;
+      e->done.assign(batch->tasks().size(), 0);
+      e->left = batch->tasks().size();
+    }
+    entry = e;
+  }
+  common::MutexLock run(entry->run_mu);
+  auto finish = [&]() -> absl::StatusOr<std::shared_ptr<Region>> {
     if (!entry->status.ok()) return entry->status;
-    out.push_back(entry->slot);
+    return entry->finished ? entry->slot : nullptr;
+  };
+  if (entry->finished) return finish();
+  for (size_t j = 0; j < batch->jobs().size(); ++j) {
+    if (!batch->job_error(j).ok()) {
+      entry->status = batch->job_error(j);
+      entry->finished = true;
+      return finish();
+    }
   }
-  return out;
+  if (!entry->slot) {
+    auto slot = pool.Acquire(std::max<uint64_t>(64, batch->bytes()));
+    if (!slot.ok()) {
+      entry->status = slot.status();
+      entry->finished = true;
+      return finish();
+    }
+    entry->slot = *slot;
+  }
+  std::vector<size_t> runnable;
+  for (size_t t = 0; t < batch->tasks().size(); ++t) {
+    if (entry->done[t]) continue;
+    bool here = true;
+    for (uint32_t p : batch->tasks()[t].pieces)
+      here = here && p < sources.size() && sources[p].data;
+    if (here || !partial) runnable.push_back(t);
+  }
+  std::atomic<size_t> next{0};
+  std::atomic<uint64_t> nonfinite{0};
+  std::atomic<uint64_t> quantized{0};
+  common::Mutex status_mu;
+  absl::Status status;
+  uint8_t* slot = entry->slot->data();
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < runnable.size();) {
+      const QuantBatch::Task& task = batch->tasks()[runnable[i]];
+      for (size_t b = task.first_band; b < task.end_band; ++b) {
+        const QuantBatch::Band& band = batch->bands()[b];
+        auto n = RunBand(band, batch->jobs()[band.job], sources, slot);
+        if (n.ok()) {
+          nonfinite += *n;
+          quantized += band.rows * band.cols;
+        } else {
+          common::MutexLock lock(status_mu);
+          if (status.ok()) status = n.status();
+        }
+      }
+    }
+  };
+  const unsigned count =
+      static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(threads, runnable.size())));
+  std::vector<std::thread> pool_threads;
+  for (unsigned t = 1; t < count; ++t) pool_threads.emplace_back(work);
+  work();
+  for (std::thread& t : pool_threads) t.join();
+  for (size_t t : runnable) entry->done[t] = 1;
+  entry->left -= runnable.size();
+  *nonfinite_added = nonfinite.load();
+  *values = quantized.load();
+  nonfinite_ += *nonfinite_added;
+  if (!status.ok()) entry->status = status;
+  if (!status.ok() || entry->left == 0) {
+    entry->finished = true;
+    if (!entry->status.ok()) entry->slot.reset();
+  }
+  return finish();
 }
 
 }  // namespace refit

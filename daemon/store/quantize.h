@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -41,38 +42,111 @@ struct QuantJob {
 std::string QuantPlanName(const TensorSlice& scaled);
 std::string ScalePlanName(const std::string& scale_tensor);
 
-// The jobs for the scaled slices among `slices` (deduplicated, sorted by key).
-std::vector<QuantJob> QuantJobsFor(const std::vector<const TensorSlice*>& slices);
+// The jobs for the scaled slices among `slices` (deduplicated, sorted by key); with
+// `job_of_slice`, the index of each slice's job (kNoJob for a slice without scales).
+inline constexpr size_t kNoJob = ~size_t{0};
+std::vector<QuantJob> QuantJobsFor(const std::vector<const TensorSlice*>& slices,
+                                   std::vector<size_t>* job_of_slice = nullptr);
 
 // A source piece as the quantizer reads it: host memory with the version's bytes.
 struct QuantSource {
-  const uint8_t* data = nullptr;  // null: not here
+  const uint8_t* data = nullptr;  // null: not here (yet)
   const std::vector<TensorSlice>* slices = nullptr;
 };
 
-// The derived slots of one version, filled once per job key. Thread-safe.
+// A set of jobs worked out once against one source layout (the slices of a version's pieces)
+// and run for every version of that layout: each band of each job (one block of dimension 0)
+// knows where its rows lie in a piece (or the plan that gathers them), and where its fp8 bytes
+// and scales go in the one slot all the jobs share. Bands are grouped into tasks of a few MiB
+// of source read from one piece, so 100,000 small tensors cost a few hundred tasks, not
+// 100,000 lookups, slots and allocations per version. Immutable once made.
+class QuantBatch {
+ public:
+  // The jobs of the scaled slices among `slices` (QuantJobsFor), read from a layout whose
+  // pieces hold `pieces` (the slices of each, in order).
+  static std::shared_ptr<const QuantBatch> Make(
+      const std::vector<const TensorSlice*>& slices,
+      const std::vector<const std::vector<TensorSlice>*>& pieces);
+
+  // The jobs, their fp8 and scale slices placed in the batch's slot (buffer_offset).
+  const std::vector<QuantJob>& jobs() const { return jobs_; }
+  // The job of `key`, or null.
+  const QuantJob* Find(const std::string& key) const;
+  // The job of one of the slices the batch was made from (by address), or null.
+  const QuantJob* JobOf(const TensorSlice* scaled) const;
+  uint64_t bytes() const { return bytes_; }  // of the slot
+
+  struct Band {
+    uint32_t job = 0;
+    // Where its rows lie as evenly strided rows of one piece (the first of these whose piece is
+    // here is read); none: gathered by `gather`.
+    struct Direct {
+      uint32_t piece = 0;
+      uint64_t offset = 0;  // bytes into the piece
+      int64_t row_stride = 0;
+    };
+    std::vector<Direct> direct;
+    DType dtype = DType::kUnspecified;
+    uint64_t rows = 0;
+    const uint32_t* map = nullptr;  // `rows` scale rows (owned by the batch)
+    uint64_t scale_rows = 0;
+    uint64_t cols = 0;
+    uint64_t block_cols = 0;
+    uint64_t dst_offset = 0;     // of its first fp8 byte in the slot
+    uint64_t scales_offset = 0;  // of its first scale in the slot
+    std::shared_ptr<const plan::Plan> gather;
+    std::vector<uint32_t> gather_pieces;  // the pieces `gather` reads
+  };
+  struct Task {
+    size_t first_band = 0;
+    size_t end_band = 0;
+    std::vector<uint32_t> pieces;  // read by its bands: all must be here to run it
+  };
+  const std::vector<Band>& bands() const { return bands_; }
+  const std::vector<Task>& tasks() const { return tasks_; }
+  // Why a job cannot be quantized from this layout (no source, not a float, no gather); OK.
+  const absl::Status& job_error(size_t job) const { return job_errors_[job]; }
+
+ private:
+  std::vector<QuantJob> jobs_;
+  std::unordered_map<std::string, uint32_t> by_key_;
+  std::unordered_map<const TensorSlice*, uint32_t> by_slice_;
+  std::vector<absl::Status> job_errors_;
+  std::vector<Band> bands_;
+  std::vector<Task> tasks_;
+  std::map<std::string, std::vector<uint32_t>> maps_;  // row maps shared by equal geometries
+  uint64_t bytes_ = 0;
+};
+
+// The derived slots of one version, one per batch, filled once. Thread-safe.
 class QuantCache {
  public:
-  // The slot of each job, in order, quantizing what is not here yet (over `threads` threads)
-  // and waiting for what another caller is quantizing. `values` and `nonfinite_added` get the
-  // source values this call quantized and how many of them were inf or NaN. FAILED_PRECONDITION
-  // when a source is missing or not a float; the error is kept for that job.
-  absl::StatusOr<std::vector<std::shared_ptr<Region>>> Slots(
-      const std::vector<QuantSource>& sources, const std::vector<QuantJob>& jobs, SlotPool& pool,
-      unsigned threads, uint64_t* nonfinite_added, uint64_t* values);
+  // Runs the tasks of `batch` not run yet for this version, over `threads` threads. With
+  // `partial`, only those whose pieces are all here (sources[p].data set) and it returns a null
+  // slot while some are left (the version's pieces are still arriving); otherwise every task
+  // runs and it returns the slot. A second caller waits for the first. `values` and
+  // `nonfinite_added`: the source values this call quantized and how many of them were inf or
+  // NaN. FAILED_PRECONDITION when a source is missing or not a float; the error is kept.
+  absl::StatusOr<std::shared_ptr<Region>> Run(const std::shared_ptr<const QuantBatch>& batch,
+                                              const std::vector<QuantSource>& sources,
+                                              SlotPool& pool, unsigned threads, bool partial,
+                                              uint64_t* nonfinite_added, uint64_t* values);
 
   // Inf and NaN source values in the blocks quantized so far.
   uint64_t nonfinite() const { return nonfinite_.load(); }
 
  private:
   struct Entry {
-    bool done = false;
-    absl::Status status;
+    std::shared_ptr<const QuantBatch> batch;  // keeps the key alive
+    common::Mutex run_mu;                        // one runner at a time
     std::shared_ptr<Region> slot;
+    absl::Status status;
+    std::vector<char> done;  // per task
+    size_t left = 0;
+    bool finished = false;
   };
   common::Mutex mu_;
-  common::CondVar done_;
-  std::map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  std::map<const QuantBatch*, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> nonfinite_{0};
 };
 

@@ -223,12 +223,14 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
   }
   auto& pending = model->pending[version];
   for (Piece& piece : pieces) pending[piece.buffer_id] = std::move(piece);
+  QuantizeEarly(*model, version);
   TryComplete(*model);
   // Bound the memory held by versions some source never finishes.
   const size_t max_pending = std::max<size_t>(4, 2 * options_.retain);
   while (model->pending.size() > max_pending) {
     Logger("store")->warn("model={} version={} dropped: not every source published it", model_name,
                           model->pending.begin()->first);
+    model->early_quant.erase(model->pending.begin()->first);
     model->pending.erase(model->pending.begin());
   }
   return PublishResult{version, bytes};
@@ -269,6 +271,9 @@ void Store::CompleteVersion(Model& model, uint64_t number, std::vector<Piece> pi
   version->layout_key = absl::StrJoin(ids, ",");
   // Older pending versions can never complete now: versions only move forward.
   model.pending.erase(model.pending.begin(), model.pending.upper_bound(number));
+  auto early = model.early_quant.find(number);
+  if (early != model.early_quant.end()) version->quant = early->second;  // partly done
+  model.early_quant.erase(model.early_quant.begin(), model.early_quant.upper_bound(number));
   if (!model.scale_tensors.empty()) {
     // fp8 destinations with scales: quantize first, so that Apply stays a copy.
     model.finishing = number;
@@ -330,7 +335,22 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
   auto cached = std::make_shared<CachedPlan>();
   std::vector<const TensorSlice*> dest_slices;
   for (const plan::PlacedSlice& d : destinations) dest_slices.push_back(d.slice);
-  cached->jobs = QuantJobsFor(dest_slices);
+  if (!model.scale_tensors.empty()) {
+    // The jobs of these destinations, as the model's batch places them in its slot (one plan
+    // location), each once.
+    std::vector<const std::vector<TensorSlice>*> layout;
+    for (const Piece& piece : version.pieces) layout.push_back(piece.slices.get());
+    cached->batch = QuantBatchFor(model, version.layout_key, layout);
+    std::vector<char> taken(cached->batch->jobs().size(), 0);
+    for (const TensorSlice* s : dest_slices) {
+      if (!plan::IsScaled(*s)) continue;
+      const QuantJob* job = cached->batch->JobOf(s);
+      if (!job) return absl::InternalError(absl::StrCat("no quantization of ", s->name));
+      const size_t index = static_cast<size_t>(job - cached->batch->jobs().data());
+      if (!taken[index]) cached->jobs.push_back(job);
+      taken[index] = 1;
+    }
+  }
   if (cached->jobs.empty() && model.scale_tensors.empty()) {
     ASSIGN_OR_RETURN(cached->plan, plan::BuildPlan(sources, destinations, plan_options));
   } else {
@@ -354,9 +374,9 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
     }
     std::vector<plan::PlacedSlice> derived_sources = sources;
     const uint32_t first = static_cast<uint32_t>(version.pieces.size());
-    for (uint32_t j = 0; j < cached->jobs.size(); ++j) {
-      derived_sources.push_back({&cached->jobs[j].fp8, first + j, 0});
-      derived_sources.push_back({&cached->jobs[j].scales, first + j, 0});
+    for (const QuantJob* job : cached->jobs) {
+      derived_sources.push_back({&job->fp8, first, 0});
+      derived_sources.push_back({&job->scales, first, 0});
     }
     ASSIGN_OR_RETURN(cached->plan, plan::BuildPlan(derived_sources, derived_dests, plan_options));
     ASSIGN_OR_RETURN(cached->reads, plan::BuildPlan(sources, read_dests, plan_options));
@@ -416,7 +436,7 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
   std::vector<std::shared_ptr<Region>> derived;
   if (!cached->jobs.empty()) {
     // Quantized when the version completed; only destinations registered since then wait here.
-    ASSIGN_OR_RETURN(derived, QuantizedSlots(*source, cached->jobs));
+    ASSIGN_OR_RETURN(derived, QuantizedSlots(*source, *cached));
   }
 
   // Buffers are locked in id order (LookUpBuffers keeps request order; sort for safety).

@@ -49,6 +49,7 @@ struct Plan;
 namespace refit {
 
 struct QuantJob;
+class QuantBatch;
 
 // Where an engine node takes the base a delta is applied to (--delta-base): its held copy of
 // the newest version (kHeld), or its own DESTINATION buffers, which the last Apply filled with
@@ -474,9 +475,20 @@ class Store {
   void CompleteVersion(Model& model, uint64_t version, std::vector<Piece> pieces) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishVersion(Model& model, std::shared_ptr<const Version> version);
   void RunQuantizer();
-  // The derived slots of `jobs` for `version` (no store lock held).
-  absl::StatusOr<std::vector<std::shared_ptr<Region>>> QuantizedSlots(
-      const Version& version, const std::vector<QuantJob>& jobs);
+  // The derived slot of `plan`'s jobs for `version` (no store lock held): one region, or none
+  // when the plan has no jobs.
+  absl::StatusOr<std::vector<std::shared_ptr<Region>>> QuantizedSlots(const Version& version,
+                                                                      const CachedPlan& plan);
+  // Runs `batch` for `version` (no store lock held); `partial`: QuantCache::Run.
+  absl::StatusOr<std::shared_ptr<Region>> RunQuantBatch(
+      const Version& version, const std::shared_ptr<const QuantBatch>& batch, bool partial);
+  // The model's batch for a source layout (mu_ held): every DESTINATION buffer's jobs.
+  std::shared_ptr<const QuantBatch> QuantBatchFor(
+      Model& model, const std::string& layout_key,
+      const std::vector<const std::vector<TensorSlice>*>& pieces) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A local SOURCE buffer published `version`, which still waits for others: quantize what its
+  // pieces so far hold, on the quantizer thread (mu_ held).
+  void QuantizeEarly(Model& model, uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckHeld(const Version& version, const plan::Plan& plan) const;
   // DATA_LOSS for an Apply of `version` whose ops `bad` did not land in `dests` (their
   // tensors named; those buffers marked stale).
@@ -488,7 +500,8 @@ class Store {
       const plan::Plan& plan, const std::vector<size_t>& bad,
       const std::vector<std::shared_ptr<Buffer>>& dests);
   absl::StatusOr<std::shared_ptr<const CachedPlan>> PlanFor(
-      Model& model, const Version& version, const std::vector<std::shared_ptr<Buffer>>& dests);
+      Model& model, const Version& version, const std::vector<std::shared_ptr<Buffer>>& dests)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   template <typename Ready>
   absl::Status WaitUntil(common::UniqueLock& lock, Clock::time_point deadline,
                          const CancelledFn& cancelled, Ready ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -508,6 +521,8 @@ class Store {
   std::vector<StoreEvents*> listeners_;  // in the order added
   // Versions waiting for quantization (model, version); the thread starts with the first.
   std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_queue_ ABSL_GUARDED_BY(mu_);
+  // Pending versions' pieces published so far (QuantizeEarly); after quant_queue_.
+  std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_early_ ABSL_GUARDED_BY(mu_);
   common::CondVar quant_wake_;
   std::thread quantizer_;
 };

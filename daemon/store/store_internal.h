@@ -83,15 +83,20 @@ struct Store::Version {
   std::string layout_key;     // the piece buffer ids: equal keys mean equal source layouts
   uint64_t bytes = 0;
   // The fp8 destinations' derived slots (quantize.h); filled before the version completes
-  // here, or by the first Apply into destinations registered later.
+  // here (partly while its pieces arrive), or by the first Apply into destinations registered
+  // later.
   std::shared_ptr<QuantCache> quant = std::make_shared<QuantCache>();
 };
 
 struct Store::CachedPlan {
-  // What Apply runs: locations 0 .. pieces-1 are the version's pieces, then one per job (its
-  // derived slot), from which the scaled fp8 slices and their scale tensors are copied.
+  // What Apply runs: locations 0 .. pieces-1 are the version's pieces, then one more (the
+  // batch's derived slot), from which the scaled fp8 slices and their scale tensors are copied.
   plan::Plan plan;
-  std::vector<QuantJob> jobs;
+  std::vector<const QuantJob*> jobs;  // of `batch`, whose slot is one location of the plan
+  // The model's batch for the source layout (every DESTINATION buffer's jobs): what the
+  // quantizer fills for each version, and Apply copies from. A CachedPlan kept in `plans`
+  // under a name of its own holds only this (so that whatever drops the plans drops it too).
+  std::shared_ptr<const QuantBatch> batch;
   // Where there are jobs: the source bytes the destinations need (the scaled slices as if
   // converted from their sources), for pulls and CheckHeld. Otherwise `plan` says it.
   plan::Plan reads;
@@ -126,6 +131,9 @@ struct Store::Model {
   // Non-empty: versions are quantized before they complete here.
   std::map<std::string, int> scale_tensors;
   uint64_t finishing = 0;  // version being quantized before it completes; 0: none
+  // Pending versions whose local pieces are quantized as they are published (QuantizeEarly):
+  // their derived slots, handed to the version when it completes.
+  std::map<uint64_t, std::shared_ptr<QuantCache>> early_quant;
 
   // Several nodes.
   struct RemoteNode {

@@ -124,7 +124,7 @@ absl::StatusOr<std::vector<VerifyResult>> Store::Verify(const std::string& model
     }
     std::vector<std::shared_ptr<Region>> derived;
     if (!job.plan->jobs.empty()) {
-      auto slots = QuantizedSlots(*job.version, job.plan->jobs);
+      auto slots = QuantizedSlots(*job.version, *job.plan);
       if (!slots.ok()) {
         result.note = std::string(slots.status().message());
         continue;
