@@ -6,6 +6,8 @@
 # process as the floor. Goal: < 0.5 % of a core each (docs/benchmarks.md, "Idle").
 #
 # Usage: scripts/bench-idle.sh [--seconds 60] [--tls "tcp sm,tcp+eh"] [--bin DIR]... [--no-build]
+#                             [--mib 4]
+#   --mib N     the model's size; 0 registers nothing (only the connected peers).
 #   --bin DIR   a bazel-bin directory holding daemon/refitd, client/refitctl and
 #               tests/bench/idle_bench (default: this checkout's, built first). Given twice or
 #               more, the builds run in turn for each UCX_TLS (a before/after in one session).
@@ -16,6 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 seconds=60
+mib=4
 tls_list="tcp"
 bins=()
 build=1
@@ -28,6 +31,8 @@ while [ $# -gt 0 ]; do
     --bin) bins+=("$2"); shift 2 ;;
     --bin=*) bins+=("${1#*=}"); shift ;;
     --no-build) build=0; shift ;;
+    --mib) mib="$2"; shift 2 ;;
+    --mib=*) mib="${1#*=}"; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "bench-idle: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -83,7 +88,7 @@ for tls in $tls_list; do
     wait_healthy "$bin" "$work/$tag-engine.sock" "$work/$tag-engine.log"
     echo "=== UCX_TLS=$tls, $bin"
     "$bin/tests/bench/idle_bench" --trainer-socket="$work/$tag-trainer.sock" \
-      --engine-socket="$work/$tag-engine.sock" --seconds="$seconds" ||
+      --engine-socket="$work/$tag-engine.sock" --seconds="$seconds" --mib="$mib" ||
       { echo "idle_bench FAILED; the engine's log says:"; tail -5 "$work/$tag-engine.log"; }
     kill -TERM "$trainer" "$engine" 2>/dev/null || true
     wait "$trainer" "$engine" 2>/dev/null || true

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -68,12 +69,15 @@ int main(int argc, char** argv) {
   app.add_option("--trainer-socket", trainer_socket, "the trainer node's refitd socket")
       ->required();
   app.add_option("--engine-socket", engine_socket, "the engine node's refitd socket")->required();
-  app.add_option("--seconds", seconds, "the measured idle window")->capture_default_str()
+  app.add_option("--seconds", seconds, "the measured idle window")
+      ->capture_default_str()
       ->check(CLI::Range(1, 3600));
   app.add_option("--settle", settle, "seconds between the pull and the window")
-      ->capture_default_str()->check(CLI::Range(0, 600));
-  app.add_option("--mib", mib, "model size in MiB (bf16)")->capture_default_str()
-      ->check(CLI::Range(1, 1 << 16));
+      ->capture_default_str()
+      ->check(CLI::Range(0, 600));
+  app.add_option("--mib", mib, "model size in MiB (bf16); 0: no model, only connected peers")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 16));
   app.add_option("--model", model, "model name")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
@@ -90,33 +94,41 @@ int main(int argc, char** argv) {
     return Fail("pids", absl::NotFoundError("cannot find the daemons' pids (SO_PEERCRED)"));
   }
 
+  uint64_t version = 0;
   const uint64_t total = mib << 20;
   const std::string tag = std::to_string(getpid());
-  auto src = SharedMemory::Create("/refit-idle-trainer-" + tag, total);
-  if (!src.ok()) return Fail("shared memory", src.status());
-  auto dst = SharedMemory::Create("/refit-idle-engine-" + tag, total);
-  if (!dst.ok()) return Fail("shared memory", dst.status());
-  const std::vector<v1::TensorSlice> slices = {
-      Slice("model.weight", v1::BF16, {static_cast<int64_t>(total / 2)}, 0)};
-  auto src_id = (*trainer)->RegisterBuffer(model, v1::SOURCE, src->name(), slices, "idle-trainer");
-  if (!src_id.ok()) return Fail("RegisterBuffer SOURCE", src_id.status());
-  auto dst_id = (*engine)->RegisterBuffer(model, v1::DESTINATION, dst->name(), slices, "idle-engine");
-  if (!dst_id.ok()) return Fail("RegisterBuffer DESTINATION", dst_id.status());
-  uint64_t version = 1;
-  if (auto status = (*trainer)->Status(); status.ok()) {
-    for (const auto& m : status->models()) {
-      if (m.model() == model) version = m.latest_version() + 1;
+  std::optional<SharedMemory> src, dst;
+  if (mib > 0) {
+    auto made_src = SharedMemory::Create("/refit-idle-trainer-" + tag, total);
+    if (!made_src.ok()) return Fail("shared memory", made_src.status());
+    auto made_dst = SharedMemory::Create("/refit-idle-engine-" + tag, total);
+    if (!made_dst.ok()) return Fail("shared memory", made_dst.status());
+    src.emplace(std::move(*made_src));
+    dst.emplace(std::move(*made_dst));
+    const std::vector<v1::TensorSlice> slices = {
+        Slice("model.weight", v1::BF16, {static_cast<int64_t>(total / 2)}, 0)};
+    auto src_id =
+        (*trainer)->RegisterBuffer(model, v1::SOURCE, src->name(), slices, "idle-trainer");
+    if (!src_id.ok()) return Fail("RegisterBuffer SOURCE", src_id.status());
+    auto dst_id =
+        (*engine)->RegisterBuffer(model, v1::DESTINATION, dst->name(), slices, "idle-engine");
+    if (!dst_id.ok()) return Fail("RegisterBuffer DESTINATION", dst_id.status());
+    version = 1;
+    if (auto status = (*trainer)->Status(); status.ok()) {
+      for (const auto& m : status->models()) {
+        if (m.model() == model) version = m.latest_version() + 1;
+      }
     }
-  }
-  std::memset(src->data(), static_cast<int>(version & 0xff), total);
-  auto published = (*trainer)->Publish(model, version, {*src_id});
-  if (!published.ok()) return Fail("Publish", published.status());
-  auto ready = (*engine)->WaitForVersion(model, version, std::chrono::seconds(60));
-  if (!ready.ok()) return Fail("WaitForVersion", ready.status());
-  auto applied = (*engine)->Apply(model, version, {*dst_id});
-  if (!applied.ok()) return Fail("Apply", applied.status());
-  if (std::memcmp(dst->data(), src->data(), total) != 0) {
-    return Fail("Apply", absl::DataLossError("the engine's bytes differ from the trainer's"));
+    std::memset(src->data(), static_cast<int>(version & 0xff), total);
+    auto published = (*trainer)->Publish(model, version, {*src_id});
+    if (!published.ok()) return Fail("Publish", published.status());
+    auto ready = (*engine)->WaitForVersion(model, version, std::chrono::seconds(60));
+    if (!ready.ok()) return Fail("WaitForVersion", ready.status());
+    auto applied = (*engine)->Apply(model, version, {*dst_id});
+    if (!applied.ok()) return Fail("Apply", applied.status());
+    if (std::memcmp(dst->data(), src->data(), total) != 0) {
+      return Fail("Apply", absl::DataLossError("the engine's bytes differ from the trainer's"));
+    }
   }
 
   std::this_thread::sleep_for(std::chrono::seconds(settle));
@@ -141,7 +153,8 @@ int main(int argc, char** argv) {
       "  this process (a client holding its buffers, asleep): %.3f %% of a core\n",
       wall, mib, version, trainer_pid, trainer_pct, trainer1 - trainer0, engine_pid, engine_pct,
       engine1 - engine0, 100 * self / wall);
-  std::cout << absl::StrFormat("RESULT seconds=%.1f trainer_pct=%.3f engine_pct=%.3f self_pct=%.3f\n",
-                               wall, trainer_pct, engine_pct, 100 * self / wall);
+  std::cout << absl::StrFormat(
+      "RESULT seconds=%.1f trainer_pct=%.3f engine_pct=%.3f self_pct=%.3f\n", wall, trainer_pct,
+      engine_pct, 100 * self / wall);
   return 0;
 }
