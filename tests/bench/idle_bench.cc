@@ -147,12 +147,15 @@ int main(int argc, char** argv) {
   const double trainer_pct = 100 * (trainer1 - trainer0) / wall;
   const double engine_pct = 100 * (engine1 - engine0) / wall;
   std::cout << absl::StrFormat(
-      "idle %.1f s, peers connected, %d MiB model registered and pulled (version %d):\n"
+      "idle %.1f s, peers connected, %s:\n"
       "  trainer's refitd (pid %d): %.3f %% of a core (%.2f s CPU)\n"
       "  engine's refitd  (pid %d): %.3f %% of a core (%.2f s CPU)\n"
       "  this process (a client holding its buffers, asleep): %.3f %% of a core\n",
-      wall, mib, version, trainer_pid, trainer_pct, trainer1 - trainer0, engine_pid, engine_pct,
-      engine1 - engine0, 100 * self / wall);
+      wall,
+      mib == 0 ? std::string("no model")
+               : absl::StrFormat("a %d MiB model registered and pulled (version %d)", mib, version),
+      trainer_pid, trainer_pct, trainer1 - trainer0, engine_pid, engine_pct, engine1 - engine0,
+      100 * self / wall);
   std::cout << absl::StrFormat(
       "RESULT seconds=%.1f trainer_pct=%.3f engine_pct=%.3f self_pct=%.3f\n", wall, trainer_pct,
       engine_pct, 100 * self / wall);
