@@ -27,6 +27,10 @@
 # Usage: scripts/bench-two-node.sh [--tls "tcp sm,tcp sm,tcp+eh"] [--tensors "1 20000"]
 #                                  [--versions 5] [--warmup 3] [--mib 1024] [--density 0]
 #                                  [--engine-shard none|rows|cols] [--no-build] [--keep]
+#                                  [--bin DIR]
+# --bin DIR: the binaries of another build (a bazel-bin directory holding daemon/refitd,
+# client/refitctl and tests/bench/two_node_bench), not built here: run it once per build, in
+# turn, for a before/after (tests/bench/ab-two-node.sh does that for the refit runs alone).
 # --engine-shard rows|cols: the engine holds half of one 2-D tensor, contiguous (rows) or
 # resharded (cols: one range per row); compare the two for resharded / unresharded.
 # Environment: BAZEL_OUTPUT_BASE=<dir> builds in that Bazel output base, without convenience
@@ -43,6 +47,7 @@ density=0
 engine_shard=none
 build=1
 keep=0
+bin_dir=
 while [ $# -gt 0 ]; do
   case "$1" in
     --tls) tls_list="$2"; shift 2 ;;
@@ -60,6 +65,8 @@ while [ $# -gt 0 ]; do
     --density) density="$2"; shift 2 ;;
     --density=*) density="${1#*=}"; shift ;;
     --no-build) build=0; shift ;;
+    --bin) bin_dir="$2"; build=0; shift 2 ;;
+    --bin=*) bin_dir="${1#*=}"; build=0; shift ;;
     --keep) keep=1; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "bench-two-node: unknown argument $1" >&2; exit 2 ;;
@@ -77,7 +84,7 @@ if [ "$build" = 1 ]; then
   "${bazel_cmd[@]}" build "${build_flags[@]}" //daemon:refitd //client:refitctl \
     //tests/bench:two_node_bench
 fi
-bin="$("${bazel_cmd[@]}" info bazel-bin 2>/dev/null)"
+bin="${bin_dir:-$("${bazel_cmd[@]}" info bazel-bin 2>/dev/null)}"
 python=/usr/bin/python3
 chunk=$((4 << 20))  # the data plane's chunk (daemon/peer/data_plane.h, DataPlaneOptions)
 

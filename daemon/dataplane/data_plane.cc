@@ -1,5 +1,7 @@
 #include "daemon/dataplane/data_plane.h"
 
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -38,8 +40,18 @@ constexpr uint64_t kShortRead = 64ull << 10;
 // Spans of a long read sent as gathers: the most one gather carries (ucx_gather.cc).
 constexpr uint64_t kGatherSpanBytes = 1ull << 20;
 constexpr size_t kSpansPerBatch = 256;
-// How often the loop lets slots that only their registration holds go.
+// How often the loop lets slots that only their registration holds go: often while the data
+// plane is busy (kLinger after it last got anything done), seldom when idle.
 constexpr auto kSweepEvery = std::chrono::milliseconds(5);
+constexpr auto kIdleSweepEvery = std::chrono::milliseconds(100);
+// After the loop last got anything done it naps briefly (kNap) instead of sleeping whenever the
+// transport has something in flight, as while serving a peer's pull; later, kIdleNap.
+constexpr auto kLinger = std::chrono::milliseconds(100);
+constexpr auto kNap = std::chrono::microseconds(20);
+constexpr auto kIdleNap = std::chrono::milliseconds(1);
+// A watched loop (DataPlaneOptions::liveness) turns at least this often, asleep or not, so
+// that a wedge shows within a stall bound even when no work comes.
+constexpr auto kLivenessTurn = std::chrono::milliseconds(500);
 // A peer's slot not used by any pull for this long is no longer imported (unmapped).
 constexpr auto kRemoteIdle = std::chrono::seconds(30);
 
@@ -87,6 +99,11 @@ DataPlane::DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneO
                      Metrics* metrics)
     : transport_(std::move(transport)), options_(options), metrics_(metrics) {
   metrics_->Declare(kDataBytesReceived);
+  wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wake_fd_ < 0) {
+    Logger("transport")->critical("eventfd: {}", std::strerror(errno));
+    std::abort();
+  }
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -95,8 +112,9 @@ DataPlane::~DataPlane() {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
-  wake_.notify_all();
+  Wake();
   thread_.join();
+  close(wake_fd_);
 }
 
 std::string DataPlane::LocalAddress() const {
@@ -112,41 +130,70 @@ void DataPlane::Post(std::function<void()> work) {
     std::lock_guard<std::mutex> lock(mu_);
     work_.push_back(std::move(work));
   }
-  wake_.notify_all();
+  Wake();
+}
+
+void DataPlane::Wake() {
+  const uint64_t one = 1;
+  // EAGAIN: the counter is full, so the loop wakes anyway.
+  [[maybe_unused]] const ssize_t written = write(wake_fd_, &one, sizeof(one));
+}
+
+void DataPlane::Sleep(Clock::time_point active_at) {
+  const auto now = Clock::now();
+  auto until = Clock::time_point::max();
+  if (!registrations_.empty()) until = std::min(until, next_sweep_);
+  if (!imported_.empty()) until = std::min(until, last_eviction_ + kRemoteIdle / 8);
+  if (options_.liveness) until = std::min(until, now + kLivenessTurn);
+  pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {-1, POLLIN, 0}};
+  if (transport_ && !transport_->PrepareToSleep()) {
+    // Something in flight that needs polling (or a backend that can't tell): nap.
+    const Clock::duration nap = now - active_at < kLinger ? Clock::duration(kNap) : kIdleNap;
+    until = std::min(until, now + nap);
+  } else if (transport_) {
+    fds[1].fd = transport_->WakeFd();  // may be -1: poll(2) ignores it
+  }
+  if (until <= now) return;
+  if (options_.liveness) options_.liveness->Idle();
+  timespec timeout{};
+  const timespec* wait = nullptr;  // no deadline: until woken
+  if (until != Clock::time_point::max()) {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(until - now).count();
+    timeout.tv_sec = static_cast<time_t>(ns / 1000000000);
+    timeout.tv_nsec = static_cast<long>(ns % 1000000000);
+    wait = &timeout;
+  }
+  if (ppoll(fds, 2, wait, nullptr) > 0 && (fds[0].revents & POLLIN)) {
+    uint64_t count = 0;
+    [[maybe_unused]] const ssize_t got = read(wake_fd_, &count, sizeof(count));
+  }
 }
 
 void DataPlane::Run() {
   std::vector<transport::Completion> completions;
-  auto idle_since = std::chrono::steady_clock::now();
+  // When the loop last got anything done: work, completions, or the transport serving a peer.
+  auto active_at = Clock::now();
   uint64_t activity = 0;
   while (true) {
     std::deque<std::function<void()>> work;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      // Keep polling even when idle: over TCP a peer's get is served by this worker's progress.
-      const auto idle = std::chrono::steady_clock::now() - idle_since;
-      const auto nap = idle > std::chrono::milliseconds(100) ? std::chrono::microseconds(1000)
-                                                             : std::chrono::microseconds(20);
-      if (work_.empty() && !stop_ && by_cookie_.empty()) {
-        if (options_.liveness) options_.liveness->Idle();
-        wake_.wait_for(lock, nap);
-      }
+      std::lock_guard<std::mutex> lock(mu_);
       if (stop_) break;
       work.swap(work_);
     }
-    // Busy from here to the next wait: a turn that never ends (a wedged transport) is stuck.
+    // Busy from here to the next sleep: a turn that never ends (a wedged transport) is stuck.
     if (options_.liveness) options_.liveness->Busy();
     TestHookWedge("dataplane");
     bool busy = !work.empty();
     for (auto& w : work) w();
-    const auto now = std::chrono::steady_clock::now();
+    const auto now = Clock::now();
     // Unmap peers' slots nobody pulled for a while even when no pull comes to do it.
-    if (now - last_eviction_ > kRemoteIdle / 8) EvictImports(now);
+    if (!imported_.empty() && now - last_eviction_ > kRemoteIdle / 8) EvictImports(now);
     // Let slots that only their registration still holds go back to their pool (a few per
-    // version and piece); every few ms, not on every turn of this loop. Pulls sweep first too.
-    if (!registrations_.empty() && now - last_sweep_ > kSweepEvery) {
+    // version and piece); on a deadline, not on every turn of this loop. Pulls sweep first too.
+    if (!registrations_.empty() && now >= next_sweep_) {
       SweepRegistrations();
-      last_sweep_ = now;
+      next_sweep_ = now + (now - active_at < kLinger ? kSweepEvery : kIdleSweepEvery);
     }
     if (transport_) {
       completions.clear();
@@ -185,7 +232,12 @@ void DataPlane::Run() {
         Pump(done.transfer);
       }
     }
-    if (busy) idle_since = std::chrono::steady_clock::now();
+    if (busy) {
+      active_at = Clock::now();
+      next_sweep_ = std::min(next_sweep_, active_at + kSweepEvery);
+    }
+    // Our own reads in flight: poll on. Otherwise sleep until there is something to do.
+    if (by_cookie_.empty()) Sleep(active_at);
   }
   // Shutting down: fail what is left, then release UCX objects before the transport.
   for (auto& [cookie, in_flight] : by_cookie_) {
@@ -479,6 +531,9 @@ void DataPlane::EvictImports(std::chrono::steady_clock::time_point now) {
       // Still used by a transfer in flight: the transfer holds it; only the cache lets go.
       it = now - it->second.used > kRemoteIdle ? by_descriptor.erase(it) : std::next(it);
     }
+  }
+  for (auto it = imported_.begin(); it != imported_.end();) {
+    it = it->second.empty() ? imported_.erase(it) : std::next(it);
   }
   last_eviction_ = now;
 }

@@ -9,7 +9,6 @@
 // data-plane thread through a queue. Blocking methods wait for that thread.
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -133,8 +132,16 @@ class DataPlane {
   const DataPlaneOptions options_;
   Metrics* const metrics_;
 
+  using Clock = std::chrono::steady_clock;
+  // Wakes the loop: an eventfd it sleeps on beside the transport's (Sleep).
+  void Wake();
+  // After a turn with nothing in flight of its own: blocks until work is posted, the
+  // transport has events, or the loop's next deadline (a sweep, an eviction, a liveness turn);
+  // only naps while the transport has something in flight (Transport::PrepareToSleep).
+  void Sleep(Clock::time_point active_at);
+  int wake_fd_ = -1;
+
   std::mutex mu_;
-  std::condition_variable wake_;
   std::deque<std::function<void()>> work_;
   bool stop_ = false;
 
@@ -161,7 +168,7 @@ class DataPlane {
   std::map<std::string, std::map<std::string, Imported>> imported_;
   void EvictImports(std::chrono::steady_clock::time_point now);
   std::chrono::steady_clock::time_point last_eviction_{};
-  std::chrono::steady_clock::time_point last_sweep_{};
+  std::chrono::steady_clock::time_point next_sweep_{};
   std::shared_ptr<transport::RemoteMemory> Import(transport::Endpoint& endpoint,
                                                   const std::string& node,
                                                   const std::string& descriptor,

@@ -71,6 +71,12 @@
 // Progress. A backend may need Poll on BOTH sides of a transfer: UCX over TCP has no hardware
 // get, so a GET is served by the target's worker when the target polls. A daemon must therefore
 // keep polling while any peer may read its memory, not only while it has ops of its own.
+//
+// Sleeping. Polling an idle transport in a loop burns a core; a backend that can tell when it
+// has something to do lets its caller block instead (Transport::PrepareToSleep and WakeFd):
+// after a Poll, PrepareToSleep() true means nothing is in flight and nothing arrived, and the
+// caller may block in poll(2) until WakeFd() turns readable (a peer's message, a peer's death);
+// then it Polls again. false: keep polling (ops or replies in flight, events already pending).
 
 #include <cstdint>
 #include <functional>
@@ -307,6 +313,14 @@ class Transport {
   // memory (which completes nothing here). A caller that naps between Polls when idle naps only
   // while this stands still, so a peer's pull isn't served one nap at a time.
   virtual uint64_t activity() const { return 0; }
+
+  // See "Sleeping" above. Call on the polling thread right after a Poll, just before blocking:
+  // true when the caller may block until WakeFd() is readable (or until it has work of its own);
+  // false when it must Poll again soon. A backend that can't tell (the default) answers false.
+  [[nodiscard]] virtual bool PrepareToSleep() { return false; }
+  // The descriptor to wait on (readable: Poll) after PrepareToSleep() said true; -1 when nothing
+  // but the caller's own calls makes work for this backend. Fixed for the transport's life.
+  virtual int WakeFd() const { return -1; }
 
  protected:
   Transport() = default;

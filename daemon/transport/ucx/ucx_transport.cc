@@ -82,7 +82,8 @@ absl::Status UcxTransport::Init(const Options& options) {
   params.field_mask =
       UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   // AM: gathers (ucx_gather.cc). RMA only on request (see ucx_transport.h, "Checked reads").
-  params.features = UCP_FEATURE_AM | (rma_ ? UCP_FEATURE_RMA : 0);
+  // WAKEUP: the worker's event fd, so that an idle daemon sleeps (PrepareToSleep).
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP | (rma_ ? UCP_FEATURE_RMA : 0);
   params.name = "refit";
   // AllocateMemory and freeing its memory happen on any thread: the context's own lock.
   params.mt_workers_shared = 1;
@@ -106,6 +107,8 @@ absl::Status UcxTransport::Init(const Options& options) {
   }
   worker_.reset(worker);
   RETURN_IF_ERROR(InitGathers());
+  // The fd belongs to the worker (closed with it). Without it the caller keeps polling.
+  if (ucp_worker_get_efd(worker_.get(), &wake_fd_) != UCS_OK) wake_fd_ = -1;
 
   ucp_address_t* raw_address = nullptr;
   size_t address_length = 0;
@@ -616,6 +619,20 @@ void UcxTransport::DrainCopier() {
                      finished.xxh3, std::move(finished.span_xxh3)});
     delete op;
   }
+}
+
+bool UcxTransport::PrepareToSleep() {
+  if (wake_fd_ < 0) return false;
+  // Work in flight completes through progress, not always with an event on the fd (a copy on
+  // the CopyEngine's threads, a reply or request UCX is still sending, a closing endpoint), and
+  // results not yet handed out must go first: the caller keeps polling meanwhile.
+  if (outstanding_ != 0 || in_copier_ != 0 || !done_.empty() || !newly_failed_.empty() ||
+      !pending_closes_.empty() || !serves_.empty() || !outgoings_.empty()) {
+    return false;
+  }
+  // UCS_ERR_BUSY: events arrived since the last progress; Poll again. Any other error (a
+  // transport without events): never sleep.
+  return ucp_worker_arm(worker_.get()) == UCS_OK;
 }
 
 size_t UcxTransport::Poll(std::vector<Completion>* out) {

@@ -78,6 +78,9 @@
 //   PostPut        refused (UNIMPLEMENTED): nothing in refit writes into a peer's memory.
 //   Poll           ucp_worker_progress until idle (bounded), then hands out completions; an op
 //                  UCX finished inside the post call is reported here too.
+//   PrepareToSleep ucp_worker_arm (the context has UCP_FEATURE_WAKEUP), only when nothing is in
+//                  flight: no op outstanding, no reply or request being sent, no endpoint
+//                  closing; UCS_ERR_BUSY (events pending) is false. WakeFd: ucp_worker_get_efd.
 //   Cancel         marks the endpoint's outstanding ops cancelled; each reports CANCELLED when
 //                  UCX is done with it. UCX 1.13 can't abort one RMA op, and closing the ep with
 //                  FORCE would also reset the PEER's endpoints to us (they share the transport
@@ -156,6 +159,8 @@ class UcxTransport final : public Transport {
   size_t Poll(std::vector<Completion>* out) override;
   uint64_t outstanding() const override { return outstanding_; }
   uint64_t activity() const override { return activity_; }
+  bool PrepareToSleep() override;
+  int WakeFd() const override { return wake_fd_; }
   absl::StatusOr<Grant> GrantRead(const LocalMemory& memory, std::string_view token) override;
 
   // The gather protocol's counters since creation (tests and logs): requests sent; requests
@@ -277,6 +282,7 @@ class UcxTransport final : public Transport {
   uint64_t in_ucx_ = 0;                           // UCX requests whose callback hasn't run
   uint64_t in_copier_ = 0;                        // ops handed to copier_ and not yet drained
   uint64_t activity_ = 0;                         // events ucp_worker_progress reported
+  int wake_fd_ = -1;                              // ucp_worker_get_efd, -1 without one
   std::vector<CopyEngine::Finished> copied_;
   uint64_t live_objects_ = 0;
 
