@@ -109,7 +109,7 @@ DataPlane::DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneO
 
 DataPlane::~DataPlane() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     stop_ = true;
   }
   Wake();
@@ -127,7 +127,7 @@ std::string DataPlane::TransportName() const {
 
 void DataPlane::Post(std::function<void()> work) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     work_.push_back(std::move(work));
   }
   Wake();
@@ -177,7 +177,7 @@ void DataPlane::Run() {
   while (true) {
     std::deque<std::function<void()>> work;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      common::MutexLock lock(mu_);
       if (stop_) break;
       work.swap(work_);
     }
@@ -254,14 +254,14 @@ void DataPlane::Run() {
   endpoints_.clear();
   by_cookie_.clear();
   registrations_.clear();
-  std::lock_guard<std::mutex> lock(alloc_mu_);
+  common::MutexLock lock(alloc_mu_);
   transport_.reset();
 }
 
 absl::StatusOr<std::unique_ptr<Region>> DataPlane::AllocateSlot(uint64_t size) {
   std::unique_ptr<transport::LocalMemory> memory;
   {
-    std::lock_guard<std::mutex> lock(alloc_mu_);
+    common::MutexLock lock(alloc_mu_);
     if (!transport_) return AllocateHost(size);
     ASSIGN_OR_RETURN(memory, transport_->AllocateMemory(size));
   }
@@ -323,7 +323,7 @@ void DataPlane::SweepRegistrations() {
 }
 
 std::string DataPlane::SessionToken(const std::string& node) {
-  std::lock_guard<std::mutex> lock(tokens_mu_);
+  common::MutexLock lock(tokens_mu_);
   std::string& token = tokens_[node];
   if (token.empty()) token = transport::RandomBytes(transport::Transport::kTokenBytes);
   return token;
@@ -336,7 +336,7 @@ absl::StatusOr<DataPlane::Exposed> DataPlane::Expose(const std::shared_ptr<Regio
   // A slot from AllocateSlot is registered already, and GrantRead may be called from any
   // thread: no trip to the data-plane thread (a Pin would otherwise wait for it).
   if (auto* allocated = dynamic_cast<const transport::TransportRegion*>(slot.get())) {
-    std::lock_guard<std::mutex> lock(alloc_mu_);  // the transport stays while it is held
+    common::MutexLock lock(alloc_mu_);  // the transport stays while it is held
     if (!transport_) return absl::UnavailableError("this refitd's data plane stopped");
     ASSIGN_OR_RETURN(transport::Transport::Grant grant,
                      transport_->GrantRead(*allocated->memory(), token));

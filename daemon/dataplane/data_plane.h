@@ -15,7 +15,6 @@
 #include <future>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -23,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/common/liveness.h"
+#include "daemon/common/mutex.h"
 #include "daemon/memory/region.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/store/store.h"
@@ -124,11 +124,11 @@ class DataPlane {
   // Set at construction; reset by the data-plane thread as it stops, under alloc_mu_ (which
   // AllocateSlot holds while it uses the transport from another thread).
   std::unique_ptr<transport::Transport> transport_;
-  std::mutex alloc_mu_;
+  common::Mutex alloc_mu_;
   // Each peer node's session token (Transport::kTokenBytes random bytes), made on first use.
   std::string SessionToken(const std::string& node);
-  std::mutex tokens_mu_;
-  std::map<std::string, std::string> tokens_;  // guarded by tokens_mu_
+  common::Mutex tokens_mu_;
+  std::map<std::string, std::string> tokens_ ABSL_GUARDED_BY(tokens_mu_);
   const DataPlaneOptions options_;
   Metrics* const metrics_;
 
@@ -141,9 +141,9 @@ class DataPlane {
   void Sleep(Clock::time_point active_at);
   int wake_fd_ = -1;
 
-  std::mutex mu_;
-  std::deque<std::function<void()>> work_;
-  bool stop_ = false;
+  common::Mutex mu_;
+  std::deque<std::function<void()>> work_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
 
   // Data-plane thread only:
   // A slot registered with the transport (one that AllocateSlot didn't make). The registration

@@ -14,14 +14,14 @@ CopyEngine::~CopyEngine() { Stop(); }
 
 void CopyEngine::Stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     stop_ = true;
     for (const Job& job : queue_) {
       if (job.running) job.running->fetch_sub(1);
     }
     queue_.clear();
   }
-  wake_.notify_all();
+  wake_.NotifyAll();
   for (auto& t : threads_) t.join();
   threads_.clear();
 }
@@ -33,7 +33,7 @@ int CopyEngine::DefaultThreads() {
 
 void CopyEngine::Submit(const Job& job) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    common::MutexLock lock(mu_);
     if (stop_) {  // never copied, still handed back
       if (job.running) job.running->fetch_sub(1);
       done_.push_back({job.tag, false, 0, {}});
@@ -45,11 +45,11 @@ void CopyEngine::Submit(const Job& job) {
     queue_.push_back(job);
     if (idle_ == 0) return;  // every thread is busy and will look at the queue again
   }
-  wake_.notify_one();
+  wake_.NotifyOne();
 }
 
 size_t CopyEngine::Drain(std::vector<Finished>* out) {
-  std::lock_guard<std::mutex> lock(mu_);
+  common::MutexLock lock(mu_);
   const size_t n = done_.size();
   out->insert(out->end(), std::make_move_iterator(done_.begin()),
               std::make_move_iterator(done_.end()));
@@ -64,10 +64,10 @@ void CopyEngine::Run() {
   constexpr uint64_t kMaxBatchBytes = 1ull << 20;
   std::vector<Job> batch;
   std::vector<Finished> finished;
-  std::unique_lock<std::mutex> lock(mu_);
+  common::UniqueLock lock(mu_);
   while (true) {
     ++idle_;
-    wake_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    wake_.Wait(lock, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); });
     --idle_;
     if (stop_) return;
     batch.clear();
@@ -79,7 +79,7 @@ void CopyEngine::Run() {
       queue_.pop_front();
     }
     // More left: let an idle thread take it while this one copies.
-    if (!queue_.empty() && idle_ > 0) wake_.notify_one();
+    if (!queue_.empty() && idle_ > 0) wake_.NotifyOne();
     lock.unlock();
     finished.clear();
     for (const Job& job : batch) {

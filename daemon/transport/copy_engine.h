@@ -9,14 +9,13 @@
 // Submit never blocks. Threads start with the first job. Safe from any thread.
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
+#include "daemon/common/mutex.h"
 #include "daemon/transport/transport.h"
 
 namespace refit::transport {
@@ -65,13 +64,13 @@ class CopyEngine {
   void Run();
 
   const int threads_wanted_;
-  std::mutex mu_;
-  std::condition_variable wake_;
-  std::deque<Job> queue_;
-  std::vector<Finished> done_;
+  common::Mutex mu_;
+  common::CondVar wake_;
+  std::deque<Job> queue_ ABSL_GUARDED_BY(mu_);
+  std::vector<Finished> done_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> threads_;
-  int idle_ = 0;  // threads waiting for a job
-  bool stop_ = false;
+  int idle_ ABSL_GUARDED_BY(mu_) = 0;  // threads waiting for a job
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace refit::transport

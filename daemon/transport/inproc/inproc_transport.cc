@@ -2,12 +2,12 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <unordered_map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/mutex.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/transport/wire.h"
 
@@ -19,9 +19,9 @@ struct InprocTransport::Node {
     uint8_t* address;
     uint64_t length;
   };
-  std::mutex mu;
-  bool alive = true;
-  std::unordered_map<uint64_t, Region> regions;
+  common::Mutex mu;
+  bool alive ABSL_GUARDED_BY(mu) = true;
+  std::unordered_map<uint64_t, Region> regions ABSL_GUARDED_BY(mu);
 };
 
 struct InprocTransport::EpState {
@@ -37,9 +37,9 @@ struct InprocTransport::EpState {
 namespace {
 
 struct Registry {
-  std::mutex mu;
-  std::unordered_map<uint64_t, std::shared_ptr<InprocTransport::Node>> nodes;
-  uint64_t next_region_id = 1;
+  common::Mutex mu;
+  std::unordered_map<uint64_t, std::shared_ptr<InprocTransport::Node>> nodes ABSL_GUARDED_BY(mu);
+  uint64_t next_region_id ABSL_GUARDED_BY(mu) = 1;
 };
 
 Registry& GlobalRegistry() {
@@ -71,7 +71,7 @@ class InprocTransport::InprocLocalMemory final : public LocalMemory {
   }
   ~InprocLocalMemory() override {
     {
-      std::lock_guard<std::mutex> lock(node_->mu);
+      common::MutexLock lock(node_->mu);
       node_->regions.erase(region_id_);
     }
     if (owned_) {
@@ -178,7 +178,7 @@ InprocTransport::InprocTransport(const Options& options)
   capabilities_.detail = "memcpy within one process";
   address_ = EncodeAddress({WireBackend::kInproc, identity_, ""});
   Registry& registry = GlobalRegistry();
-  std::lock_guard<std::mutex> lock(registry.mu);
+  common::MutexLock lock(registry.mu);
   registry.nodes[identity_] = node_;
 }
 
@@ -191,10 +191,10 @@ InprocTransport::~InprocTransport() {
   }
   {
     Registry& registry = GlobalRegistry();
-    std::lock_guard<std::mutex> lock(registry.mu);
+    common::MutexLock lock(registry.mu);
     registry.nodes.erase(identity_);
   }
-  std::lock_guard<std::mutex> lock(node_->mu);
+  common::MutexLock lock(node_->mu);
   node_->alive = false;
   node_->regions.clear();
 }
@@ -227,11 +227,11 @@ std::unique_ptr<LocalMemory> InprocTransport::Register(void* address, uint64_t l
   uint64_t region_id;
   {
     Registry& registry = GlobalRegistry();
-    std::lock_guard<std::mutex> lock(registry.mu);
+    common::MutexLock lock(registry.mu);
     region_id = registry.next_region_id++;
   }
   {
-    std::lock_guard<std::mutex> lock(node_->mu);
+    common::MutexLock lock(node_->mu);
     node_->regions[region_id] = {static_cast<uint8_t*>(address), length};
   }
   return std::unique_ptr<LocalMemory>(
@@ -245,7 +245,7 @@ absl::StatusOr<std::unique_ptr<Endpoint>> InprocTransport::Connect(std::string_v
   state->peer_identity = address->issuer;
   {
     Registry& registry = GlobalRegistry();
-    std::lock_guard<std::mutex> lock(registry.mu);
+    common::MutexLock lock(registry.mu);
     auto it = registry.nodes.find(address->issuer);
     if (it != registry.nodes.end()) state->peer = it->second;
   }
@@ -331,7 +331,7 @@ void InprocTransport::FailEndpoint(Endpoint& endpoint) {
 }
 
 void InprocTransport::SimulateCrash() {
-  std::lock_guard<std::mutex> lock(node_->mu);
+  common::MutexLock lock(node_->mu);
   node_->alive = false;
   node_->regions.clear();
 }
@@ -339,7 +339,7 @@ void InprocTransport::SimulateCrash() {
 absl::Status InprocTransport::Execute(const Op& op) {
   if (op.ep->peer == nullptr) return absl::UnavailableError("inproc: no such peer");
   Node& peer = *op.ep->peer;
-  std::lock_guard<std::mutex> lock(peer.mu);
+  common::MutexLock lock(peer.mu);
   if (!peer.alive) return absl::UnavailableError("inproc: peer transport is gone");
   auto it = peer.regions.find(op.region_id);
   if (it == peer.regions.end() ||
@@ -364,7 +364,7 @@ absl::Status InprocTransport::Execute(const Op& op) {
 size_t InprocTransport::Poll(std::vector<Completion>* out) {
   bool self_alive;
   {
-    std::lock_guard<std::mutex> lock(node_->mu);
+    common::MutexLock lock(node_->mu);
     self_alive = node_->alive;
   }
   // Liveness of idle endpoints, as UCX keepalive would notice it.
@@ -376,7 +376,7 @@ size_t InprocTransport::Poll(std::vector<Completion>* out) {
     if (!state->failure.ok()) continue;
     bool peer_alive = false;
     if (state->peer != nullptr) {
-      std::lock_guard<std::mutex> lock(state->peer->mu);
+      common::MutexLock lock(state->peer->mu);
       peer_alive = state->peer->alive;
     }
     if (!self_alive) {

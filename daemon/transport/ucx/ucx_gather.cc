@@ -332,7 +332,7 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
       total += span.length;
     }
     const Registry::Entry* found = nullptr;
-    std::unique_lock<std::mutex> lock(registry_->mu);
+    common::UniqueLock lock(registry_->mu);
     if (status == UCS_OK) {
       auto [begin, stop] = registry_->by_address.equal_range(request.base);
       for (auto it = begin; it != stop; ++it) {

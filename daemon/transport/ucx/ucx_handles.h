@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/mutex.h"
 #include "daemon/transport/ucx/ucx_internal.h"
 #include "daemon/transport/ucx/ucx_transport.h"
 #include "daemon/transport/wire.h"
@@ -35,7 +36,7 @@ class UcxTransport::UcxLocalMemory final : public LocalMemory {
         registry_(std::move(registry)) {
     set_descriptor(DescriptorFor(token_));
     if (counted_) ++owner_->live_objects_;
-    std::lock_guard<std::mutex> lock(registry_->mu);
+    common::MutexLock lock(registry_->mu);
     registry_->by_address.emplace(reinterpret_cast<uint64_t>(address),
                                   Registry::Entry{length, kind, mem_, !counted_});
     registry_->AddGrant(token_, reinterpret_cast<uint64_t>(address), length);
@@ -43,7 +44,7 @@ class UcxTransport::UcxLocalMemory final : public LocalMemory {
   ~UcxLocalMemory() override {
     {
       // From now on peers' gathers can't read it (one already being sent keeps mem_ alive).
-      std::lock_guard<std::mutex> lock(registry_->mu);
+      common::MutexLock lock(registry_->mu);
       registry_->RemoveGrant(token_, reinterpret_cast<uint64_t>(address()), length());
       auto [begin, end] = registry_->by_address.equal_range(reinterpret_cast<uint64_t>(address()));
       for (auto it = begin; it != end; ++it) {

@@ -8,10 +8,10 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "daemon/common/mutex.h"
 #include "daemon/transport/ucx/ucx_transport.h"
 
 namespace refit::transport {
@@ -108,16 +108,17 @@ struct UcxTransport::Registry {
     std::weak_ptr<MemHolder> mem;
     bool owned = false;  // AllocateMemory's: the registration owns the bytes
   };
-  std::mutex mu;
-  std::multimap<uint64_t, Entry> by_address;
+  common::Mutex mu;
+  std::multimap<uint64_t, Entry> by_address ABSL_GUARDED_BY(mu);
   // token -> {base, length} -> how many holds grant it.
-  std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, uint64_t>> grants;
+  std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, uint64_t>> grants ABSL_GUARDED_BY(mu);
 
-  // mu_ held by the caller.
-  void AddGrant(const std::string& token, uint64_t base, uint64_t length) {
+  void AddGrant(const std::string& token, uint64_t base, uint64_t length)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     ++grants[token][{base, length}];
   }
-  void RemoveGrant(const std::string& token, uint64_t base, uint64_t length) {
+  void RemoveGrant(const std::string& token, uint64_t base, uint64_t length)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = grants.find(token);
     if (it == grants.end()) return;
     auto entry = it->second.find({base, length});
@@ -125,7 +126,8 @@ struct UcxTransport::Registry {
     if (it->second.empty()) grants.erase(it);
   }
   // Whether `token` holds a grant of a registration at `base` at least `end` bytes long.
-  bool Allows(const std::string& token, uint64_t base, uint64_t end) const {
+  bool Allows(const std::string& token, uint64_t base, uint64_t end) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = grants.find(token);
     if (it == grants.end()) return false;
     for (auto entry = it->second.lower_bound({base, 0});

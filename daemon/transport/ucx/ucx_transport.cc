@@ -271,7 +271,7 @@ struct GrantHold {
   uint64_t base = 0;
   uint64_t length = 0;
   ~GrantHold() {
-    std::lock_guard<std::mutex> lock(registry->mu);
+    common::MutexLock lock(registry->mu);
     registry->RemoveGrant(token, base, length);
   }
 };
@@ -290,7 +290,7 @@ absl::StatusOr<Transport::Grant> UcxTransport::GrantRead(const LocalMemory& memo
   hold->base = reinterpret_cast<uint64_t>(memory.address());
   hold->length = memory.length();
   {
-    std::lock_guard<std::mutex> lock(registry_->mu);
+    common::MutexLock lock(registry_->mu);
     registry_->AddGrant(hold->token, hold->base, hold->length);
   }
   return Grant{local->DescriptorFor(hold->token), std::move(hold)};
