@@ -37,7 +37,7 @@ class LeaseKeeper {
   std::set<std::string> ids_ ABSL_GUARDED_BY(mu_);
   std::chrono::milliseconds period_ ABSL_GUARDED_BY(mu_){1000};
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;                      // started by the first Add
+  std::thread thread_;  // started by the first Add
 };
 
 }  // namespace refit::client

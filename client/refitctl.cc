@@ -22,10 +22,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <deque>
-#include <mutex>
-#include <thread>
 #include <iostream>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
@@ -68,8 +68,7 @@ void PrintPeers(const v1::StatusResponse& status) {
     std::cout << "peers: none (no --peers, and no daemon pulls from this one)\n";
     return;
   }
-  std::cout << absl::StrFormat("%-24s %-28s %-10s %s\n", "PEER", "ADDRESS", "DIRECTION",
-                               "STATE");
+  std::cout << absl::StrFormat("%-24s %-28s %-10s %s\n", "PEER", "ADDRESS", "DIRECTION", "STATE");
   for (const auto& p : status.peers()) {
     std::cout << absl::StrFormat("%-24s %-28s %-10s %s\n", p.node().empty() ? "-" : p.node(),
                                  p.address(), "pulls from",
@@ -217,8 +216,8 @@ int Watch(Client& client, const std::string& model, bool json) {
       if (bar_shown) std::cout << "\r\033[K";
       bar_shown = false;
       if (json) {
-        std::cout << "{\"model\": \"" << event.model() << "\", \"version\": "
-                  << event.version() << "}" << std::endl;
+        std::cout << "{\"model\": \"" << event.model() << "\", \"version\": " << event.version()
+                  << "}" << std::endl;
       } else {
         std::cout << event.model() << " version " << event.version() << " complete" << std::endl;
       }
@@ -237,10 +236,12 @@ int Watch(Client& client, const std::string& model, bool json) {
         }
         for (const auto& t : status->transfers()) {
           if (t.model() != model) continue;
-          std::cout << "\r\033[K" << absl::StrFormat(
-              "%s version %d pulling %s %s / %s", model, t.version(),
-              Bar(t.bytes_done(), t.bytes_total()), HumanBytes(double(t.bytes_done())),
-              HumanBytes(double(t.bytes_total()))) << std::flush;
+          std::cout << "\r\033[K"
+                    << absl::StrFormat("%s version %d pulling %s %s / %s", model, t.version(),
+                                       Bar(t.bytes_done(), t.bytes_total()),
+                                       HumanBytes(double(t.bytes_done())),
+                                       HumanBytes(double(t.bytes_total())))
+                    << std::flush;
           bar_shown = true;
         }
       }
@@ -468,8 +469,8 @@ int main(int argc, char** argv) {
       }
       std::cout << "\n}\n";
     } else {
-      for (const auto& [k, v] : sorted) std::cout << k << " " << absl::StrFormat("%.17g", v)
-                                                  << "\n";
+      for (const auto& [k, v] : sorted)
+        std::cout << k << " " << absl::StrFormat("%.17g", v) << "\n";
     }
   }
   return 0;

@@ -1,10 +1,9 @@
 // The CPU kernels: the reference for the GPU ones, and what runs on host memory.
-#include "cuda/kernels.h"
-
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/float_bits.h"
+#include "cuda/kernels.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/plan/convert.h"
 

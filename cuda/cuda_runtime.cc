@@ -68,10 +68,14 @@ absl::Status CudaStatus(cudaError_t error, const char* what) {
   if (IsSticky(error)) {
     std::lock_guard<std::mutex> lock(StickyMutex());
     if (Sticky().ok()) {
-      Sticky() = absl::InternalError(absl::StrCat("sticky CUDA error, this process's CUDA context "
-                                                  "is lost: ", status.message()));
-      Logger("cuda")->critical("{}; every later CUDA call fails the same way: health is "
-                               "NOT_SERVING, restart refitd", std::string(Sticky().message()));
+      Sticky() =
+          absl::InternalError(absl::StrCat("sticky CUDA error, this process's CUDA context "
+                                           "is lost: ",
+                                           status.message()));
+      Logger("cuda")->critical(
+          "{}; every later CUDA call fails the same way: health is "
+          "NOT_SERVING, restart refitd",
+          std::string(Sticky().message()));
     }
   }
   return status;

@@ -15,10 +15,9 @@ int HexValue(char c) {
 }
 
 absl::Status Malformed(const std::string& text, const char* why) {
-  return absl::InvalidArgumentError(
-      absl::StrCat("device_uuid \"", absl::CEscape(text.substr(0, 64)), text.size() > 64 ? "..." : "",
-                   "\" is not a GPU UUID (", why,
-                   "; expected e.g. GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a)"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "device_uuid \"", absl::CEscape(text.substr(0, 64)), text.size() > 64 ? "..." : "",
+      "\" is not a GPU UUID (", why, "; expected e.g. GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a)"));
 }
 
 }  // namespace

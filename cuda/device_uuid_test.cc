@@ -13,10 +13,9 @@ const GpuUuid kUuid = {0x6b, 0x1c, 0x9f, 0x2e, 0x0d, 0x3a, 0x4c, 0x7e,
 
 TEST_CASE("GPU UUIDs in nvidia-smi's, torch's and bare forms read the same", "[cuda][uuid]") {
   CHECK(FormatGpuUuid(kUuid) == "GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a");
-  for (const char* text : {"GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a",
-                           "gpu-6B1C9F2E-0D3A-4C7E-9A51-3F0E2D1C4B5A",
-                           "6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a",
-                           "6b1c9f2e0d3a4c7e9a513f0e2d1c4b5a"}) {
+  for (const char* text :
+       {"GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a", "gpu-6B1C9F2E-0D3A-4C7E-9A51-3F0E2D1C4B5A",
+        "6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a", "6b1c9f2e0d3a4c7e9a513f0e2d1c4b5a"}) {
     INFO(text);
     auto parsed = ParseGpuUuid(text);
     REQUIRE(parsed.ok());
@@ -30,16 +29,15 @@ TEST_CASE("GPU UUIDs in nvidia-smi's, torch's and bare forms read the same", "[c
 }
 
 TEST_CASE("malformed GPU UUIDs are INVALID_ARGUMENT", "[cuda][uuid]") {
-  for (const std::string& text : {
-           std::string(""), std::string("GPU-"), std::string("0"),
-           std::string("GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5"),     // a digit short
-           std::string("GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a0"),   // a digit long
-           std::string("GPU-6b1c9f2e-0d3a-4c7e-9a51_3f0e2d1c4b5a"),    // not a dash
-           std::string("GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5g"),    // not hex
-           std::string("MIG-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a"),    // a MIG instance
-           std::string("6b1c9f2e-0d3a4c7e-9a51-3f0e2d1c4b5a-"),        // dashes misplaced
-           std::string("6b1c9f2e0d3a4c7e9a513f0e2d1c4b5a\0", 33),
-           std::string(5000, 'a')}) {
+  for (const std::string& text :
+       {std::string(""), std::string("GPU-"), std::string("0"),
+        std::string("GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5"),    // a digit short
+        std::string("GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a0"),  // a digit long
+        std::string("GPU-6b1c9f2e-0d3a-4c7e-9a51_3f0e2d1c4b5a"),   // not a dash
+        std::string("GPU-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5g"),   // not hex
+        std::string("MIG-6b1c9f2e-0d3a-4c7e-9a51-3f0e2d1c4b5a"),   // a MIG instance
+        std::string("6b1c9f2e-0d3a4c7e-9a51-3f0e2d1c4b5a-"),       // dashes misplaced
+        std::string("6b1c9f2e0d3a4c7e9a513f0e2d1c4b5a\0", 33), std::string(5000, 'a')}) {
     INFO(text.substr(0, 80));
     auto parsed = ParseGpuUuid(text);
     REQUIRE_FALSE(parsed.ok());

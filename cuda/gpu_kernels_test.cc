@@ -241,8 +241,8 @@ TEST_CASE("GPU kernels on the real weight versions equal the CPU's", "[gpu][real
     REQUIRE(versions.size() >= 2);
     for (const Bytes& v : versions) REQUIRE(v.size() == 6066688);
     ++checked;
-    WARN("real-data checks on data/deltas/" << folder << ": " << versions.size()
-                                            << " versions, " << versions.size() - 1 << " steps");
+    WARN("real-data checks on data/deltas/" << folder << ": " << versions.size() << " versions, "
+                                            << versions.size() - 1 << " steps");
     const uint64_t n = versions[0].size() / 2;
     for (size_t step = 0; step + 1 < versions.size(); ++step) {
       INFO(folder << " step " << step);

@@ -284,9 +284,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     delta_options.chain = options.delta_chain;
     // Called from DeltaSource's thread, which starts here and is stopped before the peer
     // service and the exporter go (~Impl).
-    impl->deltas = std::make_unique<peer::DeltaSource>(
-        impl->store.get(), delta_options, &impl->metrics,
-        [raw] { OnDeltasPrepared(raw->Wiring()); });
+    impl->deltas =
+        std::make_unique<peer::DeltaSource>(impl->store.get(), delta_options, &impl->metrics,
+                                            [raw] { OnDeltasPrepared(raw->Wiring()); });
   }
   if (!options.bucket_export.empty()) {
     impl->bucket_export = std::make_unique<bucket::BucketExport>(
@@ -312,10 +312,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       options.node, impl->store.get(), impl->data_plane.get(), impl->deltas.get(), &impl->metrics,
       &impl->relay_board, &impl->replicas, options.relay, impl->tls.enabled());
   impl->peers = std::make_unique<peer::PeerManager>(
-      peer::PeerManagerOptions{options.node, impl->instance, options.delta_threshold,
-                               options.relay, impl->tls, options.max_peer_connections},
-      options.peers, impl->store.get(), impl->data_plane.get(), &impl->metrics,
-      &impl->relay_board, &impl->replicas);
+      peer::PeerManagerOptions{options.node, impl->instance, options.delta_threshold, options.relay,
+                               impl->tls, options.max_peer_connections},
+      options.peers, impl->store.get(), impl->data_plane.get(), &impl->metrics, &impl->relay_board,
+      &impl->replicas);
   // Who hears the store's events: daemon/wiring.cc.
   ConnectStoreEvents(impl->Wiring());
 

@@ -6,8 +6,8 @@
 //
 // Thread-safety: Start and Shutdown may be called from any thread; Shutdown is idempotent.
 
-#include <cstdint>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,7 +16,6 @@
 #include "daemon/options.h"
 
 namespace refit {
-
 
 class Daemon {
  public:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs every refit test: installs what is missing (Debian 12, as root), then `bazel test //...`,
-# then scripts/test-packages.sh (the .deb, the image and the pip package installed and checked).
+# Runs every refit test: installs what is missing (Debian 12, as root), the source checks (doc
+# links, clang-format, clang's lock analysis), then `bazel test //...`, then scripts/test-packages.sh (the .deb, the image and the pip package installed and checked).
 # Usage: scripts/test.sh [extra bazel test arguments]
 #   REFIT_TEST_GPU_BUNDLE=1   then also scripts/gpu-bundle-test.sh: builds the GPU bundle with
 #                             the CUDA toolkit (a few minutes more) and checks a copy of it
@@ -12,6 +12,11 @@ cd "$(dirname "$0")/.."
 
 # Every link in README.md and docs/ resolves inside the repository (a second or so).
 ./scripts/check-doc-links.sh
+# Source checks (docs/building.md, "Checks beyond the compiler"); a failure fails the run after
+# the tests have run too, so one CI run reports everything.
+checks_rc=0
+./scripts/check-format.sh || checks_rc=1
+./scripts/check-thread-safety.sh || checks_rc=1
 
 # Real weight versions for the delta tests live in ../shared/data/deltas next to the checkout.
 shared_dir="$(cd .. && pwd)/shared"
@@ -39,6 +44,10 @@ if [ "$packages_rc" -ne 0 ]; then
 fi
 if [ "${REFIT_TEST_GPU_BUNDLE:-0}" = 1 ]; then
   ./scripts/gpu-bundle-test.sh || rc=1
+fi
+if [ "$checks_rc" -ne 0 ]; then
+  echo "tests: a source check FAILED (check-format.sh or check-thread-safety.sh, above)"
+  rc=1
 fi
 if [ "$rc" -ne 0 ]; then exit "$rc"; fi
 exit "$packages_rc"

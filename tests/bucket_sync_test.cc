@@ -87,12 +87,12 @@ TEST_CASE("versions travel through a bucket directory; corrupt files are refused
   const fs::path exported = tmp.path / "bucket-out";
   const fs::path followed = tmp.path / "bucket-in";
   // Full bases every second version: full, delta, full, delta.
-  auto exporter_node = testing::DaemonProcess::Start(
-      {"--node=trainer", "--bucket-export=" + exported.string(), "--bucket-full-every=2",
-       "--retain=4"});
+  auto exporter_node =
+      testing::DaemonProcess::Start({"--node=trainer", "--bucket-export=" + exported.string(),
+                                     "--bucket-full-every=2", "--retain=4"});
   REQUIRE(exporter_node.ok());
-  auto importer_node = testing::DaemonProcess::Start(
-      {"--node=engine", "--bucket-import=" + followed.string()});
+  auto importer_node =
+      testing::DaemonProcess::Start({"--node=engine", "--bucket-import=" + followed.string()});
   REQUIRE(importer_node.ok());
   auto trainer = (*exporter_node)->Connect();
   auto client = (*importer_node)->Connect();
@@ -164,16 +164,14 @@ TEST_CASE("versions travel through a bucket directory; corrupt files are refused
   Deliver(model_dir, into, 2);  // a delta on version 1
   receive(2);
   // Version 3's full file arrives cut short: refused, the node stays on 2.
-  Deliver(model_dir, into, 3, [](const fs::path&, std::string& bytes) {
-    bytes.resize(bytes.size() / 2);
-  });
+  Deliver(model_dir, into, 3,
+          [](const fs::path&, std::string& bytes) { bytes.resize(bytes.size() / 2); });
   stays_on(2, 1);
   Deliver(model_dir, into, 3);  // the sync finishes the file
   receive(3);
   // Version 4's delta has one flipped byte: refused, the node stays on 3.
-  Deliver(model_dir, into, 4, [](const fs::path&, std::string& bytes) {
-    bytes[bytes.size() / 2] ^= 0x10;
-  });
+  Deliver(model_dir, into, 4,
+          [](const fs::path&, std::string& bytes) { bytes[bytes.size() / 2] ^= 0x10; });
   stays_on(3, 2);
   Deliver(model_dir, into, 4);
   receive(4);

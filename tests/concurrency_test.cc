@@ -33,11 +33,11 @@ TEST_CASE("no reader sees a torn version", "[integration][concurrency]") {
   constexpr int64_t kRows = 512, kCols = 1024;  // 1 MiB of uint8 per rank
   SharedMemory rank0 = MakeShm(kRows * kCols), rank1 = MakeShm(kRows * kCols);
   auto r0 = (*trainer)->RegisterBuffer(
-      "m", v1::SOURCE, rank0.name(), {Slice("w", v1::UINT8, {2 * kRows, kCols}, 0, {0, 0},
-                                            {kRows, kCols})});
+      "m", v1::SOURCE, rank0.name(),
+      {Slice("w", v1::UINT8, {2 * kRows, kCols}, 0, {0, 0}, {kRows, kCols})});
   auto r1 = (*trainer)->RegisterBuffer(
-      "m", v1::SOURCE, rank1.name(), {Slice("w", v1::UINT8, {2 * kRows, kCols}, 0,
-                                            {kRows, 0}, {kRows, kCols})});
+      "m", v1::SOURCE, rank1.name(),
+      {Slice("w", v1::UINT8, {2 * kRows, kCols}, 0, {kRows, 0}, {kRows, kCols})});
   REQUIRE(r0.ok());
   REQUIRE(r1.ok());
 
@@ -95,8 +95,8 @@ TEST_CASE("four clients register, publish and apply at once while refitctl polls
   std::atomic<int> polls{0}, poll_failures{0};
   std::thread poller([&] {
     while (!done.load()) {
-      auto result = testing::RunCommand(
-          {refitctl, "--socket=" + (*daemon)->socket(), "status", "--json"});
+      auto result =
+          testing::RunCommand({refitctl, "--socket=" + (*daemon)->socket(), "status", "--json"});
       if (result.exit_code != 0 || result.out.find("\"node\"") == std::string::npos) {
         poll_failures++;
         UNSCOPED_INFO("refitctl exit " << result.exit_code << ": " << result.err << result.out);

@@ -72,8 +72,7 @@ struct Cluster {
   bool whole = false;
 
   void StartEngine(const std::vector<std::string>& extra) {
-    std::vector<std::string> args = {"--node=engine",
-                                     "--peers=127.0.0.1:" + std::to_string(port)};
+    std::vector<std::string> args = {"--node=engine", "--peers=127.0.0.1:" + std::to_string(port)};
     args.insert(args.end(), extra.begin(), extra.end());
     auto started = testing::DaemonProcess::Start(args);
     REQUIRE(started.ok());
@@ -160,9 +159,8 @@ TEST_CASE("real bf16 versions sync as deltas, resharded, bit-exact", "[integrati
     const double wire = c.Received() - total;
     total = c.Received();
     CHECK(wire == static_cast<double>(expected));
-    WARN("version " << v << ": " << wire << " wire bytes for " << needed_bytes
-                    << " needed bytes: " << static_cast<double>(needed_bytes) / wire
-                    << "x smaller");
+    WARN("version " << v << ": " << wire << " wire bytes for " << needed_bytes << " needed bytes: "
+                    << static_cast<double>(needed_bytes) / wire << "x smaller");
     CHECK(wire * 100 < static_cast<double>(needed_bytes));
   }
   CHECK(Metric(*c.client, "refit_delta_versions_total") == kVersions - 1);

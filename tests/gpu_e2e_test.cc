@@ -89,17 +89,16 @@ Bytes Expected(const Bytes& source) {
   return want;
 }
 
-TEST_CASE("a version goes from GPU memory on one daemon to GPU memory on another",
-          "[gpu][e2e]") {
+TEST_CASE("a version goes from GPU memory on one daemon to GPU memory on another", "[gpu][e2e]") {
   REQUIRE_GPU();
   auto trainer_node = DaemonProcess::Start({"--node=trainer-node", "--slot-memory=cuda"});
   REQUIRE(trainer_node.ok());
   auto trainer = ConnectTo(**trainer_node);
   auto port = trainer->Status();
   REQUIRE(port.ok());
-  auto engine_node = DaemonProcess::Start(
-      {"--node=engine-node", "--slot-memory=cuda",
-       "--peers=127.0.0.1:" + std::to_string(port->listen_port())});
+  auto engine_node =
+      DaemonProcess::Start({"--node=engine-node", "--slot-memory=cuda",
+                            "--peers=127.0.0.1:" + std::to_string(port->listen_port())});
   REQUIRE(engine_node.ok());
   auto engine = ConnectTo(**engine_node);
   WaitConnected(*engine);
@@ -206,9 +205,8 @@ TEST_CASE("bad CUDA input is refused and the daemon keeps serving", "[gpu][e2e][
 TEST_CASE("GPU slots are held to --max-gpu-slot-memory", "[gpu][e2e][codes]") {
   REQUIRE_GPU();
   // Room for one 1 MiB version, not for a second one (--retain=2 keeps the first).
-  auto node = DaemonProcess::Start(
-      {"--node=capped", "--slot-memory=cuda", "--max-gpu-slot-memory=1536KiB",
-       "--delta-threshold=0"});
+  auto node = DaemonProcess::Start({"--node=capped", "--slot-memory=cuda",
+                                    "--max-gpu-slot-memory=1536KiB", "--delta-threshold=0"});
   REQUIRE(node.ok());
   auto c = ConnectTo(**node);
   cuda::testing::DeviceBuffer buffer(1 << 20);

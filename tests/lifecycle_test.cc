@@ -2,8 +2,8 @@
 // stale sockets, and refitctl's answers with and without a daemon.
 
 #include <signal.h>
-#include <sys/stat.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -94,11 +94,10 @@ TEST_CASE("a second daemon on a served socket is refused; a stale socket is repl
   CHECK_FALSE(Exists(socket));
 }
 
-TEST_CASE("refitctl shows status and fails clearly without a daemon",
-          "[integration][lifecycle]") {
+TEST_CASE("refitctl shows status and fails clearly without a daemon", "[integration][lifecycle]") {
   const std::string refitctl = testing::RunfilePath("client/refitctl");
-  auto none = testing::RunCommand({refitctl, "--socket=/tmp/refit-no-daemon-here.sock",
-                                   "--timeout=0.5", "status"});
+  auto none = testing::RunCommand(
+      {refitctl, "--socket=/tmp/refit-no-daemon-here.sock", "--timeout=0.5", "status"});
   CHECK(none.exit_code == 3);
   CHECK(none.err.find("no refitd at /tmp/refit-no-daemon-here.sock: the socket does not exist") !=
         std::string::npos);

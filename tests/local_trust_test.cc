@@ -38,9 +38,12 @@ struct AsClient {
   ~AsClient() { std::filesystem::remove_all(dir); }
   // Runs one operation as `uid`; returns its stdout line.
   std::string Run(uid_t uid, const std::string& socket, std::vector<std::string> args) const {
-    std::vector<std::string> argv = {"/usr/bin/setpriv", "--reuid=" + std::to_string(uid),
-                                     "--regid=" + std::to_string(uid), "--clear-groups",
-                                     binary, socket};
+    std::vector<std::string> argv = {"/usr/bin/setpriv",
+                                     "--reuid=" + std::to_string(uid),
+                                     "--regid=" + std::to_string(uid),
+                                     "--clear-groups",
+                                     binary,
+                                     socket};
     argv.insert(argv.end(), args.begin(), args.end());
     auto result = RunCommand(argv);
     INFO("as uid " << uid << ": " << result.out << result.err);
@@ -50,9 +53,12 @@ struct AsClient {
   // Starts one operation as `uid` and leaves it running (e.g. "hold").
   std::unique_ptr<testing::ChildProcess> Hold(uid_t uid, const std::string& socket,
                                               std::vector<std::string> args) const {
-    std::vector<std::string> argv = {"/usr/bin/setpriv", "--reuid=" + std::to_string(uid),
-                                     "--regid=" + std::to_string(uid), "--clear-groups",
-                                     binary, socket};
+    std::vector<std::string> argv = {"/usr/bin/setpriv",
+                                     "--reuid=" + std::to_string(uid),
+                                     "--regid=" + std::to_string(uid),
+                                     "--clear-groups",
+                                     binary,
+                                     socket};
     argv.insert(argv.end(), args.begin(), args.end());
     auto child = testing::ChildProcess::Spawn(argv);
     REQUIRE(child.ok());
@@ -87,8 +93,7 @@ TEST_CASE("local callers: allow lists, memory the caller can open, buffer owners
   const std::string refused = as.Run(kStranger, socket, {"status"});
   REQUIRE(Starts(refused, "PERMISSION_DENIED"));
   REQUIRE(refused.find("--allow-uids") != std::string::npos);
-  REQUIRE(Starts(as.Run(kStranger, socket, {"register-own", "SOURCE", "m2"}),
-                 "PERMISSION_DENIED"));
+  REQUIRE(Starts(as.Run(kStranger, socket, {"register-own", "SOURCE", "m2"}), "PERMISSION_DENIED"));
   REQUIRE(as.Run(kStranger, socket, {"health"}) == "OK SERVING\n");
 
   // An allowed uid may use the API...

@@ -45,7 +45,9 @@ struct TwoHosts {
     Sh("ip netns del " + a);
     Sh("ip netns del " + b);
   }
-  std::vector<std::string> In(const std::string& ns) { return {"/usr/sbin/ip", "netns", "exec", ns}; }
+  std::vector<std::string> In(const std::string& ns) {
+    return {"/usr/sbin/ip", "netns", "exec", ns};
+  }
   bool ok = false;
   std::string a, b, device_a, device_b;
 };
@@ -53,13 +55,14 @@ struct TwoHosts {
 TEST_CASE("two daemons in two network namespaces sync over veth", "[integration][netns]") {
   TwoHosts hosts;
   if (!hosts.ok) {
-    WARN("SKIPPED: cannot create network namespaces here (needs root and iproute2); the "
-         "cross-namespace transfer was NOT tested");
+    WARN(
+        "SKIPPED: cannot create network namespaces here (needs root and iproute2); the "
+        "cross-namespace transfer was NOT tested");
     return;
   }
-  auto source = testing::DaemonProcess::Start(
-      {"--node=host-a", "--listen=192.0.2.1:7070"}, "",
-      {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_a}, hosts.In(hosts.a));
+  auto source = testing::DaemonProcess::Start({"--node=host-a", "--listen=192.0.2.1:7070"}, "",
+                                              {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_a},
+                                              hosts.In(hosts.a));
   REQUIRE(source.ok());
   auto engine_node = testing::DaemonProcess::Start(
       {"--node=host-b", "--listen=192.0.2.2:7070", "--peers=192.0.2.1:7070"}, "",

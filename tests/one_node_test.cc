@@ -59,12 +59,12 @@ TEST_CASE("publish and apply round trip bit-exact across dtypes and layouts", "[
   // Destination: rows 128..256 of emb first, then w, then ids; with a 64-byte gap.
   SharedMemory dst = node.Shm(128 * 64 * 2 + 64 + 16384 + 800);
   std::memset(dst.data(), 0, dst.size());
-  auto dst_id = node.client->RegisterBuffer(
-      "m", v1::DESTINATION, dst.name(),
-      {Slice("emb", v1::BF16, {256, 64}, 0, {128, 0}, {128, 64}),
-       Slice("w", v1::FP32, {64, 64}, 128 * 64 * 2 + 64),
-       Slice("ids", v1::INT64, {100}, 128 * 64 * 2 + 64 + 16384)},
-      "engine");
+  auto dst_id =
+      node.client->RegisterBuffer("m", v1::DESTINATION, dst.name(),
+                                  {Slice("emb", v1::BF16, {256, 64}, 0, {128, 0}, {128, 64}),
+                                   Slice("w", v1::FP32, {64, 64}, 128 * 64 * 2 + 64),
+                                   Slice("ids", v1::INT64, {100}, 128 * 64 * 2 + 64 + 16384)},
+                                  "engine");
   REQUIRE(dst_id.ok());
 
   auto published = node.client->Publish("m", 1, {*src_id});
@@ -125,8 +125,8 @@ TEST_CASE("Publish snapshots: overwriting the source at once doesn't change the 
           "[integration]") {
   Node node;
   SharedMemory src = node.Shm(1 << 20), dst = node.Shm(1 << 20);
-  auto s = node.client->RegisterBuffer("m", v1::SOURCE, src.name(),
-                                       {Slice("w", v1::UINT8, {1 << 20})});
+  auto s =
+      node.client->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {1 << 20})});
   auto d = node.client->RegisterBuffer("m", v1::DESTINATION, dst.name(),
                                        {Slice("w", v1::UINT8, {1 << 20})});
   for (uint64_t v = 1; v <= 2; ++v) {
@@ -143,8 +143,8 @@ TEST_CASE("Publish snapshots: overwriting the source at once doesn't change the 
 TEST_CASE("Watch delivers one event per version, in order", "[integration]") {
   Node node;
   SharedMemory src = node.Shm(4096);
-  auto s = node.client->RegisterBuffer("m", v1::SOURCE, src.name(),
-                                       {Slice("w", v1::INT32, {1024})});
+  auto s =
+      node.client->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::INT32, {1024})});
   REQUIRE(s.ok());
   auto watcher = node.client->Watch("m");
   REQUIRE(watcher.ok());
@@ -172,8 +172,7 @@ TEST_CASE("Watch delivers one event per version, in order", "[integration]") {
 TEST_CASE("WaitForVersion honours deadlines and wakes on completion", "[integration]") {
   Node node;
   SharedMemory src = node.Shm(64);
-  auto s = node.client->RegisterBuffer("m", v1::SOURCE, src.name(),
-                                       {Slice("w", v1::UINT8, {64})});
+  auto s = node.client->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {64})});
   REQUIRE(s.ok());
   const auto start = std::chrono::steady_clock::now();
   auto timed_out = node.client->WaitForVersion("m", 1, milliseconds(300));

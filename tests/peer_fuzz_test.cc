@@ -62,8 +62,8 @@ class PeerFuzz {
     REQUIRE(status.ok());
     stub_ = v1::Peer::NewStub(grpc::CreateChannel(
         "127.0.0.1:" + std::to_string(status->listen_port()), grpc::InsecureChannelCredentials()));
-    auto id = (*c)->RegisterBuffer("p", v1::SOURCE, source.name(),
-                                   {Slice("w", v1::FP32, {32, 32})});
+    auto id =
+        (*c)->RegisterBuffer("p", v1::SOURCE, source.name(), {Slice("w", v1::FP32, {32, 32})});
     REQUIRE(id.ok());
     for (uint64_t version : {1, 2}) {
       for (uint64_t i = 0; i < 4096; ++i) source.data()[i] = static_cast<uint8_t>(i * version);
@@ -117,13 +117,15 @@ class PeerFuzz {
         request.set_version(gen_.OneIn(4) ? gen_.U64(4) : 1 + gen_.Below(2));
         request.set_node(gen_.Text());
         request.set_release(gen_.OneIn(2));
-        request.set_lease_ms(static_cast<uint32_t>(gen_.OneIn(4) ? gen_.U64(5000) : 1 + gen_.Below(50)));
+        request.set_lease_ms(
+            static_cast<uint32_t>(gen_.OneIn(4) ? gen_.U64(5000) : 1 + gen_.Below(50)));
         request.set_bytes_read(gen_.U64(4096));
         v1::PinResponse response;
         return Expect(request, stub_->Pin(&context, request, &response),
                       {StatusCode::OK, StatusCode::NOT_FOUND, StatusCode::INVALID_ARGUMENT});
       }
-      default: return Checksum(&context);
+      default:
+        return Checksum(&context);
     }
   }
 
@@ -133,9 +135,8 @@ class PeerFuzz {
   void Expect(const google::protobuf::Message& request, const grpc::Status& status,
               std::set<StatusCode> allowed) {
     ++codes_[status.error_code()];
-    INFO("round " << round_++ << ": " << request.GetDescriptor()->name() << " "
-                  << Describe(request) << " -> " << status.error_code() << " "
-                  << status.error_message());
+    INFO("round " << round_++ << ": " << request.GetDescriptor()->name() << " " << Describe(request)
+                  << " -> " << status.error_code() << " " << status.error_message());
     REQUIRE(daemon_.running());
     CHECK(allowed.count(status.error_code()) == 1);
   }
@@ -159,8 +160,7 @@ class PeerFuzz {
     }
     v1::ChecksumResponse response;
     const grpc::Status status = stub_->Checksum(context, request, &response);
-    Expect(request, status,
-           {StatusCode::OK, StatusCode::INVALID_ARGUMENT, StatusCode::NOT_FOUND});
+    Expect(request, status, {StatusCode::OK, StatusCode::INVALID_ARGUMENT, StatusCode::NOT_FOUND});
     if (!status.ok()) return;
     // Every answer is the XXH3 of the bytes that version published: `ranges` then `runs`
     // expanded, in `sums` when the request has runs (in `xxh3`, as older peers read, if not).
@@ -172,7 +172,8 @@ class PeerFuzz {
     };
     for (const v1::ByteRange& r : request.ranges()) expect(r.offset(), r.length());
     for (const v1::RangeRun& run : request.runs()) {
-      for (uint64_t k = 0; k < run.count(); ++k) expect(run.offset() + k * run.stride(), run.length());
+      for (uint64_t k = 0; k < run.count(); ++k)
+        expect(run.offset() + k * run.stride(), run.length());
     }
     const auto& answered = request.runs_size() > 0 ? response.sums() : response.xxh3();
     CHECK(std::vector<uint64_t>(answered.begin(), answered.end()) == expected);
@@ -280,7 +281,8 @@ class HostilePeer final : public v1::Peer::Service {
           }
         }
         for (uint64_t m = gen_.OneIn(2) ? 0 : 1 + gen_.Below(2); m > 0; --m) {
-          gen_.MutateSlice(piece->mutable_tensors(static_cast<int>(gen_.Below(piece->tensors_size()))));
+          gen_.MutateSlice(
+              piece->mutable_tensors(static_cast<int>(gen_.Below(piece->tensors_size()))));
         }
         piece->set_bytes(gen_.OneIn(3) ? gen_.U64(16384) : 8192);
       }
@@ -391,15 +393,16 @@ TEST_CASE("a peer that sends garbage completes no version here, and the daemon s
   HostilePeer peer(seed, events);
   int port = 0;
   std::unique_ptr<grpc::Server> server = ServeOnLoopback(&peer, &port);
-  auto daemon = testing::DaemonProcess::Start(
-      {"--retain=2", "--peers=127.0.0.1:" + std::to_string(port)});
+  auto daemon =
+      testing::DaemonProcess::Start({"--retain=2", "--peers=127.0.0.1:" + std::to_string(port)});
   REQUIRE(daemon.ok());
   Local local;
   auto c = (*daemon)->Connect();
   REQUIRE(c.ok());
   // Destinations for what the peer claims to publish, so that this node tries to pull it.
-  auto id = (*c)->RegisterBuffer("m", v1::DESTINATION, local.dst->name(),
-                                 {Slice("w", v1::FP32, {32, 32}), Slice("v", v1::BF16, {64}, 4096)});
+  auto id =
+      (*c)->RegisterBuffer("m", v1::DESTINATION, local.dst->name(),
+                           {Slice("w", v1::FP32, {32, 32}), Slice("v", v1::BF16, {64}, 4096)});
   REQUIRE(id.ok());
   INFO("seed " << seed);
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);

@@ -68,8 +68,8 @@ struct SourceRank {
 
 SourceRank MakeSource(int rank) {
   const auto model = Model();
-  SourceRank s{SharedMemory::Create(testing::UniqueShmName("tp4"), 1, false).value(), {}, {},
-               {}, {}};
+  SourceRank s{
+      SharedMemory::Create(testing::UniqueShmName("tp4"), 1, false).value(), {}, {}, {}, {}};
   uint64_t bytes = 0;
   for (const Tensor& t : model) {
     std::vector<int64_t> off, size;
@@ -93,11 +93,10 @@ void FillSource(SourceRank& s, uint64_t version) {
     const int64_t rows = s.sizes[i][0], cols = s.sizes[i].size() > 1 ? s.sizes[i][1] : 1;
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < cols; ++c) {
-        const int64_t gr = s.offsets[i][0] + r, gc = cols > 1 || s.sizes[i].size() > 1
-                                                         ? s.offsets[i].back() + c
-                                                         : 0;
-        p[r * cols + c] = s.sizes[i].size() > 1 ? Value(i, gr, gc, version)
-                                                : Value(i, 0, gr, version);
+        const int64_t gr = s.offsets[i][0] + r,
+                      gc = cols > 1 || s.sizes[i].size() > 1 ? s.offsets[i].back() + c : 0;
+        p[r * cols + c] =
+            s.sizes[i].size() > 1 ? Value(i, gr, gc, version) : Value(i, 0, gr, version);
       }
     }
   }

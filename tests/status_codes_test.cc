@@ -30,10 +30,10 @@ struct Fixture {
     REQUIRE(d.ok());
     src = std::move(s).value();
     dst = std::move(d).value();
-    auto sid = client->RegisterBuffer("m", v1::SOURCE, src->name(),
-                                      {Slice("w", v1::FP32, {32, 32})});
-    auto did = client->RegisterBuffer("m", v1::DESTINATION, dst->name(),
-                                      {Slice("w", v1::FP32, {32, 32})});
+    auto sid =
+        client->RegisterBuffer("m", v1::SOURCE, src->name(), {Slice("w", v1::FP32, {32, 32})});
+    auto did =
+        client->RegisterBuffer("m", v1::DESTINATION, dst->name(), {Slice("w", v1::FP32, {32, 32})});
     REQUIRE(sid.ok());
     REQUIRE(did.ok());
     src_id = *sid;
@@ -98,8 +98,7 @@ TEST_CASE_METHOD(Fixture, "malformed slices are INVALID_ARGUMENT", "[integration
                         v1::ROLE_UNSPECIFIED);
     ExpectRegisterFails({Slice("x", static_cast<v1::DType>(77), {4})},
                         StatusCode::kInvalidArgument);
-    ExpectRegisterFails({Slice("x", v1::FP32, {4})}, StatusCode::kInvalidArgument, v1::SOURCE,
-                        "");
+    ExpectRegisterFails({Slice("x", v1::FP32, {4})}, StatusCode::kInvalidArgument, v1::SOURCE, "");
   }
   SECTION("two slices of one tensor disagreeing in one request") {
     ExpectRegisterFails({Slice("x", v1::FP32, {2, 4}, 0, {0, 0}, {1, 4}),
@@ -115,8 +114,8 @@ TEST_CASE_METHOD(Fixture, "malformed slices are INVALID_ARGUMENT", "[integration
     CHECK(id.status().code() == StatusCode::kInvalidArgument);
   }
   SECTION("a memory window past the shm object's end") {
-    auto id = client->RegisterBuffer("m", v1::SOURCE, src->name(), {Slice("x", v1::FP32, {4})},
-                                     "", 4000, 200);
+    auto id = client->RegisterBuffer("m", v1::SOURCE, src->name(), {Slice("x", v1::FP32, {4})}, "",
+                                     4000, 200);
     CHECK(id.status().code() == StatusCode::kInvalidArgument);
   }
   ExpectStillServing();
@@ -124,8 +123,8 @@ TEST_CASE_METHOD(Fixture, "malformed slices are INVALID_ARGUMENT", "[integration
 
 TEST_CASE_METHOD(Fixture, "missing shm objects and buffer ids are NOT_FOUND",
                  "[integration][codes]") {
-  auto id = client->RegisterBuffer("m", v1::SOURCE, "/refit-no-such-object",
-                                   {Slice("x", v1::FP32, {4})});
+  auto id =
+      client->RegisterBuffer("m", v1::SOURCE, "/refit-no-such-object", {Slice("x", v1::FP32, {4})});
   CHECK(id.status().code() == StatusCode::kNotFound);
   CHECK(client->Publish("m", 1, {"no-such-buffer"}).status().code() == StatusCode::kNotFound);
   CHECK(client->Apply("m", 0, {"no-such-buffer"}).status().code() == StatusCode::kNotFound);
@@ -144,8 +143,10 @@ TEST_CASE_METHOD(Fixture, "a version not newer than the buffer's last is FAILED_
   ExpectStillServing();
 }
 
-TEST_CASE_METHOD(Fixture, "Apply of an incomplete version is FAILED_PRECONDITION; of a dropped "
-                          "one NOT_FOUND", "[integration][codes]") {
+TEST_CASE_METHOD(Fixture,
+                 "Apply of an incomplete version is FAILED_PRECONDITION; of a dropped "
+                 "one NOT_FOUND",
+                 "[integration][codes]") {
   CHECK(client->Apply("m", 0, {dst_id}).status().code() == StatusCode::kFailedPrecondition);
   for (uint64_t v = 1; v <= 3; ++v) REQUIRE(client->Publish("m", v, {src_id}).ok());
   CHECK(client->Apply("m", 4, {dst_id}).status().code() == StatusCode::kFailedPrecondition);

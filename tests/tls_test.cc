@@ -25,9 +25,7 @@ using client::Slice;
 using std::chrono::milliseconds;
 using testing::DaemonProcess;
 
-int Sh(const std::string& command) {
-  return std::system((command + " >/dev/null 2>&1").c_str());
-}
+int Sh(const std::string& command) { return std::system((command + " >/dev/null 2>&1").c_str()); }
 
 // A CA, a second CA, and certificates: trainer and engine (good), stranger (other CA),
 // old (expired), all with CN = the node name.
@@ -51,14 +49,14 @@ struct Pki {
                " -keyout " + name + ".key -out " + name + ".csr") == 0);
     if (expired.empty()) {
       REQUIRE(Sh("cd " + dir + " && openssl x509 -req -in " + name + ".csr -CA " + ca +
-                 ".pem -CAkey " + ca + ".key -CAcreateserial -days 2 -out " + name + ".pem") ==
-              0);
+                 ".pem -CAkey " + ca + ".key -CAcreateserial -days 2 -out " + name + ".pem") == 0);
       return;
     }
     // An expired certificate: `openssl ca` takes explicit start and end dates.
     std::ofstream conf(dir + "/ca.cnf");
     conf << "[ca]\ndefault_ca=d\n[d]\ndatabase=" << dir << "/index.txt\nserial=" << dir
-         << "/serial\nnew_certs_dir=" << dir << "\ndefault_md=sha256\npolicy=p\n[p]\ncommonName="
+         << "/serial\nnew_certs_dir=" << dir
+         << "\ndefault_md=sha256\npolicy=p\n[p]\ncommonName="
             "supplied\n";
     conf.close();
     std::ofstream(dir + "/index.txt").close();
@@ -105,9 +103,10 @@ std::unique_ptr<DaemonProcess> Engine(int trainer_port, std::vector<std::string>
 
 }  // namespace
 
-TEST_CASE("mutual TLS: a good pair syncs; other CAs, expired, missing or misnamed "
-          "certificates and plaintext are refused",
-          "[integration][trust]") {
+TEST_CASE(
+    "mutual TLS: a good pair syncs; other CAs, expired, missing or misnamed "
+    "certificates and plaintext are refused",
+    "[integration][trust]") {
   if (Sh("command -v openssl") != 0) FAIL("openssl is needed to make the test's certificates");
   Pki pki;
   auto flags = pki.Flags("trainer");

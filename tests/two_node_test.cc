@@ -7,13 +7,12 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <array>
 #include <cstring>
 #include <random>
 #include <thread>
-
-#include <xxhash.h>
 
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
@@ -112,11 +111,10 @@ TEST_CASE("a version moves between two daemons bit-exact, resharded", "[integrat
   REQUIRE(s.ok());
   // Engine: the second half of a's rows, and all of b.
   SharedMemory dst = MakeShm(512 * 512 * 2 + b_bytes);
-  auto d = engine->RegisterBuffer(
-      "m", v1::DESTINATION, dst.name(),
-      {Slice("a", v1::BF16, {1024, 512}, 0, {512, 0}, {512, 512}),
-       Slice("b", v1::FP32, {3000}, 512 * 512 * 2)},
-      "engine");
+  auto d = engine->RegisterBuffer("m", v1::DESTINATION, dst.name(),
+                                  {Slice("a", v1::BF16, {1024, 512}, 0, {512, 0}, {512, 512}),
+                                   Slice("b", v1::FP32, {3000}, 512 * 512 * 2)},
+                                  "engine");
   REQUIRE(d.ok());
 
   for (uint64_t v = 1; v <= 3; ++v) {
@@ -133,8 +131,7 @@ TEST_CASE("a version moves between two daemons bit-exact, resharded", "[integrat
   // Only the bytes the engine needs crossed: half of a, all of b, per version.
   auto status = engine->Status();
   REQUIRE(status.ok());
-  CHECK(status->metrics().at("refit_data_bytes_received_total") ==
-        3.0 * (512 * 512 * 2 + b_bytes));
+  CHECK(status->metrics().at("refit_data_bytes_received_total") == 3.0 * (512 * 512 * 2 + b_bytes));
   auto sent = trainer->Status();
   REQUIRE(sent.ok());
   CHECK(sent->metrics().at("refit_data_bytes_sent_total") == 3.0 * (512 * 512 * 2 + b_bytes));
@@ -173,8 +170,7 @@ TEST_CASE("a column-split pull is verified from sums the source took at Publish"
     REQUIRE(nodes.engine->Apply("m", v, {*d}).ok());
     for (int64_t row = 0; row < kRows; ++row) {
       INFO("version " << v << " row " << row);
-      REQUIRE(std::memcmp(dst.data() + row * kHalf, src.data() + row * kRow + kHalf, kHalf) ==
-              0);
+      REQUIRE(std::memcmp(dst.data() + row * kHalf, src.data() + row * kRow + kHalf, kHalf) == 0);
     }
     // Version 1: every range hashed when asked for; later versions: none.
     CHECK(hashed_on_demand() == static_cast<double>(kRows * kHalf));
@@ -309,13 +305,13 @@ TEST_CASE("a source that registers again with another layout: the engine follows
   constexpr uint64_t kBytes = 256 * 256 * 2, kHalf = kBytes / 2;
   SharedMemory dst = MakeShm(kBytes);
   auto d = engine->RegisterBuffer("m", v1::DESTINATION, dst.name(),
-                                     {Slice("a", v1::BF16, {256, 256})}, "engine");
+                                  {Slice("a", v1::BF16, {256, 256})}, "engine");
   REQUIRE(d.ok());
 
   // Version 1: the whole tensor, in order.
   SharedMemory first = MakeShm(kBytes);
   auto s1 = trainer->RegisterBuffer("m", v1::SOURCE, first.name(),
-                                       {Slice("a", v1::BF16, {256, 256})}, "t1");
+                                    {Slice("a", v1::BF16, {256, 256})}, "t1");
   REQUIRE(s1.ok());
   Fill(first, 1);
   REQUIRE(trainer->Publish("m", 1, {*s1}).ok());
@@ -326,11 +322,10 @@ TEST_CASE("a source that registers again with another layout: the engine follows
   // Version 2: another buffer, same size, the two halves of the rows swapped in memory.
   REQUIRE(trainer->ReleaseBuffer(*s1).ok());
   SharedMemory second = MakeShm(kBytes);
-  auto s2 = trainer->RegisterBuffer(
-      "m", v1::SOURCE, second.name(),
-      {Slice("a", v1::BF16, {256, 256}, 0, {128, 0}, {128, 256}),
-       Slice("a", v1::BF16, {256, 256}, kHalf, {0, 0}, {128, 256})},
-      "t2");
+  auto s2 = trainer->RegisterBuffer("m", v1::SOURCE, second.name(),
+                                    {Slice("a", v1::BF16, {256, 256}, 0, {128, 0}, {128, 256}),
+                                     Slice("a", v1::BF16, {256, 256}, kHalf, {0, 0}, {128, 256})},
+                                    "t2");
   REQUIRE(s2.ok());
   Fill(second, 2);
   REQUIRE(trainer->Publish("m", 2, {*s2}).ok());
@@ -352,8 +347,9 @@ TEST_CASE("a source killed mid-transfer leaves the engine on the previous versio
   // over tcp; over shared memory, where a read is a memcpy from the source's mapped slot,
   // 256 MiB in 4 KiB reads.
   const bool shm = SharedMemoryTls();
-  auto engine = DaemonProcess::Start({"--node=dst", shm ? "--chunk-bytes=4096" : "--chunk-bytes=8192",
-                                      "--inflight=1", "--peers=127.0.0.1:" + std::to_string(port)});
+  auto engine =
+      DaemonProcess::Start({"--node=dst", shm ? "--chunk-bytes=4096" : "--chunk-bytes=8192",
+                            "--inflight=1", "--peers=127.0.0.1:" + std::to_string(port)});
   REQUIRE(engine.ok());
   const int64_t kBytes = shm ? 256 << 20 : 64 << 20;
   BigModel big(**source, **engine, kBytes);
@@ -389,9 +385,9 @@ TEST_CASE("a source killed mid-transfer leaves the engine on the previous versio
   CHECK(status->models(0).abandoned_error().rfind("UNAVAILABLE", 0) == 0);
   // `refitctl watch` on a terminal says so too (script(1) gives it a pty).
   const std::string refitctl = testing::RunfilePath("client/refitctl");
-  auto watched = testing::RunCommand(
-      {"/usr/bin/timeout", "2", "/usr/bin/script", "-qec",
-       refitctl + " --socket=" + (*engine)->socket() + " watch big", "/dev/null"});
+  auto watched = testing::RunCommand({"/usr/bin/timeout", "2", "/usr/bin/script", "-qec",
+                                      refitctl + " --socket=" + (*engine)->socket() + " watch big",
+                                      "/dev/null"});
   INFO(watched.out);
   CHECK(watched.out.find("big version 2 abandoned: UNAVAILABLE") != std::string::npos);
 
@@ -466,8 +462,8 @@ TEST_CASE("a receiver killed mid-transfer doesn't stop the source serving anothe
   auto source = DaemonProcess::Start({"--node=src"});
   REQUIRE(source.ok());
   const std::string peers = "--peers=127.0.0.1:" + std::to_string(ListenPort(**source));
-  auto doomed = DaemonProcess::Start({"--node=doomed", "--chunk-bytes=4096", "--inflight=1",
-                                      peers});
+  auto doomed =
+      DaemonProcess::Start({"--node=doomed", "--chunk-bytes=4096", "--inflight=1", peers});
   auto survivor = DaemonProcess::Start({"--node=survivor", peers});
   REQUIRE(doomed.ok());
   REQUIRE(survivor.ok());
@@ -611,7 +607,8 @@ TEST_CASE("tensors of several sizes up to 256 MiB arrive bit-exact", "[integrati
 TEST_CASE("a restarted receiver pulls the newest version again", "[integration][two]") {
   Pair p = StartPair();
   SharedMemory src = MakeShm(1 << 20), dst = MakeShm(1 << 20);
-  auto s = p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {1 << 20})});
+  auto s =
+      p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {1 << 20})});
   REQUIRE(s.ok());
   for (uint64_t v = 1; v <= 3; ++v) {
     Fill(src, static_cast<uint32_t>(v));
@@ -626,8 +623,9 @@ TEST_CASE("a restarted receiver pulls the newest version again", "[integration][
   REQUIRE(engine.ok());
   auto inference = (*engine)->Connect();
   REQUIRE(inference.ok());
-  auto d = (*inference)->RegisterBuffer("m", v1::DESTINATION, dst.name(),
-                                        {Slice("w", v1::UINT8, {1 << 20})});
+  auto d =
+      (*inference)
+          ->RegisterBuffer("m", v1::DESTINATION, dst.name(), {Slice("w", v1::UINT8, {1 << 20})});
   REQUIRE(d.ok());
   auto got = (*inference)->WaitForVersion("m", 1, milliseconds(20000));
   REQUIRE(got.ok());
@@ -658,8 +656,8 @@ TEST_CASE("a source of an older release (plain checksum ranges only) still verif
     for (int64_t row = 0; row < kRows; ++row) {
       INFO("version " << v << " row " << row);
       // The right half of each row (columns kCols / 2 on: kCols bytes in).
-      REQUIRE(std::memcmp(dst.data() + row * kCols, src.data() + row * kCols * 2 + kCols,
-                          kCols) == 0);
+      REQUIRE(std::memcmp(dst.data() + row * kCols, src.data() + row * kCols * 2 + kCols, kCols) ==
+              0);
     }
   }
   auto status = p.inference->Status();
@@ -690,8 +688,8 @@ TEST_CASE("a checksum mismatch is fetched again; a persistent one fails the vers
     Pair p = StartPair({"REFIT_FAULT_CORRUPT_CHECKSUMS=1"});
     SharedMemory src = MakeShm(1 << 20), dst = MakeShm(1 << 20);
     Fill(src, 1);
-    auto s = p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(),
-                                       {Slice("w", v1::UINT8, {1 << 20})});
+    auto s =
+        p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {1 << 20})});
     auto d = p.inference->RegisterBuffer("m", v1::DESTINATION, dst.name(),
                                          {Slice("w", v1::UINT8, {1 << 20})});
     REQUIRE(p.trainer->Publish("m", 1, {*s}).ok());
@@ -706,8 +704,8 @@ TEST_CASE("a checksum mismatch is fetched again; a persistent one fails the vers
   SECTION("always bad: the version is never shown, the previous one stays") {
     Pair p = StartPair({"REFIT_FAULT_CORRUPT_CHECKSUMS=1000000"});
     SharedMemory src = MakeShm(1 << 20), dst = MakeShm(1 << 20);
-    auto s = p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(),
-                                       {Slice("w", v1::UINT8, {1 << 20})});
+    auto s =
+        p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {1 << 20})});
     auto d = p.inference->RegisterBuffer("m", v1::DESTINATION, dst.name(),
                                          {Slice("w", v1::UINT8, {1 << 20})});
     REQUIRE(p.trainer->Publish("m", 1, {*s}).ok());
@@ -729,7 +727,8 @@ TEST_CASE("Status and refitctl show a pull in flight and each version completing
   Pair p = StartPair({}, {"--chunk-bytes=16384", "--inflight=1"});
   constexpr int64_t kBytes = 32 << 20;
   SharedMemory src = MakeShm(kBytes), dst = MakeShm(kBytes);
-  auto s = p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {kBytes})});
+  auto s =
+      p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {kBytes})});
   auto d = p.inference->RegisterBuffer("m", v1::DESTINATION, dst.name(),
                                        {Slice("w", v1::UINT8, {kBytes})});
   REQUIRE(s.ok());
@@ -775,7 +774,8 @@ TEST_CASE("SIGTERM during a pull stops the receiver cleanly and promptly", "[int
   Pair p = StartPair({}, {"--chunk-bytes=4096", "--inflight=1"});
   constexpr int64_t kBytes = 64 << 20;
   SharedMemory src = MakeShm(kBytes), dst = MakeShm(kBytes);
-  auto s = p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {kBytes})});
+  auto s =
+      p.trainer->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {kBytes})});
   auto d = p.inference->RegisterBuffer("m", v1::DESTINATION, dst.name(),
                                        {Slice("w", v1::UINT8, {kBytes})});
   REQUIRE(s.ok());

@@ -48,8 +48,8 @@ std::vector<Tensor> LlamaTensors(int layers, int64_t hidden, int64_t vocab) {
   std::vector<Tensor> t{{"model.embed_tokens.weight", {vocab, hidden}}};
   for (int l = 0; l < layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
-    for (const char* n : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                          "self_attn.o_proj"}) {
+    for (const char* n :
+         {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"}) {
       t.push_back({p + n + ".weight", {hidden, hidden}});
     }
     t.push_back({p + "mlp.gate_proj.weight", {inter, hidden}});
@@ -68,10 +68,16 @@ std::vector<const Tensor*> EngineOrder(const std::vector<Tensor>& tensors) {
   std::vector<const Tensor*> order;
   for (const Tensor& t : tensors) order.push_back(&t);
   auto rank = [](const std::string& name) {
-    for (auto [key, r] : std::vector<std::pair<const char*, int>>{
-             {"q_proj", 0}, {"k_proj", 1}, {"v_proj", 2}, {"o_proj", 3}, {"gate_proj", 4},
-             {"up_proj", 5}, {"down_proj", 6}, {"input_layernorm", 7},
-             {"post_attention_layernorm", 8}}) {
+    for (auto [key, r] :
+         std::vector<std::pair<const char*, int>>{{"q_proj", 0},
+                                                  {"k_proj", 1},
+                                                  {"v_proj", 2},
+                                                  {"o_proj", 3},
+                                                  {"gate_proj", 4},
+                                                  {"up_proj", 5},
+                                                  {"down_proj", 6},
+                                                  {"input_layernorm", 7},
+                                                  {"post_attention_layernorm", 8}}) {
       if (name.find(key) != std::string::npos) return r;
     }
     return 9;
@@ -172,10 +178,9 @@ int main(int argc, char** argv) {
       "gate_up)\n",
       model, tensors.size(), static_cast<double>(total) / (1 << 30));
   const bool two_nodes = engine_socket != socket;
-  std::cout << absl::StrFormat("%-8s %14s %14s %10s %8s %10s %8s %10s %8s %6s\n", "version",
-                               "bytes", "on the wire", "publish s", "GB/s",
-                               two_nodes ? "transfer s" : "wait s", "GB/s", "apply s", "GB/s",
-                               "check");
+  std::cout << absl::StrFormat(
+      "%-8s %14s %14s %10s %8s %10s %8s %10s %8s %6s\n", "version", "bytes", "on the wire",
+      "publish s", "GB/s", two_nodes ? "transfer s" : "wait s", "GB/s", "apply s", "GB/s", "check");
   auto received = [&]() -> double {
     auto status = (*engine)->Status();
     if (!status.ok()) return 0;
@@ -243,8 +248,8 @@ int main(int argc, char** argv) {
     apply_s.push_back(Seconds(t2, t3));
     std::cout << absl::StrFormat(
         "%-8d %14d %14.0f %10.4f %8.2f %10.4f %8.2f %10.4f %8.2f %6s\n", version,
-        published->bytes(), wire, publish_s.back(), published->bytes() / publish_s.back() / 1e9, transfer_s.back(),
-        two_nodes ? total / transfer_s.back() / 1e9 : 0.0, apply_s.back(),
+        published->bytes(), wire, publish_s.back(), published->bytes() / publish_s.back() / 1e9,
+        transfer_s.back(), two_nodes ? total / transfer_s.back() / 1e9 : 0.0, apply_s.back(),
         applied->bytes_written() / apply_s.back() / 1e9, ok ? "ok" : "WRONG");
     if (!ok) return 1;
   }

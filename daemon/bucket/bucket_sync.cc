@@ -61,8 +61,10 @@ void BucketExport::Export(const std::string& model, uint64_t version) {
   for (const LocalSnapshot::Piece& p : (*snapshot)->pieces) {
     auto layout = layouts.find(p.buffer_id);
     if (layout == layouts.end() || p.slot->kind() != MemoryKind::kHost) {
-      Logger("bucket")->warn("model={} version={}: buffer {} can't be exported (no layout or "
-                             "not host memory)", model, version, p.buffer_id);
+      Logger("bucket")->warn(
+          "model={} version={}: buffer {} can't be exported (no layout or "
+          "not host memory)",
+          model, version, p.buffer_id);
       return;
     }
     ExportPiece piece;
@@ -71,7 +73,8 @@ void BucketExport::Export(const std::string& model, uint64_t version) {
     piece.bytes = p.slot->size();
     piece.data = p.slot->data();
     for (const peer::EncodedDelta& d : deltas) {
-      if (d.buffer_id == p.buffer_id && d.version == version && d.base_version == exported_[model]) {
+      if (d.buffer_id == p.buffer_id && d.version == version &&
+          d.base_version == exported_[model]) {
         piece.delta = d.bytes->data();
         piece.delta_size = d.bytes->size();
         piece.delta_base = d.base_version;
@@ -95,11 +98,7 @@ void BucketExport::Export(const std::string& model, uint64_t version) {
 // ---------------------------------------------------------------------------------------------
 
 BucketImport::BucketImport(std::string dir, Store* store, Metrics* metrics)
-    : dir_(dir),
-      node_("bucket:" + dir),
-      store_(store),
-      metrics_(metrics),
-      importer_(dir, [&] {
+    : dir_(dir), node_("bucket:" + dir), store_(store), metrics_(metrics), importer_(dir, [&] {
         ImporterOptions o;
         o.metrics = metrics;
         return o;

@@ -64,7 +64,7 @@ class BucketExport final : public StoreEvents {
   // Worker thread only.
   std::map<std::string, std::unique_ptr<Exporter>> exporters_;  // by model
   std::map<std::string, uint64_t> exported_;                    // newest version written
-  WorkerLoop loop_{"bucket export"};  // runs ExportAll
+  WorkerLoop loop_{"bucket export"};                            // runs ExportAll
 };
 
 class BucketImport {

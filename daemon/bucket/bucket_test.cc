@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
+#include "daemon/bucket/bucket_testing.h"
 #include "daemon/bucket/exporter.h"
 #include "daemon/bucket/importer.h"
-#include "daemon/bucket/bucket_testing.h"
 #include "daemon/metrics/metrics.h"
 
 namespace refit::bucket {

@@ -36,7 +36,6 @@ namespace refit::bucket::testing {
 
 using Bytes = std::vector<uint8_t>;
 
-
 inline Allocator HostAllocator() {
   return [](uint64_t bytes) -> absl::StatusOr<std::shared_ptr<Region>> {
     auto region = AllocateHost(bytes);

@@ -10,9 +10,9 @@
 #include <string>
 
 #include "catch2/catch.hpp"
+#include "daemon/bucket/bucket_testing.h"
 #include "daemon/bucket/exporter.h"
 #include "daemon/bucket/importer.h"
-#include "daemon/bucket/bucket_testing.h"
 #include "daemon/metrics/metrics.h"
 #include "nlohmann/json.hpp"
 

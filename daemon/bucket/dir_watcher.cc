@@ -12,8 +12,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/bucket/file_io.h"
-#include "daemon/common/xxh3.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/xxh3.h"
 
 namespace refit::bucket {
 namespace {

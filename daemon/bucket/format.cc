@@ -6,8 +6,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/xxh3.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/xxh3.h"
 #include "daemon/plan/plan.h"
 #include "nlohmann/json.hpp"
 

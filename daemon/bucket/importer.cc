@@ -8,9 +8,9 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/bucket/file_io.h"
 #include "daemon/bucket/full_codec.h"
-#include "daemon/common/xxh3.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/xxh3.h"
 #include "daemon/delta/delta.h"
 
 namespace refit::bucket {

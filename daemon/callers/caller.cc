@@ -67,9 +67,10 @@ bool Policy::Allows(const Caller& caller) const {
 }
 
 std::string Policy::Describe() const {
-  return absl::StrCat("root, uid ", daemon_uid,
-                      allow_uids.empty() ? "" : absl::StrCat(", uids ", absl::StrJoin(allow_uids, ",")),
-                      allow_gids.empty() ? "" : absl::StrCat(", gids ", absl::StrJoin(allow_gids, ",")));
+  return absl::StrCat(
+      "root, uid ", daemon_uid,
+      allow_uids.empty() ? "" : absl::StrCat(", uids ", absl::StrJoin(allow_uids, ",")),
+      allow_gids.empty() ? "" : absl::StrCat(", gids ", absl::StrJoin(allow_gids, ",")));
 }
 
 Policy DefaultPolicy(gid_t socket_gid) {
@@ -93,10 +94,11 @@ absl::Status CheckAccess(const Caller& caller, const struct stat& st, bool write
   }
   const bool readable = bits & 4, writable = bits & 2;
   if (readable && (!write || writable)) return absl::OkStatus();
-  return absl::PermissionDeniedError(absl::StrCat(
-      what, " (owner uid ", st.st_uid, ", gid ", st.st_gid, ", mode ",
-      absl::StrFormat("%04o", st.st_mode & 07777), ") is not ", write ? "readable and writable" : "readable",
-      " by the caller (", caller.Describe(), "); a caller lends refitd only memory it can open itself"));
+  return absl::PermissionDeniedError(
+      absl::StrCat(what, " (owner uid ", st.st_uid, ", gid ", st.st_gid, ", mode ",
+                   absl::StrFormat("%04o", st.st_mode & 07777), ") is not ",
+                   write ? "readable and writable" : "readable", " by the caller (",
+                   caller.Describe(), "); a caller lends refitd only memory it can open itself"));
 }
 
 }  // namespace refit::callers

@@ -20,7 +20,7 @@ struct Caller {
   pid_t pid = 0;
   uid_t uid = 0;
   gid_t gid = 0;
-  std::vector<gid_t> groups;  // supplementary groups of uid (with gid), as the system lists them
+  std::vector<gid_t> groups;     // supplementary groups of uid (with gid), as the system lists them
   std::string Describe() const;  // "uid 1000 gid 1000 pid 4242"
 };
 

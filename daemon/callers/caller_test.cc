@@ -59,8 +59,7 @@ TEST_CASE("access: owner, group and other bits; root opens anything", "[callers]
   Caller other;
   other.uid = 2000;
   other.groups = {2000};
-  REQUIRE(CheckAccess(other, st, false, "shm /x").code() ==
-          absl::StatusCode::kPermissionDenied);
+  REQUIRE(CheckAccess(other, st, false, "shm /x").code() == absl::StatusCode::kPermissionDenied);
   Caller root;
   root.uid = 0;
   REQUIRE(CheckAccess(root, st, true, "shm /x").ok());

@@ -1,7 +1,6 @@
 #include "daemon/common/logging.h"
 
 #include "daemon/common/mutex.h"
-
 #include "spdlog/sinks/stdout_color_sinks.h"
 
 namespace refit {

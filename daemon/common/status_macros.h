@@ -9,9 +9,9 @@
 #define REFIT_CONCAT(a, b) REFIT_CONCAT_INNER(a, b)
 
 // Returns from the current function when `expr` is not OK.
-#define RETURN_IF_ERROR(expr)                  \
-  do {                                         \
-    ::absl::Status _refit_status = (expr);     \
+#define RETURN_IF_ERROR(expr)                      \
+  do {                                             \
+    ::absl::Status _refit_status = (expr);         \
     if (!_refit_status.ok()) return _refit_status; \
   } while (0)
 

@@ -27,16 +27,26 @@ size_t DTypeSize(DType dtype) {
 
 const char* DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kBF16: return "bf16";
-    case DType::kFP16: return "fp16";
-    case DType::kFP32: return "fp32";
-    case DType::kFP8E4M3: return "fp8_e4m3";
-    case DType::kFP8E5M2: return "fp8_e5m2";
-    case DType::kINT8: return "int8";
-    case DType::kUINT8: return "uint8";
-    case DType::kINT32: return "int32";
-    case DType::kINT64: return "int64";
-    case DType::kUnspecified: break;
+    case DType::kBF16:
+      return "bf16";
+    case DType::kFP16:
+      return "fp16";
+    case DType::kFP32:
+      return "fp32";
+    case DType::kFP8E4M3:
+      return "fp8_e4m3";
+    case DType::kFP8E5M2:
+      return "fp8_e5m2";
+    case DType::kINT8:
+      return "int8";
+    case DType::kUINT8:
+      return "uint8";
+    case DType::kINT32:
+      return "int32";
+    case DType::kINT64:
+      return "int64";
+    case DType::kUnspecified:
+      break;
   }
   return "unspecified";
 }
@@ -56,9 +66,12 @@ bool IsFloat(DType dtype) {
 
 const char* RoleName(Role role) {
   switch (role) {
-    case Role::kSource: return "source";
-    case Role::kDestination: return "destination";
-    case Role::kUnspecified: break;
+    case Role::kSource:
+      return "source";
+    case Role::kDestination:
+      return "destination";
+    case Role::kUnspecified:
+      break;
   }
   return "unspecified";
 }

@@ -23,9 +23,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/xxh3.h"
 #include "daemon/delta/rice.h"
 #include "daemon/delta/varint.h"
-#include "daemon/common/xxh3.h"
 
 namespace refit::delta::internal {
 namespace {
@@ -83,8 +83,7 @@ inline uint64_t DiffMask64(const uint8_t* a, const uint8_t* b) {
 }
 
 #if defined(REFIT_DELTA_X86_AVX2)
-__attribute__((target("avx2"))) inline uint64_t DiffMask64Avx2(const uint8_t* a,
-                                                               const uint8_t* b) {
+__attribute__((target("avx2"))) inline uint64_t DiffMask64Avx2(const uint8_t* a, const uint8_t* b) {
   const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
   const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
   const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32));
@@ -141,8 +140,8 @@ ChunkEncoder::~ChunkEncoder() = default;
 // Records the elements whose bytes are set in `mask` (a DiffMask64 of the 64 bytes at element
 // block_first). Works on locals: this-> members could alias the byte loads and be reloaded.
 template <typename T>
-inline void ChunkEncoder::EmitMask(const uint8_t* base, const uint8_t* target,
-                                   uint64_t block_first, uint64_t mask) {
+inline void ChunkEncoder::EmitMask(const uint8_t* base, const uint8_t* target, uint64_t block_first,
+                                   uint64_t mask) {
   constexpr uint64_t kElementMask = (uint64_t{1} << sizeof(T)) - 1;  // its bits in a byte mask
   constexpr uint64_t kMaxPerBlock = 64 / sizeof(T);
   if (changes_ + kMaxPerBlock > gaps_.size()) {
@@ -161,7 +160,8 @@ inline void ChunkEncoder::EmitMask(const uint8_t* base, const uint8_t* target,
     gaps[emitted] = element - next;
     // A change has a nonzero difference, so its zigzag is >= 1.
     values[emitted] = ZigZagDiff<T>(LoadFixed<T>(base + element * sizeof(T)),
-                                    LoadFixed<T>(target + element * sizeof(T))) - 1;
+                                    LoadFixed<T>(target + element * sizeof(T))) -
+                      1;
     ++emitted;
     next = element + 1;
   } while (mask != 0);
@@ -172,7 +172,7 @@ inline void ChunkEncoder::EmitMask(const uint8_t* base, const uint8_t* target,
 // The elements of [first, first + count) from byte done_bytes (a multiple of 64) on.
 template <typename T>
 void ChunkEncoder::ScanTail(const uint8_t* base, const uint8_t* target, uint64_t first,
-                           uint64_t count, uint64_t done_bytes) {
+                            uint64_t count, uint64_t done_bytes) {
   for (uint64_t i = done_bytes / sizeof(T); i < count; ++i) {
     const uint64_t element = first + i;
     if (std::memcmp(base + element * sizeof(T), target + element * sizeof(T), sizeof(T)) != 0) {
@@ -250,10 +250,16 @@ void ChunkEncoder::Scan(const uint8_t* base, const uint8_t* target, uint64_t num
 #if defined(REFIT_DELTA_X86_AVX2)
     switch (BestIsa()) {
 #if defined(REFIT_DELTA_X86_AVX512)
-      case Isa::kAvx512: ScanRangeAvx512<T>(base, target, first, count); break;
+      case Isa::kAvx512:
+        ScanRangeAvx512<T>(base, target, first, count);
+        break;
 #endif
-      case Isa::kAvx2: ScanRangeAvx2<T>(base, target, first, count); break;
-      default: ScanRange<T>(base, target, first, count); break;
+      case Isa::kAvx2:
+        ScanRangeAvx2<T>(base, target, first, count);
+        break;
+      default:
+        ScanRange<T>(base, target, first, count);
+        break;
     }
 #else
     ScanRange<T>(base, target, first, count);
@@ -262,9 +268,8 @@ void ChunkEncoder::Scan(const uint8_t* base, const uint8_t* target, uint64_t num
   }
 }
 
-absl::Status ChunkEncoder::AppendStream(const std::vector<uint8_t>& stream,
-                                        uint64_t stream_bytes, unsigned k, bool try_zstd,
-                                        std::vector<uint8_t>& out) {
+absl::Status ChunkEncoder::AppendStream(const std::vector<uint8_t>& stream, uint64_t stream_bytes,
+                                        unsigned k, bool try_zstd, std::vector<uint8_t>& out) {
   PutVarint(out, stream_bytes);
   if (try_zstd && k == 0 && stream_bytes >= kMinZstdBytes) {
     const size_t bound = ZSTD_compressBound(stream_bytes);
@@ -300,10 +305,18 @@ absl::StatusOr<ChunkSummary> ChunkEncoder::Encode(const uint8_t* base, const uin
   changes_ = 0;
   XXH3_64bits_reset(target_hash_.get());
   switch (element_size) {
-    case 1: Scan<uint8_t>(base, target, num_elements); break;
-    case 2: Scan<uint16_t>(base, target, num_elements); break;
-    case 4: Scan<uint32_t>(base, target, num_elements); break;
-    case 8: Scan<uint64_t>(base, target, num_elements); break;
+    case 1:
+      Scan<uint8_t>(base, target, num_elements);
+      break;
+    case 2:
+      Scan<uint16_t>(base, target, num_elements);
+      break;
+    case 4:
+      Scan<uint32_t>(base, target, num_elements);
+      break;
+    case 8:
+      Scan<uint64_t>(base, target, num_elements);
+      break;
     default:
       return absl::InvalidArgumentError(absl::StrCat("unsupported element size ", element_size));
   }
@@ -431,11 +444,16 @@ absl::Status ChunkDecoder::DecodeSparse(const uint8_t* payload, uint64_t size,
   RETURN_IF_ERROR(ReadStream(cursor, end, max_bytes, value_stream_, value_bytes));
   if (cursor != end) return Corrupt("trailing bytes");
   switch (expect.element_size) {
-    case 1: return DecodeChanges<uint8_t>(expect, gap_k, value_k, gap_bytes, value_bytes);
-    case 2: return DecodeChanges<uint16_t>(expect, gap_k, value_k, gap_bytes, value_bytes);
-    case 4: return DecodeChanges<uint32_t>(expect, gap_k, value_k, gap_bytes, value_bytes);
-    case 8: return DecodeChanges<uint64_t>(expect, gap_k, value_k, gap_bytes, value_bytes);
-    default: return Corrupt("unsupported element size");
+    case 1:
+      return DecodeChanges<uint8_t>(expect, gap_k, value_k, gap_bytes, value_bytes);
+    case 2:
+      return DecodeChanges<uint16_t>(expect, gap_k, value_k, gap_bytes, value_bytes);
+    case 4:
+      return DecodeChanges<uint32_t>(expect, gap_k, value_k, gap_bytes, value_bytes);
+    case 8:
+      return DecodeChanges<uint64_t>(expect, gap_k, value_k, gap_bytes, value_bytes);
+    default:
+      return Corrupt("unsupported element size");
   }
 }
 
@@ -455,10 +473,14 @@ void ChunkDecoder::SubtractChanges(uint8_t* base) const {
 
 void ChunkDecoder::SubtractChanges(size_t element_size, uint8_t* base) const {
   switch (element_size) {
-    case 1: return SubtractChanges<uint8_t>(base);
-    case 2: return SubtractChanges<uint16_t>(base);
-    case 4: return SubtractChanges<uint32_t>(base);
-    default: return SubtractChanges<uint64_t>(base);
+    case 1:
+      return SubtractChanges<uint8_t>(base);
+    case 2:
+      return SubtractChanges<uint16_t>(base);
+    case 4:
+      return SubtractChanges<uint32_t>(base);
+    default:
+      return SubtractChanges<uint64_t>(base);
   }
 }
 
@@ -487,10 +509,14 @@ uint64_t ChunkDecoder::AddChangesAndHash(uint8_t* base, uint64_t num_elements) {
 uint64_t ChunkDecoder::AddChangesAndHash(size_t element_size, uint8_t* base,
                                          uint64_t num_elements) {
   switch (element_size) {
-    case 1: return AddChangesAndHash<uint8_t>(base, num_elements);
-    case 2: return AddChangesAndHash<uint16_t>(base, num_elements);
-    case 4: return AddChangesAndHash<uint32_t>(base, num_elements);
-    default: return AddChangesAndHash<uint64_t>(base, num_elements);
+    case 1:
+      return AddChangesAndHash<uint8_t>(base, num_elements);
+    case 2:
+      return AddChangesAndHash<uint16_t>(base, num_elements);
+    case 4:
+      return AddChangesAndHash<uint32_t>(base, num_elements);
+    default:
+      return AddChangesAndHash<uint64_t>(base, num_elements);
   }
 }
 
@@ -546,8 +572,8 @@ absl::Status ChunkDecoder::Apply(const uint8_t* payload, uint64_t size,
 }
 
 template <typename T>
-void ChunkDecoder::AddChangesWithin(uint8_t* base,
-                                    const std::vector<std::pair<uint64_t, uint64_t>>& ranges) const {
+void ChunkDecoder::AddChangesWithin(
+    uint8_t* base, const std::vector<std::pair<uint64_t, uint64_t>>& ranges) const {
   const uint32_t* const positions = positions_.data();
   const uint64_t* const deltas = deltas_.data();
   const size_t n = positions_.size();
@@ -585,10 +611,18 @@ absl::Status ChunkDecoder::ApplyWithin(const uint8_t* payload, uint64_t size,
   }
   RETURN_IF_ERROR(DecodeSparse(payload, size, expect));
   switch (expect.element_size) {
-    case 1: AddChangesWithin<uint8_t>(base, ranges); break;
-    case 2: AddChangesWithin<uint16_t>(base, ranges); break;
-    case 4: AddChangesWithin<uint32_t>(base, ranges); break;
-    default: AddChangesWithin<uint64_t>(base, ranges); break;
+    case 1:
+      AddChangesWithin<uint8_t>(base, ranges);
+      break;
+    case 2:
+      AddChangesWithin<uint16_t>(base, ranges);
+      break;
+    case 4:
+      AddChangesWithin<uint32_t>(base, ranges);
+      break;
+    default:
+      AddChangesWithin<uint64_t>(base, ranges);
+      break;
   }
   return absl::OkStatus();
 }

@@ -30,8 +30,8 @@ enum class ChunkMode : uint8_t {
 // What encoding one chunk found out about it.
 struct ChunkSummary {
   ChunkMode mode = ChunkMode::kUnchanged;
-  uint64_t changed = 0;      // elements whose bit pattern differs
-  uint64_t target_xxh3 = 0;  // XXH3-64 of the chunk's target bytes
+  uint64_t changed = 0;       // elements whose bit pattern differs
+  uint64_t target_xxh3 = 0;   // XXH3-64 of the chunk's target bytes
   double scan_seconds = 0;    // compare, target checksum, collecting the changes
   double coding_seconds = 0;  // choosing Rice parameters, writing the streams, zstd
 };
@@ -60,8 +60,7 @@ class ChunkEncoder {
   template <typename T>
   void ScanRangeAvx2(const uint8_t* base, const uint8_t* target, uint64_t first, uint64_t count);
   template <typename T>
-  void ScanRangeAvx512(const uint8_t* base, const uint8_t* target, uint64_t first,
-                       uint64_t count);
+  void ScanRangeAvx512(const uint8_t* base, const uint8_t* target, uint64_t first, uint64_t count);
   template <typename T>
   void ScanTail(const uint8_t* base, const uint8_t* target, uint64_t first, uint64_t count,
                 uint64_t done_bytes);
@@ -75,8 +74,8 @@ class ChunkEncoder {
   int zstd_level_;
   std::unique_ptr<ZSTD_CCtx_s, void (*)(ZSTD_CCtx_s*)> cctx_;
   std::unique_ptr<XXH3_state_s, void (*)(XXH3_state_s*)> target_hash_;
-  uint64_t next_element_ = 0;  // element after the last change emitted
-  uint64_t changes_ = 0;       // changes found so far; gaps_ and values_ hold more room
+  uint64_t next_element_ = 0;     // element after the last change emitted
+  uint64_t changes_ = 0;          // changes found so far; gaps_ and values_ hold more room
   std::vector<uint64_t> gaps_;    // per change: elements skipped since the previous change
   std::vector<uint64_t> values_;  // per change: zigzag of (target - base), minus 1
   std::vector<uint64_t> sample_;  // scratch for choosing Rice parameters
@@ -103,8 +102,8 @@ class ChunkDecoder {
   // that `base` (the chunk's num_elements * element_size bytes) already hashes to the target
   // (FAILED_PRECONDITION otherwise); for a raw chunk its size and target checksum (DATA_LOSS).
   // After it passes, Apply cannot fail on an unchanged or raw chunk.
-  static absl::Status Verify(const uint8_t* payload, uint64_t size,
-                             const ChunkExpectation& expect, const uint8_t* base);
+  static absl::Status Verify(const uint8_t* payload, uint64_t size, const ChunkExpectation& expect,
+                             const uint8_t* base);
 
   // Applies a payload that passed Verify() and whose encoded checksum was checked. A sparse
   // payload is validated field by field before the first write (DATA_LOSS when malformed); its
@@ -130,8 +129,7 @@ class ChunkDecoder {
  private:
   absl::Status ReadStream(const uint8_t*& cursor, const uint8_t* end, uint64_t max_bytes,
                           std::vector<uint8_t>& stream, uint64_t& stream_bytes);
-  absl::Status DecodeSparse(const uint8_t* payload, uint64_t size,
-                            const ChunkExpectation& expect);
+  absl::Status DecodeSparse(const uint8_t* payload, uint64_t size, const ChunkExpectation& expect);
   template <typename T>
   absl::Status DecodeChanges(const ChunkExpectation& expect, unsigned gap_k, unsigned value_k,
                              uint64_t gap_bytes, uint64_t value_bytes);
@@ -141,14 +139,15 @@ class ChunkDecoder {
   template <typename T>
   void SubtractChanges(uint8_t* base) const;
   template <typename T>
-  void AddChangesWithin(uint8_t* base, const std::vector<std::pair<uint64_t, uint64_t>>& ranges) const;
+  void AddChangesWithin(uint8_t* base,
+                        const std::vector<std::pair<uint64_t, uint64_t>>& ranges) const;
   void SubtractChanges(size_t element_size, uint8_t* base) const;
 
   std::unique_ptr<ZSTD_DCtx_s, void (*)(ZSTD_DCtx_s*)> dctx_;
   std::unique_ptr<XXH3_state_s, void (*)(XXH3_state_s*)> hash_;
   std::vector<uint8_t> gap_stream_, value_stream_;  // Rice streams plus zero padding
-  std::vector<uint32_t> positions_;  // decoded change positions within the chunk
-  std::vector<uint64_t> deltas_;     // target - base per change, modulo 2^(8 * element_size)
+  std::vector<uint32_t> positions_;                 // decoded change positions within the chunk
+  std::vector<uint64_t> deltas_;  // target - base per change, modulo 2^(8 * element_size)
 };
 
 }  // namespace refit::delta::internal

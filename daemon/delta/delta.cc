@@ -11,9 +11,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/xxh3.h"
 #include "daemon/delta/chunk_codec.h"
 #include "daemon/delta/varint.h"
-#include "daemon/common/xxh3.h"
 
 namespace refit::delta {
 namespace {
@@ -100,8 +100,8 @@ absl::Status CheckPayload(const DeltaIndex& index, size_t chunk, const uint8_t* 
                           uint64_t size) {
   const ChunkInfo& info = index.chunks[chunk];
   if (size != info.encoded_size) {
-    return Corrupt(absl::StrCat("chunk ", chunk, " has ", size, " bytes, the index says ",
-                                info.encoded_size));
+    return Corrupt(
+        absl::StrCat("chunk ", chunk, " has ", size, " bytes, the index says ", info.encoded_size));
   }
   if (XXH3_64bits(bytes, size) != info.encoded_xxh3) {
     return Corrupt(absl::StrCat("chunk ", chunk, " does not match its checksum"));
@@ -118,20 +118,20 @@ absl::Status CheckEncodeArguments(const uint8_t* base, const uint8_t* target, ui
                                   DType dtype, const EncodeOptions& options) {
   const uint64_t element_size = DTypeSize(dtype);
   if (element_size == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot delta-encode dtype ",
-                                                   static_cast<int>(dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot delta-encode dtype ", static_cast<int>(dtype)));
   }
   if (bytes % element_size != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(bytes, " bytes is not a whole number of ",
-                                                   DTypeName(dtype), " elements"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(bytes, " bytes is not a whole number of ", DTypeName(dtype), " elements"));
   }
   if (options.chunk_elements == 0 || options.chunk_elements > kMaxChunkElements) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk_elements must be in [1, 2^32], not ", options.chunk_elements));
   }
   if (options.zstd_level < ZSTD_minCLevel() || options.zstd_level > ZSTD_maxCLevel()) {
-    return absl::InvalidArgumentError(absl::StrCat("zstd_level ", options.zstd_level,
-                                                   " is out of range"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("zstd_level ", options.zstd_level, " is out of range"));
   }
   if (options.threads < 0) return absl::InvalidArgumentError("threads must be >= 0");
   if (bytes != 0 && (base == nullptr || target == nullptr)) {
@@ -161,9 +161,15 @@ void RecordChunk(const internal::ChunkSummary& summary, uint64_t payload_size,
   stats.scan_seconds += summary.scan_seconds;
   stats.coding_seconds += summary.coding_seconds;
   switch (summary.mode) {
-    case internal::ChunkMode::kUnchanged: ++stats.unchanged_chunks; break;
-    case internal::ChunkMode::kSparse: ++stats.sparse_chunks; break;
-    case internal::ChunkMode::kRaw: ++stats.raw_chunks; break;
+    case internal::ChunkMode::kUnchanged:
+      ++stats.unchanged_chunks;
+      break;
+    case internal::ChunkMode::kSparse:
+      ++stats.sparse_chunks;
+      break;
+    case internal::ChunkMode::kRaw:
+      ++stats.raw_chunks;
+      break;
   }
 }
 
@@ -299,8 +305,7 @@ absl::StatusOr<DeltaIndex> ParseIndex(const uint8_t* data, uint64_t size) {
     info.encoded_xxh3 = LoadFixed<uint64_t>(entry + 16);
     info.target_xxh3 = LoadFixed<uint64_t>(entry + 24);
     // A payload is never larger than the raw form: its mode byte plus the chunk's bytes.
-    if (info.encoded_size == 0 ||
-        info.encoded_size > 1 + info.num_elements * index.element_size) {
+    if (info.encoded_size == 0 || info.encoded_size > 1 + info.num_elements * index.element_size) {
       return Corrupt(absl::StrCat("chunk ", chunk, " has an impossible size"));
     }
     if (info.changed > info.num_elements) {
@@ -322,8 +327,8 @@ std::vector<size_t> ChunksOverlapping(const DeltaIndex& index, uint64_t first_el
     return chunks;
   }
   const uint64_t end = first_element + std::min(num_elements, index.num_elements - first_element);
-  const uint64_t end_chunk = std::min<uint64_t>(CeilDiv(end, index.chunk_elements),
-                                                index.chunks.size());
+  const uint64_t end_chunk =
+      std::min<uint64_t>(CeilDiv(end, index.chunk_elements), index.chunks.size());
   for (uint64_t chunk = first_element / index.chunk_elements; chunk < end_chunk; ++chunk) {
     chunks.push_back(static_cast<size_t>(chunk));
   }
@@ -334,11 +339,11 @@ std::vector<size_t> ChunksOverlapping(const DeltaIndex& index, uint64_t first_el
 // consistent (a hand-made one may not be; one from ParseIndex always is), the base has the
 // buffer's size, and the payload matches its checksum.
 static absl::Status CheckChunkArguments(const DeltaIndex& index, size_t chunk,
-                                        const uint8_t* chunk_bytes,
-                                        uint64_t chunk_size, uint64_t base_bytes) {
+                                        const uint8_t* chunk_bytes, uint64_t chunk_size,
+                                        uint64_t base_bytes) {
   if (chunk >= index.chunks.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("no chunk ", chunk, "; the delta has ",
-                                                   index.chunks.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("no chunk ", chunk, "; the delta has ", index.chunks.size()));
   }
   const ChunkInfo& info = index.chunks[chunk];
   if (DTypeSize(index.dtype) != index.element_size || info.num_elements > kMaxChunkElements ||
@@ -374,12 +379,11 @@ absl::Status ApplyChunk(const DeltaIndex& index, size_t chunk, const uint8_t* ch
 
 absl::Status ApplyChunkTo(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
                           uint64_t chunk_size, uint8_t* chunk_inout, uint64_t chunk_inout_bytes) {
-  RETURN_IF_ERROR(
-      CheckChunkArguments(index, chunk, chunk_bytes, chunk_size, index.buffer_bytes()));
+  RETURN_IF_ERROR(CheckChunkArguments(index, chunk, chunk_bytes, chunk_size, index.buffer_bytes()));
   const uint64_t want = index.chunks[chunk].num_elements * index.element_size;
   if (chunk_inout_bytes != want || (chunk_inout == nullptr && want != 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("chunk ", chunk, " has ", want,
-                                                   " bytes; given ", chunk_inout_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk ", chunk, " has ", want, " bytes; given ", chunk_inout_bytes));
   }
   return ApplyChecked(index, chunk, chunk_bytes, chunk_size, chunk_inout);
 }
@@ -397,7 +401,8 @@ absl::Status ApplyChunkWithin(const DeltaIndex& index, size_t chunk, const uint8
   uint64_t previous_end = 0;
   for (const auto& [begin, end] : ranges) {
     if (end <= begin) continue;
-    if (begin < previous_end) return absl::InvalidArgumentError("ranges must be sorted and disjoint");
+    if (begin < previous_end)
+      return absl::InvalidArgumentError("ranges must be sorted and disjoint");
     previous_end = end;
     const uint64_t b = std::max(begin, first), e = std::min(end, last);
     if (b < e) within.emplace_back(b - first, e - first);

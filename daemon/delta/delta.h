@@ -85,7 +85,7 @@ struct EncodeStats {
   uint64_t changed = 0;           // elements whose bit pattern differs
   uint64_t unchanged_chunks = 0;  // chunks by the form Encode chose
   uint64_t sparse_chunks = 0;
-  uint64_t raw_chunks = 0;  // chunks stored as full target bytes: the delta was not smaller
+  uint64_t raw_chunks = 0;    // chunks stored as full target bytes: the delta was not smaller
   double scan_seconds = 0;    // compare, target checksums, collecting the changes
   double coding_seconds = 0;  // choosing Rice parameters, writing the streams, zstd
 };

@@ -7,6 +7,8 @@
 //   bazel run -c opt //daemon/delta:delta_bench -- [data/deltas dir] [--sweep] [--runs=N]
 //       [--only=<substring of case names>]
 
+#include <time.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -17,8 +19,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <time.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -218,12 +218,14 @@ int Main(int argc, char** argv) {
     }
   }
   const EncodeOptions options;
-  std::printf("# delta_bench: bf16, chunk_elements=%llu, zstd_level=%d, median of %d runs, "
-              "1 thread, thread CPU time\n",
-              static_cast<unsigned long long>(options.chunk_elements), options.zstd_level, g_runs);
-  std::printf("# full/dl = full bytes / delta bytes; 6B/dl = (6 B x changed) / delta bytes; "
-              "enc/cp = encode GB/s / memcpy GB/s;\n# scan%%, code%% = where encode time goes: "
-              "comparing + hashing + collecting changes, and Rice coding + zstd\n");
+  std::printf(
+      "# delta_bench: bf16, chunk_elements=%llu, zstd_level=%d, median of %d runs, "
+      "1 thread, thread CPU time\n",
+      static_cast<unsigned long long>(options.chunk_elements), options.zstd_level, g_runs);
+  std::printf(
+      "# full/dl = full bytes / delta bytes; 6B/dl = (6 B x changed) / delta bytes; "
+      "enc/cp = encode GB/s / memcpy GB/s;\n# scan%%, code%% = where encode time goes: "
+      "comparing + hashing + collecting changes, and Rice coding + zstd\n");
   PrintTableHeader();
   Bytes first_base, first_target;
   if (!dir.empty() && IsDir(dir)) {

@@ -25,8 +25,9 @@ struct Versions {
 bool LoadVersions(const std::string& folder, Versions& out) {
   const std::string shared = testing::FindSharedDir();
   if (shared.empty()) {
-    WARN("shared data directory not found (set REFIT_SHARED_DIR, or clone next to shared/); "
-         "SKIPPING the real-data delta tests");
+    WARN(
+        "shared data directory not found (set REFIT_SHARED_DIR, or clone next to shared/); "
+        "SKIPPING the real-data delta tests");
     return false;
   }
   out.folder = folder;

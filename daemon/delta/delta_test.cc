@@ -81,8 +81,8 @@ TEST_CASE("round trip is bit-exact across densities, dtypes and change sizes", "
 }
 
 TEST_CASE("every element size round-trips, including tails shorter than a word", "[delta]") {
-  const DType dtype = GENERATE(DType::kUINT8, DType::kFP8E4M3, DType::kBF16, DType::kINT32,
-                               DType::kINT64);
+  const DType dtype =
+      GENERATE(DType::kUINT8, DType::kFP8E4M3, DType::kBF16, DType::kINT32, DType::kINT64);
   const uint64_t elements = GENERATE(1, 3, 7, 31, 33, 65, 1000);
   const size_t element_size = DTypeSize(dtype);
   const Bytes base = RandomBytes(elements * element_size, elements);
@@ -120,7 +120,7 @@ TEST_CASE("extreme differences use the escape and still round-trip", "[delta]") 
     const size_t element_size = DTypeSize(dtype);
     Bytes base(64 * element_size, 0), target(64 * element_size, 0);
     for (size_t i = 0; i + 1 < 64; i += 3) {
-      std::memset(&target[i * element_size], 0xff, element_size);    // base 0 -> all ones
+      std::memset(&target[i * element_size], 0xff, element_size);      // base 0 -> all ones
       std::memset(&base[(i + 1) * element_size], 0x80, element_size);  // half-range jumps
     }
     INFO(DTypeName(dtype));
@@ -297,9 +297,9 @@ TEST_CASE("applying only the chunks a range needs updates just those elements", 
   for (const size_t c : chunks) {
     const ChunkInfo& info = index->chunks[c];
     // A receiver holds only this payload, copied out of whatever it fetched.
-    const Bytes payload(delta.begin() + static_cast<ptrdiff_t>(info.encoded_offset),
-                        delta.begin() + static_cast<ptrdiff_t>(info.encoded_offset +
-                                                               info.encoded_size));
+    const Bytes payload(
+        delta.begin() + static_cast<ptrdiff_t>(info.encoded_offset),
+        delta.begin() + static_cast<ptrdiff_t>(info.encoded_offset + info.encoded_size));
     const absl::Status status =
         ApplyChunk(*index, c, payload.data(), payload.size(), work.data(), work.size());
     INFO(status.ToString());
@@ -342,12 +342,13 @@ TEST_CASE("ApplyChunkTo updates a copy of one chunk like ApplyChunk updates the 
     CHECK(std::memcmp(copy.data(), target.data() + lo, n) == 0);
     // A buffer of another size, or the wrong base (already the target): refused, unchanged.
     Bytes longer(n + 2, 0);
-    CHECK(ApplyChunkTo(*index, c, payload, info.encoded_size, longer.data(), longer.size())
-              .code() == absl::StatusCode::kInvalidArgument);
+    CHECK(
+        ApplyChunkTo(*index, c, payload, info.encoded_size, longer.data(), longer.size()).code() ==
+        absl::StatusCode::kInvalidArgument);
     const Bytes before = copy;
     if (std::memcmp(base.data() + lo, target.data() + lo, n) != 0) {
-      CHECK(ApplyChunkTo(*index, c, payload, info.encoded_size, copy.data(), copy.size())
-                .code() == absl::StatusCode::kFailedPrecondition);
+      CHECK(ApplyChunkTo(*index, c, payload, info.encoded_size, copy.data(), copy.size()).code() ==
+            absl::StatusCode::kFailedPrecondition);
       CHECK((copy == before));
     }
   }
@@ -382,9 +383,9 @@ TEST_CASE("a receiver holding only some ranges of the base applies just those", 
     chunks.erase(std::unique(chunks.begin(), chunks.end()), chunks.end());
     for (const size_t c : chunks) {
       const ChunkInfo& info = index->chunks[c];
-      const absl::Status status = ApplyChunkWithin(*index, c, delta.data() + info.encoded_offset,
-                                                   info.encoded_size, ranges, work.data(),
-                                                   work.size());
+      const absl::Status status =
+          ApplyChunkWithin(*index, c, delta.data() + info.encoded_offset, info.encoded_size, ranges,
+                           work.data(), work.size());
       INFO(status.ToString());
       REQUIRE(status.ok());
     }
@@ -445,10 +446,10 @@ struct SmallDelta {
   SmallDelta() {
     base = RandomBytes(4 * 64 * 2 + 40, 31);
     target = base;
-    for (size_t i = 64; i < 128; i += 5) target[2 * i] += 1;            // chunk 1: sparse
-    const Bytes noise = RandomBytes(64 * 2, 32);                          // chunk 2: raw
+    for (size_t i = 64; i < 128; i += 5) target[2 * i] += 1;  // chunk 1: sparse
+    const Bytes noise = RandomBytes(64 * 2, 32);              // chunk 2: raw
     std::copy(noise.begin(), noise.end(), target.begin() + 128 * 2);
-    for (size_t i = 256; i < 276; i += 3) target[2 * i + 1] ^= 0x40;    // chunk 4: sparse
+    for (size_t i = 256; i < 276; i += 3) target[2 * i + 1] ^= 0x40;  // chunk 4: sparse
     EncodeOptions options;
     options.chunk_elements = 64;
     delta = MustEncode(base, target, DType::kBF16, options);
@@ -504,8 +505,8 @@ TEST_CASE("a base of the wrong size or content is refused without writing", "[de
   Bytes wrong = small.base;
   wrong[2 * 270] ^= 0x01;
   const Bytes before = wrong;
-  const absl::Status status = Apply(small.delta.data(), small.delta.size(), wrong.data(),
-                                    wrong.size());
+  const absl::Status status =
+      Apply(small.delta.data(), small.delta.size(), wrong.data(), wrong.size());
   CHECK(status.code() == absl::StatusCode::kFailedPrecondition);
   CHECK((wrong == before));
   // An unchanged chunk over a wrong base is caught before anything is written.
@@ -582,17 +583,14 @@ TEST_CASE("forged headers are rejected", "[delta][corrupt]") {
   CHECK(forge([](Bytes& d) { d[24] = 4; }) == StatusCode::kDataLoss);      // chunk count
   CHECK(forge([](Bytes& d) { d[28] = 1; }) == StatusCode::kDataLoss);      // reserved
   CHECK(forge([](Bytes& d) { testing::StoreU64(&d[16], 0); }) == StatusCode::kDataLoss);
-  CHECK(forge([](Bytes& d) { testing::StoreU64(&d[8], ~uint64_t{0}); }) ==
-        StatusCode::kDataLoss);
+  CHECK(forge([](Bytes& d) { testing::StoreU64(&d[8], ~uint64_t{0}); }) == StatusCode::kDataLoss);
   // A chunk claiming more changes than elements, or a payload bigger than the raw form.
-  CHECK(forge([](Bytes& d) { testing::StoreU64(&d[32 + 32 + 8], 65); }) ==
-        StatusCode::kDataLoss);
+  CHECK(forge([](Bytes& d) { testing::StoreU64(&d[32 + 32 + 8], 65); }) == StatusCode::kDataLoss);
   CHECK(forge([](Bytes& d) { testing::StoreU64(&d[32], 1 + 64 * 2 + 1); }) ==
         StatusCode::kDataLoss);
   // Sizes that overflow when added up.
-  CHECK(forge([](Bytes& d) {
-          testing::StoreU64(&d[32], ~uint64_t{0} - 10);
-        }) == StatusCode::kDataLoss);
+  CHECK(forge([](Bytes& d) { testing::StoreU64(&d[32], ~uint64_t{0} - 10); }) ==
+        StatusCode::kDataLoss);
 }
 
 }  // namespace

@@ -5,6 +5,9 @@
 // finder for the shared real-data directory. Test-only; not thread-safe (shared RNG state is
 // per call).
 
+#include <limits.h>
+#include <stdlib.h>
+#include <sys/stat.h>
 #include <xxhash.h>
 
 #include <cstdint>
@@ -17,18 +20,14 @@
 #include <string>
 #include <vector>
 
-#include <limits.h>
-#include <stdlib.h>
-#include <sys/stat.h>
-
 namespace refit::delta::testing {
 
 using Bytes = std::vector<uint8_t>;
 
 enum class Change {
-  kUlp,     // +-1 in the element's bit pattern
-  kLarge,   // a random new bit pattern
-  kMixed,   // mostly +-1, some small, a few large
+  kUlp,    // +-1 in the element's bit pattern
+  kLarge,  // a random new bit pattern
+  kMixed,  // mostly +-1, some small, a few large
 };
 
 inline Bytes RandomBytes(uint64_t n, uint64_t seed) {

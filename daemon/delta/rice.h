@@ -38,9 +38,9 @@ inline uint64_t RiceBits(uint64_t v, unsigned k) {
 // Exact bits of `values[0, n)` for the four parameters k_first .. k_first + 3, in one pass.
 // The common case (no escape for any of the four) costs a few constant shifts and adds.
 inline void RiceBits4(const uint64_t* values, uint64_t n, unsigned k_first, uint64_t (&bits)[4]) {
-  uint64_t q_sum[4] = {0, 0, 0, 0};  // sums of the unary parts, when not escaped
+  uint64_t q_sum[4] = {0, 0, 0, 0};    // sums of the unary parts, when not escaped
   uint64_t escaped[4] = {0, 0, 0, 0};  // bits of escaped codes, all included
-  uint64_t plain[4] = {0, 0, 0, 0};  // codes not escaped
+  uint64_t plain[4] = {0, 0, 0, 0};    // codes not escaped
   uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
   uint64_t slow = 0;
   for (uint64_t i = 0; i < n; ++i) {
@@ -120,10 +120,10 @@ inline unsigned ChooseRiceKSampled(const uint64_t* values, uint64_t n, unsigned 
   const double mean = sum / static_cast<double>(count);
   const unsigned k_guess = mean < 1 ? 0 : static_cast<unsigned>(std::log2(mean));
   uint64_t sample_bits = 0;
-  const unsigned k = ChooseRiceK(sample.data(), count, std::min(k_guess, max_k), max_k,
-                                 sample_bits);
-  estimated_bits = static_cast<uint64_t>(static_cast<double>(sample_bits) *
-                                         static_cast<double>(n) / static_cast<double>(count));
+  const unsigned k =
+      ChooseRiceK(sample.data(), count, std::min(k_guess, max_k), max_k, sample_bits);
+  estimated_bits = static_cast<uint64_t>(static_cast<double>(sample_bits) * static_cast<double>(n) /
+                                         static_cast<double>(count));
   return k;
 }
 
@@ -152,7 +152,7 @@ class RiceSink {
   ABSL_ATTRIBUTE_ALWAYS_INLINE void PutRice(uint64_t v, unsigned k) {
     const uint64_t q = v >> k;
     const uint64_t low = v & ((uint64_t{1} << k) - 1);  // k <= kRiceMaxK < 64
-    if (q < kRiceMaxUnary && q + 1 + k <= 56) {  // q ones, a zero, the k low bits, at once
+    if (q < kRiceMaxUnary && q + 1 + k <= 56) {         // q ones, a zero, the k low bits, at once
       Put(((uint64_t{1} << q) - 1) | (low << (q + 1)), static_cast<unsigned>(q + 1 + k));
     } else if (q < kRiceMaxUnary) {
       Put((uint64_t{1} << q) - 1, static_cast<unsigned>(q) + 1);
@@ -201,9 +201,11 @@ class RiceSink {
 // Writes the Rice streams of two value arrays of the same length in one loop: the two code
 // chains are independent, so they run in parallel. Returns the streams' lengths in bytes.
 // Always inlined, so that a caller compiled for BMI2 gets single-instruction shifts.
-ABSL_ATTRIBUTE_ALWAYS_INLINE inline void WriteRiceStreams(
-    const uint64_t* a, unsigned a_k, std::vector<uint8_t>& a_out, const uint64_t* b,
-    unsigned b_k, std::vector<uint8_t>& b_out, uint64_t n, uint64_t& a_bytes, uint64_t& b_bytes) {
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline void WriteRiceStreams(const uint64_t* a, unsigned a_k,
+                                                          std::vector<uint8_t>& a_out,
+                                                          const uint64_t* b, unsigned b_k,
+                                                          std::vector<uint8_t>& b_out, uint64_t n,
+                                                          uint64_t& a_bytes, uint64_t& b_bytes) {
   RiceSink a_sink(a_out), b_sink(b_out);
   for (uint64_t i = 0; i < n; ++i) {
     if (i % RiceSink::kBatch == 0) {
@@ -254,9 +256,7 @@ class RiceReader {
 
  private:
   // At least 57 bits from the position on.
-  uint64_t Peek() const {
-    return LoadFixed<uint64_t>(data_ + (position_ >> 3)) >> (position_ & 7);
-  }
+  uint64_t Peek() const { return LoadFixed<uint64_t>(data_ + (position_ >> 3)) >> (position_ & 7); }
   uint64_t Get(unsigned count) {  // count <= 32
     const uint64_t bits = Peek() & ((uint64_t{1} << count) - 1);
     position_ += count;

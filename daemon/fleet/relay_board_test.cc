@@ -1,7 +1,6 @@
 #include "daemon/fleet/relay_board.h"
 
 #include <catch2/catch.hpp>
-
 #include <thread>
 
 namespace refit::fleet {
@@ -13,8 +12,7 @@ auto In(milliseconds d) { return std::chrono::steady_clock::now() + d; }
 TEST_CASE("relay board: a reader sees ranges as they land, then completion", "[fleet]") {
   RelayBoard board;
   const RelayKey key{"m", 3, "trainer", "b1"};
-  REQUIRE(board.Wait(key, 0, In(milliseconds(20))).status().code() ==
-          absl::StatusCode::kNotFound);
+  REQUIRE(board.Wait(key, 0, In(milliseconds(20))).status().code() == absl::StatusCode::kNotFound);
   auto slot = std::shared_ptr<Region>(AllocateHost(1 << 20).value().release());
   board.Begin(key, slot, 1 << 20, {{0, 1 << 20}});
   std::thread writer([&] {
@@ -40,8 +38,7 @@ TEST_CASE("relay board: a reader sees ranges as they land, then completion", "[f
   REQUIRE(board.Wait(key, done->cursor, In(milliseconds(10)))->landed.empty());
 }
 
-TEST_CASE("relay board: a failed pull ends its readers, old versions are forgotten",
-          "[fleet]") {
+TEST_CASE("relay board: a failed pull ends its readers, old versions are forgotten", "[fleet]") {
   RelayBoard board;
   auto slot = std::shared_ptr<Region>(AllocateHost(4096).value().release());
   const RelayKey key{"m", 1, "t", "b"};

@@ -55,8 +55,8 @@ std::vector<std::string> ReplicaTable::Relays(const std::string& model) const {
   return out;
 }
 
-absl::StatusOr<ReplicasReached> ReplicaTable::WaitFor(const std::string& model,
-                                                      uint64_t version, uint32_t min_nodes,
+absl::StatusOr<ReplicasReached> ReplicaTable::WaitFor(const std::string& model, uint64_t version,
+                                                      uint32_t min_nodes,
                                                       Clock::time_point deadline,
                                                       const std::function<bool()>& cancelled) {
   common::UniqueLock lock(mu_);

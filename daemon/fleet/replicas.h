@@ -69,7 +69,8 @@ class ReplicaTable {
     Clock::time_point heard;
     std::map<std::string, uint64_t> latest;  // model -> version
   };
-  std::vector<Replica> LiveLocked(const std::string& model) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<Replica> LiveLocked(const std::string& model) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::function<Clock::time_point()> now_;
   mutable common::Mutex mu_;

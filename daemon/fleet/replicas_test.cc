@@ -1,7 +1,6 @@
 #include "daemon/fleet/replicas.h"
 
 #include <catch2/catch.hpp>
-
 #include <thread>
 
 namespace refit::fleet {

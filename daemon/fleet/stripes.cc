@@ -18,8 +18,8 @@ long PositionOf(const std::vector<std::string>& pullers, const std::string& self
   return ((index - shift) % k + k) % k;
 }
 
-const std::string& AtPosition(const std::vector<std::string>& pullers, long position,
-                              int stripe, int stripes) {
+const std::string& AtPosition(const std::vector<std::string>& pullers, long position, int stripe,
+                              int stripes) {
   const long k = static_cast<long>(pullers.size());
   const long shift = (k + stripes - 1) / stripes * stripe;
   return pullers[static_cast<size_t>((position + shift) % k)];
@@ -50,8 +50,8 @@ std::string ParentFor(const std::vector<std::string>& pullers, const std::string
   return AtPosition(pullers, parent, stripe, stripes);
 }
 
-std::vector<std::string> PathTo(const std::vector<std::string>& pullers,
-                                const std::string& self, int stripe, int stripes, int fanout) {
+std::vector<std::string> PathTo(const std::vector<std::string>& pullers, const std::string& self,
+                                int stripe, int stripes, int fanout) {
   long position = PositionOf(pullers, self, stripe, stripes);
   if (position < 0) return {self};
   std::vector<std::string> path;

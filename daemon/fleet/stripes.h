@@ -42,8 +42,7 @@ std::string ParentFor(const std::vector<std::string>& pullers, const std::string
 
 // The chain of nodes from the origin's child down to `self` in stripe `stripe`'s tree (the
 // nodes whose pipelines self's bytes pass through), root first, self last.
-std::vector<std::string> PathTo(const std::vector<std::string>& pullers,
-                                const std::string& self, int stripe, int stripes,
-                                int fanout = kDefaultFanout);
+std::vector<std::string> PathTo(const std::vector<std::string>& pullers, const std::string& self,
+                                int stripe, int stripes, int fanout = kDefaultFanout);
 
 }  // namespace refit::fleet

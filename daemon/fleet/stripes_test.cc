@@ -1,7 +1,6 @@
 #include "daemon/fleet/stripes.h"
 
 #include <catch2/catch.hpp>
-
 #include <map>
 #include <set>
 #include <string>
@@ -35,8 +34,7 @@ TEST_CASE("one puller reads everything from the origin", "[fleet]") {
   REQUIRE(StripeOf(12345, 99, 1) == 0);
 }
 
-TEST_CASE("up to the fanout: scatter to stripe owners, then everyone reads from them",
-          "[fleet]") {
+TEST_CASE("up to the fanout: scatter to stripe owners, then everyone reads from them", "[fleet]") {
   const auto nodes = Nodes(4);
   const int stripes = StripeCount(nodes.size());
   REQUIRE(stripes == 4);
@@ -48,8 +46,7 @@ TEST_CASE("up to the fanout: scatter to stripe owners, then everyone reads from 
   }
 }
 
-TEST_CASE("the origin sends each stripe once and no node uploads more than one piece",
-          "[fleet]") {
+TEST_CASE("the origin sends each stripe once and no node uploads more than one piece", "[fleet]") {
   for (int k : {2, 3, 4, 5, 8, 9, 16, 31, 64, 256, 300}) {
     const auto nodes = Nodes(k);
     const int stripes = StripeCount(nodes.size());
@@ -85,8 +82,7 @@ TEST_CASE("every stripe's tree reaches every puller without cycles, shallowly", 
   }
 }
 
-TEST_CASE("chunks spread evenly over stripes, and a stranger reads from the origin",
-          "[fleet]") {
+TEST_CASE("chunks spread evenly over stripes, and a stranger reads from the origin", "[fleet]") {
   std::map<int, int> count;
   const uint64_t salt = PieceSalt("trainer", "trainer/3");
   for (uint64_t c = 0; c < 64; ++c) ++count[StripeOf(c, salt, 4)];

@@ -1,14 +1,14 @@
 #include "daemon/memory/checksum.h"
 
 #define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
-#include "daemon/common/xxh3.h"
-#include "daemon/memory/stream_copy.h"
-
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
 #include <thread>
+
+#include "daemon/common/xxh3.h"
+#include "daemon/memory/stream_copy.h"
 
 namespace refit {
 namespace {

@@ -56,9 +56,10 @@ inline constexpr uint64_t kCopyBlockBytes = 256ull << 10;
 uint64_t CopyAndHashRange(uint8_t* dst, const uint8_t* src, uint64_t size);
 
 // The same, and also the digest of each of `ranges` ([begin, end), sorted by begin, within
-// `size`) that lies inside one of the blocks the copy goes through (kCopyBlockBytes), hashed from that block while it is in cache: about 1/30 of the copy's time per byte,
-// where hashing afterwards reads the bytes from memory again. Ranges across a block boundary
-// are left out of *range_sums; a caller hashes those itself if it needs them.
+// `size`) that lies inside one of the blocks the copy goes through (kCopyBlockBytes), hashed from
+// that block while it is in cache: about 1/30 of the copy's time per byte, where hashing afterwards
+// reads the bytes from memory again. Ranges across a block boundary are left out of *range_sums; a
+// caller hashes those itself if it needs them.
 std::vector<uint64_t> CopyAndHash(uint8_t* dst, const uint8_t* src, uint64_t size,
                                   const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
                                   RangeSums* range_sums,

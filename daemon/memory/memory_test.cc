@@ -1,7 +1,6 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
-
 #include <xxhash.h>
 
 #include <algorithm>
@@ -11,9 +10,9 @@
 
 #include "catch2/catch.hpp"
 #include "daemon/memory/checksum.h"
-#include "daemon/memory/stream_copy.h"
 #include "daemon/memory/region.h"
 #include "daemon/memory/slot_pool.h"
+#include "daemon/memory/stream_copy.h"
 
 namespace refit {
 namespace {
@@ -137,7 +136,10 @@ TEST_CASE("SlotPool reuses released slots up to its spare limit", "[memory]") {
   CHECK((*again)->data() == first_data);
   CHECK(pool->spare_bytes() == 0);
 
-  { auto big = pool->Acquire(20000); REQUIRE(big.ok()); }
+  {
+    auto big = pool->Acquire(20000);
+    REQUIRE(big.ok());
+  }
   CHECK(pool->spare_bytes() == 0);  // too big to keep
 }
 
@@ -172,9 +174,9 @@ TEST_CASE("SlotPool::Reserve pre-allocates spare slots within the limit", "[memo
 
 TEST_CASE("SlotPool with a byte limit frees spare slots for room, then refuses", "[memory]") {
   std::vector<uint64_t> observed;
-  auto pool = SlotPool::Create(/*max_spare_bytes=*/1 << 20, AllocateHost,
-                               /*max_bytes=*/3 * 4096,
-                               [&](uint64_t held) { observed.push_back(held); });
+  auto pool =
+      SlotPool::Create(/*max_spare_bytes=*/1 << 20, AllocateHost,
+                       /*max_bytes=*/3 * 4096, [&](uint64_t held) { observed.push_back(held); });
   auto a = pool->Acquire(4096);
   auto b = pool->Acquire(4096);
   REQUIRE(a.ok());
@@ -228,7 +230,7 @@ TEST_CASE("CopyAndHash copies and hashes each chunk like XXH3 over the copy", "[
 
 TEST_CASE("CopyAndHash also hashes the ranges asked for that lie inside one of its blocks",
           "[memory]") {
-  constexpr uint64_t kBlock = 256 << 10;  // CopyAndHash's block
+  constexpr uint64_t kBlock = 256 << 10;       // CopyAndHash's block
   const uint64_t size = (36ull << 20) + 4321;  // threaded, a short last chunk
   std::vector<uint8_t> src(size);
   for (uint64_t i = 0; i < size; ++i) src[i] = static_cast<uint8_t>(i * 40503u >> 7);
@@ -258,8 +260,8 @@ TEST_CASE("CopyAndHash also hashes the ranges asked for that lie inside one of i
   CHECK(range_sums.size() == ranges.size() - 3);
   uint64_t got = 0;
   for (const auto& r : ranges) {
-    const bool inside = r.first < r.second && r.second <= size &&
-                        r.first / kBlock == (r.second - 1) / kBlock;
+    const bool inside =
+        r.first < r.second && r.second <= size && r.first / kBlock == (r.second - 1) / kBlock;
     INFO("range " << r.first << ".." << r.second);
     REQUIRE(range_sums.Find(r.first, r.second - r.first, &got) == inside);
     if (inside) CHECK(got == digest(r));
@@ -302,8 +304,8 @@ TEST_CASE("HashRanges hashes each range in order", "[memory]") {
   const auto sums = HashRanges(data.data(), ranges);
   REQUIRE(sums.size() == ranges.size());
   for (size_t i = 0; i < ranges.size(); ++i) {
-    CHECK(sums[i] == XXH3_64bits(data.data() + ranges[i].first,
-                                 ranges[i].second - ranges[i].first));
+    CHECK(sums[i] ==
+          XXH3_64bits(data.data() + ranges[i].first, ranges[i].second - ranges[i].first));
   }
 }
 

@@ -101,15 +101,15 @@ void DeltaSource::Prepare(const std::string& model, const std::vector<SourceLayo
     }
     const uint64_t bytes = piece.slot->size();
     if (SampledChangedFraction(base->slot->data(), piece.slot->data(), bytes) > 0.5) {
-      Logger("delta")->debug("model={} version={} buffer={}: most bytes changed; no delta",
-                             model, version, piece.buffer_id);
+      Logger("delta")->debug("model={} version={} buffer={}: most bytes changed; no delta", model,
+                             version, piece.buffer_id);
       continue;
     }
     delta::EncodeOptions options;
     options.chunk_elements = options_.chunk_elements;
     options.threads = options_.threads;
-    options.max_encoded_bytes =
-        std::max<uint64_t>(1, static_cast<uint64_t>(options_.threshold * static_cast<double>(bytes)));
+    options.max_encoded_bytes = std::max<uint64_t>(
+        1, static_cast<uint64_t>(options_.threshold * static_cast<double>(bytes)));
     const auto start = std::chrono::steady_clock::now();
     auto encoded = delta::Encode(base->slot->data(), piece.slot->data(), bytes,
                                  DeltaDType(*layout->slices, bytes), options);
@@ -117,8 +117,9 @@ void DeltaSource::Prepare(const std::string& model, const std::vector<SourceLayo
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     metrics_->Observe(kDeltaEncodeSeconds, seconds);
     if (!encoded.ok()) {
-      Logger("delta")->info("model={} version={} buffer={}: no delta ({}); receivers pull it in full",
-                            model, version, piece.buffer_id, std::string(encoded.status().message()));
+      Logger("delta")->info(
+          "model={} version={} buffer={}: no delta ({}); receivers pull it in full", model, version,
+          piece.buffer_id, std::string(encoded.status().message()));
       continue;
     }
     auto region = AllocateHost(encoded->size());
@@ -129,11 +130,11 @@ void DeltaSource::Prepare(const std::string& model, const std::vector<SourceLayo
     }
     std::memcpy((*region)->data(), encoded->data(), encoded->size());
     metrics_->Add(kDeltaEncodedBytes, static_cast<double>(encoded->size()));
-    Logger("delta")->debug("model={} version={} buffer={}: delta of {} bytes from version {} "
-                           "({:.1f}x smaller) in {:.3f} s",
-                           model, version, piece.buffer_id, encoded->size(), previous->version,
-                           static_cast<double>(bytes) / static_cast<double>(encoded->size()),
-                           seconds);
+    Logger("delta")->debug(
+        "model={} version={} buffer={}: delta of {} bytes from version {} "
+        "({:.1f}x smaller) in {:.3f} s",
+        model, version, piece.buffer_id, encoded->size(), previous->version,
+        static_cast<double>(bytes) / static_cast<double>(encoded->size()), seconds);
     made.push_back({piece.buffer_id, previous->version, version,
                     std::shared_ptr<Region>(std::move(region).value())});
   }

@@ -16,8 +16,8 @@
 // DeltaSource's own thread.
 
 #include <chrono>
-#include <deque>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -37,9 +37,9 @@ struct DeltaSourceOptions {
   // A delta bigger than this fraction of its piece is dropped (receivers pull full bytes);
   // 0 turns delta encoding off.
   double threshold = 0.5;
-  uint32_t chain = 4;                     // deltas kept per piece, newest first
+  uint32_t chain = 4;                           // deltas kept per piece, newest first
   uint64_t chunk_elements = uint64_t{1} << 18;  // a receiver fetches whole chunks
-  int threads = 0;                        // encoder threads; 0: one per core
+  int threads = 0;                              // encoder threads; 0: one per core
 };
 
 // One encoded delta of one piece: base_version's bytes -> version's bytes.
@@ -93,11 +93,14 @@ class DeltaSource final : public StoreEvents {
 
   mutable common::Mutex mu_;
   std::map<std::string, uint64_t> prepared_ ABSL_GUARDED_BY(mu_);  // by model
-  std::map<std::string, std::vector<EncodedDelta>> deltas_ ABSL_GUARDED_BY(mu_);  // by model, oldest first
-  std::map<std::string, std::shared_ptr<const LocalSnapshot>> prepared_snapshot_ ABSL_GUARDED_BY(mu_);  // by model
+  std::map<std::string, std::vector<EncodedDelta>> deltas_
+      ABSL_GUARDED_BY(mu_);  // by model, oldest first
+  std::map<std::string, std::shared_ptr<const LocalSnapshot>> prepared_snapshot_
+      ABSL_GUARDED_BY(mu_);  // by model
   // Deltas no longer offered, kept allocated until receivers can no longer be reading them.
   static constexpr std::chrono::seconds kRetiredGrace{150};
-  std::deque<std::pair<std::chrono::steady_clock::time_point, std::shared_ptr<Region>>> retired_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<std::chrono::steady_clock::time_point, std::shared_ptr<Region>>> retired_
+      ABSL_GUARDED_BY(mu_);
   // Encoder thread only: the last snapshot encoded against, per model.
   std::map<std::string, std::shared_ptr<const LocalSnapshot>> last_;  // the worker thread only
   WorkerLoop loop_{"delta encoder"};  // runs Step; started only when enabled()

@@ -190,7 +190,8 @@ void PeerManager::RunResolver() {
   while (true) {
     {
       common::UniqueLock lock(mu_);
-      wake_.WaitFor(lock, std::chrono::seconds(10), [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; });
+      wake_.WaitFor(lock, std::chrono::seconds(10),
+                    [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; });
       if (stop_) return;
     }
     for (const std::string& configured : configured_) {
@@ -323,7 +324,8 @@ void PeerManager::RunPeer(Peer* peer) {
       }
       if (first) Logger("peer")->warn("peer at {} refused: {}", peer->address, peer->error);
       common::UniqueLock lock(mu_);
-      wake_.WaitFor(lock, kMaxBackoff, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; });
+      wake_.WaitFor(lock, kMaxBackoff,
+                    [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; });
       continue;  // the operator may restart it under another name
     }
     if (status.ok()) {
@@ -620,7 +622,8 @@ void PeerManager::RunPulls() {
     PullJob job;
     {
       common::UniqueLock lock(mu_);
-      wake_.Wait(lock, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !jobs_.empty(); });
+      wake_.Wait(lock,
+                 [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !jobs_.empty(); });
       if (stop_) return;
       job = std::move(jobs_.front());
       jobs_.pop_front();

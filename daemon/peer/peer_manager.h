@@ -154,9 +154,9 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   WorkerLoop reporter_;
   bool reported_ = false;  // reporter thread only: the last report held a model
   const uint32_t max_channels_;
-  const std::chrono::milliseconds idle_;      // a relay channel unused this long closes
-  common::Mutex open_mu_;                        // serializes opening and closing relay channels
-  std::map<std::string, Relay> relays_ ABSL_GUARDED_BY(mu_);  // node -> relay channel
+  const std::chrono::milliseconds idle_;  // a relay channel unused this long closes
+  common::Mutex open_mu_;                 // serializes opening and closing relay channels
+  std::map<std::string, Relay> relays_ ABSL_GUARDED_BY(mu_);       // node -> relay channel
   std::map<std::string, std::string> known_ ABSL_GUARDED_BY(mu_);  // node -> address, learned
   std::map<std::string, std::chrono::steady_clock::time_point> dial_failed_ ABSL_GUARDED_BY(mu_);
   bool pulling_ ABSL_GUARDED_BY(mu_) = false;  // a pull is using channels

@@ -238,8 +238,9 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
     std::vector<Pinned> lapsed;
     {
       common::UniqueLock lock(mu_);
-      const bool changed = changed_.WaitFor(lock, std::chrono::milliseconds(200),
-                                             [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopped_ || generation_ != seen; });
+      const bool changed = changed_.WaitFor(
+          lock, std::chrono::milliseconds(200),
+          [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopped_ || generation_ != seen; });
       if (stopped_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is stopping");
       lapsed = ExpirePins();
       if (!changed) {

@@ -23,8 +23,8 @@
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
-#include "daemon/peer/peer_metrics.h"
 #include "daemon/peer/delta_source.h"
+#include "daemon/peer/peer_metrics.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 

@@ -66,9 +66,9 @@ Puller::Puller(PullerOptions options, Store* store, dataplane::DataPlane* data_p
       channels_(channels),
       board_(board),
       replicas_(replicas) {
-  for (const Counter& counter : {kDeltaVersions, kFullVersions, kDeltaBytesReceived,
-                                 kDeltaFallbacks, kRelayBytesReceived, kRelayChunksRejected,
-                                 kChunksRefetched}) {
+  for (const Counter& counter :
+       {kDeltaVersions, kFullVersions, kDeltaBytesReceived, kDeltaFallbacks, kRelayBytesReceived,
+        kRelayChunksRejected, kChunksRefetched}) {
     metrics_->Declare(counter);
   }
 }

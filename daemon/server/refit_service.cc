@@ -92,8 +92,7 @@ absl::Status CheckNameLengths(const v1::RegisterBufferRequest& request) {
 grpc::Status RefitService::Finish(const char* rpc, const absl::Status& status) {
   if (!status.ok()) {
     context_.metrics->Add(
-        kRequestErrors,
-        absl::StrCat("code=\"", absl::StatusCodeToString(status.code()), "\""), 1);
+        kRequestErrors, absl::StrCat("code=\"", absl::StatusCodeToString(status.code()), "\""), 1);
     Logger("server")->debug("rpc={} error {}", rpc, status.ToString());
   }
   return ToGrpc(status);
@@ -211,9 +210,8 @@ grpc::Status RefitService::WaitForVersion(grpc::ServerContext* context,
   // (e.g. "no node has SOURCE buffers") rather than its own bare DEADLINE_EXCEEDED. At most
   // 5 % (and 50 ms) early: deadlines are honoured within ±10 % (tests/faults_deadline_test).
   const Clock::time_point deadline = SteadyDeadline(*context);
-  const auto margin = std::clamp<Clock::duration>((deadline - Clock::now()) / 20,
-                                                  Clock::duration::zero(),
-                                                  std::chrono::milliseconds(50));
+  const auto margin = std::clamp<Clock::duration>(
+      (deadline - Clock::now()) / 20, Clock::duration::zero(), std::chrono::milliseconds(50));
   auto version = context_.store->WaitForVersion(request->model(), request->min_version(),
                                                 deadline - margin, CancelledOf(context));
   if (!version.ok()) return Finish("WaitForVersion", version.status());

@@ -45,8 +45,8 @@ struct ServiceContext {
   std::shared_ptr<callers::FdTokens> memfds;
   fleet::ReplicaTable* replicas = nullptr;  // not owned; null: WaitForReplicas UNIMPLEMENTED
   // Each model's newest published version (--state-dir); null: Publish checks only the store.
-  state::VersionLedger* ledger = nullptr;  // not owned
-  std::function<std::vector<PeerInfo>()> peers;  // may be empty
+  state::VersionLedger* ledger = nullptr;            // not owned
+  std::function<std::vector<PeerInfo>()> peers;      // may be empty
   std::function<std::vector<PeerInfo>()> pulled_by;  // daemons subscribed here; may be empty
   // What only the Daemon knows: bound ports, transfers in flight.
   std::function<void(v1::StatusResponse*)> add_runtime;  // may be empty
@@ -61,8 +61,7 @@ class RefitService final : public v1::Refit::Service {
   grpc::Status RegisterBuffer(grpc::ServerContext* context,
                               const v1::RegisterBufferRequest* request,
                               v1::RegisterBufferResponse* response) override;
-  grpc::Status ReleaseBuffer(grpc::ServerContext* context,
-                             const v1::ReleaseBufferRequest* request,
+  grpc::Status ReleaseBuffer(grpc::ServerContext* context, const v1::ReleaseBufferRequest* request,
                              v1::ReleaseBufferResponse* response) override;
   grpc::Status Publish(grpc::ServerContext* context, const v1::PublishRequest* request,
                        v1::PublishResponse* response) override;

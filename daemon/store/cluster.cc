@@ -46,8 +46,7 @@ bool RangesCover(const ByteRanges& valid, const plan::CopyOp& op) {
   ByteRanges runs;
   AppendSourceRuns(op, &runs);
   for (const auto& [begin, end] : runs) {
-    auto it = std::upper_bound(valid.begin(), valid.end(),
-                               std::make_pair(begin, UINT64_MAX));
+    auto it = std::upper_bound(valid.begin(), valid.end(), std::make_pair(begin, UINT64_MAX));
     if (it == valid.begin()) return false;
     --it;
     if (it->first > begin || it->second < end) return false;
@@ -183,8 +182,14 @@ void Store::TryCompleteWithRemotes(Model& model) {
     for (const SourceLayout& l : layout) {
       if (l.buffer_id == pieces[i].buffer_id) bytes = l.bytes;
     }
-    job.fetches.push_back(
-        {pieces[i].node, pieces[i].buffer_id, pieces[i].remote_key, bytes, needed[i], nullptr, 0, {}});
+    job.fetches.push_back({pieces[i].node,
+                           pieces[i].buffer_id,
+                           pieces[i].remote_key,
+                           bytes,
+                           needed[i],
+                           nullptr,
+                           0,
+                           {}});
     OfferDelta(model, candidate, &job.fetches.back());
   }
   uint64_t staging = 0;
@@ -263,8 +268,8 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
   std::vector<Piece> pieces = std::move(model->pulling_pieces);
   model->pulling_pieces.clear();
   if (!result.ok() || staging.size() != job.fetches.size()) {
-    Logger("store")->error("model={} version={} abandoned, staying on version {}: {}",
-                           job.model, job.version, model->latest, result.ToString());
+    Logger("store")->error("model={} version={} abandoned, staying on version {}: {}", job.model,
+                           job.version, model->latest, result.ToString());
     model->failed = job.version;
     model->failed_status = result.ok() ? absl::InternalError("a pull returned no staging") : result;
     metrics_->Add(kVersionsAbandoned, 1);
@@ -319,8 +324,8 @@ absl::StatusOr<std::shared_ptr<const LocalSnapshot>> Store::GetLocalSnapshot(
       absl::StrCat("model ", model_name, ": version ", version, " is not held here"));
 }
 
-void Store::ImportVersion(const std::string& node, const std::string& model_name,
-                          uint64_t version, std::vector<SourceLayout> layouts,
+void Store::ImportVersion(const std::string& node, const std::string& model_name, uint64_t version,
+                          std::vector<SourceLayout> layouts,
                           std::vector<std::shared_ptr<Region>> slots) {
   common::MutexLock lock(mu_);
   auto& model = models_[model_name];
@@ -408,10 +413,14 @@ void Store::AnnounceRemoteVersion(const std::string& node, const std::string& mo
       held_run->second != run && version != model->skipped) {
     model->skipped = version;
     model->skipped_reason = absl::StrCat(
-        "node ", node, " announced version ", version, " from a new run (its refitd restarted, "
-        "or the model was dropped there), and this node holds version ", model->latest,
+        "node ", node, " announced version ", version,
+        " from a new run (its refitd restarted, "
+        "or the model was dropped there), and this node holds version ",
+        model->latest,
         " of the previous run: numbers were reused, so the version is not taken; publish a "
-        "version above ", model->latest, " (run refitd with --state-dir on the trainer's node "
+        "version above ",
+        model->latest,
+        " (run refitd with --state-dir on the trainer's node "
         "so that it refuses reused numbers), or release this node's buffers of ",
         model_name, " and `refitctl drop ", model_name, "` here to follow the new run");
     Logger("store")->warn("model={} version={} skipped: {}", model_name, version,
@@ -460,8 +469,8 @@ void Store::NoteChecksumRanges(const std::string& buffer_id, uint64_t piece_byte
       const RangeRun& had = it->second.first;
       // The same run, or its first ranges (a reader asking again about a few chunks that
       // failed their checksum): keep the run.
-      const bool same_grid = had.length == run.length &&
-                             (run.count == 1 || had.stride == run.stride);
+      const bool same_grid =
+          had.length == run.length && (run.count == 1 || had.stride == run.stride);
       if (same_grid && run.count <= had.count) {
         it->second.second = hints.publishes;  // asked again
         continue;

@@ -138,7 +138,7 @@ class QuantCache {
  private:
   struct Entry {
     std::shared_ptr<const QuantBatch> batch;  // keeps the key alive
-    common::Mutex run_mu;                        // one runner at a time
+    common::Mutex run_mu;                     // one runner at a time
     std::shared_ptr<Region> slot;
     absl::Status status;
     std::vector<char> done;  // per task

@@ -528,11 +528,12 @@ absl::StatusOr<uint64_t> Store::WaitForVersion(const std::string& model_name, ui
                                                const CancelledFn& cancelled) {
   common::UniqueLock lock(mu_);
   uint64_t latest = 0;
-  absl::Status status = WaitUntil(lock, deadline, cancelled, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const Model* model = FindModel(model_name);
-    latest = model ? model->latest : 0;
-    return latest != 0 && latest >= min_version;
-  });
+  absl::Status status =
+      WaitUntil(lock, deadline, cancelled, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        const Model* model = FindModel(model_name);
+        latest = model ? model->latest : 0;
+        return latest != 0 && latest >= min_version;
+      });
   if (status.code() == absl::StatusCode::kDeadlineExceeded) {
     const Model* model = FindModel(model_name);
     if (!model || (model->sources.empty() && !model->HasRemoteSources() && latest == 0)) {

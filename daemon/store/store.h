@@ -419,7 +419,8 @@ class Store {
   static absl::Status SameRegistration(const Buffer& existing, const Buffer& again);
   const Model* FindModel(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckAgainstModel(const Model& model, Role role,
-                                 const std::vector<TensorSlice>& slices) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                                 const std::vector<TensorSlice>& slices) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks the model's DESTINATION buffers whose layout disagrees with its SOURCE buffers (here
   // and on other nodes) as refused, and clears the mark of those that agree again.
   void RecheckDestinations(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -427,7 +428,8 @@ class Store {
   // nodes' sources.
   void EraseIfEmpty(const std::string& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> LookUpBuffers(
-      const std::string& model, Role role, const std::vector<std::string>& ids) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      const std::string& model, Role role, const std::vector<std::string>& ids) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TryComplete(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The pending versions `buffer` (a SOURCE being released) did not publish: abandoned.
   void AbandonUnpublished(Model& model, const Buffer& buffer, const std::string& why);
@@ -435,7 +437,8 @@ class Store {
   // ---- Slot memory per model (store_memory.cc) ----
   // The bytes of one version's slots of `model` here (ModelInfo::share_bytes), counting
   // `more_source` bytes of SOURCE buffers more and, with `destination`, a DESTINATION buffer.
-  uint64_t ShareOf(const Model& model, uint64_t more_source = 0, bool destination = false) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t ShareOf(const Model& model, uint64_t more_source = 0, bool destination = false) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Recomputes the model's share and tells the slot pools its budget, (retain + 1) x share
   // (0 once it is forgotten): spare slots are kept only within it.
   void UpdateBudget(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -449,7 +452,8 @@ class Store {
   void FillMemory(const Model& model, ModelInfo* info) const;
   // Sets fetch->base (or ->destination_base) and ->deltas when this node can catch up by
   // applying deltas.
-  void OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fetch) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fetch) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ---- --delta-base=destination (store_delta_base.cc) ----
   DeltaBase DeltaBaseOf(const std::string& model) const;
   // For OfferDelta, a piece of the newest version whose held copy was released: true when the
@@ -472,7 +476,8 @@ class Store {
                                std::vector<Piece>* pieces, uint64_t* bytes);
   // A version whose pieces are all here: it completes now, or once the quantizer thread has
   // quantized it for the model's fp8 destinations (Model::finishing meanwhile).
-  void CompleteVersion(Model& model, uint64_t version, std::vector<Piece> pieces) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CompleteVersion(Model& model, uint64_t version, std::vector<Piece> pieces)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishVersion(Model& model, std::shared_ptr<const Version> version);
   void RunQuantizer();
   // The derived slot of `plan`'s jobs for `version` (no store lock held): one region, or none
@@ -485,7 +490,8 @@ class Store {
   // The model's batch for a source layout (mu_ held): every DESTINATION buffer's jobs.
   std::shared_ptr<const QuantBatch> QuantBatchFor(
       Model& model, const std::string& layout_key,
-      const std::vector<const std::vector<TensorSlice>*>& pieces) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      const std::vector<const std::vector<TensorSlice>*>& pieces)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A local SOURCE buffer published `version`, which still waits for others: quantize what its
   // pieces so far hold, on the quantizer thread (mu_ held).
   void QuantizeEarly(Model& model, uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -504,7 +510,8 @@ class Store {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   template <typename Ready>
   absl::Status WaitUntil(common::UniqueLock& lock, Clock::time_point deadline,
-                         const CancelledFn& cancelled, Ready ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                         const CancelledFn& cancelled, Ready ready)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const StoreOptions options_;
   Metrics* const metrics_;
@@ -517,12 +524,15 @@ class Store {
   uint64_t next_buffer_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<std::string, std::unique_ptr<Model>> models_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<Buffer>> buffers_ ABSL_GUARDED_BY(mu_);  // by id
-  std::map<std::string, std::string> by_memory_ ABSL_GUARDED_BY(mu_);            // buffer ids by Region::Identity()
+  std::map<std::string, std::string> by_memory_
+      ABSL_GUARDED_BY(mu_);              // buffer ids by Region::Identity()
   std::vector<StoreEvents*> listeners_;  // in the order added
   // Versions waiting for quantization (model, version); the thread starts with the first.
-  std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_queue_
+      ABSL_GUARDED_BY(mu_);
   // Pending versions' pieces published so far (QuantizeEarly); after quant_queue_.
-  std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_early_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_early_
+      ABSL_GUARDED_BY(mu_);
   common::CondVar quant_wake_;
   std::thread quantizer_;
 };

@@ -49,7 +49,7 @@ struct Store::Buffer {
   // DESTINATION buffers: non-empty when its layout disagrees with the model's sources (set by
   // RecheckDestinations); such a buffer is left out of plans and Apply refuses it.
   std::string refused;  // guarded by Store::mu_
-  common::Mutex io_mu;     // one snapshot or one Apply at a time on this memory
+  common::Mutex io_mu;  // one snapshot or one Apply at a time on this memory
   // DESTINATION buffers: the version the last Apply installed and verified here; 0: none, or
   // what landed is stale (a failed or unverified Apply). Written under io_mu.
   std::atomic<uint64_t> applied{0};

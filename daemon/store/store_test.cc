@@ -1,9 +1,9 @@
 #include "daemon/store/store.h"
 
+#include <xxhash.h>
+
 #include <cstring>
 #include <thread>
-
-#include <xxhash.h>
 
 #include "catch2/catch.hpp"
 #include "daemon/store/store_testing.h"
@@ -187,10 +187,10 @@ TEST_CASE_METHOD(Fixture,
                  "next one completes",
                  "[store]") {
   TestBuffer r0(64), r1(64), r2(64);
-  auto a = store.RegisterBuffer("m", Role::kSource, r0.Lend(),
-                                {Whole("x", DType::kUINT8, {64}, 0)}, "rank0");
-  auto b = store.RegisterBuffer("m", Role::kSource, r1.Lend(),
-                                {Whole("y", DType::kUINT8, {64}, 0)}, "rank1");
+  auto a = store.RegisterBuffer("m", Role::kSource, r0.Lend(), {Whole("x", DType::kUINT8, {64}, 0)},
+                                "rank0");
+  auto b = store.RegisterBuffer("m", Role::kSource, r1.Lend(), {Whole("y", DType::kUINT8, {64}, 0)},
+                                "rank1");
   REQUIRE(store.Publish("m", 1, {*a}).ok());
   REQUIRE(store.Publish("m", 1, {*b}).ok());
   CHECK(store.LatestVersion("m") == 1);
@@ -206,8 +206,8 @@ TEST_CASE_METHOD(Fixture,
   CHECK(metrics.Get(kVersionsAbandoned) == 1);
   CHECK(store.ReleaseBuffer(*b).code() == absl::StatusCode::kNotFound);
   // A version the released buffer did publish is kept: its successor completes 3 with rank 0.
-  auto c = store.RegisterBuffer("m", Role::kSource, r2.Lend(),
-                                {Whole("y", DType::kUINT8, {64}, 0)}, "rank1-successor");
+  auto c = store.RegisterBuffer("m", Role::kSource, r2.Lend(), {Whole("y", DType::kUINT8, {64}, 0)},
+                                "rank1-successor");
   REQUIRE(c.ok());
   REQUIRE(store.Publish("m", 3, {*c}).ok());
   REQUIRE(store.Publish("m", 3, {*a}).ok());
@@ -217,10 +217,10 @@ TEST_CASE_METHOD(Fixture,
 TEST_CASE_METHOD(Fixture, "a source released after publishing leaves its piece in the version",
                  "[store]") {
   TestBuffer r0(64), r1(64);
-  auto a = store.RegisterBuffer("m", Role::kSource, r0.Lend(),
-                                {Whole("x", DType::kUINT8, {64}, 0)}, "");
-  auto b = store.RegisterBuffer("m", Role::kSource, r1.Lend(),
-                                {Whole("y", DType::kUINT8, {64}, 0)}, "");
+  auto a =
+      store.RegisterBuffer("m", Role::kSource, r0.Lend(), {Whole("x", DType::kUINT8, {64}, 0)}, "");
+  auto b =
+      store.RegisterBuffer("m", Role::kSource, r1.Lend(), {Whole("y", DType::kUINT8, {64}, 0)}, "");
   REQUIRE(store.Publish("m", 1, {*b}).ok());
   REQUIRE(store.ReleaseBuffer(*b).ok());  // published 1, then went
   CHECK(store.LatestVersion("m") == 0);
@@ -232,8 +232,8 @@ TEST_CASE_METHOD(Fixture, "a source released after publishing leaves its piece i
 TEST_CASE_METHOD(Fixture, "retention drops old versions; codes tell dropped from not complete",
                  "[store]") {
   TestBuffer src(16), dst(16);
-  auto s = store.RegisterBuffer("m", Role::kSource, src.Lend(),
-                                {Whole("w", DType::kINT32, {4}, 0)}, "");
+  auto s =
+      store.RegisterBuffer("m", Role::kSource, src.Lend(), {Whole("w", DType::kINT32, {4}, 0)}, "");
   auto d = store.RegisterBuffer("m", Role::kDestination, dst.Lend(),
                                 {Whole("w", DType::kINT32, {4}, 0)}, "");
   for (uint64_t v = 1; v <= 4; ++v) {
@@ -259,8 +259,8 @@ TEST_CASE_METHOD(Fixture, "retention drops old versions; codes tell dropped from
 
 TEST_CASE_METHOD(Fixture, "publish rejects stale versions and foreign buffers", "[store]") {
   TestBuffer src(16), dst(16);
-  auto s = store.RegisterBuffer("m", Role::kSource, src.Lend(),
-                                {Whole("w", DType::kINT32, {4}, 0)}, "");
+  auto s =
+      store.RegisterBuffer("m", Role::kSource, src.Lend(), {Whole("w", DType::kINT32, {4}, 0)}, "");
   auto d = store.RegisterBuffer("m", Role::kDestination, dst.Lend(),
                                 {Whole("w", DType::kINT32, {4}, 0)}, "");
   REQUIRE(store.Publish("m", 5, {*s}).ok());
@@ -276,18 +276,24 @@ TEST_CASE_METHOD(Fixture, "publish rejects stale versions and foreign buffers", 
 
 TEST_CASE_METHOD(Fixture, "registration checks tensors against the model", "[store]") {
   TestBuffer a(64), b(64), c(64), d(64);
-  REQUIRE(store.RegisterBuffer("m", Role::kSource, a.Lend(),
-                               {Whole("w", DType::kBF16, {32}, 0)}, "").ok());
+  REQUIRE(
+      store.RegisterBuffer("m", Role::kSource, a.Lend(), {Whole("w", DType::kBF16, {32}, 0)}, "")
+          .ok());
   // Same tensor, other dtype, on another source: rejected.
   CHECK(store.RegisterBuffer("m", Role::kSource, b.Lend(), {Whole("w", DType::kFP16, {32}, 0)}, "")
-            .status().code() == absl::StatusCode::kInvalidArgument);
+            .status()
+            .code() == absl::StatusCode::kInvalidArgument);
   // Destination with another global shape: rejected.
-  CHECK(store.RegisterBuffer("m", Role::kDestination, c.Lend(),
-                             {Whole("w", DType::kBF16, {16}, 0)}, "")
-            .status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(store
+            .RegisterBuffer("m", Role::kDestination, c.Lend(), {Whole("w", DType::kBF16, {16}, 0)},
+                            "")
+            .status()
+            .code() == absl::StatusCode::kInvalidArgument);
   // Destination converting bf16 to fp16: accepted.
-  CHECK(store.RegisterBuffer("m", Role::kDestination, d.Lend(),
-                             {Whole("w", DType::kFP16, {32}, 0)}, "").ok());
+  CHECK(store
+            .RegisterBuffer("m", Role::kDestination, d.Lend(), {Whole("w", DType::kFP16, {32}, 0)},
+                            "")
+            .ok());
   CHECK(store.Models()[0].source_buffers == 1);
   CHECK(store.Models()[0].destination_buffers == 1);
 }
@@ -296,15 +302,21 @@ TEST_CASE_METHOD(Fixture, "slices of one request, and a source after its destina
                  "[store]") {
   TestBuffer a(64), b(64), c(64), d(64), e(64);
   // One request, two row halves of one tensor with different dtypes: the model's first buffer.
-  CHECK(store.RegisterBuffer("m", Role::kSource, a.Lend(),
-                             {Rows("w", DType::kBF16, {2, 8}, 0, 1, 0),
-                              Rows("w", DType::kFP16, {2, 8}, 1, 1, 16)}, "")
-            .status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(store
+            .RegisterBuffer("m", Role::kSource, a.Lend(),
+                            {Rows("w", DType::kBF16, {2, 8}, 0, 1, 0),
+                             Rows("w", DType::kFP16, {2, 8}, 1, 1, 16)},
+                            "")
+            .status()
+            .code() == absl::StatusCode::kInvalidArgument);
   // ... or with different global shapes.
-  CHECK(store.RegisterBuffer("m", Role::kDestination, b.Lend(),
-                             {Rows("w", DType::kBF16, {2, 8}, 0, 1, 0),
-                              Rows("w", DType::kBF16, {4, 4}, 1, 1, 16)}, "")
-            .status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(store
+            .RegisterBuffer("m", Role::kDestination, b.Lend(),
+                            {Rows("w", DType::kBF16, {2, 8}, 0, 1, 0),
+                             Rows("w", DType::kBF16, {4, 4}, 1, 1, 16)},
+                            "")
+            .status()
+            .code() == absl::StatusCode::kInvalidArgument);
   CHECK(store.Models().empty());  // nothing registered
   // A destination first, then a source it can't be converted from: the source wins, and the
   // destination is the one refused (shown in Models, naming the source).
@@ -334,8 +346,8 @@ TEST_CASE_METHOD(Fixture, "slices of one request, and a source after its destina
 
 TEST_CASE_METHOD(Fixture, "waiters see completions in order and wake at shutdown", "[store]") {
   TestBuffer src(8);
-  auto s = store.RegisterBuffer("m", Role::kSource, src.Lend(),
-                                {Whole("w", DType::kUINT8, {8}, 0)}, "");
+  auto s =
+      store.RegisterBuffer("m", Role::kSource, src.Lend(), {Whole("w", DType::kUINT8, {8}, 0)}, "");
   std::thread publisher([&] {
     for (uint64_t v = 1; v <= 3; ++v) REQUIRE(store.Publish("m", v, {*s}).ok());
   });
@@ -384,9 +396,8 @@ struct Receiver {
     // As another node announces it: normalized.
     TensorSlice w = Rows("w", DType::kBF16, {1024}, 0, 1024, 0);
     w.buffer_strides = {1};
-    SourceLayout layout{"trainer-1",
-                        std::make_shared<std::vector<TensorSlice>>(std::vector<TensorSlice>{w}),
-                        2048};
+    SourceLayout layout{
+        "trainer-1", std::make_shared<std::vector<TensorSlice>>(std::vector<TensorSlice>{w}), 2048};
     store.SetRemoteSources("trainer", "m", {layout});
   }
 
@@ -404,8 +415,7 @@ RemoteDeltaRef DeltaRef(uint64_t base, uint64_t version) {
 
 TEST_CASE("a pull offers the chain of deltas from the newest version held", "[store][delta]") {
   Receiver r;
-  r.store.AnnounceRemoteVersion("trainer", "m", 1, {{"trainer-1", "key", 2048}},
-                                {DeltaRef(0, 1)});
+  r.store.AnnounceRemoteVersion("trainer", "m", 1, {{"trainer-1", "key", 2048}}, {DeltaRef(0, 1)});
   REQUIRE(r.jobs.size() == 1);
   CHECK(r.jobs[0].fetches.at(0).base == nullptr);  // nothing held yet: in full
   r.Finish();
@@ -427,8 +437,7 @@ TEST_CASE("a pull offers the chain of deltas from the newest version held", "[st
   REQUIRE(r.store.LatestVersion("m") == 3);
 
   // A gap in the chain (4 -> 5 missing): in full.
-  r.store.AnnounceRemoteVersion("trainer", "m", 6, {{"trainer-1", "key", 2048}},
-                                {DeltaRef(5, 6)});
+  r.store.AnnounceRemoteVersion("trainer", "m", 6, {{"trainer-1", "key", 2048}}, {DeltaRef(5, 6)});
   REQUIRE(r.jobs.size() == 3);
   CHECK(r.jobs[2].fetches.at(0).base == nullptr);
   CHECK(r.jobs[2].fetches.at(0).deltas.empty());

@@ -27,9 +27,10 @@ absl::Status CheckFiles(const PeerTlsFiles& files) {
     return absl::InvalidArgumentError(
         "--tls-cert, --tls-key and --tls-ca go together (mutual TLS needs all three)");
   }
-  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--tls-cert", files.cert},
-                                   {"--tls-key", files.key},
-                                   {"--tls-ca", files.ca}}) {
+  for (const auto& [flag, path] :
+       {std::pair<const char*, const std::string&>{"--tls-cert", files.cert},
+        {"--tls-key", files.key},
+        {"--tls-ca", files.ca}}) {
     std::ifstream in(path);
     if (!in) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read ", path));
     std::stringstream text;
@@ -58,8 +59,7 @@ std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials(const PeerTlsFiles&
   options.watch_identity_key_cert_pairs();
   options.set_verify_server_certs(true);  // the chain, against --tls-ca
   options.set_check_call_host(false);
-  options.set_certificate_verifier(
-      std::make_shared<grpc::experimental::NoOpCertificateVerifier>());
+  options.set_certificate_verifier(std::make_shared<grpc::experimental::NoOpCertificateVerifier>());
   return grpc::experimental::TlsCredentials(options);
 }
 
@@ -75,8 +75,7 @@ absl::Status CheckIdentity(const grpc::AuthContext& auth, const std::string& nod
     return absl::PermissionDeniedError("the peer presented no certificate");
   }
   return absl::PermissionDeniedError(absl::StrCat(
-      "the peer calls itself '", node, "' but its certificate names ",
-      absl::StrJoin(names, ", ")));
+      "the peer calls itself '", node, "' but its certificate names ", absl::StrJoin(names, ", ")));
 }
 
 }  // namespace refit::tls

@@ -67,7 +67,8 @@ void CopyEngine::Run() {
   common::UniqueLock lock(mu_);
   while (true) {
     ++idle_;
-    wake_.Wait(lock, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); });
+    wake_.Wait(lock,
+               [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); });
     --idle_;
     if (stop_) return;
     batch.clear();

@@ -47,7 +47,7 @@ TEST_CASE("another release's protocol version is refused with a message saying s
   std::string bytes = EncodeAddress({WireBackend::kUcx, 5, "worker"});
   REQUIRE(DecodeAddress(bytes, WireBackend::kUcx).ok());
   CHECK(static_cast<int>(bytes[4]) == 2);  // the gathers' version
-  bytes[4] = 1;  // a release before gathers
+  bytes[4] = 1;                            // a release before gathers
   const absl::Status s = DecodeAddress(bytes, WireBackend::kUcx).status();
   INFO(s.ToString());
   CHECK(s.code() == absl::StatusCode::kInvalidArgument);

@@ -36,14 +36,14 @@
 namespace {
 
 namespace v1 = refit::v1;
-using refit::client::Client;
-using refit::client::SharedMemory;
-using refit::client::Slice;
 using refit::bench::Clock;
 using refit::bench::Median;
 using refit::bench::Metric;
 using refit::bench::Seconds;
 using refit::bench::WaitConnected;
+using refit::client::Client;
+using refit::client::SharedMemory;
+using refit::client::Slice;
 using std::chrono::milliseconds;
 
 constexpr char kSent[] = "refit_data_bytes_sent_total";
@@ -153,8 +153,8 @@ int main(int argc, char** argv) {
   }
   const std::vector<v1::TensorSlice> slices = {
       Slice("model.weight", v1::BF16, {static_cast<int64_t>(total / 2)})};
-  auto src_id = (*trainer)->RegisterBuffer(model, v1::SOURCE, src->name(), slices,
-                                           "fanout-trainer");
+  auto src_id =
+      (*trainer)->RegisterBuffer(model, v1::SOURCE, src->name(), slices, "fanout-trainer");
   if (!src_id.ok()) return Fail("RegisterBuffer SOURCE", src_id.status());
   std::vector<std::string> dst_ids;
   for (int i = 0; i < k; ++i) {
@@ -228,10 +228,9 @@ int main(int argc, char** argv) {
       ok = ok && std::memcmp(dst[e].data(), src->data(), total) == 0;
     }
     const double t = Seconds(t1, last);
-    std::cout << absl::StrFormat("%-8s %9.3f %9.3f %9.3f %12.3f %12.3f %6s\n",
-                                 absl::StrCat(version, i == 1 ? " (1st)" : ""), Seconds(t0, t1),
-                                 Seconds(t1, first), t, trainer_sent, engines_sent,
-                                 ok ? "ok" : "WRONG");
+    std::cout << absl::StrFormat(
+        "%-8s %9.3f %9.3f %9.3f %12.3f %12.3f %6s\n", absl::StrCat(version, i == 1 ? " (1st)" : ""),
+        Seconds(t0, t1), Seconds(t1, first), t, trainer_sent, engines_sent, ok ? "ok" : "WRONG");
     std::cout.flush();
     if (!ok) {
       std::cerr << "fanout_bench: version " << version

@@ -45,13 +45,13 @@
 namespace {
 
 namespace v1 = refit::v1;
-using refit::client::Client;
-using refit::client::SharedMemory;
-using refit::client::Slice;
 using refit::bench::Clock;
 using refit::bench::Median;
 using refit::bench::Seconds;
 using refit::bench::WaitConnected;
+using refit::client::Client;
+using refit::client::SharedMemory;
+using refit::client::Slice;
 
 int Fail(const std::string& what, const absl::Status& status) {
   std::cerr << "two_node_bench: " << what << ": " << status.ToString() << "\n";
@@ -144,22 +144,28 @@ int main(int argc, char** argv) {
   app.add_option("--trainer-socket", trainer_socket, "the trainer node's refitd socket")
       ->required();
   app.add_option("--engine-socket", engine_socket, "the engine node's refitd socket")->required();
-  app.add_option("--versions", versions, "measured versions")->capture_default_str()
+  app.add_option("--versions", versions, "measured versions")
+      ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   app.add_option("--warmup", warmup, "versions published first and left out of the medians")
-      ->capture_default_str()->check(CLI::Range(0, 100));
-  app.add_option("--mib", mib, "model size in MiB (bf16)")->capture_default_str()
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100));
+  app.add_option("--mib", mib, "model size in MiB (bf16)")
+      ->capture_default_str()
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--tensors", tensors, "tensors the same bytes are split into")
-      ->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{10000000}));
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{10000000}));
   app.add_option("--model", model, "model name")->capture_default_str();
   app.add_option("--density", density,
                  "fraction of elements changed per version by +-1 ulp (0: every byte changes)")
-      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
   app.add_option("--timeout", timeout_s, "seconds to wait for one version")->capture_default_str();
   app.add_option("--engine-shard", engine_shard,
                  "none: the engine holds the whole model; rows / cols: half of one 2-D tensor")
-      ->capture_default_str()->check(CLI::IsMember({"none", "rows", "cols"}));
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "rows", "cols"}));
   app.add_flag("--memory", memory,
                "report both daemons' resident memory after the versions (beside the model)");
   app.add_option("--burst", burst,
@@ -207,11 +213,10 @@ int main(int argc, char** argv) {
   std::vector<v1::TensorSlice> dst_slices = slices;
   if (sharded) {
     slices = {Slice("model.weight", v1::BF16, {rows, kCols}, 0)};
-    dst_slices = {engine_shard == "rows"
-                      ? Slice("model.weight", v1::BF16, {rows, kCols}, 0, {0, 0},
-                              {rows / 2, kCols})
-                      : Slice("model.weight", v1::BF16, {rows, kCols}, 0, {0, 0},
-                              {rows, kCols / 2})};
+    dst_slices = {
+        engine_shard == "rows"
+            ? Slice("model.weight", v1::BF16, {rows, kCols}, 0, {0, 0}, {rows / 2, kCols})
+            : Slice("model.weight", v1::BF16, {rows, kCols}, 0, {0, 0}, {rows, kCols / 2})};
   }
   // The engine's expected bytes: all of the source, or the half it holds.
   auto matches = [&](const uint8_t* dst_bytes, const uint8_t* src_bytes) {
@@ -226,12 +231,12 @@ int main(int argc, char** argv) {
     }
     return true;
   };
-  const std::string model_name =
-      sharded ? absl::StrCat(model, "-", engine_shard)
-              : tensors == 1 ? model : absl::StrFormat("%s-%dt", model, tensors);
+  const std::string model_name = sharded        ? absl::StrCat(model, "-", engine_shard)
+                                 : tensors == 1 ? model
+                                                : absl::StrFormat("%s-%dt", model, tensors);
   auto reg_start = Clock::now();
-  auto src_id = (*trainer)->RegisterBuffer(model_name, v1::SOURCE, src->name(), slices,
-                                           "bench-trainer");
+  auto src_id =
+      (*trainer)->RegisterBuffer(model_name, v1::SOURCE, src->name(), slices, "bench-trainer");
   if (!src_id.ok()) return Fail("RegisterBuffer SOURCE", src_id.status());
   auto dst_id = (*engine)->RegisterBuffer(model_name, v1::DESTINATION, dst->name(), dst_slices,
                                           "bench-engine");
@@ -253,8 +258,8 @@ int main(int argc, char** argv) {
       model_name, tensors, total, static_cast<double>(total) / (1 << 30), trainer_socket,
       engine_socket, register_s);
   std::cout << absl::StrFormat("%-8s %14s %10s %10s %11s %10s %10s %10s %8s\n", "version",
-                               "bytes pulled", "publish s", "GB/s", "transfer s", "GB/s",
-                               "apply s", "GB/s", "check");
+                               "bytes pulled", "publish s", "GB/s", "transfer s", "GB/s", "apply s",
+                               "GB/s", "check");
   const int trainer_pid = memory ? refit::bench::SocketPeerPid(trainer_socket) : 0;
   const int engine_pid = memory ? refit::bench::SocketPeerPid(engine_socket) : 0;
   if (memory && (trainer_pid == 0 || engine_pid == 0)) {

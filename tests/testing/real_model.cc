@@ -20,8 +20,8 @@ std::vector<uint8_t> ReadAll(const std::string& path) {
 // Tensor-parallel split for the engine: -1 whole, 0 rows, 1 columns.
 int Split(const Tensor& t) {
   if (t.shape.size() < 2) return -1;
-  const bool row_parallel = t.name.find("o_proj") != std::string::npos ||
-                            t.name.find("down_proj") != std::string::npos;
+  const bool row_parallel =
+      t.name.find("o_proj") != std::string::npos || t.name.find("down_proj") != std::string::npos;
   return row_parallel ? 1 : 0;
 }
 

@@ -9,9 +9,11 @@ const ConformanceBackend& TestBackend() {
   static const ConformanceBackend backend{
       "inproc",
       []() -> absl::StatusOr<std::unique_ptr<Transport>> { return InprocTransport::Create(); },
-      /*cross_process=*/false, /*detects_peer_failure=*/true,
+      /*cross_process=*/false,
+      /*detects_peer_failure=*/true,
       [](Transport& peer) { static_cast<InprocTransport&>(peer).SimulateCrash(); },
-      /*maps_peer_memory=*/false, /*survives_killed_writer=*/true};
+      /*maps_peer_memory=*/false,
+      /*survives_killed_writer=*/true};
   return backend;
 }
 

@@ -41,7 +41,9 @@ const ConformanceBackend& TestBackend() {
         if (!transport.ok()) return transport.status();
         return std::unique_ptr<Transport>(std::move(*transport));
       },
-      /*cross_process=*/true, /*detects_peer_failure=*/PeerFailureHandling(), nullptr,
+      /*cross_process=*/true,
+      /*detects_peer_failure=*/PeerFailureHandling(),
+      nullptr,
       /*maps_peer_memory=*/ExpectMapped(),
       /*survives_killed_writer=*/std::getenv("UCX_POSIX_ERROR_HANDLING") == nullptr};
   return backend;

@@ -111,7 +111,8 @@ struct UcxTransport::Registry {
   common::Mutex mu;
   std::multimap<uint64_t, Entry> by_address ABSL_GUARDED_BY(mu);
   // token -> {base, length} -> how many holds grant it.
-  std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, uint64_t>> grants ABSL_GUARDED_BY(mu);
+  std::map<std::string, std::map<std::pair<uint64_t, uint64_t>, uint64_t>> grants
+      ABSL_GUARDED_BY(mu);
 
   void AddGrant(const std::string& token, uint64_t base, uint64_t length)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
