@@ -14,6 +14,7 @@
 #include "cuda/quantize_testing.h"
 #include "daemon/store/quantize.h"
 #include "daemon/store/store.h"
+#include "daemon/store/store_testing.h"
 
 namespace refit {
 namespace {
@@ -208,11 +209,10 @@ TEST_CASE("fp8 overlap: a pulled version is quantized from the full bytes the pu
   Metrics metrics;
   StoreOptions options = Options();
   options.node = "engine";
-  Store store(options, &metrics);
   std::vector<PullJob> jobs;
-  StoreListener listener;
-  listener.pull = [&jobs](PullJob job) { jobs.push_back(std::move(job)); };
-  store.SetListener(std::move(listener));
+  refit::testing::PullRecorder recorder(&jobs);  // outlives the store
+  Store store(options, &metrics);
+  store.AddListener(&recorder);
   uint8_t* dst;
   TensorSlice q = Slice("w", DType::kFP8E4M3, {kRows, kCols}, {}, {}, 0);
   q.scale_tensor = "w_scale_inv";
