@@ -413,17 +413,18 @@ TEST_CASE("a pull longer than its pin's lease renews it: retention can't recycle
     WARN("shared memory pulls too fast to outlast a lease here: covered by the tcp variant");
     return;
   }
-  // The source keeps one version; the engine pins with a 1 s lease (renewed every 250 ms) and
-  // pulls 128 MiB in 4 KiB reads, one at a time: several seconds.
+  // The source keeps one version; the engine pins with a 0.5 s lease (renewed every 125 ms) and
+  // pulls 256 MiB in 4 KiB reads, one at a time: a few seconds even with an idle, event-driven
+  // data plane (128 MiB and a 1 s lease finished too soon on a quiet machine).
   // Deltas off: the delta encoder would hold older snapshots too.
   auto source = DaemonProcess::Start({"--node=src", "--retain=1", "--delta-threshold=0"});
   REQUIRE(source.ok());
   auto engine = DaemonProcess::Start(
       {"--node=dst", "--retain=10", "--chunk-bytes=4096", "--inflight=1", "--delta-threshold=0",
        "--peers=127.0.0.1:" + std::to_string(ListenPort(**source))},
-      /*socket=*/"", {"REFIT_TEST_PIN_LEASE_MS=1000"});
+      /*socket=*/"", {"REFIT_TEST_PIN_LEASE_MS=500"});
   REQUIRE(engine.ok());
-  BigModel big(**source, **engine, 128 << 20);
+  BigModel big(**source, **engine, 256 << 20);
   auto& inference = big.inference;
   big.Publish(1, 1);
   WaitPulling(*inference.client, 1);
@@ -431,7 +432,7 @@ TEST_CASE("a pull longer than its pin's lease renews it: retention can't recycle
   // its slot. Past the lease, more versions would take that slot from the pool and overwrite
   // it, had the pin lapsed.
   big.Publish(2, 2);
-  std::this_thread::sleep_for(milliseconds(1500));
+  std::this_thread::sleep_for(milliseconds(750));  // past the lease
   for (uint64_t v = 3; v <= 6; ++v) big.Publish(v, static_cast<int>(v));
   auto status = inference.client->Status();
   REQUIRE(status.ok());
