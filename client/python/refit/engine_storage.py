@@ -244,32 +244,14 @@ def _torch_cuda_block(param) -> Tuple[int, bytes, int]:
     return int(shared[0]), bytes(shared[1]), storage.data_ptr() - int(shared[3])
 
 
-class EngineCudaRegion:
+class EngineCudaRegion(memory.CudaIpcBlock):
     """Part of a cudaMalloc block the engine owns, holding parameters refit writes in place.
     Nothing is allocated or freed here: the engine's allocator owns the memory."""
 
-    memory = "cuda"
-    kind = "cuda_ipc"
-    name = None
     bytes = None  # no byte view: the parameters themselves are the tensors
 
     def __init__(self, device: int, handle: bytes, offset: int, size: int, device_uuid: str):
-        if len(handle) != memory.CUDA_IPC_HANDLE_BYTES:
-            raise RuntimeError(
-                f"refit: a {len(handle)}-byte CUDA IPC handle, not a "
-                f"{memory.CUDA_IPC_HANDLE_BYTES}-byte cudaIpcMemHandle_t (expandable segments? "
-                "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False)")
-        self.device, self.handle, self.offset, self.size = device, handle, offset, size
-        self.device_uuid = device_uuid
-
-    def memory_handle(self) -> refit_pb2.MemoryHandle:
-        return refit_pb2.MemoryHandle(
-            cuda_ipc=refit_pb2.CudaIpc(handle=self.handle, device=self.device,
-                                       device_uuid=self.device_uuid),
-            offset=self.offset, size=self.size)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+        self._set_block(device, handle, offset, size, device_uuid)
 
     def close(self) -> None:
         pass  # the engine's parameters: theirs to free

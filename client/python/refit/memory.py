@@ -186,34 +186,23 @@ def _untyped_storage(tensor: torch.Tensor):
     return tensor.storage().untyped()  # torch 1.13
 
 
-class CudaRegion:
-    """`size` bytes of CUDA memory on `device`, exported with cudaIpcGetMemHandle.
-
-    The handle names the whole cudaMalloc block that torch's caching allocator carved this
-    region from, so the region is [offset, offset + size) of that block.
-    """
+class CudaIpcBlock:
+    """[offset, offset + size) of a cudaMalloc block named by its CUDA IPC handle: what refitd
+    is given for CUDA memory (CudaRegion, and the engine parameters of engine_storage)."""
 
     memory = "cuda"
     kind = "cuda_ipc"
     name = None
 
-    def __init__(self, size: int, device: torch.device):
-        require_cuda(device)
-        if size <= 0:
-            raise ValueError("a CUDA region needs at least one byte")
-        self.size = size
-        self.bytes = torch.empty(size, dtype=torch.uint8, device=device)
-        shared = _untyped_storage(self.bytes)._share_cuda_()
-        # (device, handle, storage_size_bytes, storage_offset_bytes, ref counter..., event...)
-        self.device = int(shared[0])
-        self.handle = bytes(shared[1])
-        self.offset = int(shared[3])
-        self.device_uuid = gpu_uuid(torch.cuda.get_device_properties(self.device))
-        if len(self.handle) != CUDA_IPC_HANDLE_BYTES:
+    def _set_block(self, device: int, handle: bytes, offset: int, size: int,
+                   device_uuid: str) -> None:
+        if len(handle) != CUDA_IPC_HANDLE_BYTES:
             raise RuntimeError(
-                f"refit: torch gave a {len(self.handle)}-byte CUDA IPC handle, not a "
+                f"refit: a {len(handle)}-byte CUDA IPC handle, not a "
                 f"{CUDA_IPC_HANDLE_BYTES}-byte cudaIpcMemHandle_t (expandable segments? set "
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False)")
+        self.device, self.handle, self.offset, self.size = device, handle, offset, size
+        self.device_uuid = device_uuid
 
     def memory_handle(self) -> refit_pb2.MemoryHandle:
         return refit_pb2.MemoryHandle(
@@ -223,6 +212,26 @@ class CudaRegion:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+class CudaRegion(CudaIpcBlock):
+    """`size` bytes of CUDA memory on `device`, exported with cudaIpcGetMemHandle.
+
+    The handle names the whole cudaMalloc block that torch's caching allocator carved this
+    region from, so the region is [offset, offset + size) of that block.
+    """
+
+    def __init__(self, size: int, device: torch.device):
+        require_cuda(device)
+        if size <= 0:
+            raise ValueError("a CUDA region needs at least one byte")
+        self.size = size
+        self.bytes = torch.empty(size, dtype=torch.uint8, device=device)
+        shared = _untyped_storage(self.bytes)._share_cuda_()
+        # (device, handle, storage_size_bytes, storage_offset_bytes, ref counter..., event...)
+        device = int(shared[0])
+        self._set_block(device, bytes(shared[1]), int(shared[3]), size,
+                        gpu_uuid(torch.cuda.get_device_properties(device)))
 
     def close(self) -> None:
         self.bytes = None  # back to the caching allocator once no view is left
