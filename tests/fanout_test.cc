@@ -200,7 +200,7 @@ TEST_CASE("bad relay and replica requests get clear codes and change nothing",
   REQUIRE(trainer_status.ok());
   auto trainer_stub = v1::Peer::NewStub(
       grpc::CreateChannel(At(trainer_status->listen_port()), grpc::InsecureChannelCredentials()));
-  {  // a replica claiming a version the trainer never published
+  {  // a replica claiming a version the trainer never published; a node not subscribed there
     grpc::ClientContext context;
     v1::ReplicaReport report;
     report.set_node("liar");
@@ -210,7 +210,7 @@ TEST_CASE("bad relay and replica requests get clear codes and change nothing",
     m->set_latest_version(1000);
     v1::ReplicaReportResponse response;
     REQUIRE(trainer_stub->Report(&context, report, &response).error_code() ==
-            grpc::StatusCode::INVALID_ARGUMENT);
+            grpc::StatusCode::FAILED_PRECONDITION);
   }
   {  // a report in this node's own name
     grpc::ClientContext context;

@@ -22,6 +22,7 @@
 #include "proto/refit/v1/peer.grpc.pb.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/fuzz.h"
+#include "tests/testing/peer_probe.h"
 #include "xxhash.h"
 
 namespace refit {
@@ -65,10 +66,18 @@ class PeerFuzz {
     auto id =
         (*c)->RegisterBuffer("p", v1::SOURCE, source.name(), {Slice("w", v1::FP32, {32, 32})});
     REQUIRE(id.ok());
+    // Checksums are answered inside a grant (issue 37): readers "fuzz-1" and "fuzz-2" pin
+    // versions 1 and 2 with the keys they were sent; most requests below ask as them.
+    testing::PeerProbe probe(status->listen_port());
     for (uint64_t version : {1, 2}) {
       for (uint64_t i = 0; i < 4096; ++i) source.data()[i] = static_cast<uint8_t>(i * version);
       REQUIRE((*c)->Publish("p", version, {*id}).ok());
       published_[version].assign(source.data(), source.data() + 4096);
+      const std::string reader = "fuzz-" + std::to_string(version);
+      auto keys = probe.KeysFor(reader, "p", version);
+      REQUIRE(keys.size() == 1);
+      keys_[version] = keys.begin()->second;
+      REQUIRE(probe.Pin(reader, "p", version, false, 300000).ok());
     }
     // The piece to ask about, as a subscriber learns it.
     grpc::ClientContext context;
@@ -98,7 +107,8 @@ class PeerFuzz {
         request.set_node(gen_.Text());
         request.set_version(gen_.Text());
         v1::HelloResponse response;
-        return Expect(request, stub_->Hello(&context, request, &response), {StatusCode::OK});
+        return Expect(request, stub_->Hello(&context, request, &response),
+                      {StatusCode::OK, StatusCode::INVALID_ARGUMENT});
       }
       case 1: {
         v1::SubscribeRequest request;
@@ -109,7 +119,9 @@ class PeerFuzz {
         v1::PeerEvent event;
         while (reader->Read(&event)) {
         }
-        return Expect(request, reader->Finish(), {StatusCode::OK, StatusCode::DEADLINE_EXCEEDED});
+        return Expect(request, reader->Finish(),
+                      {StatusCode::OK, StatusCode::DEADLINE_EXCEEDED, StatusCode::INVALID_ARGUMENT,
+                       StatusCode::RESOURCE_EXHAUSTED});
       }
       case 2: {
         v1::PinRequest request;
@@ -122,7 +134,8 @@ class PeerFuzz {
         request.set_bytes_read(gen_.U64(4096));
         v1::PinResponse response;
         return Expect(request, stub_->Pin(&context, request, &response),
-                      {StatusCode::OK, StatusCode::NOT_FOUND, StatusCode::INVALID_ARGUMENT});
+                      {StatusCode::OK, StatusCode::NOT_FOUND, StatusCode::INVALID_ARGUMENT,
+                       StatusCode::RESOURCE_EXHAUSTED});
       }
       default:
         return Checksum(&context);
@@ -146,6 +159,13 @@ class PeerFuzz {
     request.set_model(gen_.OneIn(6) ? gen_.Text() : "p");
     request.set_version(gen_.OneIn(6) ? gen_.U64(4) : 1 + gen_.Below(2));
     request.set_buffer_id(gen_.OneIn(6) ? gen_.Text() : piece_);
+    // Mostly as the reader pinning that version, with its key; else as nobody, another
+    // reader, or with a forged key: PERMISSION_DENIED.
+    const bool granted = !gen_.OneIn(5);
+    request.set_node(granted ? "fuzz-" + std::to_string(request.version())
+                             : (gen_.OneIn(2) ? gen_.Text() : "fuzz-1"));
+    auto key = keys_.find(request.version());
+    request.set_remote_key(granted && key != keys_.end() ? key->second : Bytes(80));
     for (uint64_t n = gen_.OneIn(20) ? 300000 : gen_.Below(4); n > 0; --n) {
       v1::ByteRange* r = request.add_ranges();
       r->set_offset(gen_.U64(4096));
@@ -160,8 +180,13 @@ class PeerFuzz {
     }
     v1::ChecksumResponse response;
     const grpc::Status status = stub_->Checksum(context, request, &response);
-    Expect(request, status, {StatusCode::OK, StatusCode::INVALID_ARGUMENT, StatusCode::NOT_FOUND});
+    Expect(request, status,
+           {StatusCode::OK, StatusCode::INVALID_ARGUMENT, StatusCode::NOT_FOUND,
+            StatusCode::PERMISSION_DENIED});
     if (!status.ok()) return;
+    // Only a reader with its pin and key of exactly that version is answered.
+    REQUIRE(request.node() == "fuzz-" + std::to_string(request.version()));
+    REQUIRE(request.remote_key() == keys_.at(request.version()));
     // Every answer is the XXH3 of the bytes that version published: `ranges` then `runs`
     // expanded, in `sums` when the request has runs (in `xxh3`, as older peers read, if not).
     const std::vector<uint8_t>& bytes = published_.at(request.version());
@@ -179,8 +204,15 @@ class PeerFuzz {
     CHECK(std::vector<uint64_t>(answered.begin(), answered.end()) == expected);
   }
 
+  std::string Bytes(uint64_t most) {
+    std::string bytes(gen_.Below(most), '\0');
+    for (char& c : bytes) c = static_cast<char>(gen_.Below(256));
+    return bytes;
+  }
+
   Gen gen_;
   testing::DaemonProcess& daemon_;
+  std::map<uint64_t, std::string> keys_;  // version -> its key for reader "fuzz-<version>"
   std::unique_ptr<v1::Peer::Stub> stub_;
   std::map<uint64_t, std::vector<uint8_t>> published_;
   std::string piece_;
@@ -383,6 +415,7 @@ TEST_CASE("hostile peer requests are refused or answered right, and the daemon s
   CHECK(fuzz.codes().at(grpc::StatusCode::OK) > static_cast<int>(rounds / 10));
   CHECK(fuzz.codes().count(grpc::StatusCode::INVALID_ARGUMENT) == 1);
   CHECK(fuzz.codes().count(grpc::StatusCode::NOT_FOUND) == 1);
+  CHECK(fuzz.codes().count(grpc::StatusCode::PERMISSION_DENIED) == 1);
   testing::ExpectStillServing(**daemon, *local.src, *local.dst);
 }
 

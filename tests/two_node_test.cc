@@ -19,6 +19,7 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/peer_probe.h"
 
 namespace refit {
 namespace {
@@ -184,12 +185,19 @@ TEST_CASE("a column-split pull is verified from sums the source took at Publish"
   auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(ListenPort(*nodes.trainer_node)),
                                      grpc::InsecureChannelCredentials());
   auto peer = v1::Peer::NewStub(channel);
+  // Asked as a reader does: inside its grant (a pin of the version, the key it was sent).
+  testing::PeerProbe probe(ListenPort(*nodes.trainer_node));
+  const std::string key = probe.KeysFor("probe", "m", 4)[*s];
+  REQUIRE_FALSE(key.empty());
+  REQUIRE(probe.Pin("probe", "m", 4).ok());
   auto ask = [&](const std::vector<std::array<uint64_t, 4>>& runs, v1::ChecksumResponse* response,
                  const std::vector<std::array<uint64_t, 2>>& ranges = {}) {
     v1::ChecksumRequest request;
     request.set_model("m");
     request.set_version(4);
     request.set_buffer_id(*s);
+    request.set_node("probe");
+    request.set_remote_key(key);
     for (const auto& [offset, length, stride, count] : runs) {
       v1::RangeRun* run = request.add_runs();
       run->set_offset(offset);
@@ -667,10 +675,14 @@ TEST_CASE("a source of an older release (plain checksum ranges only) still verif
   // The source really ignores runs (so the pulls above went through the fallback).
   auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(ListenPort(*p.source)),
                                      grpc::InsecureChannelCredentials());
+  testing::PeerProbe probe(ListenPort(*p.source));
   v1::ChecksumRequest request;
   request.set_model("m");
   request.set_version(2);
   request.set_buffer_id(*s);
+  request.set_node("probe");
+  request.set_remote_key(probe.KeysFor("probe", "m", 2)[*s]);
+  REQUIRE(probe.Pin("probe", "m", 2).ok());
   v1::RangeRun* run = request.add_runs();
   run->set_offset(0);
   run->set_length(100);

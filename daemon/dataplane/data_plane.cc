@@ -19,6 +19,8 @@
 #include "daemon/common/test_hooks.h"
 #include "daemon/common/xxh3.h"
 #include "daemon/transport/wire.h"
+#include "openssl/evp.h"
+#include "openssl/hmac.h"
 
 namespace refit::dataplane {
 namespace {
@@ -97,7 +99,10 @@ struct DataPlane::Transfer {
 
 DataPlane::DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneOptions options,
                      Metrics* metrics)
-    : transport_(std::move(transport)), options_(options), metrics_(metrics) {
+    : transport_(std::move(transport)),
+      token_key_(::refit::transport::RandomBytes(32)),
+      options_(options),
+      metrics_(metrics) {
   metrics_->Declare(kDataBytesReceived);
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) {
@@ -323,10 +328,19 @@ void DataPlane::SweepRegistrations() {
 }
 
 std::string DataPlane::SessionToken(const std::string& node) {
-  common::MutexLock lock(tokens_mu_);
-  std::string& token = tokens_[node];
-  if (token.empty()) token = transport::RandomBytes(transport::Transport::kTokenBytes);
-  return token;
+  // HMAC-SHA256 under this process's random key, cut to the token's length: the same node
+  // always gets the same token, no node can work out another's, and nothing is kept per name
+  // (peers choose names: a table of them would grow with every name a peer makes up).
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  if (HMAC(EVP_sha256(), token_key_.data(), static_cast<int>(token_key_.size()),
+           reinterpret_cast<const unsigned char*>(node.data()), node.size(), mac,
+           &length) == nullptr ||
+      length < transport::Transport::kTokenBytes) {
+    // Never happens with OpenSSL's SHA-256; a fresh random token only grants nothing later.
+    return transport::RandomBytes(transport::Transport::kTokenBytes);
+  }
+  return std::string(reinterpret_cast<const char*>(mac), transport::Transport::kTokenBytes);
 }
 
 absl::StatusOr<DataPlane::Exposed> DataPlane::Expose(const std::shared_ptr<Region>& slot,

@@ -125,10 +125,10 @@ class DataPlane {
   // AllocateSlot holds while it uses the transport from another thread).
   std::unique_ptr<transport::Transport> transport_;
   common::Mutex alloc_mu_;
-  // Each peer node's session token (Transport::kTokenBytes random bytes), made on first use.
+  // Each peer node's session token (Transport::kTokenBytes bytes): a keyed hash of its name
+  // under token_key_, so that no table of names grows.
   std::string SessionToken(const std::string& node);
-  common::Mutex tokens_mu_;
-  std::map<std::string, std::string> tokens_ ABSL_GUARDED_BY(tokens_mu_);
+  const std::string token_key_;  // 32 random bytes, made at construction
   const DataPlaneOptions options_;
   Metrics* const metrics_;
 

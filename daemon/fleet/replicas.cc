@@ -9,9 +9,15 @@ namespace refit::fleet {
 
 ReplicaTable::ReplicaTable(std::function<Clock::time_point()> now) : now_(std::move(now)) {}
 
-void ReplicaTable::Report(const std::string& node, bool relay, std::vector<ReplicaEntry> entries) {
+absl::Status ReplicaTable::Report(const std::string& node, bool relay,
+                                  std::vector<ReplicaEntry> entries) {
   {
     common::MutexLock lock(mu_);
+    ForgetSilentLocked();
+    if (nodes_.size() >= kMaxReplicaNodes && !nodes_.count(node)) {
+      return absl::ResourceExhaustedError(absl::StrCat("the replica table holds ", nodes_.size(),
+                                                       " nodes (at most ", kMaxReplicaNodes, ")"));
+    }
     Node& n = nodes_[node];
     n.relay = relay;
     n.heard = now_();
@@ -19,6 +25,23 @@ void ReplicaTable::Report(const std::string& node, bool relay, std::vector<Repli
     for (const ReplicaEntry& e : entries) n.latest[e.model] = e.latest_version;
   }
   changed_.NotifyAll();
+  return absl::OkStatus();
+}
+
+void ReplicaTable::ForgetSilentLocked() {
+  const auto now = now_();
+  for (auto it = nodes_.begin(); it != nodes_.end();) {
+    if (now - it->second.heard > kReplicaForget) {
+      it = nodes_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+size_t ReplicaTable::size() const {
+  common::MutexLock lock(mu_);
+  return nodes_.size();
 }
 
 void ReplicaTable::Forget(const std::string& node) {

@@ -21,6 +21,10 @@
 namespace refit::fleet {
 
 inline constexpr auto kReplicaTtl = std::chrono::seconds(6);
+// A node silent this long is forgotten, not only left out; and the table holds at most
+// kMaxReplicaNodes nodes (a report naming one more is refused RESOURCE_EXHAUSTED).
+inline constexpr auto kReplicaForget = std::chrono::seconds(60);
+inline constexpr size_t kMaxReplicaNodes = 4096;
 
 struct ReplicaEntry {
   std::string model;
@@ -44,8 +48,9 @@ class ReplicaTable {
   explicit ReplicaTable(std::function<Clock::time_point()> now = Clock::now);
 
   // `node` holds DESTINATION buffers of the models in `entries` (replacing what it said
-  // before) and relays or not.
-  void Report(const std::string& node, bool relay, std::vector<ReplicaEntry> entries);
+  // before) and relays or not. RESOURCE_EXHAUSTED (nothing kept) when `node` is new and the
+  // table holds kMaxReplicaNodes nodes that reported within kReplicaForget.
+  absl::Status Report(const std::string& node, bool relay, std::vector<ReplicaEntry> entries);
   // `node` is gone (its connection ended, or it said so).
   void Forget(const std::string& node);
 
@@ -62,6 +67,8 @@ class ReplicaTable {
                                           uint32_t min_nodes, Clock::time_point deadline,
                                           const std::function<bool()>& cancelled);
   void Shutdown();
+  // Nodes in the table (live or not yet forgotten).
+  size_t size() const;
 
  private:
   struct Node {
@@ -71,6 +78,8 @@ class ReplicaTable {
   };
   std::vector<Replica> LiveLocked(const std::string& model) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the nodes silent for kReplicaForget.
+  void ForgetSilentLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::function<Clock::time_point()> now_;
   mutable common::Mutex mu_;

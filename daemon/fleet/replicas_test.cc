@@ -12,8 +12,8 @@ using Clock = std::chrono::steady_clock;
 TEST_CASE("replicas: reports, relays, and nodes that go silent", "[fleet]") {
   Clock::time_point now = Clock::now();
   ReplicaTable table([&] { return now; });
-  table.Report("e1", true, {{"m", 4}});
-  table.Report("e2", false, {{"m", 3}, {"other", 9}});
+  REQUIRE(table.Report("e1", true, {{"m", 4}}).ok());
+  REQUIRE(table.Report("e2", false, {{"m", 3}, {"other", 9}}).ok());
   auto replicas = table.ReplicasOf("m");
   REQUIRE(replicas.size() == 2);
   REQUIRE(replicas[0].node == "e1");
@@ -23,7 +23,7 @@ TEST_CASE("replicas: reports, relays, and nodes that go silent", "[fleet]") {
   REQUIRE(table.ReplicasOf("nope").empty());
   now += kReplicaTtl + milliseconds(1);
   REQUIRE(table.ReplicasOf("m").empty());
-  table.Report("e2", true, {{"m", 5}});
+  REQUIRE(table.Report("e2", true, {{"m", 5}}).ok());
   REQUIRE(table.Relays("m") == std::vector<std::string>{"e2"});
   table.Forget("e2");
   REQUIRE(table.ReplicasOf("m").empty());
@@ -31,8 +31,8 @@ TEST_CASE("replicas: reports, relays, and nodes that go silent", "[fleet]") {
 
 TEST_CASE("replicas: WaitFor a quorum, all of them, and past the deadline", "[fleet]") {
   ReplicaTable table;
-  table.Report("e1", true, {{"m", 2}});
-  table.Report("e2", true, {{"m", 1}});
+  REQUIRE(table.Report("e1", true, {{"m", 2}}).ok());
+  REQUIRE(table.Report("e2", true, {{"m", 1}}).ok());
   auto one = table.WaitFor("m", 2, 1, Clock::now() + milliseconds(100), nullptr);
   REQUIRE(one.ok());
   REQUIRE(one->nodes == std::vector<std::string>{"e1"});
@@ -41,7 +41,7 @@ TEST_CASE("replicas: WaitFor a quorum, all of them, and past the deadline", "[fl
   REQUIRE(std::string(late.status().message()).find("e2 at 1") != std::string::npos);
   std::thread reporter([&] {
     std::this_thread::sleep_for(milliseconds(30));
-    table.Report("e2", true, {{"m", 3}});
+    REQUIRE(table.Report("e2", true, {{"m", 3}}).ok());
   });
   auto all = table.WaitFor("m", 2, 0, Clock::now() + milliseconds(5000), nullptr);
   reporter.join();

@@ -456,7 +456,7 @@ void PeerManager::Report() {
     if (entries.empty()) {
       replicas_->Forget(node_);
     } else {
-      replicas_->Report(node_, relay_, entries);
+      (void)replicas_->Report(node_, relay_, entries);
     }
   }
   std::vector<std::pair<std::string, v1::Peer::Stub*>> stubs;
@@ -613,7 +613,7 @@ void PeerManager::Learn(const v1::ReplicaReportResponse& response) {
     for (const auto& m : member.models()) {
       if (!m.model().empty()) entries.push_back({m.model(), m.latest_version()});
     }
-    replicas_->Report(member.node(), member.relay(), std::move(entries));
+    (void)replicas_->Report(member.node(), member.relay(), std::move(entries));
   }
 }
 

@@ -9,6 +9,7 @@
 #include "daemon/common/logging.h"
 #include "daemon/common/test_hooks.h"
 #include "daemon/convert/convert.h"
+#include "daemon/peer/peer_limits.h"
 #include "daemon/tls/peer_tls.h"
 #include "daemon/version.h"
 
@@ -95,6 +96,12 @@ absl::Status PeerService::Authenticate(const grpc::ServerContext& context,
   return tls::CheckIdentity(*auth, node);
 }
 
+std::string PeerService::SourceOf(const grpc::ServerContext& context,
+                                  const std::string& node) const {
+  // With TLS the node name was authenticated (Authenticate); without, only the host is known.
+  return tls_ ? absl::StrCat("node ", node) : absl::StrCat("host ", PeerHost(context.peer()));
+}
+
 void PeerService::SetIdentity(const std::string& instance, const std::string& listen) {
   common::MutexLock lock(mu_);
   instance_ = instance;
@@ -106,7 +113,9 @@ std::vector<PeerService::Subscriber> PeerService::Subscribers() const {
   std::vector<Subscriber> out;
   std::set<std::pair<std::string, std::string>> seen;
   for (const auto& entry : subscribers_) {
-    if (seen.insert(entry).second) out.push_back({entry.first, entry.second, true, ""});
+    if (seen.insert(entry).second) {
+      out.push_back({Printable(entry.first, kMaxNodeName), Printable(entry.second), true, ""});
+    }
   }
   for (const auto& [address, error] : refused_) {
     out.push_back({node_, address, false, error});
@@ -116,8 +125,15 @@ std::vector<PeerService::Subscriber> PeerService::Subscribers() const {
 
 grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloRequest* request,
                                 v1::HelloResponse* response) {
-  Logger("peer")->debug("peer={} hello (refitd {}) from {}", request->node(), request->version(),
-                        context->peer());
+  Logger("peer")->debug("peer={} hello (refitd {}) from {}", Printable(request->node()),
+                        Printable(request->version()), context->peer());
+  if (absl::Status name = CheckNodeName(request->node()); !name.ok()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(name.message()));
+  }
+  if (request->listen().size() > kMaxListen) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("a --listen address is at most ", kMaxListen, " bytes"));
+  }
   if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
   }
@@ -129,11 +145,17 @@ grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloReq
   }
   // Node names tell pieces apart: another daemon with this node's name is refused (a caller
   // with this instance id is this daemon itself, through a name that resolves to every daemon).
+  // What the caller says (its --listen) is shown escaped and short, next to where it called from:
+  // a Hello is no way to put a peer's text into this daemon's Status.
   if (request->node() == node_ && !request->instance().empty() && request->instance() != instance) {
-    const std::string caller = request->listen().empty() ? context->peer() : request->listen();
-    const std::string error = absl::StrCat(
-        "two daemons have --node=", node_, ": the one at ", caller, " and this one at ", listen,
-        "; node names must be unique: give each refitd its own --node");
+    const std::string caller = context->peer();
+    const std::string error =
+        absl::StrCat("two daemons have --node=", node_, ": the one at ", caller,
+                     request->listen().empty()
+                         ? ""
+                         : absl::StrCat(" (listening on ", Printable(request->listen(), 64), ")"),
+                     " and this one at ", listen,
+                     "; node names must be unique: give each refitd its own --node");
     bool first = false;
     {
       common::MutexLock lock(mu_);
@@ -199,10 +221,28 @@ bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceL
 grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
                                     const v1::SubscribeRequest* request,
                                     grpc::ServerWriter<v1::PeerEvent>* writer) {
+  if (absl::Status name = CheckNodeName(request->node()); !name.ok()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(name.message()));
+  }
+  if (request->listen().size() > kMaxListen) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("a --listen address is at most ", kMaxListen, " bytes"));
+  }
   if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
   }
-  Logger("peer")->info("peer={} subscribed from {}", request->node(), context->peer());
+  auto ticket = streams_.Admit(SourceOf(*context, request->node()), "Subscribe");
+  if (!ticket.ok()) {
+    // Said once per 100 refusals: an attacker's streams don't become a flood of log lines.
+    if (streams_.refusals() % 100 == 1) {
+      Logger("peer")->warn("peer={} from {}: {} ({} refused so far)", Printable(request->node()),
+                           context->peer(), std::string(ticket.status().message()),
+                           streams_.refusals());
+    }
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        std::string(ticket.status().message()));
+  }
+  Logger("peer")->info("peer={} subscribed from {}", Printable(request->node()), context->peer());
   const std::pair<std::string, std::string> me(
       request->node(), request->listen().empty() ? context->peer() : request->listen());
   {
@@ -218,6 +258,11 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
       common::MutexLock lock(service->mu_);
       auto it = service->subscribers_.find(me);
       if (it != service->subscribers_.end()) service->subscribers_.erase(it);
+      // Its dial address goes with its last subscription: no node name outlives its streams.
+      auto other = service->subscribers_.lower_bound({me.first, ""});
+      if (other == service->subscribers_.end() || other->first != me.first) {
+        service->dial_.erase(me.first);
+      }
     }
   } leave{this, me};
   std::map<std::string, std::string> sent;  // model -> what was last sent (serialized)
@@ -242,6 +287,11 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
           lock, std::chrono::milliseconds(200),
           [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopped_ || generation_ != seen; });
       if (stopped_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is stopping");
+      if ((*ticket)->evicted()) {
+        return grpc::Status(
+            grpc::StatusCode::RESOURCE_EXHAUSTED,
+            "too many peer streams here: this one gave its place to another peer's");
+      }
       lapsed = ExpirePins();
       if (!changed) {
         lock.unlock();
@@ -272,8 +322,9 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
       if (!writer->Write(event)) return grpc::Status::OK;
       sent_layouts[model] = model_layouts;
       sent[model] = std::move(text);
-      Logger("peer")->debug("peer={} told model={} sources={} version={}", request->node(), model,
-                            event.sources_size(), event.version());
+      Logger("peer")->debug("peer={} told model={} sources={} version={}",
+                            Printable(request->node()), model, event.sources_size(),
+                            event.version());
     }
   }
 }
@@ -284,22 +335,54 @@ namespace {
 constexpr size_t kMaxChecksumRanges = 1u << 18;
 }  // namespace
 
-grpc::Status PeerService::Checksum(grpc::ServerContext*, const v1::ChecksumRequest* request,
+grpc::Status PeerService::Checksum(grpc::ServerContext* context, const v1::ChecksumRequest* request,
                                    v1::ChecksumResponse* response) {
-  auto snapshot = Snapshot(request->model(), request->version());
+  // Digests are served inside a grant only: to a reader that pins this version here, about a
+  // piece its pin lets it read anyway, proven by the remote key this daemon sent that node
+  // (its data-plane token) and, with TLS, by its certificate. Nobody else learns anything of
+  // the bytes: not even whether the version is held.
+  if (request->node().empty() || request->node().size() > kMaxNodeName) {
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("a checksum request names its reader (node: 1 to ", kMaxNodeName, " bytes)"));
+  }
+  if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
+  }
+  std::shared_ptr<const LocalSnapshot> snapshot;
+  std::string granted_key;
+  std::vector<Pinned> lapsed;  // released after the lock
+  {
+    common::MutexLock lock(mu_);
+    lapsed = ExpirePins();
+    auto pin = pins_.find(std::make_tuple(request->model(), request->version(), request->node()));
+    if (pin != pins_.end()) {
+      snapshot = pin->second.snapshot;
+      auto key = pin->second.keys.find(request->buffer_id());
+      if (key != pin->second.keys.end()) granted_key = key->second;
+    }
+  }
   if (!snapshot) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        absl::StrCat("model ", request->model(), ": version ", request->version(),
-                                     " is not held here"));
+    return grpc::Status(
+        grpc::StatusCode::PERMISSION_DENIED,
+        absl::StrCat("node ", Printable(request->node()), " holds no pin of model ",
+                     Printable(request->model()), " version ", request->version(),
+                     " here: checksums are answered only to a reader that pins the version"));
+  }
+  if (granted_key.empty() || !SameBytes(granted_key, request->remote_key())) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        absl::StrCat("no piece ", Printable(request->buffer_id()),
+                                     " granted to node ", Printable(request->node()),
+                                     " under that remote key in version ", request->version()));
   }
   const LocalSnapshot::Piece* piece = nullptr;
   for (const auto& p : snapshot->pieces) {
     if (p.buffer_id == request->buffer_id()) piece = &p;
   }
   if (!piece) {
-    return grpc::Status(
-        grpc::StatusCode::NOT_FOUND,
-        absl::StrCat("no piece ", request->buffer_id(), " in version ", request->version()));
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        absl::StrCat("no piece ", Printable(request->buffer_id()), " in version ",
+                                     request->version()));
   }
   const uint64_t size = piece->slot->size();
   // Every range asked for, checked before anything is read. A reader asks about what it read:
@@ -382,7 +465,8 @@ std::vector<PeerService::Pinned> PeerService::ExpirePins() {
   for (auto it = pins_.begin(); it != pins_.end();) {
     if (it->second.until < now) {
       Logger("peer")->info("model={} version={} pin of node {} lapsed (not renewed)",
-                           std::get<0>(it->first), std::get<1>(it->first), std::get<2>(it->first));
+                           Printable(std::get<0>(it->first)), std::get<1>(it->first),
+                           Printable(std::get<2>(it->first)));
       lapsed.push_back(std::move(it->second));
       it = pins_.erase(it);
     } else {
@@ -409,12 +493,19 @@ std::shared_ptr<const LocalSnapshot> PeerService::Snapshot(const std::string& mo
 
 namespace {
 // A reader pins one version per model it pulls; these bound what a peer can hold alive here.
-constexpr size_t kMaxPinsPerNode = 64;
+constexpr size_t kMaxPinsPerSource = 256;
+constexpr size_t kMaxVersionsPerSource = 2;
 constexpr uint32_t kMaxLeaseMs = 300000;
 }  // namespace
 
 grpc::Status PeerService::Pin(grpc::ServerContext* context, const v1::PinRequest* request,
                               v1::PinResponse*) {
+  if (absl::Status name = CheckNodeName(request->node()); !name.ok()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(name.message()));
+  }
+  if (absl::Status name = CheckModelName(request->model()); !name.ok()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(name.message()));
+  }
   if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
   }
@@ -439,36 +530,88 @@ grpc::Status PeerService::Pin(grpc::ServerContext* context, const v1::PinRequest
   auto snapshot = Snapshot(request->model(), request->version());
   if (!snapshot) {
     return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        absl::StrCat("model ", request->model(), ": version ", request->version(),
-                                     " is not held here"));
+                        absl::StrCat("model ", Printable(request->model()), ": version ",
+                                     request->version(), " is not held here"));
   }
   std::vector<EncodedDelta> deltas;
   if (deltas_) deltas = deltas_->Deltas(request->model());
   // The reader may read these slots over the data plane while the pin lasts, and only then.
   // (A slot that can't be granted was never announced with a key: nobody reads it.)
   std::vector<std::shared_ptr<void>> grants;
-  auto grant = [&](const std::shared_ptr<Region>& slot) {
-    auto exposed = data_plane_->Expose(slot, request->node());
+  std::map<std::string, std::string> keys;  // piece -> its descriptor for this reader
+  for (const LocalSnapshot::Piece& p : snapshot->pieces) {
+    auto exposed = data_plane_->Expose(p.slot, request->node());
+    if (!exposed.ok()) continue;
+    grants.push_back(std::move(exposed->grant));
+    keys[p.buffer_id] = std::move(exposed->descriptor);
+  }
+  for (const EncodedDelta& d : deltas) {
+    auto exposed = data_plane_->Expose(d.bytes, request->node());
     if (exposed.ok()) grants.push_back(std::move(exposed->grant));
-  };
-  for (const LocalSnapshot::Piece& p : snapshot->pieces) grant(p.slot);
-  for (const EncodedDelta& d : deltas) grant(d.bytes);
+  }
   const uint32_t lease_ms = std::clamp<uint32_t>(request->lease_ms(), 1000, kMaxLeaseMs);
   common::MutexLock lock(mu_);
   lapsed = ExpirePins();
+  // What one peer may keep alive here. A reader pulls one version of a model at a time: its pin
+  // of another version of that model goes (it moved on). One source (host, or certificate)
+  // keeps at most kMaxVersionsPerSource versions of a model pinned, the newest ones (a pin of a
+  // newer version lets its oldest go), and kMaxPinsPerSource pins in all: what pins hold past
+  // --retain is bounded in bytes by a few versions of each model per source, whatever names it
+  // claims.
+  const std::string source = SourceOf(*context, request->node());
+  std::set<uint64_t> versions;  // of this model, pinned by this source (this pin's included)
   size_t held = 0;
-  for (const auto& [k, pinned] : pins_) held += std::get<2>(k) == request->node() && k != key;
-  if (held >= kMaxPinsPerNode) {
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        absl::StrCat("node ", request->node(), " holds ", held,
-                                     " pins here already (at most ", kMaxPinsPerNode, ")"));
+  for (auto it = pins_.begin(); it != pins_.end();) {
+    const auto& [model, version, node] = it->first;
+    if (model == request->model() && node == request->node() && it->first != key) {
+      lapsed.push_back(std::move(it->second));
+      it = pins_.erase(it);
+      continue;
+    }
+    if (it->second.source == source && it->first != key) {
+      ++held;
+      if (model == request->model()) versions.insert(version);
+    }
+    ++it;
   }
-  Logger("peer")->debug("model={} version={} pinned by node {} for {} ms", request->model(),
-                        request->version(), request->node(), lease_ms);
+  if (held >= kMaxPinsPerSource) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat(Printable(source), " holds ", held,
+                                     " pins here already (at most ", kMaxPinsPerSource, ")"));
+  }
+  versions.insert(request->version());
+  while (versions.size() > kMaxVersionsPerSource) {
+    const uint64_t oldest = *versions.begin();
+    versions.erase(versions.begin());
+    if (oldest == request->version()) {
+      return grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat(Printable(source), " pins ", kMaxVersionsPerSource,
+                       " newer versions of model ", Printable(request->model()), " here already"));
+    }
+    for (auto it = pins_.begin(); it != pins_.end();) {
+      if (std::get<0>(it->first) == request->model() && std::get<1>(it->first) == oldest &&
+          it->second.source == source) {
+        Logger("peer")->info("model={} version={} pin of node {} let go: {} pins newer versions",
+                             Printable(request->model()), oldest, Printable(std::get<2>(it->first)),
+                             Printable(source));
+        lapsed.push_back(std::move(it->second));
+        it = pins_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  Logger("peer")->debug("model={} version={} pinned by node {} for {} ms",
+                        Printable(request->model()), request->version(), Printable(request->node()),
+                        lease_ms);
   // A renewal replaces the pin: its new grants are in place before the old ones go.
-  Pinned renewed{std::move(snapshot), std::move(deltas),
+  Pinned renewed{std::move(snapshot),
+                 std::move(deltas),
                  std::chrono::steady_clock::now() + std::chrono::milliseconds(lease_ms),
-                 std::move(grants)};
+                 std::move(grants),
+                 std::move(keys),
+                 source};
   std::swap(pins_[key], renewed);
   return grpc::Status::OK;
 }
@@ -481,6 +624,9 @@ constexpr auto kRelayStartWait = std::chrono::milliseconds(2000);
 constexpr auto kRelayHeartbeat = std::chrono::milliseconds(500);
 constexpr auto kRelayLongest = std::chrono::minutes(30);
 constexpr size_t kMaxName = 1024;
+// A replica report: what one node may say (its models, and their names' bytes in all).
+constexpr int kMaxReportModels = 4096;
+constexpr size_t kMaxReportNameBytes = 256 << 10;
 
 void AddRanges(const fleet::Ranges& ranges,
                google::protobuf::RepeatedPtrField<v1::ByteRange>* out) {
@@ -502,9 +648,14 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
                         absl::StrCat("node ", node_, " does not relay (--relay=false)"));
   }
   if (request->model().empty() || request->model().size() > kMaxName ||
-      request->origin().size() > 255 || request->buffer_id().size() > kMaxName ||
-      request->node().size() > 255) {
+      request->origin().size() > kMaxNodeName || request->buffer_id().size() > kMaxName ||
+      !CheckNodeName(request->node()).ok()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "malformed relay request");
+  }
+  auto ticket = streams_.Admit(SourceOf(*context, request->node()), "Relay");
+  if (!ticket.ok()) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        std::string(ticket.status().message()));
   }
   const fleet::RelayKey key{request->model(), request->version(), request->origin(),
                             request->buffer_id()};
@@ -523,8 +674,9 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(remote_key.status().message()));
   }
   Logger("peer")->debug("model={} version={} relaying piece {} of node {} to node {}",
-                        request->model(), request->version(), request->buffer_id(),
-                        request->origin(), request->node());
+                        Printable(request->model()), request->version(),
+                        Printable(request->buffer_id()), Printable(request->origin()),
+                        Printable(request->node()));
   v1::RelayProgress progress;
   progress.set_remote_key(remote_key->descriptor);
   progress.set_bytes(view->bytes);
@@ -553,6 +705,10 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
       common::MutexLock lock(mu_);
       if (stopped_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is stopping");
     }
+    if ((*ticket)->evicted()) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          "too many peer streams here: this one gave its place to another peer's");
+    }
     if (std::chrono::steady_clock::now() - start > kRelayLongest) return grpc::Status::OK;
     view = board_->Wait(key, cursor, std::chrono::steady_clock::now() + kRelayHeartbeat);
     if (!view.ok()) {
@@ -575,27 +731,52 @@ grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::Replica
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
   }
   if (!replicas_) return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "no replica table");
-  constexpr int kMaxModels = 10000;
-  if (request->node().empty() || request->node().size() > 255 || request->node() == node_ ||
-      request->models_size() > kMaxModels) {
+  if (absl::Status name = CheckNodeName(request->node()); !name.ok()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(name.message()));
+  }
+  if (request->node() == node_) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "a replica report names a node (1 to 255 bytes, not this one) and at "
-                        "most 10,000 models");
+                        "a replica report names its own node, not this one");
+  }
+  if (request->models_size() > kMaxReportModels) {
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("a replica report names at most ", kMaxReportModels, " models"));
+  }
+  // Only a node subscribed here (with TLS: authenticated) counts as a replica: a report from a
+  // node this daemon doesn't know changes nothing (WaitForReplicas waits for real nodes).
+  {
+    common::MutexLock lock(mu_);
+    auto sub = subscribers_.lower_bound({request->node(), ""});
+    if (sub == subscribers_.end() || sub->first != request->node()) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("node ", Printable(request->node()),
+                                       " is not subscribed here: a replica report comes from a "
+                                       "node that pulls from this one (Subscribe first)"));
+    }
   }
   std::vector<fleet::ReplicaEntry> entries;
+  size_t name_bytes = 0;
   for (const auto& m : request->models()) {
     if (m.model().empty() || m.model().size() > kMaxName) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a model name is 1 to 1024 bytes");
+    }
+    name_bytes += m.model().size();
+    if (name_bytes > kMaxReportNameBytes) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("a replica report's model names take at most ",
+                                       kMaxReportNameBytes, " bytes"));
     }
     // A version of a model published here that this node never published is a lie or a
     // confusion (another run under the same name): refused, and nothing changes.
     const uint64_t published = store_->LatestLocalSnapshot(m.model());
     if (published > 0 && m.latest_version() > published) {
-      const std::string why =
-          absl::StrCat("node ", request->node(), " reports version ", m.latest_version(),
-                       " of model ", m.model(), ", but the newest published here is ", published);
+      const std::string why = absl::StrCat("node ", Printable(request->node()), " reports version ",
+                                           m.latest_version(), " of model ", Printable(m.model()),
+                                           ", but the newest published here is ", published);
       {
         common::MutexLock lock(mu_);
+        if (refused_reports_.size() >= 64) refused_reports_.clear();  // logged once, bounded
         if (refused_reports_.insert(request->node()).second) {
           Logger("peer")->warn("replica report refused: {}", why);
         }
@@ -618,7 +799,10 @@ grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::Replica
       m->set_latest_version(replica.latest_version);
     }
   }
-  replicas_->Report(request->node(), request->relay(), std::move(entries));
+  if (absl::Status kept = replicas_->Report(request->node(), request->relay(), std::move(entries));
+      !kept.ok()) {
+    return grpc::Status(static_cast<grpc::StatusCode>(kept.code()), std::string(kept.message()));
+  }
   constexpr int kMaxMembers = 4096;
   common::MutexLock lock(mu_);
   for (auto& [node, member] : members) {

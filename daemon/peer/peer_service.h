@@ -24,6 +24,7 @@
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
 #include "daemon/peer/delta_source.h"
+#include "daemon/peer/peer_limits.h"
 #include "daemon/peer/peer_metrics.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
@@ -107,6 +108,11 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
   const bool tls_;  // callers are authenticated: a claimed node name must be the certificate's
   // PERMISSION_DENIED when TLS is on and `node` is not the caller's certificate's name.
   absl::Status Authenticate(const grpc::ServerContext& context, const std::string& node) const;
+  // Who a call comes from, for the per-peer bounds (peer_limits.h): the authenticated node with
+  // TLS, the calling host without.
+  std::string SourceOf(const grpc::ServerContext& context, const std::string& node) const;
+  // Subscribe and Relay streams, per source and in all.
+  StreamLimiter streams_;
   // Fault injection for tests ($REFIT_FAULT_RELAY_FLIP): a relay flips one byte in each of the
   // first N ranges it announces, as a relay serving wrong bytes would (test build only).
   std::atomic<int64_t> relay_flips_{0};
@@ -132,10 +138,13 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
     std::vector<EncodedDelta> deltas;
     std::chrono::steady_clock::time_point until;
     std::vector<std::shared_ptr<void>> grants;
+    // Each piece's remote key as sent to the reader (with its token): what Checksum asks for.
+    std::map<std::string, std::string> keys;
+    std::string source;  // who pinned (SourceOf)
   };
   // (model, version, reader)
   std::map<std::tuple<std::string, uint64_t, std::string>, Pinned> pins_ ABSL_GUARDED_BY(mu_);
-  // Nodes whose report was refused (logged once).
+  // Nodes whose report was refused (logged once; at most 64 remembered).
   std::set<std::string> refused_reports_ ABSL_GUARDED_BY(mu_);
 };
 

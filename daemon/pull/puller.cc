@@ -318,6 +318,10 @@ absl::StatusOr<std::vector<uint64_t>> Puller::RemoteChecksums(
     request.set_model(job.model);
     request.set_version(job.version);
     request.set_buffer_id(fetch.buffer_id);
+    // Asked inside this node's grant: its pin of the version there (PinOn), and the remote key
+    // that node sent this one.
+    request.set_node(options_.node);
+    request.set_remote_key(fetch.remote_key);
     uint64_t asked = 0;
     while (r < runs.size() && static_cast<size_t>(request.runs_size()) < kRunsPerChecksumCall &&
            asked < kRangesPerChecksumCall) {

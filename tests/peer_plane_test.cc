@@ -1,0 +1,347 @@
+// The peer plane under attack (issue 37), against the real refitd: fake peers speaking the peer
+// protocol on --listen.
+//   - Checksum answers only inside a grant: the byte-recovery attack (XXH3 of one-byte ranges
+//     as a lookup table) gets PERMISSION_DENIED without a pin, with another reader's or a
+//     forged key, for a version it didn't pin, after its pin ends; a real pull still verifies.
+//   - Names are bounded (INVALID_ARGUMENT), a Report from a node not subscribed here counts no
+//     replica (WaitForReplicas keeps waiting), a Hello in this node's name leaves no attacker
+//     text in Status, and memory stays put under many huge reports and subscriptions.
+//   - Subscribe streams are bounded per peer (RESOURCE_EXHAUSTED past 128 from one source),
+//     the daemon keeps answering; with --tls-* one certificate's streams don't lock out another
+//     node, which connects and pulls.
+//   - Pins hold at most two versions of a model per source: a fake peer pinning every version
+//     under new names doesn't make Publish fail under --max-slot-memory.
+
+#include <dirent.h>
+#include <xxhash.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "client/refit_client.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/refit/v1/peer.grpc.pb.h"
+#include "tests/testing/daemon_process.h"
+#include "tests/testing/peer_probe.h"
+
+namespace refit {
+namespace {
+
+using client::SharedMemory;
+using client::Slice;
+using grpc::StatusCode;
+using std::chrono::milliseconds;
+using testing::DaemonProcess;
+using testing::PeerProbe;
+
+constexpr uint64_t kBytes = 1 << 20;
+
+SharedMemory MakeShm(const std::string& tag, uint64_t size = kBytes) {
+  auto shm = SharedMemory::Create(testing::UniqueShmName(tag), size);
+  REQUIRE(shm.ok());
+  return std::move(shm).value();
+}
+
+void Fill(SharedMemory& shm, uint32_t seed) {
+  for (uint64_t i = 0; i < shm.size(); ++i) shm.data()[i] = static_cast<uint8_t>(i * 31 + seed);
+}
+
+int ListenPort(client::Client& c) {
+  auto s = c.Status();
+  REQUIRE(s.ok());
+  return s->listen_port();
+}
+
+// VmRSS of `pid` in bytes.
+uint64_t Rss(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+// A Subscribe stream held open by the test, as a node that pulls would hold it.
+struct HeldStream {
+  HeldStream(v1::Peer::Stub* stub, const std::string& node) {
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    v1::SubscribeRequest request;
+    request.set_node(node);
+    reader = stub->Subscribe(&context, request);
+    v1::PeerEvent event;
+    accepted = reader->Read(&event);  // the daemon's state first: every test has a model
+    if (!accepted) code = reader->Finish().error_code();
+  }
+  ~HeldStream() {
+    context.TryCancel();
+    if (accepted) (void)reader->Finish();
+  }
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReader<v1::PeerEvent>> reader;
+  bool accepted = false;
+  StatusCode code = StatusCode::OK;
+};
+
+v1::ChecksumRequest OneByteRanges(const std::string& piece, uint64_t version, uint64_t count) {
+  v1::ChecksumRequest request;
+  request.set_model("m");
+  request.set_version(version);
+  request.set_buffer_id(piece);
+  v1::RangeRun* run = request.add_runs();
+  run->set_offset(0);
+  run->set_length(1);
+  run->set_stride(1);
+  run->set_count(count);
+  return request;
+}
+
+}  // namespace
+
+TEST_CASE("Checksum answers only inside a grant; one-byte digests recover nothing",
+          "[integration][peer]") {
+  auto pair = testing::StartPair({"--node=trainer"}, {"--node=engine"});
+  REQUIRE(pair.ok());
+  SharedMemory src = MakeShm("plane-src"), dst = MakeShm("plane-dst");
+  Fill(src, 1);
+  auto s = pair->trainer_client->RegisterBuffer("m", v1::SOURCE, src.name(),
+                                                {Slice("w", v1::UINT8, {int64_t{kBytes}})});
+  auto d = pair->engine_client->RegisterBuffer("m", v1::DESTINATION, dst.name(),
+                                               {Slice("w", v1::UINT8, {int64_t{kBytes}})});
+  REQUIRE(s.ok());
+  REQUIRE(d.ok());
+  REQUIRE(pair->trainer_client->Publish("m", 1, {*s}).ok());
+  REQUIRE(pair->engine_client->WaitForVersion("m", 1, milliseconds(20000)).ok());
+  REQUIRE(pair->engine_client->Apply("m", 1, {*d}).ok());
+  REQUIRE(std::memcmp(src.data(), dst.data(), kBytes) == 0);
+
+  PeerProbe mallory(ListenPort(*pair->trainer_client));
+  v1::ChecksumResponse response;
+  // The attack as it was: one-byte ranges, no name, no pin.
+  v1::ChecksumRequest attack = OneByteRanges(*s, 1, 4096);
+  CHECK(mallory.Checksum(attack, &response).error_code() == StatusCode::INVALID_ARGUMENT);
+  attack.set_node("mallory");
+  CHECK(mallory.Checksum(attack, &response).error_code() == StatusCode::PERMISSION_DENIED);
+  // Subscribed (it learns its key), still no pin.
+  const std::string key = mallory.KeysFor("mallory", "m", 1)[*s];
+  REQUIRE_FALSE(key.empty());
+  attack.set_remote_key(key);
+  CHECK(mallory.Checksum(attack, &response).error_code() == StatusCode::PERMISSION_DENIED);
+  // In the name of the engine, which pins while it pulls: its key is not mallory's.
+  attack.set_node("engine");
+  CHECK(mallory.Checksum(attack, &response).error_code() == StatusCode::PERMISSION_DENIED);
+  CHECK(response.sums_size() == 0);
+  // Pinned, but a forged key, or a version it didn't pin.
+  REQUIRE(mallory.Pin("mallory", "m", 1).ok());
+  attack.set_node("mallory");
+  attack.set_remote_key(std::string(key.size(), 'k'));
+  CHECK(mallory.Checksum(attack, &response).error_code() == StatusCode::PERMISSION_DENIED);
+  attack.set_remote_key(key);
+  attack.set_version(2);
+  CHECK(mallory.Checksum(attack, &response).error_code() == StatusCode::PERMISSION_DENIED);
+  // Inside its grant (a pin it may read through anyway) the digests are right ...
+  attack.set_version(1);
+  REQUIRE(mallory.Checksum(attack, &response).ok());
+  REQUIRE(response.sums_size() == 4096);
+  CHECK(response.sums(7) == XXH3_64bits(src.data() + 7, 1));
+  // ... and end with it.
+  REQUIRE(mallory.Pin("mallory", "m", 1, /*release=*/true).ok());
+  response.Clear();
+  CHECK(mallory.Checksum(attack, &response).error_code() == StatusCode::PERMISSION_DENIED);
+  CHECK(response.sums_size() == 0);
+
+  // The engine still pulls and verifies every byte (its checksums asked inside its pins).
+  Fill(src, 2);
+  REQUIRE(pair->trainer_client->Publish("m", 2, {*s}).ok());
+  REQUIRE(pair->engine_client->WaitForVersion("m", 2, milliseconds(20000)).ok());
+  REQUIRE(pair->engine_client->Apply("m", 2, {*d}).ok());
+  CHECK(std::memcmp(src.data(), dst.data(), kBytes) == 0);
+  CHECK(pair->trainer->running());
+}
+
+TEST_CASE("peer names are bounded, fake reports count no replica, Hello leaves no attacker text",
+          "[integration][peer]") {
+  auto daemon = DaemonProcess::Start({"--node=victim"});
+  REQUIRE(daemon.ok());
+  auto c = (*daemon)->Connect();
+  REQUIRE(c.ok());
+  SharedMemory src = MakeShm("plane-names");
+  Fill(src, 3);
+  auto s = (*c)->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {int64_t{kBytes}})});
+  REQUIRE(s.ok());
+  REQUIRE((*c)->Publish("m", 1, {*s}).ok());
+  PeerProbe peer(ListenPort(**c));
+  v1::Peer::Stub* stub = peer.stub();
+  auto call = [](auto&& rpc) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    return rpc(&context).error_code();
+  };
+
+  {  // names past their bounds
+    v1::HelloRequest hello;
+    hello.set_node(std::string(256, 'h'));
+    v1::HelloResponse hello_response;
+    CHECK(call([&](grpc::ClientContext* ctx) { return stub->Hello(ctx, hello, &hello_response); }) ==
+          StatusCode::INVALID_ARGUMENT);
+    HeldStream huge(stub, std::string(1 << 20, 's'));
+    CHECK_FALSE(huge.accepted);
+    CHECK(huge.code == StatusCode::INVALID_ARGUMENT);
+    CHECK(peer.Pin("n", std::string(2048, 'm'), 1).error_code() == StatusCode::INVALID_ARGUMENT);
+    CHECK(peer.Pin(std::string(300, 'n'), "m", 1).error_code() == StatusCode::INVALID_ARGUMENT);
+  }
+
+  auto report = [&](const std::string& node, uint64_t version) {
+    v1::ReplicaReport r;
+    r.set_node(node);
+    r.set_relay(true);
+    auto* m = r.add_models();
+    m->set_model("m");
+    m->set_latest_version(version);
+    v1::ReplicaReportResponse response;
+    return call([&](grpc::ClientContext* ctx) { return stub->Report(ctx, r, &response); });
+  };
+  // A node that isn't subscribed here is nobody: refused, and WaitForReplicas doesn't count it.
+  CHECK(report("ghost", 1) == StatusCode::FAILED_PRECONDITION);
+  auto waited = (*c)->WaitForReplicas("m", 1, 1, milliseconds(1500));
+  CHECK(waited.status().code() == absl::StatusCode::kDeadlineExceeded);
+  auto model = testing::ModelStatusOf(**c, "m");
+  REQUIRE(model.ok());
+  CHECK(model->replicas_size() == 0);
+  {
+    // Subscribed, it may report what it holds (not versions never published here).
+    HeldStream subscribed(stub, "replica");
+    REQUIRE(subscribed.accepted);
+    CHECK(report("replica", 1000) == StatusCode::INVALID_ARGUMENT);
+    CHECK(report("replica", 1) == StatusCode::OK);
+    auto counted = (*c)->WaitForReplicas("m", 1, 1, milliseconds(5000));
+    REQUIRE(counted.ok());
+  }
+
+  {  // a Hello in the victim's own name, with a hostile --listen
+    v1::HelloRequest hello;
+    hello.set_node("victim");
+    hello.set_instance("someone-else");
+    hello.set_listen("\x1b[2J\r\nFAKE LOG LINE " + std::string(1000, 'A'));
+    v1::HelloResponse hello_response;
+    CHECK(call([&](grpc::ClientContext* ctx) { return stub->Hello(ctx, hello, &hello_response); }) ==
+          StatusCode::FAILED_PRECONDITION);
+    auto status = (*c)->Status();
+    REQUIRE(status.ok());
+    bool shown = false;
+    for (const v1::PeerStatus& p : status->pulled_by()) {
+      if (p.error().empty()) continue;
+      shown = true;
+      INFO(p.error());
+      CHECK(p.error().size() < 400);
+      CHECK(p.address().size() < 100);
+      for (char ch : p.error() + p.address()) CHECK(static_cast<unsigned char>(ch) >= 0x20);
+      CHECK(p.error().find("FAKE LOG LINE") != std::string::npos);  // escaped, shortened
+    }
+    CHECK(shown);
+  }
+
+  // Memory: reports naming new nodes with 1,000 models of 1 KiB each, reports from a subscribed
+  // node past the byte bound, subscriptions with 1 MiB names. Nothing is kept.
+  const uint64_t before = Rss((*daemon)->pid());
+  {
+    HeldStream subscribed(stub, "big");
+    REQUIRE(subscribed.accepted);
+    for (int i = 0; i < 120; ++i) {
+      v1::ReplicaReport r;
+      r.set_node(i % 2 ? "big" : "node-" + std::to_string(i));
+      for (int k = 0; k < 1000; ++k) {
+        auto* m = r.add_models();
+        m->set_model(std::to_string(i) + "-" + std::to_string(k) + std::string(1000, 'x'));
+      }
+      v1::ReplicaReportResponse response;
+      const StatusCode code =
+          call([&](grpc::ClientContext* ctx) { return stub->Report(ctx, r, &response); });
+      INFO("report " << i);
+      CHECK(code == (i % 2 ? StatusCode::INVALID_ARGUMENT : StatusCode::FAILED_PRECONDITION));
+    }
+    for (int i = 0; i < 30; ++i) {
+      HeldStream huge(stub, std::string(1 << 20, static_cast<char>('a' + i % 26)));
+      CHECK(huge.code == StatusCode::INVALID_ARGUMENT);
+    }
+  }
+  const uint64_t after = Rss((*daemon)->pid());
+  INFO("RSS " << before << " -> " << after);
+  CHECK(after < before + (48ull << 20));
+  REQUIRE((*daemon)->running());
+  Fill(src, 4);
+  CHECK((*c)->Publish("m", 2, {*s}).ok());
+}
+
+TEST_CASE("Subscribe streams are bounded per peer; the daemon answers on",
+          "[integration][peer]") {
+  auto daemon = DaemonProcess::Start({"--node=victim"});
+  REQUIRE(daemon.ok());
+  auto c = (*daemon)->Connect();
+  REQUIRE(c.ok());
+  SharedMemory src = MakeShm("plane-streams");
+  Fill(src, 5);
+  auto s = (*c)->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {int64_t{kBytes}})});
+  REQUIRE(s.ok());
+  REQUIRE((*c)->Publish("m", 1, {*s}).ok());
+  PeerProbe peer(ListenPort(**c));
+  std::vector<std::unique_ptr<HeldStream>> held;
+  int accepted = 0, exhausted = 0;
+  for (int i = 0; i < 160; ++i) {
+    held.push_back(std::make_unique<HeldStream>(peer.stub(), "idle-" + std::to_string(i)));
+    if (held.back()->accepted) {
+      ++accepted;
+    } else if (held.back()->code == StatusCode::RESOURCE_EXHAUSTED) {
+      ++exhausted;
+    }
+  }
+  CHECK(accepted == 128);
+  CHECK(exhausted == 32);
+  // Everything else still answers, at once.
+  const auto start = std::chrono::steady_clock::now();
+  CHECK(peer.Pin("reader", "m", 1).ok());
+  v1::HelloRequest hello;
+  hello.set_node("reader");
+  v1::HelloResponse response;
+  grpc::ClientContext context;
+  CHECK(peer.stub()->Hello(&context, hello, &response).ok());
+  CHECK((*c)->Status().ok());
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+  held.clear();
+  // Their places come back once they end.
+  std::this_thread::sleep_for(milliseconds(500));
+  HeldStream again(peer.stub(), "later");
+  CHECK(again.accepted);
+}
+
+TEST_CASE("pins hold at most two versions of a model per source: Publish keeps fitting",
+          "[integration][peer]") {
+  // One version is 1 MiB; --retain=1 keeps one, Publish needs one more, and one source's pins
+  // may keep one more past --retain: 3 MiB. A fake peer pins every version under a new name.
+  auto daemon = DaemonProcess::Start({"--node=victim", "--retain=1", "--max-slot-memory=3MiB"});
+  REQUIRE(daemon.ok());
+  auto c = (*daemon)->Connect();
+  REQUIRE(c.ok());
+  SharedMemory src = MakeShm("plane-pins");
+  auto s = (*c)->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {int64_t{kBytes}})});
+  REQUIRE(s.ok());
+  PeerProbe peer(ListenPort(**c));
+  for (uint64_t v = 1; v <= 12; ++v) {
+    INFO("version " << v);
+    Fill(src, static_cast<uint32_t>(v));
+    auto published = (*c)->Publish("m", v, {*s});
+    INFO(published.status().ToString());
+    REQUIRE(published.ok());
+    CHECK(peer.Pin("pinner-" + std::to_string(v), "m", v, false, 300000).ok());
+  }
+  REQUIRE((*daemon)->running());
+}
+
+}  // namespace refit
