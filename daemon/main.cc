@@ -1,5 +1,6 @@
 // refitd: the per-node refit daemon. Reads flags and the optional config file, starts the
 // Daemon, tells systemd it is ready, pings the watchdog, and stops on SIGTERM/SIGINT.
+#include <malloc.h>
 #include <signal.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
@@ -28,6 +29,13 @@ std::string HostName() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Large requests (a peer's or a client's message of up to a few MiB, accepted or refused) are
+  // mapped and unmapped, never kept in malloc's arenas: glibc's default raises its mmap
+  // threshold after the first such free, and then one gRPC thread's arena keeps each MiB a
+  // hostile peer made it allocate (issue 37: resident memory back where it started after an
+  // attack). Version slots are mapped by refitd itself either way.
+  mallopt(M_MMAP_THRESHOLD, 256 << 10);
+  mallopt(M_TRIM_THRESHOLD, 1 << 20);
   refit::DaemonOptions options;
   const char* env_socket = std::getenv("REFIT_SOCKET");
   if (env_socket && *env_socket) options.socket_path = env_socket;

@@ -13,6 +13,7 @@
 //     under new names doesn't make Publish fail under --max-slot-memory.
 
 #include <dirent.h>
+#include <stdlib.h>
 #include <xxhash.h>
 
 #include <chrono>
@@ -88,6 +89,49 @@ struct HeldStream {
   std::unique_ptr<grpc::ClientReader<v1::PeerEvent>> reader;
   bool accepted = false;
   StatusCode code = StatusCode::OK;
+};
+
+int Sh(const std::string& command) { return std::system((command + " >/dev/null 2>&1").c_str()); }
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// A CA and certificates with CN = the node name (openssl CLI), as tests/tls_test makes them.
+struct Pki {
+  explicit Pki(const std::vector<std::string>& names) {
+    char dir_template[] = "/tmp/refit-peer-pki-XXXXXX";
+    REQUIRE(mkdtemp(dir_template));
+    dir = dir_template;
+    REQUIRE(Sh("cd " + dir +
+               " && openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=ca -keyout ca.key "
+               "-out ca.pem") == 0);
+    for (const std::string& name : names) {
+      REQUIRE(Sh("cd " + dir + " && openssl req -newkey rsa:2048 -nodes -subj /CN=" + name +
+                 " -keyout " + name + ".key -out " + name + ".csr && openssl x509 -req -in " +
+                 name + ".csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -out " + name +
+                 ".pem") == 0);
+    }
+  }
+  ~Pki() { std::filesystem::remove_all(dir); }
+  std::vector<std::string> Flags(const std::string& name) const {
+    return {"--node=" + name, "--tls-cert=" + dir + "/" + name + ".pem",
+            "--tls-key=" + dir + "/" + name + ".key", "--tls-ca=" + dir + "/ca.pem"};
+  }
+  // A peer-port stub presenting `name`'s certificate to the daemon `server` at `port`.
+  std::unique_ptr<v1::Peer::Stub> Stub(const std::string& name, const std::string& server,
+                                       int port) const {
+    grpc::SslCredentialsOptions options;
+    options.pem_root_certs = ReadFile(dir + "/ca.pem");
+    options.pem_private_key = ReadFile(dir + "/" + name + ".key");
+    options.pem_cert_chain = ReadFile(dir + "/" + name + ".pem");
+    grpc::ChannelArguments args;
+    args.SetSslTargetNameOverride(server);
+    return v1::Peer::NewStub(grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port),
+                                                       grpc::SslCredentials(options), args));
+  }
+  std::string dir;
 };
 
 v1::ChecksumRequest OneByteRanges(const std::string& piece, uint64_t version, uint64_t count) {
@@ -174,7 +218,8 @@ TEST_CASE("peer names are bounded, fake reports count no replica, Hello leaves n
   REQUIRE(c.ok());
   SharedMemory src = MakeShm("plane-names");
   Fill(src, 3);
-  auto s = (*c)->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {int64_t{kBytes}})});
+  auto s =
+      (*c)->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {int64_t{kBytes}})});
   REQUIRE(s.ok());
   REQUIRE((*c)->Publish("m", 1, {*s}).ok());
   PeerProbe peer(ListenPort(**c));
@@ -189,8 +234,9 @@ TEST_CASE("peer names are bounded, fake reports count no replica, Hello leaves n
     v1::HelloRequest hello;
     hello.set_node(std::string(256, 'h'));
     v1::HelloResponse hello_response;
-    CHECK(call([&](grpc::ClientContext* ctx) { return stub->Hello(ctx, hello, &hello_response); }) ==
-          StatusCode::INVALID_ARGUMENT);
+    CHECK(call([&](grpc::ClientContext* ctx) {
+            return stub->Hello(ctx, hello, &hello_response);
+          }) == StatusCode::INVALID_ARGUMENT);
     HeldStream huge(stub, std::string(1 << 20, 's'));
     CHECK_FALSE(huge.accepted);
     CHECK(huge.code == StatusCode::INVALID_ARGUMENT);
@@ -231,8 +277,9 @@ TEST_CASE("peer names are bounded, fake reports count no replica, Hello leaves n
     hello.set_instance("someone-else");
     hello.set_listen("\x1b[2J\r\nFAKE LOG LINE " + std::string(1000, 'A'));
     v1::HelloResponse hello_response;
-    CHECK(call([&](grpc::ClientContext* ctx) { return stub->Hello(ctx, hello, &hello_response); }) ==
-          StatusCode::FAILED_PRECONDITION);
+    CHECK(call([&](grpc::ClientContext* ctx) {
+            return stub->Hello(ctx, hello, &hello_response);
+          }) == StatusCode::FAILED_PRECONDITION);
     auto status = (*c)->Status();
     REQUIRE(status.ok());
     bool shown = false;
@@ -280,15 +327,15 @@ TEST_CASE("peer names are bounded, fake reports count no replica, Hello leaves n
   CHECK((*c)->Publish("m", 2, {*s}).ok());
 }
 
-TEST_CASE("Subscribe streams are bounded per peer; the daemon answers on",
-          "[integration][peer]") {
+TEST_CASE("Subscribe streams are bounded per peer; the daemon answers on", "[integration][peer]") {
   auto daemon = DaemonProcess::Start({"--node=victim"});
   REQUIRE(daemon.ok());
   auto c = (*daemon)->Connect();
   REQUIRE(c.ok());
   SharedMemory src = MakeShm("plane-streams");
   Fill(src, 5);
-  auto s = (*c)->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {int64_t{kBytes}})});
+  auto s =
+      (*c)->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {int64_t{kBytes}})});
   REQUIRE(s.ok());
   REQUIRE((*c)->Publish("m", 1, {*s}).ok());
   PeerProbe peer(ListenPort(**c));
@@ -330,7 +377,8 @@ TEST_CASE("pins hold at most two versions of a model per source: Publish keeps f
   auto c = (*daemon)->Connect();
   REQUIRE(c.ok());
   SharedMemory src = MakeShm("plane-pins");
-  auto s = (*c)->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {int64_t{kBytes}})});
+  auto s =
+      (*c)->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {int64_t{kBytes}})});
   REQUIRE(s.ok());
   PeerProbe peer(ListenPort(**c));
   for (uint64_t v = 1; v <= 12; ++v) {
@@ -342,6 +390,50 @@ TEST_CASE("pins hold at most two versions of a model per source: Publish keeps f
     CHECK(peer.Pin("pinner-" + std::to_string(v), "m", v, false, 300000).ok());
   }
   REQUIRE((*daemon)->running());
+}
+
+TEST_CASE("with --tls-*, one certificate's idle streams don't lock out another node",
+          "[integration][peer][tls]") {
+  if (Sh("command -v openssl") != 0) FAIL("openssl is needed to make the test's certificates");
+  Pki pki({"trainer", "engine", "mallory"});
+  auto trainer = DaemonProcess::Start(pki.Flags("trainer"));
+  REQUIRE(trainer.ok());
+  auto c = (*trainer)->Connect();
+  REQUIRE(c.ok());
+  SharedMemory src = MakeShm("plane-tls-src"), dst = MakeShm("plane-tls-dst");
+  Fill(src, 7);
+  auto s =
+      (*c)->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {int64_t{kBytes}})});
+  REQUIRE(s.ok());
+  REQUIRE((*c)->Publish("m", 1, {*s}).ok());
+  const int port = ListenPort(**c);
+  // Mallory, a certificate of the fleet, holds every stream its source may (and claims other
+  // names in vain: they must be its certificate's).
+  auto mallory = pki.Stub("mallory", "trainer", port);
+  std::vector<std::unique_ptr<HeldStream>> held;
+  int accepted = 0, exhausted = 0;
+  for (int i = 0; i < 150; ++i) {
+    held.push_back(std::make_unique<HeldStream>(mallory.get(), "mallory"));
+    accepted += held.back()->accepted;
+    exhausted += held.back()->code == StatusCode::RESOURCE_EXHAUSTED;
+  }
+  CHECK(accepted == 128);
+  CHECK(exhausted == 22);
+  HeldStream impostor(mallory.get(), "engine");
+  CHECK(impostor.code == StatusCode::PERMISSION_DENIED);
+  // The engine, from the same host, connects and pulls.
+  std::vector<std::string> flags = pki.Flags("engine");
+  flags.push_back("--peers=127.0.0.1:" + std::to_string(port));
+  auto engine = DaemonProcess::Start(flags);
+  REQUIRE(engine.ok());
+  auto e = (*engine)->Connect();
+  REQUIRE(e.ok());
+  auto d = (*e)->RegisterBuffer("m", v1::DESTINATION, dst.name(),
+                                {Slice("w", v1::UINT8, {int64_t{kBytes}})});
+  REQUIRE(d.ok());
+  REQUIRE((*e)->WaitForVersion("m", 1, milliseconds(30000)).ok());
+  REQUIRE((*e)->Apply("m", 1, {*d}).ok());
+  CHECK(std::memcmp(src.data(), dst.data(), kBytes) == 0);
 }
 
 }  // namespace refit

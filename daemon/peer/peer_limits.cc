@@ -7,16 +7,16 @@ namespace refit::peer {
 
 absl::Status CheckNodeName(std::string_view name, std::string_view what) {
   if (name.empty() || name.size() > kMaxNodeName) {
-    return absl::InvalidArgumentError(absl::StrCat("a ", std::string(what), " is 1 to ", kMaxNodeName,
-                                                   " bytes (got ", name.size(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat("a ", std::string(what), " is 1 to ",
+                                                   kMaxNodeName, " bytes (got ", name.size(), ")"));
   }
   return absl::OkStatus();
 }
 
 absl::Status CheckModelName(std::string_view name) {
   if (name.empty() || name.size() > kMaxModelName) {
-    return absl::InvalidArgumentError(absl::StrCat("a model name is 1 to ", kMaxModelName,
-                                                   " bytes (got ", name.size(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a model name is 1 to ", kMaxModelName, " bytes (got ", name.size(), ")"));
   }
   return absl::OkStatus();
 }
@@ -67,9 +67,9 @@ absl::StatusOr<std::unique_ptr<StreamLimiter::Ticket>> StreamLimiter::Admit(
   std::list<Entry>& mine = sources_[source];
   if (mine.size() >= per_source_) {
     ++refusals_;
-    return absl::ResourceExhaustedError(absl::StrCat(
-        std::string(what), " refused: ", Printable(source), " holds ", mine.size(),
-        " peer streams here already (at most ", per_source_, " per peer)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(std::string(what), " refused: ", Printable(source), " holds ", mine.size(),
+                     " peer streams here already (at most ", per_source_, " per peer)"));
   }
   if (open_ >= total_) {
     // The largest holder other than the newcomer's source gives up its oldest stream, if it
@@ -84,8 +84,9 @@ absl::StatusOr<std::unique_ptr<StreamLimiter::Ticket>> StreamLimiter::Admit(
     if (largest == sources_.end() || largest->second.size() <= mine.size() + 1) {
       ++refusals_;
       if (mine.empty()) sources_.erase(source);
-      return absl::ResourceExhaustedError(absl::StrCat(
-          std::string(what), " refused: ", open_, " peer streams are open here (at most ", total_, ")"));
+      return absl::ResourceExhaustedError(absl::StrCat(std::string(what), " refused: ", open_,
+                                                       " peer streams are open here (at most ",
+                                                       total_, ")"));
     }
     largest->second.front().evicted->store(true);
     largest->second.pop_front();
