@@ -67,8 +67,8 @@ std::unique_ptr<v1::Peer::Stub> Stub(int port) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   args.SetMaxReceiveMessageSize(64 << 20);
-  return v1::Peer::NewStub(grpc::CreateCustomChannel(
-      "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials(), args));
+  return v1::Peer::NewStub(grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port),
+                                                     grpc::InsecureChannelCredentials(), args));
 }
 
 std::chrono::system_clock::time_point In(milliseconds d) {
@@ -177,8 +177,8 @@ struct Bench {
         "FIGURE hostile-peer %-26s %6.1f s  fds %4d/%4d/%4d  threads %4d/%4d/%4d  RSS MiB "
         "%6.1f/%6.1f/%6.1f  served %5.1f %% of %5d  alive %s  engine at v%d %s",
         name, attack_s, before.fds, peak.fds, after.fds, before.threads, peak.threads,
-        after.threads, before.rss / 1048576.0, peak.rss / 1048576.0, after.rss / 1048576.0,
-        share, asked.load(), alive ? "yes" : "NO", version.load(), caught_up ? "ok" : "BEHIND");
+        after.threads, before.rss / 1048576.0, peak.rss / 1048576.0, after.rss / 1048576.0, share,
+        asked.load(), alive ? "yes" : "NO", version.load(), caught_up ? "ok" : "BEHIND");
     std::printf("%s\n", row.c_str());
     std::fflush(stdout);
     INFO(row);
@@ -234,9 +234,8 @@ TEST_CASE("hostile peers: refitd alive, ordinary calls served, memory back",
           "[integration][faults][peer]") {
   Bench bench;
   const int port = bench.port;
-  bench.Run("none (reference)", [](const std::atomic<bool>&) {
-    std::this_thread::sleep_for(milliseconds(5000));
-  });
+  bench.Run("none (reference)",
+            [](const std::atomic<bool>&) { std::this_thread::sleep_for(milliseconds(5000)); });
   bench.Run("checksum 1-byte recovery", [&](const std::atomic<bool>&) {
     auto stub = Stub(port);
     uint64_t recovered = 0, refused = 0;
@@ -259,11 +258,12 @@ TEST_CASE("hostile peers: refitd alive, ordinary calls served, memory back",
       refused += s.error_code() == StatusCode::PERMISSION_DENIED;
     }
     std::printf("  bytes recovered %llu, requests refused %llu of 2000\n",
-                static_cast<unsigned long long>(recovered), static_cast<unsigned long long>(refused));
+                static_cast<unsigned long long>(recovered),
+                static_cast<unsigned long long>(refused));
     CHECK(recovered == 0);
     CHECK(refused == 2000);
   });
-  bench.Run("report flood (400 x 1 MiB)", [&](const std::atomic<bool>& stop) {
+  auto report_flood = [&](const std::atomic<bool>& stop) {
     auto stub = Stub(port);
     for (int i = 0; i < 400 && !stop.load(); ++i) {
       v1::ReplicaReport report;
@@ -277,7 +277,11 @@ TEST_CASE("hostile peers: refitd alive, ordinary calls served, memory back",
       context.set_deadline(In(milliseconds(5000)));
       (void)stub->Report(&context, report, &response);
     }
-  });
+  };
+  // Twice: what stays after the first is the allocator's high-water mark, not kept state (the
+  // second adds nothing).
+  bench.Run("report flood (400 x 1 MiB)", report_flood);
+  bench.Run("report flood, again", report_flood);
   bench.Run("subscribe, 1 MiB names x 50", [&](const std::atomic<bool>& stop) {
     HoldStreams(port, 50, stop, milliseconds(0), "huge-", 1 << 20);
   });

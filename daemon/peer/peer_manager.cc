@@ -13,6 +13,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/common/test_hooks.h"
 #include "daemon/convert/convert.h"
+#include "daemon/peer/peer_limits.h"
 #include "daemon/plan/plan.h"
 #include "daemon/pull/delta_fetch.h"
 #include "daemon/pull/puller.h"
@@ -347,14 +348,20 @@ void PeerManager::RunPeer(Peer* peer) {
       }
       metrics_->Add(kPeersConnected, 1);
       metrics_->Add(kPeerChannelsOpen, 1);
-      Logger("peer")->info("peer={} connected at {} (refitd {}, data plane {})", node,
-                           peer->address, who.version(), who.transport());
+      Logger("peer")->info("peer={} connected at {} (refitd {}, data plane {})", Printable(node),
+                           peer->address, Printable(who.version()), Printable(who.transport()));
       v1::SubscribeRequest request;
       request.set_node(node_);
       request.set_listen(listen_);
       auto reader = peer->stub->Subscribe(&context, request);
       v1::PeerEvent event;
       while (reader->Read(&event)) {
+        if (absl::Status name = CheckModelName(event.model()); !name.ok()) {
+          // No model here can have that name: the event is about nothing this node knows.
+          Logger("peer")->debug("peer={} model={}: event ignored: {}", Printable(node),
+                                Printable(event.model()), name.ToString());
+          continue;
+        }
         // Layouts come when they change; an event without them keeps the last ones.
         if (!event.sources_unchanged()) {
           std::vector<SourceLayout> layouts;
@@ -364,8 +371,9 @@ void PeerManager::RunPeer(Peer* peer) {
             // there", it could let a version complete without that node's shards. The peer is
             // dropped as if it had failed (its layout so far stays, and its versions are
             // forgotten), and reconnected with backoff.
-            Logger("peer")->error("peer={} model={}: layout refused, disconnecting: {}", node,
-                                  event.model(), valid.ToString());
+            Logger("peer")->error("peer={} model={}: layout refused, disconnecting: {}",
+                                  Printable(node), Printable(event.model()),
+                                  Printable(valid.ToString(), 512));
             context.TryCancel();
             break;
           }
