@@ -434,6 +434,49 @@ TEST_CASE("with --tls-*, one certificate's idle streams don't lock out another n
   REQUIRE((*e)->WaitForVersion("m", 1, milliseconds(30000)).ok());
   REQUIRE((*e)->Apply("m", 1, {*d}).ok());
   CHECK(std::memcmp(src.data(), dst.data(), kBytes) == 0);
+
+  // Checksums with TLS: a certificate of the fleet reads nothing of a version it didn't pin,
+  // and can't ask in another node's name.
+  held.clear();
+  std::this_thread::sleep_for(milliseconds(500));
+  std::string key;
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::SubscribeRequest request;
+    request.set_node("mallory");
+    auto reader = mallory->Subscribe(&context, request);
+    v1::PeerEvent event;
+    while (reader->Read(&event) && (event.version() != 1 || event.pieces_size() == 0)) {
+    }
+    REQUIRE(event.pieces_size() == 1);
+    key = event.pieces(0).remote_key();
+    context.TryCancel();
+    (void)reader->Finish();
+  }
+  auto checksum = [&](const std::string& node) {
+    v1::ChecksumRequest request = OneByteRanges(*s, 1, 4096);
+    request.set_node(node);
+    request.set_remote_key(key);
+    v1::ChecksumResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    const StatusCode code = mallory->Checksum(&context, request, &response).error_code();
+    if (code != StatusCode::OK) CHECK(response.sums_size() == 0);
+    return code;
+  };
+  CHECK(checksum("mallory") == StatusCode::PERMISSION_DENIED);  // no pin
+  CHECK(checksum("engine") == StatusCode::PERMISSION_DENIED);   // not its certificate
+  {
+    v1::PinRequest pin;
+    pin.set_model("m");
+    pin.set_version(1);
+    pin.set_node("engine");
+    v1::PinResponse response;
+    grpc::ClientContext context;
+    CHECK(mallory->Pin(&context, pin, &response).error_code() == StatusCode::PERMISSION_DENIED);
+  }
+  CHECK(checksum("engine") == StatusCode::PERMISSION_DENIED);
 }
 
 }  // namespace refit
