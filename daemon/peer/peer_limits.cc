@@ -1,5 +1,9 @@
 #include "daemon/peer/peer_limits.h"
 
+#include <malloc.h>
+
+#include <chrono>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -54,6 +58,32 @@ std::string PeerHost(std::string_view peer) {
   const std::string_view kind = peer.substr(0, scheme);
   if (kind != "ipv4" && kind != "ipv6") return std::string(peer);
   return std::string(peer.substr(scheme + 1, port - scheme - 1));
+}
+
+namespace {
+constexpr size_t kLargeRequest = 256 << 10;
+std::atomic<int64_t> large_request_at{0};  // steady clock, ms; 0: none since the last trim
+std::atomic<int64_t> trimmed_at{0};
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+void NoteLargeRequest(size_t bytes) {
+  if (bytes >= kLargeRequest) large_request_at.store(NowMs());
+}
+
+void TrimAfterLargeRequests() {
+  const int64_t seen = large_request_at.load();
+  const int64_t now = NowMs();
+  // Once the request has been answered and freed (it was seen a while ago), and not often.
+  if (seen == 0 || now - seen < 500 || now - trimmed_at.load() < 1000) return;
+  int64_t expected = seen;
+  if (!large_request_at.compare_exchange_strong(expected, 0)) return;
+  trimmed_at.store(now);
+  malloc_trim(0);
 }
 
 StreamLimiter::StreamLimiter(size_t total, size_t per_source)

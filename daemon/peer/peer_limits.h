@@ -53,6 +53,13 @@ bool SameBytes(std::string_view a, std::string_view b);
 // "[fd00::2]"); the whole string for anything else.
 std::string PeerHost(std::string_view peer);
 
+// Memory a refused large request leaves in malloc's arenas (its parsed strings, freed in the
+// middle of a gRPC thread's arena) goes back to the system: NoteLargeRequest marks one (any
+// thread), TrimAfterLargeRequests (called on a stream's quiet tick) trims once it has been
+// freed, at most once a second.
+void NoteLargeRequest(size_t bytes);
+void TrimAfterLargeRequests();
+
 class StreamLimiter {
  public:
   StreamLimiter(size_t total = kMaxStreams, size_t per_source = kMaxStreamsPerSource);

@@ -125,6 +125,7 @@ std::vector<PeerService::Subscriber> PeerService::Subscribers() const {
 
 grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloRequest* request,
                                 v1::HelloResponse* response) {
+  NoteLargeRequest(request->ByteSizeLong());
   Logger("peer")->debug("peer={} hello (refitd {}) from {}", Printable(request->node()),
                         Printable(request->version()), context->peer());
   if (absl::Status name = CheckNodeName(request->node()); !name.ok()) {
@@ -221,6 +222,7 @@ bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceL
 grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
                                     const v1::SubscribeRequest* request,
                                     grpc::ServerWriter<v1::PeerEvent>* writer) {
+  NoteLargeRequest(request->ByteSizeLong());
   if (absl::Status name = CheckNodeName(request->node()); !name.ok()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(name.message()));
   }
@@ -296,6 +298,7 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
       if (!changed) {
         lock.unlock();
         lapsed.clear();
+        TrimAfterLargeRequests();
         if (context->IsCancelled()) return grpc::Status::CANCELLED;
         continue;
       }
@@ -730,6 +733,7 @@ grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::Replica
   if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
   }
+  NoteLargeRequest(request->ByteSizeLong());
   if (!replicas_) return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "no replica table");
   if (absl::Status name = CheckNodeName(request->node()); !name.ok()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(name.message()));
