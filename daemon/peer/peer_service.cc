@@ -564,34 +564,40 @@ grpc::Status PeerService::Pin(grpc::ServerContext* context, const v1::PinRequest
   const std::string source = SourceOf(*context, request->node());
   std::set<uint64_t> versions;  // of this model, pinned by this source (this pin's included)
   size_t held = 0;
-  for (auto it = pins_.begin(); it != pins_.end();) {
-    const auto& [model, version, node] = it->first;
-    if (model == request->model() && node == request->node() && it->first != key) {
-      lapsed.push_back(std::move(it->second));
-      it = pins_.erase(it);
-      continue;
-    }
-    if (it->second.source == source && it->first != key) {
-      ++held;
-      if (model == request->model()) versions.insert(version);
-    }
-    ++it;
+  auto replaced = [&](const std::tuple<std::string, uint64_t, std::string>& k) {
+    return std::get<0>(k) == request->model() && std::get<2>(k) == request->node() && k != key;
+  };
+  for (const auto& [k, pinned] : pins_) {
+    if (pinned.source != source || k == key || replaced(k)) continue;
+    ++held;
+    if (std::get<0>(k) == request->model()) versions.insert(std::get<1>(k));
   }
   if (held >= kMaxPinsPerSource) {
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         absl::StrCat(Printable(source), " holds ", held,
                                      " pins here already (at most ", kMaxPinsPerSource, ")"));
   }
+  if (versions.size() >= kMaxVersionsPerSource && !versions.count(request->version()) &&
+      request->version() < *versions.begin()) {
+    return grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat(Printable(source), " pins ", kMaxVersionsPerSource,
+                     " newer versions of model ", Printable(request->model()), " here already"));
+  }
+  // Accepted: the reader's pin of another version of this model goes (it moved on) ...
+  for (auto it = pins_.begin(); it != pins_.end();) {
+    if (replaced(it->first)) {
+      lapsed.push_back(std::move(it->second));
+      it = pins_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  // ... and so do the source's pins of its oldest versions of it, past kMaxVersionsPerSource.
   versions.insert(request->version());
   while (versions.size() > kMaxVersionsPerSource) {
     const uint64_t oldest = *versions.begin();
     versions.erase(versions.begin());
-    if (oldest == request->version()) {
-      return grpc::Status(
-          grpc::StatusCode::RESOURCE_EXHAUSTED,
-          absl::StrCat(Printable(source), " pins ", kMaxVersionsPerSource,
-                       " newer versions of model ", Printable(request->model()), " here already"));
-    }
     for (auto it = pins_.begin(); it != pins_.end();) {
       if (std::get<0>(it->first) == request->model() && std::get<1>(it->first) == oldest &&
           it->second.source == source) {
@@ -616,206 +622,6 @@ grpc::Status PeerService::Pin(grpc::ServerContext* context, const v1::PinRequest
                  std::move(keys),
                  source};
   std::swap(pins_[key], renewed);
-  return grpc::Status::OK;
-}
-
-namespace {
-// How long a Relay call waits for this node to start pulling the piece it asks for (the
-// announcement reaches every node at about the same time), and the longest quiet gap in its
-// stream.
-constexpr auto kRelayStartWait = std::chrono::milliseconds(2000);
-constexpr auto kRelayHeartbeat = std::chrono::milliseconds(500);
-constexpr auto kRelayLongest = std::chrono::minutes(30);
-constexpr size_t kMaxName = 1024;
-// A replica report: what one node may say (its models, and their names' bytes in all).
-constexpr int kMaxReportModels = 4096;
-constexpr size_t kMaxReportNameBytes = 256 << 10;
-
-void AddRanges(const fleet::Ranges& ranges,
-               google::protobuf::RepeatedPtrField<v1::ByteRange>* out) {
-  for (const auto& [begin, end] : ranges) {
-    v1::ByteRange* r = out->Add();
-    r->set_offset(begin);
-    r->set_length(end - begin);
-  }
-}
-}  // namespace
-
-grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayRequest* request,
-                                grpc::ServerWriter<v1::RelayProgress>* writer) {
-  if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
-    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
-  }
-  if (!relay_) {
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        absl::StrCat("node ", node_, " does not relay (--relay=false)"));
-  }
-  if (request->model().empty() || request->model().size() > kMaxName ||
-      request->origin().size() > kMaxNodeName || request->buffer_id().size() > kMaxName ||
-      !CheckNodeName(request->node()).ok()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "malformed relay request");
-  }
-  auto ticket = streams_.Admit(SourceOf(*context, request->node()), "Relay");
-  if (!ticket.ok()) {
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        std::string(ticket.status().message()));
-  }
-  const fleet::RelayKey key{request->model(), request->version(), request->origin(),
-                            request->buffer_id()};
-  const auto start = std::chrono::steady_clock::now();
-  auto view = board_->Wait(key, 0, start + kRelayStartWait);
-  if (!view.ok() || view->state == fleet::RelayState::kFailed) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        absl::StrCat("node ", node_, " is not pulling piece ", request->buffer_id(),
-                                     " of model ", request->model(), " version ",
-                                     request->version(), " from ", request->origin()));
-  }
-  const std::shared_ptr<Region> slot = view->slot;  // held while the stream lasts
-  // The reader's grant to read the relayed slot lasts as long as this stream.
-  auto remote_key = data_plane_->Expose(slot, request->node());
-  if (!remote_key.ok()) {
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE, std::string(remote_key.status().message()));
-  }
-  Logger("peer")->debug("model={} version={} relaying piece {} of node {} to node {}",
-                        Printable(request->model()), request->version(),
-                        Printable(request->buffer_id()), Printable(request->origin()),
-                        Printable(request->node()));
-  v1::RelayProgress progress;
-  progress.set_remote_key(remote_key->descriptor);
-  progress.set_bytes(view->bytes);
-  AddRanges(view->planned, progress.mutable_planned());
-  bool complete = false;
-  size_t cursor = 0;
-  while (true) {
-    if (view->state == fleet::RelayState::kFailed) {
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                          absl::StrCat("node ", node_, "'s own pull of that version failed"));
-    }
-    for (const auto& [begin, end] : view->landed) {
-      if (relay_flips_.load() > 0 && relay_flips_.fetch_sub(1) > 0 && end > begin) {
-        slot->data()[begin] +=
-            1;  // a relay serving wrong bytes (tests only; adds up, never undoes)
-      }
-    }
-    AddRanges(view->landed, progress.mutable_landed());
-    complete = complete || view->state == fleet::RelayState::kComplete;
-    progress.set_complete(complete);
-    cursor = view->cursor;
-    if (!writer->Write(progress)) return grpc::Status::OK;
-    progress.Clear();
-    if (context->IsCancelled()) return grpc::Status::CANCELLED;
-    {
-      common::MutexLock lock(mu_);
-      if (stopped_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "refitd is stopping");
-    }
-    if ((*ticket)->evicted()) {
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          "too many peer streams here: this one gave its place to another peer's");
-    }
-    if (std::chrono::steady_clock::now() - start > kRelayLongest) return grpc::Status::OK;
-    view = board_->Wait(key, cursor, std::chrono::steady_clock::now() + kRelayHeartbeat);
-    if (!view.ok()) {
-      // Its entry went: a newer version's pull began here. Once complete was sent the reader
-      // only finishes its reads, from the slot this stream still holds.
-      if (!complete) {
-        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "this node moved on to a newer version");
-      }
-      std::this_thread::sleep_for(kRelayHeartbeat);
-      view = fleet::RelayView{};
-      view->state = fleet::RelayState::kComplete;
-      view->cursor = cursor;
-    }
-  }
-}
-
-grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::ReplicaReport* request,
-                                 v1::ReplicaReportResponse* response) {
-  if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
-    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
-  }
-  NoteLargeRequest(request->ByteSizeLong());
-  if (!replicas_) return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "no replica table");
-  if (absl::Status name = CheckNodeName(request->node()); !name.ok()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(name.message()));
-  }
-  if (request->node() == node_) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "a replica report names its own node, not this one");
-  }
-  if (request->models_size() > kMaxReportModels) {
-    return grpc::Status(
-        grpc::StatusCode::INVALID_ARGUMENT,
-        absl::StrCat("a replica report names at most ", kMaxReportModels, " models"));
-  }
-  // Only a node subscribed here (with TLS: authenticated) counts as a replica: a report from a
-  // node this daemon doesn't know changes nothing (WaitForReplicas waits for real nodes).
-  {
-    common::MutexLock lock(mu_);
-    auto sub = subscribers_.lower_bound({request->node(), ""});
-    if (sub == subscribers_.end() || sub->first != request->node()) {
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          absl::StrCat("node ", Printable(request->node()),
-                                       " is not subscribed here: a replica report comes from a "
-                                       "node that pulls from this one (Subscribe first)"));
-    }
-  }
-  std::vector<fleet::ReplicaEntry> entries;
-  size_t name_bytes = 0;
-  for (const auto& m : request->models()) {
-    if (m.model().empty() || m.model().size() > kMaxName) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a model name is 1 to 1024 bytes");
-    }
-    name_bytes += m.model().size();
-    if (name_bytes > kMaxReportNameBytes) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("a replica report's model names take at most ",
-                                       kMaxReportNameBytes, " bytes"));
-    }
-    // A version of a model published here that this node never published is a lie or a
-    // confusion (another run under the same name): refused, and nothing changes.
-    const uint64_t published = store_->LatestLocalSnapshot(m.model());
-    if (published > 0 && m.latest_version() > published) {
-      const std::string why = absl::StrCat("node ", Printable(request->node()), " reports version ",
-                                           m.latest_version(), " of model ", Printable(m.model()),
-                                           ", but the newest published here is ", published);
-      {
-        common::MutexLock lock(mu_);
-        if (refused_reports_.size() >= 64) refused_reports_.clear();  // logged once, bounded
-        if (refused_reports_.insert(request->node()).second) {
-          Logger("peer")->warn("replica report refused: {}", why);
-        }
-      }
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, why);
-    }
-    entries.push_back({m.model(), m.latest_version()});
-  }
-  // Who else pulls these models, and where to reach them: the reporter's relay candidates,
-  // so that it needn't be connected to every node (bounded peer connections).
-  std::map<std::string, v1::FleetMember> members;
-  for (const fleet::ReplicaEntry& entry : entries) {
-    for (const fleet::Replica& replica : replicas_->ReplicasOf(entry.model)) {
-      if (replica.node == request->node()) continue;
-      v1::FleetMember& member = members[replica.node];
-      member.set_node(replica.node);
-      member.set_relay(replica.relay);
-      v1::ReplicaReport::Model* m = member.add_models();
-      m->set_model(entry.model);
-      m->set_latest_version(replica.latest_version);
-    }
-  }
-  if (absl::Status kept = replicas_->Report(request->node(), request->relay(), std::move(entries));
-      !kept.ok()) {
-    return grpc::Status(static_cast<grpc::StatusCode>(kept.code()), std::string(kept.message()));
-  }
-  constexpr int kMaxMembers = 4096;
-  common::MutexLock lock(mu_);
-  for (auto& [node, member] : members) {
-    auto dial = dial_.find(node);
-    if (dial == dial_.end()) continue;  // not subscribed here: nowhere to send the reporter
-    if (response->members_size() >= kMaxMembers) break;
-    member.set_listen(dial->second);
-    *response->add_members() = std::move(member);
-  }
   return grpc::Status::OK;
 }
 
