@@ -89,6 +89,11 @@ absl::Status CheckNameLengths(const v1::RegisterBufferRequest& request) {
 
 }  // namespace
 
+absl::StatusOr<callers::CallBudget::Hold> RefitService::HoldCall(const char* rpc) const {
+  if (!context_.calls || !context_.caller) return callers::CallBudget::Hold();
+  return context_.calls->Acquire(*context_.caller, rpc);
+}
+
 grpc::Status RefitService::Finish(const char* rpc, const absl::Status& status) {
   if (!status.ok()) {
     context_.metrics->Add(
@@ -209,6 +214,8 @@ grpc::Status RefitService::WaitForVersion(grpc::ServerContext* context,
   // Answer a little before the caller's deadline, so that it reads this daemon's reason
   // (e.g. "no node has SOURCE buffers") rather than its own bare DEADLINE_EXCEEDED. At most
   // 5 % (and 50 ms) early: deadlines are honoured within ±10 % (tests/faults_deadline_test).
+  auto hold = HoldCall("WaitForVersion");
+  if (!hold.ok()) return Finish("WaitForVersion", hold.status());
   const Clock::time_point deadline = SteadyDeadline(*context);
   const auto margin = std::clamp<Clock::duration>(
       (deadline - Clock::now()) / 20, Clock::duration::zero(), std::chrono::milliseconds(50));
@@ -237,6 +244,8 @@ grpc::Status RefitService::Watch(grpc::ServerContext* context, const v1::WatchRe
   if (request->model().empty()) {
     return Finish("Watch", absl::InvalidArgumentError("model name is empty"));
   }
+  auto hold = HoldCall("Watch");
+  if (!hold.ok()) return Finish("Watch", hold.status());
   uint64_t after = request->after_version();
   if (after == 0) after = context_.store->LatestVersion(request->model());
   // Initial metadata tells the client the watch is in place: nothing completing from now on
@@ -304,6 +313,8 @@ grpc::Status RefitService::WaitForReplicas(grpc::ServerContext* context,
   if (!context_.replicas) {
     return Finish("WaitForReplicas", absl::UnimplementedError("this refitd keeps no replicas"));
   }
+  auto hold = HoldCall("WaitForReplicas");
+  if (!hold.ok()) return Finish("WaitForReplicas", hold.status());
   auto reached =
       context_.replicas->WaitFor(request->model(), request->version(), request->min_nodes(),
                                  SteadyDeadline(*context), CancelledOf(context));

@@ -1,0 +1,129 @@
+// Hostile local callers against the real refitd, through real processes under real uids
+// (setpriv), scaled down by lowered limits so that they run in the default suite (issue 37;
+// the full-size attacks are tests/faults_hostile_local_test):
+//   - long-lived calls (health Watch, Watch, WaitForVersion, WaitForReplicas) are bounded per
+//     process, per uid and in all: the excess gets RESOURCE_EXHAUSTED, refitd stays up, and
+//     every other caller's ordinary calls are served;
+//   - past --max-local-threads new client processes share their uid's server: nothing aborts
+//     (the crash this issue found: a new server on an empty shared thread quota);
+//   - a refused uid gets PERMISSION_DENIED on everything, health included.
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <thread>
+
+#include "catch2/catch.hpp"
+#include "tests/testing/daemon_process.h"
+#include "tests/testing/hostile.h"
+
+namespace refit {
+namespace {
+
+using testing::DaemonProcess;
+using testing::Hostile;
+using testing::OpenSocketToAll;
+using testing::ParseCounts;
+using testing::ThreadsOf;
+
+constexpr uid_t kNobody = 65534;    // allowed by the daemons below
+constexpr uid_t kStranger = 65533;  // not allowed
+
+}  // namespace
+
+TEST_CASE("long-lived local calls are bounded per process, per uid and in all",
+          "[integration][hostile]") {
+  auto daemon = DaemonProcess::Start({"--allow-uids=" + std::to_string(kNobody),
+                                      "--max-waiting-calls=12", "--max-waiting-calls-per-uid=8",
+                                      "--max-waiting-calls-per-process=5"});
+  REQUIRE(daemon.ok());
+  const std::string socket = (*daemon)->socket();
+  OpenSocketToAll(socket);
+  Hostile hostile;
+
+  // One process of an allowed uid: 5 health Watch streams open, the rest refused at once.
+  auto a = hostile.Hold(kNobody, socket, {"hold", "health-watch", "20"});
+  auto counts = ParseCounts(a.line);
+  CHECK(counts["open"] == 5);
+  CHECK(counts["exhausted"] == 15);
+  // Another process of that uid: its uid's 8 are reached (Watch counts the same).
+  auto b = hostile.Hold(kNobody, socket, {"hold", "watch", "20"});
+  counts = ParseCounts(b.line);
+  CHECK(counts["open"] == 3);
+  CHECK(counts["exhausted"] == 17);
+  // The uid has nothing left, for any kind of long-lived call.
+  auto c = hostile.Hold(kNobody, socket, {"hold", "wait-for-replicas", "3"});
+  CHECK(ParseCounts(c.line)["exhausted"] == 3);
+  // refitd's own uid (this test's) is a caller like the others: the total of 12 is reached.
+  auto d = hostile.Hold(getuid(), socket, {"hold", "wait-for-version", "20"});
+  counts = ParseCounts(d.line);
+  CHECK(counts["open"] == 4);
+  CHECK(counts["exhausted"] == 16);
+
+  // Everything held: ordinary calls of new processes, of both uids, are all served.
+  CHECK(ParseCounts(hostile.Run(kNobody, socket, {"probe", "10"}), "served") == 10);
+  CHECK(ParseCounts(hostile.Run(getuid(), socket, {"probe", "10"}), "served") == 10);
+  // A refused uid gets nothing but the refusal: its health Watch streams and health checks
+  // too (the kubelet's probe is --health-listen).
+  auto e = hostile.Hold(kStranger, socket, {"hold", "health-watch", "5"});
+  CHECK(ParseCounts(e.line)["denied"] == 5);
+  const std::string refused_probe = hostile.Run(kStranger, socket, {"probe", "3"});
+  CHECK(ParseCounts(refused_probe, "served") == 0);
+  CHECK(refused_probe.find("first_error=7") != std::string::npos);  // PERMISSION_DENIED
+  REQUIRE((*daemon)->running());
+
+  // The first process's streams closed: its budget is back.
+  a.child.reset();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  auto f = hostile.Hold(kNobody, socket, {"hold", "health-watch", "20"});
+  CHECK(ParseCounts(f.line)["open"] == 5);
+  REQUIRE((*daemon)->running());
+}
+
+TEST_CASE("past --max-local-threads new client processes share their uid's server",
+          "[integration][hostile]") {
+  // The crash this issue found, scaled down: client processes holding long-lived calls make
+  // refitd run many threads; the next new process used to make gRPC abort refitd (a new server
+  // on a shared, empty thread quota). Now each server has a quota of its own, and past the
+  // thread ceiling a new process shares its uid's server.
+  auto daemon = DaemonProcess::Start({"--allow-uids=" + std::to_string(kNobody),
+                                      "--max-local-threads=96", "--max-waiting-calls-per-uid=160",
+                                      "--max-waiting-calls=400"});
+  REQUIRE(daemon.ok());
+  const std::string socket = (*daemon)->socket();
+  OpenSocketToAll(socket);
+  Hostile hostile;
+  const long before = ThreadsOf((*daemon)->pid());
+  INFO("refitd threads at start: " << before);
+  REQUIRE(before > 0);
+  REQUIRE(before < 96);
+  // 8 processes × 30 health Watch streams: the uid's 160 are open, the rest refused.
+  auto a = hostile.Hold(kNobody, socket, {"hold", "health-watch", "30", "8"});
+  auto counts = ParseCounts(a.line);
+  CHECK(counts["open"] == 160);
+  CHECK(counts["exhausted"] == 80);
+  const long held = ThreadsOf((*daemon)->pid());
+  INFO("refitd threads with the streams held: " << held);
+  CHECK(held >= 96);  // past the ceiling: what follows runs on the uid's shared server
+  // New processes of both uids are still served, and can hold calls of their own.
+  CHECK(ParseCounts(hostile.Run(kNobody, socket, {"probe", "10"}), "served") == 10);
+  CHECK(ParseCounts(hostile.Run(getuid(), socket, {"probe", "10"}), "served") == 10);
+  auto b = hostile.Hold(getuid(), socket, {"hold", "health-watch", "10", "4"});
+  CHECK(ParseCounts(b.line)["open"] == 40);
+  REQUIRE((*daemon)->running());
+  // And when the holders go, so do the threads.
+  a.child.reset();
+  b.child.reset();
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  const long after = ThreadsOf((*daemon)->pid());
+  INFO("refitd threads after: " << after);
+  CHECK(after < held);
+  CHECK(ParseCounts(hostile.Run(kNobody, socket, {"probe", "5"}), "served") == 5);
+  REQUIRE((*daemon)->running());
+}
+
+}  // namespace refit
