@@ -416,7 +416,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
                      " (allowed: ", policy.Describe(), "; see --allow-uids and --allow-gids)");
     // Sealed memfds passed over the same socket (fd_exchange.h), named by token.
     auto memfds = std::make_shared<callers::FdTokens>();
-    auto fd_exchange = std::make_shared<callers::FdExchange>(policy, memfds);
+    callers::ExchangeLimits exchange_limits;
+    exchange_limits.max_waiting_per_uid = options.max_unspoken_connections_per_uid;
+    auto fd_exchange = std::make_shared<callers::FdExchange>(policy, memfds, exchange_limits);
     // Long-lived calls (Watch, WaitForVersion, WaitForReplicas, health Watch), bounded.
     callers::CallLimits call_limits;
     call_limits.per_process = options.max_waiting_calls_per_process;

@@ -6,7 +6,9 @@
 //     every other caller's ordinary calls are served;
 //   - past --max-local-threads new client processes share their uid's server: nothing aborts
 //     (the crash this issue found: a new server on an empty shared thread quota);
-//   - a refused uid gets PERMISSION_DENIED on everything, health included.
+//   - a refused uid gets PERMISSION_DENIED on everything, health included;
+//   - connections that stall before their first message is complete are capped per uid and
+//     closed after 5 s, and fds sent with a half preface are refused at once (not held).
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -18,6 +20,7 @@
 #include <thread>
 
 #include "catch2/catch.hpp"
+#include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/hostile.h"
 
@@ -25,6 +28,7 @@ namespace refit {
 namespace {
 
 using testing::DaemonProcess;
+using testing::FdsOf;
 using testing::Hostile;
 using testing::OpenSocketToAll;
 using testing::ParseCounts;
@@ -37,9 +41,9 @@ constexpr uid_t kStranger = 65533;  // not allowed
 
 TEST_CASE("long-lived local calls are bounded per process, per uid and in all",
           "[integration][hostile]") {
-  auto daemon = DaemonProcess::Start({"--allow-uids=" + std::to_string(kNobody),
-                                      "--max-waiting-calls=12", "--max-waiting-calls-per-uid=8",
-                                      "--max-waiting-calls-per-process=5"});
+  auto daemon =
+      DaemonProcess::Start({"--allow-uids=" + std::to_string(kNobody), "--max-waiting-calls=12",
+                            "--max-waiting-calls-per-uid=8", "--max-waiting-calls-per-process=5"});
   REQUIRE(daemon.ok());
   const std::string socket = (*daemon)->socket();
   OpenSocketToAll(socket);
@@ -90,9 +94,9 @@ TEST_CASE("past --max-local-threads new client processes share their uid's serve
   // refitd run many threads; the next new process used to make gRPC abort refitd (a new server
   // on a shared, empty thread quota). Now each server has a quota of its own, and past the
   // thread ceiling a new process shares its uid's server.
-  auto daemon = DaemonProcess::Start({"--allow-uids=" + std::to_string(kNobody),
-                                      "--max-local-threads=96", "--max-waiting-calls-per-uid=160",
-                                      "--max-waiting-calls=400"});
+  auto daemon =
+      DaemonProcess::Start({"--allow-uids=" + std::to_string(kNobody), "--max-local-threads=96",
+                            "--max-waiting-calls-per-uid=160", "--max-waiting-calls=400"});
   REQUIRE(daemon.ok());
   const std::string socket = (*daemon)->socket();
   OpenSocketToAll(socket);
@@ -123,6 +127,63 @@ TEST_CASE("past --max-local-threads new client processes share their uid's serve
   INFO("refitd threads after: " << after);
   CHECK(after < held);
   CHECK(ParseCounts(hostile.Run(kNobody, socket, {"probe", "5"}), "served") == 5);
+  REQUIRE((*daemon)->running());
+}
+
+TEST_CASE("stalled local connections are capped per uid and time out; early fds are not held",
+          "[integration][hostile]") {
+  auto daemon = DaemonProcess::Start(
+      {"--allow-uids=" + std::to_string(kNobody), "--max-unspoken-connections-per-uid=8"});
+  REQUIRE(daemon.ok());
+  const std::string socket = (*daemon)->socket();
+  OpenSocketToAll(socket);
+  Hostile hostile;
+  const long fds_before = FdsOf((*daemon)->pid());
+  REQUIRE(fds_before > 0);
+  // 200 connections of an allowed uid and 200 of a refused one, each one byte of the HTTP/2
+  // preface and a stall; in the background.
+  std::vector<std::unique_ptr<testing::ChildProcess>> stalls;
+  for (uid_t uid : {kNobody, kStranger}) {
+    auto child = testing::ChildProcess::Spawn({"/usr/bin/setpriv", "--reuid=" + std::to_string(uid),
+                                               "--regid=" + std::to_string(uid), "--clear-groups",
+                                               hostile.binary(), socket, "stall", "200", "1"});
+    REQUIRE(child.ok());
+    stalls.push_back(std::move(child).value());
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  // refitd holds at most 8 of each uid's (plus what it had).
+  const long fds_during = FdsOf((*daemon)->pid());
+  INFO("refitd fds before " << fds_before << ", during the stall " << fds_during);
+  CHECK(fds_during <= fds_before + 2 * 8 + 4);
+  // Other callers are served meanwhile: ordinary calls and fd passing.
+  CHECK(ParseCounts(hostile.Run(getuid(), socket, {"probe", "20"}), "served") == 20);
+  auto client = (*daemon)->Connect();
+  REQUIRE(client.ok());
+  auto memory = client::SharedMemory::CreateSealed(1 << 20, "hostile-test");
+  REQUIRE(memory.ok());
+  CHECK((*client)->PassMemfd(memory->fd()).ok());
+  // Every stalled connection was closed by refitd: the held ones after 5 s, the others at once.
+  for (auto& stall : stalls) {
+    auto line = stall->ReadLine(60);
+    REQUIRE(line.ok());
+    INFO(*line);
+    CHECK(ParseCounts(*line, "connected") > 0);
+    CHECK(ParseCounts(*line, "closed") == ParseCounts(*line, "connected"));
+    CHECK(ParseCounts(*line, "closed_after_ms") < 8000);
+  }
+
+  // refit's fd-passing preface, one byte a message with 4 memfds each (the attack held 28 fds
+  // a connection): each is refused at its first message, nothing kept.
+  auto spam = hostile.Hold(kNobody, socket, {"fd-preface", "64"});
+  INFO(spam.line);
+  CHECK(spam.line.find("answered=ERR_INVALID_ARGUMENT") != std::string::npos);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const long fds_spam = FdsOf((*daemon)->pid());
+  INFO("refitd fds with the fd-preface connections open: " << fds_spam);
+  CHECK(fds_spam <= fds_before + 4);
+  // A refused uid's fd passing is refused at its first byte.
+  auto refused = hostile.Hold(kStranger, socket, {"fd-preface", "4"});
+  CHECK(refused.line.find("answered=ERR_PERMISSION_DENIED") != std::string::npos);
   REQUIRE((*daemon)->running());
 }
 

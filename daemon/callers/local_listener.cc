@@ -207,6 +207,19 @@ void LocalListener::Route(int fd) {
   const bool allowed = caller.ok() && policy_.Allows(*caller);
   if (!allowed) {
     const uid_t uid = caller.ok() ? caller->uid : static_cast<uid_t>(-1);
+    // A refused uid's connections are admitted at a bounded rate (and each lives at most
+    // kRefusedConnectionAge), so it can't hold many of refitd's descriptors.
+    RefusedBucket& bucket = refused_buckets_[uid];
+    const auto now = std::chrono::steady_clock::now();
+    const double refill =
+        std::chrono::duration<double>(now - bucket.at).count() * kRefusedPerSecond;
+    bucket.tokens = std::min(kRefusedBurst, bucket.tokens + refill);
+    bucket.at = now;
+    if (bucket.tokens < 1) {
+      close(fd);
+      return;
+    }
+    bucket.tokens -= 1;
     if (!logged_refusal_[uid]) {
       logged_refusal_[uid] = true;  // once per uid: no log floods
       Logger("server")->warn(
@@ -280,6 +293,12 @@ std::unique_ptr<LocalListener::Served> LocalListener::Build(const Caller* caller
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   // A connection that has not finished its HTTP/2 handshake (settings) by then is closed.
   builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, limits_.handshake_timeout_ms);
+  if (!caller) {
+    // A refused caller's connection is told goodbye (GOAWAY) after a while.
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                               static_cast<int>(kRefusedConnectionAge.count()));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, 1000);
+  }
   if (caller) {
     // A quota of this server's own (see the header): its threads can't be taken by another
     // caller's calls, and it is never found empty when the server starts its first thread.

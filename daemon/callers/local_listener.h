@@ -27,6 +27,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -85,6 +86,12 @@ class LocalListener {
   // are not watched for exit.
   static constexpr size_t kMaxProcessServers = 512;
 
+  // A refused uid's connections: admitted at most kRefusedPerSecond a second (bursts of
+  // kRefusedBurst), each closed kRefusedConnectionAge after it was accepted (plus 1 s grace).
+  static constexpr double kRefusedPerSecond = 4;
+  static constexpr double kRefusedBurst = 16;
+  static constexpr std::chrono::milliseconds kRefusedConnectionAge{10000};
+
   // Client processes served by a server of their own now.
   size_t ProcessServers() const;
   ~LocalListener();  // Shutdown()
@@ -131,6 +138,11 @@ class LocalListener {
   std::map<Key, std::unique_ptr<Served>> servers_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<Served> refused_ ABSL_GUARDED_BY(mu_);
   std::map<uid_t, bool> logged_refusal_ ABSL_GUARDED_BY(mu_);
+  struct RefusedBucket {
+    double tokens = kRefusedBurst;
+    std::chrono::steady_clock::time_point at = std::chrono::steady_clock::now();
+  };
+  std::map<uid_t, RefusedBucket> refused_buckets_ ABSL_GUARDED_BY(mu_);
   bool logged_full_ ABSL_GUARDED_BY(mu_) = false;
   std::chrono::steady_clock::time_point logged_threads_ ABSL_GUARDED_BY(mu_);
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;

@@ -31,6 +31,7 @@ class Hostile {
   Held Hold(uid_t uid, const std::string& socket, const std::vector<std::string>& args) const;
   // Runs one as `uid` to completion; returns its line.
   std::string Run(uid_t uid, const std::string& socket, const std::vector<std::string>& args) const;
+  const std::string& binary() const { return binary_; }
 
  private:
   std::vector<std::string> Argv(uid_t uid, const std::string& socket,

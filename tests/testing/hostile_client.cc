@@ -207,8 +207,7 @@ int Probe(const std::string& socket, int n, int deadline_ms) {
   for (int i = 0; i < n; ++i) {
     auto stub = v1::Refit::NewStub(NewChannel(socket));
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::milliseconds(deadline_ms));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(deadline_ms));
     context.set_wait_for_ready(true);
     v1::StatusRequest request;
     v1::StatusResponse response;
@@ -259,15 +258,14 @@ int Stall(const std::string& socket, int n, int bytes) {
       const ssize_t got = recv(fds[i], buffer, sizeof(buffer), MSG_DONTWAIT);
       if (got > 0) continue;  // refitd's settings: gRPC answered; still open
       closed[i] = true;
-      closed_after.push_back(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                 Clock::now() - start)
-                                 .count());
+      closed_after.push_back(
+          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count());
     }
   }
   std::sort(closed_after.begin(), closed_after.end());
-  const long median =
-      closed_after.size() == fds.size() && !fds.empty() ? closed_after[closed_after.size() / 2]
-                                                        : -1;
+  const long median = closed_after.size() == fds.size() && !fds.empty()
+                          ? closed_after[closed_after.size() / 2]
+                          : -1;
   std::cout << "OK connected=" << fds.size() << " closed=" << closed_after.size()
             << " closed_after_ms=" << median << std::endl;
   for (int fd : fds) close(fd);
@@ -313,8 +311,8 @@ int FdPreface(const std::string& socket, int n) {
       for (char& ch : answered) ch = ch == ' ' ? '_' : ch;
     }
   }
-  std::cout << "OK connections=" << conns.size() << " fds_sent=" << sent
-            << " answered=" << answered << std::endl;
+  std::cout << "OK connections=" << conns.size() << " fds_sent=" << sent << " answered=" << answered
+            << std::endl;
   WaitForStdinEof();
   for (int fd : conns) close(fd);
   return 0;
