@@ -7,9 +7,14 @@
 //   - past --max-local-threads new client processes share their uid's server: nothing aborts
 //     (the crash this issue found: a new server on an empty shared thread quota);
 //   - a refused uid gets PERMISSION_DENIED on everything, health included;
+//   - a sparse memfd is not populated by refitd, and a SOURCE past --max-slot-memory is
+//     refused before its memory is mapped;
+//   - Status shows a caller only its own buffers (refitd's uid and root: all);
 //   - connections that stall before their first message is complete are capped per uid and
 //     closed after 5 s, and fds sent with a half preface are refused at once (not held).
 
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -184,6 +189,83 @@ TEST_CASE("stalled local connections are capped per uid and time out; early fds 
   // A refused uid's fd passing is refused at its first byte.
   auto refused = hostile.Hold(kStranger, socket, {"fd-preface", "4"});
   CHECK(refused.line.find("answered=ERR_PERMISSION_DENIED") != std::string::npos);
+  REQUIRE((*daemon)->running());
+}
+
+TEST_CASE("sparse memory is not populated; Status shows a caller its own buffers",
+          "[integration][hostile]") {
+  auto daemon =
+      DaemonProcess::Start({"--allow-uids=" + std::to_string(kNobody), "--max-slot-memory=64MiB"});
+  REQUIRE(daemon.ok());
+  const std::string socket = (*daemon)->socket();
+  OpenSocketToAll(socket);
+  auto c = (*daemon)->Connect();
+  REQUIRE(c.ok());
+  auto& root = **c;
+  // A 1 GiB memfd that is all hole, sealed.
+  const uint64_t gib = 1ull << 30;
+  auto sparse_memfd = [&]() {
+    const int fd = memfd_create("hostile-sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    REQUIRE(fd >= 0);
+    REQUIRE(ftruncate(fd, static_cast<off_t>(gib)) == 0);
+    REQUIRE(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0);
+    return fd;
+  };
+  auto register_on = [&](int fd, std::vector<int64_t> shape) {
+    auto token = root.PassMemfd(fd);
+    REQUIRE(token.ok());
+    v1::RegisterBufferRequest request;
+    request.set_model("sparse");
+    request.set_role(v1::SOURCE);
+    request.mutable_memory()->mutable_memfd()->set_token(*token);
+    *request.add_tensors() = client::Slice("w", v1::BF16, shape, 0);
+    return root.RegisterBuffer(request);
+  };
+  const long rss_before = testing::RssKiBOf((*daemon)->pid());
+  // A SOURCE of 1 GiB of tensors: past --max-slot-memory, refused before anything is mapped.
+  const int big = sparse_memfd();
+  auto refused = register_on(big, {512, 1 << 20});
+  INFO(refused.status().ToString());
+  CHECK(refused.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK(refused.status().message().find("--max-slot-memory") != absl::string_view::npos);
+  close(big);
+  // A small SOURCE over the whole 1 GiB hole: registered, and the hole is not populated.
+  const int small = sparse_memfd();
+  auto id = register_on(small, {1024, 1024});
+  REQUIRE(id.ok());
+  const long rss_after = testing::RssKiBOf((*daemon)->pid());
+  INFO("refitd RSS " << rss_before << " KiB before, " << rss_after << " KiB after");
+  CHECK(rss_after - rss_before < 128 * 1024);
+  close(small);
+
+  // Status: root (refitd's uid here) sees every buffer; another uid only its own.
+  Hostile hostile;
+  std::unique_ptr<testing::ChildProcess> theirs;
+  {
+    auto child = testing::ChildProcess::Spawn(
+        {"/usr/bin/setpriv", "--reuid=" + std::to_string(kNobody),
+         "--regid=" + std::to_string(kNobody), "--clear-groups", hostile.as_client(), socket,
+         "hold", "SOURCE", "theirs", "0"});
+    REQUIRE(child.ok());
+    theirs = std::move(child).value();
+  }
+  auto line = theirs->ReadLine();
+  REQUIRE(line.ok());
+  REQUIRE(line->rfind("OK ", 0) == 0);
+  const std::string their_id = line->substr(3);
+  auto all = root.Status();
+  REQUIRE(all.ok());
+  std::string seen;
+  for (const auto& model : all->models()) {
+    for (const auto& buffer : model.buffers()) seen += buffer.buffer_id() + ",";
+  }
+  CHECK(seen.find(*id) != std::string::npos);
+  CHECK(seen.find(their_id) != std::string::npos);
+  auto mine = testing::RunCommand({"/usr/bin/setpriv", "--reuid=" + std::to_string(kNobody),
+                                   "--regid=" + std::to_string(kNobody), "--clear-groups",
+                                   hostile.as_client(), socket, "buffers"});
+  INFO(mine.out << mine.err);
+  CHECK(mine.out == "OK " + their_id + "\n");  // its own, not root's
   REQUIRE((*daemon)->running());
 }
 

@@ -128,6 +128,26 @@ grpc::Status RefitService::RegisterBuffer(grpc::ServerContext*,
   if (absl::Status valid = plan::NormalizeAndValidateBuffer(check, UINT64_MAX); !valid.ok()) {
     return Finish("RegisterBuffer", valid);
   }
+  // A SOURCE whose tensors alone pass --max-slot-memory can never be published: refused before
+  // its memory is mapped (and populated), not after (issue 37).
+  if (const uint64_t max = context_.store->max_slot_bytes();
+      max != 0 && request->role() == v1::SOURCE) {
+    uint64_t bytes = 0;
+    for (const TensorSlice& slice : check) {
+      uint64_t n = DTypeSize(slice.dtype);
+      for (int64_t size : slice.sizes) {
+        if (__builtin_mul_overflow(n, static_cast<uint64_t>(size), &n)) n = UINT64_MAX;
+      }
+      if (__builtin_add_overflow(bytes, n, &bytes)) bytes = UINT64_MAX;
+    }
+    if (bytes > max) {
+      return Finish("RegisterBuffer",
+                    absl::ResourceExhaustedError(absl::StrCat(
+                        "model ", request->model(), ": RegisterBuffer refused: its tensors take ",
+                        bytes, " bytes, more than --max-slot-memory=", max,
+                        " allows one version on this node; nothing was mapped")));
+    }
+  }
   auto region = OpenRegion(request->memory(), context_.caller, request->role() == v1::DESTINATION,
                            context_.memfds.get());
   if (!region.ok()) return Finish("RegisterBuffer", region.status());
@@ -271,9 +291,21 @@ grpc::Status RefitService::Watch(grpc::ServerContext* context, const v1::WatchRe
 grpc::Status RefitService::Status(grpc::ServerContext*, const v1::StatusRequest*,
                                   v1::StatusResponse* response) {
   response->set_node(context_.node);
+  // A caller sees only its own buffers, unless it is refitd's uid or root (operators): another
+  // uid's buffer ids are not its business (issue 37).
+  const bool sees_all = !context_.caller || !context_.owners || context_.caller->uid == geteuid() ||
+                        context_.caller->uid == 0;
   for (const ModelInfo& info : context_.store->Models()) {
     v1::ModelStatus* model = response->add_models();
     ToProto(info, model);
+    if (!sees_all) {
+      auto* buffers = model->mutable_buffers();
+      for (int i = buffers->size(); i-- > 0;) {
+        if (!context_.owners->Owns(buffers->Get(i).buffer_id(), context_.caller->uid)) {
+          buffers->DeleteSubrange(i, 1);
+        }
+      }
+    }
     if (!context_.replicas) continue;
     for (const fleet::Replica& r : context_.replicas->ReplicasOf(info.name)) {
       v1::ReplicaStatus* replica = model->add_replicas();

@@ -20,6 +20,9 @@ Hostile::Hostile() {
   binary_ = dir_ + "/hostile_client";
   std::filesystem::copy_file(RunfilePath("tests/testing/hostile_client"), binary_);
   chmod(binary_.c_str(), 0755);
+  as_client_ = dir_ + "/as_client";
+  std::filesystem::copy_file(RunfilePath("tests/testing/as_client"), as_client_);
+  chmod(as_client_.c_str(), 0755);
 }
 
 Hostile::~Hostile() { std::filesystem::remove_all(dir_); }

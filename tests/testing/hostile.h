@@ -16,7 +16,8 @@
 
 namespace refit::testing {
 
-// hostile_client copied where other uids can run it (Bazel's output tree is root's alone).
+// hostile_client (and as_client) copied where other uids can run them (Bazel's output tree is
+// root's alone).
 class Hostile {
  public:
   Hostile();
@@ -32,11 +33,12 @@ class Hostile {
   // Runs one as `uid` to completion; returns its line.
   std::string Run(uid_t uid, const std::string& socket, const std::vector<std::string>& args) const;
   const std::string& binary() const { return binary_; }
+  const std::string& as_client() const { return as_client_; }  // tests/testing/as_client
 
  private:
   std::vector<std::string> Argv(uid_t uid, const std::string& socket,
                                 const std::vector<std::string>& args) const;
-  std::string dir_, binary_;
+  std::string dir_, binary_, as_client_;
 };
 
 // "OK open=3 exhausted=2" -> {"open": 3, "exhausted": 2}.
