@@ -1,5 +1,9 @@
 #include "daemon/callers/call_budget.h"
 
+#include <malloc.h>
+
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace refit::callers {
@@ -38,6 +42,7 @@ absl::StatusOr<CallBudget::Hold> CallBudget::Acquire(const Caller& caller, const
     return refuse("this client process", limits_.per_process);
   }
   ++total_;
+  peak_ = std::max(peak_, total_);
   ++by_uid_[caller.uid];
   if (caller.pid != 0) ++by_process_[process];
   Hold hold;
@@ -48,13 +53,28 @@ absl::StatusOr<CallBudget::Hold> CallBudget::Acquire(const Caller& caller, const
 }
 
 void CallBudget::Return(uid_t uid, pid_t pid) {
-  common::MutexLock lock(mu_);
+  bool trim = false;
+  {
+    common::MutexLock lock(mu_);
+    trim = ReturnLocked(uid, pid);
+  }
+  // The last of many long-lived calls ended: the memory their threads' malloc arenas kept goes
+  // back to the system (else a burst of calls leaves refitd tens of MiB bigger for good).
+  if (trim) malloc_trim(0);
+}
+
+bool CallBudget::ReturnLocked(uid_t uid, pid_t pid) {
   --total_;
   if (--by_uid_[uid] == 0) by_uid_.erase(uid);
   if (pid != 0) {
     auto it = by_process_.find({uid, pid});
     if (it != by_process_.end() && --it->second == 0) by_process_.erase(it);
   }
+  if (total_ == 0 && peak_ >= kTrimAfter) {
+    peak_ = 0;
+    return true;
+  }
+  return false;
 }
 
 size_t CallBudget::held() const {

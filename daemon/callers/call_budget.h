@@ -64,10 +64,14 @@ class CallBudget {
 
  private:
   void Return(uid_t uid, pid_t pid);
+  // True when the memory of many ended calls should be given back (malloc_trim).
+  bool ReturnLocked(uid_t uid, pid_t pid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static constexpr size_t kTrimAfter = 64;  // calls held at once since the last trim
 
   const CallLimits limits_;
   mutable common::Mutex mu_;
   size_t total_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t peak_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uid_t, size_t> by_uid_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<uid_t, pid_t>, size_t> by_process_ ABSL_GUARDED_BY(mu_);
 };
