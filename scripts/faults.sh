@@ -9,6 +9,8 @@
 #   deadline    WaitForVersion / WaitForReplicas / Apply deadlines, DEADLINE_ROUNDS rounds
 #   sigterm     SIGTERM under load, SIGTERM_ROUNDS rounds
 #   connections 10,000 connections to refitd in a 512 MiB memory cgroup, nofile 4096 and 16384
+#   hostile     thousands of health Watch streams and stalled connections of local callers
+#               (issue 37; other uids: root)
 #   apply       plan_bench: memcpy, plain apply, verified apply (same run)
 #
 # Usage: scripts/faults.sh [--kills 100] [--transit 1000] [--outage 30] [--only "kill transit"]
@@ -21,7 +23,7 @@ transit=1000
 outage=30
 deadline_rounds=5
 sigterm_rounds=5
-only="kill transit link deadline sigterm connections apply"
+only="kill transit link deadline sigterm connections hostile apply"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --kills) kills="$2"; shift 2 ;;
@@ -60,6 +62,7 @@ for scenario in $only; do
       for nofile in 4096 16384; do
         bazel_test //tests:faults_connections_test --test_env=REFIT_FAULTS_NOFILE="$nofile"
       done ;;
+    hostile) bazel_test //tests:faults_hostile_local_test ;;
     apply)
       echo "== plan_bench" >&2
       bazel build --jobs=2 //daemon/plan:plan_bench >&2 &&
