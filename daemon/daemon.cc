@@ -55,6 +55,9 @@ constexpr size_t kPeerMaxMemory = 1ull << 30;
 constexpr int kProcessSpareThreads = 8;
 constexpr int kUidSpareThreads = 32;
 
+// Watch streams open at once on --health-listen (probes).
+constexpr int kHealthWatches = 32;
+
 // How long a worker may stay busy without progress before it counts as stuck (health).
 constexpr std::chrono::milliseconds kStallBound{15000};
 
@@ -143,7 +146,11 @@ struct Daemon::Impl {
   std::unique_ptr<dataplane::DataPlane> data_plane;
   std::unique_ptr<peer::PeerManager> peers;
   std::unique_ptr<server::HealthService> health;
-  std::unique_ptr<grpc::Server> health_server;  // --health-listen: health checks only
+  // --health-listen: health checks only, with a quota and a bound on Watch streams of its own.
+  std::unique_ptr<grpc::ResourceQuota> health_quota;
+  std::unique_ptr<callers::CallBudget> health_calls;
+  std::unique_ptr<server::LocalHealthService> health_port_service;
+  std::unique_ptr<grpc::Server> health_server;
   std::unique_ptr<MetricsHttpServer> metrics_server;
   int health_port = 0;
   std::unique_ptr<server::OwnerExit> owner_exit;           // hears of client processes that exit
@@ -483,7 +490,19 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     grpc::ServerBuilder builder;
     builder.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(),
                              &impl->health_port);
-    builder.RegisterService(impl->health.get());
+    // Probes only: a thread quota of its own, and at most kHealthWatches Watch streams open
+    // (RESOURCE_EXHAUSTED past it), so whoever reaches the port can't hold its threads.
+    impl->health_quota = std::make_unique<grpc::ResourceQuota>("refit-health");
+    impl->health_quota->SetMaxThreads(kHealthWatches + 16);
+    builder.SetResourceQuota(*impl->health_quota);
+    callers::CallLimits watch_limits;
+    watch_limits.per_process = watch_limits.per_uid = watch_limits.total = kHealthWatches;
+    impl->health_calls = std::make_unique<callers::CallBudget>(watch_limits);
+    callers::Caller anyone;  // the port has no callers to tell apart
+    anyone.uid = static_cast<uid_t>(-1);
+    impl->health_port_service = std::make_unique<server::LocalHealthService>(
+        impl->health.get(), impl->health_calls.get(), anyone);
+    builder.RegisterService(impl->health_port_service.get());
     impl->health_server = builder.BuildAndStart();
     if (!impl->health_server || impl->health_port == 0) {
       impl->health_server.reset();

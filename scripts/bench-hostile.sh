@@ -97,7 +97,7 @@ run_attack() {
   local alive=yes
   kill -0 "$pid" 2>/dev/null || alive=NO
   local saw
-  saw=$(cat "${outs[@]}" 2>/dev/null | grep -o 'OK.*' | tr '\n' ';' | cut -c1-150)
+  saw=$(cat "${outs[@]}" 2>/dev/null | grep -o 'OK.*' | tr '\n' ';' | cut -c1-150 || true)
   printf '%-13s %-16s %-16s %-18s %-6s %-7s %s\n' "$name" "$f0/$fp/$(fds)" "$t0/$tp/$(threads)" \
     "$r0/$rp/$(rss)" "$alive" "$got/40" "$saw"
   if [ "$alive" = NO ]; then

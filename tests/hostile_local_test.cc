@@ -48,7 +48,8 @@ TEST_CASE("long-lived local calls are bounded per process, per uid and in all",
           "[integration][hostile]") {
   auto daemon =
       DaemonProcess::Start({"--allow-uids=" + std::to_string(kNobody), "--max-waiting-calls=12",
-                            "--max-waiting-calls-per-uid=8", "--max-waiting-calls-per-process=5"});
+                            "--max-waiting-calls-per-uid=8", "--max-waiting-calls-per-process=5",
+                            "--health-listen=127.0.0.1:0"});
   REQUIRE(daemon.ok());
   const std::string socket = (*daemon)->socket();
   OpenSocketToAll(socket);
@@ -84,6 +85,19 @@ TEST_CASE("long-lived local calls are bounded per process, per uid and in all",
   CHECK(ParseCounts(refused_probe, "served") == 0);
   CHECK(refused_probe.find("first_error=7") != std::string::npos);  // PERMISSION_DENIED
   REQUIRE((*daemon)->running());
+
+  // The probe port (--health-listen) bounds its Watch streams too, on its own.
+  auto status = (*daemon)->Connect();
+  REQUIRE(status.ok());
+  auto runtime = (*status)->Status();
+  REQUIRE(runtime.ok());
+  REQUIRE(runtime->health_port() > 0);
+  auto g = hostile.Hold(getuid(), "127.0.0.1:" + std::to_string(runtime->health_port()),
+                        {"hold", "health-watch", "40"});
+  counts = ParseCounts(g.line);
+  CHECK(counts["open"] == 32);
+  CHECK(counts["exhausted"] == 8);
+  g.child.reset();
 
   // The first process's streams closed: its budget is back.
   a.child.reset();

@@ -66,7 +66,7 @@ class CallBudget {
   void Return(uid_t uid, pid_t pid);
   // True when the memory of many ended calls should be given back (malloc_trim).
   bool ReturnLocked(uid_t uid, pid_t pid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static constexpr size_t kTrimAfter = 64;  // calls held at once since the last trim
+  static constexpr size_t kTrimAfter = 16;  // calls held at once since the last trim
 
   const CallLimits limits_;
   mutable common::Mutex mu_;

@@ -240,6 +240,9 @@ TEST_CASE("FdExchange: gRPC gets a connection only once its preface is complete"
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   REQUIRE(x.Routed() == 1);
+  for (int i = 0; i < 100 && x.exchange.waiting() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));  // uncounted just after
+  }
   REQUIRE(x.exchange.waiting() == 0);
   close(client);
   // One byte and a stall: closed after the timeout, never routed.
@@ -250,6 +253,9 @@ TEST_CASE("FdExchange: gRPC gets a connection only once its preface is complete"
   CHECK(waited >= std::chrono::milliseconds(300));
   CHECK(waited < std::chrono::milliseconds(2000));
   REQUIRE(x.Routed() == 1);
+  for (int i = 0; i < 100 && x.exchange.waiting() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));  // uncounted just after
+  }
   REQUIRE(x.exchange.waiting() == 0);
   close(stalled);
 }

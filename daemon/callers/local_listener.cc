@@ -250,7 +250,16 @@ LocalListener::Served* LocalListener::ServerFor(const Caller* caller) {
     if (it != servers_.end()) return it->second.get();
     size_t processes = 0;
     for (const auto& [key, served] : servers_) processes += key.second != 0;
-    if (processes < kMaxProcessServers && !TooManyThreads(limits_.max_threads, &logged_threads_)) {
+    if (processes >= kMaxProcessServers) {
+      if (!logged_full_) {
+        logged_full_ = true;
+        Logger("server")->warn(
+            "{} local client processes have servers of their own; more share "
+            "their uid's server, and their buffers are not released when "
+            "they exit (release them with refitctl release)",
+            kMaxProcessServers);
+      }
+    } else if (!TooManyThreads(limits_.max_threads, &logged_threads_)) {
       const int pidfd = OpenPidfd(caller->pid);
       if (pidfd >= 0) {
         std::unique_ptr<Served> served = Build(caller, pidfd);
@@ -260,13 +269,6 @@ LocalListener::Served* LocalListener::ServerFor(const Caller* caller) {
         Wake(wake_fd_);  // the exit watcher picks the new pidfd up
         return raw;
       }
-    } else if (!logged_full_) {
-      logged_full_ = true;
-      Logger("server")->warn(
-          "{} local client processes have servers of their own; more share "
-          "their uid's server, and their buffers are not released when "
-          "they exit (release them with refitctl release)",
-          kMaxProcessServers);
     }
   }
   std::unique_ptr<Served>& shared = servers_[{caller->uid, 0}];

@@ -2,6 +2,8 @@
 // (tests/hostile_local_test, scripts/bench-hostile.sh). Prints one line, "OK k=v ...", then,
 // for the operations that hold something, keeps it until its standard input closes.
 //
+// SOCKET is refitd's Unix socket, or HOST:PORT for hold against a TCP port (--health-listen).
+//
 //   hostile_client SOCKET hold KIND N [PROCS]
 //       PROCS processes (default 1), each opening N long-lived calls of KIND on one channel:
 //       health-watch | watch | wait-for-version | wait-for-replicas. After 2 s prints
@@ -61,7 +63,9 @@ std::shared_ptr<grpc::Channel> NewChannel(const std::string& socket) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own
   args.SetMaxReceiveMessageSize(64 << 20);
-  return grpc::CreateCustomChannel("unix:" + socket, grpc::InsecureChannelCredentials(), args);
+  // A path is refitd's Unix socket; HOST:PORT a TCP port (--health-listen).
+  const std::string target = socket.rfind('/', 0) == 0 ? "unix:" + socket : socket;
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
 }
 
 // One long-lived call; its end (if it ends) arrives on the completion queue as `this`.
