@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda.h"
 #include "daemon/bucket/bucket_sync.h"
+#include "daemon/callers/call_budget.h"
 #include "daemon/callers/local_listener.h"
 #include "daemon/common/liveness.h"
 #include "daemon/common/logging.h"
@@ -43,27 +44,22 @@
 namespace refit {
 namespace {
 
-// Ceilings on what gRPC may spend serving callers: local clients (every per-process server
-// together) and peers. Memory counts gRPC's own buffers (requests up to 64 MiB are allowed);
-// threads count the synchronous servers' workers (each blocked WaitForVersion or Watch holds
-// one).
-constexpr int kLocalMaxThreads = 2048;
-constexpr size_t kLocalMaxMemory = 2ull << 30;
+// Ceilings on what gRPC may spend serving peers: memory counts gRPC's own buffers (requests up
+// to 64 MiB are allowed); threads count the synchronous server's workers. Local callers' servers
+// each get a quota of their own (daemon/callers/local_listener.h).
 constexpr int kPeerMaxThreads = 512;
 constexpr size_t kPeerMaxMemory = 1ull << 30;
 
+// Threads a local server keeps beyond the long-lived calls its callers may hold: its poller and
+// workers for the short calls.
+constexpr int kProcessSpareThreads = 8;
+constexpr int kUidSpareThreads = 32;
+
+// Watch streams open at once on --health-listen (probes).
+constexpr int kHealthWatches = 32;
+
 // How long a worker may stay busy without progress before it counts as stuck (health).
 constexpr std::chrono::milliseconds kStallBound{15000};
-
-const grpc::ResourceQuota& LocalQuota() {
-  static const grpc::ResourceQuota* quota = [] {
-    auto* q = new grpc::ResourceQuota("refit-local");
-    q->SetMaxThreads(kLocalMaxThreads);
-    q->Resize(kLocalMaxMemory);
-    return q;
-  }();
-  return *quota;
-}
 
 const grpc::ResourceQuota& PeerQuota() {
   static const grpc::ResourceQuota* quota = [] {
@@ -150,11 +146,16 @@ struct Daemon::Impl {
   std::unique_ptr<dataplane::DataPlane> data_plane;
   std::unique_ptr<peer::PeerManager> peers;
   std::unique_ptr<server::HealthService> health;
-  std::unique_ptr<grpc::Server> health_server;  // --health-listen: health checks only
+  // --health-listen: health checks only, with a quota and a bound on Watch streams of its own.
+  std::unique_ptr<grpc::ResourceQuota> health_quota;
+  std::unique_ptr<callers::CallBudget> health_calls;
+  std::unique_ptr<server::LocalHealthService> health_port_service;
+  std::unique_ptr<grpc::Server> health_server;
   std::unique_ptr<MetricsHttpServer> metrics_server;
   int health_port = 0;
   std::unique_ptr<server::OwnerExit> owner_exit;           // hears of client processes that exit
   std::unique_ptr<server::Leases> leases;                  // for those it can't watch
+  std::unique_ptr<callers::CallBudget> calls;              // local callers' long-lived calls
   std::unique_ptr<callers::LocalListener> local_listener;  // --socket
   tls::PeerTlsFiles tls;                   // --tls-*: the peer plane's mutual TLS (none: plaintext)
   server::ServiceContext service_context;  // what each local caller's RefitService starts from
@@ -422,24 +423,36 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
                      " (allowed: ", policy.Describe(), "; see --allow-uids and --allow-gids)");
     // Sealed memfds passed over the same socket (fd_exchange.h), named by token.
     auto memfds = std::make_shared<callers::FdTokens>();
-    auto fd_exchange = std::make_shared<callers::FdExchange>(policy, memfds);
-    auto factory = [raw, owners, memfds, health, refused](const callers::Caller* caller,
-                                                          grpc::ServerBuilder* builder) {
+    callers::ExchangeLimits exchange_limits;
+    exchange_limits.max_waiting_per_uid = options.max_unspoken_connections_per_uid;
+    auto fd_exchange = std::make_shared<callers::FdExchange>(policy, memfds, exchange_limits);
+    // Long-lived calls (Watch, WaitForVersion, WaitForReplicas, health Watch), bounded.
+    callers::CallLimits call_limits;
+    call_limits.per_process = options.max_waiting_calls_per_process;
+    call_limits.per_uid = options.max_waiting_calls_per_uid;
+    call_limits.total = options.max_waiting_calls;
+    impl->calls = std::make_unique<callers::CallBudget>(call_limits);
+    callers::CallBudget* calls = impl->calls.get();
+    auto factory = [raw, owners, memfds, health, refused, calls](const callers::Caller* caller,
+                                                                 grpc::ServerBuilder* builder) {
       std::vector<std::shared_ptr<void>> keep;
-      // Every local server shares one ceiling on gRPC's threads and buffers.
-      builder->SetResourceQuota(LocalQuota());
-      builder->RegisterService(health);
       if (!caller) {
+        // Refused callers get nothing but the refusal, health included (the kubelet's probe
+        // is --health-listen); no synchronous method, so this server holds no thread.
         auto denied = std::make_shared<server::DeniedService>(refused);
         builder->RegisterCallbackGenericService(denied.get());
         keep.push_back(denied);
         return keep;
       }
+      auto local_health = std::make_shared<server::LocalHealthService>(health, calls, *caller);
+      builder->RegisterService(local_health.get());
+      keep.push_back(local_health);
       server::ServiceContext context = raw->service_context;
       context.caller = *caller;
       context.owners = owners;
       context.leases = raw->leases.get();
       context.memfds = memfds;
+      context.calls = calls;
       auto service = std::make_shared<server::RefitService>(std::move(context));
       builder->RegisterService(service.get());
       keep.push_back(service);
@@ -451,8 +464,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     // ...and one refitd cannot watch (another pid namespace) holds them on a lease.
     impl->leases = std::make_unique<server::Leases>(impl->store.get(), owners, &impl->metrics,
                                                     server::kClientLease);
+    callers::ServerLimits server_limits;
+    server_limits.process_threads =
+        static_cast<int>(options.max_waiting_calls_per_process) + kProcessSpareThreads;
+    server_limits.uid_threads =
+        static_cast<int>(options.max_waiting_calls_per_uid) + kUidSpareThreads;
+    server_limits.max_threads = options.max_local_threads;
     auto local = callers::LocalListener::Start(options.socket_path, 0660, policy, factory,
-                                               impl->owner_exit.get(), std::move(fd_exchange));
+                                               impl->owner_exit.get(), std::move(fd_exchange),
+                                               server_limits);
     if (!local.ok()) {
       impl->peer_server->Shutdown();
       return local.status();
@@ -470,7 +490,19 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     grpc::ServerBuilder builder;
     builder.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(),
                              &impl->health_port);
-    builder.RegisterService(impl->health.get());
+    // Probes only: a thread quota of its own, and at most kHealthWatches Watch streams open
+    // (RESOURCE_EXHAUSTED past it), so whoever reaches the port can't hold its threads.
+    impl->health_quota = std::make_unique<grpc::ResourceQuota>("refit-health");
+    impl->health_quota->SetMaxThreads(kHealthWatches + 16);
+    builder.SetResourceQuota(*impl->health_quota);
+    callers::CallLimits watch_limits;
+    watch_limits.per_process = watch_limits.per_uid = watch_limits.total = kHealthWatches;
+    impl->health_calls = std::make_unique<callers::CallBudget>(watch_limits);
+    callers::Caller anyone;  // the port has no callers to tell apart
+    anyone.uid = static_cast<uid_t>(-1);
+    impl->health_port_service = std::make_unique<server::LocalHealthService>(
+        impl->health.get(), impl->health_calls.get(), anyone);
+    builder.RegisterService(impl->health_port_service.get());
     impl->health_server = builder.BuildAndStart();
     if (!impl->health_server || impl->health_port == 0) {
       impl->health_server.reset();

@@ -48,9 +48,19 @@ struct DaemonOptions {
   // from) open on demand while the total is below it, and close after a minute idle.
   uint32_t max_peer_connections = 16;
   // Local callers (SO_PEERCRED) allowed on --socket besides the daemon's own uid; empty
-  // allow_gids: the socket's group. Others get PERMISSION_DENIED on every RPC but health.
+  // allow_gids: the socket's group. Others get PERMISSION_DENIED on every RPC, health included.
   std::vector<uint32_t> allow_uids;
   std::vector<uint32_t> allow_gids;
+  // Long-lived local calls (Watch, WaitForVersion, WaitForReplicas, health Watch) open at once:
+  // per client process, per uid, in all; past them RESOURCE_EXHAUSTED (daemon/callers).
+  uint32_t max_waiting_calls_per_process = 32;
+  uint32_t max_waiting_calls_per_uid = 256;
+  uint32_t max_waiting_calls = 1024;
+  // No new local gRPC server is built while refitd runs this many threads.
+  uint32_t max_local_threads = 4096;
+  // Local connections that have not sent their first bytes (the HTTP/2 preface, or refit's fd
+  // passing) yet, per uid; past it new ones of that uid are closed.
+  uint32_t max_unspoken_connections_per_uid = 32;
   // Mutual TLS on the peer plane (PEM paths; all three or none).
   std::string tls_cert;
   std::string tls_key;

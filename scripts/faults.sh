@@ -11,6 +11,8 @@
 #   connections 10,000 connections to refitd in a 512 MiB memory cgroup, nofile 4096 and 16384
 #   peer        hostile peers on the peer port (issue 37): checksum byte recovery, report floods,
 #               huge names, 600 idle streams, pin floods, Hello in the node's name
+#   hostile     thousands of health Watch streams and stalled connections of local callers
+#               (issue 37; other uids: root)
 #   apply       plan_bench: memcpy, plain apply, verified apply (same run)
 #
 # Usage: scripts/faults.sh [--kills 100] [--transit 1000] [--outage 30] [--only "kill transit"]
@@ -23,7 +25,7 @@ transit=1000
 outage=30
 deadline_rounds=5
 sigterm_rounds=5
-only="kill transit link deadline sigterm connections peer apply"
+only="kill transit link deadline sigterm connections peer hostile apply"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --kills) kills="$2"; shift 2 ;;
@@ -63,6 +65,7 @@ for scenario in $only; do
         bazel_test //tests:faults_connections_test --test_env=REFIT_FAULTS_NOFILE="$nofile"
       done ;;
     peer) bazel_test //tests:faults_peer_test ;;
+    hostile) bazel_test //tests:faults_hostile_local_test ;;
     apply)
       echo "== plan_bench" >&2
       bazel build --jobs=2 //daemon/plan:plan_bench >&2 &&

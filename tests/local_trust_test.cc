@@ -1,5 +1,5 @@
 // Local callers by SO_PEERCRED, through real processes under other uids (setpriv): a uid the
-// policy doesn't list gets PERMISSION_DENIED on every RPC but health; an allowed uid may not
+// policy doesn't list gets PERMISSION_DENIED on every RPC, health included; an allowed uid may not
 // register shm objects it couldn't open itself, nor publish or release another uid's buffers
 // (issue 17).
 
@@ -89,12 +89,13 @@ TEST_CASE("local callers: allow lists, memory the caller can open, buffer owners
   REQUIRE(c.ok());
   auto& root = **c;
 
-  // A uid nobody listed: everything but health is PERMISSION_DENIED.
+  // A uid nobody listed: everything is PERMISSION_DENIED.
   const std::string refused = as.Run(kStranger, socket, {"status"});
   REQUIRE(Starts(refused, "PERMISSION_DENIED"));
   REQUIRE(refused.find("--allow-uids") != std::string::npos);
   REQUIRE(Starts(as.Run(kStranger, socket, {"register-own", "SOURCE", "m2"}), "PERMISSION_DENIED"));
-  REQUIRE(as.Run(kStranger, socket, {"health"}) == "OK SERVING\n");
+  // Health too: a refused uid gets nothing but the refusal (probes use --health-listen).
+  REQUIRE(Starts(as.Run(kStranger, socket, {"health"}), "PERMISSION_DENIED"));
 
   // An allowed uid may use the API...
   REQUIRE(Starts(as.Run(kNobody, socket, {"status"}), "OK"));

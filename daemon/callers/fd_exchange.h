@@ -10,10 +10,18 @@
 // a RegisterBuffer of that uid names it, or it expires.
 //
 // The LocalListener hands every accepted connection to Divert() first. HTTP/2's preface starts
-// with 'P' ("PRI * HTTP/2.0"), kFdPreface with 'R': a connection whose first byte is already
-// there and is not 'R' goes straight on to gRPC; the others wait on the sorting thread (at
-// most kMaxWaiting of them, each at most kFirstBytesTimeout) until their first bytes say
-// which they are, so a client that connects and says nothing never blocks accepting.
+// with 'P' ("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 24 bytes), kFdPreface with 'R': a connection
+// whose whole HTTP/2 preface is already there (or whose first byte is neither) goes straight on
+// to gRPC; the others wait on the sorting thread until their first message is complete, so
+// that gRPC only ever holds connections that have finished their preface, and a client that
+// connects and says nothing (or one byte) never blocks accepting or holds a gRPC connection.
+// Waiting connections are bounded: at most ExchangeLimits::max_waiting_per_uid per uid (by
+// SO_PEERCRED at accept; past it that uid's new connections are closed at once, other uids
+// unaffected), max_waiting in all, each at most first_bytes_timeout. Every fd a connection
+// sends before its preface is complete is counted against FdTokens' caps as it arrives
+// (FdTokens::Reserve), a second one is refused at once, and a uid the policy refuses is
+// answered "ERR PERMISSION_DENIED" at its first byte, so no connection holds more than one fd
+// and no uid more than the token cap.
 //
 // Thread-safety: Divert from the accept thread; StartSorting/StopSorting from the thread that
 // starts and stops the listener; the sorting thread calls `route` and FdTokens.
@@ -37,13 +45,19 @@ namespace refit::callers {
 inline constexpr char kFdPreface[] = "REFITFD1";  // 8 bytes, no terminator on the wire
 inline constexpr size_t kFdPrefaceBytes = sizeof(kFdPreface) - 1;
 
+inline constexpr char kHttp2Preface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+inline constexpr size_t kHttp2PrefaceBytes = sizeof(kHttp2Preface) - 1;  // 24
+
+struct ExchangeLimits {
+  size_t max_waiting = 1024;        // connections whose first message is not complete, in all
+  size_t max_waiting_per_uid = 32;  // ...of one uid
+  std::chrono::milliseconds first_bytes_timeout{5000};
+};
+
 class FdExchange {
  public:
-  static constexpr size_t kMaxWaiting = 256;
-  static constexpr std::chrono::seconds kFirstBytesTimeout{5};
-
   // Callers `policy` refuses get "ERR PERMISSION_DENIED" and refitd keeps nothing of theirs.
-  FdExchange(Policy policy, std::shared_ptr<FdTokens> tokens);
+  FdExchange(Policy policy, std::shared_ptr<FdTokens> tokens, ExchangeLimits limits = {});
   ~FdExchange();  // StopSorting()
   FdExchange(const FdExchange&) = delete;
   FdExchange& operator=(const FdExchange&) = delete;
@@ -59,22 +73,31 @@ class FdExchange {
   bool Divert(int fd);
 
   FdTokens& tokens() { return *tokens_; }
+  size_t waiting() const { return waiting_count_.load(); }  // connections waiting now
 
  private:
   struct Waiting {
     int fd = -1;
+    uid_t uid = 0;       // SO_PEERCRED at accept
+    bool known = false;  // the uid is known (else counted as uid -1)
     std::chrono::steady_clock::time_point deadline;
     bool ours = false;        // its first byte was kFdPreface's
+    bool partial = false;     // some of gRPC's preface is there, not all (polled for errors only)
     std::string preface;      // read so far
-    std::vector<int> passed;  // fds that came with it
+    std::vector<int> passed;  // fds that came with it (each Reserved in FdTokens, -1 not)
   };
   void Sort();
   bool Advance(Waiting& w);  // true when done with `w` (routed or answered and closed)
+  // What the bytes peeked so far say: route to gRPC (1), wait for more (0), or ours (-1).
+  int Classify(int fd, bool* partial);
   void Answer(Waiting& w);
+  void Refuse(Waiting& w, const absl::Status& why);  // answers "ERR ..." and drops
   void Drop(Waiting& w);
+  void Done(const Waiting& w);  // uncounts a connection no longer waiting
 
   const Policy policy_;
   const std::shared_ptr<FdTokens> tokens_;
+  const ExchangeLimits limits_;
   std::function<void(int)> route_;
   int wake_fd_ = -1;  // eventfd: a connection was diverted, or stop
   std::atomic<bool> stop_{false};
@@ -82,8 +105,10 @@ class FdExchange {
   std::thread thread_;
   common::Mutex mu_;
   std::vector<Waiting> incoming_ ABSL_GUARDED_BY(mu_);
-  std::map<uid_t, bool> logged_refusal_;  // sorting thread only
-  bool logged_full_ = false;              // accept thread only
+  std::map<uid_t, size_t> waiting_by_uid_ ABSL_GUARDED_BY(mu_);
+  std::map<uid_t, bool> logged_refusal_;   // sorting thread only
+  bool logged_full_ = false;               // accept thread only
+  std::map<uid_t, bool> logged_uid_full_;  // accept thread only
 };
 
 }  // namespace refit::callers

@@ -78,7 +78,8 @@ Policy OnlyMe() {
 
 // A FdExchange with a recording `route`, and connections made with socketpair.
 struct Exchange {
-  Exchange() : tokens(std::make_shared<FdTokens>()), exchange(OnlyMe(), tokens) {
+  explicit Exchange(ExchangeLimits limits = {}, FdTokens::Limits token_limits = {})
+      : tokens(std::make_shared<FdTokens>(token_limits)), exchange(OnlyMe(), tokens, limits) {
     exchange.StartSorting([this](int fd) {
       std::lock_guard<std::mutex> lock(mu);
       routed.push_back(fd);
@@ -221,6 +222,110 @@ TEST_CASE("FdExchange: no fd, two fds or a wrong preface are refused", "[callers
   REQUIRE(x.Routed() == 0);
   close(a);
   close(b);
+}
+
+TEST_CASE("FdExchange: gRPC gets a connection only once its preface is complete",
+          "[callers][memfd][hostile]") {
+  ExchangeLimits limits;
+  limits.first_bytes_timeout = std::chrono::milliseconds(400);
+  Exchange x(limits);
+  const std::string preface(kHttp2Preface, kHttp2PrefaceBytes);
+  // Part of it: held by the sorter, routed once the rest arrives.
+  const int client = x.Connect(preface.substr(0, 5));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  REQUIRE(x.Routed() == 0);
+  REQUIRE(x.exchange.waiting() == 1);
+  Send(client, preface.substr(5), {});
+  for (int i = 0; i < 100 && x.Routed() < 1; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  REQUIRE(x.Routed() == 1);
+  for (int i = 0; i < 100 && x.exchange.waiting() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));  // uncounted just after
+  }
+  REQUIRE(x.exchange.waiting() == 0);
+  close(client);
+  // One byte and a stall: closed after the timeout, never routed.
+  const int stalled = x.Connect("P");
+  const auto start = std::chrono::steady_clock::now();
+  REQUIRE(ReadAll(stalled).empty());  // EOF
+  const auto waited = std::chrono::steady_clock::now() - start;
+  CHECK(waited >= std::chrono::milliseconds(300));
+  CHECK(waited < std::chrono::milliseconds(2000));
+  REQUIRE(x.Routed() == 1);
+  for (int i = 0; i < 100 && x.exchange.waiting() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));  // uncounted just after
+  }
+  REQUIRE(x.exchange.waiting() == 0);
+  close(stalled);
+}
+
+TEST_CASE("FdExchange: connections that have not spoken are capped per uid",
+          "[callers][memfd][hostile]") {
+  ExchangeLimits limits;
+  limits.max_waiting_per_uid = 3;
+  Exchange x(limits);
+  std::vector<int> clients;
+  for (int i = 0; i < 3; ++i) clients.push_back(x.Connect(i == 0 ? "" : "PRI * "));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  REQUIRE(x.exchange.waiting() == 3);
+  // The fourth of this uid is closed at once.
+  const int fourth = x.Connect();
+  pollfd p{fourth, POLLIN, 0};
+  REQUIRE(poll(&p, 1, 2000) == 1);
+  char byte;
+  REQUIRE(read(fourth, &byte, 1) == 0);
+  close(fourth);
+  REQUIRE(x.exchange.waiting() == 3);
+  for (int fd : clients) close(fd);
+  for (int i = 0; i < 100 && x.exchange.waiting() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  REQUIRE(x.exchange.waiting() == 0);  // gone clients are let go of at once
+}
+
+TEST_CASE("FdExchange: fds sent before the preface is complete are counted and capped",
+          "[callers][memfd][hostile]") {
+  FdTokens::Limits token_limits;
+  token_limits.max_per_uid = 2;
+  Exchange x({}, token_limits);
+  auto memfds = [](int n) {
+    std::vector<int> fds;
+    for (int i = 0; i < n; ++i) fds.push_back(memfd_create("pre", MFD_CLOEXEC));
+    return fds;
+  };
+  // A preface one byte a message, 4 fds with each: refused at the first message, nothing kept.
+  auto four = memfds(4);
+  int client = x.Connect("R", four);
+  REQUIRE(ReadAll(client).rfind("ERR INVALID_ARGUMENT pass exactly one fd", 0) == 0);
+  close(client);
+  for (int fd : four) close(fd);
+  REQUIRE(x.tokens->reserved() == 0);
+  REQUIRE(x.tokens->held() == 0);
+  // One fd with the first bytes is reserved as it arrives...
+  auto one = memfds(3);
+  const int a = x.Connect("REFI", {one[0]});
+  const int b = x.Connect("REFI", {one[1]});
+  for (int i = 0; i < 100 && x.tokens->reserved() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  REQUIRE(x.tokens->reserved() == 2);
+  // ...so a third, past the uid's cap of 2, is refused before its preface is complete.
+  client = x.Connect("RE", {one[2]});
+  REQUIRE(ReadAll(client).rfind("ERR RESOURCE_EXHAUSTED", 0) == 0);
+  close(client);
+  // The reservation becomes the token.
+  Send(a, "TFD1", {});
+  REQUIRE(ReadAll(a).rfind("OK memfd-", 0) == 0);
+  REQUIRE(x.tokens->held() == 1);
+  REQUIRE(x.tokens->reserved() == 1);
+  close(a);
+  close(b);  // gone: its reservation is given back
+  for (int i = 0; i < 100 && x.tokens->reserved() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  REQUIRE(x.tokens->reserved() == 0);
+  for (int fd : one) close(fd);
 }
 
 }  // namespace refit::callers

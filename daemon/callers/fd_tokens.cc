@@ -33,26 +33,53 @@ FdTokens::~FdTokens() {
   for (auto& [token, entry] : by_token_) close(entry.fd);
 }
 
-absl::StatusOr<std::string> FdTokens::Deposit(uid_t uid, int fd) {
+absl::Status FdTokens::CheckRoomLocked(uid_t uid) {
+  auto it = count_.find(uid);
+  const size_t count = it == count_.end() ? 0 : it->second;
+  if (count < limits_.max_per_uid && by_token_.size() + reserved_ < limits_.max_total) {
+    return absl::OkStatus();
+  }
+  const bool mine = count >= limits_.max_per_uid;
+  return absl::ResourceExhaustedError(
+      absl::StrCat(mine ? absl::StrCat("uid ", uid, " holds ", limits_.max_per_uid)
+                        : absl::StrCat("callers hold ", limits_.max_total),
+                   " passed memfds not yet named in a RegisterBuffer; register them (or wait ",
+                   std::chrono::duration_cast<std::chrono::seconds>(limits_.ttl).count(),
+                   " s for them to expire) before passing more"));
+}
+
+absl::StatusOr<std::string> FdTokens::Deposit(uid_t uid, int fd, bool reserved) {
   common::MutexLock lock(mu_);
   const Clock::time_point now = now_();
   ExpireLocked(now);
-  size_t& count = count_[uid];
-  if (count >= limits_.max_per_uid || by_token_.size() >= limits_.max_total) {
+  if (reserved) {
+    --reserved_;  // the reservation becomes the token: count_ already holds it
+  } else if (absl::Status room = CheckRoomLocked(uid); !room.ok()) {
     close(fd);
-    const bool mine = count >= limits_.max_per_uid;
-    if (count == 0) count_.erase(uid);
-    return absl::ResourceExhaustedError(
-        absl::StrCat(mine ? absl::StrCat("uid ", uid, " holds ", limits_.max_per_uid)
-                          : absl::StrCat("callers hold ", limits_.max_total),
-                     " passed memfds not yet named in a RegisterBuffer; register them (or wait ",
-                     std::chrono::duration_cast<std::chrono::seconds>(limits_.ttl).count(),
-                     " s for them to expire) before passing more"));
+    return room;
+  } else {
+    ++count_[uid];
   }
   std::string token = NewToken();
   by_token_[token] = Entry{uid, fd, now + limits_.ttl};
-  ++count;
   return token;
+}
+
+absl::Status FdTokens::Reserve(uid_t uid) {
+  common::MutexLock lock(mu_);
+  ExpireLocked(now_());
+  if (absl::Status room = CheckRoomLocked(uid); !room.ok()) return room;
+  ++count_[uid];
+  ++reserved_;
+  return absl::OkStatus();
+}
+
+void FdTokens::Unreserve(uid_t uid) {
+  common::MutexLock lock(mu_);
+  auto it = count_.find(uid);
+  if (it == count_.end() || reserved_ == 0) return;
+  --reserved_;
+  if (--it->second == 0) count_.erase(it);
 }
 
 absl::StatusOr<int> FdTokens::Redeem(uid_t uid, const std::string& token) {
@@ -92,6 +119,11 @@ void FdTokens::ExpireLocked(Clock::time_point now) {
     if (--count_[it->second.uid] == 0) count_.erase(it->second.uid);
     it = by_token_.erase(it);
   }
+}
+
+size_t FdTokens::reserved() const {
+  common::MutexLock lock(mu_);
+  return reserved_;
 }
 
 size_t FdTokens::held() const {

@@ -42,7 +42,14 @@ class FdTokens {
   // Holds `fd` (owned from here, also on error: then it is closed) for `uid`; returns its
   // token, "memfd-" and 32 hex digits of getrandom(). RESOURCE_EXHAUSTED when the uid (or
   // everyone) holds too many already.
-  absl::StatusOr<std::string> Deposit(uid_t uid, int fd);
+  // With `reserved`, `fd` takes the place of a Reserve of `uid` (no further check).
+  absl::StatusOr<std::string> Deposit(uid_t uid, int fd, bool reserved = false);
+
+  // Counts one fd that `uid` sent before its fd-passing preface was complete (held by the
+  // connection, not yet under a token) against the same caps: RESOURCE_EXHAUSTED when they are
+  // reached. Give it back with Unreserve, or hand it to Deposit.
+  absl::Status Reserve(uid_t uid);
+  void Unreserve(uid_t uid);
 
   // Hands the fd held under `token` to the caller (who closes it) and forgets the token.
   // NOT_FOUND for a token never issued or expired; PERMISSION_DENIED when another uid passed
@@ -52,7 +59,8 @@ class FdTokens {
   // Closes the fds whose tokens are past their ttl (Deposit and Redeem do this too).
   void Expire();
 
-  size_t held() const;  // fds held now, for tests and metrics
+  size_t held() const;      // fds held now under tokens, for tests and metrics
+  size_t reserved() const;  // fds counted by Reserve now
   const Limits& limits() const { return limits_; }
 
  private:
@@ -62,12 +70,15 @@ class FdTokens {
     Clock::time_point expires;
   };
   void ExpireLocked(Clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED when `uid` (or everyone) may hold no more.
+  absl::Status CheckRoomLocked(uid_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Limits limits_;
   const std::function<Clock::time_point()> now_;
   mutable common::Mutex mu_;
   std::map<std::string, Entry> by_token_ ABSL_GUARDED_BY(mu_);
-  std::map<uid_t, size_t> count_ ABSL_GUARDED_BY(mu_);
+  std::map<uid_t, size_t> count_ ABSL_GUARDED_BY(mu_);  // tokens and reservations
+  size_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace refit::callers

@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -32,15 +34,45 @@ int OpenPidfd(pid_t pid) {
 #endif
 }
 
+// True (and logged, at most every 10 s) when refitd runs `max` threads or more.
+bool TooManyThreads(long max, std::chrono::steady_clock::time_point* logged) {
+  const long threads = ThreadsNow();
+  if (threads < 0 || threads < max) return false;
+  const auto now = std::chrono::steady_clock::now();
+  if (now - *logged > std::chrono::seconds(10)) {
+    *logged = now;
+    Logger("server")->warn(
+        "refitd runs {} threads (the most at which it starts a server of its own for a new "
+        "local client process: {}); new client processes share their uid's server",
+        threads, max);
+  }
+  return true;
+}
+
 void Wake(int fd) {
   const uint64_t one = 1;
   (void)!write(fd, &one, sizeof(one));
 }
 }  // namespace
 
+long ThreadsNow() {
+  FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) return -1;
+  char line[256];
+  long threads = -1;
+  while (std::fgets(line, sizeof(line), f)) {
+    if (std::strncmp(line, "Threads:", 8) == 0) {
+      threads = std::strtol(line + 8, nullptr, 10);
+      break;
+    }
+  }
+  std::fclose(f);
+  return threads;
+}
+
 absl::StatusOr<std::unique_ptr<LocalListener>> LocalListener::Start(
     const std::string& path, mode_t mode, Policy policy, ServiceFactory factory,
-    ClientExitListener* exits, std::shared_ptr<FdExchange> fd_exchange) {
+    ClientExitListener* exits, std::shared_ptr<FdExchange> fd_exchange, ServerLimits limits) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
@@ -67,7 +99,7 @@ absl::StatusOr<std::unique_ptr<LocalListener>> LocalListener::Start(
     return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
   }
   std::unique_ptr<LocalListener> listener(
-      new LocalListener(path, fd, wake_fd, std::move(policy), std::move(factory), exits));
+      new LocalListener(path, fd, wake_fd, std::move(policy), std::move(factory), exits, limits));
   {
     // The daemon's own class is built now: a Start that fails does so before it is serving.
     common::MutexLock lock(listener->mu_);
@@ -91,13 +123,14 @@ absl::StatusOr<std::unique_ptr<LocalListener>> LocalListener::Start(
 }
 
 LocalListener::LocalListener(std::string path, int fd, int wake_fd, Policy policy,
-                             ServiceFactory factory, ClientExitListener* exits)
+                             ServiceFactory factory, ClientExitListener* exits, ServerLimits limits)
     : path_(std::move(path)),
       fd_(fd),
       wake_fd_(wake_fd),
       policy_(std::move(policy)),
       factory_(std::move(factory)),
-      exits_(exits) {}
+      exits_(exits),
+      limits_(limits) {}
 
 LocalListener::~LocalListener() {
   Shutdown();
@@ -174,6 +207,19 @@ void LocalListener::Route(int fd) {
   const bool allowed = caller.ok() && policy_.Allows(*caller);
   if (!allowed) {
     const uid_t uid = caller.ok() ? caller->uid : static_cast<uid_t>(-1);
+    // A refused uid's connections are admitted at a bounded rate (and each lives at most
+    // kRefusedConnectionAge), so it can't hold many of refitd's descriptors.
+    RefusedBucket& bucket = refused_buckets_[uid];
+    const auto now = std::chrono::steady_clock::now();
+    const double refill =
+        std::chrono::duration<double>(now - bucket.at).count() * kRefusedPerSecond;
+    bucket.tokens = std::min(kRefusedBurst, bucket.tokens + refill);
+    bucket.at = now;
+    if (bucket.tokens < 1) {
+      close(fd);
+      return;
+    }
+    bucket.tokens -= 1;
     if (!logged_refusal_[uid]) {
       logged_refusal_[uid] = true;  // once per uid: no log floods
       Logger("server")->warn(
@@ -204,7 +250,16 @@ LocalListener::Served* LocalListener::ServerFor(const Caller* caller) {
     if (it != servers_.end()) return it->second.get();
     size_t processes = 0;
     for (const auto& [key, served] : servers_) processes += key.second != 0;
-    if (processes < kMaxProcessServers) {
+    if (processes >= kMaxProcessServers) {
+      if (!logged_full_) {
+        logged_full_ = true;
+        Logger("server")->warn(
+            "{} local client processes have servers of their own; more share "
+            "their uid's server, and their buffers are not released when "
+            "they exit (release them with refitctl release)",
+            kMaxProcessServers);
+      }
+    } else if (!TooManyThreads(limits_.max_threads, &logged_threads_)) {
       const int pidfd = OpenPidfd(caller->pid);
       if (pidfd >= 0) {
         std::unique_ptr<Served> served = Build(caller, pidfd);
@@ -214,17 +269,12 @@ LocalListener::Served* LocalListener::ServerFor(const Caller* caller) {
         Wake(wake_fd_);  // the exit watcher picks the new pidfd up
         return raw;
       }
-    } else if (!logged_full_) {
-      logged_full_ = true;
-      Logger("server")->warn(
-          "{} local client processes have servers of their own; more share "
-          "their uid's server, and their buffers are not released when "
-          "they exit (release them with refitctl release)",
-          kMaxProcessServers);
     }
   }
   std::unique_ptr<Served>& shared = servers_[{caller->uid, 0}];
   if (!shared) {
+    // Built whatever the thread count: one per uid (bounded by the uids the policy allows),
+    // each with a thread quota of its own.
     Caller uid_caller = *caller;
     uid_caller.pid = 0;
     shared = Build(&uid_caller, -1);
@@ -243,6 +293,24 @@ std::unique_ptr<LocalListener::Served> LocalListener::Build(const Caller* caller
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  // A connection that has not finished its HTTP/2 handshake (settings) by then is closed.
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, limits_.handshake_timeout_ms);
+  if (!caller) {
+    // A refused caller's connection is told goodbye (GOAWAY) after a while.
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                               static_cast<int>(kRefusedConnectionAge.count()));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, 1000);
+  }
+  if (caller) {
+    // A quota of this server's own (see the header): its threads can't be taken by another
+    // caller's calls, and it is never found empty when the server starts its first thread.
+    const bool process = caller->pid != 0;
+    served->quota = std::make_unique<grpc::ResourceQuota>(
+        absl::StrCat("refit-local-", caller->uid, "-", caller->pid));
+    served->quota->SetMaxThreads(process ? limits_.process_threads : limits_.uid_threads);
+    served->quota->Resize(process ? limits_.process_memory : limits_.uid_memory);
+    builder.SetResourceQuota(*served->quota);
+  }
   // A process's server serves one client: one completion queue and one poller to start with
   // (gRPC adds threads for concurrent calls).
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::NUM_CQS, 1);

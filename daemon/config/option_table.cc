@@ -152,12 +152,55 @@ std::vector<OptionSpec> MakeTable() {
                "`FAILED_PRECONDITION`"});
   t.push_back({"allow-uids", "UID,...", &O::allow_uids,
                "local callers (by `SO_PEERCRED`) allowed besides refitd's own uid and root; "
-               "everyone else gets `PERMISSION_DENIED` on every RPC but health "
+               "everyone else gets `PERMISSION_DENIED` on every RPC, health included "
                "([security](security.md))",
                "none", 0, 4294967294.0});
   t.push_back({"allow-gids", "GID,...", &O::allow_gids,
                "local callers allowed by group (the caller's primary and supplementary groups)",
                "the socket's group", 0, 4294967294.0});
+  t.push_back({"max-waiting-calls",
+               "N",
+               &O::max_waiting_calls,
+               "long-lived calls local callers may hold open at once in all (`Watch`, "
+               "`WaitForVersion`, `WaitForReplicas`, `grpc.health.v1` `Watch`: each holds a "
+               "server thread); past it such a call answers `RESOURCE_EXHAUSTED` at once "
+               "([security](security.md))",
+               {},
+               1,
+               1000000});
+  t.push_back({"max-waiting-calls-per-uid",
+               "N",
+               &O::max_waiting_calls_per_uid,
+               "the same per uid (all its processes together); a uid's shared server (processes "
+               "refitd cannot see) has this many threads plus 32",
+               {},
+               1,
+               100000});
+  t.push_back({"max-waiting-calls-per-process",
+               "N",
+               &O::max_waiting_calls_per_process,
+               "the same per client process; its own server has this many threads plus 8",
+               {},
+               1,
+               100000});
+  t.push_back({"max-local-threads",
+               "N",
+               &O::max_local_threads,
+               "while refitd runs this many threads, a new local client process gets no server "
+               "of its own: it shares its uid's server (and its buffers are not released when "
+               "it exits)",
+               {},
+               64,
+               1000000});
+  t.push_back({"max-unspoken-connections-per-uid",
+               "N",
+               &O::max_unspoken_connections_per_uid,
+               "local connections of one uid that have not completed their first message yet "
+               "(the HTTP/2 preface, or `REFITFD1` with its fd); past it that uid's new "
+               "connections are closed at once; each waits at most 5 s",
+               {},
+               1,
+               100000});
   t.push_back({"tls-cert", "PEM", &O::tls_cert,
                "this node's certificate: mutual TLS on the peer port and every daemon-to-daemon "
                "channel; a peer's node name must be its certificate's CN or DNS name; files "

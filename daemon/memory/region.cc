@@ -80,8 +80,13 @@ absl::StatusOr<std::unique_ptr<Region>> MapShared(int fd, const struct stat& st,
   }
   const uint64_t map_offset = offset - offset % PageSize();
   const uint64_t map_length = size + (offset - map_offset);
-  void* base = mmap(nullptr, map_length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
-                    static_cast<off_t>(map_offset));
+  // Populated up front (no page faults in the first copy) unless the file has holes: populating
+  // a sparse memfd or shm object would allocate every hole's pages in refitd's name before any
+  // cap is checked (a 1 GiB hole: 1 GiB of refitd's memory; issue 37). A sparse one's pages
+  // fault in as a Publish or Apply touches them, after --max-slot-memory has been checked.
+  const bool sparse = static_cast<uint64_t>(st.st_blocks) * 512 < object_size;
+  void* base = mmap(nullptr, map_length, PROT_READ | PROT_WRITE,
+                    MAP_SHARED | (sparse ? 0 : MAP_POPULATE), fd, static_cast<off_t>(map_offset));
   if (base == MAP_FAILED) {
     return absl::ResourceExhaustedError(
         absl::StrCat("mmap of ", object, " failed: ", std::strerror(errno)));

@@ -20,6 +20,10 @@ bool IsScaled(const TensorSlice& slice) {
   return !slice.scale_tensor.empty() || !slice.scale_block.empty();
 }
 
+// ceil(x / block) for x >= 0 and block > 0, without the overflow of (x + block - 1) / block
+// (x near INT64_MAX: undefined behaviour, issue 37).
+static int64_t CeilDiv(int64_t x, int64_t block) { return x / block + (x % block != 0 ? 1 : 0); }
+
 absl::Status CheckScaledSlice(const TensorSlice& slice) {
   if (slice.dtype != DType::kFP8E4M3) {
     return Invalid(slice, absl::StrCat("scale_tensor and scale_block need dtype FP8_E4M3, not ",
@@ -38,7 +42,11 @@ absl::Status CheckScaledSlice(const TensorSlice& slice) {
       return Invalid(slice, absl::StrCat("non-positive scale_block ", Dims(slice.scale_block)));
     }
     const int64_t begin = slice.offsets[d];
-    const int64_t end = begin + slice.sizes[d];
+    int64_t end = 0;
+    if (__builtin_add_overflow(begin, slice.sizes[d], &end)) {
+      return Invalid(slice, absl::StrCat("box ", BoxString(slice.offsets, slice.sizes),
+                                         " overflows 64-bit arithmetic"));
+    }
     if (begin % block != 0 || (end % block != 0 && end != slice.global_shape[d])) {
       return Invalid(slice,
                      absl::StrCat("box ", BoxString(slice.offsets, slice.sizes),
@@ -53,7 +61,7 @@ std::vector<int64_t> ScaleShape(const TensorSlice& scaled) {
   std::vector<int64_t> shape;
   for (size_t d = 0; d < scaled.global_shape.size(); ++d) {
     const int64_t block = scaled.scale_block[d];
-    shape.push_back((scaled.global_shape[d] + block - 1) / block);
+    shape.push_back(CeilDiv(scaled.global_shape[d], block));
   }
   return shape;
 }
@@ -65,7 +73,7 @@ void ScaleBox(const TensorSlice& scaled, std::vector<int64_t>* offsets,
   for (size_t d = 0; d < scaled.global_shape.size(); ++d) {
     const int64_t block = scaled.scale_block[d];
     offsets->push_back(scaled.offsets[d] / block);
-    sizes->push_back((scaled.sizes[d] + block - 1) / block);
+    sizes->push_back(CeilDiv(scaled.sizes[d], block));
   }
 }
 

@@ -136,6 +136,11 @@ absl::Status NormalizeOne(TensorSlice& slice, size_t index, uint64_t region_size
 // at byte b holds dims_[l].count sub-blocks at b + i * dims_[l].stride; a level-dims_.size()
 // block is one run of run_ bytes. Nested: every stride is at least the extent of its sub-block,
 // so sub-blocks are disjoint and in address order.
+// Interleaved slices: clusters of at most this many are checked pair by pair; bigger ones by
+// sorting their runs, when they have at most kMaxSweepRuns (24 bytes each) in all.
+constexpr size_t kPairwiseCluster = 16;
+constexpr uint64_t kMaxSweepRuns = uint64_t{1} << 22;
+
 class ByteLayout {
  public:
   struct Dim {
@@ -183,6 +188,12 @@ class ByteLayout {
 
   uint64_t runs() const { return runs_; }
 
+  // Calls f(begin, end) for every run, in address order.
+  template <typename F>
+  void ForEachRun(F&& f) const {
+    ForEachRunAt(0, base_, f);
+  }
+
   // True when some byte of the layout lies in [x, y).
   bool Hits(uint64_t x, uint64_t y) const { return HitsAt(0, base_, x, y); }
 
@@ -215,6 +226,17 @@ class ByteLayout {
       if (HitsAt(level + 1, start, x, y)) return true;
     }
     return false;
+  }
+
+  template <typename F>
+  void ForEachRunAt(size_t level, uint64_t base, F& f) const {
+    if (level == dims_.size()) {
+      f(base, base + run_);
+      return;
+    }
+    for (uint64_t i = 0; i < dims_[level].count; ++i) {
+      ForEachRunAt(level + 1, base + i * dims_[level].stride, f);
+    }
   }
 
   bool IntersectsAt(size_t level, uint64_t base, const ByteLayout& other, uint64_t x,
@@ -285,25 +307,77 @@ absl::Status NormalizeAndValidateBuffer(std::vector<TensorSlice>& slices, uint64
                                   "own elements"));
     }
   }
-  for (size_t a = 0; a < entries.size(); ++a) {
-    for (size_t b = a + 1; b < entries.size() && entries[b].begin < entries[a].end; ++b) {
-      const TensorSlice& first = slices[entries[a].index];
-      const TensorSlice& second = slices[entries[b].index];
-      bool overlap = true;
-      if (!first.IsContiguous() || !second.IsContiguous()) {
-        const ByteLayout* la = layout(entries[a].index);
-        const ByteLayout* lb = layout(entries[b].index);
-        overlap = la->runs() <= lb->runs() ? la->Intersects(*lb) : lb->Intersects(*la);
-      }
-      if (overlap) {
-        const size_t later = std::max(entries[a].index, entries[b].index);
-        const size_t earlier = std::min(entries[a].index, entries[b].index);
-        return Invalid(
-            slices[later], later,
-            absl::StrCat("shares bytes of its buffer with ", SliceLabel(slices[earlier], earlier),
-                         " ", BoxString(slices[earlier].offsets, slices[earlier].sizes)));
+  auto shared = [&](size_t x, size_t y) {
+    const size_t later = std::max(x, y);
+    const size_t earlier = std::min(x, y);
+    return Invalid(
+        slices[later], later,
+        absl::StrCat("shares bytes of its buffer with ", SliceLabel(slices[earlier], earlier), " ",
+                     BoxString(slices[earlier].offsets, slices[earlier].sizes)));
+  };
+  // Clusters: maximal runs of entries (in begin order) whose extents chain-overlap. Only slices
+  // of one cluster can share a byte. A small cluster is checked pair by pair; a big one (many
+  // interleaved slices, e.g. 8,000 strided columns of one matrix) by sorting all its runs and
+  // comparing neighbours: O(R log R) for R runs rather than O(n^2) pairs.
+  for (size_t first = 0; first < entries.size();) {
+    size_t last = first + 1;
+    uint64_t reach = entries[first].end;
+    while (last < entries.size() && entries[last].begin < reach) {
+      reach = std::max(reach, entries[last].end);
+      ++last;
+    }
+    const size_t count = last - first;
+    uint64_t runs = 0;
+    if (count > kPairwiseCluster) {
+      for (size_t e = first; e < last && runs <= kMaxSweepRuns; ++e) {
+        const size_t index = entries[e].index;
+        runs += slices[index].IsContiguous() ? 1 : layout(index)->runs();
       }
     }
+    if (count > kPairwiseCluster && runs <= kMaxSweepRuns) {
+      struct Run {
+        uint64_t begin;
+        uint64_t end;
+        size_t index;
+      };
+      std::vector<Run> all;
+      all.reserve(runs);
+      for (size_t e = first; e < last; ++e) {
+        const size_t index = entries[e].index;
+        if (slices[index].IsContiguous()) {
+          all.push_back({entries[e].begin, entries[e].end, index});
+        } else {
+          layout(index)->ForEachRun([&](uint64_t begin, uint64_t end) {
+            all.push_back({begin, end, index});
+          });
+        }
+      }
+      std::sort(all.begin(), all.end(), [](const Run& x, const Run& y) {
+        return x.begin != y.begin ? x.begin < y.begin : x.index < y.index;
+      });
+      // A slice's own runs are disjoint (checked above), so a run starting before the furthest
+      // end seen so far overlaps a run of another slice.
+      size_t furthest = 0;
+      for (size_t r = 1; r < all.size(); ++r) {
+        if (all[r].begin < all[furthest].end) return shared(all[furthest].index, all[r].index);
+        if (all[r].end > all[furthest].end) furthest = r;
+      }
+    } else {
+      for (size_t a = first; a < last; ++a) {
+        for (size_t b = a + 1; b < last && entries[b].begin < entries[a].end; ++b) {
+          const TensorSlice& one = slices[entries[a].index];
+          const TensorSlice& two = slices[entries[b].index];
+          bool overlap = true;
+          if (!one.IsContiguous() || !two.IsContiguous()) {
+            const ByteLayout* la = layout(entries[a].index);
+            const ByteLayout* lb = layout(entries[b].index);
+            overlap = la->runs() <= lb->runs() ? la->Intersects(*lb) : lb->Intersects(*la);
+          }
+          if (overlap) return shared(entries[a].index, entries[b].index);
+        }
+      }
+    }
+    first = last;
   }
   return absl::OkStatus();
 }

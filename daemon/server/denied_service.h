@@ -1,7 +1,7 @@
 #pragma once
 
 // The API as local callers that --allow-uids / --allow-gids refuse see it: every method of
-// every service but health (registered beside it) answers PERMISSION_DENIED, saying who the
+// every service, health included, answers PERMISSION_DENIED, saying who the
 // caller is and who is allowed. A generic service, so methods added later are covered too.
 //
 // Thread-safety: stateless after construction.

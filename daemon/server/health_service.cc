@@ -71,4 +71,20 @@ grpc::Status HealthService::Watch(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
+grpc::Status LocalHealthService::Check(grpc::ServerContext* context,
+                                       const grpc::health::v1::HealthCheckRequest* request,
+                                       HealthCheckResponse* response) {
+  return inner_->Check(context, request, response);
+}
+
+grpc::Status LocalHealthService::Watch(grpc::ServerContext* context,
+                                       const grpc::health::v1::HealthCheckRequest* request,
+                                       grpc::ServerWriter<HealthCheckResponse>* writer) {
+  auto hold = budget_->Acquire(caller_, "grpc.health.v1.Health/Watch");
+  if (!hold.ok()) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, std::string(hold.status().message()));
+  }
+  return inner_->Watch(context, request, writer);
+}
+
 }  // namespace refit::server

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "daemon/callers/call_budget.h"
+#include "daemon/callers/caller.h"
 #include "proto/grpc/health/v1/health.grpc.pb.h"
 
 namespace refit::server {
@@ -53,6 +55,29 @@ class HealthService final : public grpc::health::v1::Health::Service {
   std::function<std::vector<std::string>()> stall_check_;
   mutable std::atomic<bool> stalled_{false};
   mutable std::atomic<bool> faulted_{false};  // latched
+};
+
+// Health as one local caller sees it (a server of daemon/callers): the daemon's HealthService,
+// with each Watch stream counted against the callers' CallBudget, so that open Watch streams
+// can't hold every server thread (RESOURCE_EXHAUSTED past the budget). Check is not bounded:
+// it returns at once.
+class LocalHealthService final : public grpc::health::v1::Health::Service {
+ public:
+  // `inner` and `budget` are not owned and must outlive this.
+  LocalHealthService(HealthService* inner, callers::CallBudget* budget, callers::Caller caller)
+      : inner_(inner), budget_(budget), caller_(std::move(caller)) {}
+
+  grpc::Status Check(grpc::ServerContext* context,
+                     const grpc::health::v1::HealthCheckRequest* request,
+                     grpc::health::v1::HealthCheckResponse* response) override;
+  grpc::Status Watch(grpc::ServerContext* context,
+                     const grpc::health::v1::HealthCheckRequest* request,
+                     grpc::ServerWriter<grpc::health::v1::HealthCheckResponse>* writer) override;
+
+ private:
+  HealthService* const inner_;
+  callers::CallBudget* const budget_;
+  const callers::Caller caller_;
 };
 
 }  // namespace refit::server

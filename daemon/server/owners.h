@@ -50,6 +50,12 @@ class Owners {
     by_process_.erase(it);
     return ids;
   }
+  // True when `uid` registered `buffer_id` (and it is still known here).
+  bool Owns(const std::string& buffer_id, uid_t uid) const {
+    common::MutexLock lock(mu_);
+    auto it = owners_.find(buffer_id);
+    return it != owners_.end() && it->second.first == uid;
+  }
   // PERMISSION_DENIED naming the first id `uid` does not own. Ids nobody registered here pass:
   // the store answers NOT_FOUND for them.
   absl::Status Check(const std::vector<std::string>& ids, uid_t uid, const char* what) const {

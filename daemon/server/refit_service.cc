@@ -89,6 +89,11 @@ absl::Status CheckNameLengths(const v1::RegisterBufferRequest& request) {
 
 }  // namespace
 
+absl::StatusOr<callers::CallBudget::Hold> RefitService::HoldCall(const char* rpc) const {
+  if (!context_.calls || !context_.caller) return callers::CallBudget::Hold();
+  return context_.calls->Acquire(*context_.caller, rpc);
+}
+
 grpc::Status RefitService::Finish(const char* rpc, const absl::Status& status) {
   if (!status.ok()) {
     context_.metrics->Add(
@@ -122,6 +127,26 @@ grpc::Status RefitService::RegisterBuffer(grpc::ServerContext*,
   std::vector<TensorSlice> check = *slices;
   if (absl::Status valid = plan::NormalizeAndValidateBuffer(check, UINT64_MAX); !valid.ok()) {
     return Finish("RegisterBuffer", valid);
+  }
+  // A SOURCE whose tensors alone pass --max-slot-memory can never be published: refused before
+  // its memory is mapped (and populated), not after (issue 37).
+  if (const uint64_t max = context_.store->max_slot_bytes();
+      max != 0 && request->role() == v1::SOURCE) {
+    uint64_t bytes = 0;
+    for (const TensorSlice& slice : check) {
+      uint64_t n = DTypeSize(slice.dtype);
+      for (int64_t size : slice.sizes) {
+        if (__builtin_mul_overflow(n, static_cast<uint64_t>(size), &n)) n = UINT64_MAX;
+      }
+      if (__builtin_add_overflow(bytes, n, &bytes)) bytes = UINT64_MAX;
+    }
+    if (bytes > max) {
+      return Finish("RegisterBuffer",
+                    absl::ResourceExhaustedError(absl::StrCat(
+                        "model ", request->model(), ": RegisterBuffer refused: its tensors take ",
+                        bytes, " bytes, more than --max-slot-memory=", max,
+                        " allows one version on this node; nothing was mapped")));
+    }
   }
   auto region = OpenRegion(request->memory(), context_.caller, request->role() == v1::DESTINATION,
                            context_.memfds.get());
@@ -209,6 +234,8 @@ grpc::Status RefitService::WaitForVersion(grpc::ServerContext* context,
   // Answer a little before the caller's deadline, so that it reads this daemon's reason
   // (e.g. "no node has SOURCE buffers") rather than its own bare DEADLINE_EXCEEDED. At most
   // 5 % (and 50 ms) early: deadlines are honoured within ±10 % (tests/faults_deadline_test).
+  auto hold = HoldCall("WaitForVersion");
+  if (!hold.ok()) return Finish("WaitForVersion", hold.status());
   const Clock::time_point deadline = SteadyDeadline(*context);
   const auto margin = std::clamp<Clock::duration>(
       (deadline - Clock::now()) / 20, Clock::duration::zero(), std::chrono::milliseconds(50));
@@ -237,6 +264,8 @@ grpc::Status RefitService::Watch(grpc::ServerContext* context, const v1::WatchRe
   if (request->model().empty()) {
     return Finish("Watch", absl::InvalidArgumentError("model name is empty"));
   }
+  auto hold = HoldCall("Watch");
+  if (!hold.ok()) return Finish("Watch", hold.status());
   uint64_t after = request->after_version();
   if (after == 0) after = context_.store->LatestVersion(request->model());
   // Initial metadata tells the client the watch is in place: nothing completing from now on
@@ -262,9 +291,21 @@ grpc::Status RefitService::Watch(grpc::ServerContext* context, const v1::WatchRe
 grpc::Status RefitService::Status(grpc::ServerContext*, const v1::StatusRequest*,
                                   v1::StatusResponse* response) {
   response->set_node(context_.node);
+  // A caller sees only its own buffers, unless it is refitd's uid or root (operators): another
+  // uid's buffer ids are not its business (issue 37).
+  const bool sees_all = !context_.caller || !context_.owners || context_.caller->uid == geteuid() ||
+                        context_.caller->uid == 0;
   for (const ModelInfo& info : context_.store->Models()) {
     v1::ModelStatus* model = response->add_models();
     ToProto(info, model);
+    if (!sees_all) {
+      auto* buffers = model->mutable_buffers();
+      for (int i = buffers->size(); i-- > 0;) {
+        if (!context_.owners->Owns(buffers->Get(i).buffer_id(), context_.caller->uid)) {
+          buffers->DeleteSubrange(i, 1);
+        }
+      }
+    }
     if (!context_.replicas) continue;
     for (const fleet::Replica& r : context_.replicas->ReplicasOf(info.name)) {
       v1::ReplicaStatus* replica = model->add_replicas();
@@ -304,6 +345,8 @@ grpc::Status RefitService::WaitForReplicas(grpc::ServerContext* context,
   if (!context_.replicas) {
     return Finish("WaitForReplicas", absl::UnimplementedError("this refitd keeps no replicas"));
   }
+  auto hold = HoldCall("WaitForReplicas");
+  if (!hold.ok()) return Finish("WaitForReplicas", hold.status());
   auto reached =
       context_.replicas->WaitFor(request->model(), request->version(), request->min_nodes(),
                                  SteadyDeadline(*context), CancelledOf(context));

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/callers/call_budget.h"
 #include "daemon/callers/caller.h"
 #include "daemon/callers/fd_tokens.h"
 #include "daemon/fleet/replicas.h"
@@ -43,6 +44,9 @@ struct ServiceContext {
   Leases* leases = nullptr;  // not owned
   // memfds callers passed over the socket, by token (MemoryHandle.memfd); null: refused.
   std::shared_ptr<callers::FdTokens> memfds;
+  // Long-lived calls (WaitForVersion, Watch, WaitForReplicas) of `caller` are counted here
+  // (RESOURCE_EXHAUSTED past its bounds); null: not bounded (in-process use).
+  callers::CallBudget* calls = nullptr;     // not owned
   fleet::ReplicaTable* replicas = nullptr;  // not owned; null: WaitForReplicas UNIMPLEMENTED
   // Each model's newest published version (--state-dir); null: Publish checks only the store.
   state::VersionLedger* ledger = nullptr;            // not owned
@@ -88,6 +92,8 @@ class RefitService final : public v1::Refit::Service {
   // PERMISSION_DENIED unless the caller registered every one of `ids` (what: "publish", ...).
   absl::Status CheckOwner(const google::protobuf::RepeatedPtrField<std::string>& ids,
                           const char* what) const;
+  // Counts a long-lived call `rpc` against the caller's budget (an empty hold when unbounded).
+  absl::StatusOr<callers::CallBudget::Hold> HoldCall(const char* rpc) const;
   // Converts, counts errors by code, and logs client errors at debug level.
   grpc::Status Finish(const char* rpc, const absl::Status& status);
 

@@ -265,6 +265,10 @@ class Store {
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
 
+  // --max-slot-memory (0: none): RegisterBuffer's caller checks a SOURCE against it before it
+  // maps the client's memory.
+  uint64_t max_slot_bytes() const { return options_.max_slot_bytes; }
+
   // Lends the store `region` holding `slices` of `model`'s tensors. Slices are normalized and
   // validated against the region and against the model's other buffers (INVALID_ARGUMENT).
   // Returns the new buffer's id. `owner` names the registering caller (e.g. "uid:pid").

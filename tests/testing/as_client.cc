@@ -2,6 +2,7 @@
 // on stdout as "OK <value>" or "<STATUS_CODE> <message>". Exit 0 unless the usage is wrong.
 //
 //   as_client SOCKET status | health | release ID | publish MODEL VERSION ID
+//   as_client SOCKET buffers                           (the buffer ids Status shows it)
 //   as_client SOCKET register ROLE MODEL SHM_NAME      (ROLE: SOURCE or DESTINATION)
 //   as_client SOCKET register-own ROLE MODEL           (creates its own 512 KiB shm object
 //                                                       and registers it; refitd releases
@@ -55,6 +56,17 @@ int main(int argc, char** argv) {
   if (!client.ok()) return Print(client.status());
   auto& c = **client;
   if (op == "status") return Print(c.Status().status());
+  if (op == "buffers") {  // the buffer ids Status shows this caller, comma-separated
+    auto status = c.Status();
+    std::string ids;
+    if (status.ok()) {
+      for (const auto& model : status->models()) {
+        for (const auto& buffer : model.buffers())
+          ids += (ids.empty() ? "" : ",") + buffer.buffer_id();
+      }
+    }
+    return Print(status.status(), ids);
+  }
   if (op == "health") {
     auto healthy = c.Healthy();
     return Print(healthy.status(), healthy.ok() && *healthy ? "SERVING" : "NOT_SERVING");

@@ -1,0 +1,57 @@
+#pragma once
+
+// Runs tests/testing/hostile_client under other uids (setpriv) for the hostile-caller tests,
+// and reads refitd's threads and descriptors from /proc.
+//
+// Not thread-safe; one test thread owns each Hostile.
+
+#include <sys/types.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tests/testing/daemon_process.h"
+
+namespace refit::testing {
+
+// hostile_client (and as_client) copied where other uids can run them (Bazel's output tree is
+// root's alone).
+class Hostile {
+ public:
+  Hostile();
+  ~Hostile();
+
+  // A hostile_client left running as `uid` (it holds what it opened until `child` goes), with
+  // the line it printed.
+  struct Held {
+    std::unique_ptr<ChildProcess> child;
+    std::string line;
+  };
+  Held Hold(uid_t uid, const std::string& socket, const std::vector<std::string>& args) const;
+  // Runs one as `uid` to completion; returns its line.
+  std::string Run(uid_t uid, const std::string& socket, const std::vector<std::string>& args) const;
+  const std::string& binary() const { return binary_; }
+  const std::string& as_client() const { return as_client_; }  // tests/testing/as_client
+
+ private:
+  std::vector<std::string> Argv(uid_t uid, const std::string& socket,
+                                const std::vector<std::string>& args) const;
+  std::string dir_, binary_, as_client_;
+};
+
+// "OK open=3 exhausted=2" -> {"open": 3, "exhausted": 2}.
+std::map<std::string, int> ParseCounts(const std::string& line);
+// One value of such a line (-1 if missing).
+int ParseCounts(const std::string& line, const std::string& key);
+
+// Lets every uid reach `socket` through /tmp (refitd's own policy decides who may use it).
+void OpenSocketToAll(const std::string& socket);
+
+// Threads, open descriptors and resident kilobytes of process `pid` (-1 if unknown).
+long ThreadsOf(pid_t pid);
+long FdsOf(pid_t pid);
+long RssKiBOf(pid_t pid);
+
+}  // namespace refit::testing
