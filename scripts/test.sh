@@ -9,6 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ./scripts/install-deps.sh
+# The Python test environment (torch 2.x, transformers, ...: client/python/requirements-test.txt)
+# in a venv outside the checkout, made once per set of pins (a cold install: about 3 minutes).
+python_env="$(./scripts/install-python-env.sh | tee /dev/stderr | tail -n 1)"
 
 # Every link in README.md and docs/ resolves inside the repository (a second or so).
 ./scripts/check-doc-links.sh
@@ -20,9 +23,9 @@ checks_rc=0
 
 # Real weight versions for the delta tests live in ../shared/data/deltas next to the checkout.
 shared_dir="$(cd .. && pwd)/shared"
-test_env=()
+test_env=(--test_env=REFIT_PYTHON="$python_env")
 if [ -d "$shared_dir/data/deltas" ]; then
-  test_env=(--test_env=REFIT_SHARED_DIR="$shared_dir")
+  test_env+=(--test_env=REFIT_SHARED_DIR="$shared_dir")
 fi
 
 log=$(mktemp)
