@@ -371,6 +371,17 @@ def _layout(e: _Entry, offset: int, nbytes: int) -> buffer_lib.SliceLayout:
                                   offset, nbytes)
 
 
+def _trim_heap() -> None:
+    """Returns the heap pages the re-homed parameters' old storage held to the system (glibc
+    keeps freed small and mid-sized blocks mapped), so re-homing does not grow the trainer's
+    resident memory by its shard."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class Publisher:
     """This rank's part of a module, registered with refitd as SOURCE buffers; see the module
     docstring and `publisher()`."""
@@ -419,6 +430,8 @@ class Publisher:
             raise
         for e in self._entries:
             e.ptr = self._pointer(e)
+        if cpu:
+            _trim_heap()
 
     def _rehome_cpu(self, entries: List[_Entry]):
         """Moves the entries' local data into one new sealed memfd; returns it and layouts."""
