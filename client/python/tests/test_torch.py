@@ -117,14 +117,19 @@ class TrainersTest(unittest.TestCase):
         self.addCleanup(lambda: subprocess.run(["rm", "-rf", out_dir]))
         model_name = f"{arch}-{mode}"
         # The engine: the whole model in vLLM's fused layout, registered before training.
-        shapes = {k: tuple(v.shape) for k, v in torch_trainer.build(arch).state_dict().items()}
+        shapes = {torch_trainer.vllm_expert_names(k): tuple(v.shape)
+                  for k, v in torch_trainer.build(arch).state_dict().items()}
         engine = engine_node.client()
         dst = engine.register(model_name, refit.DESTINATION,
                               VLLM.layout(shapes, torch.float32))
         self.addCleanup(dst.release)
         params = VLLM.fused_views(dst)
         self.assertIn("model.layers.0.self_attn.qkv_proj.weight", params)
-        self.assertIn("model.layers.1.mlp.gate_up_proj.weight", params)
+        if arch == "qwen3":
+            self.assertIn("model.layers.1.mlp.gate_up_proj.weight", params)
+        else:
+            self.assertEqual(tuple(params["model.layers.1.mlp.experts.w13_weight"].shape),
+                             (4, 64, 64))
 
         procs = launch("torch_trainer.py", world, f"--socket={trainer_node.socket}",
                        f"--mode={mode}", f"--arch={arch}", f"--steps={STEPS}",
@@ -163,6 +168,12 @@ class TrainersTest(unittest.TestCase):
 
     def test_tensor_parallel_two_ranks(self):
         self.run_trainer("tp", 2)
+
+    def test_qwen3_moe_fsdp2_two_ranks(self):
+        """Qwen3-MoE: transformers 5's fused experts, sharded by FSDP2 on the expert dimension
+        (2 of 4 experts per rank), published under vLLM's names (w13_weight, w2_weight) through
+        the rename hook."""
+        self.run_trainer("fsdp", 2, arch="qwen3_moe")
 
     def test_fsdp2_x_tp_four_ranks(self):
         self.run_trainer("fsdp_tp", 4)

@@ -89,6 +89,13 @@ def shard(model, mode: str, world: int):
     raise SystemExit(f"unknown mode {mode}")
 
 
+def vllm_expert_names(name: str) -> str:
+    """transformers 5 keeps a Qwen3-MoE layer's experts fused, `experts.gate_up_proj` [E, 2I, H]
+    (gate rows first) and `experts.down_proj` [E, H, I]: vLLM's `w13_weight` and `w2_weight`."""
+    return (name.replace(".mlp.experts.gate_up_proj", ".mlp.experts.w13_weight")
+            .replace(".mlp.experts.down_proj", ".mlp.experts.w2_weight"))
+
+
 def full_state_dict(model):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
@@ -114,7 +121,8 @@ def main() -> int:
     dp_rank, _ = shard(model, args.mode, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     client = refit.Client(args.socket)
-    pub = refit.torch.publisher(client, args.model, model)
+    rename = vllm_expert_names if args.arch == "qwen3_moe" else None
+    pub = refit.torch.publisher(client, args.model, model, rename=rename)
     print(f"rank {rank}: publishing {len(pub.names)} tensors", flush=True)
     for step in range(1, args.steps + 1):
         g = torch.Generator().manual_seed(1000 * step + dp_rank)
@@ -127,7 +135,8 @@ def main() -> int:
         if rank == 0:
             from safetensors.torch import save_file
             path = os.path.join(args.out, f"v{step}.safetensors")
-            save_file({k: v.detach().contiguous() for k, v in full.items()}, path + ".tmp")
+            save_file({vllm_expert_names(k): v.detach().contiguous() for k, v in full.items()},
+                      path + ".tmp")
             os.rename(path + ".tmp", path)
         dist.barrier()
         response = pub.publish(step)
