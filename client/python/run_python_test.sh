@@ -20,9 +20,14 @@ if [ -z "$python" ]; then
   done
 fi
 if [ -z "$python" ] || [ ! -x "$python" ]; then
-  echo "run_python_test.sh: FAILED: no Python test environment (REFIT_PYTHON='${REFIT_PYTHON:-}'," \
-    "no /var/cache/refit-python/venv-current): run scripts/install-python-env.sh, then" \
-    "bazel test --test_env=REFIT_PYTHON=<the path it prints> (scripts/test.sh does both)" >&2
+  if [ -n "$python" ]; then
+    why="REFIT_PYTHON=$python is not an executable"
+  else
+    why="REFIT_PYTHON is not set and there is no /var/cache/refit-python/venv-current"
+  fi
+  echo "run_python_test.sh: FAILED: no Python test environment ($why): run" \
+    "scripts/install-python-env.sh, then bazel test --test_env=REFIT_PYTHON=<the path it" \
+    "prints> (scripts/test.sh does both)" >&2
   exit 1
 fi
 REFITD="$(cd "$(dirname "$refitd")" && pwd)/$(basename "$refitd")"
