@@ -149,6 +149,9 @@ class TrainersTest(unittest.TestCase):
             outs = finish(self, procs)
         for rank, out in enumerate(outs):
             self.assertIn(f"rank {rank}: published version {STEPS}", out)
+            # Nothing re-allocated the shards (FSDP2's lazy init and AdamW work in place).
+            self.assertIn("rehomes=0", out)
+            self.assertNotIn("rehomes=1", out)
         return outs
 
     def check_engine(self, params, want, version):

@@ -110,9 +110,6 @@ def main() -> int:
     ap.add_argument("--mode", default="fsdp")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--publish-before-forward", action="store_true",
-                    help="make the publisher before the first forward (FSDP2's lazy init "
-                         "then runs after it)")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -121,6 +118,8 @@ def main() -> int:
     dp_rank, _ = shard(model, args.mode, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     client = refit.Client(args.socket)
+    # Made before the first forward: FSDP2's lazy init (reset_sharded_param) runs after the
+    # shards were re-homed, and must leave them where they are (rehomes=0 in the output).
     rename = vllm_expert_names if args.arch == "qwen3_moe" else None
     pub = refit.torch.publisher(client, args.model, model, rename=rename)
     print(f"rank {rank}: publishing {len(pub.names)} tensors", flush=True)
