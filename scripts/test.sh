@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Runs every refit test: installs what is missing (Debian 12, as root), the source checks (doc
-# links, clang-format, clang's lock analysis), then `bazel test //...`, then scripts/test-packages.sh (the .deb, the image and the pip package installed and checked).
+# Runs every refit test: installs what is missing (Debian 12, as root), makes the Python test
+# environment (scripts/install-python-env.sh: a pinned venv outside the checkout, once per set of
+# pins), the source checks (doc links, clang-format, clang's lock analysis), then
+# `bazel test //...` (Python tests in that venv), then scripts/test-packages.sh (the .deb, the
+# image and the pip package installed and checked).
 # Usage: scripts/test.sh [extra bazel test arguments]
 #   REFIT_TEST_GPU_BUNDLE=1   then also scripts/gpu-bundle-test.sh: builds the GPU bundle with
 #                             the CUDA toolkit (a few minutes more) and checks a copy of it
