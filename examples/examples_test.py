@@ -127,6 +127,38 @@ class ExamplesTest(unittest.TestCase):
         self.assertGreater(status.metrics["refit_quantized_values_total"], 0)
         self.assertEqual(status.metrics["refit_nonfinite_values_total"], 0)
 
+    def test_fsdp2_trainer_and_vllm_layout_engine(self):
+        """examples/fsdp_trainer.py under torchrun (2 ranks, FSDP2, gloo) and fsdp_engine.py:
+        the engine's weights (fused qkv_proj / gate_up_proj) equal the trainer's whole model,
+        gathered by torch on rank 0, at every version (equal digests)."""
+        engine = subprocess.Popen(
+            script("fsdp_engine.py", f"--socket={self.daemon.socket}",
+                   f"--until-version={STEPS}", "--timeout=240"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.addCleanup(self.stop, engine)
+        line = engine.stdout.readline()
+        self.assertIn("waiting for model=qwen3-tiny", line)
+        self.assertIn("qkv_proj (128, 64)", line)
+        hold = os.path.join(self.trainer_node.dir, "engine-done")
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+             "--standalone", os.path.join(HERE, "fsdp_trainer.py"),
+             f"--socket={self.trainer_node.socket}", f"--steps={STEPS}", "--digest"],
+            env=dict(os.environ, REFIT_EXAMPLE_HOLD=hold, OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.addCleanup(self.stop, trainer)
+        out, _ = engine.communicate(timeout=300)
+        open(hold, "w").close()
+        trainer_out, _ = trainer.communicate(timeout=120)
+        self.assertEqual(trainer.returncode, 0, trainer_out)
+        self.assertEqual(engine.returncode, 0, out)
+        published = dict(re.findall(r"rank 0: published version (\d+) .*digest=(\w+)",
+                                    trainer_out))
+        self.assertEqual(sorted(published, key=int), [str(v) for v in range(1, STEPS + 1)],
+                         trainer_out)
+        applied = dict(re.findall(r"applied version (\d+) bytes=\d+ digest=(\w+)", out))
+        self.assertEqual(applied, published, out)
+
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and not sys.argv[1].startswith("-"):

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Runs every refit test: installs what is missing (Debian 12, as root), the source checks (doc
-# links, clang-format, clang's lock analysis), then `bazel test //...`, then scripts/test-packages.sh (the .deb, the image and the pip package installed and checked).
+# Runs every refit test: installs what is missing (Debian 12, as root), makes the Python test
+# environment (scripts/install-python-env.sh: a pinned venv outside the checkout, once per set of
+# pins), the source checks (doc links, clang-format, clang's lock analysis), then
+# `bazel test //...` (Python tests in that venv), then scripts/test-packages.sh (the .deb, the
+# image and the pip package installed and checked).
 # Usage: scripts/test.sh [extra bazel test arguments]
 #   REFIT_TEST_GPU_BUNDLE=1   then also scripts/gpu-bundle-test.sh: builds the GPU bundle with
 #                             the CUDA toolkit (a few minutes more) and checks a copy of it
@@ -9,6 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ./scripts/install-deps.sh
+# The Python test environment (torch 2.x, transformers, ...: client/python/requirements-test.txt)
+# in a venv outside the checkout, made once per set of pins (a cold install: about 3 minutes).
+python_env="$(./scripts/install-python-env.sh | tee /dev/stderr | tail -n 1)"
 
 # Every link in README.md and docs/ resolves inside the repository (a second or so).
 ./scripts/check-doc-links.sh
@@ -20,9 +26,9 @@ checks_rc=0
 
 # Real weight versions for the delta tests live in ../shared/data/deltas next to the checkout.
 shared_dir="$(cd .. && pwd)/shared"
-test_env=()
+test_env=(--test_env=REFIT_PYTHON="$python_env")
 if [ -d "$shared_dir/data/deltas" ]; then
-  test_env=(--test_env=REFIT_SHARED_DIR="$shared_dir")
+  test_env+=(--test_env=REFIT_SHARED_DIR="$shared_dir")
 fi
 
 log=$(mktemp)

@@ -19,6 +19,10 @@ Inference engine:
         for event in versions:
             client.apply("policy", [dst], event.version)
 
+A torch 2.x trainer (FSDP2, tensor parallel) publishes its sharded model without slices or
+copies: `refit.torch.publisher(client, "policy", model).publish(step)`; a Hugging Face or TRL
+Trainer through `refit.hf.PublishCallback`. Neither is imported by `import refit`.
+
 See client/python/README.md.
 """
 

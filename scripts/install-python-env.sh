@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Creates (or finds, already made) the Python test environment: a virtual environment of
+# Debian's /usr/bin/python3 (python3-venv) holding exactly client/python/requirements-test.txt
+# (torch 2.x from PyPI, transformers, ...), at a stable path OUTSIDE the checkout named by the
+# hash of that file:
+#
+#     ${REFIT_VENV_ROOT:-/var/cache/refit-python}/venv-<first 16 hex digits of its sha256>
+#
+# so fresh clones on one machine share it and it is rebuilt only when the pins change. (Not
+# /var/cache/refit: that is refitd's CacheDirectory, which purging the refit .deb removes, as
+# scripts/test-packages.sh does.)
+# Idempotent: with the stamp file `.refit-complete` in place (written last, after
+# `pip check`), it does nothing but print the path. A half-made venv (no stamp) is removed and
+# made again. Concurrent runs wait for each other (flock). Without write access to
+# /var/cache/refit-python (not root) the default root is ~/.cache/refit-python.
+#
+# Prints the venv's python as its last line of output; `--print` prints only that path and
+# installs nothing (exit 1 when the venv is not complete). A cold install downloads about
+# 3.5 GB (the CUDA build of torch) and takes about 3 minutes here.
+# Environment venvs of older pins are removed when unused for 14 days.
+set -euo pipefail
+root_dir="$(cd "$(dirname "$0")/.." && pwd)"
+req="$root_dir/client/python/requirements-test.txt"
+python=/usr/bin/python3
+
+base="${REFIT_VENV_ROOT:-}"
+if [ -z "$base" ]; then
+  base=/var/cache/refit-python
+  if ! mkdir -p "$base" 2> /dev/null || [ ! -w "$base" ]; then
+    base="${XDG_CACHE_HOME:-$HOME/.cache}/refit"
+  fi
+fi
+hash="$(sha256sum "$req" | cut -c1-16)"
+venv="$base/venv-$hash"
+stamp="$venv/.refit-complete"
+
+if [ "${1:-}" = "--print" ]; then
+  [ -f "$stamp" ] || exit 1
+  echo "$venv/bin/python"
+  exit 0
+fi
+
+mkdir -p "$base"
+exec 9> "$base/.lock"
+flock 9
+
+if [ -f "$stamp" ]; then
+  touch "$stamp"
+  ln -sfn "venv-$hash" "$base/venv-current"
+  echo "install-python-env: up to date ($venv)"
+  echo "$venv/bin/python"
+  exit 0
+fi
+
+if ! "$python" -c 'import venv, ensurepip' 2> /dev/null; then
+  echo "install-python-env: $python has no venv/ensurepip: apt-get install python3-venv" \
+    "(scripts/install-deps.sh)" >&2
+  exit 1
+fi
+
+start=$(date +%s)
+echo "install-python-env: creating $venv from $req (a cold install: a few minutes)"
+rm -rf "$venv"
+"$python" -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir \
+  --require-virtualenv -r "$req"
+"$venv/bin/python" -m pip check
+"$venv/bin/python" -c 'import torch, transformers, grpc, google.protobuf; print(
+    "install-python-env: torch", torch.__version__, "transformers", transformers.__version__)'
+cp "$req" "$venv/requirements-test.txt"
+touch "$stamp"
+# A stable name for the newest complete environment (client/python/run_python_test.sh falls
+# back to it when $REFIT_PYTHON is not set).
+ln -sfn "venv-$hash" "$base/venv-current"
+echo "install-python-env: done in $(($(date +%s) - start)) s"
+
+# Environments of other pins that nobody used for 14 days.
+find "$base" -maxdepth 2 -name .refit-complete -mtime +14 -printf '%h\n' 2> /dev/null |
+  while read -r old; do
+    [ "$old" = "$venv" ] || rm -rf "$old"
+  done
+echo "$venv/bin/python"
