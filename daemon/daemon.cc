@@ -184,6 +184,12 @@ Daemon::~Daemon() { Shutdown(); }
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
   if (options.retain < 1) return absl::InvalidArgumentError("--retain must be >= 1");
   if (options.node.empty()) return absl::InvalidArgumentError("--node is empty");
+  if (absl::Status exposed = tls::CheckPeerPlaneExposure(
+          options.listen, tls::PeerTlsFiles{options.tls_cert, options.tls_key, options.tls_ca},
+          options.allow_plaintext_peers);
+      !exposed.ok()) {
+    return exposed;
+  }
   auto status = PrepareSocketPath(options.socket_path);
   if (!status.ok()) return status;
 
@@ -302,6 +308,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   impl->tls = tls::PeerTlsFiles{options.tls_cert, options.tls_key, options.tls_ca};
   if (impl->tls.enabled()) {
     if (absl::Status files = tls::CheckFiles(impl->tls); !files.ok()) return files;
+    Logger("daemon")->info("peer plane: mutual TLS (certificate {}, key {}, CA {})",
+                           options.tls_cert, options.tls_key, options.tls_ca);
   } else {
     Logger("daemon")->warn(
         "the peer plane is unauthenticated: any host that reaches --listen={} can read every "
