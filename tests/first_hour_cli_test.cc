@@ -172,6 +172,19 @@ TEST_CASE("every port a daemon listens on follows --listen's address, UCX's too"
     CHECK(Contains(plaintext.err, "--allow-plaintext-peers"));
     CHECK_FALSE(std::filesystem::exists(dir + "/z.sock"));
   }
+  // A state dir refitd can't write, and a TLS key it can't read: refused at start, named.
+  auto state = testing::RunCommand({testing::RunfilePath("daemon/refitd"), "--node=x",
+                                    "--socket=" + dir + "/s.sock", "--listen=127.0.0.1:0",
+                                    "--state-dir=/proc"});
+  CHECK(state.exit_code == 1);
+  CHECK(Contains(state.err, "--state-dir=/proc: cannot write there"));
+  std::ofstream(dir + "/cert.pem") << "-----BEGIN CERTIFICATE-----\n";
+  auto key = testing::RunCommand(
+      {testing::RunfilePath("daemon/refitd"), "--node=x", "--socket=" + dir + "/k.sock",
+       "--listen=127.0.0.1:0", "--tls-cert=" + dir + "/cert.pem",
+       "--tls-key=" + dir + "/no-such.key", "--tls-ca=" + dir + "/cert.pem"});
+  CHECK(key.exit_code == 1);
+  CHECK(Contains(key.err, "--tls-key: cannot read " + dir + "/no-such.key"));
 }
 
 std::string ReadFile(const std::string& path) {

@@ -29,8 +29,7 @@ TEST_CASE("loopback hosts: 127/8, ::1, localhost; not wildcards or other address
   CHECK_FALSE(IsLoopbackHost("no-such-host.invalid"));
 }
 
-TEST_CASE("plaintext on a non-loopback --listen is refused unless allowed or TLS is on",
-          "[tls]") {
+TEST_CASE("plaintext on a non-loopback --listen is refused unless allowed or TLS is on", "[tls]") {
   const PeerTlsFiles none;
   const PeerTlsFiles files{"/etc/refit/tls/tls.crt", "/etc/refit/tls/tls.key",
                            "/etc/refit/tls/ca.crt"};
@@ -51,8 +50,7 @@ TEST_CASE("plaintext on a non-loopback --listen is refused unless allowed or TLS
   }
 }
 
-TEST_CASE("systemd credentials: all three files, none, or an error naming the missing",
-          "[tls]") {
+TEST_CASE("systemd credentials: all three files, none, or an error naming the missing", "[tls]") {
   char dir_template[] = "/tmp/refit-credentials-XXXXXX";
   REQUIRE(mkdtemp(dir_template) != nullptr);
   const std::string dir = dir_template;
