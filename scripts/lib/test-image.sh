@@ -46,7 +46,8 @@ same "refitd --version in the image" "$(awk '{print $2}' <<< "$in_image")" "$ver
 # libcuda.so.1, which the NVIDIA container runtime mounts in on a GPU node.
 [[ "$in_image" =~ cuda:\ 13\.[0-9]+,\ [0-9]+\ device ]] ||
   fail "refitd --version in the image is not the CUDA 13 build: $in_image"
-cuda_libs="$(find "$rootfs" -name 'libcuda*' -o -name 'libcudart*' -o -name 'libnvidia*')"
+cuda_libs="$(find "$rootfs" -xdev \( -name 'libcuda*' -o -name 'libcudart*' -o -name 'libnvidia*' \) \
+  -print)"
 [ -z "$cuda_libs" ] || fail "the image carries CUDA libraries: $cuda_libs"
 if [ ! -e /dev/nvidiactl ]; then
   [[ "$in_image" == *"0 device(s)"* ]] || fail "no GPU here, yet the image's refitd: $in_image"
