@@ -50,7 +50,11 @@ std::string HostOf(const std::string& listen) {
 
 }  // namespace
 
-bool IsLoopbackHost(const std::string& host) {
+bool IsLoopbackHost(const std::string& bracketed) {
+  std::string host = bracketed;
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
   if (host.empty()) return false;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;

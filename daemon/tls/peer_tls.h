@@ -25,7 +25,8 @@ struct PeerTlsFiles {
 };
 
 // Whether `host` (an IP address or a name, as --listen gives it) is reachable from this host
-// only: 127.0.0.0/8, ::1, or a name every address of which is one of those. A wildcard
+// only: 127.0.0.0/8, ::1 (bracketed or not), or a name every address of which is one of those. A
+// wildcard
 // ("", 0.0.0.0, ::), any other address, or a name that does not resolve: false.
 bool IsLoopbackHost(const std::string& host);
 

@@ -17,6 +17,7 @@ TEST_CASE("loopback hosts: 127/8, ::1, localhost; not wildcards or other address
   CHECK(IsLoopbackHost("127.0.0.1"));
   CHECK(IsLoopbackHost("127.3.4.5"));
   CHECK(IsLoopbackHost("::1"));
+  CHECK(IsLoopbackHost("[::1]"));
   CHECK(IsLoopbackHost("::ffff:127.0.0.1"));
   CHECK(IsLoopbackHost("localhost"));
   CHECK_FALSE(IsLoopbackHost(""));
