@@ -185,6 +185,12 @@ Daemon::~Daemon() { Shutdown(); }
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& options) {
   if (options.retain < 1) return absl::InvalidArgumentError("--retain must be >= 1");
   if (options.node.empty()) return absl::InvalidArgumentError("--node is empty");
+  if (absl::Status exposed = tls::CheckPeerPlaneExposure(
+          options.listen, tls::PeerTlsFiles{options.tls_cert, options.tls_key, options.tls_ca},
+          options.allow_plaintext_peers);
+      !exposed.ok()) {
+    return exposed;
+  }
   auto status = PrepareSocketPath(options.socket_path);
   if (!status.ok()) return status;
 
@@ -303,10 +309,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   impl->tls = tls::PeerTlsFiles{options.tls_cert, options.tls_key, options.tls_ca};
   if (impl->tls.enabled()) {
     if (absl::Status files = tls::CheckFiles(impl->tls); !files.ok()) return files;
+    Logger("daemon")->info("peer plane: mutual TLS (certificate {}, key {}, CA {})",
+                           options.tls_cert, options.tls_key, options.tls_ca);
+  } else if (tls::IsLoopbackHost(options.listen.substr(0, options.listen.rfind(':')))) {
+    Logger("daemon")->info("peer plane: plaintext on --listen={}, reachable from this host only",
+                           options.listen);
   } else {
     Logger("daemon")->warn(
-        "the peer plane is unauthenticated: any host that reaches --listen={} can read every "
-        "weight held here and announce versions (give --tls-cert, --tls-key and --tls-ca)",
+        "the peer plane is unauthenticated (--allow-plaintext-peers): any host that reaches "
+        "--listen={} can read every weight held here and announce versions (give --tls-cert, "
+        "--tls-key and --tls-ca)",
         options.listen);
   }
   impl->peer_service = std::make_unique<peer::PeerService>(

@@ -16,6 +16,7 @@
 #include "daemon/config/cli.h"
 #include "daemon/config/config.h"
 #include "daemon/daemon.h"
+#include "daemon/tls/peer_tls.h"
 #include "daemon/version.h"
 
 namespace {
@@ -65,6 +66,20 @@ int main(int argc, char** argv) {
     }
   }
   command_line.ApplyGiven(&options);
+  // Certificates as systemd credentials (the unit's LoadCredential=, from /etc/refit/tls/),
+  // unless the config file or flags name TLS files.
+  if (const char* credentials = std::getenv("CREDENTIALS_DIRECTORY");
+      credentials && *credentials && options.tls_cert.empty() && options.tls_key.empty() &&
+      options.tls_ca.empty()) {
+    auto files = refit::tls::FromCredentials(credentials);
+    if (!files.ok()) {
+      std::cerr << "refitd: " << files.status().message() << "\n";
+      return 2;
+    }
+    options.tls_cert = files->cert;
+    options.tls_key = files->key;
+    options.tls_ca = files->ca;
+  }
   // Peers tell pieces apart by node name; an empty one would read as this node's own.
   if (options.node.empty() || options.node.size() > 255) {
     std::cerr << "refitd: --node must be 1 to 255 bytes (default: the host name)\n";

@@ -65,6 +65,9 @@ struct DaemonOptions {
   std::string tls_cert;
   std::string tls_key;
   std::string tls_ca;
+  // Without TLS, a --listen that is not a loopback address stops the start unless this is set
+  // (tls::CheckPeerPlaneExposure): the peer plane would be open to any host that reaches it.
+  bool allow_plaintext_peers = false;
   // Where refitd keeps what outlives a restart (each model's newest published version); empty:
   // nowhere (main.cc defaults it to $STATE_DIRECTORY).
   std::string state_dir;

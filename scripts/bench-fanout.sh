@@ -217,7 +217,7 @@ run_refit() {
     ip netns exec "$(node_ns "$i")" env UCX_TLS=tcp UCX_NET_DEVICES=eth0 \
       UCX_WARN_UNUSED_ENV_VARS=n "$bin/daemon/refitd" --node="$(node_name "$i")" \
       --listen="$(node_ip "$i"):$port" --peers="$peers" --socket="$work/k$k-$i.sock" \
-      --retain=1 "${extra_args[@]}" >"$work/k$k-$(node_name "$i").log" 2>&1 9>&- &
+      --retain=1 --allow-plaintext-peers "${extra_args[@]}" >"$work/k$k-$(node_name "$i").log" 2>&1 9>&- &
     pids+=("$!")
   done
   for i in $(seq 0 "$k"); do

@@ -21,13 +21,19 @@
 # The first --warmup versions are left out of the medians: each of the first retain+1 (3)
 # versions allocates a new staging slot on the engine's node.
 #
+# --mtls "off on" runs every refit case with the peer plane in plaintext and with mutual TLS
+# (certificates made here with openssl: one CA, one certificate per node; --tls-cert/-key/-ca),
+# in that order, and the summary gives on/off per case; repeat entries ("off on off on") to
+# interleave them on a noisy machine (medians per mode). The default is "off". TLS covers
+# the gRPC peer plane (announcements, pins, checksums); the UCX data plane is not TLS.
+#
 # --density F makes every version after the first an RL-like step (F of the elements move by one
 # unit in the last place) so that deltas carry them; the default 0 changes every byte.
 #
 # Usage: scripts/bench-two-node.sh [--tls "tcp sm,tcp sm,tcp+eh"] [--tensors "1 20000"]
 #                                  [--versions 5] [--warmup 3] [--mib 1024] [--density 0]
 #                                  [--engine-shard none|rows|cols] [--no-build] [--keep]
-#                                  [--bin DIR]
+#                                  [--bin DIR] [--mtls "off on"]
 # --bin DIR: the binaries of another build (a bazel-bin directory holding daemon/refitd,
 # client/refitctl and tests/bench/two_node_bench), not built here: run it once per build, in
 # turn, for a before/after (tests/bench/ab-two-node.sh does that for the refit runs alone).
@@ -48,6 +54,7 @@ engine_shard=none
 build=1
 keep=0
 bin_dir=
+mtls_list=off
 while [ $# -gt 0 ]; do
   case "$1" in
     --tls) tls_list="$2"; shift 2 ;;
@@ -68,6 +75,8 @@ while [ $# -gt 0 ]; do
     --bin) bin_dir="$2"; build=0; shift 2 ;;
     --bin=*) bin_dir="${1#*=}"; build=0; shift ;;
     --keep) keep=1; shift ;;
+    --mtls) mtls_list="$2"; shift 2 ;;
+    --mtls=*) mtls_list="${1#*=}"; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "bench-two-node: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -154,20 +163,43 @@ wait_healthy() {
   return 1
 }
 
-# Starts the two daemons (environment: ucx_env) into $work/$1-{trainer,engine}.{sock,log}.
+# A CA and a certificate for each node (CN = its --node), for --mtls on.
+make_certificates() {
+  local d="$work/pki" n
+  mkdir -p "$d"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=bench-ca -keyout "$d/ca.key" \
+    -out "$d/ca.crt" >/dev/null 2>&1
+  for n in trainer-node engine-node; do
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=$n" -keyout "$d/$n.key" -out "$d/$n.csr" \
+      >/dev/null 2>&1
+    openssl x509 -req -in "$d/$n.csr" -CA "$d/ca.crt" -CAkey "$d/ca.key" -CAcreateserial \
+      -days 2 -out "$d/$n.crt" >/dev/null 2>&1
+  done
+}
+# The --tls-* flags of node $2 for mode $1 (off: none).
+tls_flags() {
+  [ "$1" = on ] || return 0
+  echo "--tls-cert=$work/pki/$2.crt --tls-key=$work/pki/$2.key --tls-ca=$work/pki/ca.crt"
+}
+
+# Starts the two daemons (environment: ucx_env) into $work/$1-{trainer,engine}.{sock,log}, with
+# mutual TLS when $2 is "on".
 start_daemons() {
-  local tag="$1"
+  local tag="$1" mtls="${2:-off}"
+  # shellcheck disable=SC2046  # the flags are words
   env "${ucx_env[@]}" "$bin/daemon/refitd" --socket="$work/$tag-trainer.sock" \
-    --listen=127.0.0.1:0 --node=trainer-node >"$work/$tag-trainer.log" 2>&1 &
+    --listen=127.0.0.1:0 --node=trainer-node $(tls_flags "$mtls" trainer-node) \
+    >"$work/$tag-trainer.log" 2>&1 &
   trainer=$!
   pids+=("$trainer")
   wait_healthy "$work/$tag-trainer.sock" "$work/$tag-trainer.log"
   local port
   port=$("$bin/client/refitctl" --socket="$work/$tag-trainer.sock" status --json |
          "$python" -c 'import json,sys; d=json.load(sys.stdin); print(d.get("listen_port") or d.get("listenPort"))')
+  # shellcheck disable=SC2046
   env "${ucx_env[@]}" "$bin/daemon/refitd" --socket="$work/$tag-engine.sock" \
     --listen=127.0.0.1:0 --node=engine-node --peers="127.0.0.1:$port" \
-    >"$work/$tag-engine.log" 2>&1 &
+    $(tls_flags "$mtls" engine-node) >"$work/$tag-engine.log" 2>&1 &
   engine=$!
   pids+=("$engine")
   wait_healthy "$work/$tag-engine.sock" "$work/$tag-engine.log"
@@ -195,6 +227,7 @@ gloo_broadcast() {
 
 results="$work/results.txt"
 : >"$results"
+[[ " $mtls_list " == *" on "* ]] && make_certificates
 echo
 gloo_broadcast "before"
 for tls in $tls_list; do
@@ -206,30 +239,39 @@ for tls in $tls_list; do
   read -r pt2 _ <<<"$(perftest "$tag-2")"
   echo "ucx_perftest -t ucp_get -s ${chunk} -n $(( (mib << 20) / chunk )) -w 16 (before): $pt1 $pt2 GB/s; lanes: ${pt_lanes//\~/ }"
   for tensors in $tensor_list; do
-    start_daemons "$tag-$tensors"
-    echo "--- refit, $tensors tensor(s):"
+   round=0
+   for mtls in $mtls_list; do
+    round=$((round + 1))
+    run="$tag-$tensors-$mtls-$round"
+    start_daemons "$run" "$mtls"
+    if [ "$mtls" = on ]; then
+      grep -q "peer plane: mutual TLS" "$work/$run-engine.log" ||
+        { echo "bench-two-node: the engine's refitd has no TLS" >&2; exit 1; }
+    fi
+    echo "--- refit, $tensors tensor(s), mTLS $mtls:"
     ok=1
-    "$bin/tests/bench/two_node_bench" --trainer-socket="$work/$tag-$tensors-trainer.sock" \
-      --engine-socket="$work/$tag-$tensors-engine.sock" --versions="$versions" \
+    "$bin/tests/bench/two_node_bench" --trainer-socket="$work/$run-trainer.sock" \
+      --engine-socket="$work/$run-engine.sock" --versions="$versions" \
       --warmup="$warmup" --mib="$mib" --tensors="$tensors" --density="$density" --engine-shard="$engine_shard" --timeout=60 \
-      >"$work/bench-$tag-$tensors.out" 2>&1 || ok=0
-    cat "$work/bench-$tag-$tensors.out"
+      >"$work/bench-$run.out" 2>&1 || ok=0
+    cat "$work/bench-$run.out"
     stop_daemons
-    lanes=$(lanes_in "$work/$tag-$tensors-engine.log")
+    lanes=$(lanes_in "$work/$run-engine.log")
     lanes=${lanes:-none}
     echo "daemon data-plane lanes (engine's UCX log): ${lanes//\~/ }"
     if [ "$ok" = 0 ]; then
       echo "two_node_bench FAILED with UCX_TLS=$tls; the engine's log says:"
-      { grep -E ' [EW] \[|UCX  ERROR' "$work/$tag-$tensors-engine.log" || true; } | sort -u |
+      { grep -E ' [EW] \[|UCX  ERROR' "$work/$run-engine.log" || true; } | sort -u |
         head -5 | sed 's/^/  /'
-      echo "tls=$tls lanes=$lanes failed=1 tensors=$tensors" >>"$results"
+      echo "tls=$tls mtls=$mtls lanes=$lanes failed=1 tensors=$tensors" >>"$results"
       continue
     fi
     echo "engine's pull times (announce -> pulled + verified; the first ones allocate staging):"
     { grep -o 'version=[0-9]* pulled [0-9]* bytes in [0-9.]* s' \
-        "$work/$tag-$tensors-engine.log" || true; } | sed 's/^/  /'
-    r=$(grep '^RESULT' "$work/bench-$tag-$tensors.out")
-    echo "tls=$tls lanes=$lanes pt_lanes=$pt_lanes $r" >>"$results"
+        "$work/$run-engine.log" || true; } | sed 's/^/  /'
+    r=$(grep '^RESULT' "$work/bench-$run.out")
+    echo "tls=$tls mtls=$mtls lanes=$lanes pt_lanes=$pt_lanes $r" >>"$results"
+   done
   done
   read -r pt3 _ <<<"$(perftest "$tag-3")"
   read -r pt4 _ <<<"$(perftest "$tag-4")"
@@ -261,15 +303,21 @@ print(f"{'UCX_TLS':<12} {'tensors':>7} {'transfer s':>10} {'refit GB/s':>10} {'a
 print(f"{'':<12} {'':>7} {'':>10} {'':>10} {'':>10} {'GB/s':>8} {'':>8} {'GB/s':>8} {'':>9} "
       f"{'GB/s':>5}")
 cycle = {}
+by_mode = {}
 for r in rows:
+    if not r.get("failed"):
+        by_mode.setdefault((r["tls"], r["tensors"], r.get("mtls", "off")), []).append(
+            float(r["transfer_s"]))
     if r.get("failed"):
         print(f"{r['tls']:<12} {r['tensors']:>7} {'FAILED':>10}  daemon lanes: "
               f"{r['lanes'].replace('~', ' ')}")
         continue
     t, pt, ptw = float(r["transfer_gbs"]), float(r["pt_gbs"]), float(r.get("pt_whole", 0))
-    cycle[(r["tls"], r["tensors"])] = (float(r["transfer_s"]),
-                                       float(r["e2e_s"]) + float(r["apply_s"]))
-    print(f"{r['tls']:<12} {r['tensors']:>7} {float(r['transfer_s']):>10.3f} {t:>10.2f} "
+    if r.get("mtls", "off") == "off":
+        cycle[(r["tls"], r["tensors"])] = (float(r["transfer_s"]),
+                                           float(r["e2e_s"]) + float(r["apply_s"]))
+    print(f"{r['tls'] + ('' if r.get('mtls', 'off') == 'off' else '+mTLS'):<12} "
+          f"{r['tensors']:>7} {float(r['transfer_s']):>10.3f} {t:>10.2f} "
           f"{float(r['apply_gbs']):>10.2f} {pt:>8.2f} {t / pt if pt else 0:>8.2f} {ptw:>8.2f} "
           f"{t / ptw if ptw else 0:>9.2f} {gloo:>5.2f} "
           f"{t / gloo if gloo else 0:>10.2f}  {r['lanes'].replace('~', ' ')} | "
@@ -279,6 +327,13 @@ for (tls, tensors), (xfer, full) in cycle.items():
         one = cycle[(tls, "1")]
         print(f"UCX_TLS={tls}: {tensors} tensors / 1 tensor: transfer {xfer / one[0]:.2f}x, "
               f"publish+transfer+apply {full / one[1]:.2f}x (goal <= 1.2x)")
+for (tls, tensors, mtls), times in sorted(by_mode.items()):
+    off = by_mode.get((tls, tensors, "off"))
+    if mtls == "on" and off:
+        on_s, off_s = statistics.median(times), statistics.median(off)
+        print(f"UCX_TLS={tls}, {tensors} tensor(s): transfer with mTLS {on_s:.3f} s, without "
+              f"{off_s:.3f} s (medians of {len(times)} and {len(off)} runs): "
+              f"{(on_s / off_s - 1) * 100:+.1f} % (goal <= +3 %)")
 print("goals: refit/perftest >= 0.9, refit/gloo >= 3; transfer = Publish returned -> "
       "WaitForVersion returned on the other node; perftest = chunk-sized messages re-reading one "
       "cache-resident buffer (the issue's reference), pt whole = the model as one message")

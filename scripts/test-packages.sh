@@ -48,6 +48,15 @@ if dpkg-query -W -f='${db:Status-Abbrev}' refit 2> /dev/null | grep -q '^[ic]'; 
   fi
 fi
 
+# The package's purge removes /var/cache/refit and /var/lib/refit (systemd's CacheDirectory= and
+# StateDirectory=); refuse to run over something else kept there.
+for d in /var/cache/refit /var/lib/refit; do
+  if [ -e "$d" ]; then
+    fail "$d exists and purging the package (the end of this test) would delete it: move it" \
+      "away first (ls -la $d)"
+  fi
+done
+
 work="$(mktemp -d /tmp/refit-test-packages.XXXXXX)"
 chmod 0755 "$work"
 daemon_pid=""

@@ -73,13 +73,14 @@ TEST_CASE("a link down mid-pull is reported within 3 s; the next version is exac
   // The trainer's side sends the bytes: slow it so the pull is still under way.
   REQUIRE(Sh("ip netns exec " + hosts.a + " tc qdisc add dev " + hosts.va +
              " root tbf rate 40mbit burst 64kb latency 500ms") == 0);
-  auto source = testing::DaemonProcess::Start({"--node=host-a", "--listen=192.0.2.1:7070"}, "",
-                                              {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.va},
-                                              hosts.In(hosts.a));
+  auto source = testing::DaemonProcess::Start(
+      {"--node=host-a", "--listen=192.0.2.1:7070", "--allow-plaintext-peers"}, "",
+      {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.va}, hosts.In(hosts.a));
   REQUIRE(source.ok());
   auto engine_node = testing::DaemonProcess::Start(
-      {"--node=host-b", "--listen=192.0.2.2:7070", "--peers=192.0.2.1:7070"}, "",
-      {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.vb}, hosts.In(hosts.b));
+      {"--node=host-b", "--listen=192.0.2.2:7070", "--peers=192.0.2.1:7070",
+       "--allow-plaintext-peers"},
+      "", {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.vb}, hosts.In(hosts.b));
   REQUIRE(engine_node.ok());
   auto tc = (*source)->Connect();
   auto ec = (*engine_node)->Connect();

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -155,11 +156,35 @@ TEST_CASE("every port a daemon listens on follows --listen's address, UCX's too"
   CHECK(bad.exit_code == 1);
   CHECK(Contains(bad.err, "e.g. --data-ports=7100-7199"));
   // So is a --listen address no interface here has.
-  auto elsewhere =
-      testing::RunCommand({testing::RunfilePath("daemon/refitd"), "--node=x",
-                           "--socket=" + dir + "/y.sock", "--listen=192.0.2.254:7070"});
+  auto elsewhere = testing::RunCommand({testing::RunfilePath("daemon/refitd"), "--node=x",
+                                        "--socket=" + dir + "/y.sock", "--listen=192.0.2.254:7070",
+                                        "--allow-plaintext-peers"});
   CHECK(elsewhere.exit_code == 1);
   CHECK(Contains(elsewhere.err, "not an address of any interface"));
+  // Secure by default: a non-loopback --listen without --tls-* is refused before anything
+  // listens, saying how to fix it.
+  for (const std::string listen : {"0.0.0.0:0", "192.0.2.254:7070"}) {
+    auto plaintext = testing::RunCommand({testing::RunfilePath("daemon/refitd"), "--node=x",
+                                          "--socket=" + dir + "/z.sock", "--listen=" + listen});
+    CHECK(plaintext.exit_code == 1);
+    CHECK(Contains(plaintext.err, "--listen=" + listen + " is not a loopback address"));
+    CHECK(Contains(plaintext.err, "--tls-cert, --tls-key and --tls-ca"));
+    CHECK(Contains(plaintext.err, "--allow-plaintext-peers"));
+    CHECK_FALSE(std::filesystem::exists(dir + "/z.sock"));
+  }
+  // A state dir refitd can't write, and a TLS key it can't read: refused at start, named.
+  auto state = testing::RunCommand({testing::RunfilePath("daemon/refitd"), "--node=x",
+                                    "--socket=" + dir + "/s.sock", "--listen=127.0.0.1:0",
+                                    "--state-dir=/proc"});
+  CHECK(state.exit_code == 1);
+  CHECK(Contains(state.err, "--state-dir=/proc: cannot write there"));
+  std::ofstream(dir + "/cert.pem") << "-----BEGIN CERTIFICATE-----\n";
+  auto key = testing::RunCommand(
+      {testing::RunfilePath("daemon/refitd"), "--node=x", "--socket=" + dir + "/k.sock",
+       "--listen=127.0.0.1:0", "--tls-cert=" + dir + "/cert.pem",
+       "--tls-key=" + dir + "/no-such.key", "--tls-ca=" + dir + "/cert.pem"});
+  CHECK(key.exit_code == 1);
+  CHECK(Contains(key.err, "--tls-key: cannot read " + dir + "/no-such.key"));
 }
 
 std::string ReadFile(const std::string& path) {

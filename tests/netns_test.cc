@@ -60,13 +60,14 @@ TEST_CASE("two daemons in two network namespaces sync over veth", "[integration]
         "cross-namespace transfer was NOT tested");
     return;
   }
-  auto source = testing::DaemonProcess::Start({"--node=host-a", "--listen=192.0.2.1:7070"}, "",
-                                              {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_a},
-                                              hosts.In(hosts.a));
+  auto source = testing::DaemonProcess::Start(
+      {"--node=host-a", "--listen=192.0.2.1:7070", "--allow-plaintext-peers"}, "",
+      {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_a}, hosts.In(hosts.a));
   REQUIRE(source.ok());
   auto engine_node = testing::DaemonProcess::Start(
-      {"--node=host-b", "--listen=192.0.2.2:7070", "--peers=192.0.2.1:7070"}, "",
-      {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_b}, hosts.In(hosts.b));
+      {"--node=host-b", "--listen=192.0.2.2:7070", "--peers=192.0.2.1:7070",
+       "--allow-plaintext-peers"},
+      "", {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_b}, hosts.In(hosts.b));
   REQUIRE(engine_node.ok());
 
   auto trainer = (*source)->Connect();

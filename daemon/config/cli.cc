@@ -28,9 +28,11 @@ CommandLine::CommandLine(CLI::App* app) {
         absl::StrCat(absl::StrReplaceAll(Describe(spec), {{"`", ""}}),
                      " [default: ", absl::StrReplaceAll(DefaultText(spec), {{"`", ""}}), "]");
     const std::string name = absl::StrCat("--", spec.flag);
-    flag->option = app->add_option(name, flag->text, help)
-                       ->type_name(std::string(spec.value_name))
-                       ->check(TableCheck(&spec));
+    // Booleans are flags: bare means true, `--relay=false` sets false.
+    flag->option = std::holds_alternative<bool DaemonOptions::*>(spec.field)
+                       ? app->add_flag(name, flag->text, help)
+                       : app->add_option(name, flag->text, help);
+    flag->option->type_name(std::string(spec.value_name))->check(TableCheck(&spec));
     flags_.push_back(std::move(flag));
   }
 }

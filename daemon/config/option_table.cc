@@ -206,10 +206,18 @@ std::vector<OptionSpec> MakeTable() {
                "channel; a peer's node name must be its certificate's CN or DNS name; files "
                "reread every minute; `--tls-cert`, `--tls-key`, `--tls-ca`: all three or none "
                "(exit 1)",
-               "none (plaintext, with a startup warning)"});
+               "`$CREDENTIALS_DIRECTORY/tls.crt`, `tls.key`, `ca.crt` when systemd passes them "
+               "(the unit's `LoadCredential=` from `/etc/refit/tls/`), else none: plaintext, "
+               "refused on a non-loopback `--listen` without `--allow-plaintext-peers`"});
   t.push_back({"tls-key", "PEM", &O::tls_key, "the private key of `--tls-cert`", "none"});
   t.push_back(
       {"tls-ca", "PEM", &O::tls_ca, "the CA every peer's certificate must chain to", "none"});
+  t.push_back({"allow-plaintext-peers", "BOOL", &O::allow_plaintext_peers,
+               "start without `--tls-*` although `--listen` is not a loopback address (the peer "
+               "plane is then open to any host that reaches the port: it can claim a node name "
+               "and read every weight). Without it such a start is refused (exit 1) naming the "
+               "fix: give `--tls-cert`, `--tls-key`, `--tls-ca`, or listen on `127.0.0.1`. A "
+               "bare `--allow-plaintext-peers` means `true`"});
   t.push_back({"state-dir", "DIR", &O::state_dir,
                "where refitd keeps what outlives a restart: each model's newest published "
                "version (`DIR/state.json`)",

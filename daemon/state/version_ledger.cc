@@ -39,6 +39,23 @@ absl::StatusOr<std::unique_ptr<VersionLedger>> VersionLedger::Open(const std::st
     return absl::FailedPreconditionError(
         absl::StrCat("--state-dir=", dir, ": cannot create it: ", ec.message()));
   }
+  // A directory refitd can't write (a read-only file system, another owner, a full disk) is
+  // found now, at start, rather than at the first Publish.
+  {
+    const std::string probe = (std::filesystem::path(dir) / ".write-probe").string();
+    const int fd = open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    absl::Status wrote =
+        fd < 0 ? absl::InternalError(std::strerror(errno)) : WriteAll(fd, std::string(4096, '\0'));
+    if (wrote.ok() && fd >= 0 && fsync(fd) != 0) wrote = absl::InternalError(std::strerror(errno));
+    if (fd >= 0) close(fd);
+    unlink(probe.c_str());
+    if (!wrote.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--state-dir=", dir, ": cannot write there (", wrote.message(),
+          "): a read-only or full file system, or a directory the daemon's user does not own; "
+          "each model's newest version could not be remembered across restarts"));
+    }
+  }
   const std::string path = (std::filesystem::path(dir) / "state.json").string();
   std::unique_ptr<VersionLedger> ledger(new VersionLedger(path));
   std::ifstream in(path);

@@ -85,6 +85,19 @@ TEST_CASE("a damaged state file is refused, naming the file, and left alone", "[
   }
 }
 
+TEST_CASE("a state dir that can't be written is refused at Open, naming it", "[state]") {
+  // /proc: an existing directory nobody, root included, can create a file in.
+  auto ledger = VersionLedger::Open("/proc");
+  REQUIRE_FALSE(ledger.ok());
+  CHECK(ledger.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(std::string(ledger.status().message()).find("--state-dir=/proc: cannot write there") !=
+        std::string::npos);
+  // A writable one leaves no probe file behind.
+  const std::string dir = TempDir();
+  REQUIRE(VersionLedger::Open(dir).ok());
+  CHECK(std::filesystem::is_empty(dir));
+}
+
 TEST_CASE("without a directory the ledger remembers in memory only", "[state]") {
   auto ledger = VersionLedger::Open("");
   REQUIRE(ledger.ok());

@@ -1,5 +1,10 @@
 #include "daemon/tls/peer_tls.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <fstream>
 #include <sstream>
 
@@ -20,7 +25,88 @@ std::shared_ptr<grpc::experimental::CertificateProviderInterface> Provider(
       files.key, files.cert, files.ca, kRefreshSeconds);
 }
 
+bool LoopbackAddress(const sockaddr* address) {
+  if (address->sa_family == AF_INET) {
+    const auto* v4 = reinterpret_cast<const sockaddr_in*>(address);
+    return (ntohl(v4->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (address->sa_family == AF_INET6) {
+    const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(address)->sin6_addr;
+    if (IN6_IS_ADDR_LOOPBACK(&a)) return true;
+    return IN6_IS_ADDR_V4MAPPED(&a) && a.s6_addr[12] == 127;
+  }
+  return false;
+}
+
+// "HOST:PORT" or "[V6]:PORT" -> HOST (no brackets); no colon: the whole text.
+std::string HostOf(const std::string& listen) {
+  const auto colon = listen.rfind(':');
+  std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return host;
+}
+
 }  // namespace
+
+bool IsLoopbackHost(const std::string& bracketed) {
+  std::string host = bracketed;
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (host.empty()) return false;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) return false;
+  bool loopback = true;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    loopback = loopback && LoopbackAddress(a->ai_addr);
+  }
+  freeaddrinfo(found);
+  return loopback;
+}
+
+absl::Status CheckPeerPlaneExposure(const std::string& listen, const PeerTlsFiles& files,
+                                    bool allow_plaintext) {
+  if (files.enabled() || allow_plaintext || IsLoopbackHost(HostOf(listen))) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "refusing to start: --listen=", listen,
+      " is not a loopback address and the peer plane has no TLS, so any host that reaches it "
+      "could claim a node name and read every weight held here. Give --tls-cert, --tls-key "
+      "and --tls-ca (mutual TLS; docs/security.md), or --listen=127.0.0.1:PORT for daemons on "
+      "this host only, or --allow-plaintext-peers on a network where every host is trusted"));
+}
+
+absl::StatusOr<PeerTlsFiles> FromCredentials(const std::string& dir) {
+  PeerTlsFiles files;
+  std::vector<std::string> empty;
+  for (const auto& [name, field] : {std::pair<const char*, std::string*>{"tls.crt", &files.cert},
+                                    {"tls.key", &files.key},
+                                    {"ca.crt", &files.ca}}) {
+    const std::string path = absl::StrCat(dir, "/", name);
+    std::ifstream in(path);
+    std::stringstream text;
+    if (in) text << in.rdbuf();
+    if (text.str().find("-----BEGIN ") != std::string::npos) {
+      *field = path;
+    } else {
+      empty.push_back(name);
+    }
+  }
+  if (empty.size() == 3) return PeerTlsFiles{};
+  if (!empty.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "systemd credentials in ", dir, ": ", absl::StrJoin(empty, ", "),
+        " missing or not PEM while the others are given: put all three of tls.crt, tls.key and "
+        "ca.crt in /etc/refit/tls/ (the unit's LoadCredential=), or none"));
+  }
+  return files;
+}
 
 absl::Status CheckFiles(const PeerTlsFiles& files) {
   if (files.cert.empty() || files.key.empty() || files.ca.empty()) {

@@ -24,6 +24,24 @@ struct PeerTlsFiles {
   bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
 };
 
+// Whether `host` (an IP address or a name, as --listen gives it) is reachable from this host
+// only: 127.0.0.0/8, ::1 (bracketed or not), or a name every address of which is one of those. A
+// wildcard
+// ("", 0.0.0.0, ::), any other address, or a name that does not resolve: false.
+bool IsLoopbackHost(const std::string& host);
+
+// Secure by default: FAILED_PRECONDITION, saying how to fix it, when the peer plane would be
+// plaintext (no TLS files) on a `listen` (HOST:PORT) that is not a loopback address, unless
+// `allow_plaintext` (--allow-plaintext-peers). OK otherwise.
+absl::Status CheckPeerPlaneExposure(const std::string& listen, const PeerTlsFiles& files,
+                                    bool allow_plaintext);
+
+// systemd credentials: the unit loads /etc/refit/tls/{tls.crt,tls.key,ca.crt} with
+// LoadCredential= and SetCredential= defaults ("none"), so $CREDENTIALS_DIRECTORY holds three
+// files that are not PEM where the operator put none. The three paths when each is PEM; none
+// (TLS off) when no file is; INVALID_ARGUMENT naming the others when only some are.
+absl::StatusOr<PeerTlsFiles> FromCredentials(const std::string& dir);
+
 // INVALID_ARGUMENT unless all three are given and readable PEM files.
 absl::Status CheckFiles(const PeerTlsFiles& files);
 

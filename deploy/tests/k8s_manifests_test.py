@@ -13,8 +13,18 @@ import unittest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import deploytest as dt  # noqa: E402
 
-KNOWN_KINDS = {"Namespace", "ConfigMap", "Service", "DaemonSet", "Pod", "Kustomization"}
-NAMESPACED = {"ConfigMap", "Service", "DaemonSet", "Pod"}
+KNOWN_KINDS = {"Namespace", "ConfigMap", "Service", "DaemonSet", "Pod", "Kustomization",
+               "Issuer", "Certificate"}
+NAMESPACED = {"ConfigMap", "Service", "DaemonSet", "Pod", "Issuer", "Certificate"}
+POD_IP = "<fieldRef:status.podIP>"
+POD_NAME = "<fieldRef:metadata.name>"
+CSI_DRIVER = "csi.cert-manager.io"
+
+
+def host_port(value):
+    """"HOST:PORT" -> (HOST, PORT), HOST possibly a <fieldRef:...> marker."""
+    host, _, port = value.rpartition(":")
+    return host, int(port)
 
 
 def load_all():
@@ -179,19 +189,20 @@ class K8sManifestsTest(unittest.TestCase):
         self.assertEqual(container["command"][0], dt.DAEMON_BINARY, name)
 
         # Ports: peer, health and metrics, each from the config, each distinct.
-        _, listen_port = dt.parse_host_port(config["listen"])
-        health_host, health_port = dt.parse_host_port(config["health_listen"])
-        metrics_host, metrics_port = dt.parse_host_port(config["metrics_listen"])
+        _, listen_port = host_port(config["listen"])
+        health_host, health_port = host_port(config["health_listen"])
+        metrics_host, metrics_port = host_port(config["metrics_listen"])
         self.assertEqual(listen_port, dt.PEER_PORT, origin)
         self.assertEqual(health_port, dt.HEALTH_PORT, origin)
         self.assertEqual(metrics_port, dt.METRICS_PORT, origin)
         self.assertEqual(len({listen_port, health_port, metrics_port}), 3,
                          "%s: the health port must serve nothing else" % origin)
+        # Every port on the pod IP (downward API status.podIP): reachable by the peers, the
+        # kubelet's probes and Prometheus, and not on every interface.
         for key in ("listen", "health_listen", "metrics_listen"):
-            host, _ = dt.parse_host_port(config[key])
-            self.assertNotIn(host, ("127.0.0.1", "localhost", "::1"),
-                             "%s: %s must be reachable at the pod IP (kubelet probes, "
-                             "Prometheus, peers)" % (origin, key))
+            host, _ = host_port(config[key])
+            self.assertEqual(host, POD_IP, "%s: %s must be on the pod IP" % (origin, key))
+        self.check_tls(obj, container, config, origin)
         self.assertEqual(container_port(container, "peer"), listen_port, name)
         self.assertEqual(container_port(container, "health"), health_port, name)
         self.assertEqual(container_port(container, "metrics"), metrics_port, name)
@@ -239,6 +250,49 @@ class K8sManifestsTest(unittest.TestCase):
         self.assertFalse(sc.get("capabilities", {}).get("add"), name)
         return mount
 
+    def check_tls(self, obj, container, config, origin):
+        """Mutual TLS with this pod's certificate from cert-manager's CSI driver: CN = the
+        pod's name = --node, signed by an Issuer of the manifests, usable as client and
+        server, its key readable by the daemon's group."""
+        spec = pod_spec(obj)
+        name = "%s/%s" % (obj["metadata"]["name"], container["name"])
+        self.assertEqual(config.get("node"), POD_NAME,
+                         "%s: --node must be the pod's name, which the certificate names" % name)
+        self.assertNotIn("allow_plaintext_peers", config, name)
+        files = {key: config.get(key) for key in ("tls_cert", "tls_key", "tls_ca")}
+        self.assertTrue(all(files.values()), "%s: no --tls-*: %r" % (name, files))
+        dirs = {posixpath.dirname(f) for f in files.values()}
+        self.assertEqual(len(dirs), 1, name)
+        mount = mount_at(container, dirs.pop())
+        self.assertIsNotNone(mount, "%s: nothing mounted at the TLS files' directory" % name)
+        self.assertTrue(mount.get("readOnly"), name)
+        csi = volume(spec, mount["name"]).get("csi")
+        self.assertIsNotNone(csi, "%s: the TLS volume must be a CSI volume" % name)
+        self.assertEqual(csi["driver"], CSI_DRIVER)
+        self.assertIs(csi.get("readOnly"), True, "csi-driver volumes are readOnly")
+        attrs = csi["volumeAttributes"]
+        # The driver's default file names.
+        self.assertEqual({k: posixpath.basename(v) for k, v in files.items()},
+                         {"tls_cert": "tls.crt", "tls_key": "tls.key", "tls_ca": "ca.crt"})
+        self.assertEqual(attrs.get("csi.cert-manager.io/common-name"), "${POD_NAME}", name)
+        usages = {u.strip() for u in attrs["csi.cert-manager.io/key-usages"].split(",")}
+        self.assertTrue({"server auth", "client auth"} <= usages, usages)
+        self.assertEqual(attrs.get("csi.cert-manager.io/fs-group"),
+                         str(effective_security(spec, container, "runAsGroup")), name)
+        self.assertEqual(attrs.get("csi.cert-manager.io/issuer-kind"), "Issuer")
+        ns = obj["metadata"]["namespace"]
+        issuers = [i for i in objects(self.manifests, "Issuer")
+                   if i["metadata"]["name"] == attrs["csi.cert-manager.io/issuer-name"]
+                   and i["metadata"]["namespace"] == ns]
+        self.assertEqual(len(issuers), 1, "%s: no Issuer %s in %s" % (
+            name, attrs["csi.cert-manager.io/issuer-name"], ns))
+        # A CA Issuer whose Secret a CA Certificate in the same namespace fills.
+        secret = issuers[0]["spec"]["ca"]["secretName"]
+        cas = [c for c in objects(self.manifests, "Certificate")
+               if c["metadata"]["namespace"] == ns and c["spec"]["secretName"] == secret]
+        self.assertEqual(len(cas), 1, name)
+        self.assertIs(cas[0]["spec"].get("isCA"), True)
+
     # ---- every manifest ----
 
     def test_every_manifest_parses_and_is_a_known_kind(self):
@@ -257,7 +311,8 @@ class K8sManifestsTest(unittest.TestCase):
 
     def test_api_versions(self):
         expected = {"Namespace": "v1", "ConfigMap": "v1", "Service": "v1", "Pod": "v1",
-                    "DaemonSet": "apps/v1",
+                    "DaemonSet": "apps/v1", "Issuer": "cert-manager.io/v1",
+                    "Certificate": "cert-manager.io/v1",
                     "Kustomization": "kustomize.config.k8s.io/v1beta1"}
         for d in objects(self.manifests):
             self.assertEqual(d["apiVersion"], expected[d["kind"]], d.get("metadata"))
@@ -269,7 +324,8 @@ class K8sManifestsTest(unittest.TestCase):
         self.assertEqual(set(kust["resources"]), top)
         kinds = {d["kind"] for f in kust["resources"]
                  for d in dt.load_yaml_documents("deploy/k8s/" + f)}
-        self.assertEqual(kinds, {"Namespace", "ConfigMap", "Service", "DaemonSet"})
+        self.assertEqual(kinds, {"Namespace", "ConfigMap", "Service", "DaemonSet", "Issuer",
+                                 "Certificate"})
 
     def test_namespaces_allow_host_ipc(self):
         for ns in objects(self.manifests, "Namespace"):
@@ -282,19 +338,48 @@ class K8sManifestsTest(unittest.TestCase):
 
     # ---- the DaemonSet ----
 
+    def daemonsets(self):
+        """{role: DaemonSet}: refitd-trainer and refitd-engine."""
+        ds = {d["metadata"]["labels"].get("refit.dev/role"): d
+              for d in objects(self.manifests, "DaemonSet")}
+        self.assertEqual(set(ds), {"trainer", "engine"})
+        self.assertEqual({d["metadata"]["name"] for d in ds.values()},
+                         {"refitd-trainer", "refitd-engine"})
+        return ds
+
     def daemonset(self):
-        ds = objects(self.manifests, "DaemonSet")
-        self.assertEqual(len(ds), 1)
-        return ds[0]
+        return self.daemonsets()["engine"]
 
     def test_daemonset_version_label_is_the_image_tag(self):
         # Both say which release runs: VERSION, what scripts/build-image.sh tags the image with.
-        labels = self.daemonset()["metadata"]["labels"]
-        self.assertEqual(labels.get("app.kubernetes.io/version"), dt.version())
+        for ds in self.daemonsets().values():
+            labels = ds["metadata"]["labels"]
+            self.assertEqual(labels.get("app.kubernetes.io/version"), dt.version())
         self.assertEqual(dt.IMAGE.rsplit(":", 1)[1], dt.version())
 
+    def test_daemonsets_split_the_nodes(self):
+        # Trainer nodes (labelled) run refitd-trainer, every other GPU node refitd-engine; the
+        # two selectors never pick the same pods.
+        ds = self.daemonsets()
+        trainer, engine = pod_spec(ds["trainer"]), pod_spec(ds["engine"])
+        self.assertEqual(trainer["nodeSelector"].get("refit.dev/role"), "trainer")
+        self.assertNotIn("refit.dev/role", engine["nodeSelector"])
+        terms = engine["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        self.assertEqual(len(terms), 1)
+        self.assertIn({"key": "refit.dev/role", "operator": "NotIn", "values": ["trainer"]},
+                      terms[0]["matchExpressions"])
+        self.assertFalse(selects(ds["trainer"]["spec"]["selector"]["matchLabels"],
+                                 pod_labels(ds["engine"])))
+        self.assertFalse(selects(ds["engine"]["spec"]["selector"]["matchLabels"],
+                                 pod_labels(ds["trainer"])))
+
     def test_daemonset_on_gpu_nodes(self):
-        ds = self.daemonset()
+        for ds in self.daemonsets().values():
+            with self.subTest(daemonset=ds["metadata"]["name"]):
+                self.check_daemonset_on_gpu_nodes(ds)
+
+    def check_daemonset_on_gpu_nodes(self, ds):
         spec = pod_spec(ds)
         self.assertTrue(selects(ds["spec"]["selector"]["matchLabels"], pod_labels(ds)))
         gpu_selector = spec.get("nodeSelector", {})
@@ -318,16 +403,30 @@ class K8sManifestsTest(unittest.TestCase):
                 self.assertNotIn("nvidia.com/gpu", c.get("resources", {}).get(section, {}))
 
     def test_daemonset_refitd_container(self):
-        ds = self.daemonset()
+        for ds in self.daemonsets().values():
+            with self.subTest(daemonset=ds["metadata"]["name"]):
+                self.check_daemonset_refitd_container(ds)
+
+    def check_daemonset_refitd_container(self, ds):
         spec = pod_spec(ds)
         found = refitd_containers(spec)
         self.assertEqual([(c["name"], init) for c, init in found], [("refitd", False)])
         container = found[0][0]
         config, origin = self.config_for(ds, container)
         self.assertEqual(config["socket"], dt.SOCKET_PATH, origin)
-        self.assertIn("node", config, "--node should be the Kubernetes node name")
-        self.assertEqual(config["node"], "<fieldRef:spec.nodeName>")
+        self.assertIn("node", config, "--node should be the pod's name (its certificate's)")
         mount = self.check_refitd_container(ds, container, config, origin)
+
+        # --state-dir on the node (hostPath), writable, handed to the daemon by the init
+        # container: a restarted pod keeps each model's newest version.
+        state = config.get("state_dir")
+        self.assertTrue(state, "%s: no state_dir" % origin)
+        state_mount = mount_at(container, state)
+        self.assertIsNotNone(state_mount, "%s: nothing mounted at %s" % (origin, state))
+        self.assertFalse(state_mount.get("readOnly"))
+        state_vol = volume(spec, state_mount["name"])
+        self.assertEqual(state_vol.get("hostPath", {}).get("path"), state)
+        self.assertEqual(state_vol["hostPath"].get("type"), "DirectoryOrCreate")
 
         # The socket directory is the node's /run/refit, so client pods see the socket.
         vol = volume(spec, mount["name"])
@@ -346,7 +445,9 @@ class K8sManifestsTest(unittest.TestCase):
         init = inits[0]
         self.assertNotEqual(init.get("restartPolicy"), "Always", "a one-shot init container")
         script = " ".join(init["command"] + init.get("args", []))
-        self.assertIn("chown %d:%d %s" % (uid, gid, posixpath.dirname(dt.SOCKET_PATH)), script)
+        self.assertIn("chown %d:%d %s %s" % (uid, gid, posixpath.dirname(dt.SOCKET_PATH),
+                                             state), script)
+        self.assertIsNotNone(mount_at(init, state))
         self.assertRegex(script, r"chmod 0?7[57]0 ")
         init_mount = mount_at(init, posixpath.dirname(dt.SOCKET_PATH))
         self.assertIsNotNone(init_mount)
@@ -354,19 +455,27 @@ class K8sManifestsTest(unittest.TestCase):
         self.assertEqual(init["securityContext"]["capabilities"]["drop"], ["ALL"])
         self.assertEqual(init["securityContext"]["capabilities"].get("add"), ["CHOWN"])
 
-    def test_headless_service_for_peers(self):
-        ds = self.daemonset()
-        container = refitd_containers(pod_spec(ds))[0][0]
-        config, origin = self.config_for(ds, container)
+    def test_engines_peer_with_the_trainer_nodes_only(self):
+        # Bounded by default: an engine daemon's --peers is one headless Service that selects
+        # the trainer daemons and no engine daemon; trainer daemons name no peers.
+        ds = self.daemonsets()
+        trainer = refitd_containers(pod_spec(ds["trainer"]))[0][0]
+        trainer_config, origin = self.config_for(ds["trainer"], trainer)
+        self.assertFalse(trainer_config.get("peers"), "%s: trainers need no --peers" % origin)
+        container = refitd_containers(pod_spec(ds["engine"]))[0][0]
+        config, origin = self.config_for(ds["engine"], container)
+        self.assertEqual(len(config["peers"]), 1, origin)
         svc, port = self.headless_service_for_peers(config, "refit", origin)
-        self.assertEqual(svc["metadata"]["name"], "refitd-peers")
-        self.assertTrue(selects(svc["spec"]["selector"], pod_labels(ds)),
-                        "the Service selector must match the DaemonSet's pod labels")
-        self.assertEqual(svc["spec"]["selector"], ds["spec"]["selector"]["matchLabels"])
+        self.assertEqual(svc["metadata"]["name"], "refitd-trainers")
+        self.assertTrue(selects(svc["spec"]["selector"], pod_labels(ds["trainer"])),
+                        "the Service must select the trainer daemons")
+        self.assertFalse(selects(svc["spec"]["selector"], pod_labels(ds["engine"])),
+                         "the Service must not select engine daemons (a full mesh)")
+        self.assertEqual(svc["spec"]["selector"], ds["trainer"]["spec"]["selector"]["matchLabels"])
         target = port.get("targetPort", port["port"])
         if isinstance(target, str):
-            target = container_port(container, target)
-        self.assertEqual(target, dt.parse_host_port(config["listen"])[1])
+            target = container_port(trainer, target)
+        self.assertEqual(target, host_port(trainer_config["listen"])[1])
         # It selects the daemons and nothing else (not the sidecar examples' pods).
         for pod in objects(self.manifests, "Pod"):
             self.assertFalse(selects(svc["spec"]["selector"], pod_labels(pod)),
@@ -382,7 +491,8 @@ class K8sManifestsTest(unittest.TestCase):
     def test_examples_present(self):
         files = set(dt.k8s_manifest_files("deploy/k8s/examples"))
         for f in ("trainer-pod.yaml", "inference-pod.yaml", "sidecar-configmap.yaml",
-                  "sidecar-peers-service.yaml", "daemonset-client-pod.yaml", "namespace.yaml"):
+                  "sidecar-peers-service.yaml", "daemonset-client-pod.yaml", "namespace.yaml",
+                  "tls.yaml"):
             self.assertIn("deploy/k8s/examples/" + f, files)
         self.assertEqual(set(self.sidecar_pods()), {"trainer-0", "inference-0"})
 
@@ -397,7 +507,7 @@ class K8sManifestsTest(unittest.TestCase):
                 self.assertEqual(sidecar.get("restartPolicy"), "Always",
                                  "a native sidecar has restartPolicy: Always")
                 config, origin = self.config_for(pod, sidecar)
-                self.assertEqual(config.get("node"), "<fieldRef:metadata.name>")
+                self.assertEqual(config.get("node"), POD_NAME)
                 socket_mount = self.check_refitd_container(pod, sidecar, config, origin)
                 self.assertIn("emptyDir", volume(spec, socket_mount["name"]))
                 self.assertFalse(spec.get("hostIPC", False), "sidecar pods share IPC in-pod")
@@ -428,14 +538,20 @@ class K8sManifestsTest(unittest.TestCase):
                                  effective_security(spec, sidecar, "runAsGroup"))
                 self.assertIn("nvidia.com/gpu", main["resources"]["limits"])
 
+                if name == "trainer-0":
+                    self.assertFalse(config.get("peers"), "the trainer needs no --peers")
+                    continue
+                # The inference pod peers with the job's trainer pods only.
                 svc, port = self.headless_service_for_peers(config, "rl-example", origin)
-                self.assertTrue(selects(svc["spec"]["selector"], pod_labels(pod)),
-                                "%s is not behind %s" % (name, svc["metadata"]["name"]))
                 self.assertEqual(port.get("targetPort"), "peer")
+                pods = self.sidecar_pods()
+                self.assertTrue(selects(svc["spec"]["selector"], pod_labels(pods["trainer-0"])))
+                self.assertFalse(selects(svc["spec"]["selector"], pod_labels(pod)))
         # The sidecar Service does not also pick up the node daemons.
         svc = [s for s in objects(self.manifests, "Service")
-               if s["metadata"]["name"] == "rl-example-peers"][0]
-        self.assertFalse(selects(svc["spec"]["selector"], pod_labels(self.daemonset())))
+               if s["metadata"]["name"] == "rl-example-trainers"][0]
+        for ds in self.daemonsets().values():
+            self.assertFalse(selects(svc["spec"]["selector"], pod_labels(ds)))
 
     def test_daemonset_client_pod(self):
         pods = [p for p in objects(self.manifests, "Pod")
@@ -471,10 +587,16 @@ class K8sManifestsTest(unittest.TestCase):
             with self.subTest(configmap=name):
                 config = dt.parse_toml(cm["data"]["refitd.toml"], name)
                 dt.check_config_values(self, config, name)
-                for key in ("socket", "listen", "peers", "metrics_listen", "health_listen"):
+                for key in ("socket", "listen", "metrics_listen", "health_listen", "tls_cert",
+                            "tls_key", "tls_ca"):
                     self.assertIn(key, config, "%s: %s" % (name, key))
                 self.assertEqual(config["socket"], dt.SOCKET_PATH)
                 self.assertNotIn("node", config, "%s: --node comes from the pod" % name)
+                # Loopback in the file: the pods put the ports on the pod IP on the command
+                # line; never every interface, never plaintext off loopback.
+                for key in ("listen", "metrics_listen", "health_listen"):
+                    self.assertEqual(dt.parse_host_port(config[key])[0], "127.0.0.1")
+                self.assertNotIn("allow_plaintext_peers", config)
 
 
 if __name__ == "__main__":

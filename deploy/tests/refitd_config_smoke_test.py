@@ -132,11 +132,24 @@ def health_status(port):
     return response[1] if response[:1] == b"\x08" else 0
 
 
+def make_certificates(directory, node):
+    """A CA and a certificate for `node` signed by it, as tls.crt, tls.key, ca.crt."""
+    def run(*args):
+        subprocess.run(["openssl"] + list(args), cwd=directory, check=True,
+                       capture_output=True)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=ca",
+        "-keyout", "ca.key", "-out", "ca.crt")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=" + node, "-keyout", "tls.key",
+        "-out", "tls.csr")
+    run("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "2", "-out", "tls.crt")
+
+
 class RefitdProcess:
     """refitd started with a config file, its addresses overridden, under a fake systemd
     notify socket that records every message."""
 
-    def __init__(self, config_text, tmp):
+    def __init__(self, config_text, tmp, extra_env=None, listen_host="127.0.0.1"):
         self.tmp = tmp
         self.config = os.path.join(tmp, "refitd.toml")
         with open(self.config, "w") as f:
@@ -152,10 +165,12 @@ class RefitdProcess:
                    WATCHDOG_USEC=str(WATCHDOG_USEC))
         env.pop("WATCHDOG_PID", None)
         env.pop("REFIT_SOCKET", None)
+        env.pop("CREDENTIALS_DIRECTORY", None)
+        env.update(extra_env or {})
         self.log = open(os.path.join(tmp, "refitd.log"), "w+")
         self.proc = subprocess.Popen(
             [REFITD, "--config=" + self.config, "--socket=" + self.socket_path,
-             "--listen=127.0.0.1:%d" % self.listen_port,
+             "--listen=%s:%d" % (listen_host, self.listen_port),
              "--health-listen=127.0.0.1:%d" % self.health_port,
              "--metrics-listen=127.0.0.1:%d" % self.metrics_port,
              "--peers=", "--node=deploy-test"],
@@ -206,6 +221,15 @@ class ConfigSmokeTest(unittest.TestCase):
 
     def run_config(self, config_text, origin):
         with tempfile.TemporaryDirectory() as tmp:
+            # The Kubernetes configs name the CSI driver's files and the node's state dir:
+            # certificates made here, and a state dir under tmp, stand in for them.
+            if "/etc/refit-tls/" in config_text:
+                certs = os.path.join(tmp, "tls")
+                os.mkdir(certs)
+                make_certificates(certs, "deploy-test")
+                config_text = config_text.replace("/etc/refit-tls/", certs + "/")
+            config_text = config_text.replace('state_dir = "/var/lib/refit"',
+                                              'state_dir = "%s/state"' % tmp)
             d = RefitdProcess(config_text, tmp)
             try:
                 ready = d.wait_message("READY=1", 60)
@@ -269,6 +293,75 @@ class ConfigSmokeTest(unittest.TestCase):
                                         "%s (%s)" % (f, doc["metadata"]["name"]))
                     n += 1
         self.assertEqual(n, 2)
+
+    def test_shipped_config_refuses_plaintext_off_loopback(self):
+        # The .deb's conffile with --listen moved off loopback and no certificates: refused
+        # before anything listens, saying how to fix it.
+        for host in ("0.0.0.0", "[::]"):
+            with tempfile.TemporaryDirectory() as tmp:
+                d = RefitdProcess(dt.read("deploy/refitd.toml"), tmp, listen_host=host)
+                try:
+                    rc = d.proc.wait(timeout=30)
+                    out = d.output()
+                    self.assertEqual(rc, 1, out)
+                    self.assertIn("is not a loopback address", out)
+                    for fix in ("--tls-cert", "--allow-plaintext-peers", "127.0.0.1"):
+                        self.assertIn(fix, out)
+                    self.assertFalse(os.path.exists(d.socket_path))
+                    self.assertFalse(accepts(d.health_port))
+                finally:
+                    d.close()
+
+    def test_shipped_config_with_systemd_credentials(self):
+        """The unit hands /etc/refit/tls/* over as $CREDENTIALS_DIRECTORY/{tls.crt,tls.key,
+        ca.crt}, empty where the operator put none."""
+        with tempfile.TemporaryDirectory() as tmp:
+            creds = os.path.join(tmp, "credentials")
+            os.mkdir(creds)
+            make_certificates(creds, "deploy-test")
+            d = RefitdProcess(dt.read("deploy/refitd.toml"), tmp,
+                              extra_env={"CREDENTIALS_DIRECTORY": creds})
+            try:
+                self.assertIsNotNone(d.wait_message("READY=1", 60), d.output())
+                self.assertIn("peer plane: mutual TLS (certificate %s/tls.crt" % creds,
+                              d.output())
+                self.assertNotIn("the peer plane is unauthenticated", d.output())
+                # A plaintext HTTP/2 gRPC call on the peer port gets no answer.
+                try:
+                    answer = grpc_unary(d.listen_port, "/refit.v1.Peer/Hello")
+                except ConnectionError:
+                    answer = None
+                self.assertIsNone(answer)
+            finally:
+                d.close()
+        # The unit's defaults ("none"): no certificates, plaintext on loopback.
+        with tempfile.TemporaryDirectory() as tmp:
+            creds = os.path.join(tmp, "credentials")
+            os.mkdir(creds)
+            for name in ("tls.crt", "tls.key", "ca.crt"):
+                with open(os.path.join(creds, name), "w") as f:
+                    f.write("none")
+            d = RefitdProcess(dt.read("deploy/refitd.toml"), tmp,
+                              extra_env={"CREDENTIALS_DIRECTORY": creds})
+            try:
+                self.assertIsNotNone(d.wait_message("READY=1", 60), d.output())
+                self.assertNotIn("peer plane: mutual TLS", d.output())
+            finally:
+                d.close()
+        # Some but not all: refused at start, naming the missing file.
+        with tempfile.TemporaryDirectory() as tmp:
+            creds = os.path.join(tmp, "credentials")
+            os.mkdir(creds)
+            make_certificates(creds, "deploy-test")
+            with open(os.path.join(creds, "ca.crt"), "w") as f:
+                f.write("none")
+            d = RefitdProcess(dt.read("deploy/refitd.toml"), tmp,
+                              extra_env={"CREDENTIALS_DIRECTORY": creds})
+            try:
+                self.assertEqual(d.proc.wait(timeout=30), 2, d.output())
+                self.assertIn("ca.crt missing or not PEM", d.output())
+            finally:
+                d.close()
 
     def test_bad_config_is_refused(self):
         with tempfile.TemporaryDirectory() as tmp:

@@ -289,7 +289,34 @@ class SysusersTest(unittest.TestCase):
             self.assertEqual(users[0][6], "/usr/sbin/nologin")
 
 
+class TlsCredentialsTest(unittest.TestCase):
+
+    def test_certificates_from_etc_refit_tls_as_credentials(self):
+        unit = parse_unit(dt.read(UNIT))["Service"]
+        loads = dict(v.split(":", 1) for v in unit.get("LoadCredential", []))
+        self.assertEqual(loads, {"tls.crt": "/etc/refit/tls/tls.crt",
+                                 "tls.key": "/etc/refit/tls/tls.key",
+                                 "ca.crt": "/etc/refit/tls/ca.crt"})
+        # Defaults that are not PEM: a host without certificates still starts (on loopback).
+        sets = dict(v.split(":", 1) for v in unit.get("SetCredential", []))
+        self.assertEqual(sets, {"tls.crt": "none", "tls.key": "none", "ca.crt": "none"})
+        # The config names no TLS files, so refitd takes the credentials.
+        config = dt.parse_toml(dt.read(SAMPLE_CONFIG), SAMPLE_CONFIG)
+        for key in ("tls_cert", "tls_key", "tls_ca"):
+            self.assertNotIn(key, config)
+
+
 class SampleConfigTest(unittest.TestCase):
+
+    def test_secure_by_default(self):
+        # The conffile the .deb installs: every port on loopback, plaintext not allowed.
+        config = dt.parse_toml(dt.read(SAMPLE_CONFIG), SAMPLE_CONFIG)
+        for key in ("listen", "metrics_listen", "health_listen"):
+            host, _ = dt.parse_host_port(config[key])
+            self.assertEqual(host, "127.0.0.1", "%s: %s" % (SAMPLE_CONFIG, key))
+        self.assertNotIn("allow_plaintext_peers", config)
+        self.assertNotIn("0.0.0.0", "\n".join(
+            l for l in dt.read(SAMPLE_CONFIG).splitlines() if not l.startswith("#")))
 
     def test_every_key_is_documented(self):
         text = dt.read(SAMPLE_CONFIG)

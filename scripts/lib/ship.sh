@@ -29,12 +29,28 @@ ship_need() {
   fi
 }
 
+# ship_need_cuda: stop unless the CUDA toolkit the build uses is there ($CUDA_PATH, else
+# /usr/local/cuda, as bazel/cuda_configure.bzl looks for it).
+ship_need_cuda() {
+  local cuda="${CUDA_PATH:-/usr/local/cuda}"
+  if [ ! -x "$cuda/bin/nvcc" ]; then
+    echo "$(basename "$0"): no CUDA toolkit at $cuda (no $cuda/bin/nvcc): the shipped refitd" \
+      "is the CUDA build (bazel build --config=cuda); install the CUDA 13 toolkit there or" \
+      "set CUDA_PATH" >&2
+    exit 1
+  fi
+}
+
 # ship_build_binaries ROOT DEST: builds //daemon:refitd and //client:refitctl in ROOT and puts
-# them, stripped, in DEST/usr/bin. Sets REFIT_VERSION to what `refitd --version` says, after
-# checking it equals scripts/version.sh (so the binaries and the thing shipped agree).
+# them, stripped, in DEST/usr/bin. refitd is the CUDA build (--config=cuda: nvcc, the static
+# CUDA runtime, which loads the driver's libcuda.so.1 at run time), so one binary serves GPU
+# nodes and nodes without a GPU or driver ("cuda: 13.x, 0 device(s)"). Sets REFIT_VERSION to
+# what `refitd --version` says, after checking it equals scripts/version.sh (so the binaries
+# and the thing shipped agree) and that CUDA is compiled in.
 ship_build_binaries() {
   local root="$1" dest="$2" bin
-  (cd "$root" && bazel build //daemon:refitd //client:refitctl)
+  ship_need_cuda
+  (cd "$root" && bazel build --config=cuda //daemon:refitd //client:refitctl)
   # The convenience link saves a second Bazel call; bazel info where it is not made.
   bin="$root/bazel-bin"
   [ -d "$bin/daemon" ] || bin="$(cd "$root" && bazel info bazel-bin 2> /dev/null)"
@@ -44,7 +60,18 @@ ship_build_binaries() {
   strip "${flags[@]}" -o "$dest/usr/bin/refitctl" "$bin/client/refitctl"
   chmod 0755 "$dest/usr/bin/refitd" "$dest/usr/bin/refitctl"
 
-  REFIT_VERSION="$("$dest/usr/bin/refitd" --version | awk '{print $2}')"
+  local said
+  said="$("$dest/usr/bin/refitd" --version)"
+  REFIT_VERSION="$(awk '{print $2}' <<< "$said")"
+  if [[ "$said" != *"cuda: 13."* ]]; then
+    echo "$(basename "$0"): refitd --version says '$said': not the CUDA 13 build" >&2
+    exit 1
+  fi
+  if ldd "$dest/usr/bin/refitd" | grep -q 'libcuda'; then
+    echo "$(basename "$0"): refitd links a CUDA library dynamically; the driver's must be" \
+      "loaded at run time (static cudart)" >&2
+    exit 1
+  fi
   local expected ctl
   expected="$("$root/scripts/version.sh")"
   ctl="$("$dest/usr/bin/refitctl" --version | awk '{print $2}')"

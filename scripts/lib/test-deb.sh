@@ -16,6 +16,9 @@ depends="$(dpkg-deb -f "$deb" Depends)"
 for lib in libc6 libgrpc++1.51 libprotobuf32 libucx0 libspdlog1.10; do
   [[ "$depends" == *"$lib"* ]] || fail "Depends lacks $lib (dpkg-shlibdeps): $depends"
 done
+# The CUDA runtime is linked in statically and loads the driver at run time: the driver
+# comes with the node, so nothing CUDA or NVIDIA is a dependency.
+if grep -qiE 'cuda|nvidia' <<< "$depends"; then fail "Depends names CUDA/NVIDIA: $depends"; fi
 contents="$(dpkg-deb -c "$deb" | awk '{print $6}')"
 for f in ./usr/bin/refitd ./usr/bin/refitctl ./lib/systemd/system/refitd.service \
   ./usr/lib/sysusers.d/refit.conf ./etc/refit/refitd.toml ./usr/share/doc/refit/copyright \
@@ -23,6 +26,15 @@ for f in ./usr/bin/refitd ./usr/bin/refitctl ./lib/systemd/system/refitd.service
   grep -qxF "$f" <<< "$contents" || fail "the .deb lacks $f"
 done
 same "conffiles" "$(dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./conffiles)" /etc/refit/refitd.toml
+# Secure by default: the conffile keeps every port on loopback and names no plaintext opt-in.
+conffile="$(dpkg-deb --fsys-tarfile "$deb" | tar -xO ./etc/refit/refitd.toml)"
+for key in listen health_listen metrics_listen; do
+  grep -qE "^$key = \"127\.0\.0\.1:[0-9]+\"$" <<< "$conffile" ||
+    fail "the conffile's $key is not on 127.0.0.1"
+done
+if grep -qE '^[^#]*(0\.0\.0\.0|allow_plaintext_peers)' <<< "$conffile"; then
+  fail "the conffile listens on every interface or allows plaintext peers"
+fi
 
 # lintian (started by test-packages.sh) must find no error and no warning; the informational
 # tags it can print are explained in docs/packaging.md.
@@ -38,7 +50,15 @@ user_existed=""
 getent passwd refit > /dev/null && user_existed=1
 installed=1
 dpkg -i "$deb" > "$work/dpkg-i.log" 2>&1 || { cat "$work/dpkg-i.log" >&2; fail "dpkg -i"; }
-same "installed refitd --version" "$(refitd --version | awk '{print $2}')" "$version"
+said="$(refitd --version)"
+same "installed refitd --version" "$(awk '{print $2}' <<< "$said")" "$version"
+[[ "$said" =~ cuda:\ 13\.[0-9]+,\ [0-9]+\ device ]] ||
+  fail "the installed refitd is not the CUDA 13 build: $said"
+if [ ! -e /dev/nvidiactl ]; then
+  [[ "$said" == *"0 device(s)"* ]] || fail "no GPU here, yet the installed refitd: $said"
+fi
+grep -q '^LoadCredential=tls.key:/etc/refit/tls/tls.key$' /lib/systemd/system/refitd.service ||
+  fail "the installed unit does not load /etc/refit/tls/tls.key as a credential"
 same "installed refitctl --version" "$(refitctl --version)" "refitctl $version"
 same "refitd in /usr/bin" "$(command -v refitd)" /usr/bin/refitd
 getent passwd refit | grep -q ':/usr/sbin/nologin$' || fail "no system user refit after install"
@@ -48,7 +68,8 @@ verify="$(systemd-analyze verify /lib/systemd/system/refitd.service 2>&1)" ||
 [ -z "$verify" ] || fail "systemd-analyze verify warns: $verify"
 [ -L /etc/systemd/system/multi-user.target.wants/refitd.service ] ||
   fail "refitd.service was not enabled on install"
-ok "installed: refitd/refitctl $version in /usr/bin, user refit, the unit verifies and is enabled"
+ok "installed: refitd/refitctl $version in /usr/bin ($said), user refit, the unit verifies" \
+  "and is enabled"
 
 # The installed daemon as the service runs it: user refit, the installed config (its addresses
 # moved to a temporary socket and free local ports).
@@ -62,10 +83,26 @@ daemon_pid=$!
 wait_for_socket "$sock" "$daemon_pid"
 status="$(refitctl --socket="$sock" status)" || fail "refitctl status against the installed refitd"
 [[ "$status" == *"refitd $version"* ]] || fail "refitctl status names no refitd $version: $status"
+grep -q "cuda: 13\.[0-9]*, [0-9]* device(s)" "$work/refitd-deb.log" ||
+  fail "the installed refitd logged no CUDA line at start: $(tail -5 "$work/refitd-deb.log")"
 . "$root/scripts/lib/test-pip.sh"
 stop_daemon
 rm -rf "$rundir"
 ok "the installed refitd runs as refit with /etc/refit/refitd.toml; refitctl status answers"
+
+# The installed config with its peer port moved off loopback and no certificates: refused,
+# saying how to fix it, before anything listens.
+rc=0
+setpriv --reuid=refit --regid=refit --init-groups \
+  refitd --config=/etc/refit/refitd.toml --socket="$work/refused.sock" --listen=0.0.0.0:0 \
+  --health-listen=127.0.0.1:0 --metrics-listen=127.0.0.1:0 > "$work/refitd-refused.log" 2>&1 ||
+  rc=$?
+[ "$rc" -ne 0 ] || fail "the installed refitd started plaintext on 0.0.0.0"
+grep -q "is not a loopback address" "$work/refitd-refused.log" &&
+  grep -q -- "--allow-plaintext-peers" "$work/refitd-refused.log" ||
+  fail "no fix named when refusing 0.0.0.0: $(cat "$work/refitd-refused.log")"
+[ ! -e "$work/refused.sock" ] || fail "the refused refitd made its socket"
+ok "the installed config off loopback without certificates: refused (exit $rc), naming the fix"
 
 # An upgrade leaves a conffile the operator edited alone (the package's own copy unchanged).
 echo "# edited by the operator" >> /etc/refit/refitd.toml

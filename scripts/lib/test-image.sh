@@ -6,8 +6,8 @@ ref="$(tar -xOf "$archive" index.json | /usr/bin/python3 -c 'import json, sys
 print(json.load(sys.stdin)["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"])')"
 same "the archive's image name" "$ref" "refit/refitd:$tag"
 manifest_image="$(sed -n 's/^ *image: \(refit\/refitd:.*\)$/\1/p' \
-  "$root/deploy/k8s/daemonset.yaml")"
-same "the image deploy/k8s/daemonset.yaml runs" "$manifest_image" "refit/refitd:$base"
+  "$root/deploy/k8s/daemonset.yaml" | sort -u)"
+same "the image deploy/k8s/daemonset.yaml's DaemonSets run" "$manifest_image" "refit/refitd:$base"
 skopeo inspect --config "oci-archive:$archive" > "$work/image-config.json"
 /usr/bin/python3 - "$work/image-config.json" "$version" <<'PY' || fail "the image's config"
 import json, sys
@@ -42,6 +42,16 @@ done
 
 in_image="$(chroot --userspec="$uid" "$rootfs" /usr/bin/refitd --version 2> /dev/null)"
 same "refitd --version in the image" "$(awk '{print $2}' <<< "$in_image")" "$version"
+# The CUDA build, and no CUDA library in the image: the static runtime loads the driver's
+# libcuda.so.1, which the NVIDIA container runtime mounts in on a GPU node.
+[[ "$in_image" =~ cuda:\ 13\.[0-9]+,\ [0-9]+\ device ]] ||
+  fail "refitd --version in the image is not the CUDA 13 build: $in_image"
+cuda_libs="$(find "$rootfs" -xdev \( -name 'libcuda*' -o -name 'libcudart*' -o -name 'libnvidia*' \) \
+  -print)"
+[ -z "$cuda_libs" ] || fail "the image carries CUDA libraries: $cuda_libs"
+if [ ! -e /dev/nvidiactl ]; then
+  [[ "$in_image" == *"0 device(s)"* ]] || fail "no GPU here, yet the image's refitd: $in_image"
+fi
 chroot --userspec="$uid" "$rootfs" /usr/bin/refitd --socket=/tmp/refitd.sock \
   --listen=127.0.0.1:0 > "$work/refitd-image.log" 2>&1 &
 daemon_pid=$!
@@ -49,7 +59,10 @@ wait_for_socket "$rootfs/tmp/refitd.sock" "$daemon_pid"
 status="$(chroot --userspec="$uid" "$rootfs" /usr/bin/refitctl --socket=/tmp/refitd.sock status)" ||
   { cat "$work/refitd-image.log" >&2; fail "refitctl status inside the image"; }
 [[ "$status" == *"refitd $version"* ]] || fail "refitctl status in the image: $status"
+grep -q "cuda: 13\.[0-9]*, [0-9]* device(s)" "$work/refitd-image.log" ||
+  fail "the image's refitd logged no CUDA line at start: $(tail -5 "$work/refitd-image.log")"
 stop_daemon
 for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount -R "${mounted[$i]}"; done
 mounted=()
-ok "from the image's root as $uid: refitd --version is $version; refitctl status answers"
+ok "from the image's root as $uid: refitd --version is $version ($in_image); no CUDA" \
+  "library in the image; refitctl status answers"

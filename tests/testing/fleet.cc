@@ -119,6 +119,8 @@ Fleet::Fleet(FleetOptions opts) : options(std::move(opts)) {
   const int engine_count = options.engines;
   for (int i = 0; i <= engine_count; ++i) ports_.push_back(options.network ? 0 : FreePort());
   std::vector<std::string> args = {"--node=trainer", "--listen=" + Address(0), "--retain=1"};
+  // Network namespaces: veth addresses, plaintext by the test's choice (secure by default).
+  if (options.network) args.push_back("--allow-plaintext-peers");
   args.insert(args.end(), options.trainer_args.begin(), options.trainer_args.end());
   auto t = DaemonProcess::Start(
       args, "", options.network ? options.network->Env(0) : std::vector<std::string>(),
@@ -144,6 +146,7 @@ Fleet::Fleet(FleetOptions opts) : options(std::move(opts)) {
     }
     e.args = {"--node=engine-" + std::to_string(i), "--listen=" + Address(i + 1), peers,
               "--retain=1"};
+    if (options.network) e.args.push_back("--allow-plaintext-peers");
     if (i < static_cast<int>(options.engine_args.size())) {
       e.args.insert(e.args.end(), options.engine_args[i].begin(), options.engine_args[i].end());
     }
