@@ -37,8 +37,7 @@ TEST_CASE("CallBudget: bounded per process, per uid and in all", "[callers][host
   REQUIRE(other.ok());
   auto uid = budget.Acquire(Of(1000, 12), "WaitForVersion");
   REQUIRE(uid.status().code() == absl::StatusCode::kResourceExhausted);
-  CHECK(std::string(uid.status().message()).find("this caller's uid holds 3") !=
-        std::string::npos);
+  CHECK(std::string(uid.status().message()).find("this caller's uid holds 3") != std::string::npos);
   // Another uid: the total's last one, then nobody.
   auto last = budget.Acquire(Of(2000, 0), "Watch");
   REQUIRE(last.ok());
