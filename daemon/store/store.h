@@ -50,6 +50,8 @@ namespace refit {
 
 struct QuantJob;
 class QuantBatch;
+class ApplyJournal;
+struct UndoTarget;
 
 // Where an engine node takes the base a delta is applied to (--delta-base): its held copy of
 // the newest version (kHeld), or its own DESTINATION buffers, which the last Apply filled with
@@ -85,6 +87,10 @@ struct StoreOptions {
   // --delta-base: for every model, and per model (ParseDeltaBase).
   DeltaBase delta_base = DeltaBase::kHeld;
   std::map<std::string, DeltaBase> delta_base_models;
+  // Where Apply keeps its undo journal (apply_journal.h): refitd's --state-dir, so that an
+  // Apply cut short by a kill is undone after the restart; empty: memory (errors are undone,
+  // a kill is not).
+  std::string journal_dir;
 };
 
 struct PublishResult {
@@ -95,6 +101,7 @@ struct PublishResult {
 struct ApplyResult {
   uint64_t version = 0;
   uint64_t bytes_written = 0;
+  uint64_t undo_bytes = 0;  // saved in the undo journal before writing (atomic Apply)
 };
 
 struct BufferInfo {
@@ -108,6 +115,10 @@ struct BufferInfo {
   // A DESTINATION buffer whose layout disagrees with the model's SOURCE buffers (which
   // registered after it): why Apply refuses it. Empty: usable.
   std::string error;
+  // DESTINATION buffers: the version the buffer holds entirely (its last Apply, verified; or,
+  // after a refitd killed inside an Apply restarted, the version the journal put back); 0: none
+  // known.
+  uint64_t applied_version = 0;
 };
 
 struct ModelInfo {
@@ -498,9 +509,14 @@ class Store {
   absl::Status CheckHeld(const Version& version, const plan::Plan& plan) const;
   // DATA_LOSS for an Apply of `version` whose ops `bad` did not land in `dests` (their
   // tensors named; those buffers marked stale).
+  // `restored`: the undo journal put every destination back as it was before the call.
   absl::Status NotLanded(const Version& version, const plan::Plan& plan,
                          const std::vector<size_t>& bad,
-                         const std::vector<std::shared_ptr<Buffer>>& dests);
+                         const std::vector<std::shared_ptr<Buffer>>& dests, bool restored);
+  // What Apply saves before it writes `version` into `dests` with `cached` (apply_journal.h).
+  static std::vector<UndoTarget> UndoTargets(const CachedPlan& cached,
+                                             const std::vector<std::shared_ptr<Buffer>>& dests,
+                                             uint64_t version);
   // The tensors of `dests` that the ops `bad` of `plan` write, by buffer id.
   static std::map<std::string, std::vector<std::string>> TensorsOfOps(
       const plan::Plan& plan, const std::vector<size_t>& bad,
@@ -535,6 +551,7 @@ class Store {
       ABSL_GUARDED_BY(mu_);
   common::CondVar quant_wake_;
   std::thread quantizer_;
+  std::unique_ptr<ApplyJournal> journal_;  // Apply's undo record (atomic Apply)
 };
 
 }  // namespace refit

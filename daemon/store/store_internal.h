@@ -101,6 +101,9 @@ struct Store::CachedPlan {
   // converted from their sources), for pulls and CheckHeld. Otherwise `plan` says it.
   plan::Plan reads;
   const plan::Plan& Reads() const { return jobs.empty() ? plan : reads; }
+  // Per destination location: the byte ranges `plan` may write there, merged (what an Apply
+  // saves in its undo journal before it writes).
+  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> dst_extents;
 };
 
 // --delta-base=destination: a version whose pulled pieces' held copy was released because every
@@ -184,6 +187,9 @@ void AppendSourceRuns(const plan::CopyOp& op, ByteRanges* out);
 void MergeRanges(ByteRanges* ranges);
 // True when every byte `op` reads from its source lies in `valid` (sorted, merged).
 bool RangesCover(const ByteRanges& valid, const plan::CopyOp& op);
+// Per destination location of `plan` (`locations` of them): the byte extents its ops write,
+// merged.
+std::vector<ByteRanges> DestinationExtents(const plan::Plan& plan, size_t locations);
 
 }  // namespace refit
 
