@@ -42,8 +42,8 @@ Store::Store(StoreOptions options, Metrics* metrics)
             metrics->Set(kSlotMemoryBytes, static_cast<double>(held));
           })) {
   for (const Counter& counter :
-       {kVersionsCompleted, kApplyBytes, kApplyUndoBytes, kPublishBytes, kPublishes, kApplies,
-        kVersionsDropped, kVersionsAbandoned, kApplyVerifyFailures, kDeltaBaseFallbacks,
+       {kVersionsCompleted, kApplyBytes, kApplyUndoBytes, kApplySparse, kPublishBytes, kPublishes,
+        kApplies, kVersionsDropped, kVersionsAbandoned, kApplyVerifyFailures, kDeltaBaseFallbacks,
         kQuantizedValues, kNonfiniteValues}) {
     metrics_->Declare(counter);
   }
@@ -171,6 +171,7 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
 
 absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint64_t version,
                                              const std::vector<std::string>& buffer_ids) {
+  std::shared_ptr<const Version> diff_base;
   if (version == 0) return absl::InvalidArgumentError("version must be >= 1");
   std::vector<std::shared_ptr<Buffer>> buffers;
   std::vector<uint64_t> previous;  // each buffer's last published version before this call
@@ -197,6 +198,7 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
       previous.push_back(buffer->last_published);
       buffer->last_published = version;
     }
+    diff_base = DiffBaseFor(*model);  // engines on this node: sparse Apply (store_sparse.cc)
   }
 
   // Snapshot outside the store lock: other models and readers keep going meanwhile.
@@ -213,6 +215,11 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
     return snapped;
   }
   TestHookKillAt("publish");  // test build only: the fault suite's commit point
+  if (diff_base) {
+    std::vector<Piece*> diffed;
+    for (Piece& piece : pieces) diffed.push_back(&piece);
+    DiffPieces(std::move(diffed), *diff_base);
+  }
   metrics_->Add(kPublishBytes, static_cast<double>(bytes));
   metrics_->Add(kPublishes, 1);
   metrics_->Observe(kPublishSeconds, std::chrono::duration<double>(Clock::now() - started).count());

@@ -29,6 +29,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -102,6 +103,7 @@ struct ApplyResult {
   uint64_t version = 0;
   uint64_t bytes_written = 0;
   uint64_t undo_bytes = 0;  // saved in the undo journal before writing (atomic Apply)
+  bool sparse = false;      // only the changed elements were written (sparse Apply)
 };
 
 struct BufferInfo {
@@ -513,6 +515,26 @@ class Store {
   absl::Status NotLanded(const Version& version, const plan::Plan& plan,
                          const std::vector<size_t>& bad,
                          const std::vector<std::shared_ptr<Buffer>>& dests, bool restored);
+  // ---- Sparse Apply (store_sparse.cc) ----
+  // The newest complete version of `model` to diff an arriving version's pieces against, when
+  // this node has DESTINATION buffers for it; null otherwise.
+  std::shared_ptr<const Version> DiffBaseFor(const Model& model) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fills `pieces[i].changes` (against `base`'s piece of the same node and buffer, where its
+  // bytes over `pieces[i]`'s valid ranges are held) on up to 8 cores; no store lock held.
+  static void DiffPieces(std::vector<Piece*> pieces, const Version& base);
+  // Sparse Apply of `version` into `dests`, which hold its change map's base entirely: writes
+  // only the destination elements whose source bytes changed, undo-journaled and verified.
+  // nullopt when the sparse path does not apply (then the full Apply runs); an error after the
+  // journal put every byte back.
+  std::optional<absl::StatusOr<ApplyResult>> ApplySparse(
+      const Version& version, const CachedPlan& cached,
+      const std::vector<std::shared_ptr<Buffer>>& dests);
+  // A successful Apply of `source` into `dests` (their io locks held): applied versions,
+  // metrics, --delta-base=destination's release.
+  ApplyResult Applied(const std::string& model_name, const std::shared_ptr<const Version>& source,
+                      const std::vector<std::shared_ptr<Buffer>>& dests, ApplyResult result,
+                      Clock::time_point started);
   // What Apply saves before it writes `version` into `dests` with `cached` (apply_journal.h).
   static std::vector<UndoTarget> UndoTargets(const CachedPlan& cached,
                                              const std::vector<std::shared_ptr<Buffer>>& dests,

@@ -122,6 +122,13 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
   for (const auto& d : dests) all_host = all_host && d->region->kind() == MemoryKind::kHost;
   std::unique_ptr<ApplyJournal::Entry> undo;
   if (all_host) {
+    // The destinations hold the version this one was diffed against: write what changed.
+    if (auto sparse = ApplySparse(*source, *cached, dests)) {
+      if (!sparse->ok()) return sparse->status();
+      return Applied(model_name, source, dests, **sparse, started);
+    }
+  }
+  if (all_host) {
     // All or nothing: the bytes this Apply may overwrite are saved first (apply_journal.h);
     // every error from here on puts them back.
     ASSIGN_OR_RETURN(undo, journal_->Begin(UndoTargets(*cached, dests, source->number)));
@@ -161,14 +168,22 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
   }
   const uint64_t undo_bytes = undo ? undo->undo_bytes() : 0;
   if (undo) undo->Commit();
+  return Applied(model_name, source, dests,
+                 ApplyResult{source->number, cached->plan.dst_bytes, undo_bytes, false}, started);
+}
+
+ApplyResult Store::Applied(const std::string& model_name,
+                           const std::shared_ptr<const Version>& source,
+                           const std::vector<std::shared_ptr<Buffer>>& dests, ApplyResult result,
+                           Clock::time_point started) {
   for (const auto& d : dests) d->applied = source->number;
-  locks.clear();
-  metrics_->Add(kApplyBytes, static_cast<double>(cached->plan.dst_bytes));
-  metrics_->Add(kApplyUndoBytes, static_cast<double>(undo_bytes));
+  metrics_->Add(kApplyBytes, static_cast<double>(result.bytes_written));
+  metrics_->Add(kApplyUndoBytes, static_cast<double>(result.undo_bytes));
+  if (result.sparse) metrics_->Add(kApplySparse, 1);
   metrics_->Add(kApplies, 1);
   metrics_->Observe(kApplySeconds, std::chrono::duration<double>(Clock::now() - started).count());
   ReleaseApplied(model_name, source);  // --delta-base=destination: the destinations hold it now
-  return ApplyResult{source->number, cached->plan.dst_bytes, undo_bytes};
+  return result;
 }
 
 absl::Status Store::CheckHeld(const Version& version, const plan::Plan& plan) const {
