@@ -527,8 +527,11 @@ class Store {
   // only the destination elements whose source bytes changed, undo-journaled and verified.
   // nullopt when the sparse path does not apply (then the full Apply runs); an error after the
   // journal put every byte back.
+  // `base`: the version the destinations hold (null: not held here, no sparse Apply); the bytes
+  // about to be overwritten are checked against it first, so an engine that wrote there since
+  // gets the full copy.
   std::optional<absl::StatusOr<ApplyResult>> ApplySparse(
-      const Version& version, const CachedPlan& cached,
+      const Version& version, const std::shared_ptr<const Version>& base, const CachedPlan& cached,
       const std::vector<std::shared_ptr<Buffer>>& dests);
   // A successful Apply of `source` into `dests` (their io locks held): applied versions,
   // metrics, --delta-base=destination's release.

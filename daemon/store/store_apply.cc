@@ -56,6 +56,7 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
   const auto started = Clock::now();
   std::shared_ptr<const Version> source;
   std::shared_ptr<const CachedPlan> cached;
+  std::shared_ptr<const Version> applied_base;
   std::vector<std::shared_ptr<Buffer>> dests;
   {
     common::MutexLock lock(mu_);
@@ -96,6 +97,9 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     }
     source = it->second;
     ASSIGN_OR_RETURN(cached, PlanFor(*model, *source, dests));
+    // Sparse Apply: the version the destinations hold, if it is still held here.
+    auto held = model->complete.find(dests.empty() ? 0 : dests[0]->applied.load());
+    if (held != model->complete.end() && held->second != source) applied_base = held->second;
   }
   RETURN_IF_ERROR(CheckHeld(*source, cached->Reads()));
   std::vector<std::shared_ptr<Region>> derived;
@@ -123,7 +127,7 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
   std::unique_ptr<ApplyJournal::Entry> undo;
   if (all_host) {
     // The destinations hold the version this one was diffed against: write what changed.
-    if (auto sparse = ApplySparse(*source, *cached, dests)) {
+    if (auto sparse = ApplySparse(*source, applied_base, *cached, dests)) {
       if (!sparse->ok()) return sparse->status();
       return Applied(model_name, source, dests, **sparse, started);
     }

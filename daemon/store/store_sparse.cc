@@ -180,9 +180,12 @@ std::shared_ptr<const Store::Version> Store::DiffBaseFor(const Model& model) con
 }
 
 std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
-    const Version& version, const CachedPlan& cached,
+    const Version& version, const std::shared_ptr<const Version>& held, const CachedPlan& cached,
     const std::vector<std::shared_ptr<Buffer>>& dests) {
-  if (!cached.jobs.empty() || version.pieces.empty()) return std::nullopt;
+  if (!cached.jobs.empty() || version.pieces.empty() || !held) return std::nullopt;
+  if (held->layout_key != version.layout_key || held->pieces.size() != version.pieces.size()) {
+    return std::nullopt;
+  }
   // Every piece diffed against the version every destination holds entirely.
   const uint64_t base = version.pieces[0].changes_base;
   uint64_t changed = 0, compared = 0;
@@ -190,6 +193,15 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
     if (!piece.changes || piece.changes_base != base || !piece.slot) return std::nullopt;
     for (const auto& [b, e] : *piece.changes) changed += e - b;
     compared += piece.compared_bytes;
+  }
+  if (held->number != base) return std::nullopt;
+  for (size_t i = 0; i < held->pieces.size(); ++i) {
+    const Piece& p = held->pieces[i];
+    const Piece& n = version.pieces[i];
+    if (!p.slot || p.released || p.slot->kind() != MemoryKind::kHost ||
+        p.slot->size() != n.slot->size() || (p.valid && (!n.valid || *p.valid != *n.valid))) {
+      return std::nullopt;
+    }
   }
   for (const auto& d : dests) {
     if (d->applied != base || d->region->kind() != MemoryKind::kHost) return std::nullopt;
@@ -245,6 +257,22 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
     written += (w.last - w.first) * de;
   }
   for (UndoTarget& t : targets) MergeRanges(&t.ranges);
+  // The destinations must still hold the held version where this Apply writes: an engine that
+  // wrote into its buffer since (a bulk overwrite always shows here) gets the full copy.
+  {
+    std::vector<uint8_t> scratch;
+    for (const SparseWrite& w : writes) {
+      const plan::CopyOp& op = plan.ops[w.op];
+      if (!Landed(op, w, held->pieces[op.src_location].slot->data(),
+                  dests[op.dst_location]->region->data(), &scratch)) {
+        Logger("store")->info(
+            "Apply of version {} into {}: it does not hold version {} where this step writes "
+            "(written since?): full copy",
+            version.number, dests[op.dst_location]->id, base);
+        return std::nullopt;
+      }
+    }
+  }
   auto undo = journal_->Begin(std::move(targets));
   if (!undo.ok()) return absl::StatusOr<ApplyResult>(undo.status());
 
