@@ -48,7 +48,7 @@ wait_serving() {
 run() {
   local tag="$1"
   shift
-  "$bin/daemon/refitd" --socket="$work/$tag-t.sock" --listen=127.0.0.1:0 --node=trainer-node \
+  "$bin/daemon/refitd" --socket="$work/$tag-t.sock" --listen=127.0.0.1:0 --node=trainer-node --retain=1 \
     >"$work/$tag-t.log" 2>&1 &
   local trainer=$!
   pids+=("$trainer")

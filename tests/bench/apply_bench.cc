@@ -3,9 +3,9 @@
 //
 // Given two running refitd — the trainer's node and the engine's node (--peers=<the trainer's
 // --listen>) — it registers a bf16 model (--mib, in tensors of 32 MiB) as SOURCE on the trainer's
-// node and three DESTINATION buffers of the same layout on the engine's node: "sparse", which
-// gets every version (so it holds N-1 when N arrives: sparse Apply), and "full A" / "full B",
-// which get every other version (they hold N-2: the full, undo-journaled copy). Versions: the
+// node and two DESTINATION buffers of the same layout on the engine's node: "sparse", which
+// gets every version (so it holds N-1 when N arrives: sparse Apply), and "full", registered
+// afresh before each version (it holds nothing known: the full, undo-journaled copy). Versions: the
 // first random, then steps of --density (that fraction of the elements moves by one bf16 ulp,
 // the demo's generator), or with --real=DIR the real successive versions of
 // ../shared/data/deltas/<model>, tiled over the model's bytes (their own change pattern). Every
@@ -92,23 +92,23 @@ int main(int argc, char** argv) {
     return SharedMemory::Create("/refit-apply-bench-" + tag + "-" + std::to_string(getpid()),
                                 total);
   };
-  auto src = make("src");
-  auto sparse = make("sparse");
-  auto full_a = make("full-a");
-  auto full_b = make("full-b");
-  for (auto* m : {&src, &sparse, &full_a, &full_b}) {
+  auto src_or = make("src");
+  auto sparse_or = make("sparse");
+  auto full_or = make("full");
+  for (auto* m : {&src_or, &sparse_or, &full_or}) {
     if (!m->ok()) return Fail("shared memory", m->status());
   }
+  SharedMemory* src = &*src_or;
+  SharedMemory* sparse = &*sparse_or;
+  SharedMemory* full = &*full_or;
   const std::string model = "apply-bench";
-  auto src_id = (*trainer)->RegisterBuffer(model, v1::SOURCE, **src, layout, "trainer");
+  auto src_id = (*trainer)->RegisterBuffer(model, v1::SOURCE, *src, layout, "trainer");
   if (!src_id.ok()) return Fail("register source", src_id.status());
-  std::vector<std::string> dst_ids;
-  for (auto* m : {&sparse, &full_a, &full_b}) {
-    std::memset((**m).data(), 0, total);
-    auto id = (*engine)->RegisterBuffer(model, v1::DESTINATION, **m, layout, "engine");
-    if (!id.ok()) return Fail("register destination", id.status());
-    dst_ids.push_back(*id);
-  }
+  std::memset(sparse->data(), 0, total);
+  std::memset(full->data(), 0, total);
+  auto sparse_id = (*engine)->RegisterBuffer(model, v1::DESTINATION, *sparse, layout, "engine");
+  if (!sparse_id.ok()) return Fail("register destination", sparse_id.status());
+  std::string full_id;
 
   std::vector<std::string> real_versions;
   if (!real.empty()) {
@@ -126,62 +126,72 @@ int main(int argc, char** argv) {
   auto undo_bytes = [&] { return Metric(**engine, "refit_apply_undo_bytes_total").value_or(0); };
 
   std::cout << absl::StrFormat(
-      "model: %d bf16 tensors [%d, %d], %.3f GiB; engine: 3 DESTINATION buffers, same layout\n",
+      "model: %d bf16 tensors [%d, %d], %.3f GiB; engine: 2 DESTINATION buffers, same layout\n",
       tensors, rows, cols, static_cast<double>(total) / (1 << 30));
   std::cout << absl::StrFormat("%-4s %9s %12s %10s %14s %12s %10s %14s %12s %8s %8s %5s\n", "ver",
                                "changed", "on the wire", "sparse s", "sparse bytes", "undo bytes",
                                "full s", "full bytes", "undo bytes", "sp/full", "full/cpy",
                                "check");
   std::vector<double> ratio, sparse_s, full_s, sparse_written;
-  std::vector<uint8_t> previous(total);
+  std::vector<double> copy;
   for (int i = 0; i < versions; ++i) {
     const uint64_t version = static_cast<uint64_t>(i) + 1;
-    std::memcpy(previous.data(), (**src).data(), total);
+    uint64_t changed = total / 2;
     if (!real_versions.empty()) {
-      Tile((**src).data(), total, real_versions[static_cast<size_t>(i)]);
+      if (i > 0) {  // the real step's share, over its own bytes
+        const std::string& a = real_versions[static_cast<size_t>(i)];
+        const std::string& b = real_versions[static_cast<size_t>(i) - 1];
+        uint64_t c = 0;
+        for (size_t e = 0; e + 1 < a.size(); e += 2) c += a[e] != b[e] || a[e + 1] != b[e + 1];
+        changed = static_cast<uint64_t>(static_cast<double>(c) / static_cast<double>(a.size() / 2) *
+                                        static_cast<double>(total / 2));
+      }
+      Tile(src->data(), total, real_versions[static_cast<size_t>(i)]);
     } else if (i == 0) {
       for (uint64_t at = 0; at + 8 <= total; at += 8) {
         const uint64_t word = rng() & 0x3f3f3f3f3f3f3f3full;  // finite bf16 values
-        std::memcpy((**src).data() + at, &word, 8);
+        std::memcpy(src->data() + at, &word, 8);
       }
     } else {
-      uint16_t* w = reinterpret_cast<uint16_t*>((**src).data());
+      uint16_t* w = reinterpret_cast<uint16_t*>(src->data());
       const uint64_t n = total / 2;
-      for (uint64_t c = 0; c < static_cast<uint64_t>(density * static_cast<double>(n)); ++c) {
+      changed = static_cast<uint64_t>(density * static_cast<double>(n));  // a few coincide
+      for (uint64_t c = 0; c < changed; ++c) {
         const uint64_t r = rng();
         w[r % n] = static_cast<uint16_t>(w[r % n] + ((r >> 63) ? 1 : -1));
       }
     }
-    uint64_t changed = 0;
-    const uint16_t* now = reinterpret_cast<const uint16_t*>((**src).data());
-    const uint16_t* before = reinterpret_cast<const uint16_t*>(previous.data());
-    for (uint64_t e = 0; e < total / 2; ++e) changed += now[e] != before[e];
+    // The full buffer: memcpy of the model into it (the reference, this run), then registered
+    // afresh, so that it holds no known version.
+    auto m0 = Clock::now();
+    std::memcpy(full->data(), src->data(), total);
+    const double copy_s = Seconds(m0, Clock::now());
+    copy.push_back(copy_s);
+    std::memset(full->data(), 0, total);
+    if (!full_id.empty()) (void)(*engine)->ReleaseBuffer(full_id);
+    auto fid = (*engine)->RegisterBuffer(model, v1::DESTINATION, *full, layout, "engine-full");
+    if (!fid.ok()) return Fail("register destination", fid.status());
+    full_id = *fid;
     const double wire_before = received();
     auto published = (*trainer)->Publish(model, version, {*src_id});
     if (!published.ok()) return Fail("publish", published.status());
-    auto ready = (*engine)->WaitForVersion(model, version, std::chrono::seconds(120));
+    auto ready = (*engine)->WaitForVersion(model, version, std::chrono::milliseconds(120000));
     if (!ready.ok()) return Fail("wait", ready.status());
     const double wire = received() - wire_before;
 
     const double ab0 = apply_bytes(), ub0 = undo_bytes();
     auto t0 = Clock::now();
-    auto a = (*engine)->Apply(model, version, {dst_ids[0]});
+    auto a = (*engine)->Apply(model, version, {*sparse_id});
     auto t1 = Clock::now();
     if (!a.ok()) return Fail("sparse apply", a.status());
     const double ab1 = apply_bytes(), ub1 = undo_bytes();
-    const std::string& full_id = dst_ids[1 + (i % 2)];
     auto t2 = Clock::now();
     auto b = (*engine)->Apply(model, version, {full_id});
     auto t3 = Clock::now();
     if (!b.ok()) return Fail("full apply", b.status());
     const double ab2 = apply_bytes(), ub2 = undo_bytes();
-    SharedMemory& full = **(i % 2 == 0 ? &full_a : &full_b);
-    const bool ok = std::memcmp((**sparse).data(), (**src).data(), total) == 0 &&
-                    std::memcmp(full.data(), (**src).data(), total) == 0;
-    // memcpy of the model between two touched buffers, this run.
-    auto m0 = Clock::now();
-    std::memcpy(previous.data(), (**src).data(), total);
-    const double copy_s = Seconds(m0, Clock::now());
+    const bool ok = std::memcmp(sparse->data(), src->data(), total) == 0 &&
+                    std::memcmp(full->data(), src->data(), total) == 0;
     const double s = Seconds(t0, t1), f = Seconds(t2, t3);
     std::cout << absl::StrFormat(
         "%-4d %8.3f%% %12.0f %10.4f %14.0f %12.0f %10.4f %14.0f %12.0f %8.3f %8.2f %5s\n", version,
@@ -194,12 +204,6 @@ int main(int argc, char** argv) {
       full_s.push_back(f);
       sparse_written.push_back(ab1 - ab0);
     }
-  }
-  std::vector<double> copy;
-  for (int k = 0; k < 3; ++k) {
-    auto m0 = Clock::now();
-    std::memcpy(previous.data(), (**src).data(), total);
-    copy.push_back(Seconds(m0, Clock::now()));
   }
   if (!ratio.empty()) {
     std::cout << absl::StrFormat(
@@ -216,6 +220,7 @@ int main(int argc, char** argv) {
                                  Median(ratio), Median(full_s) / Median(copy));
   }
   (void)(*trainer)->ReleaseBuffer(*src_id);
-  for (const std::string& id : dst_ids) (void)(*engine)->ReleaseBuffer(id);
+  (void)(*engine)->ReleaseBuffer(*sparse_id);
+  (void)(*engine)->ReleaseBuffer(full_id);
   return 0;
 }
