@@ -19,9 +19,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cstddef>
 #include <cstring>
 #include <ctime>
+#include <functional>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -262,15 +264,25 @@ absl::StatusOr<std::unique_ptr<ApplyJournal>> ApplyJournal::Open(const std::stri
     return absl::FailedPreconditionError(
         absl::StrCat("state directory ", dir, ": ", std::strerror(errno)));
   }
-  DIR* d = opendir(dir.c_str());
+  struct stat shm {};
+  if (stat("/dev/shm", &shm) == 0 && S_ISDIR(shm.st_mode)) {
+    char real[PATH_MAX];
+    const std::string named = realpath(dir.c_str(), real) ? std::string(real) : dir;
+    journal->dir_ = "/dev/shm";
+    journal->tag_ = absl::StrCat("refit-", absl::Hex(std::hash<std::string>{}(named)), "-");
+  }
+  const std::string files = journal->dir_;
+  const std::string slot_prefix = journal->tag_ + kSlotPrefix;
+  const std::string recover_prefix = journal->tag_ + kRecoverPrefix;
+  DIR* d = opendir(files.c_str());
   if (!d) {
     return absl::FailedPreconditionError(
-        absl::StrCat("state directory ", dir, ": ", std::strerror(errno)));
+        absl::StrCat("apply journal ", files, ": ", std::strerror(errno)));
   }
   std::vector<std::string> names;
   while (dirent* e = readdir(d)) {
     const std::string name = e->d_name;
-    if (absl::StartsWith(name, kSlotPrefix) || absl::StartsWith(name, kRecoverPrefix)) {
+    if (absl::StartsWith(name, slot_prefix) || absl::StartsWith(name, recover_prefix)) {
       names.push_back(name);
     }
   }
@@ -278,7 +290,7 @@ absl::StatusOr<std::unique_ptr<ApplyJournal>> ApplyJournal::Open(const std::stri
   std::sort(names.begin(), names.end());
   int recovered = 0;
   for (const std::string& name : names) {
-    const std::string path = absl::StrCat(dir, "/", name);
+    const std::string path = absl::StrCat(files, "/", name);
     const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
     struct stat st {};
     if (fd < 0 || fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(sizeof(Header))) {
@@ -305,8 +317,8 @@ absl::StatusOr<std::unique_ptr<ApplyJournal>> ApplyJournal::Open(const std::stri
     }
     // Keep it under a name no slot uses, so that new Applies can't overwrite it.
     std::string kept = path;
-    if (absl::StartsWith(name, kSlotPrefix)) {
-      kept = absl::StrCat(dir, "/", kRecoverPrefix, name.substr(strlen(kSlotPrefix)), "-",
+    if (absl::StartsWith(name, slot_prefix)) {
+      kept = absl::StrCat(files, "/", recover_prefix, name.substr(slot_prefix.size()), "-",
                           static_cast<uint64_t>(time(nullptr)), "-", getpid());
       if (rename(path.c_str(), kept.c_str()) != 0) kept = path;
     }
@@ -359,7 +371,9 @@ absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::Begin(
     if (!slot) {
       slots_.push_back(std::make_unique<Slot>());
       slot = slots_.back().get();
-      if (!dir_.empty()) slot->path = absl::StrCat(dir_, "/", kSlotPrefix, slots_.size() - 1);
+      if (!dir_.empty()) {
+        slot->path = absl::StrCat(dir_, "/", tag_, kSlotPrefix, slots_.size() - 1);
+      }
     }
     slot->in_use = true;
   }

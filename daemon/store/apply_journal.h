@@ -48,7 +48,10 @@ class ApplyJournal {
   static constexpr uint64_t kKeepBytes = 64ull << 20;
 
   // `dir` empty: anonymous memory (errors are undone, a kill is not). Otherwise the slot files
-  // DIR/apply-journal-N; those a killed refitd left "writing" become pending restores (Recover).
+  // are /dev/shm/refit-<hash of DIR's real path>-apply-journal-N (tmpfs: a model-sized undo
+  // record never goes to a disk; the same state directory finds them again after a restart),
+  // or DIR/apply-journal-N where there is no /dev/shm; those a killed refitd left "writing"
+  // become pending restores (Recover).
   static absl::StatusOr<std::unique_ptr<ApplyJournal>> Open(const std::string& dir);
   ~ApplyJournal();
   ApplyJournal(const ApplyJournal&) = delete;
@@ -91,13 +94,15 @@ class ApplyJournal {
   // Records a killed refitd left that are still waiting for their buffer to register.
   size_t PendingRecoveries() const;
   const std::string& dir() const { return dir_; }
+  const std::string& tag() const { return tag_; }
 
  private:
   struct Pending;
   explicit ApplyJournal(std::string dir);
   void Release(Slot* slot);
 
-  const std::string dir_;
+  std::string dir_;  // where the slot files are: /dev/shm, else the state directory
+  std::string tag_;  // their names' prefix there (naming the state directory in /dev/shm)
   mutable common::Mutex mu_;
   std::vector<std::unique_ptr<Slot>> slots_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Pending>> pending_ ABSL_GUARDED_BY(mu_);
