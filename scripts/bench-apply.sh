@@ -24,7 +24,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 if [ "$build" = 1 ]; then
-  bazel build //daemon:refitd //client:refitctl //tests/bench:apply_bench
+  bazel build //daemon:refitd //daemon:refitd_testing //client:refitctl //tests/bench:apply_bench
 fi
 bin="$(bazel info bazel-bin 2>/dev/null)"
 work=$(mktemp -d /tmp/refit-apply-bench-XXXXXX)
@@ -56,7 +56,11 @@ run() {
   local port
   port=$("$bin/client/refitctl" --socket="$work/$tag-t.sock" status --json |
          /usr/bin/python3 -c 'import json,sys; d=json.load(sys.stdin); print(d.get("listen_port") or d.get("listenPort"))')
-  "$bin/daemon/refitd" --socket="$work/$tag-e.sock" --listen=127.0.0.1:0 --node=engine-node \
+  # The test build of refitd on the engine's node, with REFIT_TEST_SPARSE_ALWAYS: the sparse path
+  # is measured even where refitd's cost model would pick the full copy (it does at these
+  # densities here: see docs/benchmarks.md).
+  REFIT_TEST_SPARSE_ALWAYS=1 "$bin/daemon/refitd_testing" --socket="$work/$tag-e.sock" \
+    --listen=127.0.0.1:0 --node=engine-node \
     --peers="127.0.0.1:$port" --state-dir="$work/$tag-state" >"$work/$tag-e.log" 2>&1 &
   local engine=$!
   pids+=("$engine")

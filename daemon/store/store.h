@@ -92,6 +92,11 @@ struct StoreOptions {
   // Apply cut short by a kill is undone after the restart; empty: memory (errors are undone,
   // a kill is not).
   std::string journal_dir;
+  // Sparse Apply's cost model: one changed run costs about as much as copying this many bytes in
+  // a full Apply (scattered runs are bound by memory latency: ~0.5-1 us each here, where a full
+  // Apply streams ~4-10 GB/s); a sparse Apply runs only when runs x this < the bytes a full
+  // Apply writes. 0: whenever it applies (tests; the test build's REFIT_TEST_SPARSE_ALWAYS).
+  uint64_t sparse_bytes_per_run = 4096;
 };
 
 struct PublishResult {

@@ -207,7 +207,16 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
     if (d->applied != base || d->region->kind() != MemoryKind::kHost) return std::nullopt;
   }
   if (changed * kDenseShareInverse > compared) return std::nullopt;  // dense: a copy is cheaper
+  // Fewer changed runs than the cost model allows, or the full copy is cheaper.
+  static const bool always = TestSwitch("REFIT_TEST_SPARSE_ALWAYS") != nullptr;
+  uint64_t runs = 0;
+  for (const Piece& piece : version.pieces) runs += piece.changes->size();
+  if (!always && options_.sparse_bytes_per_run > 0 &&
+      runs * options_.sparse_bytes_per_run >= cached.plan.dst_bytes) {
+    return std::nullopt;
+  }
   const plan::Plan& plan = cached.plan;
+  const auto t_start = Clock::now();
   std::vector<SparseWrite> writes;
   for (uint32_t k = 0; k < plan.ops.size(); ++k) {
     const plan::CopyOp& op = plan.ops[k];
@@ -257,6 +266,7 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
     written += (w.last - w.first) * de;
   }
   for (UndoTarget& t : targets) MergeRanges(&t.ranges);
+  const auto t_planned = Clock::now();
   // The destinations must still hold the held version where this Apply writes: an engine that
   // wrote into its buffer since (a bulk overwrite always shows here) gets the full copy.
   {
@@ -273,8 +283,10 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
       }
     }
   }
+  const auto t_checked = Clock::now();
   auto undo = journal_->Begin(std::move(targets));
   if (!undo.ok()) return absl::StatusOr<ApplyResult>(undo.status());
+  const auto t_saved = Clock::now();
 
   std::vector<const uint8_t*> src;
   for (const Piece& piece : version.pieces) src.push_back(piece.slot->data());
@@ -307,6 +319,14 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
   }
   const uint64_t undo_bytes = (*undo)->undo_bytes();
   (*undo)->Commit();
+  auto ms = [](Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double, std::milli>(b - a).count();
+  };
+  Logger("store")->debug(
+      "sparse Apply of version {}: {} runs, {} bytes: planned {:.1f} ms, checked {:.1f} ms, "
+      "saved {:.1f} ms, written {:.1f} ms",
+      version.number, writes.size(), written, ms(t_start, t_planned), ms(t_planned, t_checked),
+      ms(t_checked, t_saved), ms(t_saved, Clock::now()));
   return absl::StatusOr<ApplyResult>(ApplyResult{version.number, written, undo_bytes, true});
 }
 
