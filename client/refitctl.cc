@@ -171,7 +171,7 @@ void PrintStatus(const v1::StatusResponse& status) {
           HumanBytes(static_cast<double>(b.bytes())), b.tensors(),
           b.client().empty() ? "-" : b.client(),
           b.role() == v1::SOURCE ? absl::StrFormat("  published=%d", b.last_published_version())
-                                 : std::string());
+                                 : absl::StrFormat("  applied=%d", b.applied_version()));
       if (!b.error().empty()) std::cout << "    refused: " << b.error() << "\n";
     }
   }

@@ -199,6 +199,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   store_options.node = options.node;
   store_options.max_slot_bytes = options.max_slot_memory;
   store_options.max_gpu_slot_bytes = options.max_gpu_slot_memory;
+  store_options.journal_dir = options.state_dir;  // Apply's undo journal outlives a kill
   if (absl::Status parsed = ParseDeltaBase(options.delta_base, &store_options.delta_base,
                                            &store_options.delta_base_models);
       !parsed.ok()) {

@@ -5,10 +5,12 @@
 
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/faults.h"
 
 namespace refit {
 namespace {
@@ -58,13 +60,18 @@ TEST_CASE("Apply verifies what lands; refitctl verify finds bytes changed later"
   REQUIRE(dst_id.ok());
   REQUIRE(client.Publish("m", 1, {*src_id}).ok());
 
-  // A byte flipped under the copy: DATA_LOSS naming the tensor and buffer; nothing verified.
+  // A byte flipped under the copy: DATA_LOSS naming the tensor and buffer; the undo journal
+  // put every byte back (atomic Apply): the buffer is as it was, nothing verified.
   auto first = client.Apply("m", 1, {*dst_id});
   REQUIRE(first.status().code() == absl::StatusCode::kDataLoss);
   const std::string message(first.status().message());
   INFO(message);
   CHECK(message.find(*dst_id) != std::string::npos);
-  CHECK(message.find("stale") != std::string::npos);
+  CHECK(message.find("put back as it was") != std::string::npos);
+  {
+    const std::vector<uint8_t> zeros(3 * kBytes, 0);
+    CHECK(std::memcmp(dst.data(), zeros.data(), zeros.size()) == 0);
+  }
   CHECK((message.find(": a") != std::string::npos || message.find(": b") != std::string::npos));
   CHECK(Metric(client, "refit_apply_verify_failures_total") == 1);
   const std::string refitctl = testing::RunfilePath("client/refitctl");
@@ -96,6 +103,47 @@ TEST_CASE("Apply verifies what lands; refitctl verify finds bytes changed later"
   CHECK(client.Verify("m").ok());
   CHECK(client.Verify("no-such-model").status().code() == absl::StatusCode::kNotFound);
   CHECK((*daemon)->running());
+}
+
+TEST_CASE("a flipped byte caught by the verified Apply leaves the buffer as it was, 0 mixed",
+          "[integration][verify][faults]") {
+  // Every one of the first kFlips verified Applies sees a byte change under its copy (the test
+  // build's switch): each answers DATA_LOSS and the destination still holds the previous
+  // version's bytes, all of them; then an Apply lands.
+  const int kFlips = 1000;
+  auto daemon = DaemonProcess::Start({}, "", {"REFIT_FAULT_APPLY_FLIP=" + std::to_string(kFlips)});
+  REQUIRE(daemon.ok());
+  auto c = (*daemon)->Connect();
+  REQUIRE(c.ok());
+  auto& client = **c;
+  constexpr int64_t kN = 256 * 1024;  // bf16 "w" (512 KiB), converted to fp32 for "x"
+  auto src = Make("flip-src", 2 * kN * 2, 0x3c);
+  auto src_id = client.RegisterBuffer(
+      "m", v1::SOURCE, src.name(),
+      {Slice("w", v1::BF16, {kN}, 0), Slice("x", v1::BF16, {kN}, kN * 2)}, "trainer");
+  REQUIRE(src_id.ok());
+  auto dst = Make("flip-dst", kN * 2 + kN * 4, 0x11);  // the "previous version"
+  for (uint64_t i = 0; i < dst.size(); ++i) dst.data()[i] = static_cast<uint8_t>(i * 7 + 3);
+  const std::vector<uint8_t> before(dst.data(), dst.data() + dst.size());
+  auto dst_id = client.RegisterBuffer(
+      "m", v1::DESTINATION, dst.name(),
+      {Slice("w", v1::BF16, {kN}, 0), Slice("x", v1::FP32, {kN}, kN * 2)}, "engine");
+  REQUIRE(dst_id.ok());
+  REQUIRE(client.Publish("m", 1, {*src_id}).ok());
+  int mixed = 0, refused = 0;
+  for (int i = 0; i < kFlips; ++i) {
+    auto applied = client.Apply("m", 1, {*dst_id});
+    refused += applied.status().code() == absl::StatusCode::kDataLoss;
+    mixed += std::memcmp(dst.data(), before.data(), before.size()) != 0;
+  }
+  testing::PrintFigureText("verified_apply_flip_mixed",
+                           std::to_string(mixed) + "/" + std::to_string(kFlips));
+  CHECK(refused == kFlips);
+  CHECK(mixed == 0);
+  CHECK(Metric(client, "refit_apply_verify_failures_total") == kFlips);
+  REQUIRE(client.Apply("m", 1, {*dst_id}).ok());
+  CHECK(std::memcmp(dst.data(), src.data(), kN * 2) == 0);
+  CHECK(client.Verify("m").ok());
 }
 
 }  // namespace refit

@@ -83,6 +83,7 @@ void ToProto(const ModelInfo& info, v1::ModelStatus* out) {
     bs->set_last_published_version(b.last_published);
     bs->set_memory(MemoryKindName(b.memory));
     bs->set_error(b.error);
+    bs->set_applied_version(b.applied_version);
   }
 }
 

@@ -228,19 +228,34 @@ grpc::Status RefitService::Publish(grpc::ServerContext*, const v1::PublishReques
   return grpc::Status::OK;
 }
 
+namespace {
+
+// When a waiting RPC must answer so that its reason reaches the caller before the caller's own
+// deadline fires. gRPC sends the deadline as a grpc-timeout header rounded UP to a coarser unit
+// the longer it is (1 ms under 1 s, 10 ms under 10 s, 100 ms under 100 s, 1 s under 1000 s,
+// ...: at most 1 % of it), so the deadline seen here lies up to that much after the caller's:
+// a fixed 50 ms margin let every deadline of 10 s or more fire first at the caller. Early by
+// 1 % and 50 ms (and never more than 5 %): deadlines are honoured within ±10 %
+// (tests/faults_deadline_test, client/python/tests/test_long_deadline.py).
+Clock::time_point AnswerBy(const grpc::ServerContext& context) {
+  const Clock::time_point deadline = SteadyDeadline(context);
+  const Clock::duration left = std::max(deadline - Clock::now(), Clock::duration::zero());
+  const Clock::duration margin =
+      std::min<Clock::duration>(left / 20, left / 100 + std::chrono::milliseconds(50));
+  return deadline - margin;
+}
+
+}  // namespace
+
 grpc::Status RefitService::WaitForVersion(grpc::ServerContext* context,
                                           const v1::WaitForVersionRequest* request,
                                           v1::WaitForVersionResponse* response) {
   // Answer a little before the caller's deadline, so that it reads this daemon's reason
-  // (e.g. "no node has SOURCE buffers") rather than its own bare DEADLINE_EXCEEDED. At most
-  // 5 % (and 50 ms) early: deadlines are honoured within ±10 % (tests/faults_deadline_test).
+  // (e.g. "no node has SOURCE buffers") rather than its own bare DEADLINE_EXCEEDED.
   auto hold = HoldCall("WaitForVersion");
   if (!hold.ok()) return Finish("WaitForVersion", hold.status());
-  const Clock::time_point deadline = SteadyDeadline(*context);
-  const auto margin = std::clamp<Clock::duration>(
-      (deadline - Clock::now()) / 20, Clock::duration::zero(), std::chrono::milliseconds(50));
   auto version = context_.store->WaitForVersion(request->model(), request->min_version(),
-                                                deadline - margin, CancelledOf(context));
+                                                AnswerBy(*context), CancelledOf(context));
   if (!version.ok()) return Finish("WaitForVersion", version.status());
   response->set_version(*version);
   return grpc::Status::OK;
@@ -349,7 +364,7 @@ grpc::Status RefitService::WaitForReplicas(grpc::ServerContext* context,
   if (!hold.ok()) return Finish("WaitForReplicas", hold.status());
   auto reached =
       context_.replicas->WaitFor(request->model(), request->version(), request->min_nodes(),
-                                 SteadyDeadline(*context), CancelledOf(context));
+                                 AnswerBy(*context), CancelledOf(context));
   if (!reached.ok()) return Finish("WaitForReplicas", reached.status());
   response->set_version(reached->version);
   for (const std::string& node : reached->nodes) response->add_nodes(node);

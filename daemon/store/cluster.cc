@@ -260,6 +260,28 @@ void Store::OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fet
 
 void Store::FinishPull(const PullJob& job, absl::Status result,
                        std::vector<std::shared_ptr<Region>> staging) {
+  // Sparse Apply: what changed since the version this node's destinations were given, found
+  // before the version completes, outside the store lock (store_sparse.cc).
+  std::vector<Piece> diffed(staging.size());
+  std::shared_ptr<const Version> diff_base;
+  if (result.ok() && staging.size() == job.fetches.size()) {
+    {
+      common::MutexLock lock(mu_);
+      const Model* model = FindModel(job.model);
+      if (model && model->pulling == job.version) diff_base = DiffBaseFor(*model);
+    }
+    if (diff_base) {
+      std::vector<Piece*> pieces;
+      for (size_t f = 0; f < staging.size(); ++f) {
+        diffed[f].node = job.fetches[f].node;
+        diffed[f].buffer_id = job.fetches[f].buffer_id;
+        diffed[f].slot = staging[f];
+        diffed[f].valid = std::make_shared<const ByteRanges>(job.fetches[f].ranges);
+        pieces.push_back(&diffed[f]);
+      }
+      DiffPieces(pieces, *diff_base);
+    }
+  }
   common::MutexLock lock(mu_);
   Model* model = FindModel(job.model);
   if (!model || model->pulling != job.version) return;
@@ -286,6 +308,11 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
         piece.slot = staging[f];
         pool_->Adopt(piece.slot.get(), model->name);  // the staging slot becomes a held one
         piece.valid = std::make_shared<const ByteRanges>(job.fetches[f].ranges);
+        // Diffed against the version that was newest then; Apply checks the destinations
+        // hold that one.
+        piece.changes = std::move(diffed[f].changes);
+        piece.changes_base = diffed[f].changes_base;
+        piece.compared_bytes = diffed[f].compared_bytes;
       }
     }
   }

@@ -16,6 +16,7 @@
 #include "daemon/plan/convert.h"
 #include "daemon/plan/plan.h"
 #include "daemon/plan/scales.h"
+#include "daemon/store/apply_journal.h"
 #include "daemon/store/store_internal.h"
 
 namespace refit {
@@ -41,9 +42,9 @@ Store::Store(StoreOptions options, Metrics* metrics)
             metrics->Set(kSlotMemoryBytes, static_cast<double>(held));
           })) {
   for (const Counter& counter :
-       {kVersionsCompleted, kApplyBytes, kPublishBytes, kPublishes, kApplies, kVersionsDropped,
-        kVersionsAbandoned, kApplyVerifyFailures, kDeltaBaseFallbacks, kQuantizedValues,
-        kNonfiniteValues}) {
+       {kVersionsCompleted, kApplyBytes, kApplyUndoBytes, kApplySparse, kPublishBytes, kPublishes,
+        kApplies, kVersionsDropped, kVersionsAbandoned, kApplyVerifyFailures, kDeltaBaseFallbacks,
+        kQuantizedValues, kNonfiniteValues}) {
     metrics_->Declare(counter);
   }
   for (const Histogram& histogram :
@@ -61,6 +62,13 @@ Store::Store(StoreOptions options, Metrics* metrics)
         [device](uint64_t size) { return cuda::AllocateDevice(size, device); },
         options_.max_gpu_slot_bytes);
   }
+  auto journal = ApplyJournal::Open(options_.journal_dir);
+  if (!journal.ok()) {
+    Logger("store")->error("{}: Apply's undo journal is kept in memory (a kill is not undone)",
+                           journal.status().ToString());
+    journal = ApplyJournal::Open("");
+  }
+  journal_ = std::move(journal).value();
 }
 
 Store::~Store() {
@@ -163,6 +171,7 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
 
 absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint64_t version,
                                              const std::vector<std::string>& buffer_ids) {
+  std::shared_ptr<const Version> diff_base;
   if (version == 0) return absl::InvalidArgumentError("version must be >= 1");
   std::vector<std::shared_ptr<Buffer>> buffers;
   std::vector<uint64_t> previous;  // each buffer's last published version before this call
@@ -189,6 +198,7 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
       previous.push_back(buffer->last_published);
       buffer->last_published = version;
     }
+    diff_base = DiffBaseFor(*model);  // engines on this node: sparse Apply (store_sparse.cc)
   }
 
   // Snapshot outside the store lock: other models and readers keep going meanwhile.
@@ -205,6 +215,11 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
     return snapped;
   }
   TestHookKillAt("publish");  // test build only: the fault suite's commit point
+  if (diff_base) {
+    std::vector<Piece*> diffed;
+    for (Piece& piece : pieces) diffed.push_back(&piece);
+    DiffPieces(std::move(diffed), *diff_base);
+  }
   metrics_->Add(kPublishBytes, static_cast<double>(bytes));
   metrics_->Add(kPublishes, 1);
   metrics_->Observe(kPublishSeconds, std::chrono::duration<double>(Clock::now() - started).count());
@@ -381,133 +396,10 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
     ASSIGN_OR_RETURN(cached->plan, plan::BuildPlan(derived_sources, derived_dests, plan_options));
     ASSIGN_OR_RETURN(cached->reads, plan::BuildPlan(sources, read_dests, plan_options));
   }
+  cached->dst_extents = DestinationExtents(cached->plan, dests.size());
   metrics_->Observe(kPlanSeconds, std::chrono::duration<double>(Clock::now() - started).count());
   model.plans[key] = cached;
   return std::shared_ptr<const CachedPlan>(cached);
-}
-
-absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t version,
-                                         const std::vector<std::string>& buffer_ids) {
-  const auto started = Clock::now();
-  std::shared_ptr<const Version> source;
-  std::shared_ptr<const CachedPlan> cached;
-  std::vector<std::shared_ptr<Buffer>> dests;
-  {
-    common::MutexLock lock(mu_);
-    if (shutdown_) return absl::UnavailableError("refitd is shutting down");
-    Model* model = FindModel(model_name);
-    if (!model) return absl::NotFoundError(absl::StrCat("model ", model_name, " does not exist"));
-    ASSIGN_OR_RETURN(dests, LookUpBuffers(model_name, Role::kDestination, buffer_ids));
-    for (const auto& d : dests) {
-      if (!d->refused.empty()) return absl::FailedPreconditionError(d->refused);
-    }
-    const uint64_t wanted = version == 0 ? model->latest : version;
-    if (wanted == 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("model ", model_name, " has no complete version on this node yet"));
-    }
-    auto it = model->complete.find(wanted);
-    if (it == model->complete.end()) {
-      // Dropped by --retain: it completed here once (or is older than the history kept).
-      // Otherwise it never completed here (a version a pull skipped for a newer one).
-      const bool dropped =
-          wanted < model->latest &&
-          (model->history.empty() || wanted < model->history.front() ||
-           std::find(model->history.begin(), model->history.end(), wanted) != model->history.end());
-      if (dropped) {
-        return absl::NotFoundError(absl::StrCat("model ", model_name, ": version ", wanted,
-                                                " is no longer held (--retain=", options_.retain,
-                                                "; oldest held is ", model->complete.begin()->first,
-                                                ")"));
-      }
-      if (wanted == model->failed) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "model ", model_name, ": version ", wanted, " was abandoned on this node (",
-            model->failed_status.ToString(), "); latest complete: ", model->latest));
-      }
-      return absl::FailedPreconditionError(
-          absl::StrCat("model ", model_name, ": version ", wanted,
-                       " is not complete on this node (latest complete: ", model->latest, ")"));
-    }
-    source = it->second;
-    ASSIGN_OR_RETURN(cached, PlanFor(*model, *source, dests));
-  }
-  RETURN_IF_ERROR(CheckHeld(*source, cached->Reads()));
-  std::vector<std::shared_ptr<Region>> derived;
-  if (!cached->jobs.empty()) {
-    // Quantized when the version completed; only destinations registered since then wait here.
-    ASSIGN_OR_RETURN(derived, QuantizedSlots(*source, *cached));
-  }
-
-  // Buffers are locked in id order (LookUpBuffers keeps request order; sort for safety).
-  std::vector<Buffer*> order;
-  for (const auto& d : dests) order.push_back(d.get());
-  std::sort(order.begin(), order.end(),
-            [](const Buffer* a, const Buffer* b) { return a->id < b->id; });
-  std::vector<std::unique_lock<common::Mutex>> locks;
-  for (Buffer* b : order) locks.emplace_back(b->io_mu);
-  for (const auto& d : dests) {
-    if (d->region->Broken()) return MemoryWentAway(*d, "");
-  }
-
-  bool all_host = true;
-  for (const Piece& piece : source->pieces) {
-    all_host = all_host && (!piece.slot || piece.slot->kind() == MemoryKind::kHost);
-  }
-  for (const auto& d : dests) all_host = all_host && d->region->kind() == MemoryKind::kHost;
-  if (all_host) {
-    std::vector<const uint8_t*> src;
-    for (const Piece& piece : source->pieces) {
-      src.push_back(piece.slot ? piece.slot->data() : nullptr);
-    }
-    for (const auto& slot : derived) src.push_back(slot->data());
-    std::vector<uint8_t*> dst;
-    for (const auto& d : dests) dst.push_back(d->region->data());
-    // Verified install: each block checked against the version as it lands.
-    const std::vector<size_t> bad = plan::ExecuteAndVerifyOnHost(cached->plan, src, dst);
-    if (!bad.empty()) return NotLanded(*source, cached->plan, bad, dests);
-  } else {
-    // GPU slots or GPU destinations: copies and kernels on the GPU (cuda/).
-    std::vector<const Region*> src;
-    for (const Piece& piece : source->pieces) src.push_back(piece.slot.get());
-    for (const auto& slot : derived) src.push_back(slot.get());
-    std::vector<const Region*> dst;
-    for (const auto& d : dests) dst.push_back(d->region.get());
-    RETURN_IF_ERROR(cuda::ExecutePlan(cached->plan, src, dst));
-  }
-
-  for (const auto& d : dests) {
-    if (d->region->Broken()) {
-      return MemoryWentAway(
-          *d, absl::StrCat(" (the other destination buffers hold version ", source->number, ")"));
-    }
-  }
-  for (const auto& d : dests) d->applied = source->number;
-  locks.clear();
-  metrics_->Add(kApplyBytes, static_cast<double>(cached->plan.dst_bytes));
-  metrics_->Add(kApplies, 1);
-  metrics_->Observe(kApplySeconds, std::chrono::duration<double>(Clock::now() - started).count());
-  ReleaseApplied(model_name, source);  // --delta-base=destination: the destinations hold it now
-  return ApplyResult{source->number, cached->plan.dst_bytes};
-}
-
-absl::Status Store::CheckHeld(const Version& version, const plan::Plan& plan) const {
-  for (const plan::CopyOp& op : plan.ops) {
-    const Piece& piece = version.pieces[op.src_location];
-    if (piece.slot && !piece.valid) continue;
-    if (piece.slot && RangesCover(*piece.valid, op)) continue;
-    if (piece.released) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "version ", version.number,
-          " is held here only in the DESTINATION buffers its Apply "
-          "filled (--delta-base=destination released the held copy): Apply the next version"));
-    }
-    return absl::FailedPreconditionError(absl::StrCat(
-        "version ", version.number, " was pulled for other destination buffers; bytes of ",
-        piece.buffer_id, " on node ", piece.node,
-        " these buffers need are not here (the next version will bring them)"));
-  }
-  return absl::OkStatus();
 }
 
 template <typename Ready>

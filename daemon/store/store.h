@@ -29,6 +29,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -50,6 +51,8 @@ namespace refit {
 
 struct QuantJob;
 class QuantBatch;
+class ApplyJournal;
+struct UndoTarget;
 
 // Where an engine node takes the base a delta is applied to (--delta-base): its held copy of
 // the newest version (kHeld), or its own DESTINATION buffers, which the last Apply filled with
@@ -85,6 +88,15 @@ struct StoreOptions {
   // --delta-base: for every model, and per model (ParseDeltaBase).
   DeltaBase delta_base = DeltaBase::kHeld;
   std::map<std::string, DeltaBase> delta_base_models;
+  // Where Apply keeps its undo journal (apply_journal.h): refitd's --state-dir, so that an
+  // Apply cut short by a kill is undone after the restart; empty: memory (errors are undone,
+  // a kill is not).
+  std::string journal_dir;
+  // Sparse Apply's cost model: one changed run costs about as much as copying this many bytes in
+  // a full Apply (scattered runs are bound by memory latency: ~0.5-1 us each here, where a full
+  // Apply streams ~4-10 GB/s); a sparse Apply runs only when runs x this < the bytes a full
+  // Apply writes. 0: whenever it applies (tests; the test build's REFIT_TEST_SPARSE_ALWAYS).
+  uint64_t sparse_bytes_per_run = 4096;
 };
 
 struct PublishResult {
@@ -95,6 +107,8 @@ struct PublishResult {
 struct ApplyResult {
   uint64_t version = 0;
   uint64_t bytes_written = 0;
+  uint64_t undo_bytes = 0;  // saved in the undo journal before writing (atomic Apply)
+  bool sparse = false;      // only the changed elements were written (sparse Apply)
 };
 
 struct BufferInfo {
@@ -108,6 +122,10 @@ struct BufferInfo {
   // A DESTINATION buffer whose layout disagrees with the model's SOURCE buffers (which
   // registered after it): why Apply refuses it. Empty: usable.
   std::string error;
+  // DESTINATION buffers: the version the buffer holds entirely (its last Apply, verified; or,
+  // after a refitd killed inside an Apply restarted, the version the journal put back); 0: none
+  // known.
+  uint64_t applied_version = 0;
 };
 
 struct ModelInfo {
@@ -502,9 +520,37 @@ class Store {
   absl::Status CheckHeld(const Version& version, const plan::Plan& plan) const;
   // DATA_LOSS for an Apply of `version` whose ops `bad` did not land in `dests` (their
   // tensors named; those buffers marked stale).
+  // `restored`: the undo journal put every destination back as it was before the call.
   absl::Status NotLanded(const Version& version, const plan::Plan& plan,
                          const std::vector<size_t>& bad,
-                         const std::vector<std::shared_ptr<Buffer>>& dests);
+                         const std::vector<std::shared_ptr<Buffer>>& dests, bool restored);
+  // ---- Sparse Apply (store_sparse.cc) ----
+  // The newest complete version of `model` to diff an arriving version's pieces against, when
+  // this node has DESTINATION buffers for it; null otherwise.
+  std::shared_ptr<const Version> DiffBaseFor(const Model& model) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fills `pieces[i].changes` (against `base`'s piece of the same node and buffer, where its
+  // bytes over `pieces[i]`'s valid ranges are held) on up to 8 cores; no store lock held.
+  static void DiffPieces(std::vector<Piece*> pieces, const Version& base);
+  // Sparse Apply of `version` into `dests`, which hold its change map's base entirely: writes
+  // only the destination elements whose source bytes changed, undo-journaled and verified.
+  // nullopt when the sparse path does not apply (then the full Apply runs); an error after the
+  // journal put every byte back.
+  // `base`: the version the destinations hold (null: not held here, no sparse Apply); the bytes
+  // about to be overwritten are checked against it first, so an engine that wrote there since
+  // gets the full copy.
+  std::optional<absl::StatusOr<ApplyResult>> ApplySparse(
+      const Version& version, const std::shared_ptr<const Version>& base, const CachedPlan& cached,
+      const std::vector<std::shared_ptr<Buffer>>& dests);
+  // A successful Apply of `source` into `dests` (their io locks held): applied versions,
+  // metrics, --delta-base=destination's release.
+  ApplyResult Applied(const std::string& model_name, const std::shared_ptr<const Version>& source,
+                      const std::vector<std::shared_ptr<Buffer>>& dests, ApplyResult result,
+                      Clock::time_point started);
+  // What Apply saves before it writes `version` into `dests` with `cached` (apply_journal.h).
+  static std::vector<UndoTarget> UndoTargets(const CachedPlan& cached,
+                                             const std::vector<std::shared_ptr<Buffer>>& dests,
+                                             uint64_t version);
   // The tensors of `dests` that the ops `bad` of `plan` write, by buffer id.
   static std::map<std::string, std::vector<std::string>> TensorsOfOps(
       const plan::Plan& plan, const std::vector<size_t>& bad,
@@ -539,6 +585,7 @@ class Store {
       ABSL_GUARDED_BY(mu_);
   common::CondVar quant_wake_;
   std::thread quantizer_;
+  std::unique_ptr<ApplyJournal> journal_;  // Apply's undo record (atomic Apply)
 };
 
 }  // namespace refit

@@ -12,6 +12,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/plan/plan.h"
 #include "daemon/plan/scales.h"
+#include "daemon/store/apply_journal.h"
 #include "daemon/store/store.h"
 #include "daemon/store/store_internal.h"
 
@@ -101,7 +102,10 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
 
   common::UniqueLock lock(mu_);
   auto& model = models_[model_name];
-  if (!model) {
+  // A refused registration changes nothing: the model is dropped again only when this call
+  // made it (a model known before keeps everything, other nodes' sources included).
+  const bool created = !model;
+  if (created) {
     model = std::make_unique<Model>();
     model->name = model_name;
   }
@@ -124,9 +128,7 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
     }
   }
   if (!consistent.ok()) {
-    if (model->sources.empty() && model->destinations.empty() && model->complete.empty()) {
-      models_.erase(model_name);
-    }
+    if (created) models_.erase(model_name);
     return consistent;
   }
   // A random part makes ids unguessable: another local caller can't name a buffer it wasn't
@@ -157,6 +159,15 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   }
   const std::string id = buffer->id;
   lock.unlock();
+  if (role == Role::kDestination && buffer->region->kind() == MemoryKind::kHost) {
+    // A refitd killed inside an Apply into this memory left its undo record: the bytes go back
+    // before this call is answered, so no call on the model sees the mix (apply_journal.h).
+    common::MutexLock io(buffer->io_mu);
+    if (auto held =
+            journal_->Recover(buffer->memory, buffer->region->data(), buffer->region->size())) {
+      buffer->applied = *held;
+    }
+  }
   if (role == Role::kDestination) ReserveStaging(model_name);
   if (role == Role::kSource) {
     // Warm the slot pool for the versions to come (retain + the one being published): a

@@ -19,6 +19,10 @@
 #include "daemon/store/store.h"
 
 namespace refit {
+// Sparse Apply: byte runs [begin, end) of a piece that differ from the same piece of an earlier
+// version, sorted and disjoint, each from the first to the last differing byte of an 8-byte
+// word (runs of neighbouring words merged).
+using ChangeRuns = std::vector<std::pair<uint64_t, uint64_t>>;
 
 // Runs of ranges peers asked checksums for, by offset: (the run, `publishes` when last asked
 // about).
@@ -75,6 +79,11 @@ struct Store::Piece {
   // --delta-base=destination: `slot` was let go once every DESTINATION buffer held the
   // version; they are its copy now (Model::destination_base).
   bool released = false;
+  // Sparse Apply (store_sparse.cc): what differs from version `changes_base`'s piece of the
+  // same buffer, found as the piece arrived (Publish, FinishPull); null: not diffed.
+  std::shared_ptr<const ChangeRuns> changes;
+  uint64_t changes_base = 0;
+  uint64_t compared_bytes = 0;  // of the piece, diffed
 };
 
 struct Store::Version {
@@ -101,6 +110,9 @@ struct Store::CachedPlan {
   // converted from their sources), for pulls and CheckHeld. Otherwise `plan` says it.
   plan::Plan reads;
   const plan::Plan& Reads() const { return jobs.empty() ? plan : reads; }
+  // Per destination location: the byte ranges `plan` may write there, merged (what an Apply
+  // saves in its undo journal before it writes).
+  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> dst_extents;
 };
 
 // --delta-base=destination: a version whose pulled pieces' held copy was released because every
@@ -184,6 +196,9 @@ void AppendSourceRuns(const plan::CopyOp& op, ByteRanges* out);
 void MergeRanges(ByteRanges* ranges);
 // True when every byte `op` reads from its source lies in `valid` (sorted, merged).
 bool RangesCover(const ByteRanges& valid, const plan::CopyOp& op);
+// Per destination location of `plan` (`locations` of them): the byte extents its ops write,
+// merged.
+std::vector<ByteRanges> DestinationExtents(const plan::Plan& plan, size_t locations);
 
 }  // namespace refit
 

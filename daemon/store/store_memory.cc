@@ -158,7 +158,7 @@ std::vector<ModelInfo> Store::Models() const {
         const Buffer& b = *buffers_.at(id);
         info.buffers.push_back(BufferInfo{b.id, b.role, b.client, b.region->size(),
                                           static_cast<uint32_t>(b.slices.size()), b.last_published,
-                                          b.region->kind(), b.refused});
+                                          b.region->kind(), b.refused, b.applied.load()});
       }
     }
     FillMemory(*model, &info);

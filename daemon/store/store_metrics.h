@@ -10,6 +10,12 @@ inline constexpr Counter kVersionsCompleted{"refit_versions_completed_total",
                                             "Versions that became complete on this node."};
 inline constexpr Counter kApplyBytes{"refit_apply_bytes_total",
                                      "Bytes written into DESTINATION buffers by Apply."};
+inline constexpr Counter kApplyUndoBytes{
+    "refit_apply_undo_bytes_total",
+    "Bytes of DESTINATION buffers saved in the undo journal before Apply wrote them."};
+inline constexpr Counter kApplySparse{
+    "refit_apply_sparse_total",
+    "Applies that wrote only the elements changed since the version the destinations held."};
 inline constexpr Counter kPublishBytes{"refit_publish_bytes_total",
                                        "Bytes snapshotted by Publish."};
 inline constexpr Counter kPublishes{"refit_publish_total", "Publish calls that succeeded."};

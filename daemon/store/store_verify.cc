@@ -59,21 +59,30 @@ std::map<std::string, std::vector<std::string>> Store::TensorsOfOps(
 
 absl::Status Store::NotLanded(const Version& version, const plan::Plan& plan,
                               const std::vector<size_t>& bad,
-                              const std::vector<std::shared_ptr<Buffer>>& dests) {
+                              const std::vector<std::shared_ptr<Buffer>>& dests, bool restored) {
   const auto tensors = TensorsOfOps(plan, bad, dests);
   std::vector<std::string> parts;
   for (const auto& [id, names] : tensors) {
     parts.push_back(absl::StrCat("buffer ", id, ": ", absl::StrJoin(names, ", ")));
   }
-  for (const auto& d : dests) d->applied = 0;  // what landed is not one version throughout
   metrics_->Add(kApplyVerifyFailures, 1);
+  std::string outcome;
+  if (restored) {
+    // The undo journal put every byte back: each buffer holds what it held before the call.
+    outcome =
+        "; every destination buffer was put back as it was before the call (nothing of this "
+        "version is in them): Apply again";
+  } else {
+    for (const auto& d : dests) d->applied = 0;  // what landed is not one version throughout
+    outcome =
+        "; these tensors are stale: Apply again, or Apply the previous version to restore them";
+  }
   const std::string message = absl::StrCat(
       "Apply of version ", version.number,
       ": the bytes that landed differ from the version's "
       "for ",
       absl::StrJoin(parts, "; "),
-      " (something wrote into the destination during the copy, or the memory is faulty); "
-      "these tensors are stale: Apply again, or Apply the previous version to restore them");
+      " (something wrote into the destination during the copy, or the memory is faulty)", outcome);
   Logger("store")->error("{}", message);
   return absl::DataLossError(message);
 }

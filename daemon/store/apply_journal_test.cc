@@ -1,0 +1,174 @@
+// ApplyJournal: an undone Apply leaves the bytes exactly as before; a committed one keeps what it
+// wrote; a process killed while "writing" leaves a record the next journal on the same
+// directory restores from, once, into the same memory.
+
+#include "daemon/store/apply_journal.h"
+
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "catch2/catch.hpp"
+
+namespace refit {
+namespace {
+
+struct TempDir {
+  TempDir() {
+    char t[] = "/tmp/apply-journal-test-XXXXXX";
+    REQUIRE(mkdtemp(t));
+    path = t;
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+  std::string path;
+};
+
+// Memory that outlives a forked child (as an engine's buffer outlives refitd).
+struct Shared {
+  explicit Shared(size_t n) : size(n) {
+    void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(p != MAP_FAILED);
+    data = static_cast<uint8_t*>(p);
+  }
+  ~Shared() { munmap(data, size); }
+  uint8_t* data;
+  size_t size;
+};
+
+void Fill(uint8_t* p, size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  for (size_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(rng());
+}
+
+UndoTarget Target(const std::string& identity, uint8_t* data, uint64_t size,
+                  std::vector<std::pair<uint64_t, uint64_t>> ranges) {
+  UndoTarget t;
+  t.identity = identity;
+  t.data = data;
+  t.size = size;
+  t.prev_version = 6;
+  t.version = 7;
+  t.ranges = std::move(ranges);
+  return t;
+}
+
+TEST_CASE("an undone Apply leaves every byte as it was; a committed one keeps its writes",
+          "[journal]") {
+  const bool on_disk = GENERATE(false, true);
+  TempDir dir;
+  auto journal = ApplyJournal::Open(on_disk ? dir.path : "");
+  REQUIRE(journal.ok());
+  constexpr size_t kSize = 3 << 20;
+  std::vector<uint8_t> a(kSize), b(kSize / 3);
+  Fill(a.data(), a.size(), 1);
+  Fill(b.data(), b.size(), 2);
+  const std::vector<uint8_t> a0 = a, b0 = b;
+  auto begin = [&] {
+    return (*journal)->Begin({Target("a", a.data(), a.size(), {{0, 100}, {4096, kSize}}),
+                              Target("b", b.data(), b.size(), {{10, 11}, {1000, 50000}})});
+  };
+  {
+    auto entry = begin();
+    REQUIRE(entry.ok());
+    CHECK((*entry)->undo_bytes() == 100 + (kSize - 4096) + 1 + 49000);
+    std::memset(a.data(), 0xee, 100);
+    std::memset(a.data() + 4096, 0xee, kSize - 4096);
+    std::memset(b.data() + 1000, 0xee, 49000);
+    b[10] = 0;
+    (*entry)->Restore();
+  }
+  CHECK(a == a0);
+  CHECK(b == b0);
+  {
+    auto entry = begin();
+    REQUIRE(entry.ok());
+    std::memset(b.data() + 1000, 0x11, 49000);
+    // Dropped without Commit: restored as well (an early return fails whole).
+  }
+  CHECK(b == b0);
+  {
+    auto entry = begin();
+    REQUIRE(entry.ok());
+    std::memset(b.data() + 1000, 0x22, 49000);
+    (*entry)->Commit();
+  }
+  CHECK(b[1000] == 0x22);
+  CHECK(a == a0);
+  CHECK((*journal)->PendingRecoveries() == 0);
+}
+
+TEST_CASE("a process killed while writing: the next journal restores the memory, once",
+          "[journal]") {
+  TempDir dir;
+  constexpr size_t kSize = 8 << 20;
+  Shared engine(kSize), other(4096);
+  Fill(engine.data, kSize, 7);
+  Fill(other.data, 4096, 8);
+  std::vector<uint8_t> before(engine.data, engine.data + kSize);
+  std::vector<uint8_t> other_before(other.data, other.data + 4096);
+
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    auto journal = ApplyJournal::Open(dir.path);
+    if (!journal.ok()) _exit(2);
+    auto entry = (*journal)->Begin({Target("engine-mem", engine.data, kSize, {{0, kSize}}),
+                                    Target("other-mem", other.data, 4096, {{0, 4096}})});
+    if (!entry.ok()) _exit(3);
+    std::memset(engine.data, 0x5a, kSize / 2);  // half of the new version landed
+    std::memset(other.data, 0x5a, 4096);
+    kill(getpid(), SIGKILL);
+    _exit(4);
+  }
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  REQUIRE(WIFSIGNALED(status));
+  REQUIRE(engine.data[0] == 0x5a);
+
+  {
+    auto journal = ApplyJournal::Open(dir.path);
+    REQUIRE(journal.ok());
+    CHECK((*journal)->PendingRecoveries() == 2);
+    CHECK_FALSE((*journal)->Recover("someone-else", engine.data, kSize).has_value());
+    CHECK_FALSE((*journal)->Recover("engine-mem", engine.data, kSize - 1).has_value());
+    auto held = (*journal)->Recover("engine-mem", engine.data, kSize);
+    REQUIRE(held.has_value());
+    CHECK(*held == 6);
+    CHECK(std::memcmp(engine.data, before.data(), kSize) == 0);
+    CHECK_FALSE((*journal)->Recover("engine-mem", engine.data, kSize).has_value());
+    CHECK((*journal)->PendingRecoveries() == 1);
+  }
+  // A second restart before "other-mem" registered: only it is restored, not engine-mem again.
+  std::memset(engine.data, 0x77, kSize);  // a newer version applied since
+  {
+    auto journal = ApplyJournal::Open(dir.path);
+    REQUIRE(journal.ok());
+    CHECK((*journal)->PendingRecoveries() == 1);
+    CHECK_FALSE((*journal)->Recover("engine-mem", engine.data, kSize).has_value());
+    CHECK(engine.data[0] == 0x77);
+    CHECK((*journal)->Recover("other-mem", other.data, 4096).has_value());
+    CHECK(std::memcmp(other.data, other_before.data(), 4096) == 0);
+    CHECK((*journal)->PendingRecoveries() == 0);
+  }
+  // Every record done: the journal's files are gone (they live in /dev/shm, named after the
+  // state directory).
+  auto last = ApplyJournal::Open(dir.path);
+  REQUIRE(last.ok());
+  CHECK((*last)->dir() == "/dev/shm");
+  int left = 0;
+  for (const auto& e : std::filesystem::directory_iterator((*last)->dir())) {
+    left += e.path().filename().string().rfind((*last)->tag(), 0) == 0;
+  }
+  CHECK(left == 0);
+}
+
+}  // namespace
+}  // namespace refit

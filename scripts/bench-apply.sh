@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The install benchmark (issue 32): two refitd on temporary sockets act as the trainer's node and
+# the engine's node (UCX shared memory + tcp between them, --state-dir on the engine's node so
+# the undo journal is the one a deployment has), and tests/bench:apply_bench runs sparse Apply
+# beside full Apply and memcpy of the model, in the same run, for each step kind:
+#   --density list (default "0.004 0.01"): the demo's RL-like steps (that fraction of the bf16
+#     elements moves by one unit in the last place);
+#   the real successive versions of ../shared/data/deltas/tiny-llama-lr1e-6 (0.41-0.47 % changed
+#     per step), tiled over the model's bytes.
+# Usage: scripts/bench-apply.sh [--mib 1024] [--versions 6] [--density "0.004 0.01"] [--no-build]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mib=1024
+versions=6
+densities="0.004 0.01"
+build=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --mib) mib="$2"; shift 2 ;;
+    --versions) versions="$2"; shift 2 ;;
+    --density) densities="$2"; shift 2 ;;
+    --no-build) build=0; shift ;;
+    *) echo "bench-apply: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+if [ "$build" = 1 ]; then
+  bazel build //daemon:refitd //daemon:refitd_testing //client:refitctl //tests/bench:apply_bench
+fi
+bin="$(bazel info bazel-bin 2>/dev/null)"
+work=$(mktemp -d /tmp/refit-apply-bench-XXXXXX)
+pids=()
+cleanup() {
+  for pid in "${pids[@]:-}"; do
+    [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+  done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+export UCX_TLS=sm,tcp UCX_POSIX_ERROR_HANDLING=y UCX_SYSV_ERROR_HANDLING=y
+wait_serving() {
+  for _ in $(seq 200); do
+    "$bin/client/refitctl" --socket="$1" status >/dev/null 2>&1 && return 0
+    sleep 0.05
+  done
+  echo "bench-apply: $1 did not serve" >&2
+  exit 1
+}
+run() {
+  local tag="$1"
+  shift
+  "$bin/daemon/refitd" --socket="$work/$tag-t.sock" --listen=127.0.0.1:0 --node=trainer-node --retain=1 \
+    >"$work/$tag-t.log" 2>&1 &
+  local trainer=$!
+  pids+=("$trainer")
+  wait_serving "$work/$tag-t.sock"
+  local port
+  port=$("$bin/client/refitctl" --socket="$work/$tag-t.sock" status --json |
+         /usr/bin/python3 -c 'import json,sys; d=json.load(sys.stdin); print(d.get("listen_port") or d.get("listenPort"))')
+  # The test build of refitd on the engine's node, with REFIT_TEST_SPARSE_ALWAYS: the sparse path
+  # is measured even where refitd's cost model would pick the full copy (it does at these
+  # densities here: see docs/benchmarks.md).
+  REFIT_TEST_SPARSE_ALWAYS=1 "$bin/daemon/refitd_testing" --socket="$work/$tag-e.sock" \
+    --listen=127.0.0.1:0 --node=engine-node \
+    --peers="127.0.0.1:$port" --state-dir="$work/$tag-state" >"$work/$tag-e.log" 2>&1 &
+  local engine=$!
+  pids+=("$engine")
+  wait_serving "$work/$tag-e.sock"
+  "$bin/tests/bench/apply_bench" --trainer-socket="$work/$tag-t.sock" \
+    --engine-socket="$work/$tag-e.sock" --mib="$mib" "$@"
+  kill -TERM "$trainer" "$engine"
+  wait "$trainer" "$engine" 2>/dev/null || true
+  pids=()
+}
+echo "bench-apply: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
+for d in $densities; do
+  echo
+  echo "== RL-like steps, $d of the elements changed per version"
+  run "d$d" --versions="$versions" --density="$d"
+done
+real=../shared/data/deltas/tiny-llama-lr1e-6
+if [ -d "$real" ]; then
+  echo
+  echo "== real versions of $real, tiled over the model"
+  run real --real="$real"
+fi
