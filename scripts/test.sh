@@ -14,7 +14,11 @@ cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 # The Python test environment (torch 2.x, transformers, ...: client/python/requirements-test.txt)
 # in a venv outside the checkout, made once per set of pins (a cold install: about 3 minutes).
-python_env="$(./scripts/install-python-env.sh | tee /dev/stderr | tail -n 1)"
+# (Its output is printed once it is done, not through tee /dev/stderr: reopening a stderr that
+# is a file would write over the start of the log.)
+python_env_out="$(./scripts/install-python-env.sh)"
+echo "$python_env_out"
+python_env="$(tail -n 1 <<< "$python_env_out")"
 
 # Every link in README.md and docs/ resolves inside the repository (a second or so).
 ./scripts/check-doc-links.sh
