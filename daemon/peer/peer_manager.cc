@@ -125,9 +125,11 @@ std::vector<std::string> ResolvePeerAddress(const std::string& address) {
 struct PeerManager::Peer {
   std::string address;
   std::string node;
-  bool connected = false;                // guarded by PeerManager::mu_
-  std::string error;                     // guarded by PeerManager::mu_
-  std::unique_ptr<v1::Peer::Stub> stub;  // set by its thread before `node`, under mu_
+  bool connected = false;  // guarded by PeerManager::mu_
+  std::string error;       // guarded by PeerManager::mu_
+  // Set by its thread before `node`, under mu_; shared with the replica reporter, which calls
+  // through it outside the lock while a reconnect may replace it.
+  std::shared_ptr<v1::Peer::Stub> stub;
   std::shared_ptr<grpc::Channel> channel;
   grpc::ClientContext* stream = nullptr;  // the live Subscribe call, for Stop
   std::thread thread;
@@ -343,6 +345,7 @@ void PeerManager::RunPeer(Peer* peer) {
         peer->connected = true;
         peer->error.clear();
         peer->channel = channel;
+        if (peer->stub) retired_stubs_.push_back(std::move(peer->stub));
         peer->stub = std::move(stub);
         peer->stream = &context;
       }
@@ -467,11 +470,12 @@ void PeerManager::Report() {
       (void)replicas_->Report(node_, relay_, entries);
     }
   }
-  std::vector<std::pair<std::string, v1::Peer::Stub*>> stubs;
+  // Shared, not borrowed: the peer's thread replaces its stub when it reconnects.
+  std::vector<std::pair<std::string, std::shared_ptr<v1::Peer::Stub>>> stubs;
   {
     common::MutexLock lock(mu_);
     for (const auto& peer : peers_) {
-      if (peer->connected && peer->stub) stubs.emplace_back(peer->node, peer->stub.get());
+      if (peer->connected && peer->stub) stubs.emplace_back(peer->node, peer->stub);
     }
   }
   for (const auto& [node, stub] : stubs) {
@@ -586,6 +590,7 @@ void PeerManager::CloseIdle() {
   common::MutexLock opening(open_mu_);
   common::MutexLock lock(mu_);
   if (pulling_) return;  // its stubs may be in use
+  retired_stubs_.clear();
   const auto now = std::chrono::steady_clock::now();
   for (auto it = relays_.begin(); it != relays_.end();) {
     if (now - it->second.used < idle_ && !stop_) {

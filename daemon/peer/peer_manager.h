@@ -105,7 +105,7 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   struct Peer;
   struct Dialed {
     std::shared_ptr<grpc::Channel> channel;
-    std::unique_ptr<v1::Peer::Stub> stub;
+    std::shared_ptr<v1::Peer::Stub> stub;
     v1::HelloResponse who;
   };
   // A channel to `address` and its Hello, checked (a node name; with TLS, its certificate's).
@@ -113,7 +113,7 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   // A relay channel opened on demand: used by pulls, closed when idle (CloseIdle).
   struct Relay {
     std::shared_ptr<grpc::Channel> channel;
-    std::unique_ptr<v1::Peer::Stub> stub;
+    std::shared_ptr<v1::Peer::Stub> stub;
     std::chrono::steady_clock::time_point used;
   };
   v1::Peer::Stub* OpenRelay(const std::string& node);
@@ -160,6 +160,9 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   std::map<std::string, std::string> known_ ABSL_GUARDED_BY(mu_);  // node -> address, learned
   std::map<std::string, std::chrono::steady_clock::time_point> dial_failed_ ABSL_GUARDED_BY(mu_);
   bool pulling_ ABSL_GUARDED_BY(mu_) = false;  // a pull is using channels
+  // Stubs of --peers connections that were replaced by a reconnect while a pull may still hold
+  // them (StubFor hands out plain pointers): kept until no pull is running (CloseIdle).
+  std::vector<std::shared_ptr<v1::Peer::Stub>> retired_stubs_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace refit::peer

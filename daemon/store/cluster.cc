@@ -390,6 +390,17 @@ void Store::ReserveStaging(const std::string& model_name) {
     for (const auto& [node, remote] : model->remotes) {
       for (const SourceLayout& l : remote.sources) {
         if (remote.imported.count(l.buffer_id)) continue;  // a bucket hands over its own slots
+        // Reserved ahead only for what the layout's slices can fill: a peer's layout may claim
+        // a region far larger than its slices (a hostile one: terabytes), and reserving that
+        // here, on the peer's stream thread, would fault it in. A pull still gets its slots
+        // (under --max-slot-memory) when it runs; this is only the head start.
+        uint64_t carried = 0;
+        if (l.slices) {
+          for (const TensorSlice& slice : *l.slices) {
+            carried += slice.NumElements() * DTypeSize(slice.dtype);
+          }
+        }
+        if (l.bytes > 2 * carried + (1ull << 20)) continue;
         sizes.push_back(l.bytes);
         absl::StrAppend(&key, node, "/", l.buffer_id, ":", l.bytes, ",");
       }
