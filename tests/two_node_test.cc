@@ -450,22 +450,32 @@ TEST_CASE("a pull longer than its pin's lease renews it: retention can't recycle
   CHECK(still_pulling_1);  // else the test proves nothing: make the pull slower
   for (uint64_t v = 3; v <= 6; ++v) big.Publish(v, static_cast<int>(v));
 
-  // Version 1 completes, bit-exact.
+  // Version 1 completes, bit-exact. Or, since the pin bounds of issue 37 (one pin per reader
+  // and model; a reader's newer pin lets its older one go), the source may refuse version 1's
+  // remaining reads once the engine pinned a newer version: then version 1 is abandoned with a
+  // refused transfer — never wrong bytes — and the newest version completes bit-exact instead.
+  // (Keeping the pin of a pull in progress is left open: docs/security.md, "Bounded pins".)
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  uint64_t want = 1;
   bool held = false;
   while (!held && std::chrono::steady_clock::now() < deadline) {
     status = inference.client->Status();
     REQUIRE(status.ok());
     for (const auto& m : status->models()) {
-      for (uint64_t v : m.versions()) held |= v == 1;
+      for (uint64_t v : m.versions()) held |= v == want;
       INFO("abandoned " << m.abandoned_version() << ": " << m.abandoned_error());
-      REQUIRE(m.abandoned_version() == 0);
+      if (m.abandoned_version() == 1) {
+        if (want == 1) CHECK(m.abandoned_error().find("transfer") != std::string::npos);
+        want = 6;
+      } else {
+        REQUIRE(m.abandoned_version() == 0);
+      }
     }
     if (!held) std::this_thread::sleep_for(milliseconds(50));
   }
   REQUIRE(held);
-  REQUIRE(inference.client->Apply("big", 1, {inference.id}).ok());
-  CHECK(big.DestinationIs(1));
+  REQUIRE(inference.client->Apply("big", want, {inference.id}).ok());
+  CHECK(big.DestinationIs(static_cast<uint8_t>(want)));
 }
 
 TEST_CASE("a receiver killed mid-transfer doesn't stop the source serving another",
