@@ -8,10 +8,11 @@
 // 128 rows mapped to scale row 0; a per-expert block of a fused [E, N, K] tensor: rows of one
 // expert mapped to r / 128; a per-tensor scale: every row mapped to 0).
 //
-// Two versions that write the same bytes (quantize_kernels_test holds them to each other and to
-// a reference built on plan::ConvertRun): a scalar one, and a vectorized one (AVX2 intrinsics,
-// chosen at run time where the CPU has AVX2; elsewhere it is the scalar one). The GPU version
-// (gpu_quantize.h) is bit-identical too. Thread-safe; the caller owns every buffer.
+// Three versions that write the same bytes (quantize_kernels_test holds them to each other and
+// to a reference built on plan::ConvertRun): a scalar one, an AVX2 one and an AVX-512 one (bf16
+// sources 32 elements a step; other dtypes as AVX2), the best the CPU has chosen at run time
+// (cpuid). The GPU version (gpu_quantize.h) is bit-identical too. Thread-safe; the caller owns
+// every buffer.
 
 #include <cstdint>
 
@@ -40,7 +41,16 @@ struct Fp8BlockRun {
 absl::StatusOr<uint64_t> QuantizeFp8Blocks(const Fp8BlockRun& run);
 absl::StatusOr<uint64_t> QuantizeFp8BlocksScalar(const Fp8BlockRun& run);
 
-// True when QuantizeFp8Blocks runs the AVX2 version on this CPU.
+// True when QuantizeFp8Blocks runs a vectorized version on this CPU.
 bool Fp8BlocksVectorized();
+
+// The versions, by instruction set; QuantizeFp8Blocks runs Fp8BestKernel().
+enum class Fp8Kernel { kScalar, kAvx2, kAvx512 };
+Fp8Kernel Fp8BestKernel();
+const char* Fp8KernelName(Fp8Kernel kernel);
+// True when this CPU can run `kernel`.
+bool Fp8KernelRuns(Fp8Kernel kernel);
+// Quantizes `run` with `kernel`; UNIMPLEMENTED where this CPU cannot run it.
+absl::StatusOr<uint64_t> QuantizeFp8BlocksWith(Fp8Kernel kernel, const Fp8BlockRun& run);
 
 }  // namespace refit::cuda::cpu

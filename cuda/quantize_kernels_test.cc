@@ -1,6 +1,7 @@
-// fp8 block quantization: the vectorized CPU kernel and the scalar one write the same bytes as
-// the reference of the rule (quantize_testing.h), for every block shape the API names, odd
-// sizes, non-finite inputs, and every fp32 quotient class the e4m3 cast distinguishes.
+// fp8 block quantization: the vectorized CPU kernels (AVX2, AVX-512) and the scalar one write
+// the same bytes as the reference of the rule (quantize_testing.h), for every block shape the
+// API names, odd sizes, non-finite inputs, every fp32 quotient class the e4m3 cast
+// distinguishes, and every bf16 dividend against scales of every kind.
 
 #include <cmath>
 #include <cstring>
@@ -39,7 +40,17 @@ struct Result {
   uint64_t nonfinite = 0;
 };
 
-Result Run(bool vectorized, const uint8_t* src, DType dtype, const Case& c,
+// Every version this CPU runs (scalar, AVX2, AVX-512); each test holds them all to the reference.
+std::vector<cpu::Fp8Kernel> Kernels() {
+  std::vector<cpu::Fp8Kernel> out;
+  for (cpu::Fp8Kernel k :
+       {cpu::Fp8Kernel::kScalar, cpu::Fp8Kernel::kAvx2, cpu::Fp8Kernel::kAvx512}) {
+    if (cpu::Fp8KernelRuns(k)) out.push_back(k);
+  }
+  return out;
+}
+
+Result Run(cpu::Fp8Kernel kernel, const uint8_t* src, DType dtype, const Case& c,
            const std::vector<uint32_t>& map, uint64_t scale_rows) {
   const uint64_t col_blocks = (c.cols + c.block_cols - 1) / c.block_cols;
   Result out;
@@ -58,7 +69,7 @@ Result Run(bool vectorized, const uint8_t* src, DType dtype, const Case& c,
   run.dst_row_stride = static_cast<int64_t>(c.cols);
   run.scales = out.scales.data();
   run.scale_row_stride = static_cast<int64_t>(col_blocks);
-  auto n = vectorized ? cpu::QuantizeFp8Blocks(run) : cpu::QuantizeFp8BlocksScalar(run);
+  auto n = cpu::QuantizeFp8BlocksWith(kernel, run);
   REQUIRE(n.ok());
   out.nonfinite = *n;
   return out;
@@ -80,10 +91,10 @@ void CheckBf16(const Case& c, std::vector<uint16_t> x) {
   for (size_t i = 0; i < x.size(); ++i) wide[i] = testing::Bf16ToFloat(x[i]);
   const auto ref = ReferenceQuantize(wide, c.rows, c.cols, c.block_cols, map, scale_rows);
   const auto* src = reinterpret_cast<const uint8_t*>(x.data());
-  for (bool vectorized : {false, true}) {
-    INFO("vectorized " << vectorized << " rows " << c.rows << " cols " << c.cols << " block ["
-                       << c.block_rows << ", " << c.block_cols << "]");
-    const Result got = Run(vectorized, src, DType::kBF16, c, map, scale_rows);
+  for (cpu::Fp8Kernel kernel : Kernels()) {
+    INFO(cpu::Fp8KernelName(kernel) << " rows " << c.rows << " cols " << c.cols << " block ["
+                                    << c.block_rows << ", " << c.block_cols << "]");
+    const Result got = Run(kernel, src, DType::kBF16, c, map, scale_rows);
     REQUIRE(got.q == ref.q);
     RequireSameBits(got.scales, ref.scales);
     REQUIRE(got.nonfinite == ref.nonfinite);
@@ -92,7 +103,7 @@ void CheckBf16(const Case& c, std::vector<uint16_t> x) {
 
 TEST_CASE("fp8 blocks: both CPU kernels match the reference for every block shape",
           "[kernels][fp8]") {
-  INFO("AVX2 on this CPU: " << cpu::Fp8BlocksVectorized());
+  INFO("best kernel on this CPU: " << cpu::Fp8KernelName(cpu::Fp8BestKernel()));
   const std::vector<Case> cases = {
       {256, 256, 128, 128},  // DeepSeek-V3 blocks
       {300, 333, 128, 128},  // partial blocks at both ends
@@ -162,9 +173,9 @@ TEST_CASE("fp8 blocks: fp32 quotients of every class round like plan::ConvertRun
   for (uint64_t r = 0; r < rows; ++r) map[r] = static_cast<uint32_t>(r);
   const auto ref = ReferenceQuantize(x, rows, cols, cols, map, rows);
   const Case c{rows, cols, 1, cols};
-  for (bool vectorized : {false, true}) {
+  for (cpu::Fp8Kernel kernel : Kernels()) {
     const Result got =
-        Run(vectorized, reinterpret_cast<const uint8_t*>(x.data()), DType::kFP32, c, map, rows);
+        Run(kernel, reinterpret_cast<const uint8_t*>(x.data()), DType::kFP32, c, map, rows);
     REQUIRE(got.q == ref.q);
     RequireSameBits(got.scales, ref.scales);
   }
@@ -175,7 +186,7 @@ TEST_CASE("fp8 blocks: quotients next to the cast's rounding points, scales not 
   // Every row is one block whose first element fixes amax (s = amax / 448, rarely a power of
   // two), and the others are the fp32 values whose quotients land on, and a few patterns either
   // side of, the midpoints between neighbouring e4m3 values (normal and subnormal ones), the
-  // subnormal boundary 2^-6 and 448 (where the vectorized kernel clamps instead of testing).
+  // subnormal boundary 2^-6 and 448 (where the vectorized kernels' rounding by addition changes binade).
   std::mt19937_64 rng(7);
   std::uniform_real_distribution<float> amaxes(1e-3f, 10.0f);
   std::uniform_int_distribution<int> exponent(-6, 8), mantissa(0, 7), delta(-8, 8);
@@ -211,9 +222,9 @@ TEST_CASE("fp8 blocks: quotients next to the cast's rounding points, scales not 
   std::vector<uint32_t> map(rows);
   for (uint64_t r = 0; r < rows; ++r) map[r] = static_cast<uint32_t>(r);
   const auto ref = ReferenceQuantize(x, rows, cols, cols, map, rows);
-  for (bool vectorized : {false, true}) {
-    INFO("vectorized " << vectorized);
-    const Result got = Run(vectorized, reinterpret_cast<const uint8_t*>(x.data()), DType::kFP32,
+  for (cpu::Fp8Kernel kernel : Kernels()) {
+    INFO(cpu::Fp8KernelName(kernel));
+    const Result got = Run(kernel, reinterpret_cast<const uint8_t*>(x.data()), DType::kFP32,
                            {rows, cols, 1, cols}, map, rows);
     REQUIRE(got.q == ref.q);
     RequireSameBits(got.scales, ref.scales);
@@ -240,14 +251,134 @@ TEST_CASE("fp8 blocks: fp16 and fp8 sources, rows mapped to shared scale rows", 
     plan::ConvertRun(raw.data(), dtype, 1, reinterpret_cast<uint8_t*>(wide.data()), DType::kFP32, 1,
                      rows * k);
     const auto ref = ReferenceQuantize(wide, rows, k, 16, map, experts * per_expert);
-    for (bool vectorized : {false, true}) {
-      INFO(DTypeName(dtype) << " vectorized " << vectorized);
+    for (cpu::Fp8Kernel kernel : Kernels()) {
+      INFO(DTypeName(dtype) << " " << cpu::Fp8KernelName(kernel));
       const Result got =
-          Run(vectorized, raw.data(), dtype, {rows, k, 16, 16}, map, experts * per_expert);
+          Run(kernel, raw.data(), dtype, {rows, k, 16, 16}, map, experts * per_expert);
       REQUIRE(got.q == ref.q);
       RequireSameBits(got.scales, ref.scales);
       REQUIRE(got.nonfinite == ref.nonfinite);
     }
+  }
+}
+
+TEST_CASE("fp8 blocks: every bf16 dividend against scales of every kind", "[kernels][fp8]") {
+  // One row per amax, one block per row (65,536 columns: the AVX-512 path): the amax first, then
+  // every bf16 pattern whose magnitude is at most it (both signs, so every quotient the scale can
+  // meet, ties of the cast included), the rest zeros. The amaxes give normal scales (powers of
+  // two and not), 448 (a scale of exactly 1), the largest finite bf16, and bf16 subnormals and
+  // tiny normals whose scales are fp32 subnormals (the vectorized kernels' general path).
+  std::vector<uint16_t> amaxes = {0x3f80, 0x43e0, 0x7f7f, 0x0080, 0x0001, 0x007f,
+                                  0x0a00, 0x3c00, 0x3ba3, 0x4111, 0x1234, 0x0000};
+  std::mt19937_64 rng(11);
+  for (int i = 0; i < 12; ++i) amaxes.push_back(static_cast<uint16_t>(rng() % 0x7f80));
+  const uint64_t cols = 65536, rows = amaxes.size();
+  std::vector<uint16_t> x(rows * cols, 0);
+  for (uint64_t r = 0; r < rows; ++r) {
+    x[r * cols] = amaxes[r];
+    uint64_t col = 1;
+    for (uint32_t p = 0; p < 65536 && col < cols; ++p) {
+      if ((p & 0x7fff) <= amaxes[r]) x[r * cols + col++] = static_cast<uint16_t>(p);
+    }
+  }
+  CheckBf16({rows, cols, 1, cols}, x);
+}
+
+TEST_CASE("fp8 blocks: fp32 blocks whose scale is zero or subnormal", "[kernels][fp8]") {
+  // amax 2^-149 gives a scale of 0 (0 / 0 is NaN: code 0x7f; 2^-149 / 0 is inf: 0x7e), amaxes
+  // of a few hundred 2^-149 give subnormal scales whose quotients pass 448.
+  const uint64_t cols = 64;
+  const std::vector<uint32_t> amax_bits = {1,   2,   3,    100,        224,
+                                           225, 448, 1000, 0x00800000, 0x01000000};
+  const uint64_t rows = amax_bits.size();
+  std::vector<float> x(rows * cols, 0.0f);
+  std::mt19937_64 rng(5);
+  for (uint64_t r = 0; r < rows; ++r) {
+    for (uint64_t c = 0; c < cols; ++c) {
+      const uint32_t bits =
+          c == 0 ? amax_bits[r] : static_cast<uint32_t>(rng() % (amax_bits[r] + 1));
+      float f;
+      std::memcpy(&f, &bits, 4);
+      x[r * cols + c] = c % 3 == 1 ? -f : f;
+    }
+  }
+  std::vector<uint32_t> map(rows);
+  for (uint64_t r = 0; r < rows; ++r) map[r] = static_cast<uint32_t>(r);
+  const auto ref = ReferenceQuantize(x, rows, cols, cols, map, rows);
+  for (cpu::Fp8Kernel kernel : Kernels()) {
+    INFO(cpu::Fp8KernelName(kernel));
+    const Result got = Run(kernel, reinterpret_cast<const uint8_t*>(x.data()), DType::kFP32,
+                           {rows, cols, 1, cols}, map, rows);
+    REQUIRE(got.q == ref.q);
+    RequireSameBits(got.scales, ref.scales);
+  }
+}
+
+TEST_CASE("fp8 blocks: random bf16 bits, odd shapes, strided rows", "[kernels][fp8]") {
+  // Random patterns (inf and NaN included, about one in 256) in blocks of 32 columns and more
+  // (the AVX-512 path, with masked tails) and fewer, rows read at a stride past their width.
+  std::mt19937_64 rng(21);
+  const std::vector<Case> cases = {{128, 256, 128, 128}, {129, 300, 64, 128},  {33, 95, 32, 32},
+                                   {7, 1000, 1, 48},     {200, 129, 100, 129}, {5, 77, 2, 33},
+                                   {16, 40, 16, 7},      {3, 31, 3, 31}};
+  for (const Case& c : cases) {
+    const uint64_t stride = c.cols + 13;
+    std::vector<uint16_t> x(c.rows * stride);
+    for (auto& v : x) {
+      v = static_cast<uint16_t>(rng());
+      if ((v & 0x7f80) == 0x7f80 && rng() % 32 != 0) v &= 0xbfff;  // keep inf/NaN rare
+    }
+    std::vector<uint32_t> map(c.rows);
+    for (uint64_t r = 0; r < c.rows; ++r) map[r] = static_cast<uint32_t>(r / c.block_rows);
+    const uint64_t scale_rows = (c.rows + c.block_rows - 1) / c.block_rows;
+    std::vector<float> wide(c.rows * c.cols);
+    for (uint64_t r = 0; r < c.rows; ++r) {
+      for (uint64_t col = 0; col < c.cols; ++col) {
+        wide[r * c.cols + col] = testing::Bf16ToFloat(x[r * stride + col]);
+      }
+    }
+    const auto ref = ReferenceQuantize(wide, c.rows, c.cols, c.block_cols, map, scale_rows);
+    for (cpu::Fp8Kernel kernel : Kernels()) {
+      INFO(cpu::Fp8KernelName(kernel) << " rows " << c.rows << " cols " << c.cols << " block ["
+                                      << c.block_rows << ", " << c.block_cols << "]");
+      const uint64_t col_blocks = (c.cols + c.block_cols - 1) / c.block_cols;
+      std::vector<uint8_t> q(c.rows * c.cols, 0xAA);
+      std::vector<float> scales(scale_rows * col_blocks, -1.0f);
+      cpu::Fp8BlockRun run;
+      run.src = reinterpret_cast<const uint8_t*>(x.data());
+      run.src_dtype = DType::kBF16;
+      run.rows = c.rows;
+      run.cols = c.cols;
+      run.src_row_stride = static_cast<int64_t>(stride);
+      run.block_cols = c.block_cols;
+      run.scale_row_of = map.data();
+      run.scale_rows = scale_rows;
+      run.dst = q.data();
+      run.dst_row_stride = static_cast<int64_t>(c.cols);
+      run.scales = scales.data();
+      run.scale_row_stride = static_cast<int64_t>(col_blocks);
+      auto n = cpu::QuantizeFp8BlocksWith(kernel, run);
+      REQUIRE(n.ok());
+      REQUIRE(*n == ref.nonfinite);
+      REQUIRE(q == ref.q);
+      RequireSameBits(scales, ref.scales);
+    }
+  }
+}
+
+TEST_CASE("fp8 blocks: the best kernel is the one QuantizeFp8Blocks runs", "[kernels][fp8]") {
+  REQUIRE(cpu::Fp8KernelRuns(cpu::Fp8Kernel::kScalar));
+  REQUIRE(cpu::Fp8KernelRuns(cpu::Fp8BestKernel()));
+  REQUIRE(cpu::Fp8BlocksVectorized() == (cpu::Fp8BestKernel() != cpu::Fp8Kernel::kScalar));
+#if defined(__x86_64__)
+  REQUIRE(cpu::Fp8KernelRuns(cpu::Fp8Kernel::kAvx512) ==
+          (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2")));
+#endif
+  for (cpu::Fp8Kernel k : {cpu::Fp8Kernel::kAvx2, cpu::Fp8Kernel::kAvx512}) {
+    if (cpu::Fp8KernelRuns(k)) continue;
+    cpu::Fp8BlockRun run;
+    REQUIRE(cpu::QuantizeFp8BlocksWith(k, run).status().code() == absl::StatusCode::kUnimplemented);
   }
 }
 

@@ -93,13 +93,23 @@ void KernelFigures() {
                              static_cast<int64_t>(cols),
                              scales.data(),
                              static_cast<int64_t>(cols / 128)};
-  std::vector<double> memcpy_s, vec_s, scalar_s, memcpy_cpu, vec_cpu;
+  // memcpy and each vectorized kernel this CPU runs, interleaved, medians of 9; the scalar twin
+  // three times.
+  std::vector<cuda::cpu::Fp8Kernel> kernels;
+  for (auto k : {cuda::cpu::Fp8Kernel::kAvx512, cuda::cpu::Fp8Kernel::kAvx2}) {
+    if (cuda::cpu::Fp8KernelRuns(k)) kernels.push_back(k);
+  }
+  std::vector<double> memcpy_s, scalar_s, memcpy_cpu;
+  std::vector<std::vector<double>> vec_s(kernels.size()), vec_cpu(kernels.size());
   for (int i = 0; i < 9; ++i) {
     double cpu;
     memcpy_s.push_back(Time([&] { std::memcpy((*copy)->data(), (*src)->data(), bytes); }, &cpu));
     memcpy_cpu.push_back(cpu);
-    vec_s.push_back(Time([&] { (void)cuda::cpu::QuantizeFp8Blocks(run); }, &cpu));
-    vec_cpu.push_back(cpu);
+    for (size_t k = 0; k < kernels.size(); ++k) {
+      vec_s[k].push_back(
+          Time([&] { (void)cuda::cpu::QuantizeFp8BlocksWith(kernels[k], run); }, &cpu));
+      vec_cpu[k].push_back(cpu);
+    }
     if (i < 3) scalar_s.push_back(Time([&] { (void)cuda::cpu::QuantizeFp8BlocksScalar(run); }));
   }
   const double gb = bytes / 1e9;
@@ -109,10 +119,14 @@ void KernelFigures() {
       rows, cols, bytes / 1048576.0);
   std::printf("  memcpy of the bf16 bytes   %7.2f GB/s (%5.2f)  (reference)\n",
               gb / Median(memcpy_s), gb / Median(memcpy_cpu));
-  std::printf(
-      "  quantize, %-15s %7.2f GB/s (%5.2f) of bf16 = %.2fx memcpy (%.2fx) (goal >= 0.5x)\n",
-      cuda::cpu::Fp8BlocksVectorized() ? "AVX2" : "scalar only", gb / Median(vec_s),
-      gb / Median(vec_cpu), Median(memcpy_s) / Median(vec_s), Median(memcpy_cpu) / Median(vec_cpu));
+  for (size_t k = 0; k < kernels.size(); ++k) {
+    std::printf(
+        "  quantize, %-8s%s %7.2f GB/s (%5.2f) of bf16 = %.2fx memcpy (%.2fx) (goal >= 0.5x)\n",
+        cuda::cpu::Fp8KernelName(kernels[k]),
+        kernels[k] == cuda::cpu::Fp8BestKernel() ? " (used)" : "       ", gb / Median(vec_s[k]),
+        gb / Median(vec_cpu[k]), Median(memcpy_s) / Median(vec_s[k]),
+        Median(memcpy_cpu) / Median(vec_cpu[k]));
+  }
   std::printf("  quantize, scalar twin      %7.2f GB/s of bf16 = %.2fx memcpy\n",
               gb / Median(scalar_s), Median(memcpy_s) / Median(scalar_s));
 }
