@@ -186,7 +186,8 @@ TEST_CASE("fp8 blocks: quotients next to the cast's rounding points, scales not 
   // Every row is one block whose first element fixes amax (s = amax / 448, rarely a power of
   // two), and the others are the fp32 values whose quotients land on, and a few patterns either
   // side of, the midpoints between neighbouring e4m3 values (normal and subnormal ones), the
-  // subnormal boundary 2^-6 and 448 (where the vectorized kernels' rounding by addition changes binade).
+  // subnormal boundary 2^-6 and 448 (where the vectorized kernels' rounding by addition changes
+  // binade).
   std::mt19937_64 rng(7);
   std::uniform_real_distribution<float> amaxes(1e-3f, 10.0f);
   std::uniform_int_distribution<int> exponent(-6, 8), mantissa(0, 7), delta(-8, 8);

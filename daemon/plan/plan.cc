@@ -182,6 +182,33 @@ class PlanBuilder {
     return absl::OkStatus();
   }
 
+  // Appends the ops of `pair` (BuildPlan's overload with pairs).
+  absl::Status AddPair(const SlicePair& pair) {
+    if (absl::Status status = CheckPlaced(pair.source, "source"); !status.ok()) return status;
+    if (absl::Status status = CheckPlaced(pair.destination, "destination"); !status.ok()) {
+      return status;
+    }
+    const TensorSlice& s = *pair.source.slice;
+    const TensorSlice& d = *pair.destination.slice;
+    if (s.offsets.size() != d.offsets.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", d.name, ": paired with a source of another rank"));
+    }
+    const Box box = SliceBox(d);
+    Box inside;
+    if (!Intersect(box, SliceBox(s), &inside) || inside.lo != box.lo || inside.hi != box.hi) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", d.name, ": its paired source does not hold all of it"));
+    }
+    if (s.dtype != d.dtype) {
+      if (absl::Status status = CheckConvertible(s.dtype, d.dtype); !status.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor ", d.name, ": ", status.message()));
+      }
+    }
+    Emit(pair.source, pair.destination, box);
+    return absl::OkStatus();
+  }
+
   Plan Take() { return std::move(plan_); }
 
  private:
@@ -372,6 +399,19 @@ absl::StatusOr<Plan> BuildPlan(const std::vector<PlacedSlice>& sources,
                                const PlanOptions& options) {
   PlanBuilder builder(options);
   if (absl::Status status = builder.Build(sources, destinations); !status.ok()) return status;
+  return builder.Take();
+}
+
+absl::StatusOr<Plan> BuildPlan(const std::vector<PlacedSlice>& sources,
+                               const std::vector<PlacedSlice>& destinations,
+                               const PlanOptions& options, const std::vector<SlicePair>& pairs) {
+  PlanBuilder builder(options);
+  if (!destinations.empty()) {
+    if (absl::Status status = builder.Build(sources, destinations); !status.ok()) return status;
+  }
+  for (const SlicePair& pair : pairs) {
+    if (absl::Status status = builder.AddPair(pair); !status.ok()) return status;
+  }
   return builder.Take();
 }
 

@@ -86,6 +86,20 @@ absl::StatusOr<Plan> BuildPlan(const std::vector<PlacedSlice>& sources,
                                const std::vector<PlacedSlice>& destinations,
                                const PlanOptions& options);
 
+// Addition: a destination slice and the one source slice the caller matched to it, which holds
+// every element of it (names are not compared: the caller knows they are the same tensor).
+struct SlicePair {
+  PlacedSlice source;
+  PlacedSlice destination;
+};
+// BuildPlan(sources, destinations, options), then the ops of each of `pairs` after those (no
+// name lookups, no choice among replicas: what fills many destinations one for one, such as a
+// node's quantized fp8 slots, costs one op each). A pair whose source does not hold the whole
+// destination, or whose ranks or dtypes don't go together: INVALID_ARGUMENT.
+absl::StatusOr<Plan> BuildPlan(const std::vector<PlacedSlice>& sources,
+                               const std::vector<PlacedSlice>& destinations,
+                               const PlanOptions& options, const std::vector<SlicePair>& pairs);
+
 // Runs `plan` on host memory: `src[i]` / `dst[i]` is the base address of location i. Converts
 // dtypes where an op asks for it. The caller guarantees every op lies inside its locations.
 void ExecuteOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,

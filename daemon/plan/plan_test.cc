@@ -451,3 +451,57 @@ TEST_CASE("thousands of FSDP shards in scrambled order plan quickly", "[plan][sc
 
 }  // namespace
 }  // namespace refit::plan
+
+namespace refit::plan {
+namespace {
+
+TensorSlice PairSlice(const std::string& name, std::vector<int64_t> offsets,
+                      std::vector<int64_t> sizes, std::vector<int64_t> strides, uint64_t at) {
+  TensorSlice s;
+  s.name = name;
+  s.dtype = DType::kBF16;
+  s.global_shape = {8, 16};
+  s.offsets = std::move(offsets);
+  s.sizes = std::move(sizes);
+  s.buffer_strides = std::move(strides);
+  s.buffer_offset = at;
+  return s;
+}
+
+TEST_CASE("paired destinations plan like BuildPlan, without matching names", "[plan]") {
+  // Source: the whole [8, 16] tensor; destinations: two row bands, one strided. Paired under
+  // another name, they get the ops BuildPlan gives them by name.
+  const TensorSlice whole = PairSlice("w", {0, 0}, {8, 16}, {16, 1}, 0);
+  TensorSlice renamed = whole;
+  renamed.name = "renamed";
+  const TensorSlice top = PairSlice("w", {0, 0}, {4, 16}, {32, 1}, 64);
+  const TensorSlice bottom = PairSlice("w", {4, 0}, {4, 16}, {16, 1}, 0);
+  PlanOptions options;
+  options.multi_row_ops = true;
+  auto by_name = BuildPlan({{&whole, 0, 0}}, {{&top, 0, 0}, {&bottom, 1, 0}}, options);
+  REQUIRE(by_name.ok());
+  auto paired = BuildPlan({}, {}, options,
+                          {{{&renamed, 0, 0}, {&top, 0, 0}}, {{&renamed, 0, 0}, {&bottom, 1, 0}}});
+  REQUIRE(paired.ok());
+  REQUIRE(paired->ops == by_name->ops);
+  REQUIRE(paired->src_bytes == by_name->src_bytes);
+  // Named destinations first, then the pairs.
+  auto mixed =
+      BuildPlan({{&whole, 0, 0}}, {{&top, 0, 0}}, options, {{{&renamed, 0, 0}, {&bottom, 1, 0}}});
+  REQUIRE(mixed.ok());
+  REQUIRE(mixed->ops == by_name->ops);
+}
+
+TEST_CASE("a pair whose source does not hold its destination is refused", "[plan]") {
+  const TensorSlice half = PairSlice("w", {0, 0}, {4, 16}, {16, 1}, 0);
+  const TensorSlice whole = PairSlice("w", {0, 0}, {8, 16}, {16, 1}, 0);
+  auto plan = BuildPlan({}, {}, PlanOptions(), {{{&half, 0, 0}, {&whole, 0, 0}}});
+  REQUIRE(plan.status().code() == absl::StatusCode::kInvalidArgument);
+  TensorSlice other = whole;
+  other.dtype = DType::kINT32;
+  plan = BuildPlan({}, {}, PlanOptions(), {{{&whole, 0, 0}, {&other, 0, 0}}});
+  REQUIRE(plan.status().code() == absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace refit::plan

@@ -7,6 +7,8 @@
 // plan includes it) until it is released and registered again with the sources' layout.
 
 #include <map>
+#include <string_view>
+#include <unordered_map>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -20,15 +22,39 @@
 namespace refit {
 namespace {
 
-// A slice already registered for the model, with who registered it (for messages).
+// A slice already registered for the model, with who registered it (for messages, spelled out
+// only when one is written: 100,000 slices make no 100,000 strings).
 struct Registered {
   const TensorSlice* slice = nullptr;
-  std::string who;  // e.g. "SOURCE buffer n1/llama/src-1 (client trainer-rank0)"
+  const std::string* id = nullptr;
+  const std::string* client = nullptr;  // null: a SOURCE buffer on node `*node`
+  const std::string* node = nullptr;
+  // e.g. "SOURCE buffer n1/llama/src-1 (client trainer-rank0)"
+  std::string Who() const {
+    if (client) {
+      return absl::StrCat("SOURCE buffer ", *id, " (client ", client->empty() ? "unnamed" : *client,
+                          ")");
+    }
+    return absl::StrCat("SOURCE buffer ", *id, " on node ", *node);
+  }
 };
 
-std::string Who(const std::string& role, const std::string& id, const std::string& client) {
-  return absl::StrCat(role, " buffer ", id, " (client ", client.empty() ? "unnamed" : client, ")");
-}
+// Tensors by name, the names pointing into the slices (which outlive the map).
+template <typename T>
+using ByName = std::unordered_map<std::string_view, T>;
+
+// The tensors of SourcesOf held by SOURCE buffers on this node.
+class LocalSources : public ScaleMaps::SourceNames {
+ public:
+  explicit LocalSources(const ByName<Registered>& sources) : sources_(sources) {}
+  bool Has(std::string_view name) const override {
+    auto it = sources_.find(name);
+    return it != sources_.end() && it->second.client != nullptr;
+  }
+
+ private:
+  const ByName<Registered>& sources_;
+};
 
 std::string Shape(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
@@ -39,33 +65,32 @@ std::string Shape(const std::vector<int64_t>& shape) {
 std::string DestinationConflict(const TensorSlice& slice, const Registered& source) {
   if (source.slice->global_shape != slice.global_shape) {
     return absl::StrCat("tensor ", slice.name, ": global_shape ", Shape(slice.global_shape),
-                        " disagrees with ", Shape(source.slice->global_shape), " of ", source.who);
+                        " disagrees with ", Shape(source.slice->global_shape), " of ",
+                        source.Who());
   }
   absl::Status convertible = plan::CheckConvertible(source.slice->dtype, slice.dtype);
   if (!convertible.ok()) {
     return absl::StrCat("tensor ", slice.name, ": ", convertible.message(), " (the source is ",
-                        source.who, ")");
+                        source.Who(), ")");
   }
   return "";
 }
 
 // Every SOURCE slice of `model` by tensor name, here and on other nodes (the first one seen).
 template <typename Buffers>
-std::map<std::string, Registered> SourcesOf(
-    const Buffers& buffers, const std::set<std::string>& local,
-    const std::map<std::string, std::vector<SourceLayout>>& remote) {
-  std::map<std::string, Registered> out;
+ByName<Registered> SourcesOf(const Buffers& buffers, const std::set<std::string>& local,
+                             const std::map<std::string, std::vector<SourceLayout>>& remote) {
+  ByName<Registered> out;
   for (const std::string& id : local) {
     const auto& buffer = *buffers.at(id);
     for (const TensorSlice& s : buffer.slices) {
-      out.emplace(s.name, Registered{&s, Who("SOURCE", buffer.id, buffer.client)});
+      out.emplace(s.name, Registered{&s, &buffer.id, &buffer.client, nullptr});
     }
   }
   for (const auto& [node, layouts] : remote) {
     for (const SourceLayout& layout : layouts) {
       for (const TensorSlice& s : *layout.slices) {
-        out.emplace(s.name, Registered{&s, absl::StrCat("SOURCE buffer ", layout.buffer_id,
-                                                        " on node ", node)});
+        out.emplace(s.name, Registered{&s, &layout.buffer_id, nullptr, &node});
       }
     }
   }
@@ -76,33 +101,13 @@ std::map<std::string, Registered> SourcesOf(
 
 absl::Status Store::CheckAgainstModel(const Model& model, Role role,
                                       const std::vector<TensorSlice>& slices) const {
-  {
-    // fp8 destinations with block scales: their scale tensors, shapes and blocks
-    // (CheckScaleLayout, store_quant.cc).
-    std::map<std::string, const TensorSlice*> source_of;
-    std::multimap<std::string, const TensorSlice*> dest_of;
-    std::multimap<std::string, const TensorSlice*> scaled_by;  // scale tensor -> fp8 slices
-    for (const auto* ids : {&model.sources, &model.destinations}) {
-      for (const std::string& id : *ids) {
-        const Buffer& buffer = *buffers_.at(id);
-        for (const TensorSlice& s : buffer.slices) {
-          if (buffer.role == Role::kSource) {
-            source_of.emplace(s.name, &s);
-          } else {
-            dest_of.emplace(s.name, &s);
-            if (plan::IsScaled(s)) scaled_by.emplace(s.scale_tensor, &s);
-          }
-        }
-      }
-    }
-    RETURN_IF_ERROR(CheckScaleLayout(model.name, role, slices, source_of, dest_of, scaled_by));
-  }
   std::map<std::string, std::vector<SourceLayout>> remote;
   for (const auto& [node, r] : model.remotes) {
     if (!r.sources.empty()) remote[node] = r.sources;
   }
-  std::map<std::string, Registered> sources = SourcesOf(buffers_, model.sources, remote);
-  std::map<std::string, const TensorSlice*> request;  // this request's slices, by tensor
+  ByName<Registered> sources = SourcesOf(buffers_, model.sources, remote);
+  ByName<const TensorSlice*> request;  // this request's slices, by tensor (the first of each)
+  request.reserve(slices.size());
   for (const TensorSlice& s : slices) {
     auto [mine, first] = request.emplace(s.name, &s);
     if (!first &&
@@ -112,6 +117,25 @@ absl::Status Store::CheckAgainstModel(const Model& model, Role role,
                        Shape(mine->second->global_shape), " ", DTypeName(mine->second->dtype),
                        " and ", Shape(s.global_shape), " ", DTypeName(s.dtype), ")"));
     }
+  }
+  bool scaled = !model.scale_tensors.empty();
+  for (size_t i = 0; i < slices.size() && !scaled; ++i) scaled = plan::IsScaled(slices[i]);
+  if (scaled) {
+    // fp8 destinations with block scales: their scale tensors, shapes and blocks
+    // (CheckScaleLayout, store_quant.cc). Nothing to check where neither the model nor the
+    // request has any.
+    ScaleMaps::ByNameMulti dest_of;
+    ScaleMaps::ByNameMulti scaled_by;  // scale tensor -> fp8 slices
+    for (const std::string& id : model.destinations) {
+      for (const TensorSlice& s : buffers_.at(id)->slices) {
+        dest_of.emplace(s.name, &s);
+        if (plan::IsScaled(s)) scaled_by.emplace(s.scale_tensor, &s);
+      }
+    }
+    RETURN_IF_ERROR(CheckScaleLayout(model.name, role, slices, LocalSources(sources), request,
+                                     dest_of, scaled_by));
+  }
+  for (const TensorSlice& s : slices) {
     auto src = sources.find(s.name);
     if (role == Role::kDestination) {
       if (src == sources.end()) continue;  // no source of it yet: checked when one comes
@@ -129,13 +153,13 @@ absl::Status Store::CheckAgainstModel(const Model& model, Role role,
       if (other.global_shape != s.global_shape) {
         return absl::InvalidArgumentError(absl::StrCat(
             "tensor ", s.name, ": global_shape ", Shape(s.global_shape), " disagrees with ",
-            Shape(other.global_shape), " of ", src->second.who, ", registered first for model ",
+            Shape(other.global_shape), " of ", src->second.Who(), ", registered first for model ",
             model.name, "; every SOURCE slice of a tensor names the whole tensor's shape"));
       }
       if (other.dtype != s.dtype) {
         return absl::InvalidArgumentError(absl::StrCat(
             "tensor ", s.name, ": dtype ", DTypeName(s.dtype), " disagrees with ",
-            DTypeName(other.dtype), " of ", src->second.who, ", registered first for model ",
+            DTypeName(other.dtype), " of ", src->second.Who(), ", registered first for model ",
             model.name, "; every SOURCE slice of a tensor has the same dtype"));
       }
       continue;
@@ -149,7 +173,7 @@ void Store::RecheckDestinations(Model& model) {
   for (const auto& [node, r] : model.remotes) {
     if (!r.sources.empty()) remote[node] = r.sources;
   }
-  const std::map<std::string, Registered> sources = SourcesOf(buffers_, model.sources, remote);
+  const ByName<Registered> sources = SourcesOf(buffers_, model.sources, remote);
   bool changed = false;
   for (const std::string& id : model.destinations) {
     Buffer& buffer = *buffers_.at(id);

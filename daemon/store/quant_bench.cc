@@ -2,9 +2,10 @@
 //   1. the CPU kernel on one core (vectorized and scalar) beside memcpy of the same bf16 bytes;
 //   2. publish -> complete -> Apply of a bf16 model into an fp8 engine ([128, 128] block
 //      scales) beside the same into a bf16 engine, through the store on one node;
-//   3. the same with the model cut into many tensors beside one tensor of the same bytes.
-// Usage: quant_bench [model MiB (1024)] [tensors for part 3 (100000)] [versions (5)]
-//                    [parts to run (123)]
+//   3. the same with the model cut into many tensors beside one tensor of the same bytes;
+//   4. RegisterBuffer and plan building for many fp8 tensors with scales beside bf16 ones.
+// Usage: quant_bench [model MiB (1024)] [tensors for parts 3, 4 (100000)] [versions (5)]
+//                    [parts to run (123; 4 on request)]
 
 #include <algorithm>
 #include <chrono>
@@ -132,6 +133,7 @@ void KernelFigures() {
 }
 
 struct Run {
+  double register_dst_s = 0;  // of register_s: the DESTINATION buffer
   double register_s = 0, plan_s = 0, publish_s = 0, complete_s = 0, apply_s = 0, total_s = 0;
   double plan_build_s = 0;  // of plan_s: building the plans (refit_plan_seconds)
   double quantize_s = 0;    // per version: quantizing (refit_quantize_seconds, mean)
@@ -204,12 +206,15 @@ Run Measure(uint64_t tensors, uint64_t rows, uint64_t cols, bool fp8, int versio
       }
       src_ids.push_back(*a);
     }
-    auto b = store.RegisterBuffer("m", Role::kDestination, std::move(*dst_region), dst_slices, "e");
-    if (!b.ok()) {
-      std::fprintf(stderr, "register: %s\n", b.status().ToString().c_str());
-      std::abort();
-    }
-    dst_id = *b;
+    run.register_dst_s = Time([&] {
+      auto b =
+          store.RegisterBuffer("m", Role::kDestination, std::move(*dst_region), dst_slices, "e");
+      if (!b.ok()) {
+        std::fprintf(stderr, "register: %s\n", b.status().ToString().c_str());
+        std::abort();
+      }
+      dst_id = *b;
+    });
   });
   std::vector<double> publish, complete, apply, total, plan;
   for (int v = 1; v <= versions + 1; ++v) {
@@ -316,6 +321,32 @@ int main(int argc, char** argv) {
       PrintRun(q ? "fp8, many tensors" : "bf16, many tensors", lots, &one);
     }
     std::printf("  goal: many tensors <= 1.2x one tensor\n");
+  }
+  if (parts.find('4') != std::string::npos) {
+    // 4. Registration and plans of `many` tensors, fp8 + scales beside bf16, alternating, medians
+    // of `versions` runs (each registers a fresh store).
+    const uint64_t bytes = tensors * 32 * 1048576;
+    const uint64_t cols = std::max<uint64_t>(1, bytes / 2 / many / 128);
+    std::vector<double> reg[2], reg_dst[2], plans[2];
+    for (int i = 0; i < versions; ++i) {
+      for (int q = 0; q < 2; ++q) {
+        const Run r = Measure(many, 128, cols, q == 1, 1);
+        reg[q].push_back(r.register_s);
+        reg_dst[q].push_back(r.register_dst_s);
+        plans[q].push_back(r.plan_build_s);
+      }
+    }
+    std::printf(
+        "\n4. %lu tensors of [128, %lu]: RegisterBuffer (SOURCE + DESTINATION; of it the "
+        "DESTINATION) and building the first Apply's plans, medians of %d\n",
+        many, cols, versions);
+    std::printf("  bf16 (reference)        register %7.4f s (dst %7.4f)  plans %7.4f s\n",
+                Median(reg[0]), Median(reg_dst[0]), Median(plans[0]));
+    std::printf(
+        "  fp8 + [128,128] scales  register %7.4f s (dst %7.4f)  plans %7.4f s\n"
+        "  fp8 / bf16              register %.2fx (dst %.2fx)  plans %.2fx  (goal <= 1.2x)\n",
+        Median(reg[1]), Median(reg_dst[1]), Median(plans[1]), Median(reg[1]) / Median(reg[0]),
+        Median(reg_dst[1]) / Median(reg_dst[0]), Median(plans[1]) / Median(plans[0]));
   }
   return 0;
 }

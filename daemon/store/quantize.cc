@@ -222,6 +222,18 @@ std::shared_ptr<const QuantBatch> QuantBatch::Make(
           absl::StrCat("tensor ", job.tensor, ": no source to quantize from"));
       continue;
     }
+    if (sources.size() == 1) {
+      const TensorSlice& only = *sources[0].slice;
+      bool holds = only.offsets.size() == job.fp8.offsets.size();
+      for (size_t d = 0; holds && d < only.offsets.size(); ++d) {
+        holds = only.offsets[d] <= job.fp8.offsets[d] &&
+                job.fp8.offsets[d] + job.fp8.sizes[d] <= only.offsets[d] + only.sizes[d];
+      }
+      if (holds) {
+        job.only_piece = sources[0].piece;
+        job.only_index = static_cast<uint32_t>(sources[0].slice - pieces[sources[0].piece]->data());
+      }
+    }
     const DType dtype = sources[0].slice->dtype;
     if (!IsFloat(dtype)) {
       batch->job_errors_[j] = absl::FailedPreconditionError(absl::StrCat(

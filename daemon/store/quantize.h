@@ -35,6 +35,12 @@ struct QuantJob {
   TensorSlice fp8;
   TensorSlice scales;
   uint64_t bytes = 0;  // of the derived slot
+  // Where the layout the batch was made from holds the tensor in one slice only, and that slice
+  // holds the whole box: its piece and its index in the piece's slices (what Apply reads of the
+  // sources for this job, without a plan to choose among replicas); else kNoSource.
+  static constexpr uint32_t kNoSource = ~uint32_t{0};
+  uint32_t only_piece = kNoSource;
+  uint32_t only_index = 0;
 };
 
 // The names the plan uses for a scaled destination slice and for a slice of a scale tensor

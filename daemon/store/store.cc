@@ -369,32 +369,8 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
   if (cached->jobs.empty() && model.scale_tensors.empty()) {
     ASSIGN_OR_RETURN(cached->plan, plan::BuildPlan(sources, destinations, plan_options));
   } else {
-    // Scaled fp8 slices and the scale tensors come from the derived slots (renamed so that
-    // only those can fill them); what must be held of the sources is planned without them.
-    std::vector<TensorSlice> renamed;
-    renamed.reserve(destinations.size());
-    std::vector<plan::PlacedSlice> derived_dests;
-    std::vector<plan::PlacedSlice> read_dests;
-    for (const plan::PlacedSlice& d : destinations) {
-      const bool scaled = plan::IsScaled(*d.slice);
-      const bool scale = model.scale_tensors.count(d.slice->name) > 0;
-      if (!scale) read_dests.push_back(d);
-      if (!scaled && !scale) {
-        derived_dests.push_back(d);
-        continue;
-      }
-      renamed.push_back(*d.slice);
-      renamed.back().name = scaled ? QuantPlanName(*d.slice) : ScalePlanName(d.slice->name);
-      derived_dests.push_back({&renamed.back(), d.location, d.node});
-    }
-    std::vector<plan::PlacedSlice> derived_sources = sources;
-    const uint32_t first = static_cast<uint32_t>(version.pieces.size());
-    for (const QuantJob* job : cached->jobs) {
-      derived_sources.push_back({&job->fp8, first, 0});
-      derived_sources.push_back({&job->scales, first, 0});
-    }
-    ASSIGN_OR_RETURN(cached->plan, plan::BuildPlan(derived_sources, derived_dests, plan_options));
-    ASSIGN_OR_RETURN(cached->reads, plan::BuildPlan(sources, read_dests, plan_options));
+    ASSIGN_OR_RETURN(std::tie(cached->plan, cached->reads),
+                     QuantPlans(model, version, sources, destinations, *cached, plan_options));
   }
   cached->dst_extents = DestinationExtents(cached->plan, dests.size());
   metrics_->Observe(kPlanSeconds, std::chrono::duration<double>(Clock::now() - started).count());

@@ -45,6 +45,8 @@
 
 namespace refit::plan {
 struct Plan;
+struct PlacedSlice;
+struct PlanOptions;
 }  // namespace refit::plan
 
 namespace refit {
@@ -509,6 +511,13 @@ class Store {
   // Runs `batch` for `version` (no store lock held); `partial`: QuantCache::Run.
   absl::StatusOr<std::shared_ptr<Region>> RunQuantBatch(
       const Version& version, const std::shared_ptr<const QuantBatch>& batch, bool partial);
+  // The two plans of destinations with fp8 scaled slices (mu_ held): the copy from the version's
+  // pieces and the derived slot (`cached.jobs`, at location version.pieces.size()), and what
+  // that needs held of the pieces.
+  absl::StatusOr<std::pair<plan::Plan, plan::Plan>> QuantPlans(
+      const Model& model, const Version& version, const std::vector<plan::PlacedSlice>& sources,
+      const std::vector<plan::PlacedSlice>& destinations, const CachedPlan& cached,
+      const plan::PlanOptions& options) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The model's batch for a source layout (mu_ held): every DESTINATION buffer's jobs.
   std::shared_ptr<const QuantBatch> QuantBatchFor(
       Model& model, const std::string& layout_key,

@@ -9,6 +9,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -204,15 +205,27 @@ std::vector<ByteRanges> DestinationExtents(const plan::Plan& plan, size_t locati
 
 namespace refit {
 
-// RegisterBuffer's checks of fp8 slices with scales against the model (`source_of`,
-// `dest_of`: its registered slices by tensor; `scaled_by`: its scaled fp8 slices by scale
-// tensor): a scaled slice's scale tensor is registered (earlier, or in `slices`) as FP32
-// DESTINATION slices of the scale shape and is no source tensor; a new slice of a scale tensor
-// fits the tensors it scales; a source never provides a scale tensor. INVALID_ARGUMENT.
+// RegisterBuffer's checks of fp8 slices with scales against the model (`source_of`: its
+// tensors held by local SOURCE buffers; `dest_of`: its DESTINATION slices by tensor; `scaled_by`:
+// its scaled fp8 slices by scale tensor): a scaled slice's scale tensor is registered (earlier, or
+// in `slices`) as FP32 DESTINATION slices of the scale shape and is no source tensor; a new slice
+// of a scale tensor fits the tensors it scales; a source never provides a scale tensor.
+// INVALID_ARGUMENT. The maps are keyed by views of the slices' names (the slices outlive them);
+// `request`: the first of `slices` of each tensor.
+struct ScaleMaps {
+  using ByName = std::unordered_map<std::string_view, const TensorSlice*>;
+  using ByNameMulti = std::unordered_multimap<std::string_view, const TensorSlice*>;
+  class SourceNames {  // tensors of the model's SOURCE buffers on this node
+   public:
+    virtual ~SourceNames() = default;
+    virtual bool Has(std::string_view tensor) const = 0;
+  };
+};
 absl::Status CheckScaleLayout(const std::string& model, Role role,
                               const std::vector<TensorSlice>& slices,
-                              const std::map<std::string, const TensorSlice*>& source_of,
-                              const std::multimap<std::string, const TensorSlice*>& dest_of,
-                              const std::multimap<std::string, const TensorSlice*>& scaled_by);
+                              const ScaleMaps::SourceNames& source_of,
+                              const ScaleMaps::ByName& request,
+                              const ScaleMaps::ByNameMulti& dest_of,
+                              const ScaleMaps::ByNameMulti& scaled_by);
 
 }  // namespace refit

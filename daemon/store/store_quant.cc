@@ -2,7 +2,11 @@
 // quantizer thread that quantizes a version before it completes (partly while its local pieces
 // are still being published), and the derived slot Apply copies from (quantize.h).
 #include <algorithm>
+#include <deque>
+#include <string_view>
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -15,9 +19,10 @@ namespace refit {
 
 absl::Status CheckScaleLayout(const std::string& model, Role role,
                               const std::vector<TensorSlice>& slices,
-                              const std::map<std::string, const TensorSlice*>& source_of,
-                              const std::multimap<std::string, const TensorSlice*>& dest_of,
-                              const std::multimap<std::string, const TensorSlice*>& scaled_by) {
+                              const ScaleMaps::SourceNames& source_of,
+                              const ScaleMaps::ByName& request,
+                              const ScaleMaps::ByNameMulti& dest_of,
+                              const ScaleMaps::ByNameMulti& scaled_by) {
   if (role == Role::kSource) {
     for (const TensorSlice& s : slices) {
       if (scaled_by.count(s.name)) {
@@ -28,34 +33,35 @@ absl::Status CheckScaleLayout(const std::string& model, Role role,
     }
     return absl::OkStatus();
   }
-  // The request's own slices by name, and its scaled slices by scale tensor.
-  std::multimap<std::string, const TensorSlice*> named;
-  std::multimap<std::string, const TensorSlice*> scaled_here;  // fp8 slices by scale tensor
+  // The request's scaled slices by scale tensor.
+  ScaleMaps::ByNameMulti scaled_here;
+  scaled_here.reserve(slices.size());
   for (const TensorSlice& s : slices) {
-    named.emplace(s.name, &s);
     if (plan::IsScaled(s)) scaled_here.emplace(s.scale_tensor, &s);
   }
   for (const TensorSlice& s : slices) {
     // A slice of a scale tensor that fp8 slices (earlier or in this request) name.
-    using ByScale = std::multimap<std::string, const TensorSlice*>;
+    using ByScale = ScaleMaps::ByNameMulti;
     const ByScale* both[] = {&scaled_by, &scaled_here};
     for (const ByScale* by : both) {
+      if (by->empty()) continue;
       auto [first, last] = by->equal_range(s.name);
       for (auto it = first; it != last; ++it) {
         RETURN_IF_ERROR(plan::CheckScaleSlice(*it->second, s));
       }
     }
     if (!plan::IsScaled(s)) continue;
-    if (source_of.count(s.scale_tensor)) {
+    if (source_of.Has(s.scale_tensor)) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor ", s.name, ": its scale_tensor ", s.scale_tensor,
                        " is a source tensor of model ", model, "; scales come from quantization"));
     }
-    auto [d_first, d_last] = dest_of.equal_range(s.scale_tensor);
+    auto [d_first, d_last] = dest_of.empty() ? std::make_pair(dest_of.end(), dest_of.end())
+                                             : dest_of.equal_range(s.scale_tensor);
     for (auto it = d_first; it != d_last; ++it) {
       RETURN_IF_ERROR(plan::CheckScaleSlice(s, *it->second));
     }
-    if (d_first == d_last && named.count(s.scale_tensor) == 0) {
+    if (d_first == d_last && request.count(s.scale_tensor) == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor ", s.name, ": scale_tensor ", s.scale_tensor, " is not registered for model ",
           model, " (register its DESTINATION slices in this buffer or an earlier one)"));
@@ -80,6 +86,99 @@ std::shared_ptr<const QuantBatch> Store::QuantBatchFor(
   cached->batch = QuantBatch::Make(slices, pieces);
   model.plans[key] = cached;
   return cached->batch;
+}
+
+absl::StatusOr<std::pair<plan::Plan, plan::Plan>> Store::QuantPlans(
+    const Model& model, const Version& version, const std::vector<plan::PlacedSlice>& sources,
+    const std::vector<plan::PlacedSlice>& destinations, const CachedPlan& cached,
+    const plan::PlanOptions& options) {
+  // Scaled fp8 slices and the scale tensors come from the derived slot (location `slot`): each
+  // scaled slice from its job's fp8 bytes, paired one for one (no name lookups), and each slice
+  // of a scale tensor from the job whose scales hold it, where one does. What is left (plain
+  // destinations, scale slices spread over several jobs) is planned by name, the derived
+  // slices renamed so that only those can fill them.
+  const uint32_t slot = static_cast<uint32_t>(version.pieces.size());
+  std::unordered_map<std::string_view, std::vector<const QuantJob*>> jobs_of_scale;
+  for (const QuantJob* job : cached.jobs) {
+    jobs_of_scale[std::string_view(job->scales.name).substr(3)].push_back(job);  // ScalePlanName
+  }
+  std::vector<plan::SlicePair> derived_pairs;
+  std::vector<plan::SlicePair> read_pairs;
+  std::deque<TensorSlice> renamed;  // stable addresses
+  std::vector<plan::PlacedSlice> derived_rest;
+  std::vector<plan::PlacedSlice> read_rest;
+  std::unordered_set<std::string_view> rest_names;  // of derived_rest and read_rest
+  bool rest_scales = false;  // derived_rest holds scale slices: all jobs' scales are sources
+  for (const plan::PlacedSlice& d : destinations) {
+    const TensorSlice& slice = *d.slice;
+    if (plan::IsScaled(slice)) {
+      const QuantJob* job = cached.batch->JobOf(&slice);
+      if (!job) return absl::InternalError(absl::StrCat("no quantization of ", slice.name));
+      derived_pairs.push_back({{&job->fp8, slot, 0}, d});
+      // What Apply needs held of the sources: the job's one source slice, or a plan's choice.
+      const TensorSlice* only = nullptr;
+      if (job->only_piece < version.pieces.size()) {
+        const std::vector<TensorSlice>& held = *version.pieces[job->only_piece].slices;
+        if (job->only_index < held.size() && held[job->only_index].name == slice.name) {
+          only = &held[job->only_index];
+        }
+      }
+      if (only) {
+        read_pairs.push_back({{only, job->only_piece, 0}, d});
+      } else {
+        read_rest.push_back(d);
+        rest_names.insert(slice.name);
+      }
+      continue;
+    }
+    if (model.scale_tensors.count(slice.name) > 0) {
+      const QuantJob* holder = nullptr;
+      auto jobs = jobs_of_scale.find(slice.name);
+      if (jobs != jobs_of_scale.end()) {
+        for (const QuantJob* job : jobs->second) {
+          bool holds = true;
+          for (size_t k = 0; holds && k < slice.offsets.size(); ++k) {
+            holds =
+                k < job->scales.offsets.size() && job->scales.offsets[k] <= slice.offsets[k] &&
+                slice.offsets[k] + slice.sizes[k] <= job->scales.offsets[k] + job->scales.sizes[k];
+          }
+          if (holds && job->scales.offsets.size() == slice.offsets.size()) {
+            holder = job;
+            break;
+          }
+        }
+      }
+      if (holder) {
+        derived_pairs.push_back({{&holder->scales, slot, 0}, d});
+      } else {
+        renamed.push_back(slice);
+        renamed.back().name = ScalePlanName(slice.name);
+        derived_rest.push_back({&renamed.back(), d.location, d.node});
+        rest_names.insert(renamed.back().name);
+        rest_scales = true;
+      }
+      continue;
+    }
+    derived_rest.push_back(d);
+    read_rest.push_back(d);
+    rest_names.insert(slice.name);
+  }
+  // The sources the rest is planned from: those of its tensors only.
+  std::vector<plan::PlacedSlice> rest_sources;
+  if (!rest_names.empty()) {
+    for (const plan::PlacedSlice& s : sources) {
+      if (rest_names.count(s.slice->name)) rest_sources.push_back(s);
+    }
+  }
+  std::vector<plan::PlacedSlice> derived_sources = rest_sources;
+  if (rest_scales) {
+    for (const QuantJob* job : cached.jobs) derived_sources.push_back({&job->scales, slot, 0});
+  }
+  std::pair<plan::Plan, plan::Plan> out;
+  ASSIGN_OR_RETURN(out.first,
+                   plan::BuildPlan(derived_sources, derived_rest, options, derived_pairs));
+  ASSIGN_OR_RETURN(out.second, plan::BuildPlan(rest_sources, read_rest, options, read_pairs));
+  return out;
 }
 
 absl::StatusOr<std::shared_ptr<Region>> Store::RunQuantBatch(
