@@ -296,6 +296,7 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
     model->failed_status = result.ok() ? absl::InternalError("a pull returned no staging") : result;
     metrics_->Add(kVersionsAbandoned, 1);
     model->pending.erase(job.version);
+    model->early_quant.erase(job.version);  // blocks quantized as they landed go with it
     changed_.NotifyAll();
     // A newer version announced during the pull waited for it to end: take it now, rather
     // than at the next announcement (which may never come).

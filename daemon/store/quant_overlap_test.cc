@@ -315,3 +315,132 @@ TEST_CASE("fp8 batching: 20,000 small tensors are a few tasks, each value quanti
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+TEST_CASE("fp8 overlap: a pulled version is quantized block by block as its bytes land",
+          "[store][fp8]") {
+  // Three bf16 tensors of 4 MiB in the trainer's one piece: three quantization tasks. As the
+  // pull lands the piece's bytes, each task runs once the bytes it reads are all there; a range
+  // fetched again (its checksum failed) has its blocks quantized again from the new bytes; the
+  // version becomes visible only when FinishPull completes it, with the bytes of quantizing
+  // what passed.
+  constexpr int64_t rows = 2048, cols = 1024;
+  constexpr uint64_t elements = rows * cols, tensor_bytes = 2 * elements;
+  constexpr uint64_t scales = (rows / 128) * (cols / 128);
+  Metrics metrics;
+  StoreOptions options = Options();
+  options.node = "engine";
+  std::vector<PullJob> jobs;
+  refit::testing::PullRecorder recorder(&jobs);
+  Store store(options, &metrics);
+  store.AddListener(&recorder);
+  uint8_t* dst;
+  std::vector<TensorSlice> dst_slices;
+  std::vector<TensorSlice> src_slices;
+  for (uint64_t t = 0; t < 3; ++t) {
+    const std::string name = "w" + std::to_string(t);
+    TensorSlice q = Slice(name, DType::kFP8E4M3, {rows, cols}, {}, {}, t * elements);
+    q.scale_tensor = name + "_scale_inv";
+    q.scale_block = {128, 128};
+    dst_slices.push_back(q);
+    dst_slices.push_back(Slice(name + "_scale_inv", DType::kFP32, {rows / 128, cols / 128}, {}, {},
+                               3 * elements + t * 4 * scales));
+    TensorSlice w = Slice(name, DType::kBF16, {rows, cols}, {0, 0}, {rows, cols}, t * tensor_bytes);
+    w.buffer_strides = {cols, 1};
+    src_slices.push_back(w);
+  }
+  auto dst_id = store.RegisterBuffer("m", Role::kDestination,
+                                     Host(3 * elements + 12 * scales, &dst), dst_slices, "engine");
+  REQUIRE(dst_id.ok());
+  store.SetRemoteSources(
+      "trainer", "m",
+      {{"trainer-1", std::make_shared<std::vector<TensorSlice>>(src_slices), 3 * tensor_bytes}});
+  REQUIRE(store.QuantizesWhilePulling("m"));
+  store.AnnounceRemoteVersion("trainer", "m", 1, {{"trainer-1", "key", 3 * tensor_bytes}}, {});
+  REQUIRE(jobs.size() == 1);
+  const PullJob& job = jobs.back();
+  auto slot = store.AcquireSlot(3 * tensor_bytes);
+  REQUIRE(slot.ok());
+  std::vector<std::vector<uint16_t>> x;
+  for (uint64_t t = 0; t < 3; ++t) x.push_back(RandomBf16(elements, 300 + t));
+  uint8_t* staged = (*slot)->data();
+  std::memset(staged, 0x3c, tensor_bytes);  // tensor 0 lands wrong first
+  std::memcpy(staged + tensor_bytes, x[1].data(), tensor_bytes);
+  using Ranges = std::vector<std::pair<uint64_t, uint64_t>>;
+  // Tensor 0 and part of tensor 1 landed: only tensor 0's task can run.
+  store.QuantizeLanded(job, {*slot}, {Ranges{{0, tensor_bytes + 4096}}}, {});
+  CHECK(metrics.Get(kQuantizedValues) == static_cast<double>(elements));
+  // Tensor 1 landed too.
+  store.QuantizeLanded(job, {*slot}, {Ranges{{0, 2 * tensor_bytes}}}, {});
+  CHECK(metrics.Get(kQuantizedValues) == static_cast<double>(2 * elements));
+  CHECK(store.LatestVersion("m") == 0);  // nothing visible while the pull runs
+  // Tensor 0's bytes failed their checksum and were fetched again; tensor 2 landed.
+  std::memcpy(staged, x[0].data(), tensor_bytes);
+  std::memcpy(staged + 2 * tensor_bytes, x[2].data(), tensor_bytes);
+  store.QuantizeLanded(job, {*slot}, {Ranges{{0, 3 * tensor_bytes}}}, {Ranges{{4096, 8192}}});
+  CHECK(metrics.Get(kQuantizedValues) == static_cast<double>(4 * elements));
+  CHECK(store.LatestVersion("m") == 0);
+  store.FinishPull(job, absl::OkStatus(), {*slot});
+  REQUIRE(store.WaitForVersion("m", 1, Clock::now() + milliseconds(10000), nullptr).ok());
+  CHECK(metrics.Get(kQuantizedValues) == static_cast<double>(4 * elements));  // nothing left
+  REQUIRE(store.Apply("m", 1, {*dst_id}).ok());
+  for (uint64_t t = 0; t < 3; ++t) {
+    INFO("tensor " << t);
+    const auto ref = Reference(x[t].data(), rows, cols);
+    REQUIRE(std::vector<uint8_t>(dst + t * elements, dst + (t + 1) * elements) == ref.q);
+    std::vector<float> got(scales);
+    std::memcpy(got.data(), dst + 3 * elements + t * 4 * scales, 4 * scales);
+    for (uint64_t i = 0; i < scales; ++i) {
+      REQUIRE(cuda::testing::FloatBits(got[i]) == cuda::testing::FloatBits(ref.scales[i]));
+    }
+  }
+}
+
+TEST_CASE("fp8 overlap: a failed pull leaves no blocks quantized as they landed", "[store][fp8]") {
+  Metrics metrics;
+  StoreOptions options = Options();
+  options.node = "engine";
+  std::vector<PullJob> jobs;
+  refit::testing::PullRecorder recorder(&jobs);
+  Store store(options, &metrics);
+  store.AddListener(&recorder);
+  uint8_t* dst;
+  TensorSlice q = Slice("w", DType::kFP8E4M3, {kRows, kCols}, {}, {}, 0);
+  q.scale_tensor = "w_scale_inv";
+  q.scale_block = {128, 128};
+  auto dst_id = store.RegisterBuffer(
+      "m", Role::kDestination, Host(kElements + 4 * kScales, &dst),
+      {q, Slice("w_scale_inv", DType::kFP32, {2, 3}, {}, {}, kElements)}, "engine");
+  REQUIRE(dst_id.ok());
+  TensorSlice w = Slice("w", DType::kBF16, {kRows, kCols}, {0, 0}, {kRows, kCols}, 0);
+  w.buffer_strides = {kCols, 1};
+  store.SetRemoteSources(
+      "trainer", "m",
+      {{"trainer-1", std::make_shared<std::vector<TensorSlice>>(std::vector<TensorSlice>{w}),
+        kElements * 2}});
+  store.AnnounceRemoteVersion("trainer", "m", 1, {{"trainer-1", "key", kElements * 2}}, {});
+  REQUIRE(jobs.size() == 1);
+  auto slot = store.AcquireSlot(kElements * 2);
+  REQUIRE(slot.ok());
+  std::memset((*slot)->data(), 0x3c, kElements * 2);
+  store.QuantizeLanded(jobs[0], {*slot}, {{{0, kElements * 2}}}, {});
+  CHECK(metrics.Get(kQuantizedValues) == static_cast<double>(kElements));
+  store.FinishPull(jobs[0], absl::DataLossError("checksums"), {});
+  CHECK(store.LatestVersion("m") == 0);
+  // The next version quantizes all of its own bytes: nothing of the failed one is reused.
+  store.AnnounceRemoteVersion("trainer", "m", 2, {{"trainer-1", "key", kElements * 2}}, {});
+  REQUIRE(jobs.size() == 2);
+  const std::vector<uint16_t> x = RandomBf16(kElements, 77);
+  auto slot2 = store.AcquireSlot(kElements * 2);
+  REQUIRE(slot2.ok());
+  std::memcpy((*slot2)->data(), x.data(), kElements * 2);
+  store.FinishPull(jobs[1], absl::OkStatus(), {*slot2});
+  REQUIRE(store.WaitForVersion("m", 2, Clock::now() + milliseconds(10000), nullptr).ok());
+  REQUIRE(store.Apply("m", 2, {*dst_id}).ok());
+  REQUIRE(std::vector<uint8_t>(dst, dst + kElements) == Reference(x.data(), kRows, kCols).q);
+}
+
+}  // namespace
+}  // namespace refit

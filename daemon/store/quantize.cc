@@ -322,6 +322,29 @@ std::shared_ptr<const QuantBatch> QuantBatch::Make(
         task_bytes = 0;
       }
       task_bytes += bytes;
+      // The bytes the band reads, for a task to wait on while a pull lands them.
+      std::vector<Extent>& extents = batch->tasks_.back().extents;
+      auto add = [&extents](uint32_t piece, uint64_t begin, uint64_t end) {
+        if (!extents.empty() && extents.back().piece == piece && begin >= extents.back().begin &&
+            begin <= extents.back().end) {
+          extents.back().end = std::max(extents.back().end, end);
+        } else {
+          extents.push_back({piece, begin, end});
+        }
+      };
+      const uint64_t elem = DTypeSize(dtype);
+      if (direct) {
+        const Band::Direct& d = band.direct[0];
+        const uint64_t row_bytes =
+            d.row_stride > 0 ? static_cast<uint64_t>(d.row_stride) * elem : 0;
+        add(d.piece, d.offset, d.offset + (rows - 1) * row_bytes + g.cols * elem);
+      } else {
+        for (const plan::CopyOp& op : band.gather->ops) {
+          const uint64_t last = (op.rows - 1) * static_cast<uint64_t>(op.src_row_stride) +
+                                (op.count - 1) * static_cast<uint64_t>(op.src_stride) + 1;
+          add(op.src_location, op.src_offset, op.src_offset + last * elem);
+        }
+      }
       batch->bands_.push_back(std::move(band));
       batch->tasks_.back().end_band = batch->bands_.size();
     }
@@ -378,7 +401,54 @@ absl::StatusOr<uint64_t> RunBand(const QuantBatch::Band& band, const QuantJob& j
   return cuda::cpu::QuantizeFp8Blocks(run);
 }
 
+// Whether every byte `task` reads is here: its pieces present, and landed where a pull is still
+// bringing them.
+bool Landed(const QuantBatch::Task& task, const std::vector<QuantSource>& sources) {
+  for (uint32_t p : task.pieces) {
+    if (p >= sources.size() || !sources[p].data) return false;
+  }
+  for (const QuantBatch::Extent& e : task.extents) {
+    if (e.piece >= sources.size() || !sources[e.piece].data) return false;
+    const auto* landed = sources[e.piece].landed;
+    if (!landed) continue;
+    // The landed range holding e.begin must reach e.end.
+    auto it =
+        std::upper_bound(landed->begin(), landed->end(), std::make_pair(e.begin, ~uint64_t{0}));
+    if (it == landed->begin()) return false;
+    --it;
+    if (it->first > e.begin || it->second < e.end) return false;
+  }
+  return true;
+}
+
 }  // namespace
+
+void QuantCache::Forget(const QuantBatch& batch, uint32_t piece,
+                        const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+  std::shared_ptr<Entry> entry;
+  {
+    common::MutexLock lock(mu_);
+    auto it = entries_.find(&batch);
+    if (it == entries_.end()) return;
+    entry = it->second;
+  }
+  common::MutexLock run(entry->run_mu);
+  if (entry->finished) return;
+  for (size_t t = 0; t < batch.tasks().size(); ++t) {
+    if (!entry->done[t]) continue;
+    bool touched = false;
+    for (const QuantBatch::Extent& e : batch.tasks()[t].extents) {
+      for (const auto& [begin, end] : ranges) {
+        touched = touched || (e.piece == piece && begin < e.end && e.begin < end);
+      }
+    }
+    if (!touched) continue;
+    entry->done[t] = 0;
+    ++entry->left;
+    nonfinite_ -= entry->nonfinite[t];
+    entry->nonfinite[t] = 0;
+  }
+}
 
 absl::StatusOr<std::shared_ptr<Region>> QuantCache::Run(
     const std::shared_ptr<const QuantBatch>& batch, const std::vector<QuantSource>& sources,
@@ -393,6 +463,7 @@ absl::StatusOr<std::shared_ptr<Region>> QuantCache::Run(
       e = std::make_shared<Entry>();
       e->batch = batch;
       e->done.assign(batch->tasks().size(), 0);
+      e->nonfinite.assign(batch->tasks().size(), 0);
       e->left = batch->tasks().size();
     }
     entry = e;
@@ -422,31 +493,30 @@ absl::StatusOr<std::shared_ptr<Region>> QuantCache::Run(
   std::vector<size_t> runnable;
   for (size_t t = 0; t < batch->tasks().size(); ++t) {
     if (entry->done[t]) continue;
-    bool here = true;
-    for (uint32_t p : batch->tasks()[t].pieces)
-      here = here && p < sources.size() && sources[p].data;
-    if (here || !partial) runnable.push_back(t);
+    if (!partial || Landed(batch->tasks()[t], sources)) runnable.push_back(t);
   }
   std::atomic<size_t> next{0};
-  std::atomic<uint64_t> nonfinite{0};
   std::atomic<uint64_t> quantized{0};
   common::Mutex status_mu;
   absl::Status status;
   uint8_t* slot = entry->slot->data();
+  std::vector<uint64_t>& task_nonfinite = entry->nonfinite;
   auto work = [&] {
     for (size_t i; (i = next.fetch_add(1)) < runnable.size();) {
       const QuantBatch::Task& task = batch->tasks()[runnable[i]];
+      uint64_t counted = 0;
       for (size_t b = task.first_band; b < task.end_band; ++b) {
         const QuantBatch::Band& band = batch->bands()[b];
         auto n = RunBand(band, batch->jobs()[band.job], sources, slot);
         if (n.ok()) {
-          nonfinite += *n;
+          counted += *n;
           quantized += band.rows * band.cols;
         } else {
           common::MutexLock lock(status_mu);
           if (status.ok()) status = n.status();
         }
       }
+      task_nonfinite[runnable[i]] = counted;
     }
   };
   const unsigned count =
@@ -455,9 +525,13 @@ absl::StatusOr<std::shared_ptr<Region>> QuantCache::Run(
   for (unsigned t = 1; t < count; ++t) pool_threads.emplace_back(work);
   work();
   for (std::thread& t : pool_threads) t.join();
-  for (size_t t : runnable) entry->done[t] = 1;
+  uint64_t nonfinite = 0;
+  for (size_t t : runnable) {
+    entry->done[t] = 1;
+    nonfinite += entry->nonfinite[t];
+  }
   entry->left -= runnable.size();
-  *nonfinite_added = nonfinite.load();
+  *nonfinite_added = nonfinite;
   *values = quantized.load();
   nonfinite_ += *nonfinite_added;
   if (!status.ok()) entry->status = status;

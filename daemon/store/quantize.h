@@ -58,6 +58,9 @@ std::vector<QuantJob> QuantJobsFor(const std::vector<const TensorSlice*>& slices
 struct QuantSource {
   const uint8_t* data = nullptr;  // null: not here (yet)
   const std::vector<TensorSlice>* slices = nullptr;
+  // The bytes of `data` that have landed ([begin, end), sorted, disjoint; a pull in progress);
+  // null: all of them.
+  const std::vector<std::pair<uint64_t, uint64_t>>* landed = nullptr;
 };
 
 // A set of jobs worked out once against one source layout (the slices of a version's pieces)
@@ -103,10 +106,17 @@ class QuantBatch {
     std::shared_ptr<const plan::Plan> gather;
     std::vector<uint32_t> gather_pieces;  // the pieces `gather` reads
   };
+  // Bytes [begin, end) of a piece that a task reads.
+  struct Extent {
+    uint32_t piece = 0;
+    uint64_t begin = 0;
+    uint64_t end = 0;
+  };
   struct Task {
     size_t first_band = 0;
     size_t end_band = 0;
     std::vector<uint32_t> pieces;  // read by its bands: all must be here to run it
+    std::vector<Extent> extents;   // and these bytes of them landed
   };
   const std::vector<Band>& bands() const { return bands_; }
   const std::vector<Task>& tasks() const { return tasks_; }
@@ -138,6 +148,12 @@ class QuantCache {
                                               SlotPool& pool, unsigned threads, bool partial,
                                               uint64_t* nonfinite_added, uint64_t* values);
 
+  // Forgets the tasks of `batch` run so far that read bytes of piece `piece` in `ranges` (bytes
+  // a pull fetched again after they were quantized: their checksums failed): a later Run
+  // quantizes them again, from the bytes that passed. Nothing once the batch finished.
+  void Forget(const QuantBatch& batch, uint32_t piece,
+              const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
+
   // Inf and NaN source values in the blocks quantized so far.
   uint64_t nonfinite() const { return nonfinite_.load(); }
 
@@ -147,7 +163,8 @@ class QuantCache {
     common::Mutex run_mu;                     // one runner at a time
     std::shared_ptr<Region> slot;
     absl::Status status;
-    std::vector<char> done;  // per task
+    std::vector<char> done;           // per task
+    std::vector<uint64_t> nonfinite;  // per task run, what it counted
     size_t left = 0;
     bool finished = false;
   };

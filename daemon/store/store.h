@@ -411,6 +411,19 @@ class Store {
   // makes it a held version's slot).
   absl::StatusOr<std::shared_ptr<Region>> AcquireSlot(uint64_t size);
 
+  // Quantizing a pulled version as its bytes land (fp8 destinations with block scales): true
+  // when `model` has some and its sources are on other nodes.
+  bool QuantizesWhilePulling(const std::string& model) const;
+  // The pull of `job` (in progress: Model::pulling) has landed `landed[f]` of fetch f in
+  // `staging[f]` (null: not staged yet): quantizes, on the calling thread, the blocks whose
+  // source bytes are all there and not quantized yet, into the version's derived slot (it stays
+  // invisible until FinishPull completes it and the quantizer finishes the rest). `refetched[f]`
+  // (may be empty): ranges fetched again since (their checksums failed): the blocks read from
+  // them are quantized again. Does nothing for a job no longer pulled.
+  void QuantizeLanded(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
+                      const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& landed,
+                      const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& refetched);
+
   // --delta-base=destination: `fetch.ranges` of the piece as version fetch.base_version held
   // them, rebuilt from this node's DESTINATION buffers (what its last Apply installed) into a
   // fresh staging slot of the model (the slot the new version is then built in, in place), and
@@ -508,9 +521,11 @@ class Store {
   // when the plan has no jobs.
   absl::StatusOr<std::vector<std::shared_ptr<Region>>> QuantizedSlots(const Version& version,
                                                                       const CachedPlan& plan);
-  // Runs `batch` for `version` (no store lock held); `partial`: QuantCache::Run.
+  // Runs `batch` for `version` (no store lock held); `partial`: QuantCache::Run; `landed`: per
+  // piece, the bytes a pull has landed so far (null: all).
   absl::StatusOr<std::shared_ptr<Region>> RunQuantBatch(
-      const Version& version, const std::shared_ptr<const QuantBatch>& batch, bool partial);
+      const Version& version, const std::shared_ptr<const QuantBatch>& batch, bool partial,
+      const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>* landed = nullptr);
   // The two plans of destinations with fp8 scaled slices (mu_ held): the copy from the version's
   // pieces and the derived slot (`cached.jobs`, at location version.pieces.size()), and what
   // that needs held of the pieces.

@@ -5,6 +5,7 @@
 #include <deque>
 #include <string_view>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -182,11 +183,14 @@ absl::StatusOr<std::pair<plan::Plan, plan::Plan>> Store::QuantPlans(
 }
 
 absl::StatusOr<std::shared_ptr<Region>> Store::RunQuantBatch(
-    const Version& version, const std::shared_ptr<const QuantBatch>& batch, bool partial) {
+    const Version& version, const std::shared_ptr<const QuantBatch>& batch, bool partial,
+    const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>* landed) {
   std::vector<QuantSource> sources;
-  for (const Piece& piece : version.pieces) {
+  for (size_t p = 0; p < version.pieces.size(); ++p) {
+    const Piece& piece = version.pieces[p];
     QuantSource source;
     source.slices = piece.slices.get();
+    if (landed && p < landed->size()) source.landed = &(*landed)[p];
     if (piece.slot && piece.slot->kind() == MemoryKind::kHost) {
       source.data = piece.slot->data();
     } else if (piece.host) {
@@ -247,6 +251,66 @@ void Store::QuantizeEarly(Model& model, uint64_t number) {
   quant_early_.emplace_back(model.name, std::move(version));
   if (!quantizer_.joinable()) quantizer_ = std::thread([this] { RunQuantizer(); });
   quant_wake_.NotifyOne();
+}
+
+bool Store::QuantizesWhilePulling(const std::string& model_name) const {
+  common::MutexLock lock(mu_);
+  const Model* model = FindModel(model_name);
+  return model && !model->scale_tensors.empty() && model->HasRemoteSources();
+}
+
+void Store::QuantizeLanded(
+    const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
+    const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& landed,
+    const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& refetched) {
+  auto version = std::make_shared<Version>();  // the pulled pieces, in the version's order
+  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> landed_by_piece;
+  std::vector<size_t> fetch_of_piece;
+  std::shared_ptr<const QuantBatch> batch;
+  {
+    common::MutexLock lock(mu_);
+    Model* model = FindModel(job.model);
+    if (!model || model->pulling != job.version || model->scale_tensors.empty()) return;
+    std::vector<Piece> pieces = model->pulling_pieces;
+    std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
+      return std::tie(a.node, a.buffer_id) < std::tie(b.node, b.buffer_id);
+    });
+    std::vector<std::string> ids;
+    for (Piece& piece : pieces) {
+      ids.push_back(piece.node + "/" + piece.buffer_id);
+      landed_by_piece.emplace_back();
+      fetch_of_piece.push_back(job.fetches.size());
+      for (size_t f = 0; f < job.fetches.size() && f < staging.size(); ++f) {
+        if (piece.node != job.fetches[f].node || piece.buffer_id != job.fetches[f].buffer_id) {
+          continue;
+        }
+        fetch_of_piece.back() = f;
+        if (staging[f] && staging[f]->kind() == MemoryKind::kHost && f < landed.size()) {
+          piece.slot = staging[f];
+          landed_by_piece.back() = landed[f];
+        }
+      }
+    }
+    version->number = job.version;
+    version->pieces = std::move(pieces);
+    version->layout_key = absl::StrJoin(ids, ",");
+    std::vector<const std::vector<TensorSlice>*> layout;
+    for (const Piece& piece : version->pieces) layout.push_back(piece.slices.get());
+    batch = QuantBatchFor(*model, version->layout_key, layout);
+    std::shared_ptr<QuantCache>& early = model->early_quant[job.version];
+    if (!early) early = std::make_shared<QuantCache>();
+    version->quant = early;
+  }
+  for (uint32_t p = 0; p < fetch_of_piece.size(); ++p) {
+    const size_t f = fetch_of_piece[p];
+    if (f < refetched.size() && !refetched[f].empty())
+      version->quant->Forget(*batch, p, refetched[f]);
+  }
+  auto partial = RunQuantBatch(*version, batch, true, &landed_by_piece);
+  if (!partial.ok()) {
+    Logger("store")->debug("model={} version={}: quantizing landed bytes early: {}", job.model,
+                           job.version, partial.status().ToString());
+  }
 }
 
 void Store::RunQuantizer() {
