@@ -138,8 +138,12 @@ PullOutcome Puller::Pull(const PullJob& job) {
                                    board_ ? &relays : nullptr);
   const double deltas_ms = ms_since(pinned);
   staging = std::move(deltas.staging);
+  // fp8 engines: blocks are quantized as their bytes land, while the rest arrives.
+  LandedQuantizer quantizer(store_, job);
   for (size_t f = 0; f < job.fetches.size(); ++f) {
     if (!staging[f]) continue;
+    quantizer.Staged(f, staging[f]);
+    quantizer.Whole(f);
     bytes_from[job.fetches[f].node] += deltas.wire[f] - deltas.from_relays[f];
     bytes_from[job.fetches[f].node] -= Total(job.fetches[f].ranges);
   }
@@ -168,11 +172,40 @@ PullOutcome Puller::Pull(const PullJob& job) {
   Sources sources;
   sources.relayed.resize(job.fetches.size());
   if (!full_index.empty() && pullers.size() > 1) {
-    status = PullStriped(job, full_index, pullers, &staging, &sources, &hashes);
+    status = PullStriped(job, full_index, pullers, &staging, &sources, &hashes, &quantizer);
     for (size_t f : full_index) {
       for (const auto& [relay, ranges] : sources.relayed[f]) {
         bytes_from[job.fetches[f].node] -= Total(ranges);
       }
+    }
+  } else if (!full_index.empty() && quantizer.active()) {
+    // Read fetch by fetch into slots taken here, so that what lands is known as it lands.
+    std::vector<std::pair<size_t, std::future<absl::Status>>> reads;
+    std::vector<std::shared_ptr<dataplane::DataPlane::ReadHashes>> read_hashes;
+    for (size_t f : full_index) {
+      auto slot = store_->AcquireSlot(job.fetches[f].bytes);
+      if (!slot.ok()) {
+        status = slot.status();
+        break;
+      }
+      staging[f] = *slot;
+      quantizer.Staged(f, *slot);
+      read_hashes.push_back(std::make_shared<dataplane::DataPlane::ReadHashes>());
+      reads.emplace_back(f, data_plane_->Read(
+                                job.fetches[f], job.fetches[f].ranges, *slot,
+                                [&quantizer, f](uint64_t offset, uint64_t length) {
+                                  quantizer.Landed(f, offset, length);
+                                },
+                                read_hashes.back()));
+    }
+    for (size_t i = 0; i < reads.size(); ++i) {
+      std::future<absl::Status>& read = reads[i].second;
+      while (read.wait_for(milliseconds(options_.pin_lease_ms / 4)) != std::future_status::ready) {
+        for (const auto& [node, bytes] : bytes_from) (void)PinOn(node, job, false, 0, false);
+      }
+      absl::Status s = read.get();
+      if (status.ok() && !s.ok()) status = s;
+      if (s.ok() && !read_hashes[i]->empty()) hashes[reads[i].first] = (*read_hashes[i])[0];
     }
   } else if (!full_index.empty()) {
     PullJob full = job;
@@ -198,7 +231,11 @@ PullOutcome Puller::Pull(const PullJob& job) {
   const double data_ms = ms_since(pinned) - deltas_ms;
   auto sums = remote_sums.get();
   const double sums_wait_ms = ms_since(pinned) - deltas_ms - data_ms;
-  if (status.ok()) status = Verify(job, staging, hashes, std::move(sums), verified, sources);
+  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> refetched(job.fetches.size());
+  if (status.ok()) {
+    status = Verify(job, staging, hashes, std::move(sums), verified, sources, &refetched);
+  }
+  if (status.ok()) quantizer.Finish(refetched);  // blocks of refetched ranges quantized again
   Logger("peer")->debug(
       "model={} version={} pull phases: deltas {:.1f} ms, data {:.1f} ms, then waited {:.1f} ms "
       "for the source's checksums, verify {:.1f} ms",
@@ -213,7 +250,8 @@ PullOutcome Puller::Pull(const PullJob& job) {
 absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& full,
                                  const std::vector<std::string>& pullers,
                                  std::vector<std::shared_ptr<Region>>* staging, Sources* sources,
-                                 dataplane::DataPlane::ReadHashes* hashes) {
+                                 dataplane::DataPlane::ReadHashes* hashes,
+                                 LandedQuantizer* quantizer) {
   struct Part {
     size_t fetch;
     std::string relay;
@@ -234,11 +272,17 @@ absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& 
     auto slot = store_->AcquireSlot(fetch.bytes);
     if (!slot.ok()) return slot.status();
     (*staging)[f] = *slot;
+    quantizer->Staged(f, *slot);
     const fleet::RelayKey key{job.model, job.version, fetch.node, fetch.buffer_id};
     if (board_) {
       board_->Begin(key, *slot, fetch.bytes, fetch.ranges);
-      landed[f] = [board = board_, key](uint64_t offset, uint64_t length) {
+      landed[f] = [board = board_, key, quantizer, f](uint64_t offset, uint64_t length) {
         board->Landed(key, offset, length);
+        quantizer->Landed(f, offset, length);
+      };
+    } else if (quantizer->active()) {
+      landed[f] = [quantizer, f](uint64_t offset, uint64_t length) {
+        quantizer->Landed(f, offset, length);
       };
     }
     for (auto& [parent, ranges] : ByParent(fetch, options_.node, pullers, options_.fanout)) {
@@ -373,7 +417,8 @@ absl::StatusOr<std::vector<uint64_t>> Puller::RemoteChecksums(
 absl::Status Puller::Verify(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
                             const dataplane::DataPlane::ReadHashes& read_hashes,
                             std::vector<absl::StatusOr<std::vector<uint64_t>>> remote,
-                            const std::vector<bool>& verified, const Sources& sources) {
+                            const std::vector<bool>& verified, const Sources& sources,
+                            std::vector<std::vector<std::pair<uint64_t, uint64_t>>>* refetched) {
   for (size_t f = 0; f < job.fetches.size(); ++f) {
     if (verified[f]) continue;
     const PullJob::Fetch& fetch = job.fetches[f];
@@ -426,6 +471,7 @@ absl::Status Puller::Verify(const PullJob& job, const std::vector<std::shared_pt
           "fetching them again",
           job.model, job.version, fetch.node, bad.size());
       metrics_->Add(kChunksRefetched, static_cast<double>(bad.size()));
+      (*refetched)[f].insert((*refetched)[f].end(), bad.begin(), bad.end());
       absl::Status again = data_plane_->Refetch(job, f, bad, staging[f]).get();
       if (!again.ok()) return again;
       chunks = bad;

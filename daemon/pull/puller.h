@@ -19,6 +19,7 @@
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
 #include "daemon/fleet/stripes.h"
+#include "daemon/pull/landed_quant.h"
 #include "daemon/pull/pull_metrics.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
@@ -71,14 +72,15 @@ class Puller {
   absl::Status PullStriped(const PullJob& job, const std::vector<size_t>& full,
                            const std::vector<std::string>& pullers,
                            std::vector<std::shared_ptr<Region>>* staging, Sources* sources,
-                           dataplane::DataPlane::ReadHashes* hashes);
+                           dataplane::DataPlane::ReadHashes* hashes, LandedQuantizer* quantizer);
   // The origin's XXH3 of `chunks` of fetch `f`.
   absl::StatusOr<std::vector<uint64_t>> RemoteChecksums(
       const PullJob& job, size_t f, const std::vector<std::pair<uint64_t, uint64_t>>& chunks);
   absl::Status Verify(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
                       const dataplane::DataPlane::ReadHashes& read_hashes,
                       std::vector<absl::StatusOr<std::vector<uint64_t>>> remote,
-                      const std::vector<bool>& verified, const Sources& sources);
+                      const std::vector<bool>& verified, const Sources& sources,
+                      std::vector<std::vector<std::pair<uint64_t, uint64_t>>>* refetched);
 
   const PullerOptions options_;
   Store* const store_;

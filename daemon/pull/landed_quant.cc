@@ -1,0 +1,106 @@
+// LandedQuantizer: what a pull has landed, handed to the store's quantizer as it lands.
+#include "daemon/pull/landed_quant.h"
+
+#include <algorithm>
+#include <chrono>
+
+namespace refit::pull {
+namespace {
+
+constexpr auto kTick = std::chrono::milliseconds(5);
+
+// `ranges` sorted and merged.
+void Merge(LandedQuantizer::Ranges& ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  size_t kept = 0;
+  for (const auto& r : ranges) {
+    if (kept > 0 && r.first <= ranges[kept - 1].second) {
+      ranges[kept - 1].second = std::max(ranges[kept - 1].second, r.second);
+    } else {
+      ranges[kept++] = r;
+    }
+  }
+  ranges.resize(kept);
+}
+
+}  // namespace
+
+LandedQuantizer::LandedQuantizer(Store* store, const PullJob& job)
+    : store_(store), job_(job), active_(store->QuantizesWhilePulling(job.model)) {
+  if (!active_) return;
+  {
+    common::MutexLock lock(mu_);
+    staging_.resize(job_.fetches.size());
+    landed_.resize(job_.fetches.size());
+  }
+  thread_ = std::thread([this] { Run(); });
+}
+
+LandedQuantizer::~LandedQuantizer() { Stop(); }
+
+void LandedQuantizer::Staged(size_t f, std::shared_ptr<Region> slot) {
+  if (!active_) return;
+  common::MutexLock lock(mu_);
+  if (f < staging_.size()) staging_[f] = std::move(slot);
+}
+
+void LandedQuantizer::Landed(size_t f, uint64_t offset, uint64_t length) {
+  if (!active_ || length == 0) return;
+  common::MutexLock lock(mu_);
+  if (f >= landed_.size()) return;
+  landed_[f].emplace_back(offset, offset + length);
+  changed_ = true;
+  wake_.NotifyOne();
+}
+
+void LandedQuantizer::Whole(size_t f) {
+  if (!active_) return;
+  common::MutexLock lock(mu_);
+  if (f >= landed_.size()) return;
+  landed_[f] = job_.fetches[f].ranges;
+  changed_ = true;
+  wake_.NotifyOne();
+}
+
+void LandedQuantizer::Stop() {
+  if (!thread_.joinable()) return;
+  {
+    common::MutexLock lock(mu_);
+    stop_ = true;
+    wake_.NotifyOne();
+  }
+  thread_.join();
+}
+
+void LandedQuantizer::Finish(const std::vector<Ranges>& refetched) {
+  if (!active_) return;
+  Stop();
+  Quantize(refetched);
+}
+
+void LandedQuantizer::Run() {
+  common::UniqueLock lock(mu_);
+  while (true) {
+    wake_.Wait(lock, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || changed_; });
+    if (stop_) return;
+    lock.unlock();
+    Quantize({});
+    std::this_thread::sleep_for(kTick);  // let a few more chunks land first
+    lock.lock();
+  }
+}
+
+void LandedQuantizer::Quantize(const std::vector<Ranges>& refetched) {
+  std::vector<std::shared_ptr<Region>> staging;
+  std::vector<Ranges> landed;
+  {
+    common::MutexLock lock(mu_);
+    for (Ranges& r : landed_) Merge(r);
+    staging = staging_;
+    landed = landed_;
+    changed_ = false;
+  }
+  store_->QuantizeLanded(job_, staging, landed, refetched);
+}
+
+}  // namespace refit::pull
