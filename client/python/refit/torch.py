@@ -38,7 +38,7 @@ Not thread-safe: the training loop's thread drives a Publisher.
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -47,6 +47,7 @@ import torch.nn as nn
 from refit import buffer as buffer_lib
 from refit import dtypes
 from refit import memory
+from refit.megatron import View
 from refit.v1 import refit_pb2
 
 log = logging.getLogger("refit.torch")
@@ -121,9 +122,22 @@ class _Entry:
     sizes: Tuple[int, ...] = ()
     publishes: bool = False       # this rank publishes a part of it
     ptr: int = 0                  # where its local data lived when registered
+    # The boxes it publishes, as views of its local data (layout="hf": the one box above;
+    # layout="megatron": one per Hugging Face tensor part, refit.megatron).
+    views: List[View] = field(default_factory=list)
+    local_shape: Tuple[int, ...] = ()
 
     def local(self) -> torch.Tensor:
         return self.tensor._local_tensor if self.dtensor else self.tensor
+
+    def parts(self) -> List[View]:
+        if not self.views:
+            self.views = [View(self.name, self.global_shape, self.offsets, self.sizes)]
+            self.views[0].publishes = self.publishes
+        return self.views
+
+    def published(self) -> List[View]:
+        return [v for v in self.parts() if v.publishes]
 
     def box(self) -> Tuple:
         return (self.name, str(self.local().dtype), self.global_shape, self.offsets, self.sizes)
@@ -174,6 +188,97 @@ def _collect(module: nn.Module, rename: Rename, rank: int, errors: List[str]) ->
             is_dtensor = DTensor is not None and isinstance(tensor, DTensor)
             out.append(_Entry(fqn, name, m, attr, is_param, tensor, is_dtensor,
                               fsdp.get(id(tensor))))
+    return out
+
+
+def _collect_megatron(module, rename: Rename, rank: int, errors: List[str],
+                      vocab_size: Optional[int]) -> List[_Entry]:
+    """Megatron-core's parameters (one GPTModel or the chunks of a virtual pipeline), each
+    with the Hugging Face boxes it holds (refit.megatron)."""
+    from refit import megatron as mg
+    groups = mg.Groups.from_parallel_state()
+    rename_fn = _rename_fn(rename)
+    DTensor = _dtensor_type()
+    chunks = mg.chunks_of(module)
+    seen = set()
+    boxes: Dict[str, List[Tuple[str, View]]] = {}
+    out: List[_Entry] = []
+    for index, chunk in enumerate(chunks):
+        config = getattr(chunk, "config", None)
+        where = f"chunk {index} " if len(chunks) > 1 else ""
+        if config is None:
+            errors.append(f"rank {rank}: {where}{type(chunk).__name__} has no Megatron "
+                          "TransformerConfig (.config); layout='megatron' takes megatron-core "
+                          "models (GPTModel)")
+            continue
+        for prefix, m in chunk.named_modules():
+            for attr, tensor in m._parameters.items():
+                if tensor is None or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                fqn = f"{prefix}.{attr}" if prefix else attr
+                label = f"{where}{fqn}"
+                e = _Entry(label, label, m, attr, True, tensor)
+                if DTensor is not None and isinstance(tensor, DTensor):
+                    problem = _place(e, rank) or (
+                        f"rank {rank}: parameter {label} is a DTensor "
+                        f"({tensor._spec.placements}); layout='megatron' takes Megatron's "
+                        "own sharding (plain tensors); use layout='hf' for DTensors")
+                    errors.append(problem)
+                    continue
+                problem = _check_tensor(e, rank)
+                if problem:
+                    errors.append(problem)
+                    continue
+                try:
+                    views = mg.views_of(default_name(fqn), tensor, chunk, config, groups,
+                                        vocab_size)
+                except ValueError as err:
+                    errors.append(f"rank {rank}: parameter {label}: {err}")
+                    continue
+                if views is None:
+                    name = rename_fn(fqn)
+                    if name is None:
+                        continue
+                    if name == fqn or getattr(tensor, "tensor_model_parallel", False):
+                        errors.append(
+                            f"rank {rank}: parameter {label}: refit has no Hugging Face name "
+                            "for this Megatron parameter; name it (whole, not split by tensor "
+                            f"parallelism) or leave it out with rename={{{fqn!r}: None}}")
+                        continue
+                    views = [View(name, tensor.shape, (0,) * tensor.dim(), tensor.shape)]
+                else:
+                    kept = []
+                    for v in views:
+                        name = rename_fn(v.name)
+                        if name is None:
+                            continue
+                        if not isinstance(name, str) or not name:
+                            errors.append(f"rank {rank}: rename gave {name!r} for {v.name} "
+                                          f"(parameter {label})")
+                            continue
+                        v.name = name
+                        kept.append(v)
+                    views = kept
+                for v in views:
+                    for other, w in boxes.get(v.name, []):
+                        if w.global_shape != v.global_shape or _overlap(
+                                (w.offsets, w.sizes), (v.offsets, v.sizes)):
+                            errors.append(
+                                f"rank {rank}: parameters {other} and {label} both give "
+                                f"{v.name} (offsets {list(w.offsets)} sizes {list(w.sizes)} of "
+                                f"{list(w.global_shape)}, and offsets {list(v.offsets)} sizes "
+                                f"{list(v.sizes)} of {list(v.global_shape)}); a rename maps "
+                                "two parameters to one name?")
+                    boxes.setdefault(v.name, []).append((label, v))
+                if not views:
+                    continue
+                e.views = views
+                e.local_shape = tuple(tensor.shape)
+                e.publishes = True
+                e.global_shape, e.offsets, e.sizes = (views[0].global_shape, views[0].offsets,
+                                                      views[0].sizes)
+                out.append(e)
     return out
 
 
@@ -285,33 +390,42 @@ def _agree(entries: List[_Entry], errors: List[str], rank: int, group) -> List[s
     dist = _dist()
     size = dist.get_world_size(group)
     gathered: List[Optional[Tuple]] = [None] * size
-    dist.all_gather_object(gathered, (rank, [e.box() for e in entries if e.publishes], errors),
-                           group=group)
-    errors = [err for _, _, errs in gathered for err in errs]
+    mine: Dict[Tuple, Tuple[_Entry, View]] = {}
+    labels: Dict[Tuple, str] = {}
+    for e in entries:
+        for v in e.published():
+            box = v.box(str(e.local().dtype))
+            mine[box] = (e, v)
+            labels[box] = e.fqn
+    dist.all_gather_object(gathered, (rank, list(mine), errors, labels), group=group)
+    errors = [err for _, _, errs, _ in gathered for err in errs]
     if errors:
         return errors
     claimants: Dict[Tuple, List[int]] = {}
-    for r, boxes, _ in gathered:
+    for r, boxes, _, _ in gathered:
         for box in boxes:
             claimants.setdefault(box, []).append(r)
     shared = {box: ranks for box, ranks in claimants.items() if len(ranks) > 1}
-    mine = {e.box(): e for e in entries if e.publishes}
-    digests = {box: _digest(mine[box].local()) for box in shared if box in mine}
+    digests = {box: _digest(mine[box][1].of(mine[box][0].local()))
+               for box in shared if box in mine}
     everyone: List[Optional[Tuple]] = [None] * size
     dist.all_gather_object(everyone, (rank, digests), group=group)
     by_rank = dict(everyone)
+    label_of = {r: lab for r, _, _, lab in gathered}
     for box, ranks in shared.items():
         values = {r: by_rank[r][box] for r in ranks}
         if len(set(values.values())) > 1:
-            errors.append(f"parameter {box[0]}: ranks {ranks} all claim the shard at offsets "
-                          f"{list(box[3])} sizes {list(box[4])} with different values; one "
-                          "rank per shard publishes (replicas must be equal)")
+            sources = sorted({label_of[r][box] for r in ranks} - {box[0]})
+            origin = f" (from {', '.join(sources)})" if sources else ""
+            errors.append(f"parameter {box[0]}{origin}: ranks {ranks} all claim the shard at "
+                          f"offsets {list(box[3])} sizes {list(box[4])} with different values; "
+                          "one rank per shard publishes (replicas must be equal)")
         elif rank in ranks and rank != min(ranks):
-            mine[box].publishes = False  # a replica: the lowest rank publishes it
+            mine[box][1].publishes = False  # a replica: the lowest rank publishes it
     if errors:
         return errors
     unique = {}
-    for r, boxes, _ in gathered:
+    for r, boxes, _, _ in gathered:
         unique[r] = [b for b in boxes if min(claimants[b]) == r]
     return check_boxes([unique[r] for r in sorted(unique)], ranks=sorted(unique))
 
@@ -362,13 +476,37 @@ def cuda_regions(entries: Sequence[_Entry], block_of: Callable = _cuda_block,
         lo = min(at for at, _, _ in members)
         hi = max(at + n for at, _, n in members)
         region = CudaSourceRegion(device, handle, lo, hi - lo, uuid_of(device))
-        out.append((region, [_layout(e, at - lo, n) for at, e, n in members]))
+        out.append((region, [lay for at, e, n in members for lay in _layouts(e, at - lo)]))
     return out
 
 
-def _layout(e: _Entry, offset: int, nbytes: int) -> buffer_lib.SliceLayout:
-    return buffer_lib.SliceLayout(e.name, e.local().dtype, e.global_shape, e.offsets, e.sizes,
-                                  offset, nbytes)
+@dataclass(frozen=True)
+class StridedLayout(buffer_lib.SliceLayout):
+    """A slice whose elements lie at `strides` (elements) from its buffer_offset."""
+
+    strides: Tuple[int, ...] = ()
+
+    def to_proto(self):
+        proto = super().to_proto()
+        proto.buffer_strides.extend(self.strides)
+        return proto
+
+
+def _layouts(e: _Entry, offset: int) -> List[buffer_lib.SliceLayout]:
+    """The slices of what this entry publishes, its local data at `offset` in the buffer."""
+    local = e.local()
+    size = local.element_size()
+    out: List[buffer_lib.SliceLayout] = []
+    for v in e.published():
+        nbytes = math.prod(v.sizes) * size
+        at = offset + v.start * size
+        if v.strides and v.strides != v.contiguous_strides():
+            out.append(StridedLayout(v.name, local.dtype, v.global_shape, v.offsets, v.sizes,
+                                     at, nbytes, strides=v.strides))
+        else:
+            out.append(buffer_lib.SliceLayout(v.name, local.dtype, v.global_shape, v.offsets,
+                                              v.sizes, at, nbytes))
+    return out
 
 
 def _trim_heap() -> None:
@@ -392,7 +530,7 @@ class Publisher:
         self.model = model
         self.module = module
         self.rank = rank
-        self._entries = [e for e in entries if e.publishes]
+        self._entries = [e for e in entries if e.published()]
         self._group = group
         self._client_name = client_name
         self._check_peers = check_peers
@@ -404,11 +542,11 @@ class Publisher:
     @property
     def names(self) -> List[str]:
         """The names this rank publishes (parts of), in registration order."""
-        return [e.name for e in self._entries]
+        return list(dict.fromkeys(v.name for e in self._entries for v in e.published()))
 
     def slices(self) -> List[Tuple]:
         """(name, dtype, global_shape, offsets, sizes) of each slice this rank publishes."""
-        return [e.box() for e in self._entries]
+        return [v.box(str(e.local().dtype)) for e in self._entries for v in e.published()]
 
     # ---- registering ----
 
@@ -467,7 +605,7 @@ class Publisher:
                     else:
                         e.owner._buffers[e.attr] = view
                         e.tensor = view
-                layouts.append(_layout(e, start, nbytes))
+                layouts.extend(_layouts(e, start))
         return region, layouts
 
     @staticmethod
@@ -514,10 +652,10 @@ class Publisher:
                 if e.fsdp is not None:
                     e.fsdp = fsdp.get(id(e.tensor))
                 local = e.local()
-                if tuple(local.shape) != e.sizes:
+                if tuple(local.shape) != (e.local_shape or e.sizes):
                     raise PublisherError(
                         f"rank {self.rank}: parameter {e.fqn} is now {tuple(local.shape)}, "
-                        f"registered as {e.sizes}; make a new publisher")
+                        f"registered as {e.local_shape or e.sizes}; make a new publisher")
             self._release_buffers()
             self._register()
             self.rehomes += 1
@@ -550,29 +688,39 @@ class Publisher:
 
 def publisher(client, model: str, module: nn.Module, *, layout: str = "hf",
               rename: Rename = None, group=None, client_name: Optional[str] = None,
-              check_peers: bool = True) -> Publisher:
+              check_peers: bool = True, vocab_size: Optional[int] = None) -> Publisher:
     """Registers this rank's part of `module` as SOURCE slices of `model`; returns the
     Publisher (`publish(version)`, `release()`).
 
     Call it on every rank of the trainer at once (it is collective: the ranks check their
     slices together), after the model is sharded (fully_shard, parallelize_module).
     `rename`: a mapping or a function from the `state_dict()` name to the published one (None:
-    leave the tensor out). `group`: the process group of the trainer's ranks (default: the
+    leave the tensor out).
+    `layout="megatron"`: `module` is a megatron-core GPTModel (or the list of a virtual
+    pipeline's chunks, or either inside Megatron's DDP/Float16Module wrappers), published under
+    the Hugging Face names (refit.megatron has the table; `rename` then maps those names, and
+    names a Megatron parameter the table does not know, or leaves it out with None);
+    `vocab_size`: the Hugging Face vocabulary, where Megatron padded its embedding rows. `group`: the process group of the trainer's ranks (default: the
     whole world, through a gloo group made for these checks where the default backend is not
     gloo). `check_peers=False` skips the cross-rank checks (and the small gloo exchange in each
-    publish). `layout="megatron"` is not implemented yet.
+    publish).
     """
-    if layout != "hf":
-        raise NotImplementedError(f"refit.torch.publisher: layout={layout!r} is not "
-                                  "implemented (only 'hf')")
+    if layout not in ("hf", "megatron"):
+        raise ValueError(f"refit.torch.publisher: layout={layout!r}: 'hf' or 'megatron'")
     dist = _dist()
     rank = dist.get_rank() if dist else 0
     errors: List[str] = []
-    entries = _collect(module, rename, rank, errors)
-    for e in entries:
-        problem = _check_tensor(e, rank) or _place(e, rank)
-        if problem:
-            errors.append(problem)
+    if layout == "megatron":
+        entries = _collect_megatron(module, rename, rank, errors, vocab_size)
+        if dist and not check_peers and dist.get_world_size() > 1:
+            errors.append(f"rank {rank}: layout='megatron' needs check_peers=True on more than "
+                          "one rank (the exchange picks one rank per replicated tensor)")
+    else:
+        entries = _collect(module, rename, rank, errors)
+        for e in entries:
+            problem = _check_tensor(e, rank) or _place(e, rank)
+            if problem:
+                errors.append(problem)
     if not entries and not errors:
         errors.append(f"rank {rank}: the module has no parameters or persistent buffers")
     if dist and check_peers and dist.get_world_size() > 1:
@@ -586,6 +734,8 @@ def publisher(client, model: str, module: nn.Module, *, layout: str = "hf",
             for e in entries:
                 if not e.dtensor:
                     e.publishes = False
+                    for v in e.views:
+                        v.publishes = False
     if errors:
         raise PublisherError(f"refit.torch.publisher(model={model!r}): "
                              + "; ".join(errors))

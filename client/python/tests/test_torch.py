@@ -320,9 +320,9 @@ class SingleProcessTest(unittest.TestCase):
         net = torch.nn.Linear(4, 2).to(torch.float64)
         self.assert_refused("f64", net, r"rank 0: parameter weight has dtype torch.float64")
 
-    def test_megatron_layout_not_yet(self):
-        with self.assertRaisesRegex(NotImplementedError, "megatron"):
-            refit.torch.publisher(self.client, "m", torch.nn.Linear(2, 2), layout="megatron")
+    def test_megatron_layout_needs_a_megatron_model(self):
+        self.assert_refused("m", torch.nn.Linear(2, 2), r"rank 0: Linear has no Megatron "
+                            r"TransformerConfig \(\.config\)", layout="megatron")
 
     def test_check_boxes(self):
         whole = [("w", "torch.float32", (4, 2), (0, 0), (4, 2))]
