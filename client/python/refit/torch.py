@@ -220,6 +220,7 @@ def _collect_megatron(module, rename: Rename, rank: int, errors: List[str],
                 label = f"{where}{fqn}"
                 e = _Entry(label, label, m, attr, True, tensor)
                 if DTensor is not None and isinstance(tensor, DTensor):
+                    e.dtensor = True
                     problem = _place(e, rank) or (
                         f"rank {rank}: parameter {label} is a DTensor "
                         f"({tensor._spec.placements}); layout='megatron' takes Megatron's "

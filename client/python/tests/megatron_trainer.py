@@ -38,11 +38,12 @@ MODES = {  # mode: (tp, pp, ep, moe, grouped, world)
 }
 
 
-def config(moe: bool, grouped: bool = False):
+def config(moe: bool, grouped: bool = False, tp: int = 1, pp: int = 1, ep: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
-    extra = {}
+    extra = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                 expert_model_parallel_size=ep, pipeline_dtype=torch.float32)
     if moe:
-        extra = dict(num_moe_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_router_topk=2,
+        extra.update(num_moe_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_router_topk=2,
                      moe_grouped_gemm=grouped)
     return TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
@@ -52,7 +53,8 @@ def config(moe: bool, grouped: bool = False):
         params_dtype=torch.float32, layernorm_epsilon=1e-6, init_method_std=0.2, **extra)
 
 
-def build(moe: bool, grouped: bool, pre_process: bool = True, post_process: bool = True):
+def build(moe: bool, grouped: bool, pre_process: bool = True, post_process: bool = True,
+          tp: int = 1, pp: int = 1, ep: int = 1):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     if grouped:  # GroupedMLP's kernels are for GPUs; its parameters are built on the CPU
@@ -61,7 +63,7 @@ def build(moe: bool, grouped: bool, pre_process: bool = True, post_process: bool
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS if moe else None,
                                     moe_grouped_gemm=grouped, qk_layernorm=True,
                                     normalization="RMSNorm")
-    return GPTModel(config=config(moe, grouped), transformer_layer_spec=spec, vocab_size=VOCAB,
+    return GPTModel(config=config(moe, grouped, tp, pp, ep), transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=64, pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
 
@@ -201,7 +203,7 @@ def main() -> int:
                                  expert_model_parallel_size=ep)
     torch.manual_seed(1234)
     model = build(moe, grouped, pre_process=ps.is_pipeline_first_stage(),
-                  post_process=ps.is_pipeline_last_stage())
+                  post_process=ps.is_pipeline_last_stage(), tp=tp, pp=pp, ep=ep)
     with torch.no_grad():  # distinct experts and norms (CPU init makes every EP rank's alike)
         ep_rank = ps.get_expert_model_parallel_rank()
         for name, p in model.named_parameters():
