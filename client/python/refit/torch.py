@@ -308,14 +308,13 @@ def _place(e: _Entry, rank: int) -> Optional[str]:
         e.publishes = local.numel() > 0  # a claim: the ranks' exchange keeps one replica
         return None
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     spec = e.tensor._spec
     mesh = spec.mesh
     coordinate = mesh.get_coordinate()
     e.global_shape = tuple(e.tensor.shape)
     if coordinate is None:  # this rank is not on the tensor's mesh
         return None
-    try:  # FSDP2 over tensor parallelism on the same dimension: one box per rank still
+    try:  # FSDP2 over TP on one dimension; packed gate/up (transformers' packed_colwise)
         from torch.distributed.tensor.placement_types import _StridedShard as Strided
     except ImportError:
         Strided = Shard
@@ -325,17 +324,68 @@ def _place(e: _Entry, rank: int) -> Optional[str]:
                     f"mesh dimension {dim}; "
                     "refit publishes Shard(d) and Replicate() (reduce a Partial first, e.g. "
                     "redistribute to Replicate or Shard)")
-    sizes, offsets = compute_local_shape_and_global_offset(e.global_shape, mesh,
-                                                           spec.placements)
-    sizes, offsets = tuple(int(d) for d in sizes), tuple(int(d) for d in offsets)
-    if sizes != tuple(local.shape):
+    views = _dtensor_views(e.name, e.global_shape, tuple(local.shape), mesh, spec.placements,
+                           coordinate, (Shard, Strided))
+    if isinstance(views, str):
         return (f"rank {rank}: parameter {e.fqn}: its local tensor is {tuple(local.shape)}, "
-                f"but its placements {spec.placements} give {sizes}")
-    e.offsets, e.sizes = offsets, sizes
+                f"but its placements {spec.placements} give {views}")
     replica = any(isinstance(p, Replicate) and coordinate[dim] != 0
                   for dim, p in enumerate(spec.placements))
     e.publishes = not replica and local.numel() > 0
+    e.offsets, e.sizes = views[0].offsets, views[0].sizes
+    if len(views) > 1:  # e.g. _StridedShard: several boxes, strided views of the local tensor
+        for v in views:
+            v.publishes = e.publishes
+        e.views = views
     return None
+
+
+def _runs(indices: List[int]) -> List[Tuple[int, int, int]]:
+    """(global start, local start, length) of the runs of consecutive global indices."""
+    runs: List[Tuple[int, int, int]] = []
+    for local, index in enumerate(indices):
+        if runs and runs[-1][0] + runs[-1][2] == index:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((index, local, 1))
+    return runs
+
+
+def _dtensor_views(name, global_shape, local_shape, mesh, placements, coordinate, shards):
+    """This rank's boxes of a DTensor: per tensor dimension, the global indices its local
+    tensor holds, in order (each Shard / _StridedShard placement applied to an index tensor by
+    torch's own splitting, mesh dimension by mesh dimension), cut into runs; one box per
+    combination of runs, a view of the (row-major) local tensor. A string where the local
+    tensor's shape disagrees."""
+    import itertools
+    per_dim = []
+    for d, size in enumerate(global_shape):
+        shape = [1] * len(global_shape)
+        shape[d] = size
+        index = torch.arange(size).view(shape)
+        for i, p in enumerate(placements):
+            if isinstance(p, shards) and p.dim == d:
+                pieces, _ = p._split_tensor(index, mesh.size(i), with_padding=False)
+                index = pieces[coordinate[i]] if coordinate[i] < len(pieces) else index[:0]
+        per_dim.append(index.reshape(-1).tolist())
+    got = tuple(len(i) for i in per_dim)
+    if got != tuple(local_shape):
+        return str(got)
+    strides, step = [], 1
+    for d in reversed(local_shape):
+        strides.append(step)
+        step *= d
+    strides = tuple(reversed(strides))
+    if any(n == 0 for n in got):
+        return [View(name, global_shape, (0,) * len(got), got)]
+    views = []
+    for combo in itertools.product(*[_runs(i) for i in per_dim]):
+        offsets = tuple(c[0] for c in combo)
+        sizes = tuple(c[2] for c in combo)
+        start = sum(c[1] * st for c, st in zip(combo, strides))
+        views.append(View(name, global_shape, offsets, sizes, start,
+                          strides if len(combo) and sizes != tuple(local_shape) else ()))
+    return views
 
 
 def _overlap(a, b) -> bool:

@@ -362,6 +362,7 @@ class SingleProcessTest(unittest.TestCase):
         for name, ptr in (("a", 0x1000 + 512), ("b", 0x1000 + 4096), ("c", 0x9000)):
             e = refit.torch._Entry(name, name, None, name, True, FakeLocal(ptr, (8, 16)))
             e.global_shape, e.offsets, e.sizes = (16, 16), (8, 0), (8, 16)
+            e.publishes = True
             entries.append(e)
         handles = {0x1000: b"A" * 64, 0x9000: b"C" * 64}
 
