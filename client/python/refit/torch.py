@@ -96,6 +96,13 @@ def _fsdp_params(module: nn.Module) -> Dict[int, object]:
         for group in groups:
             for fp in group.fsdp_params:
                 out[id(fp.sharded_param)] = fp
+                # A parameter replaced since fully_shard (a checkpoint loaded with assign=True,
+                # as transformers' from_pretrained does after sharding) is FSDP2's until its
+                # lazy init adopts it (reset_sharded_param): found by where it lives.
+                info = getattr(fp, "_module_info", None)
+                current = getattr(info.module, info.param_name, None) if info else None
+                if current is not None:
+                    out[id(current)] = fp
     return out
 
 
@@ -324,6 +331,7 @@ def _place(e: _Entry, rank: int) -> Optional[str]:
                     f"mesh dimension {dim}; "
                     "refit publishes Shard(d) and Replicate() (reduce a Partial first, e.g. "
                     "redistribute to Replicate or Shard)")
+    e.local_shape = tuple(local.shape)
     views = _dtensor_views(e.name, e.global_shape, tuple(local.shape), mesh, spec.placements,
                            coordinate, (Shard, Strided))
     if isinstance(views, str):
@@ -626,10 +634,12 @@ class Publisher:
         """Moves the entries' local data into one new sealed memfd; returns it and layouts."""
         slots, end = [], 0
         for e in entries:
-            held = e.fsdp._sharded_param_data if e.fsdp is not None else e.local()
+            local = e.local()
+            count = (math.prod(e.fsdp.padded_sharded_param_size) if e.fsdp is not None
+                     else local.numel())
             start = -(-end // ALIGNMENT) * ALIGNMENT
             slots.append(start)
-            end = start + held.numel() * held.element_size()
+            end = start + count * local.element_size()
         region = memory.MemfdRegion(max(end, 1), label=f"refit-{self.model}-rank{self.rank}")
         layouts = []
         with torch.no_grad():
@@ -637,13 +647,20 @@ class Publisher:
                 local = e.local()
                 nbytes = local.numel() * local.element_size()
                 if e.fsdp is not None:
-                    padded = e.fsdp._sharded_param_data
-                    flat = region.bytes.narrow(0, start, padded.numel() * padded.element_size())
-                    flat = flat.view(padded.dtype)
-                    flat.copy_(padded)
-                    e.fsdp._sharded_param_data = flat
+                    size = e.fsdp.padded_sharded_param_size
+                    flat = region.bytes.narrow(0, start, math.prod(size) * local.element_size())
+                    flat = flat.view(local.dtype)
+                    shaped = flat.view(size)
                     dim = e.fsdp.fsdp_placement.dim
-                    shaped = flat.view(e.fsdp.padded_sharded_param_size)
+                    held = e.fsdp._sharded_param_data
+                    if (held.is_meta or held.untyped_storage().data_ptr()
+                            != local.untyped_storage().data_ptr()):
+                        # A parameter FSDP2 has not adopted yet (loaded after fully_shard): its
+                        # values, padded with the memfd's zeros; lazy init then keeps them here.
+                        shaped.narrow(dim, 0, local.shape[dim]).copy_(local)
+                    else:
+                        flat.copy_(held)
+                    e.fsdp._sharded_param_data = flat
                     e.tensor._local_tensor = shaped.narrow(dim, 0, local.shape[dim])
                 else:
                     view = region.bytes.narrow(0, start, nbytes).view(local.dtype)

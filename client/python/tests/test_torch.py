@@ -117,8 +117,8 @@ class TrainersTest(unittest.TestCase):
         self.addCleanup(lambda: subprocess.run(["rm", "-rf", out_dir]))
         model_name = f"{arch}-{mode}"
         # The engine: the whole model in vLLM's fused layout, registered before training.
-        shapes = {torch_trainer.vllm_expert_names(k): tuple(v.shape)
-                  for k, v in torch_trainer.build(arch).state_dict().items()}
+        shapes = {torch_trainer.vllm_expert_names(k): tuple(v.shape) for k, v in
+                  torch_trainer.build(arch, torch_trainer.vocab_of(mode)).state_dict().items()}
         engine = engine_node.client()
         dst = engine.register(model_name, refit.DESTINATION,
                               VLLM.layout(shapes, torch.float32))
@@ -180,6 +180,15 @@ class TrainersTest(unittest.TestCase):
 
     def test_fsdp2_x_tp_four_ranks(self):
         self.run_trainer("fsdp_tp", 4)
+
+    def test_qwen3_moe_transformers_tp_two_ranks(self):
+        """Qwen3-MoE under transformers' own TP plan (from_pretrained(tp_plan="auto")): the
+        fused experts' gate_up_proj is _StridedShard(1, sf=2), each rank holding its gate rows
+        and its up rows of every expert: published as two strided boxes per rank."""
+        self.run_trainer("hf_tp", 2, arch="qwen3_moe")
+
+    def test_qwen3_moe_fsdp2_x_transformers_tp_four_ranks(self):
+        self.run_trainer("hf_fsdp_tp", 4, arch="qwen3_moe")
 
 
 class BadRanksTest(unittest.TestCase):
