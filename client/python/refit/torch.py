@@ -38,6 +38,7 @@ Not thread-safe: the training loop's thread drives a Publisher.
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -595,6 +596,10 @@ class Publisher:
         self._check_peers = check_peers
         self.buffers: List[buffer_lib.Buffer] = []
         self.rehomes = 0          # times parameters had moved and were registered again
+        # Seconds spent making it: "checks" (collecting, the ranks' exchange), "rehome" (moving
+        # CPU parameters into the memfd), "register" (refitd's RegisterBuffer, which warms
+        # --retain + 1 version slots of the buffer's size), "register_cuda".
+        self.timings: Dict[str, float] = {}
         self.released = False
         self._register()
 
@@ -612,16 +617,24 @@ class Publisher:
     def _register(self) -> None:
         cpu = [e for e in self._entries if e.local().device.type == "cpu"]
         cuda = [e for e in self._entries if e.local().device.type == "cuda"]
+        clock = time.perf_counter
         try:
             if cpu:
+                t0 = clock()
                 region, layouts = self._rehome_cpu(cpu)
+                t1 = clock()
                 self.buffers.append(self.client.register_region(
                     self.model, refit_pb2.SOURCE, region, layouts,
                     client_name=self._client_name))
+                self.timings["rehome"] = t1 - t0
+                self.timings["register"] = clock() - t1
+            t0 = clock()
             for region, layouts in cuda_regions(cuda):
                 self.buffers.append(self.client.register_region(
                     self.model, refit_pb2.SOURCE, region, layouts,
                     client_name=self._client_name))
+            if cuda:
+                self.timings["register_cuda"] = clock() - t0
         except BaseException:
             self._release_buffers()
             raise
@@ -777,6 +790,7 @@ def publisher(client, model: str, module: nn.Module, *, layout: str = "hf",
         raise ValueError(f"refit.torch.publisher: layout={layout!r}: 'hf' or 'megatron'")
     dist = _dist()
     rank = dist.get_rank() if dist else 0
+    started = time.perf_counter()
     errors: List[str] = []
     if layout == "megatron":
         entries = _collect_megatron(module, rename, rank, errors, vocab_size)
@@ -807,5 +821,8 @@ def publisher(client, model: str, module: nn.Module, *, layout: str = "hf",
     if errors:
         raise PublisherError(f"refit.torch.publisher(model={model!r}): "
                              + "; ".join(errors))
-    return Publisher(client, model, module, entries, group, rank,
-                     client_name or f"rank{rank}", check_peers)
+    checks = time.perf_counter() - started
+    pub = Publisher(client, model, module, entries, group, rank, client_name or f"rank{rank}",
+                    check_peers)
+    pub.timings["checks"] = checks
+    return pub
