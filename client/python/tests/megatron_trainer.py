@@ -32,21 +32,29 @@ VOCAB, HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN, EXPERTS, MOE_FFN, LAYERS = (
 MODES = {  # mode: (tp, pp, ep, moe, grouped, world)
     "tp": (2, 1, 1, False, False, 2),
     "pp": (1, 2, 1, False, False, 2),
+    "vpp": (1, 2, 1, False, False, 2),  # and 2 virtual stages: 4 layers, 2 chunks per rank
     "ep": (1, 1, 2, True, False, 2),
     "grouped": (1, 1, 2, True, True, 2),
     "tp_ep": (2, 1, 2, True, False, 4),
 }
+VIRTUAL = {"vpp": 2}
 
 
-def config(moe: bool, grouped: bool = False, tp: int = 1, pp: int = 1, ep: int = 1):
+def layers_of(mode: str) -> int:
+    return LAYERS * VIRTUAL.get(mode, 1)
+
+
+def config(moe: bool, grouped: bool = False, tp: int = 1, pp: int = 1, ep: int = 1,
+           vpp: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
     extra = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                  expert_model_parallel_size=ep, pipeline_dtype=torch.float32)
     if moe:
         extra.update(num_moe_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_router_topk=2,
                      moe_grouped_gemm=grouped)
     return TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        num_layers=LAYERS * vpp, hidden_size=HIDDEN, num_attention_heads=HEADS,
         num_query_groups=GROUPS, kv_channels=HEAD_DIM, ffn_hidden_size=FFN,
         use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, normalization="RMSNorm", qk_layernorm=True,
@@ -54,7 +62,8 @@ def config(moe: bool, grouped: bool = False, tp: int = 1, pp: int = 1, ep: int =
 
 
 def build(moe: bool, grouped: bool, pre_process: bool = True, post_process: bool = True,
-          tp: int = 1, pp: int = 1, ep: int = 1):
+          tp: int = 1, pp: int = 1, ep: int = 1, vpp: int = 1, vp_stage=None,
+          vocab: int = VOCAB):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     if grouped:  # GroupedMLP's kernels are for GPUs; its parameters are built on the CPU
@@ -63,16 +72,17 @@ def build(moe: bool, grouped: bool, pre_process: bool = True, post_process: bool
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS if moe else None,
                                     moe_grouped_gemm=grouped, qk_layernorm=True,
                                     normalization="RMSNorm")
-    return GPTModel(config=config(moe, grouped, tp, pp, ep), transformer_layer_spec=spec, vocab_size=VOCAB,
+    return GPTModel(config=config(moe, grouped, tp, pp, ep, vpp), transformer_layer_spec=spec, vocab_size=vocab,
                     max_sequence_length=64, pre_process=pre_process, post_process=post_process,
-                    share_embeddings_and_output_weights=False, position_embedding_type="rope")
+                    share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                    vp_stage=vp_stage)
 
 
-def hf_shapes(moe: bool):
+def hf_shapes(moe: bool, layers: int = LAYERS):
     """The Hugging Face tensors of the model (what the engine loads)."""
     out = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "lm_head.weight": (VOCAB, HIDDEN),
            "model.norm.weight": (HIDDEN,)}
-    for layer in range(LAYERS):
+    for layer in range(layers):
         p = f"model.layers.{layer}."
         out.update({p + "input_layernorm.weight": (HIDDEN,),
                     p + "post_attention_layernorm.weight": (HIDDEN,),
@@ -97,14 +107,14 @@ def hf_shapes(moe: bool):
 
 # ---- the reference: Megatron's shards joined and converted, no refit code ----
 
-def rank_state(model, groups):
+def rank_state(chunks, groups):
     """What this rank holds: {megatron name with global layer / expert: (tensor, dim)}, where
     dim is Megatron's partition dimension (None: not split by tensor parallelism)."""
     from megatron.core import parallel_state as ps
     tp, ep = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
     etp = ps.get_expert_tensor_parallel_rank()
     out = {}
-    for name, p in model.named_parameters():
+    for model, name, p in [(c, n, p) for c in chunks for n, p in c.named_parameters()]:
         m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
         if m:
             layer = model.decoder.layers[int(m[1])].layer_number - 1
@@ -199,11 +209,20 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     from megatron.core import parallel_state as ps
+    vpp = VIRTUAL.get(args.mode, 1)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep)
+                                 expert_model_parallel_size=ep,
+                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     torch.manual_seed(1234)
-    model = build(moe, grouped, pre_process=ps.is_pipeline_first_stage(),
-                  post_process=ps.is_pipeline_last_stage(), tp=tp, pp=pp, ep=ep)
+    if vpp > 1:  # a virtual pipeline: this rank's chunks, published as one list
+        chunks = [build(moe, grouped, ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+                        ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v), tp=tp,
+                        pp=pp, ep=ep, vpp=vpp, vp_stage=v) for v in range(vpp)]
+        model = torch.nn.ModuleList(chunks)
+    else:
+        chunks = [build(moe, grouped, pre_process=ps.is_pipeline_first_stage(),
+                        post_process=ps.is_pipeline_last_stage(), tp=tp, pp=pp, ep=ep)]
+        model = chunks[0]
     with torch.no_grad():  # distinct experts and norms (CPU init makes every EP rank's alike)
         ep_rank = ps.get_expert_model_parallel_rank()
         for name, p in model.named_parameters():
@@ -214,9 +233,11 @@ def main() -> int:
                 p.add_(0.1 * torch.arange(p.numel(), dtype=p.dtype).view(p.shape))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     client = refit.Client(args.socket)
-    pub = refit.torch.publisher(client, args.model, model, layout="megatron")
-    print(f"rank {rank}: publishing {len(pub.slices())} slices of {len(pub.names)} tensors",
-          flush=True)
+    pub = refit.torch.publisher(client, args.model, chunks if vpp > 1 else model,
+                                layout="megatron")
+    layers = sorted({int(n.split(".")[2]) for n in pub.names if n.startswith("model.layers.")})
+    print(f"rank {rank}: publishing {len(pub.slices())} slices of {len(pub.names)} tensors, "
+          f"layers {layers}", flush=True)
     for step in range(1, args.steps + 1):
         # An AdamW step on a gradient that is a function of the weights (replicas stay equal).
         for p in model.parameters():
@@ -224,7 +245,7 @@ def main() -> int:
         opt.step()
         opt.zero_grad()
         states = [None] * dist.get_world_size()
-        dist.all_gather_object(states, rank_state(model, {"ep": ep}))
+        dist.all_gather_object(states, rank_state(chunks, {"ep": ep}))
         if rank == 0:
             from safetensors.torch import save_file
             path = os.path.join(args.out, f"v{step}.safetensors")

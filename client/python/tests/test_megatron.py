@@ -6,7 +6,7 @@
   Megatron's logits; GroupedMLP's weight1/weight2 published as strided views equal what
   Megatron's own GroupedMLP.sharded_state_dict() says each expert's fc1/fc2 is.
 - TrainersTest: megatron_trainer.py ranks (torch.distributed on gloo, parallel_state with TP, PP,
-  EP) publish on one refitd; an engine on a second refitd registers vLLM's layout (qkv_proj,
+  virtual pipeline, EP) publish on one refitd; an engine on a second refitd registers vLLM's layout (qkv_proj,
   gate_up_proj, experts.w13_weight/w2_weight through refit.mapping) and applies every version,
   which must equal, bit for bit, the unsharded Hugging Face state_dict that rank 0 made without
   refit (all-gathered shards, converted by Megatron's rules).
@@ -122,6 +122,25 @@ class ModulesTest(unittest.TestCase):
                                     "Megatron's GPTModel")
         self.assertGreater(want.abs().max().item(), 0.1)
 
+    def test_padded_vocabulary_rows_left_out(self):
+        """Megatron pads the vocabulary (to a multiple of 128 x TP in Megatron-LM): with
+        vocab_size= the Hugging Face tensors are the real rows only."""
+        torch.manual_seed(2)
+        model = mt.build(moe=False, grouped=False, vocab=mt.VOCAB + 4)
+        pub = refit.torch.publisher(self.client, "megatron-vocab", model, layout="megatron",
+                                    vocab_size=mt.VOCAB)
+        self.addCleanup(pub.release)
+        boxes = {s[0]: s for s in pub.slices()}
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            self.assertEqual(boxes[name][2:], ((mt.VOCAB, mt.HIDDEN), (0, 0),
+                                               (mt.VOCAB, mt.HIDDEN)))
+        pub.publish(1)
+        got = self.engine("megatron-vocab", mt.hf_shapes(moe=False), 1)
+        self.assertTrue(torch.equal(got["model.embed_tokens.weight"],
+                                    model.embedding.word_embeddings.weight[:mt.VOCAB].detach()))
+        self.assertTrue(torch.equal(got["lm_head.weight"],
+                                    model.output_layer.weight[:mt.VOCAB].detach()))
+
     def test_grouped_mlp_against_its_sharded_state_dict(self):
         """GroupedMLP (EP 1, 4 experts): each expert's gate/up/down as refit publishes them
         (strided, transposed views of weight1/weight2) equal megatron-core's own
@@ -181,7 +200,7 @@ class TrainersTest(unittest.TestCase):
         out_dir = tempfile.mkdtemp(prefix="refit-megatron-")
         self.addCleanup(lambda: __import__("shutil").rmtree(out_dir, ignore_errors=True))
         model_name = f"megatron-{mode}"
-        shapes = mt.hf_shapes(moe)
+        shapes = mt.hf_shapes(moe, mt.layers_of(mode))
         engine = engine_node.client()
         dst = engine.register(model_name, refit.DESTINATION, VLLM.layout(shapes, torch.float32))
         self.addCleanup(dst.release)
@@ -225,7 +244,17 @@ class TrainersTest(unittest.TestCase):
         self.run_trainer("grouped")
 
     def test_pipeline_parallel_two_stages(self):
-        self.run_trainer("pp")
+        outs = self.run_trainer("pp")
+        self.assertIn("layers [0]", outs[0])
+        self.assertIn("layers [1]", outs[1])
+
+    def test_virtual_pipeline_two_stages_two_chunks(self):
+        """PP 2 x virtual pipeline 2 (4 layers: rank 0 holds layers 0 and 2, rank 1 layers 1
+        and 3), each rank's chunks published as one list."""
+        outs = self.run_trainer("vpp")
+        self.assertIn("rank 0: publishing", outs[0])
+        self.assertIn("layers [0, 2]", outs[0])
+        self.assertIn("layers [1, 3]", outs[1])
 
     def test_tensor_x_expert_parallel_four_ranks(self):
         self.run_trainer("tp_ep")
