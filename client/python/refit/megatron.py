@@ -320,3 +320,96 @@ def chunks_of(module) -> List[nn.Module]:
     if isinstance(module, (list, tuple, nn.ModuleList)):
         return [_unwrap(m) for m in module]
     return [_unwrap(module)]
+
+
+def collect(module, rename, rank: int, errors: List[str], vocab_size: Optional[int]) -> List:
+    """Megatron-core's parameters (one GPTModel or the chunks of a virtual pipeline), each
+    with the Hugging Face boxes it holds; refit.torch's entries (the checks of
+    refit.torch.publisher). Problems go to `errors`, each naming the parameter and the rank."""
+    from refit.torch import (_Entry, _check_tensor, _dtensor_type, _overlap, _place,
+                             _rename_fn, default_name)
+    groups = Groups.from_parallel_state()
+    rename_fn = _rename_fn(rename)
+    DTensor = _dtensor_type()
+    chunks = chunks_of(module)
+    seen = set()
+    boxes: Dict[str, List[Tuple[str, View]]] = {}
+    out: List = []
+    for index, chunk in enumerate(chunks):
+        config = getattr(chunk, "config", None)
+        where = f"chunk {index} " if len(chunks) > 1 else ""
+        if config is None:
+            errors.append(f"rank {rank}: {where}{type(chunk).__name__} has no Megatron "
+                          "TransformerConfig (.config); layout='megatron' takes megatron-core "
+                          "models (GPTModel)")
+            continue
+        for prefix, m in chunk.named_modules():
+            for attr, tensor in m._parameters.items():
+                if tensor is None or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                fqn = f"{prefix}.{attr}" if prefix else attr
+                label = f"{where}{fqn}"
+                e = _Entry(label, label, m, attr, True, tensor)
+                if DTensor is not None and isinstance(tensor, DTensor):
+                    e.dtensor = True
+                    problem = _place(e, rank) or (
+                        f"rank {rank}: parameter {label} is a DTensor "
+                        f"({tensor._spec.placements}); layout='megatron' takes Megatron's "
+                        "own sharding (plain tensors); use layout='hf' for DTensors")
+                    errors.append(problem)
+                    continue
+                problem = _check_tensor(e, rank)
+                if problem:
+                    errors.append(problem)
+                    continue
+                try:
+                    views = views_of(default_name(fqn), tensor, chunk, config, groups,
+                                     vocab_size)
+                except ValueError as err:
+                    errors.append(f"rank {rank}: parameter {label}: {err}")
+                    continue
+                if views is None:
+                    name = rename_fn(fqn)
+                    if name is None:
+                        continue
+                    if name == fqn or getattr(tensor, "tensor_model_parallel", False):
+                        errors.append(
+                            f"rank {rank}: parameter {label}: refit has no Hugging Face name "
+                            "for this Megatron parameter; name it (whole, not split by tensor "
+                            f"parallelism) or leave it out with rename={{{fqn!r}: None}}")
+                        continue
+                    views = [View(name, tensor.shape, (0,) * tensor.dim(), tensor.shape)]
+                else:
+                    kept = []
+                    for v in views:
+                        name = rename_fn(v.name)
+                        if name is None:
+                            continue
+                        if not isinstance(name, str) or not name:
+                            errors.append(f"rank {rank}: rename gave {name!r} for {v.name} "
+                                          f"(parameter {label})")
+                            continue
+                        v.name = name
+                        kept.append(v)
+                    views = kept
+                for v in views:
+                    for other, w in boxes.get(v.name, []):
+                        if w.global_shape != v.global_shape or _overlap(
+                                (w.offsets, w.sizes), (v.offsets, v.sizes)):
+                            errors.append(
+                                f"rank {rank}: parameters {other} and {label} both give "
+                                f"{v.name} (offsets {list(w.offsets)} sizes {list(w.sizes)} of "
+                                f"{list(w.global_shape)}, and offsets {list(v.offsets)} sizes "
+                                f"{list(v.sizes)} of {list(v.global_shape)}); a rename maps "
+                                "two parameters to one name?")
+                    boxes.setdefault(v.name, []).append((label, v))
+                if not views:
+                    continue
+                e.views = views
+                e.local_shape = tuple(tensor.shape)
+                e.publishes = True
+                e.global_shape, e.offsets, e.sizes = (views[0].global_shape, views[0].offsets,
+                                                      views[0].sizes)
+                out.append(e)
+    return out
