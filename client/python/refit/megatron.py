@@ -42,6 +42,7 @@ delivered (the q/k/v interleave and the gate/up order), and the GroupedMLP rule 
 """
 
 import re
+import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -92,11 +93,10 @@ class Groups:
 
     @classmethod
     def from_parallel_state(cls) -> "Groups":
-        try:
-            from megatron.core import parallel_state as ps
-        except ImportError:
-            return cls()
-        if not ps.model_parallel_is_initialized():
+        # A Megatron model's process has megatron.core imported already; importing it here for
+        # anything else would be slow, and can fail (it imports flashinfer where installed).
+        ps = sys.modules.get("megatron.core.parallel_state")
+        if ps is None or not ps.model_parallel_is_initialized():
             return cls()
 
         def get(fn, default):

@@ -23,7 +23,12 @@ import sys
 import tempfile
 import unittest
 
-import torch
+# megatron-core imports flashinfer where it is installed (vLLM brings it), which makes its
+# workspace under $HOME at import: read-only in Bazel's sandbox. The ranks inherit this.
+os.environ.setdefault("FLASHINFER_WORKSPACE_BASE",
+                      os.environ.get("TEST_TMPDIR") or tempfile.mkdtemp(prefix="flashinfer-"))
+
+import torch  # noqa: E402
 import torch.distributed as dist
 
 import refit
