@@ -38,7 +38,8 @@ Not thread-safe: the training loop's thread drives a Publisher.
 
 import logging
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -47,6 +48,7 @@ import torch.nn as nn
 from refit import buffer as buffer_lib
 from refit import dtypes
 from refit import memory
+from refit.megatron import View
 from refit.v1 import refit_pb2
 
 log = logging.getLogger("refit.torch")
@@ -95,6 +97,13 @@ def _fsdp_params(module: nn.Module) -> Dict[int, object]:
         for group in groups:
             for fp in group.fsdp_params:
                 out[id(fp.sharded_param)] = fp
+                # A parameter replaced since fully_shard (a checkpoint loaded with assign=True,
+                # as transformers' from_pretrained does after sharding) is FSDP2's until its
+                # lazy init adopts it (reset_sharded_param): found by where it lives.
+                info = getattr(fp, "_module_info", None)
+                current = getattr(info.module, info.param_name, None) if info else None
+                if current is not None:
+                    out[id(current)] = fp
     return out
 
 
@@ -121,9 +130,22 @@ class _Entry:
     sizes: Tuple[int, ...] = ()
     publishes: bool = False       # this rank publishes a part of it
     ptr: int = 0                  # where its local data lived when registered
+    # The boxes it publishes, as views of its local data (layout="hf": the one box above;
+    # layout="megatron": one per Hugging Face tensor part, refit.megatron).
+    views: List[View] = field(default_factory=list)
+    local_shape: Tuple[int, ...] = ()
 
     def local(self) -> torch.Tensor:
         return self.tensor._local_tensor if self.dtensor else self.tensor
+
+    def parts(self) -> List[View]:
+        if not self.views:
+            self.views = [View(self.name, self.global_shape, self.offsets, self.sizes)]
+            self.views[0].publishes = self.publishes
+        return self.views
+
+    def published(self) -> List[View]:
+        return [v for v in self.parts() if v.publishes]
 
     def box(self) -> Tuple:
         return (self.name, str(self.local().dtype), self.global_shape, self.offsets, self.sizes)
@@ -202,14 +224,13 @@ def _place(e: _Entry, rank: int) -> Optional[str]:
         e.publishes = local.numel() > 0  # a claim: the ranks' exchange keeps one replica
         return None
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     spec = e.tensor._spec
     mesh = spec.mesh
     coordinate = mesh.get_coordinate()
     e.global_shape = tuple(e.tensor.shape)
     if coordinate is None:  # this rank is not on the tensor's mesh
         return None
-    try:  # FSDP2 over tensor parallelism on the same dimension: one box per rank still
+    try:  # FSDP2 over TP on one dimension; packed gate/up (transformers' packed_colwise)
         from torch.distributed.tensor.placement_types import _StridedShard as Strided
     except ImportError:
         Strided = Shard
@@ -219,17 +240,69 @@ def _place(e: _Entry, rank: int) -> Optional[str]:
                     f"mesh dimension {dim}; "
                     "refit publishes Shard(d) and Replicate() (reduce a Partial first, e.g. "
                     "redistribute to Replicate or Shard)")
-    sizes, offsets = compute_local_shape_and_global_offset(e.global_shape, mesh,
-                                                           spec.placements)
-    sizes, offsets = tuple(int(d) for d in sizes), tuple(int(d) for d in offsets)
-    if sizes != tuple(local.shape):
+    e.local_shape = tuple(local.shape)
+    views = _dtensor_views(e.name, e.global_shape, tuple(local.shape), mesh, spec.placements,
+                           coordinate, (Shard, Strided))
+    if isinstance(views, str):
         return (f"rank {rank}: parameter {e.fqn}: its local tensor is {tuple(local.shape)}, "
-                f"but its placements {spec.placements} give {sizes}")
-    e.offsets, e.sizes = offsets, sizes
+                f"but its placements {spec.placements} give {views}")
     replica = any(isinstance(p, Replicate) and coordinate[dim] != 0
                   for dim, p in enumerate(spec.placements))
     e.publishes = not replica and local.numel() > 0
+    e.offsets, e.sizes = views[0].offsets, views[0].sizes
+    if len(views) > 1:  # e.g. _StridedShard: several boxes, strided views of the local tensor
+        for v in views:
+            v.publishes = e.publishes
+        e.views = views
     return None
+
+
+def _runs(indices: List[int]) -> List[Tuple[int, int, int]]:
+    """(global start, local start, length) of the runs of consecutive global indices."""
+    runs: List[Tuple[int, int, int]] = []
+    for local, index in enumerate(indices):
+        if runs and runs[-1][0] + runs[-1][2] == index:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((index, local, 1))
+    return runs
+
+
+def _dtensor_views(name, global_shape, local_shape, mesh, placements, coordinate, shards):
+    """This rank's boxes of a DTensor: per tensor dimension, the global indices its local
+    tensor holds, in order (each Shard / _StridedShard placement applied to an index tensor by
+    torch's own splitting, mesh dimension by mesh dimension), cut into runs; one box per
+    combination of runs, a view of the (row-major) local tensor. A string where the local
+    tensor's shape disagrees."""
+    import itertools
+    per_dim = []
+    for d, size in enumerate(global_shape):
+        shape = [1] * len(global_shape)
+        shape[d] = size
+        index = torch.arange(size).view(shape)
+        for i, p in enumerate(placements):
+            if isinstance(p, shards) and p.dim == d:
+                pieces, _ = p._split_tensor(index, mesh.size(i), with_padding=False)
+                index = pieces[coordinate[i]] if coordinate[i] < len(pieces) else index[:0]
+        per_dim.append(index.reshape(-1).tolist())
+    got = tuple(len(i) for i in per_dim)
+    if got != tuple(local_shape):
+        return str(got)
+    strides, step = [], 1
+    for d in reversed(local_shape):
+        strides.append(step)
+        step *= d
+    strides = tuple(reversed(strides))
+    if any(n == 0 for n in got):
+        return [View(name, global_shape, (0,) * len(got), got)]
+    views = []
+    for combo in itertools.product(*[_runs(i) for i in per_dim]):
+        offsets = tuple(c[0] for c in combo)
+        sizes = tuple(c[2] for c in combo)
+        start = sum(c[1] * st for c, st in zip(combo, strides))
+        views.append(View(name, global_shape, offsets, sizes, start,
+                          strides if len(combo) and sizes != tuple(local_shape) else ()))
+    return views
 
 
 def _overlap(a, b) -> bool:
@@ -285,33 +358,42 @@ def _agree(entries: List[_Entry], errors: List[str], rank: int, group) -> List[s
     dist = _dist()
     size = dist.get_world_size(group)
     gathered: List[Optional[Tuple]] = [None] * size
-    dist.all_gather_object(gathered, (rank, [e.box() for e in entries if e.publishes], errors),
-                           group=group)
-    errors = [err for _, _, errs in gathered for err in errs]
+    mine: Dict[Tuple, Tuple[_Entry, View]] = {}
+    labels: Dict[Tuple, str] = {}
+    for e in entries:
+        for v in e.published():
+            box = v.box(str(e.local().dtype))
+            mine[box] = (e, v)
+            labels[box] = e.fqn
+    dist.all_gather_object(gathered, (rank, list(mine), errors, labels), group=group)
+    errors = [err for _, _, errs, _ in gathered for err in errs]
     if errors:
         return errors
     claimants: Dict[Tuple, List[int]] = {}
-    for r, boxes, _ in gathered:
+    for r, boxes, _, _ in gathered:
         for box in boxes:
             claimants.setdefault(box, []).append(r)
     shared = {box: ranks for box, ranks in claimants.items() if len(ranks) > 1}
-    mine = {e.box(): e for e in entries if e.publishes}
-    digests = {box: _digest(mine[box].local()) for box in shared if box in mine}
+    digests = {box: _digest(mine[box][1].of(mine[box][0].local()))
+               for box in shared if box in mine}
     everyone: List[Optional[Tuple]] = [None] * size
     dist.all_gather_object(everyone, (rank, digests), group=group)
     by_rank = dict(everyone)
+    label_of = {r: lab for r, _, _, lab in gathered}
     for box, ranks in shared.items():
         values = {r: by_rank[r][box] for r in ranks}
         if len(set(values.values())) > 1:
-            errors.append(f"parameter {box[0]}: ranks {ranks} all claim the shard at offsets "
-                          f"{list(box[3])} sizes {list(box[4])} with different values; one "
-                          "rank per shard publishes (replicas must be equal)")
+            sources = sorted({label_of[r][box] for r in ranks} - {box[0]})
+            origin = f" (from {', '.join(sources)})" if sources else ""
+            errors.append(f"parameter {box[0]}{origin}: ranks {ranks} all claim the shard at "
+                          f"offsets {list(box[3])} sizes {list(box[4])} with different values; "
+                          "one rank per shard publishes (replicas must be equal)")
         elif rank in ranks and rank != min(ranks):
-            mine[box].publishes = False  # a replica: the lowest rank publishes it
+            mine[box][1].publishes = False  # a replica: the lowest rank publishes it
     if errors:
         return errors
     unique = {}
-    for r, boxes, _ in gathered:
+    for r, boxes, _, _ in gathered:
         unique[r] = [b for b in boxes if min(claimants[b]) == r]
     return check_boxes([unique[r] for r in sorted(unique)], ranks=sorted(unique))
 
@@ -362,13 +444,37 @@ def cuda_regions(entries: Sequence[_Entry], block_of: Callable = _cuda_block,
         lo = min(at for at, _, _ in members)
         hi = max(at + n for at, _, n in members)
         region = CudaSourceRegion(device, handle, lo, hi - lo, uuid_of(device))
-        out.append((region, [_layout(e, at - lo, n) for at, e, n in members]))
+        out.append((region, [lay for at, e, n in members for lay in _layouts(e, at - lo)]))
     return out
 
 
-def _layout(e: _Entry, offset: int, nbytes: int) -> buffer_lib.SliceLayout:
-    return buffer_lib.SliceLayout(e.name, e.local().dtype, e.global_shape, e.offsets, e.sizes,
-                                  offset, nbytes)
+@dataclass(frozen=True)
+class StridedLayout(buffer_lib.SliceLayout):
+    """A slice whose elements lie at `strides` (elements) from its buffer_offset."""
+
+    strides: Tuple[int, ...] = ()
+
+    def to_proto(self):
+        proto = super().to_proto()
+        proto.buffer_strides.extend(self.strides)
+        return proto
+
+
+def _layouts(e: _Entry, offset: int) -> List[buffer_lib.SliceLayout]:
+    """The slices of what this entry publishes, its local data at `offset` in the buffer."""
+    local = e.local()
+    size = local.element_size()
+    out: List[buffer_lib.SliceLayout] = []
+    for v in e.published():
+        nbytes = math.prod(v.sizes) * size
+        at = offset + v.start * size
+        if v.strides and v.strides != v.contiguous_strides():
+            out.append(StridedLayout(v.name, local.dtype, v.global_shape, v.offsets, v.sizes,
+                                     at, nbytes, strides=v.strides))
+        else:
+            out.append(buffer_lib.SliceLayout(v.name, local.dtype, v.global_shape, v.offsets,
+                                              v.sizes, at, nbytes))
+    return out
 
 
 def _trim_heap() -> None:
@@ -392,39 +498,51 @@ class Publisher:
         self.model = model
         self.module = module
         self.rank = rank
-        self._entries = [e for e in entries if e.publishes]
+        self._entries = [e for e in entries if e.published()]
         self._group = group
         self._client_name = client_name
         self._check_peers = check_peers
         self.buffers: List[buffer_lib.Buffer] = []
         self.rehomes = 0          # times parameters had moved and were registered again
+        # Seconds spent making it: "checks" (collecting, the ranks' exchange), "rehome" (moving
+        # CPU parameters into the memfd), "register" (refitd's RegisterBuffer, which warms
+        # --retain + 1 version slots of the buffer's size), "register_cuda".
+        self.timings: Dict[str, float] = {}
         self.released = False
         self._register()
 
     @property
     def names(self) -> List[str]:
         """The names this rank publishes (parts of), in registration order."""
-        return [e.name for e in self._entries]
+        return list(dict.fromkeys(v.name for e in self._entries for v in e.published()))
 
     def slices(self) -> List[Tuple]:
         """(name, dtype, global_shape, offsets, sizes) of each slice this rank publishes."""
-        return [e.box() for e in self._entries]
+        return [v.box(str(e.local().dtype)) for e in self._entries for v in e.published()]
 
     # ---- registering ----
 
     def _register(self) -> None:
         cpu = [e for e in self._entries if e.local().device.type == "cpu"]
         cuda = [e for e in self._entries if e.local().device.type == "cuda"]
+        clock = time.perf_counter
         try:
             if cpu:
+                t0 = clock()
                 region, layouts = self._rehome_cpu(cpu)
+                t1 = clock()
                 self.buffers.append(self.client.register_region(
                     self.model, refit_pb2.SOURCE, region, layouts,
                     client_name=self._client_name))
+                self.timings["rehome"] = t1 - t0
+                self.timings["register"] = clock() - t1
+            t0 = clock()
             for region, layouts in cuda_regions(cuda):
                 self.buffers.append(self.client.register_region(
                     self.model, refit_pb2.SOURCE, region, layouts,
                     client_name=self._client_name))
+            if cuda:
+                self.timings["register_cuda"] = clock() - t0
         except BaseException:
             self._release_buffers()
             raise
@@ -437,10 +555,12 @@ class Publisher:
         """Moves the entries' local data into one new sealed memfd; returns it and layouts."""
         slots, end = [], 0
         for e in entries:
-            held = e.fsdp._sharded_param_data if e.fsdp is not None else e.local()
+            local = e.local()
+            count = (math.prod(e.fsdp.padded_sharded_param_size) if e.fsdp is not None
+                     else local.numel())
             start = -(-end // ALIGNMENT) * ALIGNMENT
             slots.append(start)
-            end = start + held.numel() * held.element_size()
+            end = start + count * local.element_size()
         region = memory.MemfdRegion(max(end, 1), label=f"refit-{self.model}-rank{self.rank}")
         layouts = []
         with torch.no_grad():
@@ -448,13 +568,20 @@ class Publisher:
                 local = e.local()
                 nbytes = local.numel() * local.element_size()
                 if e.fsdp is not None:
-                    padded = e.fsdp._sharded_param_data
-                    flat = region.bytes.narrow(0, start, padded.numel() * padded.element_size())
-                    flat = flat.view(padded.dtype)
-                    flat.copy_(padded)
-                    e.fsdp._sharded_param_data = flat
+                    size = e.fsdp.padded_sharded_param_size
+                    flat = region.bytes.narrow(0, start, math.prod(size) * local.element_size())
+                    flat = flat.view(local.dtype)
+                    shaped = flat.view(size)
                     dim = e.fsdp.fsdp_placement.dim
-                    shaped = flat.view(e.fsdp.padded_sharded_param_size)
+                    held = e.fsdp._sharded_param_data
+                    if (held.is_meta or held.untyped_storage().data_ptr()
+                            != local.untyped_storage().data_ptr()):
+                        # A parameter FSDP2 has not adopted yet (loaded after fully_shard): its
+                        # values, padded with the memfd's zeros; lazy init then keeps them here.
+                        shaped.narrow(dim, 0, local.shape[dim]).copy_(local)
+                    else:
+                        flat.copy_(held)
+                    e.fsdp._sharded_param_data = flat
                     e.tensor._local_tensor = shaped.narrow(dim, 0, local.shape[dim])
                 else:
                     view = region.bytes.narrow(0, start, nbytes).view(local.dtype)
@@ -467,7 +594,7 @@ class Publisher:
                     else:
                         e.owner._buffers[e.attr] = view
                         e.tensor = view
-                layouts.append(_layout(e, start, nbytes))
+                layouts.extend(_layouts(e, start))
         return region, layouts
 
     @staticmethod
@@ -514,10 +641,10 @@ class Publisher:
                 if e.fsdp is not None:
                     e.fsdp = fsdp.get(id(e.tensor))
                 local = e.local()
-                if tuple(local.shape) != e.sizes:
+                if tuple(local.shape) != (e.local_shape or e.sizes):
                     raise PublisherError(
                         f"rank {self.rank}: parameter {e.fqn} is now {tuple(local.shape)}, "
-                        f"registered as {e.sizes}; make a new publisher")
+                        f"registered as {e.local_shape or e.sizes}; make a new publisher")
             self._release_buffers()
             self._register()
             self.rehomes += 1
@@ -550,29 +677,41 @@ class Publisher:
 
 def publisher(client, model: str, module: nn.Module, *, layout: str = "hf",
               rename: Rename = None, group=None, client_name: Optional[str] = None,
-              check_peers: bool = True) -> Publisher:
+              check_peers: bool = True, vocab_size: Optional[int] = None) -> Publisher:
     """Registers this rank's part of `module` as SOURCE slices of `model`; returns the
     Publisher (`publish(version)`, `release()`).
 
     Call it on every rank of the trainer at once (it is collective: the ranks check their
     slices together), after the model is sharded (fully_shard, parallelize_module).
     `rename`: a mapping or a function from the `state_dict()` name to the published one (None:
-    leave the tensor out). `group`: the process group of the trainer's ranks (default: the
+    leave the tensor out).
+    `layout="megatron"`: `module` is a megatron-core GPTModel (or the list of a virtual
+    pipeline's chunks, or either inside Megatron's DDP/Float16Module wrappers), published under
+    the Hugging Face names (refit.megatron has the table; `rename` then maps those names, and
+    names a Megatron parameter the table does not know, or leaves it out with None);
+    `vocab_size`: the Hugging Face vocabulary, where Megatron padded its embedding rows. `group`: the process group of the trainer's ranks (default: the
     whole world, through a gloo group made for these checks where the default backend is not
     gloo). `check_peers=False` skips the cross-rank checks (and the small gloo exchange in each
-    publish). `layout="megatron"` is not implemented yet.
+    publish).
     """
-    if layout != "hf":
-        raise NotImplementedError(f"refit.torch.publisher: layout={layout!r} is not "
-                                  "implemented (only 'hf')")
+    if layout not in ("hf", "megatron"):
+        raise ValueError(f"refit.torch.publisher: layout={layout!r}: 'hf' or 'megatron'")
     dist = _dist()
     rank = dist.get_rank() if dist else 0
+    started = time.perf_counter()
     errors: List[str] = []
-    entries = _collect(module, rename, rank, errors)
-    for e in entries:
-        problem = _check_tensor(e, rank) or _place(e, rank)
-        if problem:
-            errors.append(problem)
+    if layout == "megatron":
+        from refit import megatron
+        entries = megatron.collect(module, rename, rank, errors, vocab_size)
+        if dist and not check_peers and dist.get_world_size() > 1:
+            errors.append(f"rank {rank}: layout='megatron' needs check_peers=True on more than "
+                          "one rank (the exchange picks one rank per replicated tensor)")
+    else:
+        entries = _collect(module, rename, rank, errors)
+        for e in entries:
+            problem = _check_tensor(e, rank) or _place(e, rank)
+            if problem:
+                errors.append(problem)
     if not entries and not errors:
         errors.append(f"rank {rank}: the module has no parameters or persistent buffers")
     if dist and check_peers and dist.get_world_size() > 1:
@@ -586,8 +725,13 @@ def publisher(client, model: str, module: nn.Module, *, layout: str = "hf",
             for e in entries:
                 if not e.dtensor:
                     e.publishes = False
+                    for v in e.views:
+                        v.publishes = False
     if errors:
         raise PublisherError(f"refit.torch.publisher(model={model!r}): "
                              + "; ".join(errors))
-    return Publisher(client, model, module, entries, group, rank,
-                     client_name or f"rank{rank}", check_peers)
+    checks = time.perf_counter() - started
+    pub = Publisher(client, model, module, entries, group, rank, client_name or f"rank{rank}",
+                    check_peers)
+    pub.timings["checks"] = checks
+    return pub

@@ -104,7 +104,9 @@ def worker(args) -> int:
           f"{shard_bytes / 2**20:.1f} MiB | publish median {med_pub * 1e3:.1f} ms "
           f"(min {min(publishes) * 1e3:.1f}) | memcpy of the shard median "
           f"{med_copy * 1e3:.1f} ms (min {min(copies) * 1e3:.1f}) | ratio "
-          f"{med_pub / med_copy:.2f}x | publisher() {setup * 1e3:.0f} ms | RSS "
+          f"{med_pub / med_copy:.2f}x | publisher() {setup * 1e3:.0f} ms ("
+          + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in pub.timings.items())
+          + f") | RSS "
           f"{rss_before:.0f} -> {rss_registered:.0f} (registered) -> {rss_after:.0f} MiB "
           f"(after {args.reps} publishes): growth {growth:.1f} MiB = "
           f"{100 * growth / (shard_bytes / 2**20):.1f}% of the shard | rehomes "

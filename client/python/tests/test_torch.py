@@ -117,8 +117,8 @@ class TrainersTest(unittest.TestCase):
         self.addCleanup(lambda: subprocess.run(["rm", "-rf", out_dir]))
         model_name = f"{arch}-{mode}"
         # The engine: the whole model in vLLM's fused layout, registered before training.
-        shapes = {torch_trainer.vllm_expert_names(k): tuple(v.shape)
-                  for k, v in torch_trainer.build(arch).state_dict().items()}
+        shapes = {torch_trainer.vllm_expert_names(k): tuple(v.shape) for k, v in
+                  torch_trainer.build(arch, torch_trainer.vocab_of(mode)).state_dict().items()}
         engine = engine_node.client()
         dst = engine.register(model_name, refit.DESTINATION,
                               VLLM.layout(shapes, torch.float32))
@@ -180,6 +180,15 @@ class TrainersTest(unittest.TestCase):
 
     def test_fsdp2_x_tp_four_ranks(self):
         self.run_trainer("fsdp_tp", 4)
+
+    def test_qwen3_moe_transformers_tp_two_ranks(self):
+        """Qwen3-MoE under transformers' own TP plan (from_pretrained(tp_plan="auto")): the
+        fused experts' gate_up_proj is _StridedShard(1, sf=2), each rank holding its gate rows
+        and its up rows of every expert: published as two strided boxes per rank."""
+        self.run_trainer("hf_tp", 2, arch="qwen3_moe")
+
+    def test_qwen3_moe_fsdp2_x_transformers_tp_four_ranks(self):
+        self.run_trainer("hf_fsdp_tp", 4, arch="qwen3_moe")
 
 
 class BadRanksTest(unittest.TestCase):
@@ -320,9 +329,9 @@ class SingleProcessTest(unittest.TestCase):
         net = torch.nn.Linear(4, 2).to(torch.float64)
         self.assert_refused("f64", net, r"rank 0: parameter weight has dtype torch.float64")
 
-    def test_megatron_layout_not_yet(self):
-        with self.assertRaisesRegex(NotImplementedError, "megatron"):
-            refit.torch.publisher(self.client, "m", torch.nn.Linear(2, 2), layout="megatron")
+    def test_megatron_layout_needs_a_megatron_model(self):
+        self.assert_refused("m", torch.nn.Linear(2, 2), r"rank 0: Linear has no Megatron "
+                            r"TransformerConfig \(\.config\)", layout="megatron")
 
     def test_check_boxes(self):
         whole = [("w", "torch.float32", (4, 2), (0, 0), (4, 2))]
@@ -362,6 +371,7 @@ class SingleProcessTest(unittest.TestCase):
         for name, ptr in (("a", 0x1000 + 512), ("b", 0x1000 + 4096), ("c", 0x9000)):
             e = refit.torch._Entry(name, name, None, name, True, FakeLocal(ptr, (8, 16)))
             e.global_shape, e.offsets, e.sizes = (16, 16), (8, 0), (8, 16)
+            e.publishes = True
             entries.append(e)
         handles = {0x1000: b"A" * 64, 0x9000: b"C" * 64}
 

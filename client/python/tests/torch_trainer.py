@@ -8,10 +8,12 @@ get_model_state_dict(full_state_dict=True): DTensor all-gathers, nothing of refi
 OUT/v<N>.safetensors: the reference the engine's weights are compared with.
 
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (as torchrun sets them).
-Usage: torch_trainer.py --socket=S --mode={fsdp,tp,fsdp_tp,plain} --steps=N --out=DIR
+Usage: torch_trainer.py --socket=S --mode={fsdp,tp,fsdp_tp,hf_tp,hf_fsdp_tp,plain} --steps=N
+    --out=DIR
 """
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -23,27 +25,57 @@ import refit
 import refit.torch
 
 VOCAB = 101  # odd: FSDP2's dim-0 shards of the embedding and lm_head are uneven
+# transformers' own tensor parallelism gathers lm_head's colwise output: an even vocabulary.
+HF_TP_VOCAB = 102
+HF_TP_MODES = ("hf_tp", "hf_fsdp_tp")
 
 
-def tiny_config(arch: str):
+def vocab_of(mode: str) -> int:
+    return HF_TP_VOCAB if mode in HF_TP_MODES else VOCAB
+
+
+def tiny_config(arch: str, vocab: int = VOCAB):
     if arch == "qwen3":
         from transformers import Qwen3Config
-        return Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+        return Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=16, tie_word_embeddings=False, max_position_embeddings=64)
     from transformers import Qwen3MoeConfig
-    return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+    return Qwen3MoeConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96,
                           moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=16, tie_word_embeddings=False, max_position_embeddings=64,
                           decoder_sparse_step=1, mlp_only_layers=[])
 
 
-def build(arch: str):
+def build(arch: str, vocab: int = VOCAB):
     from transformers import AutoModelForCausalLM
     torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab), dtype=torch.float32)
     return model
+
+
+def build_hf_tp(arch: str, mode: str, world: int, out: str):
+    """transformers' own tensor parallelism (`from_pretrained(tp_plan="auto")`, DTensors on
+    the TP mesh: Qwen3-MoE's fused experts `gate_up_proj` as _StridedShard(1, sf=2), gate and
+    up rows of each rank packed, `down_proj` Shard(2)); hf_fsdp_tp adds FSDP2 over a
+    data-parallel mesh dimension. Returns (model, dp_rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+    path = os.path.join(out, "checkpoint")
+    if dist.get_rank() == 0:
+        build(arch, HF_TP_VOCAB).save_pretrained(path)
+    dist.barrier()
+    if mode == "hf_tp":
+        model = AutoModelForCausalLM.from_pretrained(
+            path, tp_plan="auto", device_mesh=init_device_mesh("cpu", (world,)),
+            dtype=torch.float32)
+        return model, 0
+    from transformers.distributed import DistributedConfig
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32,
+        distributed_config=DistributedConfig(tp_size=2, fsdp_size=world // 2, tp_plan="auto"))
+    return model, model._mesh_manager.get_mesh("fsdp").get_local_rank()
 
 
 def tp_plan(model):
@@ -112,10 +144,14 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build(args.arch)
-    dp_rank, _ = shard(model, args.mode, world)
+    if args.mode in HF_TP_MODES:
+        model, dp_rank = build_hf_tp(args.arch, args.mode, world, args.out)
+    else:
+        model = build(args.arch)
+        dp_rank, _ = shard(model, args.mode, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     client = refit.Client(args.socket)
     # Made before the first forward: FSDP2's lazy init (reset_sharded_param) runs after the
@@ -125,7 +161,7 @@ def main() -> int:
     print(f"rank {rank}: publishing {len(pub.names)} tensors", flush=True)
     for step in range(1, args.steps + 1):
         g = torch.Generator().manual_seed(1000 * step + dp_rank)
-        x = torch.randint(0, VOCAB, (2, 12), generator=g)
+        x = torch.randint(0, vocab_of(args.mode), (2, 12), generator=g)
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
