@@ -115,7 +115,11 @@ def probe(named: Dict[str, torch.nn.Parameter], load_weights: Callable,
             f"the engine's load_weights refuses {len(refused)} of the trainer's "
             f"{len(names)} checkpoint tensor(s) (names or shapes that don't match the "
             "engine's model): " + "; ".join(f"{n}: {why}" for n, why in sorted(refused.items())))
-    return _boxes(named, tensors, names, bases, codes, unwritten, transformed)
+    found = _boxes(named, tensors, names, bases, codes, unwritten, transformed)
+    if names and not found.touched:
+        raise MappingError("the engine's load_weights writes none of the module's parameters "
+                           "(probe a module whose parameters it fills, or use a mapping)")
+    return found
 
 
 def _boxes(named, tensors, names, bases, codes, unwritten, transformed) -> Probe:
@@ -130,7 +134,7 @@ def _boxes(named, tensors, names, bases, codes, unwritten, transformed) -> Probe
         pos = written.nonzero().reshape(-1)
         flat = code[pos] - 1  # the probe's codes are 1-based global element indices
         which = torch.searchsorted(base_t, flat, right=True) - 1
-        for t in which.unique().tolist():
+        for t in torch.bincount(which).nonzero().reshape(-1).tolist():
             sel = which == t
             landed.setdefault(names[t], []).append(
                 (pname, pos[sel], flat[sel] - bases[t]))
@@ -160,12 +164,9 @@ def _boxes(named, tensors, names, bases, codes, unwritten, transformed) -> Probe
 
 def _box(shape: Tuple[int, ...], pos: torch.Tensor, idx: torch.Tensor):
     """(offsets, sizes, first element in the parameter) when the elements `idx` of a tensor of
-    `shape` lie at `pos` as one box, row-major and back to back; else why not."""
-    order = torch.argsort(pos)
-    pos, idx = pos[order], idx[order]
+    `shape` lie at `pos` (ascending) as one box, row-major and back to back; else why not.
+    (`idx` equal to the box's enumeration also rules out an element written twice.)"""
     n = pos.numel()
-    if idx.unique().numel() != n:
-        return "its loader writes some elements more than once"
     if int(pos[-1] - pos[0]) + 1 != n:
         return "its elements are not back to back in the parameter (a layout refit can't write)"
     if not shape:

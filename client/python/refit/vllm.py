@@ -55,6 +55,11 @@ class RefitInitInfo:
     mapping: Optional[Dict[str, List[Any]]] = None
     storage: str = "auto"
     experts: Optional[List[int]] = None
+    # "probe": ask the model's load_weights where each tensor lands (the default inside vLLM,
+    # without a mapping: TP shards, padded vocabularies, any release's naming); "mapping":
+    # the FusedMapping tables (the default elsewhere)
+    layout: Optional[str] = None
+    check_release: bool = True    # refuse a vLLM release this adapter was not tested with
 
 
 @dataclass
@@ -91,16 +96,29 @@ class RefitWeightTransferEngine:
             raise ValueError(f"Invalid update_info for {type(self).__name__}: {e}") from e
 
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
-        self.client = client_lib.Client(init_info.socket)
+        if init_info.check_release:
+            check_release()
+        unknown = sorted({dtype for _, dtype in init_info.params.values()} - set(_DTYPES))
+        if unknown:
+            raise ValueError(f"init_info params: dtype(s) {unknown} are not among "
+                             f"{sorted(_DTYPES)}")
         params = {name: (shape, _DTYPES[dtype]) for name, (shape, dtype) in
                   init_info.params.items()}
         storage = init_info.storage if self.model is not None else "load_weights"
+        mapping = (FusedMapping.from_dict(init_info.mapping)
+                   if init_info.mapping is not None else None)
+        load_weights = getattr(self.model, "load_weights", None)
+        layout = init_info.layout
+        if layout is None:
+            layout = "probe" if (self.vllm_config is not None and mapping is None
+                                 and load_weights is not None) else "mapping"
+        self.client = client_lib.Client(init_info.socket)
         try:
             self.weights = EngineWeights(
                 self.client, init_info.model, params, init_info.fp8, init_info.fp8_block,
-                client_name="vllm", module=self.model,
-                mapping=FusedMapping.from_dict(init_info.mapping), storage=storage,
-                experts=init_info.experts)
+                client_name=f"vllm-tp{_tp_rank()}", module=self.model, mapping=mapping,
+                storage=storage, experts=init_info.experts, layout=layout,
+                load_weights=load_weights)
         except BaseException:
             self.client.close()
             self.client = None
@@ -109,8 +127,10 @@ class RefitWeightTransferEngine:
     def start_weight_update(self) -> None:
         self.updating = True
 
-    def update_weights(self, update_info: Dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+    def update_weights(self, update_info) -> None:
+        """vLLM's payload: one update_info dict, or a list of them (applied in order)."""
+        for info in update_info if isinstance(update_info, list) else [update_info]:
+            self.receive_weights(self.parse_update_info(info))
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         if self.weights is None or self.model is None:
@@ -137,6 +157,63 @@ class RefitWeightTransferEngine:
         if self.client:
             self.client.close()
             self.client = None
+
+
+# vLLM releases this adapter was run against (docs/engines.md): its weight-transfer API,
+# plugin entry points and the model classes its tests build.
+TESTED_RELEASES = ("0.33",)
+
+
+def check_release(version: Optional[str] = None) -> None:
+    """Refuses a vLLM release this adapter was not tested with (ValueError naming it)."""
+    if version is None:
+        try:
+            import vllm
+        except ImportError:
+            return  # not inside vLLM (a model of vLLM's layout driven directly)
+        version = vllm.__version__
+    if ".".join(version.split(".")[:2]) not in TESTED_RELEASES:
+        raise ValueError(f"vLLM {version} is not a release refit.vllm was tested with "
+                         f"({', '.join(v + '.x' for v in TESTED_RELEASES)}): its parameter "
+                         "layout and weight-transfer API are unverified; pass "
+                         "check_release=False in init_info to use it anyway")
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not inside a vLLM worker with model parallel state
+        return 0
+
+
+def register() -> None:
+    """vLLM's `vllm.general_plugins` entry point (client/python/pyproject.toml): registers
+    this engine as the weight-transfer backend `refit` in vLLM's WeightTransferEngineFactory.
+    vLLM loads general plugins in every process, possibly more than once: idempotent."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    try:
+        WeightTransferEngineFactory.register_engine("refit", __name__, "VllmRefitEngine")
+    except ValueError:  # already registered (plugins load once per process, or again)
+        pass
+
+
+_vllm_engine_class = None
+
+
+def __getattr__(name: str):
+    """`VllmRefitEngine`: RefitWeightTransferEngine as a subclass of vLLM's own
+    WeightTransferEngine, made on first use so that importing refit.vllm needs no vLLM."""
+    global _vllm_engine_class
+    if name != "VllmRefitEngine":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if _vllm_engine_class is None:
+        from vllm.distributed.weight_transfer.base import WeightTransferEngine
+        _vllm_engine_class = type("VllmRefitEngine",
+                                  (RefitWeightTransferEngine, WeightTransferEngine),
+                                  {"__module__": __name__,
+                                   "__doc__": RefitWeightTransferEngine.__doc__})
+    return _vllm_engine_class
 
 
 def sync(engine: RefitWeightTransferEngine, version: int = 0,

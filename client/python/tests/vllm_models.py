@@ -14,6 +14,7 @@ from typing import Dict, Optional
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's CPU platform; the wheel is CUDA's
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs are local files; nothing to fetch
 
 import torch  # noqa: E402
 
@@ -21,13 +22,21 @@ VOCAB = 1000  # not a multiple of 64: vLLM pads its embedding and lm_head rows
 
 
 def hf_config(kind: str) -> Dict:
-    """A small Hugging Face config.json of `kind`: llama, qwen3, qwen3_moe, deepseek_v3."""
+    """A small Hugging Face config.json of `kind`: llama, llama_mha, qwen3, qwen3_moe,
+    deepseek_v3."""
     common = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2,
                   max_position_embeddings=512, rms_norm_eps=1e-6, torch_dtype="bfloat16",
                   tie_word_embeddings=False)
     if kind == "llama":
         return dict(common, architectures=["LlamaForCausalLM"], model_type="llama",
                     intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    if kind == "llama_mha":  # as many KV heads as heads: fp8 block-aligned TP 2 shards
+        return dict(common, architectures=["LlamaForCausalLM"], model_type="llama",
+                    intermediate_size=512, num_attention_heads=4, num_key_value_heads=4)
+    if kind == "llama_bench":  # ~66 M parameters (132 MB bf16): bench_vllm.py
+        return dict(common, architectures=["LlamaForCausalLM"], model_type="llama",
+                    vocab_size=8000, hidden_size=1024, num_hidden_layers=4,
+                    intermediate_size=2816, num_attention_heads=16, num_key_value_heads=16)
     if kind == "qwen3":
         return dict(common, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
                     intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
