@@ -184,7 +184,13 @@ class EngineWeights:
         if refuse_nonfinite and count:
             raise NonFiniteVersionError(self.model, target, count)
         buffers = self.buffers + ([self.fallback] if self.fallback is not None else [])
-        applied = self.client.apply(self.model, buffers, target)
+        try:
+            applied = self.client.apply(self.model, buffers, target)
+        except errors.RefitError as e:  # an atomic Apply: the parameters hold what they held
+            e.held_version = self.version
+            e.add_note(f"refit: model {self.model}: version {target} was not applied; the "
+                       f"engine still holds version {self.version}")
+            raise
         if self.fallback is not None:
             load_weights(self.weights())
         self.version = applied.version

@@ -1,17 +1,22 @@
-"""refit as a vLLM weight-transfer engine (the engine side of vLLM's native weight-transfer
-API, `vllm.distributed.weight_transfer.base.WeightTransferEngine`, as documented for vLLM
-v0.25-v0.32: `init_transfer_engine(init_info)`, `start_weight_update()`,
-`update_weights(update_info)` -> `receive_weights(...)`, `finish_weight_update()`,
-`shutdown()`), pulling by version from the node's refitd. Zero copy where the model's
-parameters allow it (`storage="auto"`, the default): the parameters themselves are refit
-DESTINATION memory (fused `qkv_proj` / `gate_up_proj` / expert `w13` / `w2` through `mapping`,
-fp8 `weight` + `weight_scale_inv`), so `update_weights` is an Apply and nothing else — vLLM's
-"engines that apply weights in place" case, whose start/finish phases are no-ops. The rest, or
-everything with `storage="load_weights"`, goes through the model's own `load_weights`
-(refit.engine_storage, docs/engines.md). It does not import vLLM (which can't be installed here): it has the same
-method names and constructor arguments, so it can be registered where vLLM takes a backend,
-and it was run only against a torch model with vLLM's `load_weights` signature and parameter
-naming (client/python/tests/test_engines.py).
+"""refit as vLLM's weight-transfer backend `refit` (the engine side of vLLM's weight-transfer
+API, `vllm.distributed.weight_transfer.base.WeightTransferEngine`, vLLM 0.33:
+`init_transfer_engine(init_info)`, `start_weight_update()`, `update_weights(update_info)` ->
+`receive_weights(...)`, `finish_weight_update()`, `shutdown()`), pulling by version from the
+node's refitd. vLLM finds it through the `vllm.general_plugins` entry point of
+client/python/pyproject.toml (`register()` adds "refit" to vLLM's WeightTransferEngineFactory;
+`VllmRefitEngine` is this class as a subclass of vLLM's base, made on first use so importing
+this module needs no vLLM).
+
+Zero copy where the model's parameters allow it (`storage="auto"`, the default): the parameters
+themselves are refit DESTINATION memory, so `update_weights` is an Apply and nothing else —
+vLLM's "engines that apply weights in place" case, whose start/finish phases are no-ops. Inside
+vLLM (no `mapping` given) each checkpoint tensor's place is asked of the model's own
+`load_weights` (`layout="probe"`, refit.engine_probe): every TP rank finds its own shards of
+fused qkv / gate_up, row-parallel columns, padded vocabulary rows, expert shards and fp8 scale
+rows. Outside vLLM a `mapping` (refit.mapping.FusedMapping tables) does it. What cannot be placed,
+or everything with `storage="load_weights"`, goes through the model's own `load_weights`
+(refit.engine_storage, docs/engines.md). Tested against vLLM 0.33.0's own model classes on the
+CPU (client/python/tests/test_vllm.py, test_vllm_tp.py).
 
     engine = RefitWeightTransferEngine(config=None, vllm_config=None, device="cpu", model=model)
     engine.init_transfer_engine(engine.parse_init_info({
@@ -35,7 +40,8 @@ from refit.engine_storage import MappingError
 from refit.engine_sync import EngineWeights, NonFiniteVersionError, weight_version
 from refit.mapping import FusedMapping
 
-__all__ = ["RefitInitInfo", "RefitUpdateInfo", "RefitWeightTransferEngine", "sync",
+__all__ = ["RefitInitInfo", "RefitUpdateInfo", "RefitWeightTransferEngine", "sync", "register",
+           "check_release", "TESTED_RELEASES",
            "MappingError", "NonFiniteVersionError", "weight_version"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
