@@ -76,6 +76,9 @@ class EngineWeights:
         self.model = model
         fp8 = set(fp8)
         self.fp8 = fp8
+        f8 = getattr(torch, "float8_e4m3fn", None)
+        self.fp8_view = f8 if f8 is not None and module is not None and any(
+            p.dtype == f8 for p in module.parameters()) else None
         unknown = fp8 - set(params)
         if unknown:
             raise ValueError(f"fp8 names not among the params: {sorted(unknown)}")
@@ -201,9 +204,10 @@ class EngineWeights:
         goes through load_weights (none in zero-copy mode)."""
         if self.fallback is None:
             return iter([])
-        f8 = getattr(torch, "float8_e4m3fn", None)
-        # fp8 weights are e4m3fn bytes in uint8 storage: hand them over as float8 where torch
-        # has it (a uint8 tensor would be converted by value by the engine's copy_).
+        # fp8 weights are e4m3fn bytes in uint8 storage: handed over as float8_e4m3fn when the
+        # engine holds float8 parameters (vLLM: a uint8 tensor would be converted by value by
+        # its copy_), else as the bytes.
+        f8 = self.fp8_view
         return iter([(n, t.view(f8) if f8 is not None and n in self.fp8 else t)
                      for n, t in self.fallback.tensors.items()])
 
