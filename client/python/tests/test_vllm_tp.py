@@ -114,4 +114,4 @@ class VllmTpTest(DaemonCase):
 
 
 if __name__ == "__main__":
-    unittest.main(argv=[sys.argv[0]])
+    unittest.main(argv=sys.argv)  # test names may follow (BUILD.bazel splits the cases)
