@@ -16,7 +16,8 @@
 #
 # Prints the venv's python as its last line of output; `--print` prints only that path and
 # installs nothing (exit 1 when the venv is not complete). A cold install downloads about
-# 3.5 GB (the CUDA build of torch) and takes about 3 minutes here.
+# 5 GB (the CUDA builds of torch and vllm 0.33 with their kernels) into a ~10 GB venv and took
+# 8.5 minutes on this project's 2-core machine under load (docs/engines.md).
 # Environment venvs of older pins are removed when unused for 14 days.
 set -euo pipefail
 root_dir="$(cd "$(dirname "$0")/.." && pwd)"
@@ -65,8 +66,11 @@ rm -rf "$venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir \
   --require-virtualenv -r "$req"
 "$venv/bin/python" -m pip check
-"$venv/bin/python" -c 'import torch, transformers, grpc, google.protobuf; print(
-    "install-python-env: torch", torch.__version__, "transformers", transformers.__version__)'
+# vLLM's CUDA wheel on a machine without a GPU: its CPU platform (what the tests use).
+VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -c 'import torch, transformers, grpc, google.protobuf
+import vllm, vllm.distributed.weight_transfer
+print("install-python-env: torch", torch.__version__, "transformers", transformers.__version__,
+      "vllm", vllm.__version__)'
 cp "$req" "$venv/requirements-test.txt"
 touch "$stamp"
 # A stable name for the newest complete environment (client/python/run_python_test.sh falls

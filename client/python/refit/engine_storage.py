@@ -23,6 +23,7 @@ Where the storage lives:
 Not thread-safe; the adapter's thread drives it.
 """
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -57,6 +58,12 @@ class Part:
     refit_dtype: Optional[int] = None  # FP8_E4M3 for fp8 weights
     scale_tensor: str = ""
     scale_block: Tuple[int, ...] = ()
+    # A box of the checkpoint tensor (a tensor-parallel shard; refit.engine_probe): the whole
+    # tensor's shape, the box's offsets in it, and the element of the parameter it starts at.
+    # Unset: the whole tensor (`sizes`), at `row` (of `expert`).
+    global_shape: Tuple[int, ...] = ()
+    offsets: Tuple[int, ...] = ()
+    element_offset: Optional[int] = None
 
 
 @dataclass
@@ -65,6 +72,7 @@ class Plan:
 
     placed: Dict[str, List[Part]] = field(default_factory=dict)
     fallback: Dict[str, str] = field(default_factory=dict)
+    absent: List[str] = field(default_factory=list)  # not on this engine rank (probe)
 
 
 def checkpoint_tensors(params: Dict[str, Tuple[Sequence[int], torch.dtype]],
@@ -141,7 +149,13 @@ def plan(params_of_module: Dict[str, torch.Tensor], mapping: FusedMapping,
     if mismatches:
         raise MappingError("the mapping does not fit the engine's parameters: "
                            + "; ".join(mismatches))
-    # A weight and its scale tensor go together (the scale lives in the weight's buffer).
+    _pair_scales(result)
+    return result
+
+
+def _pair_scales(result) -> None:
+    """A weight and its scale tensor go together (the scale lives in the weight's buffer):
+    when one of them goes through load_weights, so does the other."""
     moved = True
     while moved:
         moved = False
@@ -158,6 +172,61 @@ def plan(params_of_module: Dict[str, torch.Tensor], mapping: FusedMapping,
                     result.fallback[q.name] = f"engine parameter {target!r}: {why}"
                 moved = True
                 break
+
+
+def plan_probed(params_of_module: Dict[str, torch.Tensor], load_weights,
+                params: Dict[str, Tuple[Sequence[int], torch.dtype]], fp8: Sequence[str] = (),
+                fp8_block: Sequence[int] = (128, 128)):
+    """Places each checkpoint tensor where the engine's own `load_weights` puts it
+    (refit.engine_probe): TP shards, padded vocabularies, fused experts of any naming. Raises
+    MappingError listing every checkpoint tensor the loader refuses and every engine parameter
+    no checkpoint tensor reaches, before anything is registered."""
+    from refit import engine_probe  # engine_probe imports Part from here
+
+    fp8 = set(fp8)
+    tensors = checkpoint_tensors(params, fp8, fp8_block)
+    f8 = _float8_dtypes()
+    kinds = {}
+    for name, (shape, is_fp8, _) in tensors.items():
+        if is_fp8:
+            kinds[name] = (shape, f8[0] if f8 else torch.uint8)
+        elif name.endswith("_scale_inv") and name[:-len("_scale_inv")] in fp8:
+            kinds[name] = (shape, torch.float32)
+        else:
+            kinds[name] = (shape, params[name][1])
+    found = engine_probe.probe(params_of_module, load_weights, kinds)
+    result = Plan(fallback=dict(found.fallback))
+    result.absent = list(found.absent)
+    reached = set(found.touched)
+    # Scalars no checkpoint holds (vLLM's attention q/k/v/prob_scale of an fp8 model, 1.0 by
+    # default) keep their values; a tensor parameter nothing reaches is a model mismatch.
+    missing = sorted(n for n, p in params_of_module.items()
+                     if n not in reached and p.numel() > 1)
+    unset = sorted(n for n, p in params_of_module.items() if n not in reached and p.numel() <= 1)
+    if unset:
+        log.info("refit: %d scalar engine parameter(s) no checkpoint tensor sets keep their "
+                 "values: %s", len(unset), ", ".join(unset[:8]) + (" ..." if len(unset) > 8
+                                                                   else ""))
+    if missing:
+        raise MappingError(
+            f"{len(missing)} engine parameter(s) get no value from any of the trainer's "
+            f"{len(params)} checkpoint tensor(s) (names that don't match the engine's model): "
+            + ", ".join(missing))
+    for target, parts in found.placed.items():
+        param = params_of_module[target]
+        names = [p.name for p in parts]
+        is_fp8 = any(tensors[n][1] for n in names)
+        scale = any(n.endswith("_scale_inv") and n[:-len("_scale_inv")] in fp8 for n in names)
+        problem = _storage_problem(param, is_fp8, scale)
+        if problem:
+            for n in names:
+                result.fallback[n] = f"engine parameter {target!r}: {problem}"
+            continue
+        result.placed[target] = [
+            dataclasses.replace(p, refit_dtype=refit_pb2.FP8_E4M3, scale_tensor=tensors[p.name][2],
+                                scale_block=tuple(int(b) for b in fp8_block))
+            if tensors[p.name][1] else p for p in parts]
+    _pair_scales(result)
     return result
 
 
@@ -195,6 +264,8 @@ def _parts(target: str, shape: Tuple[int, ...], members, tensors, fp8_block) -> 
 
 def _byte_offset(shape: Sequence[int], element_size: int, part: Part) -> int:
     """Bytes from a contiguous parameter's start to the part's first element."""
+    if part.element_offset is not None:
+        return part.element_offset * element_size
     if part.expert is not None:
         index = part.expert * math.prod(shape[1:]) + part.row * math.prod(shape[2:])
     else:
@@ -204,7 +275,9 @@ def _byte_offset(shape: Sequence[int], element_size: int, part: Part) -> int:
 
 def _layout(part: Part, param, buffer_offset: int) -> SliceLayout:
     nbytes = math.prod(part.sizes) * param.element_size()
-    return SliceLayout(part.name, param.dtype, part.sizes, (0,) * len(part.sizes), part.sizes,
+    whole = part.global_shape or part.sizes
+    offsets = part.offsets or (0,) * len(part.sizes)
+    return SliceLayout(part.name, param.dtype, tuple(whole), tuple(offsets), part.sizes,
                        buffer_offset, nbytes, part.refit_dtype, part.scale_tensor,
                        part.scale_block)
 

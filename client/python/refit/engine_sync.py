@@ -56,6 +56,13 @@ class EngineWeights:
       the engine's `load_weights` after each Apply.
     A mapping that disagrees with the parameters' shapes is refused (MappingError) in both
     zero-copy modes. `experts`: the experts this rank holds (expert parallelism; None: all).
+
+    `layout` says how checkpoint tensors are found in the parameters: "mapping" (the
+    FusedMapping tables; the default when a mapping is given) or "probe" (the engine's own
+    `load_weights`, given here, is asked where each element lands: refit.engine_probe; needed
+    for tensor-parallel shards, padded vocabularies and any engine release's naming). With
+    "probe", checkpoint tensors the loader puts nowhere on this rank (another rank's experts)
+    are not registered here.
     """
 
     def __init__(self, client: client_lib.Client, model: str,
@@ -63,10 +70,15 @@ class EngineWeights:
                  fp8: Iterable[str] = (), fp8_block: Sequence[int] = (128, 128),
                  client_name: str = "engine", module: Optional[torch.nn.Module] = None,
                  mapping: Optional[FusedMapping] = None, storage: Optional[str] = None,
-                 experts: Optional[Iterable[int]] = None):
+                 experts: Optional[Iterable[int]] = None, layout: Optional[str] = None,
+                 load_weights=None):
         self.client = client
         self.model = model
         fp8 = set(fp8)
+        self.fp8 = fp8
+        f8 = getattr(torch, "float8_e4m3fn", None)
+        self.fp8_view = f8 if f8 is not None and module is not None and any(
+            p.dtype == f8 for p in module.parameters()) else None
         unknown = fp8 - set(params)
         if unknown:
             raise ValueError(f"fp8 names not among the params: {sorted(unknown)}")
@@ -78,6 +90,14 @@ class EngineWeights:
         if storage != "load_weights" and module is None:
             raise ValueError(f"storage={storage!r} needs the engine's module")
         self.storage = storage
+        if layout is None:
+            layout = "mapping" if mapping is not None or load_weights is None else "probe"
+        if layout not in ("mapping", "probe"):
+            raise ValueError(f"layout must be 'mapping' or 'probe', not {layout!r}")
+        if layout == "probe" and storage != "load_weights" and load_weights is None:
+            raise ValueError("layout='probe' needs the engine's load_weights")
+        self.layout = layout
+        self.absent: List[str] = []  # checkpoint names this rank's loader puts nowhere
         self.buffers: List = []  # zero-copy buffers: the engine's own parameter storage
         self.fallback = None     # the load_weights buffer, in checkpoint layout
         self.fallback_reasons: Dict[str, str] = {}
@@ -87,7 +107,8 @@ class EngineWeights:
             fallback_names = set(params) | {n + "_scale_inv" for n in fp8}
             if storage != "load_weights":
                 fallback_names = self._zero_copy(module, mapping or FusedMapping(), params, fp8,
-                                                 fp8_block, experts, client_name)
+                                                 fp8_block, experts, client_name,
+                                                 load_weights)
             tensors: Dict[str, object] = {}
             for name, (shape, dtype) in params.items():
                 shape = tuple(int(d) for d in shape)
@@ -109,10 +130,20 @@ class EngineWeights:
             self.release()
             raise
 
-    def _zero_copy(self, module, mapping, params, fp8, fp8_block, experts, client_name):
+    def _zero_copy(self, module, mapping, params, fp8, fp8_block, experts, client_name,
+                   load_weights=None):
         """Registers the placed parameters' storage; returns the checkpoint names left over."""
         named = dict(module.named_parameters())
-        result = engine_storage.plan(named, mapping, params, fp8, fp8_block, experts)
+        if self.layout == "probe":
+            result = engine_storage.plan_probed(named, load_weights, params, fp8, fp8_block)
+            self.absent = list(result.absent)
+            if result.absent:
+                log.info("refit: model %s: %d checkpoint tensor(s) are not on this engine rank "
+                         "(its loader puts them nowhere here): %s", self.model,
+                         len(result.absent), ", ".join(sorted(result.absent)[:8])
+                         + (" ..." if len(result.absent) > 8 else ""))
+        else:
+            result = engine_storage.plan(named, mapping, params, fp8, fp8_block, experts)
         self.fallback_reasons = dict(result.fallback)
         if result.fallback:
             text = engine_storage.describe_fallback(self.model, result.fallback)
@@ -156,7 +187,13 @@ class EngineWeights:
         if refuse_nonfinite and count:
             raise NonFiniteVersionError(self.model, target, count)
         buffers = self.buffers + ([self.fallback] if self.fallback is not None else [])
-        applied = self.client.apply(self.model, buffers, target)
+        try:
+            applied = self.client.apply(self.model, buffers, target)
+        except errors.RefitError as e:  # an atomic Apply: the parameters hold what they held
+            e.held_version = self.version
+            e.add_note(f"refit: model {self.model}: version {target} was not applied; the "
+                       f"engine still holds version {self.version}")
+            raise
         if self.fallback is not None:
             load_weights(self.weights())
         self.version = applied.version
@@ -167,7 +204,12 @@ class EngineWeights:
         goes through load_weights (none in zero-copy mode)."""
         if self.fallback is None:
             return iter([])
-        return iter(list(self.fallback.tensors.items()))
+        # fp8 weights are e4m3fn bytes in uint8 storage: handed over as float8_e4m3fn when the
+        # engine holds float8 parameters (vLLM: a uint8 tensor would be converted by value by
+        # its copy_), else as the bytes.
+        f8 = self.fp8_view
+        return iter([(n, t.view(f8) if f8 is not None and n in self.fp8 else t)
+                     for n, t in self.fallback.tensors.items()])
 
     def release(self) -> None:
         """Releases the buffers. Re-homed CPU parameters keep their memory (the mapping lives

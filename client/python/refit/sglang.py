@@ -21,8 +21,9 @@ called as `loader(model, named_tensors)` in every TP worker; added by sgl-projec
                                       load_format="refit.sglang.custom_weight_loader")
 
 The named tensors carry no weights, only the receiver's settings (once) and a version number;
-each worker pulls the version from its node's refitd. SGLang itself was not run (it can't be
-installed here): this was tested against a torch model with SGLang's `load_weights` signature
+each worker pulls the version from its node's refitd. SGLang itself was not run (not
+installed: sglang 0.5.23's pins conflict with vllm 0.33's; docs/engines.md): this was tested
+against a torch model with SGLang's `load_weights` signature
 and parameter naming, calling the loader the way ModelRunner does
 (client/python/tests/test_zero_copy.py).
 """
