@@ -150,6 +150,12 @@ std::vector<OptionSpec> MakeTable() {
                "[architecture](architecture.md#fleets-relaying-between-engine-nodes)); `false`: "
                "every byte comes from the node that published it, and `Peer.Relay` answers "
                "`FAILED_PRECONDITION`"});
+  t.push_back({"site", "NAME", &O::site,
+               "this node's site (a data centre, a region), at most 255 bytes: nodes of one site "
+               "relay each version among themselves, and each version (full or delta) enters a "
+               "site once, its stripes read from the nodes of the origin's site "
+               "([architecture](architecture.md#sites-one-crossing-per-version))",
+               "none"});
   t.push_back({"allow-uids", "UID,...", &O::allow_uids,
                "local callers (by `SO_PEERCRED`) allowed besides refitd's own uid and root; "
                "everyone else gets `PERMISSION_DENIED` on every RPC, health included "

@@ -10,7 +10,7 @@ namespace refit::fleet {
 ReplicaTable::ReplicaTable(std::function<Clock::time_point()> now) : now_(std::move(now)) {}
 
 absl::Status ReplicaTable::Report(const std::string& node, bool relay,
-                                  std::vector<ReplicaEntry> entries) {
+                                  std::vector<ReplicaEntry> entries, const std::string& site) {
   {
     common::MutexLock lock(mu_);
     ForgetSilentLocked();
@@ -20,6 +20,7 @@ absl::Status ReplicaTable::Report(const std::string& node, bool relay,
     }
     Node& n = nodes_[node];
     n.relay = relay;
+    n.site = site;
     n.heard = now_();
     n.latest.clear();
     for (const ReplicaEntry& e : entries) n.latest[e.model] = e.latest_version;
@@ -59,7 +60,7 @@ std::vector<Replica> ReplicaTable::LiveLocked(const std::string& model) const {
     if (now - node.heard > kReplicaTtl) continue;
     auto it = node.latest.find(model);
     if (it == node.latest.end()) continue;
-    out.push_back({name, it->second, node.relay});
+    out.push_back({name, it->second, node.relay, node.site});
   }
   return out;  // map order: sorted by node
 }
@@ -74,6 +75,16 @@ std::vector<std::string> ReplicaTable::Relays(const std::string& model) const {
   std::vector<std::string> out;
   for (const Replica& r : LiveLocked(model)) {
     if (r.relay) out.push_back(r.node);
+  }
+  return out;
+}
+
+std::map<std::string, std::vector<std::string>> ReplicaTable::RelaysBySite(
+    const std::string& model) const {
+  common::MutexLock lock(mu_);
+  std::map<std::string, std::vector<std::string>> out;
+  for (const Replica& r : LiveLocked(model)) {
+    if (r.relay) out[r.site].push_back(r.node);
   }
   return out;
 }

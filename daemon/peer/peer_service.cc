@@ -108,6 +108,11 @@ void PeerService::SetIdentity(const std::string& instance, const std::string& li
   listen_ = listen;
 }
 
+void PeerService::SetSite(const std::string& site) {
+  common::MutexLock lock(mu_);
+  site_ = site;
+}
+
 std::vector<PeerService::Subscriber> PeerService::Subscribers() const {
   common::MutexLock lock(mu_);
   std::vector<Subscriber> out;
@@ -138,11 +143,12 @@ grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloReq
   if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
   }
-  std::string instance, listen;
+  std::string instance, listen, site;
   {
     common::MutexLock lock(mu_);
     instance = instance_;
     listen = listen_;
+    site = site_;
   }
   // Node names tell pieces apart: another daemon with this node's name is refused (a caller
   // with this instance id is this daemon itself, through a name that resolves to every daemon).
@@ -168,6 +174,7 @@ grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloReq
   }
   response->set_instance(instance);
   response->set_listen(listen);
+  response->set_site(site);
   response->set_node(node_);
   response->set_version(kRefitVersion);
   response->set_transport_address(data_plane_->LocalAddress());

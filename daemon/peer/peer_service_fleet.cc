@@ -135,6 +135,11 @@ grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::Replica
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "a replica report names its own node, not this one");
   }
+  if (request->site().size() > kMaxNodeName) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("a site name is at most ", kMaxNodeName, " bytes (got ",
+                                     request->site().size(), ")"));
+  }
   if (request->models_size() > kMaxReportModels) {
     return grpc::Status(
         grpc::StatusCode::INVALID_ARGUMENT,
@@ -191,12 +196,14 @@ grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::Replica
       v1::FleetMember& member = members[replica.node];
       member.set_node(replica.node);
       member.set_relay(replica.relay);
+      member.set_site(replica.site);
       v1::ReplicaReport::Model* m = member.add_models();
       m->set_model(entry.model);
       m->set_latest_version(replica.latest_version);
     }
   }
-  if (absl::Status kept = replicas_->Report(request->node(), request->relay(), std::move(entries));
+  if (absl::Status kept =
+          replicas_->Report(request->node(), request->relay(), std::move(entries), request->site());
       !kept.ok()) {
     return grpc::Status(static_cast<grpc::StatusCode>(kept.code()), std::string(kept.message()));
   }
