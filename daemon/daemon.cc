@@ -375,6 +375,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     impl->listen = options.listen.substr(0, colon == std::string::npos ? 0 : colon) + ":?";
     impl->peer_service->SetIdentity(impl->instance, impl->listen);
     impl->peer_service->SetSite(options.site);
+    impl->peer_service->SetMaxRelayReaders(options.max_peer_connections);
   }
   impl->health = std::make_unique<server::HealthService>(
       std::set<std::string>{"refit.v1.Refit", "refit.v1.Peer"});

@@ -138,3 +138,38 @@ TEST_CASE("--relay=false with only the trainer in --peers: nobody else is contac
 }
 
 }  // namespace refit
+
+namespace refit {
+
+TEST_CASE("incoming relay readers are capped by --max-peer-connections too",
+          "[integration][fanout]") {
+  // A full mesh (--peers names everyone: those channels are always open), so only the incoming
+  // side bounds who reads from whom: each stripe's relay has five readers and serves three;
+  // the other two read that stripe from the trainer's node.
+  testing::FleetOptions options;
+  options.engines = 6;
+  options.rows = 4096;  // 32 MiB: 8 chunks, each engine a stripe's relay
+  options.engine_args.assign(6, {"--max-peer-connections=3"});
+  Fleet fleet(std::move(options));
+  const double model = static_cast<double>(fleet.ModelBytes());
+  for (uint64_t v = 1; v <= 3; ++v) {
+    const double sent_before = Metric(*fleet.trainer, "refit_data_bytes_sent_total");
+    fleet.PublishAndCheck(v);
+    std::this_thread::sleep_for(milliseconds(300));
+    for (size_t i = 0; i < fleet.engines.size(); ++i) {
+      INFO("engine-" << i);
+      REQUIRE(Metric(*fleet.engines[i].client, "refit_relay_readers") <= 3);
+    }
+    const double sent = Metric(*fleet.trainer, "refit_data_bytes_sent_total") - sent_before;
+    std::printf("capped readers, version %llu: the trainer's node sent %.3f models\n",
+                static_cast<unsigned long long>(v), sent / model);
+  }
+  const double refused = fleet.Sum("refit_relay_readers_refused_total");
+  INFO("relay streams refused: " << refused);
+  REQUIRE(refused > 0);
+  REQUIRE(fleet.RelaySent() > 0);
+  // Refused readers are not relay failures.
+  REQUIRE(fleet.Sum("refit_relay_failovers_total") == 0);
+}
+
+}  // namespace refit

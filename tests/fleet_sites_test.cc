@@ -3,10 +3,10 @@
 // (1 Gbit/s), the two bridges joined by one slow link (100 Mbit/s each way, tc tbf). Each
 // version (full bytes or a delta) must cross the slow link once: counted on the link itself
 // (its veth ends' transmit counters, everything included; asserted loosely) and by refit
-// (refit_site_bytes_received_total on site b's nodes: at most 1.05 models). Bad input: a node whose site no one else
-// has, and a site whose every engine node dies mid-version: every live node still completes
-// every version bit-exact, and the lone node's warning names it. Needs root and iproute2: where
-// namespaces can't be made, every case FAILS (it is never silently green).
+// (refit_site_bytes_received_total on site b's nodes: at most 1.05 models). Bad input: a node whose
+// site no one else has, and a site whose every engine node dies mid-version: every live node still
+// completes every version bit-exact, and the lone node's warning names it. Needs root and iproute2:
+// where namespaces can't be made, every case FAILS (it is never silently green).
 
 #include <signal.h>
 

@@ -63,7 +63,9 @@ std::vector<OptionSpec> MakeTable() {
                &O::max_peer_connections,
                "the most control channels this daemon opens to other daemons: `--peers`, plus "
                "relay channels opened on demand to the engines it reads stripes from (learned "
-               "from the trainer's replica reports); past it a stripe is read from its origin",
+               "from the trainer's replica reports); past it a stripe is read from its origin. "
+               "Also the most other nodes served relayed stripes at once (incoming relay "
+               "readers); a further reader reads them from the origin",
                {},
                1,
                65536});

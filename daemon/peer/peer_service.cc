@@ -30,6 +30,8 @@ PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane, 
   metrics_->Declare(kDataBytesSent);
   metrics_->Declare(kRelayBytesSent);
   metrics_->Declare(kChecksumBytesHashed);
+  metrics_->Declare(kRelayReaders);
+  metrics_->Declare(kRelayReadersRefused);
   if (const char* fault = TestSwitch("REFIT_FAULT_RELAY_FLIP")) {
     relay_flips_ = std::atoll(fault);
     Logger("peer")->warn("fault injection: the first {} relayed ranges get a flipped byte",
@@ -106,6 +108,11 @@ void PeerService::SetIdentity(const std::string& instance, const std::string& li
   common::MutexLock lock(mu_);
   instance_ = instance;
   listen_ = listen;
+}
+
+void PeerService::SetMaxRelayReaders(uint32_t readers) {
+  common::MutexLock lock(mu_);
+  max_relay_readers_ = std::max<uint32_t>(1, readers);
 }
 
 void PeerService::SetSite(const std::string& site) {

@@ -152,7 +152,9 @@ RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* s
   if (!stream->Read(&message)) {
     const grpc::Status status = stream->Finish();
     result.leftover = request.wanted;
-    result.failed = status.error_code() != grpc::StatusCode::NOT_FOUND;  // not pulling it yet
+    // Not pulling it (yet), or serving as many readers as it may: normal, not a failure.
+    result.failed = status.error_code() != grpc::StatusCode::NOT_FOUND &&
+                    status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED;
     result.why = status.error_message().empty() ? "no answer" : status.error_message();
     return result;
   }
