@@ -53,6 +53,12 @@ class ReplicaTable {
   // table holds kMaxReplicaNodes nodes that reported within kReplicaForget.
   absl::Status Report(const std::string& node, bool relay, std::vector<ReplicaEntry> entries,
                       const std::string& site = "");
+  // What an origin said about `node` (its answer to this node's report: one origin's view):
+  // the models in `entries` are updated, the node's other models are kept (another origin may
+  // have named them), each model live for kReplicaTtl from when it was last heard. So the
+  // member lists of several origins (trainer nodes) are merged, not replaced.
+  absl::Status Merge(const std::string& node, bool relay, std::vector<ReplicaEntry> entries,
+                     const std::string& site = "");
   // `node` is gone (its connection ended, or it said so).
   void Forget(const std::string& node);
 
@@ -79,12 +85,18 @@ class ReplicaTable {
     bool relay = false;
     std::string site;
     Clock::time_point heard;
-    std::map<std::string, uint64_t> latest;  // model -> version
+    struct Held {
+      uint64_t version = 0;
+      Clock::time_point heard;
+    };
+    std::map<std::string, Held> latest;  // model -> version, and when it was said
   };
   std::vector<Replica> LiveLocked(const std::string& model) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the nodes silent for kReplicaForget.
   void ForgetSilentLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Report and Merge: the node's entry, or RESOURCE_EXHAUSTED when it is new and the table full.
+  absl::StatusOr<Node*> EntryLocked(const std::string& node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::function<Clock::time_point()> now_;
   mutable common::Mutex mu_;

@@ -641,7 +641,8 @@ void PeerManager::Learn(const v1::ReplicaReportResponse& response) {
     for (const auto& m : member.models()) {
       if (!m.model().empty()) entries.push_back({m.model(), m.latest_version()});
     }
-    (void)replicas_->Report(member.node(), member.relay(), std::move(entries), member.site());
+    // Merged: another origin's answer may name other models of the same node.
+    (void)replicas_->Merge(member.node(), member.relay(), std::move(entries), member.site());
   }
 }
 

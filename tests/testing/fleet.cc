@@ -151,7 +151,8 @@ std::string Fleet::Address(int node) const {
 
 Fleet::Fleet(FleetOptions opts) : options(std::move(opts)) {
   const int engine_count = options.engines;
-  for (int i = 0; i <= engine_count; ++i) ports_.push_back(options.network ? 0 : FreePort());
+  REQUIRE((options.trainers == 1 || (options.trainers == 2 && !options.network)));
+  for (int i = 0; i <= engine_count + 1; ++i) ports_.push_back(options.network ? 0 : FreePort());
   std::vector<std::string> args = {"--node=trainer", "--listen=" + Address(0), "--retain=1"};
   // Network namespaces: veth addresses, plaintext by the test's choice (secure by default).
   if (options.network) args.push_back("--allow-plaintext-peers");
@@ -165,16 +166,39 @@ Fleet::Fleet(FleetOptions opts) : options(std::move(opts)) {
   const uint64_t bytes = static_cast<uint64_t>(options.rows) * kFleetCols * 2;
   source =
       std::make_unique<SharedMemory>(SharedMemory::Create(UniqueShmName("fan-src"), bytes).value());
-  auto id =
-      trainer->RegisterBuffer("m", v1::SOURCE, source->name(),
-                              {Slice("w", v1::BF16, {options.rows, kFleetCols}, 0)}, "trainer");
-  REQUIRE(id.ok());
-  source_id = *id;
+  if (options.trainers == 1) {
+    auto id =
+        trainer->RegisterBuffer("m", v1::SOURCE, source->name(),
+                                {Slice("w", v1::BF16, {options.rows, kFleetCols}, 0)}, "trainer");
+    REQUIRE(id.ok());
+    source_id = *id;
+  } else {
+    std::vector<std::string> second = {"--node=trainer-1", "--listen=" + Address(engine_count + 1),
+                                       "--retain=1"};
+    second.insert(second.end(), options.trainer_args.begin(), options.trainer_args.end());
+    auto t2 = DaemonProcess::Start(second, "", {}, Wrapper(engine_count + 1, "trainer-1"));
+    REQUIRE(t2.ok());
+    second_trainer_node = std::move(t2).value();
+    second_trainer = second_trainer_node->Connect().value();
+    const int64_t half = options.rows / 2;
+    for (int r = 0; r < 2; ++r) {
+      shards.push_back(std::make_unique<SharedMemory>(
+          SharedMemory::Create(UniqueShmName("fan-shard"), bytes / 2).value()));
+      client::Client& c = r == 0 ? *trainer : *second_trainer;
+      auto id = c.RegisterBuffer(
+          "m", v1::SOURCE, shards[r]->name(),
+          {Slice("w", v1::BF16, {options.rows, kFleetCols}, 0, {r * half, 0}, {half, kFleetCols})},
+          "trainer-" + std::to_string(r));
+      REQUIRE(id.ok());
+      shard_ids.push_back(*id);
+    }
+  }
   engines.resize(engine_count);
   for (int i = 0; i < engine_count; ++i) {
     FleetEngine& e = engines[i];
     e.half = i < static_cast<int>(options.half.size()) && options.half[i];
     std::string peers = "--peers=" + Address(0);
+    if (options.trainers == 2) peers += "," + Address(engine_count + 1);
     for (int j = 0; j < engine_count && !options.peers_trainer_only; ++j) {
       if (j != i) peers += "," + Address(j + 1);
     }
@@ -232,13 +256,17 @@ void Fleet::WaitForFleet() {
       for (const auto& m : s->models()) {
         if (m.model() == "m") replicas = static_cast<size_t>(m.replicas_size());
       }
-      const int peers = options.peers_trainer_only ? 1 : static_cast<int>(n);
+      const int peers =
+          (options.peers_trainer_only ? 0 : static_cast<int>(n) - 1) + options.trainers;
       ready = ready && connected == peers && replicas == n;
     }
-    auto ts = trainer->Status();
-    REQUIRE(ts.ok());
-    for (const auto& m : ts->models()) {
-      if (m.model() == "m") ready = ready && static_cast<size_t>(m.replicas_size()) == n;
+    for (client::Client* t : {trainer.get(), second_trainer.get()}) {
+      if (!t) continue;
+      auto ts = t->Status();
+      REQUIRE(ts.ok());
+      for (const auto& m : ts->models()) {
+        if (m.model() == "m") ready = ready && static_cast<size_t>(m.replicas_size()) == n;
+      }
     }
     if (ready) return;
     std::this_thread::sleep_for(milliseconds(50));
@@ -246,7 +274,17 @@ void Fleet::WaitForFleet() {
   FAIL("the fleet did not connect and report replicas");
 }
 
-void Fleet::Publish(uint64_t version) { REQUIRE(trainer->Publish("m", version, {source_id}).ok()); }
+void Fleet::Publish(uint64_t version) {
+  if (options.trainers == 1) {
+    REQUIRE(trainer->Publish("m", version, {source_id}).ok());
+    return;
+  }
+  const uint64_t half = source->size() / 2;
+  for (int r = 0; r < 2; ++r) {
+    std::memcpy(shards[r]->data(), source->data() + r * half, half);
+    REQUIRE((r == 0 ? *trainer : *second_trainer).Publish("m", version, {shard_ids[r]}).ok());
+  }
+}
 
 void Fleet::PublishAndCheck(uint64_t version, const std::vector<size_t>& skip) {
   Fill(*source, version * 7919);

@@ -87,6 +87,9 @@ struct FleetOptions {
   // the other engines from the trainer's answers to its replica reports); else every engine
   // lists every other daemon.
   bool peers_trainer_only = false;
+  // 2: a second trainer's node ("trainer-1", loopback only); each trainer node publishes half
+  // the rows of the tensor (a TP2 trainer), and every engine's --peers names both.
+  int trainers = 1;
   // Non-empty: each daemon's stderr (its log) goes to <log_dir>/<node>.log (LogOf).
   std::string log_dir;
 };
@@ -126,8 +129,14 @@ class Fleet {
   std::unique_ptr<DaemonProcess> trainer_node;
   std::unique_ptr<client::Client> trainer;
   std::vector<FleetEngine> engines;
+  // The whole model as the trainer publishes it (Fill and Touch write here; engines are
+  // checked against it). With two trainer nodes, Publish copies each half into its node's shard.
   std::unique_ptr<client::SharedMemory> source;
   std::string source_id;
+  std::unique_ptr<DaemonProcess> second_trainer_node;  // options.trainers == 2
+  std::unique_ptr<client::Client> second_trainer;
+  std::vector<std::unique_ptr<client::SharedMemory>> shards;  // per trainer node
+  std::vector<std::string> shard_ids;
 
  private:
   void StartEngine(size_t i);
