@@ -327,7 +327,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
       &impl->relay_board, &impl->replicas, options.relay, impl->tls.enabled());
   impl->peers = std::make_unique<peer::PeerManager>(
       peer::PeerManagerOptions{options.node, impl->instance, options.delta_threshold, options.relay,
-                               impl->tls, options.max_peer_connections},
+                               impl->tls, options.max_peer_connections, options.site},
       options.peers, impl->store.get(), impl->data_plane.get(), &impl->metrics, &impl->relay_board,
       &impl->replicas);
   // Who hears the store's events: daemon/wiring.cc.
@@ -374,6 +374,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     const auto colon = options.listen.rfind(':');
     impl->listen = options.listen.substr(0, colon == std::string::npos ? 0 : colon) + ":?";
     impl->peer_service->SetIdentity(impl->instance, impl->listen);
+    impl->peer_service->SetSite(options.site);
+    impl->peer_service->SetMaxRelayReaders(options.max_peer_connections);
   }
   impl->health = std::make_unique<server::HealthService>(
       std::set<std::string>{"refit.v1.Refit", "refit.v1.Peer"});

@@ -85,6 +85,10 @@ int main(int argc, char** argv) {
     std::cerr << "refitd: --node must be 1 to 255 bytes (default: the host name)\n";
     return 2;
   }
+  if (options.site.size() > 255) {
+    std::cerr << "refitd: --site must be at most 255 bytes\n";
+    return 2;
+  }
   refit::SetLogLevel(options.log_level);
 
   // Block the stop signals in every thread (gRPC's inherit this mask); this thread waits.

@@ -47,6 +47,9 @@ struct DaemonOptions {
   // daemons. --peers are always connected; relay channels (the stripe parents this node reads
   // from) open on demand while the total is below it, and close after a minute idle.
   uint32_t max_peer_connections = 16;
+  // Sites: nodes given the same --site relay versions among themselves; each version enters a
+  // site once (its stripes read across from the origin's site, then relayed inside). "": none.
+  std::string site;
   // Local callers (SO_PEERCRED) allowed on --socket besides the daemon's own uid; empty
   // allow_gids: the socket's group. Others get PERMISSION_DENIED on every RPC, health included.
   std::vector<uint32_t> allow_uids;

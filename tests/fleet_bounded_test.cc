@@ -138,3 +138,88 @@ TEST_CASE("--relay=false with only the trainer in --peers: nobody else is contac
 }
 
 }  // namespace refit
+
+namespace refit {
+
+TEST_CASE("incoming relay readers are capped by --max-peer-connections too",
+          "[integration][fanout]") {
+  // A full mesh (--peers names everyone: those channels are always open), so only the incoming
+  // side bounds who reads from whom: each stripe's relay has five readers and serves three;
+  // the other two read that stripe from the trainer's node.
+  testing::FleetOptions options;
+  options.engines = 6;
+  options.rows = 4096;  // 32 MiB: 8 chunks, each engine a stripe's relay
+  options.engine_args.assign(6, {"--max-peer-connections=3"});
+  Fleet fleet(std::move(options));
+  const double model = static_cast<double>(fleet.ModelBytes());
+  for (uint64_t v = 1; v <= 3; ++v) {
+    const double sent_before = Metric(*fleet.trainer, "refit_data_bytes_sent_total");
+    fleet.PublishAndCheck(v);
+    std::this_thread::sleep_for(milliseconds(300));
+    for (size_t i = 0; i < fleet.engines.size(); ++i) {
+      INFO("engine-" << i);
+      REQUIRE(Metric(*fleet.engines[i].client, "refit_relay_readers") <= 3);
+    }
+    const double sent = Metric(*fleet.trainer, "refit_data_bytes_sent_total") - sent_before;
+    std::printf("capped readers, version %llu: the trainer's node sent %.3f models\n",
+                static_cast<unsigned long long>(v), sent / model);
+  }
+  const double refused = fleet.Sum("refit_relay_readers_refused_total");
+  INFO("relay streams refused: " << refused);
+  REQUIRE(refused > 0);
+  REQUIRE(fleet.RelaySent() > 0);
+  // Refused readers are not relay failures.
+  REQUIRE(fleet.Sum("refit_relay_failovers_total") == 0);
+}
+
+}  // namespace refit
+
+namespace refit {
+
+TEST_CASE("two trainer nodes, each publishing half the model: engines that know only them relay",
+          "[integration][fanout]") {
+  // Each engine's --peers names both trainer nodes only; each trainer's node answers its reports
+  // with the engines subscribed to it, and the engine merges both answers.
+  testing::FleetOptions options = TrainerOnly(4, 4096);  // 32 MiB, 16 MiB per trainer node
+  options.trainers = 2;
+  Fleet fleet(std::move(options));
+  const double half = static_cast<double>(fleet.ModelBytes()) / 2;
+  for (uint64_t v = 1; v <= 3; ++v) {
+    const double first_before = Metric(*fleet.trainer, "refit_data_bytes_sent_total");
+    const double second_before = Metric(*fleet.second_trainer, "refit_data_bytes_sent_total");
+    const double relayed_before = fleet.RelaySent();
+    fleet.PublishAndCheck(v);
+    std::this_thread::sleep_for(milliseconds(300));  // the pins' releases count the bytes
+    const double first = Metric(*fleet.trainer, "refit_data_bytes_sent_total") - first_before;
+    const double second =
+        Metric(*fleet.second_trainer, "refit_data_bytes_sent_total") - second_before;
+    const double relayed = fleet.RelaySent() - relayed_before;
+    std::printf(
+        "two trainer nodes, version %llu: each sent %.3f and %.3f of its half, the relays %.3f "
+        "halves\n",
+        static_cast<unsigned long long>(v), first / half, second / half, relayed / half);
+    INFO("version " << v << ": trainer nodes sent " << first / half << " and " << second / half
+                    << " of their halves, relays " << relayed / half);
+    REQUIRE(first >= 0.9 * half);
+    REQUIRE(first <= 1.25 * half);
+    REQUIRE(second >= 0.9 * half);
+    REQUIRE(second <= 1.25 * half);
+    REQUIRE(relayed >= 2 * 2.5 * half);  // 3/4 of each half to each of 4 nodes
+    ChannelsOpen(fleet, 16);
+  }
+  // Every engine knows the other three (from both trainers' answers, merged) and both trainers
+  // know all four.
+  for (auto& e : fleet.engines) {
+    auto status = e.client->Status();
+    REQUIRE(status.ok());
+    REQUIRE(status->peers_size() == 2);
+    REQUIRE(status->models(0).replicas_size() == 4);
+  }
+  for (client::Client* t : {fleet.trainer.get(), fleet.second_trainer.get()}) {
+    auto status = t->Status();
+    REQUIRE(status.ok());
+    REQUIRE(status->models(0).replicas_size() == 4);
+  }
+}
+
+}  // namespace refit

@@ -63,7 +63,9 @@ std::vector<OptionSpec> MakeTable() {
                &O::max_peer_connections,
                "the most control channels this daemon opens to other daemons: `--peers`, plus "
                "relay channels opened on demand to the engines it reads stripes from (learned "
-               "from the trainer's replica reports); past it a stripe is read from its origin",
+               "from the trainer's replica reports); past it a stripe is read from its origin. "
+               "Also the most other nodes served relayed stripes at once (incoming relay "
+               "readers); a further reader reads them from the origin",
                {},
                1,
                65536});
@@ -150,6 +152,12 @@ std::vector<OptionSpec> MakeTable() {
                "[architecture](architecture.md#fleets-relaying-between-engine-nodes)); `false`: "
                "every byte comes from the node that published it, and `Peer.Relay` answers "
                "`FAILED_PRECONDITION`"});
+  t.push_back({"site", "NAME", &O::site,
+               "this node's site (a data centre, a region), at most 255 bytes: nodes of one site "
+               "relay each version among themselves, and each version (full or delta) enters a "
+               "site once, its stripes read from the nodes of the origin's site "
+               "([architecture](architecture.md#sites-one-crossing-per-version))",
+               "none"});
   t.push_back({"allow-uids", "UID,...", &O::allow_uids,
                "local callers (by `SO_PEERCRED`) allowed besides refitd's own uid and root; "
                "everyone else gets `PERMISSION_DENIED` on every RPC, health included "

@@ -1,6 +1,7 @@
 #include "daemon/fleet/replicas.h"
 
 #include <algorithm>
+#include <iterator>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -9,20 +10,43 @@ namespace refit::fleet {
 
 ReplicaTable::ReplicaTable(std::function<Clock::time_point()> now) : now_(std::move(now)) {}
 
+absl::StatusOr<ReplicaTable::Node*> ReplicaTable::EntryLocked(const std::string& node) {
+  ForgetSilentLocked();
+  if (nodes_.size() >= kMaxReplicaNodes && !nodes_.count(node)) {
+    return absl::ResourceExhaustedError(absl::StrCat("the replica table holds ", nodes_.size(),
+                                                     " nodes (at most ", kMaxReplicaNodes, ")"));
+  }
+  return &nodes_[node];
+}
+
 absl::Status ReplicaTable::Report(const std::string& node, bool relay,
-                                  std::vector<ReplicaEntry> entries) {
+                                  std::vector<ReplicaEntry> entries, const std::string& site) {
   {
     common::MutexLock lock(mu_);
-    ForgetSilentLocked();
-    if (nodes_.size() >= kMaxReplicaNodes && !nodes_.count(node)) {
-      return absl::ResourceExhaustedError(absl::StrCat("the replica table holds ", nodes_.size(),
-                                                       " nodes (at most ", kMaxReplicaNodes, ")"));
-    }
-    Node& n = nodes_[node];
+    absl::StatusOr<Node*> entry = EntryLocked(node);
+    if (!entry.ok()) return entry.status();
+    Node& n = **entry;
     n.relay = relay;
+    n.site = site;
     n.heard = now_();
     n.latest.clear();
-    for (const ReplicaEntry& e : entries) n.latest[e.model] = e.latest_version;
+    for (const ReplicaEntry& e : entries) n.latest[e.model] = {e.latest_version, n.heard};
+  }
+  changed_.NotifyAll();
+  return absl::OkStatus();
+}
+
+absl::Status ReplicaTable::Merge(const std::string& node, bool relay,
+                                 std::vector<ReplicaEntry> entries, const std::string& site) {
+  {
+    common::MutexLock lock(mu_);
+    absl::StatusOr<Node*> entry = EntryLocked(node);
+    if (!entry.ok()) return entry.status();
+    Node& n = **entry;
+    n.relay = relay;
+    n.site = site;
+    n.heard = now_();
+    for (const ReplicaEntry& e : entries) n.latest[e.model] = {e.latest_version, n.heard};
   }
   changed_.NotifyAll();
   return absl::OkStatus();
@@ -33,9 +57,13 @@ void ReplicaTable::ForgetSilentLocked() {
   for (auto it = nodes_.begin(); it != nodes_.end();) {
     if (now - it->second.heard > kReplicaForget) {
       it = nodes_.erase(it);
-    } else {
-      ++it;
+      continue;
     }
+    auto& latest = it->second.latest;  // models no origin named for as long go too
+    for (auto m = latest.begin(); m != latest.end();) {
+      m = now - m->second.heard > kReplicaForget ? latest.erase(m) : std::next(m);
+    }
+    ++it;
   }
 }
 
@@ -58,8 +86,8 @@ std::vector<Replica> ReplicaTable::LiveLocked(const std::string& model) const {
   for (const auto& [name, node] : nodes_) {
     if (now - node.heard > kReplicaTtl) continue;
     auto it = node.latest.find(model);
-    if (it == node.latest.end()) continue;
-    out.push_back({name, it->second, node.relay});
+    if (it == node.latest.end() || now - it->second.heard > kReplicaTtl) continue;
+    out.push_back({name, it->second.version, node.relay, node.site});
   }
   return out;  // map order: sorted by node
 }
@@ -74,6 +102,16 @@ std::vector<std::string> ReplicaTable::Relays(const std::string& model) const {
   std::vector<std::string> out;
   for (const Replica& r : LiveLocked(model)) {
     if (r.relay) out.push_back(r.node);
+  }
+  return out;
+}
+
+std::map<std::string, std::vector<std::string>> ReplicaTable::RelaysBySite(
+    const std::string& model) const {
+  common::MutexLock lock(mu_);
+  std::map<std::string, std::vector<std::string>> out;
+  for (const Replica& r : LiveLocked(model)) {
+    if (r.relay) out[r.site].push_back(r.node);
   }
   return out;
 }

@@ -35,6 +35,7 @@ struct Replica {
   std::string node;
   uint64_t latest_version = 0;
   bool relay = false;  // serves what it pulled to other nodes
+  std::string site;    // its --site ("": none)
 };
 
 struct ReplicasReached {
@@ -50,7 +51,14 @@ class ReplicaTable {
   // `node` holds DESTINATION buffers of the models in `entries` (replacing what it said
   // before) and relays or not. RESOURCE_EXHAUSTED (nothing kept) when `node` is new and the
   // table holds kMaxReplicaNodes nodes that reported within kReplicaForget.
-  absl::Status Report(const std::string& node, bool relay, std::vector<ReplicaEntry> entries);
+  absl::Status Report(const std::string& node, bool relay, std::vector<ReplicaEntry> entries,
+                      const std::string& site = "");
+  // What an origin said about `node` (its answer to this node's report: one origin's view):
+  // the models in `entries` are updated, the node's other models are kept (another origin may
+  // have named them), each model live for kReplicaTtl from when it was last heard. So the
+  // member lists of several origins (trainer nodes) are merged, not replaced.
+  absl::Status Merge(const std::string& node, bool relay, std::vector<ReplicaEntry> entries,
+                     const std::string& site = "");
   // `node` is gone (its connection ended, or it said so).
   void Forget(const std::string& node);
 
@@ -58,6 +66,8 @@ class ReplicaTable {
   std::vector<Replica> ReplicasOf(const std::string& model) const;
   // The live replicas of `model` that relay, sorted.
   std::vector<std::string> Relays(const std::string& model) const;
+  // The same, by site (--site; "" for nodes without one).
+  std::map<std::string, std::vector<std::string>> RelaysBySite(const std::string& model) const;
 
   // Blocks until `version` or newer is complete on at least `min_nodes` live replicas of
   // `model` (0: on all of them, and at least one). DEADLINE_EXCEEDED past `deadline` (the
@@ -73,13 +83,20 @@ class ReplicaTable {
  private:
   struct Node {
     bool relay = false;
+    std::string site;
     Clock::time_point heard;
-    std::map<std::string, uint64_t> latest;  // model -> version
+    struct Held {
+      uint64_t version = 0;
+      Clock::time_point heard;
+    };
+    std::map<std::string, Held> latest;  // model -> version, and when it was said
   };
   std::vector<Replica> LiveLocked(const std::string& model) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the nodes silent for kReplicaForget.
   void ForgetSilentLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Report and Merge: the node's entry, or RESOURCE_EXHAUSTED when it is new and the table full.
+  absl::StatusOr<Node*> EntryLocked(const std::string& node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::function<Clock::time_point()> now_;
   mutable common::Mutex mu_;

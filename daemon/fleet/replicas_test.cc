@@ -57,3 +57,35 @@ TEST_CASE("replicas: WaitFor a quorum, all of them, and past the deadline", "[fl
 }
 
 }  // namespace refit::fleet
+
+namespace refit::fleet {
+
+TEST_CASE("replicas: several origins' member lists are merged, each model aging on its own",
+          "[fleet]") {
+  using std::chrono::milliseconds;
+  std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now();
+  ReplicaTable table([&] { return now; });
+  // Trainer node A serves model "a", trainer node B model "b"; each answers with what it knows
+  // of engine e1: both models stay.
+  REQUIRE(table.Merge("e1", true, {{"a", 3}}, "east").ok());
+  REQUIRE(table.Merge("e1", true, {{"b", 7}}, "east").ok());
+  REQUIRE(table.ReplicasOf("a").size() == 1);
+  REQUIRE(table.ReplicasOf("a")[0].latest_version == 3);
+  REQUIRE(table.ReplicasOf("a")[0].site == "east");
+  REQUIRE(table.ReplicasOf("b").size() == 1);
+  REQUIRE(table.RelaysBySite("b").at("east") == std::vector<std::string>{"e1"});
+  // Only B keeps answering: "a" ages out, "b" stays.
+  now += kReplicaTtl / 2;
+  REQUIRE(table.Merge("e1", true, {{"b", 8}}, "east").ok());
+  now += kReplicaTtl / 2 + milliseconds(1);
+  REQUIRE(table.Merge("e1", true, {{"b", 9}}, "east").ok());
+  REQUIRE(table.ReplicasOf("a").empty());
+  REQUIRE(table.ReplicasOf("b").size() == 1);
+  REQUIRE(table.ReplicasOf("b")[0].latest_version == 9);
+  // The node's own report is the whole truth: it replaces what origins said.
+  REQUIRE(table.Report("e1", true, {{"c", 1}}).ok());
+  REQUIRE(table.ReplicasOf("b").empty());
+  REQUIRE(table.ReplicasOf("c").size() == 1);
+}
+
+}  // namespace refit::fleet

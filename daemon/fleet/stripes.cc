@@ -64,4 +64,36 @@ std::vector<std::string> PathTo(const std::vector<std::string>& pullers, const s
   return path;
 }
 
+const std::string& RootOf(const std::vector<std::string>& pullers, int stripe, int stripes) {
+  return AtPosition(pullers, 0, stripe, stripes);
+}
+
+const std::string& SiteView::SiteOf(const std::string& origin) const {
+  auto it = origin_sites.find(origin);
+  return it == origin_sites.end() ? site : it->second;
+}
+
+bool SiteView::Across(const std::string& node) const {
+  if (auto it = origin_sites.find(node); it != origin_sites.end()) return it->second != site;
+  for (const auto& [other, nodes] : remote) {
+    if (std::binary_search(nodes.begin(), nodes.end(), node)) return true;
+  }
+  return false;
+}
+
+std::string SourceOf(const SiteView& view, const std::string& origin, uint64_t chunk,
+                     uint64_t salt) {
+  const int stripes = StripeCount(view.local.size(), view.fanout);
+  const int stripe = StripeOf(chunk, salt, stripes);
+  std::string parent = ParentFor(view.local, origin, view.self, stripe, stripes, view.fanout);
+  if (parent != origin) return parent;
+  const std::string& site = view.SiteOf(origin);
+  if (site == view.site) return parent;
+  auto upstream = view.remote.find(site);
+  if (upstream == view.remote.end() || upstream->second.empty()) return parent;
+  const std::vector<std::string>& there = upstream->second;
+  const int there_stripes = StripeCount(there.size(), view.fanout);
+  return RootOf(there, StripeOf(chunk, salt, there_stripes), there_stripes);
+}
+
 }  // namespace refit::fleet

@@ -17,6 +17,7 @@
 // (daemon/fleet/fanout_sim) both call them, so what the simulator measures is what runs.
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -44,5 +45,38 @@ std::string ParentFor(const std::vector<std::string>& pullers, const std::string
 // nodes whose pipelines self's bytes pass through), root first, self last.
 std::vector<std::string> PathTo(const std::vector<std::string>& pullers, const std::string& self,
                                 int stripe, int stripes, int fanout = kDefaultFanout);
+
+// The root of stripe `stripe`'s tree over `pullers` (sorted, not empty): the node that reads
+// that stripe from the origin.
+const std::string& RootOf(const std::vector<std::string>& pullers, int stripe, int stripes);
+
+// Sites (--site): the nodes of one site relay among themselves, and each version enters a site
+// once. A node's stripe trees span only the pullers of its own site; where it is a stripe's
+// root and the origin lies in another site, it reads that stripe's chunks from the roots of
+// the origin site's trees (nodes pulling the same version there, so the origin still sends each
+// chunk once), or from the origin when that site has no puller. Nodes without --site form the
+// site "".
+struct SiteView {
+  std::string self;                // this node
+  std::string site;                // this node's site
+  std::vector<std::string> local;  // the pullers of this node's site, self included, sorted
+  // The relaying pullers of every other site, each list sorted and not empty.
+  std::map<std::string, std::vector<std::string>> remote;
+  // The site of each origin node (absent: this node's own).
+  std::map<std::string, std::string> origin_sites;
+  int fanout = kDefaultFanout;
+
+  // Whether any other node may read from this one or this one from another node.
+  bool Relaying() const { return local.size() > 1 || !remote.empty(); }
+  const std::string& SiteOf(const std::string& origin) const;
+  // Whether `node` (an origin or a puller in the view) lies in another site than this node.
+  bool Across(const std::string& node) const;
+};
+
+// The node `view.self` reads chunk `chunk` of a piece published on `origin` (salt: PieceSalt)
+// from: the origin, a puller of its own site (its parent in the chunk's stripe tree), or the
+// root of that chunk's stripe tree in the origin's site.
+std::string SourceOf(const SiteView& view, const std::string& origin, uint64_t chunk,
+                     uint64_t salt);
 
 }  // namespace refit::fleet

@@ -91,3 +91,76 @@ TEST_CASE("chunks spread evenly over stripes, and a stranger reads from the orig
 }
 
 }  // namespace refit::fleet
+
+namespace refit::fleet {
+
+// Two sites: the trainer and a0, a1 in site "a"; b0, b1, b2 in site "b". Every node of a site
+// reads each chunk from its own site, except each stripe's root in "b", which reads it from the
+// root of that chunk's stripe in "a": so each chunk crosses into "b" once, from a node that
+// pulls it anyway (the trainer still sends each chunk once).
+TEST_CASE("sites: each chunk crosses into a site once, from the origin site's stripe root",
+          "[fleet]") {
+  const std::vector<std::string> a = {"a0", "a1"}, b = {"b0", "b1", "b2"};
+  auto view_of = [&](const std::string& self, const std::string& site) {
+    SiteView view;
+    view.self = self;
+    view.site = site;
+    view.local = site == "a" ? a : b;
+    view.remote[site == "a" ? "b" : "a"] = site == "a" ? b : a;
+    view.origin_sites["t"] = "a";
+    return view;
+  };
+  const uint64_t salt = PieceSalt("t", "piece");
+  for (uint64_t chunk = 0; chunk < 64; ++chunk) {
+    int from_trainer = 0, into_b = 0;
+    for (const std::string& n : a) {
+      const std::string source = SourceOf(view_of(n, "a"), "t", chunk, salt);
+      REQUIRE((source == "t" || source == "a0" || source == "a1"));
+      REQUIRE(source != n);
+      from_trainer += source == "t";
+    }
+    for (const std::string& n : b) {
+      const std::string source = SourceOf(view_of(n, "b"), "t", chunk, salt);
+      REQUIRE(source != "t");  // site "a" has pullers: the trainer sends each chunk once
+      REQUIRE(source != n);
+      if (source == "a0" || source == "a1") {
+        ++into_b;
+        // The node of "a" that reads this chunk from the trainer.
+        const std::string root_a = RootOf(a, StripeOf(chunk, salt, 2), 2);
+        REQUIRE(source == root_a);
+      }
+    }
+    REQUIRE(from_trainer == 1);
+    REQUIRE(into_b == 1);
+  }
+  // Across: the other site's pullers and origins are across, this site's are not.
+  const SiteView b0 = view_of("b0", "b");
+  REQUIRE(b0.Across("a1"));
+  REQUIRE(b0.Across("t"));
+  REQUIRE_FALSE(b0.Across("b2"));
+  REQUIRE(b0.Relaying());
+}
+
+TEST_CASE(
+    "sites: a site with no puller of the origin's site reads from the origin; no sites is "
+    "the one-site tree",
+    "[fleet]") {
+  SiteView lone;
+  lone.self = "b0";
+  lone.site = "b";
+  lone.local = {"b0"};
+  lone.origin_sites["t"] = "a";  // nobody else pulls in "a"
+  const uint64_t salt = PieceSalt("t", "piece");
+  for (uint64_t chunk = 0; chunk < 16; ++chunk) REQUIRE(SourceOf(lone, "t", chunk, salt) == "t");
+  REQUIRE_FALSE(lone.Relaying());
+  // No --site anywhere: everything is site "", as ParentFor alone says.
+  SiteView plain;
+  plain.self = "e1";
+  plain.local = {"e0", "e1", "e2"};
+  for (uint64_t chunk = 0; chunk < 16; ++chunk) {
+    const int stripe = StripeOf(chunk, salt, 3);
+    REQUIRE(SourceOf(plain, "t", chunk, salt) == ParentFor(plain.local, "t", "e1", stripe, 3));
+  }
+}
+
+}  // namespace refit::fleet

@@ -125,6 +125,7 @@ std::vector<std::string> ResolvePeerAddress(const std::string& address) {
 struct PeerManager::Peer {
   std::string address;
   std::string node;
+  std::string site;        // its Hello's --site; guarded by PeerManager::mu_
   bool connected = false;  // guarded by PeerManager::mu_
   std::string error;       // guarded by PeerManager::mu_
   // Set by its thread before `node`, under mu_; shared with the replica reporter, which calls
@@ -141,6 +142,7 @@ PeerManager::PeerManager(PeerManagerOptions options, std::vector<std::string> ad
     : node_(options.node),
       instance_(options.instance),
       relay_(options.relay),
+      site_(options.site),
       tls_(options.tls),
       store_(store),
       data_plane_(data_plane),
@@ -158,6 +160,7 @@ PeerManager::PeerManager(PeerManagerOptions options, std::vector<std::string> ad
   pull_options.delta_threshold = options.delta_threshold;
   pull_options.pin_lease_ms = PinLeaseMs();
   pull_options.relay = options.relay;
+  pull_options.site = options.site;
   puller_ = std::make_unique<pull::Puller>(pull_options, store, data_plane, metrics, this, board,
                                            replicas);
 }
@@ -342,6 +345,7 @@ void PeerManager::RunPeer(Peer* peer) {
         common::MutexLock lock(mu_);
         if (stop_) return;
         peer->node = node;
+        peer->site = who.site().size() <= kMaxNodeName ? who.site() : "";
         peer->connected = true;
         peer->error.clear();
         peer->channel = channel;
@@ -453,6 +457,7 @@ void PeerManager::Report() {
   v1::ReplicaReport report;
   report.set_node(node_);
   report.set_relay(relay_);
+  report.set_site(site_);
   std::vector<fleet::ReplicaEntry> entries;
   for (const ModelInfo& model : store_->Models()) {
     if (model.destination_buffers == 0) continue;
@@ -467,7 +472,7 @@ void PeerManager::Report() {
     if (entries.empty()) {
       replicas_->Forget(node_);
     } else {
-      (void)replicas_->Report(node_, relay_, entries);
+      (void)replicas_->Report(node_, relay_, entries, site_);
     }
   }
   // Shared, not borrowed: the peer's thread replaces its stub when it reconnects.
@@ -513,6 +518,15 @@ bool PeerManager::CanReach(const std::string& node) {
   common::MutexLock lock(mu_);
   if (ConnectedLocked(node)) return true;
   return relay_ && (relays_.count(node) > 0 || known_.count(node) > 0);
+}
+
+std::string PeerManager::SiteOf(const std::string& node) {
+  common::MutexLock lock(mu_);
+  for (const auto& peer : peers_) {
+    if (peer->node == node) return peer->site;
+  }
+  if (auto relay = relays_.find(node); relay != relays_.end()) return relay->second.site;
+  return "";
 }
 
 v1::Peer::Stub* PeerManager::StubFor(const std::string& node) {
@@ -577,6 +591,7 @@ v1::Peer::Stub* PeerManager::OpenRelay(const std::string& node) {
     data_plane_->Connect(node, dialed.who.transport_address());
   }
   Relay& relay = relays_[node];
+  relay.site = dialed.who.site().size() <= kMaxNodeName ? dialed.who.site() : "";
   relay.channel = std::move(dialed.channel);
   relay.stub = std::move(dialed.stub);
   relay.used = std::chrono::steady_clock::now();
@@ -610,7 +625,7 @@ void PeerManager::Learn(const v1::ReplicaReportResponse& response) {
   for (const v1::FleetMember& member : response.members()) {
     if (member.node().empty() || member.node().size() > 255 || member.node() == node_ ||
         member.listen().empty() || member.listen().size() > 1024 ||
-        member.models_size() > kMaxModels) {
+        member.models_size() > kMaxModels || member.site().size() > kMaxNodeName) {
       continue;
     }
     {
@@ -626,7 +641,8 @@ void PeerManager::Learn(const v1::ReplicaReportResponse& response) {
     for (const auto& m : member.models()) {
       if (!m.model().empty()) entries.push_back({m.model(), m.latest_version()});
     }
-    (void)replicas_->Report(member.node(), member.relay(), std::move(entries));
+    // Merged: another origin's answer may name other models of the same node.
+    (void)replicas_->Merge(member.node(), member.relay(), std::move(entries), member.site());
   }
 }
 

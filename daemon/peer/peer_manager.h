@@ -62,6 +62,7 @@ struct PeerManagerOptions {
   // --max-peer-connections: --peers are always connected; relay channels open on demand only
   // while fewer than this many channels are open.
   uint32_t max_peer_connections = 16;
+  std::string site;  // --site ("": none)
 };
 
 class PeerManager final : public pull::PeerChannels, public StoreEvents {
@@ -87,6 +88,7 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   // --max-peer-connections channels are open, and closed after a while unused.
   v1::Peer::Stub* StubFor(const std::string& node) override;
   bool CanReach(const std::string& node) override;
+  std::string SiteOf(const std::string& node) override;
   // Control channels open now: --peers connected plus relay channels (refit_peer_channels_open).
   size_t OpenChannels() const;
 
@@ -112,6 +114,7 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   grpc::Status Dial(const std::string& address, Dialed* out) const;
   // A relay channel opened on demand: used by pulls, closed when idle (CloseIdle).
   struct Relay {
+    std::string site;  // its Hello's
     std::shared_ptr<grpc::Channel> channel;
     std::shared_ptr<v1::Peer::Stub> stub;
     std::chrono::steady_clock::time_point used;
@@ -131,6 +134,7 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   const std::string instance_;
   std::string listen_;  // set before Start
   const bool relay_;
+  const std::string site_;
   const tls::PeerTlsFiles tls_;
   Store* const store_;
   DataPlane* const data_plane_;

@@ -21,6 +21,14 @@ inline constexpr Gauge kPeerChannelsOpen{
     "refit_peer_channels_open",
     "Control channels open to other daemons: --peers connected, plus relay channels opened on "
     "demand (at most --max-peer-connections)."};
+inline constexpr Gauge kRelayReaders{
+    "refit_relay_readers",
+    "Nodes reading relayed stripes from this node now (Relay streams, by node; at most "
+    "--max-peer-connections)."};
+inline constexpr Counter kRelayReadersRefused{
+    "refit_relay_readers_refused_total",
+    "Relay streams refused because --max-peer-connections other nodes were reading relayed "
+    "stripes here (the reader takes those stripes from the origin)."};
 inline constexpr Histogram kTransferSeconds{
     "refit_transfer_seconds",
     "Time a pull took, from its start to the version complete, in seconds."};

@@ -30,6 +30,8 @@ PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane, 
   metrics_->Declare(kDataBytesSent);
   metrics_->Declare(kRelayBytesSent);
   metrics_->Declare(kChecksumBytesHashed);
+  metrics_->Declare(kRelayReaders);
+  metrics_->Declare(kRelayReadersRefused);
   if (const char* fault = TestSwitch("REFIT_FAULT_RELAY_FLIP")) {
     relay_flips_ = std::atoll(fault);
     Logger("peer")->warn("fault injection: the first {} relayed ranges get a flipped byte",
@@ -108,6 +110,16 @@ void PeerService::SetIdentity(const std::string& instance, const std::string& li
   listen_ = listen;
 }
 
+void PeerService::SetMaxRelayReaders(uint32_t readers) {
+  common::MutexLock lock(mu_);
+  max_relay_readers_ = std::max<uint32_t>(1, readers);
+}
+
+void PeerService::SetSite(const std::string& site) {
+  common::MutexLock lock(mu_);
+  site_ = site;
+}
+
 std::vector<PeerService::Subscriber> PeerService::Subscribers() const {
   common::MutexLock lock(mu_);
   std::vector<Subscriber> out;
@@ -138,11 +150,12 @@ grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloReq
   if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED, std::string(who.message()));
   }
-  std::string instance, listen;
+  std::string instance, listen, site;
   {
     common::MutexLock lock(mu_);
     instance = instance_;
     listen = listen_;
+    site = site_;
   }
   // Node names tell pieces apart: another daemon with this node's name is refused (a caller
   // with this instance id is this daemon itself, through a name that resolves to every daemon).
@@ -168,6 +181,7 @@ grpc::Status PeerService::Hello(grpc::ServerContext* context, const v1::HelloReq
   }
   response->set_instance(instance);
   response->set_listen(listen);
+  response->set_site(site);
   response->set_node(node_);
   response->set_version(kRefitVersion);
   response->set_transport_address(data_plane_->LocalAddress());

@@ -46,6 +46,12 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
   // This daemon's identity in Hello: its random per-process instance id and its --listen
   // address (HOST:PORT as bound). Call before serving, and again once the port is known.
   void SetIdentity(const std::string& instance, const std::string& listen);
+  // This daemon's --site, said in Hello (before serving).
+  void SetSite(const std::string& site);
+  // Incoming relay readers: Relay streams are served to at most this many other nodes at once
+  // (--max-peer-connections, as outgoing channels); a further node is refused
+  // RESOURCE_EXHAUSTED and reads those stripes from the origin. Before serving.
+  void SetMaxRelayReaders(uint32_t readers);
 
   // A daemon subscribed to this one (it pulls from here), or one whose Hello was refused.
   struct Subscriber {
@@ -120,6 +126,12 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
   mutable common::Mutex mu_;
   std::string instance_ ABSL_GUARDED_BY(mu_);
   std::string listen_ ABSL_GUARDED_BY(mu_);
+  std::string site_ ABSL_GUARDED_BY(mu_);
+  uint32_t max_relay_readers_ ABSL_GUARDED_BY(mu_) = 16;
+  // Node -> its Relay streams open here.
+  std::map<std::string, int> relay_readers_ ABSL_GUARDED_BY(mu_);
+  // A reader's place among relay_readers_ while its stream lasts.
+  class RelayReaderSlot;
   // (node, address)
   std::multiset<std::pair<std::string, std::string>> subscribers_ ABSL_GUARDED_BY(mu_);
   // Subscriber -> an address other nodes can dial (its --listen, with an unspecified host

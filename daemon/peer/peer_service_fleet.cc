@@ -34,6 +34,44 @@ void AddRanges(const fleet::Ranges& ranges,
 }
 }  // namespace
 
+// A node's place among the nodes reading relayed stripes here: taken by Relay (or refused past
+// --max-peer-connections readers), given back when its stream ends.
+class PeerService::RelayReaderSlot {
+ public:
+  RelayReaderSlot(PeerService* service, std::string node)
+      : service_(service), node_(std::move(node)) {}
+  ~RelayReaderSlot() {
+    if (!taken_) return;
+    common::MutexLock lock(service_->mu_);
+    auto it = service_->relay_readers_.find(node_);
+    if (it != service_->relay_readers_.end() && --it->second <= 0) {
+      service_->relay_readers_.erase(it);
+      service_->metrics_->Add(kRelayReaders, -1);
+    }
+  }
+  RelayReaderSlot(const RelayReaderSlot&) = delete;
+  RelayReaderSlot& operator=(const RelayReaderSlot&) = delete;
+
+  // False when other nodes fill every place.
+  bool Take() {
+    common::MutexLock lock(service_->mu_);
+    auto it = service_->relay_readers_.find(node_);
+    if (it == service_->relay_readers_.end()) {
+      if (service_->relay_readers_.size() >= service_->max_relay_readers_) return false;
+      it = service_->relay_readers_.emplace(node_, 0).first;
+      service_->metrics_->Add(kRelayReaders, 1);
+    }
+    ++it->second;
+    taken_ = true;
+    return true;
+  }
+
+ private:
+  PeerService* const service_;
+  const std::string node_;
+  bool taken_ = false;
+};
+
 grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayRequest* request,
                                 grpc::ServerWriter<v1::RelayProgress>* writer) {
   if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
@@ -52,6 +90,15 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
   if (!ticket.ok()) {
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         std::string(ticket.status().message()));
+  }
+  // Incoming relay readers are capped like outgoing relay channels: past the cap a node reads
+  // these stripes from the origin.
+  RelayReaderSlot reader(this, request->node());
+  if (!reader.Take()) {
+    metrics_->Add(kRelayReadersRefused, 1);
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("node ", node_, " serves relayed stripes to at most ",
+                                     "--max-peer-connections other nodes at once"));
   }
   const fleet::RelayKey key{request->model(), request->version(), request->origin(),
                             request->buffer_id()};
@@ -135,6 +182,11 @@ grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::Replica
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         "a replica report names its own node, not this one");
   }
+  if (request->site().size() > kMaxNodeName) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("a site name is at most ", kMaxNodeName, " bytes (got ",
+                                     request->site().size(), ")"));
+  }
   if (request->models_size() > kMaxReportModels) {
     return grpc::Status(
         grpc::StatusCode::INVALID_ARGUMENT,
@@ -191,12 +243,14 @@ grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::Replica
       v1::FleetMember& member = members[replica.node];
       member.set_node(replica.node);
       member.set_relay(replica.relay);
+      member.set_site(replica.site);
       v1::ReplicaReport::Model* m = member.add_models();
       m->set_model(entry.model);
       m->set_latest_version(replica.latest_version);
     }
   }
-  if (absl::Status kept = replicas_->Report(request->node(), request->relay(), std::move(entries));
+  if (absl::Status kept =
+          replicas_->Report(request->node(), request->relay(), std::move(entries), request->site());
       !kept.ok()) {
     return grpc::Status(static_cast<grpc::StatusCode>(kept.code()), std::string(kept.message()));
   }

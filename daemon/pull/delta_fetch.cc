@@ -243,7 +243,7 @@ PayloadReads ReadPayloads(const PullJob& job, const PullJob& delta_job,
   };
   std::vector<Part> parts;
   std::vector<DataPlane::Landed> landed(steps.size());
-  const bool relaying = relays && relays->board && relays->stub && relays->pullers.size() > 1;
+  const bool relaying = relays && relays->board && relays->stub && relays->view.Relaying();
   for (size_t s = 0; s < steps.size(); ++s) {
     const Step& step = steps[s];
     if (!use[step.fetch] || step.payload.empty()) continue;
@@ -259,13 +259,13 @@ PayloadReads ReadPayloads(const PullJob& job, const PullJob& delta_job,
     landed[s] = [board = relays->board, key](uint64_t offset, uint64_t length) {
       board->Landed(key, offset, length);
     };
-    for (auto& [parent, ranges] : ByParent(piece, relays->self, relays->pullers, relays->fanout)) {
+    for (auto& [parent, ranges] : ByParent(piece, relays->view)) {
       if (parent == piece.node) {
         origin[s].push_back(data_plane->Read(delta_job.fetches[s], ranges, step.slot, landed[s]));
         continue;
       }
-      RelayReadRequest request{relays->self, job.model, job.version, piece,
-                               parent,       ranges,    step.slot,   landed[s]};
+      RelayReadRequest request{relays->view.self, job.model, job.version, piece, parent, ranges,
+                               step.slot,         landed[s]};
       v1::Peer::Stub* stub = relays->stub(parent);
       parts.push_back({s, parent, std::async(std::launch::async, [request, stub, data_plane] {
                          return ReadFromRelay(request, stub, data_plane);

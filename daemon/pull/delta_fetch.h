@@ -30,6 +30,7 @@
 
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
+#include "daemon/fleet/stripes.h"
 #include "daemon/memory/region.h"
 #include "daemon/pull/pull_metrics.h"
 #include "daemon/store/store.h"
@@ -43,9 +44,7 @@ using dataplane::DataPlane;
 std::string DeltaPieceId(const std::string& buffer_id, uint64_t base_version);
 
 struct DeltaRelays {
-  std::string self;                  // this node
-  std::vector<std::string> pullers;  // sorted, self included; fewer than 2: no relaying
-  int fanout = 8;
+  fleet::SiteView view;                // who pulls it, by site; !view.Relaying(): no relaying
   fleet::RelayBoard* board = nullptr;  // where this node offers what it fetched
   std::function<v1::Peer::Stub*(const std::string& node)> stub;  // null when not connected
 };

@@ -24,6 +24,14 @@ inline constexpr Counter kRelayBytesReceived{
 inline constexpr Counter kRelayChunksRejected{
     "refit_relay_chunks_rejected_total",
     "Chunks a relay served that failed the origin's checksums (read again from the origin)."};
+inline constexpr Counter kRelayFailovers{
+    "refit_relay_failovers_total",
+    "Stripes of a version whose relay failed, stalled or went away while this node read from "
+    "it: what it still owed was read from the origin instead."};
+inline constexpr Counter kSiteBytesReceived{
+    "refit_site_bytes_received_total",
+    "Bytes this node read from nodes of another site (--site): from an origin there or from a "
+    "relay there (the bytes that crossed into this node's site through it)."};
 
 inline constexpr Counter kChunksRefetched{
     "refit_pull_chunks_refetched_total",

@@ -68,7 +68,7 @@ Puller::Puller(PullerOptions options, Store* store, dataplane::DataPlane* data_p
       replicas_(replicas) {
   for (const Counter& counter :
        {kDeltaVersions, kFullVersions, kDeltaBytesReceived, kDeltaFallbacks, kRelayBytesReceived,
-        kRelayChunksRejected, kChunksRefetched}) {
+        kRelayChunksRejected, kChunksRefetched, kSiteBytesReceived, kRelayFailovers}) {
     metrics_->Declare(counter);
   }
 }
@@ -94,14 +94,51 @@ absl::Status Puller::PinOn(const std::string& node, const PullJob& job, bool rel
                       absl::StrCat("node ", node, ": ", s.error_message()));
 }
 
-std::vector<std::string> Puller::Pullers(const std::string& model) {
-  std::vector<std::string> out = {options_.node};
-  if (!options_.relay || !replicas_) return out;
-  for (const std::string& node : replicas_->Relays(model)) {
-    if (node != options_.node && channels_->CanReach(node)) out.push_back(node);
+fleet::SiteView Puller::View(const PullJob& job) {
+  fleet::SiteView view;
+  view.self = options_.node;
+  view.site = options_.site;
+  view.fanout = options_.fanout;
+  view.local = {options_.node};
+  if (!options_.relay || !replicas_) return view;
+  for (auto& [site, nodes] : replicas_->RelaysBySite(job.model)) {
+    std::vector<std::string> reachable;
+    for (const std::string& node : nodes) {
+      if (node != options_.node && channels_->CanReach(node)) reachable.push_back(node);
+    }
+    if (site == options_.site) {
+      view.local.insert(view.local.end(), reachable.begin(), reachable.end());
+    } else if (!reachable.empty()) {
+      view.remote[site] = std::move(reachable);
+    }
   }
-  std::sort(out.begin(), out.end());
-  return out;
+  std::sort(view.local.begin(), view.local.end());
+  for (const auto& fetch : job.fetches) {
+    if (!view.origin_sites.count(fetch.node)) {
+      view.origin_sites[fetch.node] = channels_->SiteOf(fetch.node);
+    }
+  }
+  if (!options_.site.empty() && view.local.size() == 1 && !view.remote.empty()) {
+    bool first = false;
+    {
+      common::MutexLock lock(warned_mu_);
+      if (warned_alone_.size() >= 1024) warned_alone_.clear();
+      first = warned_alone_.insert(job.model).second;
+    }
+    if (first) {
+      std::string others;
+      for (const auto& [site, nodes] : view.remote) {
+        absl::StrAppend(&others, others.empty() ? "" : ", ", "'", site, "' (", nodes.size(),
+                        nodes.size() == 1 ? " node)" : " nodes)");
+      }
+      Logger("peer")->warn(
+          "model={}: node {} is the only node of site '{}' pulling it (other sites: {}); it "
+          "reads every version across sites itself and relays it to no one of its site: check "
+          "its --site",
+          job.model, options_.node, options_.site, others);
+    }
+  }
+  return view;
 }
 
 PullOutcome Puller::Pull(const PullJob& job) {
@@ -131,8 +168,8 @@ PullOutcome Puller::Pull(const PullJob& job) {
   };
   // Pieces this node can bring up to date from an older version by deltas; the rest in full.
   // Their chunks, too, come from relays where other nodes pull the same delta.
-  const std::vector<std::string> pullers = Pullers(job.model);
-  DeltaRelays relays{options_.node, pullers, options_.fanout, board_,
+  const fleet::SiteView view = View(job);
+  DeltaRelays relays{view, board_,
                      [this](const std::string& node) { return channels_->StubFor(node); }};
   DeltaResult deltas = FetchDeltas(job, data_plane_, store_, options_.delta_threshold, metrics_,
                                    board_ ? &relays : nullptr);
@@ -149,6 +186,7 @@ PullOutcome Puller::Pull(const PullJob& job) {
   }
   for (const auto& [relay, bytes] : deltas.relayed) {
     metrics_->Add(kRelayBytesReceived, static_cast<double>(bytes));
+    if (view.Across(relay)) metrics_->Add(kSiteBytesReceived, static_cast<double>(bytes));
     (void)PinOn(relay, job, true, bytes, true);
   }
   // The origin hashes what we read while the bytes are still moving (not what deltas already
@@ -171,8 +209,8 @@ PullOutcome Puller::Pull(const PullJob& job) {
   dataplane::DataPlane::ReadHashes hashes(job.fetches.size());  // by the job's fetch index
   Sources sources;
   sources.relayed.resize(job.fetches.size());
-  if (!full_index.empty() && pullers.size() > 1) {
-    status = PullStriped(job, full_index, pullers, &staging, &sources, &hashes, &quantizer);
+  if (!full_index.empty() && view.Relaying()) {
+    status = PullStriped(job, full_index, view, &staging, &sources, &hashes, &quantizer);
     for (size_t f : full_index) {
       for (const auto& [relay, ranges] : sources.relayed[f]) {
         bytes_from[job.fetches[f].node] -= Total(ranges);
@@ -241,14 +279,17 @@ PullOutcome Puller::Pull(const PullJob& job) {
       "for the source's checksums, verify {:.1f} ms",
       job.model, job.version, deltas_ms, data_ms, sums_wait_ms,
       ms_since(pinned) - deltas_ms - data_ms - sums_wait_ms);
-  for (const auto& [node, bytes] : bytes_from) (void)PinOn(node, job, true, bytes, false);
+  for (const auto& [node, bytes] : bytes_from) {
+    (void)PinOn(node, job, true, bytes, false);
+    if (view.Across(node)) metrics_->Add(kSiteBytesReceived, static_cast<double>(bytes));
+  }
   if (status.ok()) TestHookKillAt("pull_complete");  // test build only: a commit point
   if (status.ok()) metrics_->Add(used_delta ? kDeltaVersions : kFullVersions, 1);
   return finish(status);
 }
 
 absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& full,
-                                 const std::vector<std::string>& pullers,
+                                 const fleet::SiteView& view,
                                  std::vector<std::shared_ptr<Region>>* staging, Sources* sources,
                                  dataplane::DataPlane::ReadHashes* hashes,
                                  LandedQuantizer* quantizer) {
@@ -285,7 +326,7 @@ absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& 
         quantizer->Landed(f, offset, length);
       };
     }
-    for (auto& [parent, ranges] : ByParent(fetch, options_.node, pullers, options_.fanout)) {
+    for (auto& [parent, ranges] : ByParent(fetch, view)) {
       if (parent == fetch.node) {
         auto hashes = std::make_shared<dataplane::DataPlane::ReadHashes>();
         origin_reads.push_back(
@@ -306,25 +347,33 @@ absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& 
       return ReadFromRelay(request, channels_->StubFor(request.relay), data_plane_);
     }));
   }
-  absl::Status status;
-  for (OriginRead& read : origin_reads) {
-    absl::Status s = read.done.get();
-    if (status.ok() && !s.ok()) status = s;
-    if (s.ok() && !read.hashes->empty()) {
-      for (auto& [offset, sum] : (*read.hashes)[0]) (*hashes)[read.fetch][offset] = sum;
-    }
-  }
+  // Each relay's result as soon as it is in: what a relay that failed (its stream ends when its
+  // process dies) still owed is read from the origin at once, beside this node's own reads
+  // from the origin, not after them.
   std::vector<std::pair<size_t, std::future<absl::Status>>> again;
-  for (size_t i = 0; i < relay_parts.size(); ++i) {
-    const Part& part = relay_parts[i];
-    RelayReadResult result = relayed[i].get();
-    if (result.bytes > 0) {
-      sources->relayed[part.fetch][part.relay] = result.read;
-      for (auto& [offset, sum] : result.hashes) (*hashes)[part.fetch][offset] = sum;
-      metrics_->Add(kRelayBytesReceived, static_cast<double>(result.bytes));
-      (void)PinOn(part.relay, job, true, result.bytes, true);
-    }
-    if (!result.leftover.empty()) {
+  std::vector<bool> handled(relay_parts.size(), false);
+  for (size_t left = relay_parts.size(); left > 0;) {
+    bool progressed = false;
+    for (size_t i = 0; i < relay_parts.size(); ++i) {
+      if (handled[i] || relayed[i].wait_for(milliseconds(0)) != std::future_status::ready) {
+        continue;
+      }
+      handled[i] = true;
+      --left;
+      progressed = true;
+      const Part& part = relay_parts[i];
+      RelayReadResult result = relayed[i].get();
+      if (result.bytes > 0) {
+        sources->relayed[part.fetch][part.relay] = result.read;
+        for (auto& [offset, sum] : result.hashes) (*hashes)[part.fetch][offset] = sum;
+        metrics_->Add(kRelayBytesReceived, static_cast<double>(result.bytes));
+        if (view.Across(part.relay)) {
+          metrics_->Add(kSiteBytesReceived, static_cast<double>(result.bytes));
+        }
+        (void)PinOn(part.relay, job, true, result.bytes, true);
+      }
+      if (result.leftover.empty()) continue;
+      if (result.failed) metrics_->Add(kRelayFailovers, 1);
       // A relay of another layout holding only part of this node's ranges is normal (debug);
       // one that failed, stalled or went away is worth a warning.
       Logger("peer")->log(
@@ -333,11 +382,24 @@ absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& 
           "({})",
           job.model, job.version, part.relay, Total(result.leftover),
           job.fetches[part.fetch].buffer_id, job.fetches[part.fetch].node, result.why);
-      if (status.ok()) {
-        again.emplace_back(part.fetch,
-                           data_plane_->Read(job.fetches[part.fetch], result.leftover,
-                                             (*staging)[part.fetch], landed[part.fetch]));
+      again.emplace_back(part.fetch, data_plane_->Read(job.fetches[part.fetch], result.leftover,
+                                                       (*staging)[part.fetch], landed[part.fetch]));
+    }
+    if (left > 0 && !progressed) {
+      for (size_t i = 0; i < relay_parts.size(); ++i) {
+        if (!handled[i]) {
+          relayed[i].wait_for(milliseconds(5));
+          break;
+        }
       }
+    }
+  }
+  absl::Status status;
+  for (OriginRead& read : origin_reads) {
+    absl::Status s = read.done.get();
+    if (status.ok() && !s.ok()) status = s;
+    if (s.ok() && !read.hashes->empty()) {
+      for (auto& [offset, sum] : (*read.hashes)[0]) (*hashes)[read.fetch][offset] = sum;
     }
   }
   for (auto& [f, read] : again) {

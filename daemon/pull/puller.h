@@ -11,10 +11,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "daemon/common/mutex.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
@@ -35,6 +37,11 @@ class PeerChannels {
   // Whether a channel to `node` is open or could be opened (StubFor may open it). Opens
   // nothing.
   virtual bool CanReach(const std::string& node) { return StubFor(node) != nullptr; }
+  // The --site of connected node `node`, as its Hello said ("": none, or not known).
+  virtual std::string SiteOf(const std::string& node) {
+    (void)node;
+    return "";
+  }
 };
 
 struct PullerOptions {
@@ -44,6 +51,7 @@ struct PullerOptions {
   uint32_t pin_lease_ms = 120000;  // a pull's pins, renewed every quarter of it
   bool relay = true;               // read stripes from other pullers, and let them read here
   int fanout = fleet::kDefaultFanout;
+  std::string site;  // --site: this node's site ("": none)
 };
 
 struct PullOutcome {
@@ -65,12 +73,13 @@ class Puller {
   struct Sources;  // where each full fetch's bytes came from
   absl::Status PinOn(const std::string& node, const PullJob& job, bool release, uint64_t bytes_read,
                      bool relay);
-  // The nodes pulling `model` that this one reads stripes from (itself included), sorted;
-  // just this node when relaying is off or nobody else pulls it.
-  std::vector<std::string> Pullers(const std::string& model);
+  // The nodes pulling `job`'s model that this one may read from, by site (this node's site's
+  // pullers, itself included; the other sites'), and the sites of the job's origins. Just this
+  // node when relaying is off or nobody else pulls it.
+  fleet::SiteView View(const PullJob& job);
   // Full bytes of `full` (indices into job.fetches) with every stripe read from its parent.
   absl::Status PullStriped(const PullJob& job, const std::vector<size_t>& full,
-                           const std::vector<std::string>& pullers,
+                           const fleet::SiteView& view,
                            std::vector<std::shared_ptr<Region>>* staging, Sources* sources,
                            dataplane::DataPlane::ReadHashes* hashes, LandedQuantizer* quantizer);
   // The origin's XXH3 of `chunks` of fetch `f`.
@@ -89,6 +98,9 @@ class Puller {
   PeerChannels* const channels_;
   fleet::RelayBoard* const board_;
   fleet::ReplicaTable* const replicas_;
+  common::Mutex warned_mu_;
+  // Models for which this node warned that it is alone in its site (once each).
+  std::set<std::string> warned_alone_ ABSL_GUARDED_BY(warned_mu_);
 };
 
 }  // namespace refit::pull

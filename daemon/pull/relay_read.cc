@@ -16,9 +16,13 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // A relay that announces nothing new for this long, while this side still waits on it, is
-// given up on for the rest of the version (its stripe then comes from the origin). It sends a
-// message at least every 500 ms, and at 1 Gbit/s a 4 MiB chunk lands every ~35 ms.
-constexpr auto kStall = std::chrono::milliseconds(2000);
+// given up on for the rest of the version (its stripe then comes from the origin). A relay that
+// went away is noticed sooner, by its stream: a dead process's connection closes at once, a hung
+// host misses the channel's keepalive (1 s, answered within 2 s); and a live relay sends a
+// message at least every 500 ms. A live relay that is slow is slow because what it reads comes
+// slowly (another site's link, its own parent): reading from the origin instead would not be
+// faster, and across sites it would send the stripe over the slow link a second time.
+constexpr auto kStall = std::chrono::milliseconds(30000);
 // The whole stream, however long the pull.
 constexpr auto kStreamDeadline = std::chrono::minutes(30);
 
@@ -80,17 +84,14 @@ Ranges Subtract(const Ranges& a, const Ranges& b) {
   return out;
 }
 
-std::map<std::string, Ranges> ByParent(const PullJob::Fetch& fetch, const std::string& self,
-                                       const std::vector<std::string>& pullers, int fanout) {
-  const int stripes = fleet::StripeCount(pullers.size(), fanout);
+std::map<std::string, Ranges> ByParent(const PullJob::Fetch& fetch, const fleet::SiteView& view) {
   const uint64_t salt = fleet::PieceSalt(fetch.node, fetch.buffer_id);
   std::map<std::string, Ranges> out;
   for (const auto& [begin, end] : fetch.ranges) {
     for (uint64_t off = begin; off < end;) {
       const uint64_t chunk = off / kChecksumChunkBytes;
       const uint64_t stop = std::min(end, (chunk + 1) * kChecksumChunkBytes);
-      const int stripe = fleet::StripeOf(chunk, salt, stripes);
-      Ranges& to = out[fleet::ParentFor(pullers, fetch.node, self, stripe, stripes, fanout)];
+      Ranges& to = out[fleet::SourceOf(view, fetch.node, chunk, salt)];
       if (!to.empty() && to.back().second == off) {
         to.back().second = stop;
       } else {
@@ -151,7 +152,9 @@ RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* s
   if (!stream->Read(&message)) {
     const grpc::Status status = stream->Finish();
     result.leftover = request.wanted;
-    result.failed = status.error_code() != grpc::StatusCode::NOT_FOUND;  // not pulling it yet
+    // Not pulling it (yet), or serving as many readers as it may: normal, not a failure.
+    result.failed = status.error_code() != grpc::StatusCode::NOT_FOUND &&
+                    status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED;
     result.why = status.error_message().empty() ? "no answer" : status.error_message();
     return result;
   }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "daemon/dataplane/data_plane.h"
+#include "daemon/fleet/stripes.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
@@ -51,10 +52,10 @@ struct RelayReadRequest {
 RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* stub,
                               dataplane::DataPlane* data_plane);
 
-// `fetch.ranges` cut on the checksum grid and dealt to the node each stripe is read from
-// (fleet::ParentFor): the origin (fetch.node) or another of `pullers`.
-std::map<std::string, Ranges> ByParent(const PullJob::Fetch& fetch, const std::string& self,
-                                       const std::vector<std::string>& pullers, int fanout);
+// `fetch.ranges` cut on the checksum grid and dealt to the node each chunk is read from
+// (fleet::SourceOf): the origin (fetch.node), a puller of this node's site, or a puller of the
+// origin's site.
+std::map<std::string, Ranges> ByParent(const PullJob::Fetch& fetch, const fleet::SiteView& view);
 
 // Range arithmetic on sorted, disjoint [begin, end) lists.
 Ranges Intersect(const Ranges& a, const Ranges& b);

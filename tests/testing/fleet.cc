@@ -6,8 +6,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <thread>
 
@@ -46,7 +49,8 @@ absl::Status Run(const std::string& command) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Network>> Network::Create(const std::string& prefix, int nodes,
-                                                         const std::string& rate) {
+                                                         const std::string& rate,
+                                                         const NetworkSites* sites) {
   std::unique_ptr<Network> net(new Network());
   net->prefix_ = absl::StrCat(prefix, "-", getpid() % 100000);
   const std::string sw = net->prefix_ + "-sw";
@@ -54,6 +58,18 @@ absl::StatusOr<std::unique_ptr<Network>> Network::Create(const std::string& pref
   std::vector<std::string> commands = {"ip netns add " + sw, "ip -n " + sw + " link set lo up",
                                        "ip -n " + sw + " link add br0 type bridge",
                                        "ip -n " + sw + " link set br0 up"};
+  if (sites) {
+    const std::string wan =
+        " root tbf rate " + sites->wan_rate + " burst 256kb latency " + sites->wan_latency;
+    commands.insert(
+        commands.end(),
+        {"ip -n " + sw + " link add br1 type bridge", "ip -n " + sw + " link set br1 up",
+         "ip -n " + sw + " link add w0 type veth peer name w1",
+         "ip -n " + sw + " link set w0 master br0", "ip -n " + sw + " link set w1 master br1",
+         "ip -n " + sw + " link set w0 up", "ip -n " + sw + " link set w1 up",
+         "ip netns exec " + sw + " tc qdisc replace dev w0" + wan,
+         "ip netns exec " + sw + " tc qdisc replace dev w1" + wan});
+  }
   for (const std::string& c : commands) {
     absl::Status s = Run(c);
     if (!s.ok()) return s;
@@ -62,17 +78,19 @@ absl::StatusOr<std::unique_ptr<Network>> Network::Create(const std::string& pref
   for (int i = 0; i < nodes; ++i) {
     const std::string ns = net->Namespace(i), p = absl::StrCat("p", i), n = absl::StrCat("n", i);
     const std::string ip = net->Ip(i);
-    commands = {"ip netns add " + ns,
-                "ip -n " + sw + " link add " + p + " type veth peer name " + n,
-                "ip -n " + sw + " link set " + n + " netns " + ns,
-                "ip -n " + ns + " link set " + n + " name eth0",
-                "ip -n " + ns + " addr add " + ip + "/24 dev eth0",
-                "ip -n " + ns + " link set lo up",
-                "ip -n " + ns + " link set eth0 up",
-                "ip -n " + sw + " link set " + p + " master br0",
-                "ip -n " + sw + " link set " + p + " up",
-                "ip netns exec " + ns + " tc qdisc replace dev eth0" + tbf,
-                "ip netns exec " + sw + " tc qdisc replace dev " + p + tbf};
+    commands = {
+        "ip netns add " + ns,
+        "ip -n " + sw + " link add " + p + " type veth peer name " + n,
+        "ip -n " + sw + " link set " + n + " netns " + ns,
+        "ip -n " + ns + " link set " + n + " name eth0",
+        "ip -n " + ns + " addr add " + ip + "/24 dev eth0",
+        "ip -n " + ns + " link set lo up",
+        "ip -n " + ns + " link set eth0 up",
+        absl::StrCat("ip -n ", sw, " link set ", p, " master br",
+                     sites && i < static_cast<int>(sites->site.size()) ? sites->site[i] : 0),
+        "ip -n " + sw + " link set " + p + " up",
+        "ip netns exec " + ns + " tc qdisc replace dev eth0" + tbf,
+        "ip netns exec " + sw + " tc qdisc replace dev " + p + tbf};
     net->nodes_ = i + 1;
     for (const std::string& c : commands) {
       absl::Status s = Run(c);
@@ -85,6 +103,22 @@ absl::StatusOr<std::unique_ptr<Network>> Network::Create(const std::string& pref
 Network::~Network() {
   for (int i = 0; i < nodes_; ++i) (void)Run("ip netns del " + Namespace(i));
   if (switch_made_) (void)Run("ip netns del " + prefix_ + "-sw");
+}
+
+uint64_t Network::WanBytes() const {
+  uint64_t total = 0;
+  for (const char* dev : {"w0", "w1"}) {
+    const std::string command = absl::StrCat("ip netns exec ", prefix_, "-sw cat /sys/class/net/",
+                                             dev, "/statistics/tx_bytes");
+    FILE* f = popen(command.c_str(), "r");
+    REQUIRE(f != nullptr);
+    unsigned long long bytes = 0;
+    const int got = fscanf(f, "%llu", &bytes);
+    pclose(f);
+    REQUIRE(got == 1);
+    total += bytes;
+  }
+  return total;
 }
 
 std::string Network::Namespace(int node) const { return absl::StrCat(prefix_, "-n", node); }
@@ -117,30 +151,54 @@ std::string Fleet::Address(int node) const {
 
 Fleet::Fleet(FleetOptions opts) : options(std::move(opts)) {
   const int engine_count = options.engines;
-  for (int i = 0; i <= engine_count; ++i) ports_.push_back(options.network ? 0 : FreePort());
+  REQUIRE((options.trainers == 1 || (options.trainers == 2 && !options.network)));
+  for (int i = 0; i <= engine_count + 1; ++i) ports_.push_back(options.network ? 0 : FreePort());
   std::vector<std::string> args = {"--node=trainer", "--listen=" + Address(0), "--retain=1"};
   // Network namespaces: veth addresses, plaintext by the test's choice (secure by default).
   if (options.network) args.push_back("--allow-plaintext-peers");
   args.insert(args.end(), options.trainer_args.begin(), options.trainer_args.end());
   auto t = DaemonProcess::Start(
       args, "", options.network ? options.network->Env(0) : std::vector<std::string>(),
-      options.network ? options.network->In(0) : std::vector<std::string>());
+      Wrapper(0, "trainer"));
   REQUIRE(t.ok());
   trainer_node = std::move(t).value();
   trainer = trainer_node->Connect().value();
   const uint64_t bytes = static_cast<uint64_t>(options.rows) * kFleetCols * 2;
   source =
       std::make_unique<SharedMemory>(SharedMemory::Create(UniqueShmName("fan-src"), bytes).value());
-  auto id =
-      trainer->RegisterBuffer("m", v1::SOURCE, source->name(),
-                              {Slice("w", v1::BF16, {options.rows, kFleetCols}, 0)}, "trainer");
-  REQUIRE(id.ok());
-  source_id = *id;
+  if (options.trainers == 1) {
+    auto id =
+        trainer->RegisterBuffer("m", v1::SOURCE, source->name(),
+                                {Slice("w", v1::BF16, {options.rows, kFleetCols}, 0)}, "trainer");
+    REQUIRE(id.ok());
+    source_id = *id;
+  } else {
+    std::vector<std::string> second = {"--node=trainer-1", "--listen=" + Address(engine_count + 1),
+                                       "--retain=1"};
+    second.insert(second.end(), options.trainer_args.begin(), options.trainer_args.end());
+    auto t2 = DaemonProcess::Start(second, "", {}, Wrapper(engine_count + 1, "trainer-1"));
+    REQUIRE(t2.ok());
+    second_trainer_node = std::move(t2).value();
+    second_trainer = second_trainer_node->Connect().value();
+    const int64_t half = options.rows / 2;
+    for (int r = 0; r < 2; ++r) {
+      shards.push_back(std::make_unique<SharedMemory>(
+          SharedMemory::Create(UniqueShmName("fan-shard"), bytes / 2).value()));
+      client::Client& c = r == 0 ? *trainer : *second_trainer;
+      auto id = c.RegisterBuffer(
+          "m", v1::SOURCE, shards[r]->name(),
+          {Slice("w", v1::BF16, {options.rows, kFleetCols}, 0, {r * half, 0}, {half, kFleetCols})},
+          "trainer-" + std::to_string(r));
+      REQUIRE(id.ok());
+      shard_ids.push_back(*id);
+    }
+  }
   engines.resize(engine_count);
   for (int i = 0; i < engine_count; ++i) {
     FleetEngine& e = engines[i];
     e.half = i < static_cast<int>(options.half.size()) && options.half[i];
     std::string peers = "--peers=" + Address(0);
+    if (options.trainers == 2) peers += "," + Address(engine_count + 1);
     for (int j = 0; j < engine_count && !options.peers_trainer_only; ++j) {
       if (j != i) peers += "," + Address(j + 1);
     }
@@ -161,9 +219,8 @@ Fleet::Fleet(FleetOptions opts) : options(std::move(opts)) {
 
 void Fleet::StartEngine(size_t i) {
   FleetEngine& e = engines[i];
-  auto d = DaemonProcess::Start(
-      e.args, "", e.env,
-      options.network ? options.network->In(static_cast<int>(i) + 1) : std::vector<std::string>());
+  auto d = DaemonProcess::Start(e.args, "", e.env,
+                                Wrapper(static_cast<int>(i) + 1, "engine-" + std::to_string(i)));
   REQUIRE(d.ok());
   e.daemon = std::move(d).value();
   e.client = e.daemon->Connect().value();
@@ -199,13 +256,17 @@ void Fleet::WaitForFleet() {
       for (const auto& m : s->models()) {
         if (m.model() == "m") replicas = static_cast<size_t>(m.replicas_size());
       }
-      const int peers = options.peers_trainer_only ? 1 : static_cast<int>(n);
+      const int peers =
+          (options.peers_trainer_only ? 0 : static_cast<int>(n) - 1) + options.trainers;
       ready = ready && connected == peers && replicas == n;
     }
-    auto ts = trainer->Status();
-    REQUIRE(ts.ok());
-    for (const auto& m : ts->models()) {
-      if (m.model() == "m") ready = ready && static_cast<size_t>(m.replicas_size()) == n;
+    for (client::Client* t : {trainer.get(), second_trainer.get()}) {
+      if (!t) continue;
+      auto ts = t->Status();
+      REQUIRE(ts.ok());
+      for (const auto& m : ts->models()) {
+        if (m.model() == "m") ready = ready && static_cast<size_t>(m.replicas_size()) == n;
+      }
     }
     if (ready) return;
     std::this_thread::sleep_for(milliseconds(50));
@@ -213,7 +274,17 @@ void Fleet::WaitForFleet() {
   FAIL("the fleet did not connect and report replicas");
 }
 
-void Fleet::Publish(uint64_t version) { REQUIRE(trainer->Publish("m", version, {source_id}).ok()); }
+void Fleet::Publish(uint64_t version) {
+  if (options.trainers == 1) {
+    REQUIRE(trainer->Publish("m", version, {source_id}).ok());
+    return;
+  }
+  const uint64_t half = source->size() / 2;
+  for (int r = 0; r < 2; ++r) {
+    std::memcpy(shards[r]->data(), source->data() + r * half, half);
+    REQUIRE((r == 0 ? *trainer : *second_trainer).Publish("m", version, {shard_ids[r]}).ok());
+  }
+}
 
 void Fleet::PublishAndCheck(uint64_t version, const std::vector<size_t>& skip) {
   Fill(*source, version * 7919);
@@ -242,6 +313,21 @@ double Fleet::Sum(const std::string& metric, const std::vector<size_t>& skip) {
     if (engines[i].daemon->running()) total += Metric(*engines[i].client, metric);
   }
   return total;
+}
+
+std::vector<std::string> Fleet::Wrapper(int node, const std::string& name) const {
+  std::vector<std::string> out =
+      options.network ? options.network->In(node) : std::vector<std::string>();
+  if (!options.log_dir.empty()) {
+    out.insert(out.end(),
+               {"/bin/sh", "-c", "exec \"$0\" \"$@\" 2>>" + options.log_dir + "/" + name + ".log"});
+  }
+  return out;
+}
+
+std::string Fleet::LogOf(const std::string& node) const {
+  std::ifstream in(options.log_dir + "/" + node + ".log");
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 double Fleet::RelaySent() { return Sum("refit_relay_bytes_sent_total"); }

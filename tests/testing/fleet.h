@@ -22,14 +22,29 @@ namespace refit::testing {
 // (node i's end of a veth pair, eth0, 10.77.0.<i+1>/24), each veth end limited to `rate` (tc
 // tbf syntax, e.g. "200mbit") on both sides. `tag` is this process's pid, so tests running
 // at the same time don't collide. Everything is removed on destruction.
+// Two sites: node i hangs off bridge br<site[i]> (0 or 1); the two bridges are joined inside the
+// switch namespace by one veth pair (w0 on br0, w1 on br1), limited to `wan_rate` each way.
+struct NetworkSites {
+  std::vector<int> site;
+  std::string wan_rate = "100mbit";
+  // The slow link's queue (tbf latency): deep enough that the flows crossing it together are
+  // not dropped into TCP retransmits, which the link's counters would count again.
+  std::string wan_latency = "400ms";
+};
+
 class Network {
  public:
   // An error (the failing command) where namespaces can't be made (not root, no iproute2).
   static absl::StatusOr<std::unique_ptr<Network>> Create(const std::string& prefix, int nodes,
-                                                         const std::string& rate);
+                                                         const std::string& rate,
+                                                         const NetworkSites* sites = nullptr);
+  // With sites: the bytes that crossed the link between them, both ways (w0 and w1 transmit
+  // counters, Ethernet frames: everything, control traffic included).
+  uint64_t WanBytes() const;
   ~Network();
 
   std::string Ip(int node) const;
+  std::string SwitchNamespace() const { return prefix_ + "-sw"; }
   // The command prefix that runs a program in node i's namespace.
   std::vector<std::string> In(int node) const;
   // What node i's daemon needs in its environment (UCX over eth0 only).
@@ -72,6 +87,11 @@ struct FleetOptions {
   // the other engines from the trainer's answers to its replica reports); else every engine
   // lists every other daemon.
   bool peers_trainer_only = false;
+  // 2: a second trainer's node ("trainer-1", loopback only); each trainer node publishes half
+  // the rows of the tensor (a TP2 trainer), and every engine's --peers names both.
+  int trainers = 1;
+  // Non-empty: each daemon's stderr (its log) goes to <log_dir>/<node>.log (LogOf).
+  std::string log_dir;
 };
 
 inline constexpr int64_t kFleetCols = 4096;
@@ -101,17 +121,27 @@ class Fleet {
 
   // refit_relay_bytes_sent_total summed over the live engines.
   double RelaySent();
+  // What node `node` ("trainer", "engine-0", ...) logged so far (options.log_dir).
+  std::string LogOf(const std::string& node) const;
   double Sum(const std::string& metric, const std::vector<size_t>& skip = {});
 
   FleetOptions options;
   std::unique_ptr<DaemonProcess> trainer_node;
   std::unique_ptr<client::Client> trainer;
   std::vector<FleetEngine> engines;
+  // The whole model as the trainer publishes it (Fill and Touch write here; engines are
+  // checked against it). With two trainer nodes, Publish copies each half into its node's shard.
   std::unique_ptr<client::SharedMemory> source;
   std::string source_id;
+  std::unique_ptr<DaemonProcess> second_trainer_node;  // options.trainers == 2
+  std::unique_ptr<client::Client> second_trainer;
+  std::vector<std::unique_ptr<client::SharedMemory>> shards;  // per trainer node
+  std::vector<std::string> shard_ids;
 
  private:
   void StartEngine(size_t i);
+  // The command prefix that starts node `node` (0: the trainer) named `name`.
+  std::vector<std::string> Wrapper(int node, const std::string& name) const;
   std::string Address(int node) const;  // host:port of node 0 (trainer) .. engines
   std::vector<int> ports_;
 };
