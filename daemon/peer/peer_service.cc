@@ -10,6 +10,8 @@
 #include "daemon/common/test_hooks.h"
 #include "daemon/convert/convert.h"
 #include "daemon/peer/peer_limits.h"
+#include "daemon/rl/labels.h"
+#include "daemon/rl/staleness.h"
 #include "daemon/tls/peer_tls.h"
 #include "daemon/version.h"
 
@@ -216,6 +218,12 @@ bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceL
     }
   }
   event->set_version(version);
+  if (rl_.labels) {
+    for (const auto& [key, value] : rl_.labels->Get(model, version)) {
+      (*event->mutable_labels())[key] = value;
+    }
+  }
+  if (rl_.staleness) event->set_max_staleness(rl_.staleness->Of(model).max_staleness);
   return true;
 }
 

@@ -105,6 +105,7 @@ std::vector<std::string> Puller::Pullers(const std::string& model) {
 }
 
 PullOutcome Puller::Pull(const PullJob& job) {
+  const int64_t started_us = rl::WallMicros();
   PullOutcome outcome;
   std::vector<std::shared_ptr<Region>>& staging = outcome.staging;
   auto finish = [&](absl::Status status) {
@@ -143,7 +144,9 @@ PullOutcome Puller::Pull(const PullJob& job) {
     bytes_from[job.fetches[f].node] += deltas.wire[f] - deltas.from_relays[f];
     bytes_from[job.fetches[f].node] -= Total(job.fetches[f].ranges);
   }
+  std::map<std::string, uint64_t> relayed_from;  // for the timeline
   for (const auto& [relay, bytes] : deltas.relayed) {
+    relayed_from[relay] += bytes;
     metrics_->Add(kRelayBytesReceived, static_cast<double>(bytes));
     (void)PinOn(relay, job, true, bytes, true);
   }
@@ -198,7 +201,28 @@ PullOutcome Puller::Pull(const PullJob& job) {
   const double data_ms = ms_since(pinned) - deltas_ms;
   auto sums = remote_sums.get();
   const double sums_wait_ms = ms_since(pinned) - deltas_ms - data_ms;
+  const int64_t pulled_us = rl::WallMicros();
   if (status.ok()) status = Verify(job, staging, hashes, std::move(sums), verified, sources);
+  if (options_.timeline) {
+    for (const auto& fetch_relays : sources.relayed) {
+      for (const auto& [relay, ranges] : fetch_relays) relayed_from[relay] += Total(ranges);
+    }
+    std::string from;
+    for (const auto& [node, bytes] : bytes_from) {
+      if (bytes > 0) absl::StrAppend(&from, from.empty() ? "" : ", ", node, " ", bytes);
+    }
+    for (const auto& [node, bytes] : relayed_from) {
+      if (bytes > 0) absl::StrAppend(&from, from.empty() ? "" : ", ", node, " (relay) ", bytes);
+    }
+    options_.timeline->Record(
+        job.model, job.version, rl::kStagePulled, started_us, pulled_us,
+        absl::StrCat("from ", from.empty() ? "nobody" : from, " bytes",
+                     used_delta ? " (delta)" : "", status.ok() ? "" : "; failed"));
+    if (status.ok()) {
+      options_.timeline->Record(job.model, job.version, rl::kStageVerified, pulled_us,
+                                rl::WallMicros(), "XXH3 against the origin's");
+    }
+  }
   Logger("peer")->debug(
       "model={} version={} pull phases: deltas {:.1f} ms, data {:.1f} ms, then waited {:.1f} ms "
       "for the source's checksums, verify {:.1f} ms",

@@ -20,6 +20,7 @@
 #include "daemon/fleet/replicas.h"
 #include "daemon/fleet/stripes.h"
 #include "daemon/pull/pull_metrics.h"
+#include "daemon/rl/timeline.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
@@ -43,6 +44,8 @@ struct PullerOptions {
   uint32_t pin_lease_ms = 120000;  // a pull's pins, renewed every quarter of it
   bool relay = true;               // read stripes from other pullers, and let them read here
   int fanout = fleet::kDefaultFanout;
+  // Where each pull's stages are recorded ("pulled" from whom, "verified"); null: nowhere.
+  rl::Timeline* timeline = nullptr;
 };
 
 struct PullOutcome {
