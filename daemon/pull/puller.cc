@@ -1,10 +1,14 @@
 #include "daemon/pull/puller.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <future>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
@@ -104,7 +108,25 @@ std::vector<std::string> Puller::Pullers(const std::string& model) {
   return out;
 }
 
+namespace {
+
+// Test build only: a slowed engine node (tests/rl_semantics_test). Each pull first waits
+// $REFIT_FAULT_PULL_DELAY_MS while the file $REFIT_FAULT_PULL_DELAY_FILE exists (always,
+// without that variable); removing the file ends the wait at once.
+void FaultPullDelay() {
+  const char* ms = TestSwitch("REFIT_FAULT_PULL_DELAY_MS");
+  if (!ms) return;
+  const char* file = TestSwitch("REFIT_FAULT_PULL_DELAY_FILE");
+  const auto until = std::chrono::steady_clock::now() + milliseconds(std::atoll(ms));
+  while (std::chrono::steady_clock::now() < until && (!file || access(file, F_OK) == 0)) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+}
+
+}  // namespace
+
 PullOutcome Puller::Pull(const PullJob& job) {
+  FaultPullDelay();
   const int64_t started_us = rl::WallMicros();
   PullOutcome outcome;
   std::vector<std::shared_ptr<Region>>& staging = outcome.staging;

@@ -10,9 +10,9 @@ class VersionLabels;
 class Staleness;
 
 struct Parts {
-  Timeline* timeline = nullptr;      // not owned
-  VersionLabels* labels = nullptr;   // not owned
-  Staleness* staleness = nullptr;    // not owned
+  Timeline* timeline = nullptr;     // not owned
+  VersionLabels* labels = nullptr;  // not owned
+  Staleness* staleness = nullptr;   // not owned
 };
 
 }  // namespace refit::rl

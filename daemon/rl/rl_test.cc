@@ -1,8 +1,8 @@
+#include <catch2/catch.hpp>
 #include <chrono>
 #include <string>
 #include <thread>
 
-#include <catch2/catch.hpp>
 #include "daemon/rl/labels.h"
 #include "daemon/rl/staleness.h"
 #include "daemon/rl/timeline.h"
@@ -43,7 +43,7 @@ TEST_CASE("timeline: stages in order, repeats dropped, newest 8 versions kept") 
   Timeline timeline;
   timeline.Record("m", 1, kStagePublished, 100, 200, "by pid 1");
   timeline.Mark("m", 1, kStageAnnounced, "by t");
-  timeline.Mark("m", 1, kStageAnnounced, "by t");  // repeated: dropped
+  timeline.Mark("m", 1, kStageAnnounced, "by t");     // repeated: dropped
   timeline.Record("m", 1, kStageComplete, 300, 250);  // end before start: a point
   auto got = timeline.Get("m", 1);
   REQUIRE(got.size() == 1);

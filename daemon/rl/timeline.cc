@@ -18,7 +18,8 @@ int64_t WallMicros(std::chrono::steady_clock::time_point t) {
 void Timeline::Record(const std::string& model, uint64_t version, const std::string& stage,
                       int64_t start_us, int64_t end_us, const std::string& detail) {
   if (version == 0) return;
-  StageRecord record{stage, start_us, std::max(start_us, end_us), detail.substr(0, kMaxDetailBytes)};
+  StageRecord record{stage, start_us, std::max(start_us, end_us),
+                     detail.substr(0, kMaxDetailBytes)};
   common::MutexLock lock(mu_);
   auto it = models_.find(model);
   if (it == models_.end()) {

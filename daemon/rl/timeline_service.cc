@@ -34,8 +34,7 @@ Labels FromProto(const google::protobuf::Map<std::string, std::string>& labels) 
   return Labels(labels.begin(), labels.end());
 }
 
-grpc::Status TimelineService::Timeline(grpc::ServerContext*,
-                                       const v1::PeerTimelineRequest* request,
+grpc::Status TimelineService::Timeline(grpc::ServerContext*, const v1::PeerTimelineRequest* request,
                                        v1::PeerTimelineResponse* response) {
   if (request->model().empty() || request->model().size() > 1024) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "model name is 1 to 1024 bytes");
@@ -86,9 +85,8 @@ std::vector<v1::NodeTimeline> GatherTimelines(const GatherOptions& options,
     if (!status.ok()) {
       v1::NodeTimeline entry;
       entry.set_address(address);
-      entry.set_error(status.error_message().empty()
-                          ? std::string("no answer")
-                          : status.error_message().substr(0, 512));
+      entry.set_error(status.error_message().empty() ? std::string("no answer")
+                                                     : status.error_message().substr(0, 512));
       failed.push_back(std::move(entry));
       continue;
     }

@@ -46,8 +46,8 @@ class TimelineService final : public v1::PeerInsight::Service {
 };
 
 struct GatherOptions {
-  std::string node;        // this node: left out of what is gathered
-  tls::PeerTlsFiles tls;   // the peer plane's credentials (none: plaintext)
+  std::string node;                          // this node: left out of what is gathered
+  tls::PeerTlsFiles tls;                     // the peer plane's credentials (none: plaintext)
   std::chrono::milliseconds per_node{2000};  // each node's answer's deadline
 };
 

@@ -17,9 +17,9 @@ absl::Status RefitService::BeforePublish(const v1::PublishRequest& request, bool
   *labels_set = false;
   const rl::Labels labels = rl::FromProto(request.labels());
   if (absl::Status ok = rl::CheckLabels(labels); !ok.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model ", request.model(), " version ", request.version(), ": ",
-                     ok.message(), "; nothing was published"));
+    return absl::InvalidArgumentError(absl::StrCat("model ", request.model(), " version ",
+                                                   request.version(), ": ", ok.message(),
+                                                   "; nothing was published"));
   }
   if (request.max_staleness() > 0) {
     if (!context_.replicas || context_.replicas->ReplicasOf(request.model()).empty()) {
@@ -81,8 +81,7 @@ void RefitService::AddRlStatus(v1::ModelStatus* model) const {
 
 void RefitService::FillEvent(v1::VersionEvent* event) const {
   if (context_.rl.labels) {
-    rl::ToProto(context_.rl.labels->Get(event->model(), event->version()),
-                event->mutable_labels());
+    rl::ToProto(context_.rl.labels->Get(event->model(), event->version()), event->mutable_labels());
   }
   if (context_.rl.staleness) {
     event->set_published_version(context_.rl.staleness->Of(event->model()).published);
