@@ -188,6 +188,21 @@ std::string Bar(uint64_t done, uint64_t total) {
   return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
 }
 
+std::string JsonString(const std::string& text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += absl::StrFormat("\\u%04x", static_cast<unsigned char>(c));
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
 // Prints each version of `model` as it completes. On a terminal, a progress bar shows the pull
 // in flight (from Status, polled every 200 ms) on the line below, and a version the node gave
 // up on gets a line saying why.
@@ -221,7 +236,25 @@ int Watch(Client& client, const std::string& model, bool json) {
       if (bar_shown) std::cout << "\r\033[K";
       bar_shown = false;
       if (json) {
-        std::cout << Json(event) << std::flush;
+        // One line per event; labels and the staleness fields only when set.
+        std::cout << "{\"model\": " << JsonString(event.model())
+                  << ", \"version\": " << event.version();
+        if (!event.labels().empty()) {
+          std::cout << ", \"labels\": {";
+          bool first = true;
+          for (const auto& [k, v] :
+               std::map<std::string, std::string>(event.labels().begin(), event.labels().end())) {
+            std::cout << (first ? "" : ", ") << JsonString(k) << ": " << JsonString(v);
+            first = false;
+          }
+          std::cout << "}";
+        }
+        if (event.stale() || event.stale_notice()) {
+          std::cout << ", \"stale\": " << (event.stale() ? "true" : "false")
+                    << ", \"published_version\": " << event.published_version()
+                    << ", \"stale_notice\": " << (event.stale_notice() ? "true" : "false");
+        }
+        std::cout << "}" << std::endl;
       } else if (event.stale_notice()) {
         std::cout << event.model() << (event.stale() ? " stale" : " within its staleness budget")
                   << ": holds version " << event.version() << ", newest published "
@@ -266,21 +299,6 @@ int Watch(Client& client, const std::string& model, bool json) {
   reader.join();
   auto end = (*watcher)->status();
   return end.ok() ? 0 : Fail(end);
-}
-
-std::string JsonString(const std::string& text) {
-  std::string out = "\"";
-  for (char c : text) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += absl::StrFormat("\\u%04x", static_cast<unsigned char>(c));
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
 }
 
 // One line (or JSON object) per node with DESTINATION buffers for the model: its newest

@@ -59,26 +59,25 @@ std::string TimelineText(const v1::TimelineResponse& timeline, int width) {
     const double span = static_cast<double>(std::max<int64_t>(1, last - first));
     absl::StrAppend(&out, timeline.model(), " version ", version, ": from ", UtcTime(first),
                     absl::StrFormat(", %.1f ms in all\n", (last - first) / 1e3));
-    absl::StrAppend(&out, absl::StrFormat("  %-*s %-10s %10s %10s  %-*s  %s\n",
-                                          static_cast<int>(name_width), "node", "stage",
-                                          "start ms", "ms", width, "", "detail"));
+    absl::StrAppend(
+        &out, absl::StrFormat("  %-*s %-10s %10s %10s  %-*s  %s\n", static_cast<int>(name_width),
+                              "node", "stage", "start ms", "ms", width, "", "detail"));
     for (const auto& [node, v] : nodes) {
       for (const v1::TimelineStage& s : v->stages()) {
         std::string bar(static_cast<size_t>(width), ' ');
-        const int from = std::clamp(
-            static_cast<int>((s.start_us() - first) / span * (width - 1)), 0, width - 1);
-        const int to = std::clamp(static_cast<int>((s.end_us() - first) / span * (width - 1)),
-                                  from, width - 1);
+        const int from =
+            std::clamp(static_cast<int>((s.start_us() - first) / span * (width - 1)), 0, width - 1);
+        const int to = std::clamp(static_cast<int>((s.end_us() - first) / span * (width - 1)), from,
+                                  width - 1);
         if (s.end_us() == s.start_us()) {
           bar[static_cast<size_t>(from)] = '|';
         } else {
           for (int i = from; i <= to; ++i) bar[static_cast<size_t>(i)] = '#';
         }
-        absl::StrAppend(
-            &out, absl::StrFormat("  %-*s %-10s %10.1f %10.1f [%s] %s\n",
-                                  static_cast<int>(name_width), node, s.stage(),
-                                  (s.start_us() - first) / 1e3, (s.end_us() - s.start_us()) / 1e3,
-                                  bar, s.detail()));
+        absl::StrAppend(&out, absl::StrFormat("  %-*s %-10s %10.1f %10.1f [%s] %s\n",
+                                              static_cast<int>(name_width), node, s.stage(),
+                                              (s.start_us() - first) / 1e3,
+                                              (s.end_us() - s.start_us()) / 1e3, bar, s.detail()));
       }
     }
   }
@@ -171,8 +170,7 @@ nlohmann::ordered_json TimelineTrace(const v1::TimelineResponse& timeline) {
   nlohmann::ordered_json out;
   out["traceEvents"] = std::move(events);
   out["displayTimeUnit"] = "ms";
-  out["otherData"] = {{"model", timeline.model()},
-                      {"origin_us", first == INT64_MAX ? 0 : first}};
+  out["otherData"] = {{"model", timeline.model()}, {"origin_us", first == INT64_MAX ? 0 : first}};
   return out;
 }
 

@@ -40,7 +40,9 @@ TEST_CASE("timeline text: one line per node and stage, relative times, bars, the
   CHECK(text.find("m version 2: from 1970-01-01 00:00:01.000000 UTC, 400.0 ms in all") !=
         std::string::npos);
   CHECK(text.find("trainer  published         0.0      100.0 [#####") != std::string::npos);
-  CHECK(text.find("engine-0 pulled          150.0      250.0 [       #############] from trainer") != std::string::npos);
+  CHECK(
+      text.find("engine-0 pulled          150.0      250.0 [       #############] from trainer") !=
+      std::string::npos);
   CHECK(text.find("|") != std::string::npos);
   CHECK(text.find("unreachable: 127.0.0.1:9: connection refused") != std::string::npos);
 }

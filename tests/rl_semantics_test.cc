@@ -149,16 +149,17 @@ TEST_CASE("labels travel with a version to the engines; bad input publishes noth
   REQUIRE(events.Get()[1].labels().at("step") == "18");
 }
 
-TEST_CASE("a staleness budget: Publish waits for the replicas, a slowed engine node is flagged "
-          "until it catches up",
-          "[integration][rl]") {
+TEST_CASE(
+    "a staleness budget: Publish waits for the replicas, a slowed engine node is flagged "
+    "until it catches up",
+    "[integration][rl]") {
   const std::string slow_file = "/tmp/rl-semantics-slow-" + std::to_string(getpid());
   unlink(slow_file.c_str());
   // engine-1 is slowed: each pull waits 2.5 s while the file exists. No relaying, so engine-0
   // never waits for engine-1's stripes.
-  Fleet fleet(Options(2, 256, {{"--relay=false"}, {"--relay=false"}},
-                      {{}, {"REFIT_FAULT_PULL_DELAY_MS=2500",
-                            "REFIT_FAULT_PULL_DELAY_FILE=" + slow_file}}));
+  Fleet fleet(Options(
+      2, 256, {{"--relay=false"}, {"--relay=false"}},
+      {{}, {"REFIT_FAULT_PULL_DELAY_MS=2500", "REFIT_FAULT_PULL_DELAY_FILE=" + slow_file}}));
   client::Client& trainer = *fleet.trainer;
   client::Client& slow = *fleet.engines[1].client;
   Fill(*fleet.source, 1);
@@ -330,9 +331,9 @@ TEST_CASE("a relayed version's timeline: every node's stages in order, and a Per
     if (std::find(expected.begin(), expected.end(), n) != expected.end()) seen.push_back(n);
   }
   REQUIRE(seen == expected);
-  auto json = testing::RunCommand({testing::RunfilePath("client/refitctl"),
-                                   "--socket=" + fleet.trainer_node->socket(), "timeline", "m",
-                                   "--json"});
+  auto json =
+      testing::RunCommand({testing::RunfilePath("client/refitctl"),
+                           "--socket=" + fleet.trainer_node->socket(), "timeline", "m", "--json"});
   REQUIRE(json.exit_code == 0);
   auto versions = nlohmann::json::parse(json.out)["versions"];
   REQUIRE(versions.size() == 2);

@@ -43,15 +43,18 @@ TEST_CASE("timeline: stages in order, repeats dropped, newest 8 versions kept") 
   Timeline timeline;
   timeline.Record("m", 1, kStagePublished, 100, 200, "by pid 1");
   timeline.Mark("m", 1, kStageAnnounced, "by t");
-  timeline.Mark("m", 1, kStageAnnounced, "by t");     // repeated: dropped
-  timeline.Record("m", 1, kStageComplete, 300, 250);  // end before start: a point
+  timeline.Mark("m", 1, kStageAnnounced, "by t");      // repeated: dropped
+  timeline.Record("m", 1, kStageComplete, 300, 250);   // end before start: a point
+  timeline.Record("m", 1, kStageQuantized, 150, 160);  // sorted by start
   auto got = timeline.Get("m", 1);
   REQUIRE(got.size() == 1);
-  REQUIRE(got[0].stages.size() == 3);
+  REQUIRE(got[0].stages.size() == 4);
   CHECK(got[0].stages[0].stage == kStagePublished);
   CHECK(got[0].stages[0].end_us == 200);
-  CHECK(got[0].stages[1].stage == kStageAnnounced);
+  CHECK(got[0].stages[1].stage == kStageQuantized);
+  CHECK(got[0].stages[2].stage == kStageComplete);
   CHECK(got[0].stages[2].end_us == 300);
+  CHECK(got[0].stages[3].stage == kStageAnnounced);
   timeline.Mark("m", 0, kStageComplete);  // version 0: nothing
   for (uint64_t v = 2; v <= 12; ++v) timeline.Mark("m", v, kStageComplete);
   auto all = timeline.Get("m");

@@ -54,6 +54,10 @@ std::vector<VersionRecord> Timeline::Get(const std::string& model, uint64_t vers
   for (const auto& [v, stages] : it->second) {
     if (version != 0 && v != version) continue;
     out.push_back({v, stages});
+    // By start time: a Publish's span is recorded when it ends, after the completion it caused.
+    std::stable_sort(
+        out.back().stages.begin(), out.back().stages.end(),
+        [](const StageRecord& a, const StageRecord& b) { return a.start_us < b.start_us; });
   }
   return out;
 }

@@ -46,7 +46,7 @@ struct StageRecord {
 
 struct VersionRecord {
   uint64_t version = 0;
-  std::vector<StageRecord> stages;  // in the order recorded
+  std::vector<StageRecord> stages;  // by start time (stable: then in the order recorded)
 };
 
 class Timeline {
@@ -63,7 +63,7 @@ class Timeline {
   // A point in time: now.
   void Mark(const std::string& model, uint64_t version, const std::string& stage,
             const std::string& detail = "");
-  // `version` of `model` (0: every version kept), oldest first.
+  // `version` of `model` (0: every version kept), oldest first, each's stages by start time.
   std::vector<VersionRecord> Get(const std::string& model, uint64_t version = 0) const;
 
  private:
