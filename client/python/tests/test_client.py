@@ -5,6 +5,7 @@ import itertools
 import os
 import sys
 import threading
+import time
 import unittest
 
 import grpc
