@@ -336,7 +336,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   impl->peer_service = std::make_unique<peer::PeerService>(
       options.node, impl->store.get(), impl->data_plane.get(), impl->deltas.get(), &impl->metrics,
       &impl->relay_board, &impl->replicas, options.relay, impl->tls.enabled());
-  impl->staleness = std::make_unique<rl::Staleness>(options.node, &impl->replicas, &impl->metrics);
+  {
+    Store* store = impl->store.get();
+    impl->staleness = std::make_unique<rl::Staleness>(
+        options.node, &impl->replicas, &impl->metrics, std::chrono::milliseconds(100),
+        [store](const std::string& model) { return store->LatestVersion(model); });
+  }
   const rl::Parts rl_parts{&impl->timeline, &impl->labels, impl->staleness.get()};
   impl->peer_service->SetRl(rl_parts);
   peer::PeerManagerOptions peer_options;

@@ -1,13 +1,16 @@
 #include "daemon/rl/staleness.h"
 
+#include <algorithm>
+
 #include "daemon/common/logging.h"
 
 namespace refit::rl {
 
 Staleness::Staleness(std::string node, fleet::ReplicaTable* replicas, Metrics* metrics,
-                     std::chrono::milliseconds period)
+                     std::chrono::milliseconds period, LocalLatest local_latest)
     : node_(std::move(node)),
       replicas_(replicas),
+      local_latest_(std::move(local_latest)),
       metrics_(metrics),
       monitor_(WorkerLoop::Options{"staleness", period, true}) {
   metrics_->Declare(kStaleReplicas);
@@ -53,7 +56,10 @@ std::vector<Staleness::ReplicaState> Staleness::Replicas(const std::string& mode
   const Budget budget = Of(model);
   std::vector<ReplicaState> out;
   if (!replicas_) return out;
-  for (const fleet::Replica& r : replicas_->ReplicasOf(model)) {
+  for (fleet::Replica r : replicas_->ReplicasOf(model)) {
+    if (r.node == node_ && local_latest_) {
+      r.latest_version = std::max(r.latest_version, local_latest_(model));
+    }
     out.push_back({r, IsStale(budget, r.latest_version)});
   }
   return out;

@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -48,9 +49,14 @@ inline bool IsStale(const Budget& budget, uint64_t latest) {
 
 class Staleness {
  public:
+  // This node's newest complete version of a model (the store's), read for this node's own
+  // replica entry: the replica table hears it from the reporter, which may lag while it
+  // reports to a slow peer. Empty: the table's entry only.
+  using LocalLatest = std::function<uint64_t(const std::string& model)>;
   // Nothing owned; `replicas` and `metrics` outlive this object. `node` is this node.
   Staleness(std::string node, fleet::ReplicaTable* replicas, Metrics* metrics,
-            std::chrono::milliseconds period = std::chrono::milliseconds(100));
+            std::chrono::milliseconds period = std::chrono::milliseconds(100),
+            LocalLatest local_latest = nullptr);
   ~Staleness();  // Stop()
 
   void Start();
@@ -75,6 +81,7 @@ class Staleness {
 
   const std::string node_;
   fleet::ReplicaTable* const replicas_;
+  const LocalLatest local_latest_;
   Metrics* const metrics_;
   WorkerLoop monitor_;
   mutable common::Mutex mu_;

@@ -360,14 +360,21 @@ grpc::Status RefitService::Status(grpc::ServerContext*, const v1::StatusRequest*
     }
     AddRlStatus(model);
     if (!context_.replicas) continue;
-    const rl::Budget budget =
-        context_.rl.staleness ? context_.rl.staleness->Of(info.name) : rl::Budget();
-    for (const fleet::Replica& r : context_.replicas->ReplicasOf(info.name)) {
+    // With staleness budgets kept, each replica's stale flag too (rl::Staleness).
+    std::vector<rl::Staleness::ReplicaState> replicas;
+    if (context_.rl.staleness) {
+      replicas = context_.rl.staleness->Replicas(info.name);
+    } else {
+      for (const fleet::Replica& r : context_.replicas->ReplicasOf(info.name)) {
+        replicas.push_back({r, false});
+      }
+    }
+    for (const rl::Staleness::ReplicaState& r : replicas) {
       v1::ReplicaStatus* replica = model->add_replicas();
-      replica->set_node(r.node);
-      replica->set_latest_version(r.latest_version);
-      replica->set_relay(r.relay);
-      replica->set_stale(rl::IsStale(budget, r.latest_version));
+      replica->set_node(r.replica.node);
+      replica->set_latest_version(r.replica.latest_version);
+      replica->set_relay(r.replica.relay);
+      replica->set_stale(r.stale);
     }
   }
   auto add_peers = [](const std::vector<PeerInfo>& peers,

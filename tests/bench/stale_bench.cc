@@ -138,14 +138,13 @@ TEST_CASE("stale_bench") {
       "stale_bench: %d MiB full versions every %d ms, %d per phase, max_staleness=%d, "
       "slowed link %s (the other links 1gbit)\n",
       mib, period_ms, versions, k, slow_rate);
-  std::cout << absl::StrFormat("%-10s %-8s %8s %10s %8s %12s %10s\n", "phase", "engine",
-                               "stale s", "stale frac", "done", "pull ms med", "deadlines");
+  std::cout << absl::StrFormat("%-10s %-8s %8s %10s %8s %12s %10s\n", "phase", "engine", "stale s",
+                               "stale frac", "done", "pull ms med", "deadlines");
   for (const Phase& p : phases) {
     for (int e = 0; e < 2; ++e) {
       std::cout << absl::StrFormat("%-10s %-8s %8.2f %10.2f %8d %12.1f %10d\n", p.name,
-                                   e == 0 ? "fast" : "slow", p.stale_s[e],
-                                   p.stale_s[e] / p.seconds, p.completed[e], p.pull_ms[e],
-                                   p.publish_deadlines);
+                                   e == 0 ? "fast" : "slow", p.stale_s[e], p.stale_s[e] / p.seconds,
+                                   p.completed[e], p.pull_ms[e], p.publish_deadlines);
     }
   }
   std::cout << absl::StrFormat(
