@@ -91,6 +91,19 @@ std::vector<v1::NodeTimeline> GatherTimelines(const GatherOptions& options,
       continue;
     }
     v1::NodeTimeline& node = *response.mutable_node();
+    if (options.tls.enabled()) {
+      // Its identity is its certificate: a daemon may not answer for another node.
+      auto auth = context.auth_context();
+      absl::Status identity = auth ? tls::CheckIdentity(*auth, node.node())
+                                   : absl::PermissionDeniedError("no peer certificate");
+      if (!identity.ok()) {
+        v1::NodeTimeline entry;
+        entry.set_address(address);
+        entry.set_error(std::string(identity.message()).substr(0, 512));
+        failed.push_back(std::move(entry));
+        continue;
+      }
+    }
     if (node.node().empty() || node.node() == options.node || nodes.count(node.node())) continue;
     node.set_address(address);
     for (const std::string& n : response.neighbors()) {
