@@ -298,6 +298,11 @@ TEST_CASE("a relayed version's timeline: every node's stages in order, and a Per
     if (from.find(" (relay) ") != std::string::npos) relayed = true;
   }
   REQUIRE(relayed);
+  // The serving side says so too: the trainer's node announced it to the engines, and an
+  // engine node served pieces of it to the other as it pulled them.
+  REQUIRE(t.count("announced"));
+  REQUIRE(t.at("announced").detail().rfind("to engine-", 0) == 0);
+  REQUIRE(stages["engine-0"].count("relayed") + stages["engine-1"].count("relayed") >= 1);
   // refitctl timeline: the text Gantt, --json, and --trace=FILE (Chrome trace events).
   const std::string trace = fleet.engines[0].daemon->dir() + "/trace.json";
   auto cli = testing::RunCommand({testing::RunfilePath("client/refitctl"),

@@ -12,6 +12,7 @@
 #include "daemon/peer/peer_limits.h"
 #include "daemon/rl/labels.h"
 #include "daemon/rl/staleness.h"
+#include "daemon/rl/timeline.h"
 #include "daemon/tls/peer_tls.h"
 #include "daemon/version.h"
 
@@ -275,7 +276,8 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
       }
     }
   } leave{this, me};
-  std::map<std::string, std::string> sent;  // model -> what was last sent (serialized)
+  std::map<std::string, std::string> sent;    // model -> what was last sent (serialized)
+  std::map<std::string, uint64_t> announced;  // model -> the version last announced (timeline)
   // model -> the layouts last sent. The store keeps a buffer's slice vector (immutable) while
   // it stays registered; holding them here keeps their addresses from being reused, so equal
   // ids, sizes and vectors mean the same layout.
@@ -331,6 +333,11 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
       std::string text = event.SerializeAsString();
       if (sent[model] == text) continue;
       if (!writer->Write(event)) return grpc::Status::OK;
+      if (rl_.timeline && event.version() > 0 && announced[model] != event.version()) {
+        announced[model] = event.version();
+        rl_.timeline->Mark(model, event.version(), rl::kStageAnnounced,
+                           absl::StrCat("to ", Printable(request->node())));
+      }
       sent_layouts[model] = model_layouts;
       sent[model] = std::move(text);
       Logger("peer")->debug("peer={} told model={} sources={} version={}",

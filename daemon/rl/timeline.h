@@ -25,12 +25,13 @@ namespace refit::rl {
 
 // The stage names (TimelineStage.stage).
 inline constexpr char kStagePublished[] = "published";  // a Publish call snapshotting it here
-inline constexpr char kStageAnnounced[] = "announced";  // another node announced it (detail: who)
+inline constexpr char kStageAnnounced[] = "announced";  // announced by / to another node (detail)
 inline constexpr char kStagePulled[] = "pulled";        // its bytes pulled (detail: from whom)
 inline constexpr char kStageVerified[] = "verified";    // the pulled bytes checked (XXH3)
 inline constexpr char kStageQuantized[] = "quantized";  // fp8 destinations' blocks quantized
 inline constexpr char kStageComplete[] = "complete";    // visible to WaitForVersion, Watch, Apply
 inline constexpr char kStageApplied[] = "applied";      // an Apply wrote it (detail: by whom)
+inline constexpr char kStageRelayed[] = "relayed";      // served, as it pulled it, to a node
 
 // Microseconds since the Unix epoch, now.
 int64_t WallMicros();
