@@ -239,6 +239,32 @@ absl::StatusOr<v1::PublishResponse> Client::Publish(const std::string& model, ui
   });
 }
 
+absl::StatusOr<v1::PublishResponse> Client::Publish(const std::string& model, uint64_t version,
+                                                    const std::vector<std::string>& buffer_ids,
+                                                    const v1::PublishRequest& with) {
+  return WithRestart<v1::PublishResponse>([&] {
+    v1::PublishRequest request = with;
+    request.set_model(model);
+    request.set_version(version);
+    request.clear_buffer_ids();
+    AddIds(registrations_->Current(buffer_ids), &request);
+    return Call(stub_.get(), &v1::Refit::Stub::Publish, "Publish", request,
+                std::chrono::system_clock::now() + call_timeout_);
+  });
+}
+
+absl::StatusOr<v1::TimelineResponse> Client::Timeline(const std::string& model, uint64_t version,
+                                                      bool local) {
+  v1::TimelineRequest request;
+  request.set_model(model);
+  request.set_version(version);
+  request.set_local(local);
+  return WithRestart<v1::TimelineResponse>([&] {
+    return Call(stub_.get(), &v1::Refit::Stub::Timeline, "Timeline", request,
+                std::chrono::system_clock::now() + call_timeout_);
+  });
+}
+
 absl::StatusOr<uint64_t> Client::WaitForVersion(const std::string& model, uint64_t min_version,
                                                 std::chrono::milliseconds timeout) {
   const SystemTime deadline = std::chrono::system_clock::now() + timeout;

@@ -141,6 +141,16 @@ class Client {
   absl::Status ReleaseBuffer(const std::string& buffer_id);
   absl::StatusOr<v1::PublishResponse> Publish(const std::string& model, uint64_t version,
                                               const std::vector<std::string>& buffer_ids);
+  // The same, with the rest of `with` (labels, max_staleness, run, ...: every field but model,
+  // version and buffer_ids, which come from the arguments). With max_staleness the call waits
+  // (within the client's call timeout) until every replica holds version - max_staleness.
+  absl::StatusOr<v1::PublishResponse> Publish(const std::string& model, uint64_t version,
+                                              const std::vector<std::string>& buffer_ids,
+                                              const v1::PublishRequest& with);
+  // Each node's stages of `model`'s `version` (0: every version remembered), from this node
+  // and every node reachable from it (`local`: this node only).
+  absl::StatusOr<v1::TimelineResponse> Timeline(const std::string& model, uint64_t version = 0,
+                                                bool local = false);
   // DEADLINE_EXCEEDED when no version >= min_version completes within `timeout`.
   absl::StatusOr<uint64_t> WaitForVersion(const std::string& model, uint64_t min_version,
                                           std::chrono::milliseconds timeout);

@@ -11,6 +11,9 @@
 //   refitctl release BUFFER_ID releases a registered buffer (an operator cleaning up)
 //   refitctl verify MODEL      compares the engine's destination bytes with the version each
 //                              buffer holds (exit 1 naming the tensors that differ)
+//   refitctl timeline MODEL [VERSION]
+//                              each node's stages of the version(s) as a text Gantt chart;
+//                              --trace=FILE also writes Chrome trace-event JSON (Perfetto)
 //   refitctl --version
 //
 // --json prints machine-readable output (numbers as JSON numbers). --json, --socket and
@@ -22,6 +25,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <deque>
+#include <fstream>
 #include <iostream>
 #include <mutex>
 #include <string>
@@ -32,6 +36,7 @@
 #include "absl/strings/str_join.h"
 #include "client/json_output.h"
 #include "client/refit_client.h"
+#include "client/timeline_output.h"
 #include "daemon/common/names.h"
 #include "daemon/version.h"
 
@@ -183,6 +188,21 @@ std::string Bar(uint64_t done, uint64_t total) {
   return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
 }
 
+std::string JsonString(const std::string& text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      out += absl::StrFormat("\\u%04x", static_cast<unsigned char>(c));
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
 // Prints each version of `model` as it completes. On a terminal, a progress bar shows the pull
 // in flight (from Status, polled every 200 ms) on the line below, and a version the node gave
 // up on gets a line saying why.
@@ -216,10 +236,38 @@ int Watch(Client& client, const std::string& model, bool json) {
       if (bar_shown) std::cout << "\r\033[K";
       bar_shown = false;
       if (json) {
-        std::cout << "{\"model\": \"" << event.model() << "\", \"version\": " << event.version()
-                  << "}" << std::endl;
+        // One line per event; labels and the staleness fields only when set.
+        std::cout << "{\"model\": " << JsonString(event.model())
+                  << ", \"version\": " << event.version();
+        if (!event.labels().empty()) {
+          std::cout << ", \"labels\": {";
+          bool first = true;
+          for (const auto& [k, v] :
+               std::map<std::string, std::string>(event.labels().begin(), event.labels().end())) {
+            std::cout << (first ? "" : ", ") << JsonString(k) << ": " << JsonString(v);
+            first = false;
+          }
+          std::cout << "}";
+        }
+        if (event.stale() || event.stale_notice()) {
+          std::cout << ", \"stale\": " << (event.stale() ? "true" : "false")
+                    << ", \"published_version\": " << event.published_version()
+                    << ", \"stale_notice\": " << (event.stale_notice() ? "true" : "false");
+        }
+        std::cout << "}" << std::endl;
+      } else if (event.stale_notice()) {
+        std::cout << event.model() << (event.stale() ? " stale" : " within its staleness budget")
+                  << ": holds version " << event.version() << ", newest published "
+                  << event.published_version() << std::endl;
       } else {
-        std::cout << event.model() << " version " << event.version() << " complete" << std::endl;
+        std::vector<std::string> labels;
+        for (const auto& [k, v] :
+             std::map<std::string, std::string>(event.labels().begin(), event.labels().end())) {
+          labels.push_back(k + "=" + v);
+        }
+        std::cout << event.model() << " version " << event.version() << " complete"
+                  << (labels.empty() ? "" : " (" + absl::StrJoin(labels, ", ") + ")")
+                  << (event.stale() ? " (stale)" : "") << std::endl;
       }
     }
     if (done) break;
@@ -253,21 +301,6 @@ int Watch(Client& client, const std::string& model, bool json) {
   return end.ok() ? 0 : Fail(end);
 }
 
-std::string JsonString(const std::string& text) {
-  std::string out = "\"";
-  for (char c : text) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += absl::StrFormat("\\u%04x", static_cast<unsigned char>(c));
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
-
 // One line (or JSON object) per node with DESTINATION buffers for the model: its newest
 // complete version and how many versions it is behind the newest this node knows of.
 int PrintReplicas(const v1::ModelStatus& model, bool json) {
@@ -280,7 +313,8 @@ int PrintReplicas(const v1::ModelStatus& model, bool json) {
       std::cout << (i ? ",\n " : "\n ") << "{\"node\": " << JsonString(r.node())
                 << ", \"latest_version\": " << r.latest_version()
                 << ", \"behind\": " << newest - r.latest_version()
-                << ", \"relay\": " << (r.relay() ? "true" : "false") << "}";
+                << ", \"relay\": " << (r.relay() ? "true" : "false")
+                << ", \"stale\": " << (r.stale() ? "true" : "false") << "}";
     }
     std::cout << (model.replicas_size() ? "\n]\n" : "]\n");
     return 0;
@@ -290,10 +324,16 @@ int PrintReplicas(const v1::ModelStatus& model, bool json) {
               << " has reported to this daemon\n";
     return 0;
   }
-  std::cout << absl::StrFormat("%-32s %10s %8s %s\n", "node", "latest", "behind", "relay");
+  std::cout << absl::StrFormat("%-32s %10s %8s %-5s %s\n", "node", "latest", "behind", "relay",
+                               "stale");
   for (const auto& r : model.replicas()) {
-    std::cout << absl::StrFormat("%-32s %10d %8d %s\n", r.node(), r.latest_version(),
-                                 newest - r.latest_version(), r.relay() ? "yes" : "no");
+    std::cout << absl::StrFormat("%-32s %10d %8d %-5s %s\n", r.node(), r.latest_version(),
+                                 newest - r.latest_version(), r.relay() ? "yes" : "no",
+                                 r.stale() ? "STALE" : "no");
+  }
+  if (model.max_staleness() > 0) {
+    std::cout << "staleness budget: " << model.max_staleness() << " version(s) behind "
+              << model.published_version() << "\n";
   }
   return 0;
 }
@@ -316,6 +356,29 @@ struct GlobalFlags {
         ->check(CLI::PositiveNumber);
   }
 };
+
+// refitctl timeline: every node's stages of MODEL's VERSION (0: those remembered).
+int Timeline(Client& client, const std::string& model, uint64_t version, bool local,
+             const std::string& trace, bool json) {
+  auto timeline = client.Timeline(model, version, local);
+  if (!timeline.ok()) return Fail(timeline.status());
+  if (!trace.empty()) {
+    std::ofstream file(trace);
+    file << refit::client::TimelineTrace(*timeline).dump(1) << "\n";
+    file.close();
+    if (!file) {
+      std::cerr << "refitctl: cannot write " << trace << "\n";
+      return kExitError;
+    }
+  }
+  if (json) {
+    std::cout << refit::client::JsonText(refit::client::TimelineJson(*timeline));
+  } else {
+    std::cout << refit::client::TimelineText(*timeline);
+    if (!trace.empty()) std::cout << "trace written to " << trace << " (open it in Perfetto)\n";
+  }
+  return 0;
+}
 
 int Drop(Client& client, const std::string& model, bool json) {
   auto dropped = client.DropModel(model);
@@ -376,6 +439,19 @@ int main(int argc, char** argv) {
                          "compare MODEL's destination buffers on this node with the version "
                          "their last Apply installed (exit 1 naming the tensors that differ)");
   verify_cmd->add_option("MODEL", model, "model name")->required();
+  uint64_t timeline_version = 0;
+  std::string trace;
+  bool local = false;
+  auto* timeline_cmd = add("timeline",
+                           "each node's stages of MODEL's VERSION (default: the versions "
+                           "remembered): published, announced, pulled from whom, verified, "
+                           "quantized, complete, applied; a text Gantt chart");
+  timeline_cmd->add_option("MODEL", model, "model name")->required();
+  timeline_cmd->add_option("VERSION", timeline_version, "version (0: every version remembered)");
+  timeline_cmd->add_option("--trace", trace,
+                           "also write the timeline to FILE as Chrome trace-event JSON "
+                           "(Perfetto, chrome://tracing): one process per node");
+  timeline_cmd->add_flag("--local", local, "this node only (no other node asked)");
   CLI11_PARSE(app, argc, argv);
   const bool json = flags.json;
 
@@ -394,6 +470,9 @@ int main(int argc, char** argv) {
     return *healthy ? 0 : kExitError;
   }
   if (drop_cmd->parsed()) return Drop(**client, model, json);
+  if (timeline_cmd->parsed()) {
+    return Timeline(**client, model, timeline_version, local, trace, json);
+  }
   if (verify_cmd->parsed()) {
     auto verified = (*client)->Verify(model);
     if (!verified.ok()) return Fail(verified.status());

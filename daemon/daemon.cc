@@ -28,6 +28,11 @@
 #include "daemon/peer/peer_manager.h"
 #include "daemon/peer/peer_service.h"
 #include "daemon/pull/delta_fetch.h"
+#include "daemon/rl/labels.h"
+#include "daemon/rl/staleness.h"
+#include "daemon/rl/store_events.h"
+#include "daemon/rl/timeline.h"
+#include "daemon/rl/timeline_service.h"
 #include "daemon/server/denied_service.h"
 #include "daemon/server/health_service.h"
 #include "daemon/server/owner_exit.h"
@@ -127,6 +132,10 @@ struct Daemon::Impl {
   DaemonOptions options;
   Metrics metrics;
   Liveness liveness;  // the workers the watchdog looks at (StuckWorkers)
+  // Each version's stages and labels here (daemon/rl): outlive the store, which feeds them.
+  rl::Timeline timeline;
+  rl::VersionLabels labels;
+  rl::TimelineEvents timeline_events{&timeline};
   std::unique_ptr<Store> store;
   std::unique_ptr<LivenessProbe> store_probe;  // the store, for the watchdog (stopped first)
   std::unique_ptr<state::VersionLedger> ledger;
@@ -136,6 +145,8 @@ struct Daemon::Impl {
   // which nodes hold which versions.
   fleet::RelayBoard relay_board;
   fleet::ReplicaTable replicas;
+  std::unique_ptr<rl::Staleness> staleness;  // reads `replicas`
+  std::unique_ptr<rl::TimelineService> timeline_service;
   std::unique_ptr<server::RefitService> service;
   // Destroyed in reverse order: the peer loops first (they use the data plane), then the data
   // plane (it serves other nodes' reads of slots and deltas), then what owns that memory.
@@ -325,13 +336,29 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   impl->peer_service = std::make_unique<peer::PeerService>(
       options.node, impl->store.get(), impl->data_plane.get(), impl->deltas.get(), &impl->metrics,
       &impl->relay_board, &impl->replicas, options.relay, impl->tls.enabled());
-  impl->peers = std::make_unique<peer::PeerManager>(
-      peer::PeerManagerOptions{options.node, impl->instance, options.delta_threshold, options.relay,
-                               impl->tls, options.max_peer_connections, options.site},
-      options.peers, impl->store.get(), impl->data_plane.get(), &impl->metrics, &impl->relay_board,
-      &impl->replicas);
-  // Who hears the store's events: daemon/wiring.cc.
+  {
+    Store* store = impl->store.get();
+    impl->staleness = std::make_unique<rl::Staleness>(
+        options.node, &impl->replicas, &impl->metrics, std::chrono::milliseconds(100),
+        [store](const std::string& model) { return store->LatestVersion(model); });
+  }
+  const rl::Parts rl_parts{&impl->timeline, &impl->labels, impl->staleness.get()};
+  impl->peer_service->SetRl(rl_parts);
+  peer::PeerManagerOptions peer_options;
+  peer_options.node = options.node;
+  peer_options.instance = impl->instance;
+  peer_options.delta_threshold = options.delta_threshold;
+  peer_options.relay = options.relay;
+  peer_options.tls = impl->tls;
+  peer_options.max_peer_connections = options.max_peer_connections;
+  peer_options.site = options.site;
+  peer_options.rl = rl_parts;
+  impl->peers = std::make_unique<peer::PeerManager>(peer_options, options.peers, impl->store.get(),
+                                                    impl->data_plane.get(), &impl->metrics,
+                                                    &impl->relay_board, &impl->replicas);
+  // Who hears the store's events: daemon/wiring.cc; and the timeline.
   ConnectStoreEvents(impl->Wiring());
+  impl->store->AddListener(&impl->timeline_events);
 
   Impl* raw = impl.get();
   server::ServiceContext context;
@@ -340,6 +367,24 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   context.metrics = &impl->metrics;
   context.replicas = &impl->replicas;
   context.ledger = impl->ledger.get();
+  context.rl = rl_parts;
+  // The addresses of the daemons this one knows: where a timeline is gathered from.
+  auto neighbors = [raw] {
+    std::vector<std::string> out;
+    for (const auto& p : raw->peers->Peers()) {
+      if (p.connected) out.push_back(p.address);
+    }
+    for (const auto& s : raw->peer_service->Subscribers()) {
+      if (s.connected) out.push_back(s.address);
+    }
+    return out;
+  };
+  context.gather_timeline = [raw, neighbors](const std::string& model, uint64_t version) {
+    return rl::GatherTimelines(rl::GatherOptions{raw->options.node, raw->tls}, model, version,
+                               neighbors());
+  };
+  impl->timeline_service =
+      std::make_unique<rl::TimelineService>(options.node, &impl->timeline, neighbors);
   context.peers = [raw] {
     std::vector<server::PeerInfo> out;
     for (const auto& p : raw->peers->Peers()) {
@@ -408,6 +453,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     // (past it, calls are refused with RESOURCE_EXHAUSTED, not served by a starving daemon).
     builder.SetResourceQuota(PeerQuota());
     builder.RegisterService(impl->peer_service.get());
+    builder.RegisterService(impl->timeline_service.get());
     builder.RegisterService(impl->health.get());
     impl->peer_server = builder.BuildAndStart();
     if (!impl->peer_server || impl->listen_port == 0) {
@@ -532,6 +578,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   }
   impl->health->SetServing(true);
   impl->peers->Start();
+  impl->staleness->Start();
   Logger("daemon")->info(
       "refitd {} node={} serving socket={} listen port={} health port={} metrics port={} "
       "retain={} slots={} max slot memory={} state={} {}",
@@ -560,6 +607,7 @@ void Daemon::Shutdown(double grace_seconds) {
   if (impl_->store_probe) impl_->store_probe->Stop();
   impl_->store->Shutdown();    // blocked WaitForVersion/Watch calls return now
   impl_->replicas.Shutdown();  // and WaitForReplicas
+  impl_->staleness->Stop();
   impl_->peers->Stop();
   if (impl_->bucket_import) impl_->bucket_import->Stop();
   impl_->deltas->Stop();

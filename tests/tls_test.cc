@@ -138,6 +138,15 @@ TEST_CASE(
     REQUIRE(engine->WaitForVersion("m", 1, milliseconds(20000)).ok());
     REQUIRE(engine->Apply("m", 1, {*d}).ok());
     REQUIRE(std::memcmp(src.data(), dst.data(), src.size()) == 0);
+    // The timeline is gathered over the same mutual TLS (refit.v1.PeerInsight), each answer
+    // checked against its certificate's name.
+    auto timeline = engine->Timeline("m", 1);
+    REQUIRE(timeline.ok());
+    INFO(timeline->DebugString());
+    REQUIRE(timeline->nodes_size() == 2);
+    REQUIRE(timeline->nodes(1).node() == "trainer");
+    REQUIRE(timeline->nodes(1).error().empty());
+    REQUIRE(timeline->nodes(1).versions_size() == 1);
   }
   SECTION("a certificate from another CA") {
     auto engine_node = Engine(port, pki.Flags("stranger", "ca"), "stranger");
@@ -164,6 +173,14 @@ TEST_CASE(
     hello.set_node("plain");
     v1::HelloResponse response;
     REQUIRE_FALSE(stub->Hello(&context, hello, &response).ok());
+    auto insight = v1::PeerInsight::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext timeline_context;
+    timeline_context.set_deadline(std::chrono::system_clock::now() + milliseconds(3000));
+    v1::PeerTimelineRequest request;
+    request.set_model("m");
+    v1::PeerTimelineResponse timeline;
+    REQUIRE_FALSE(insight->Timeline(&timeline_context, request, &timeline).ok());
   }
   REQUIRE(trainer_node->running());
   trainer_node->Stop(SIGTERM);

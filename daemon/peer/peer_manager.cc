@@ -17,6 +17,9 @@
 #include "daemon/plan/plan.h"
 #include "daemon/pull/delta_fetch.h"
 #include "daemon/pull/puller.h"
+#include "daemon/rl/labels.h"
+#include "daemon/rl/staleness.h"
+#include "daemon/rl/timeline.h"
 #include "daemon/version.h"
 #include "grpcpp/grpcpp.h"
 
@@ -144,6 +147,7 @@ PeerManager::PeerManager(PeerManagerOptions options, std::vector<std::string> ad
       relay_(options.relay),
       site_(options.site),
       tls_(options.tls),
+      rl_(options.rl),
       store_(store),
       data_plane_(data_plane),
       metrics_(metrics),
@@ -161,6 +165,7 @@ PeerManager::PeerManager(PeerManagerOptions options, std::vector<std::string> ad
   pull_options.pin_lease_ms = PinLeaseMs();
   pull_options.relay = options.relay;
   pull_options.site = options.site;
+  pull_options.timeline = options.rl.timeline;
   puller_ = std::make_unique<pull::Puller>(pull_options, store, data_plane, metrics, this, board,
                                            replicas);
 }
@@ -397,6 +402,7 @@ void PeerManager::RunPeer(Peer* peer) {
             deltas.push_back(
                 {d.buffer_id(), d.base_version(), d.version(), d.remote_key(), d.bytes()});
           }
+          NoteAnnounced(node, event);
           store_->AnnounceRemoteVersion(node, event.model(), event.version(), std::move(pieces),
                                         std::move(deltas), event.run());
         }
@@ -450,6 +456,23 @@ void PeerManager::OnPullNeeded(const PullJob& job) {
 
 void PeerManager::OnVersionComplete(const std::string& /*model*/, uint64_t /*version*/) {
   reporter_.Notify();
+}
+
+void PeerManager::NoteAnnounced(const std::string& node, const v1::PeerEvent& event) {
+  if (rl_.labels && !event.labels().empty()) {
+    rl::Labels labels(event.labels().begin(), event.labels().end());
+    // The sender checked them at Publish; a peer's oversized labels are not kept.
+    if (rl::CheckLabels(labels).ok()) {
+      rl_.labels->Set(event.model(), event.version(), std::move(labels));
+    }
+  }
+  if (rl_.staleness) {
+    rl_.staleness->NotePublished(event.model(), event.version(), event.max_staleness());
+  }
+  if (rl_.timeline) {
+    rl_.timeline->Mark(event.model(), event.version(), rl::kStageAnnounced,
+                       absl::StrCat("by ", node));
+  }
 }
 
 void PeerManager::Report() {

@@ -30,6 +30,7 @@
 #include "daemon/fleet/replicas.h"
 #include "daemon/peer/peer_metrics.h"
 #include "daemon/pull/puller.h"
+#include "daemon/rl/parts.h"
 #include "daemon/store/store.h"
 #include "daemon/tls/peer_tls.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
@@ -63,6 +64,9 @@ struct PeerManagerOptions {
   // while fewer than this many channels are open.
   uint32_t max_peer_connections = 16;
   std::string site;  // --site ("": none)
+  // Labels, staleness budgets and the timeline heard from other nodes (daemon/rl); may be
+  // null members.
+  rl::Parts rl;
 };
 
 class PeerManager final : public pull::PeerChannels, public StoreEvents {
@@ -130,12 +134,15 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   void AddPeer(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunPulls();
   void Report();  // one turn of reporter_
+  // An event from `node` announcing a version: its labels, budget and timeline (daemon/rl).
+  void NoteAnnounced(const std::string& node, const v1::PeerEvent& event);
   const std::string node_;
   const std::string instance_;
   std::string listen_;  // set before Start
   const bool relay_;
   const std::string site_;
   const tls::PeerTlsFiles tls_;
+  const rl::Parts rl_;
   Store* const store_;
   DataPlane* const data_plane_;
   Metrics* const metrics_;

@@ -10,6 +10,9 @@
 #include "daemon/common/test_hooks.h"
 #include "daemon/convert/convert.h"
 #include "daemon/peer/peer_limits.h"
+#include "daemon/rl/labels.h"
+#include "daemon/rl/staleness.h"
+#include "daemon/rl/timeline.h"
 #include "daemon/tls/peer_tls.h"
 #include "daemon/version.h"
 
@@ -230,6 +233,12 @@ bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceL
     }
   }
   event->set_version(version);
+  if (rl_.labels) {
+    for (const auto& [key, value] : rl_.labels->Get(model, version)) {
+      (*event->mutable_labels())[key] = value;
+    }
+  }
+  if (rl_.staleness) event->set_max_staleness(rl_.staleness->Of(model).max_staleness);
   return true;
 }
 
@@ -281,7 +290,8 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
       }
     }
   } leave{this, me};
-  std::map<std::string, std::string> sent;  // model -> what was last sent (serialized)
+  std::map<std::string, std::string> sent;    // model -> what was last sent (serialized)
+  std::map<std::string, uint64_t> announced;  // model -> the version last announced (timeline)
   // model -> the layouts last sent. The store keeps a buffer's slice vector (immutable) while
   // it stays registered; holding them here keeps their addresses from being reused, so equal
   // ids, sizes and vectors mean the same layout.
@@ -337,6 +347,11 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
       std::string text = event.SerializeAsString();
       if (sent[model] == text) continue;
       if (!writer->Write(event)) return grpc::Status::OK;
+      if (rl_.timeline && event.version() > 0 && announced[model] != event.version()) {
+        announced[model] = event.version();
+        rl_.timeline->Mark(model, event.version(), rl::kStageAnnounced,
+                           absl::StrCat("to ", Printable(request->node())));
+      }
       sent_layouts[model] = model_layouts;
       sent[model] = std::move(text);
       Logger("peer")->debug("peer={} told model={} sources={} version={}",

@@ -26,6 +26,7 @@
 #include "daemon/peer/delta_source.h"
 #include "daemon/peer/peer_limits.h"
 #include "daemon/peer/peer_metrics.h"
+#include "daemon/rl/parts.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
@@ -63,6 +64,8 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
   // Subscribers now, then refused callers (newest 16), each once.
   std::vector<Subscriber> Subscribers() const;
 
+  // Labels and staleness budgets to announce with each version (daemon/rl); before serving.
+  void SetRl(rl::Parts rl) { rl_ = rl; }
   // Something a subscriber should hear about changed (a layout or a new local version).
   void NotifyChanged();
   // StoreEvents: both mean NotifyChanged. Subscribers read local versions' snapshots.
@@ -111,6 +114,7 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
   fleet::RelayBoard* const board_;
   fleet::ReplicaTable* const replicas_;
   const bool relay_;
+  rl::Parts rl_;    // set before serving
   const bool tls_;  // callers are authenticated: a claimed node name must be the certificate's
   // PERMISSION_DENIED when TLS is on and `node` is not the caller's certificate's name.
   absl::Status Authenticate(const grpc::ServerContext& context, const std::string& node) const;

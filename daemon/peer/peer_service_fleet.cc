@@ -9,6 +9,7 @@
 #include "daemon/common/logging.h"
 #include "daemon/peer/peer_limits.h"
 #include "daemon/peer/peer_service.h"
+#include "daemon/rl/timeline.h"
 
 namespace refit::peer {
 
@@ -120,6 +121,11 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
                         Printable(request->model()), request->version(),
                         Printable(request->buffer_id()), Printable(request->origin()),
                         Printable(request->node()));
+  if (rl_.timeline) {
+    rl_.timeline->Mark(request->model(), request->version(), rl::kStageRelayed,
+                       absl::StrCat("to ", request->node(), " (piece ", request->buffer_id(),
+                                    " of ", request->origin(), ")"));
+  }
   v1::RelayProgress progress;
   progress.set_remote_key(remote_key->descriptor);
   progress.set_bytes(view->bytes);

@@ -1,10 +1,14 @@
 #include "daemon/pull/puller.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <future>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
@@ -141,7 +145,26 @@ fleet::SiteView Puller::View(const PullJob& job) {
   return view;
 }
 
+namespace {
+
+// Test build only: a slowed engine node (tests/rl_semantics_test). Each pull first waits
+// $REFIT_FAULT_PULL_DELAY_MS while the file $REFIT_FAULT_PULL_DELAY_FILE exists (always,
+// without that variable); removing the file ends the wait at once.
+void FaultPullDelay() {
+  const char* ms = TestSwitch("REFIT_FAULT_PULL_DELAY_MS");
+  if (!ms) return;
+  const char* file = TestSwitch("REFIT_FAULT_PULL_DELAY_FILE");
+  const auto until = std::chrono::steady_clock::now() + milliseconds(std::atoll(ms));
+  while (std::chrono::steady_clock::now() < until && (!file || access(file, F_OK) == 0)) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+}
+
+}  // namespace
+
 PullOutcome Puller::Pull(const PullJob& job) {
+  FaultPullDelay();
+  const int64_t started_us = rl::WallMicros();
   PullOutcome outcome;
   std::vector<std::shared_ptr<Region>>& staging = outcome.staging;
   auto finish = [&](absl::Status status) {
@@ -184,7 +207,9 @@ PullOutcome Puller::Pull(const PullJob& job) {
     bytes_from[job.fetches[f].node] += deltas.wire[f] - deltas.from_relays[f];
     bytes_from[job.fetches[f].node] -= Total(job.fetches[f].ranges);
   }
+  std::map<std::string, uint64_t> relayed_from;  // for the timeline
   for (const auto& [relay, bytes] : deltas.relayed) {
+    relayed_from[relay] += bytes;
     metrics_->Add(kRelayBytesReceived, static_cast<double>(bytes));
     if (view.Across(relay)) metrics_->Add(kSiteBytesReceived, static_cast<double>(bytes));
     (void)PinOn(relay, job, true, bytes, true);
@@ -269,11 +294,32 @@ PullOutcome Puller::Pull(const PullJob& job) {
   const double data_ms = ms_since(pinned) - deltas_ms;
   auto sums = remote_sums.get();
   const double sums_wait_ms = ms_since(pinned) - deltas_ms - data_ms;
+  const int64_t pulled_us = rl::WallMicros();
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> refetched(job.fetches.size());
   if (status.ok()) {
     status = Verify(job, staging, hashes, std::move(sums), verified, sources, &refetched);
   }
   if (status.ok()) quantizer.Finish(refetched);  // blocks of refetched ranges quantized again
+  if (options_.timeline) {
+    for (const auto& fetch_relays : sources.relayed) {
+      for (const auto& [relay, ranges] : fetch_relays) relayed_from[relay] += Total(ranges);
+    }
+    std::string from;
+    for (const auto& [node, bytes] : bytes_from) {
+      if (bytes > 0) absl::StrAppend(&from, from.empty() ? "" : ", ", node, " ", bytes);
+    }
+    for (const auto& [node, bytes] : relayed_from) {
+      if (bytes > 0) absl::StrAppend(&from, from.empty() ? "" : ", ", node, " (relay) ", bytes);
+    }
+    options_.timeline->Record(
+        job.model, job.version, rl::kStagePulled, started_us, pulled_us,
+        absl::StrCat("from ", from.empty() ? "nobody" : from, " bytes",
+                     used_delta ? " (delta)" : "", status.ok() ? "" : "; failed"));
+    if (status.ok()) {
+      options_.timeline->Record(job.model, job.version, rl::kStageVerified, pulled_us,
+                                rl::WallMicros(), "XXH3 against the origin's");
+    }
+  }
   Logger("peer")->debug(
       "model={} version={} pull phases: deltas {:.1f} ms, data {:.1f} ms, then waited {:.1f} ms "
       "for the source's checksums, verify {:.1f} ms",

@@ -23,6 +23,7 @@
 #include "daemon/fleet/stripes.h"
 #include "daemon/pull/landed_quant.h"
 #include "daemon/pull/pull_metrics.h"
+#include "daemon/rl/timeline.h"
 #include "daemon/store/store.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
@@ -52,6 +53,8 @@ struct PullerOptions {
   bool relay = true;               // read stripes from other pullers, and let them read here
   int fanout = fleet::kDefaultFanout;
   std::string site;  // --site: this node's site ("": none)
+  // Where each pull's stages are recorded ("pulled" from whom, "verified"); null: nowhere.
+  rl::Timeline* timeline = nullptr;
 };
 
 struct PullOutcome {

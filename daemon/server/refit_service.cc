@@ -11,6 +11,9 @@
 #include "daemon/convert/convert.h"
 #include "daemon/memory/region.h"
 #include "daemon/plan/plan.h"
+#include "daemon/rl/labels.h"
+#include "daemon/rl/staleness.h"
+#include "daemon/rl/timeline.h"
 #include "daemon/version.h"
 
 namespace refit::server {
@@ -201,7 +204,7 @@ grpc::Status RefitService::ReleaseBuffer(grpc::ServerContext*,
   return Finish("ReleaseBuffer", released);
 }
 
-grpc::Status RefitService::Publish(grpc::ServerContext*, const v1::PublishRequest* request,
+grpc::Status RefitService::Publish(grpc::ServerContext* context, const v1::PublishRequest* request,
                                    v1::PublishResponse* response) {
   if (absl::Status owned = CheckOwner(request->buffer_ids(), "publish"); !owned.ok()) {
     return Finish("Publish", owned);
@@ -212,9 +215,17 @@ grpc::Status RefitService::Publish(grpc::ServerContext*, const v1::PublishReques
     absl::Status fresh = context_.ledger->Check(request->model(), request->version());
     if (!fresh.ok()) return Finish("Publish", fresh);
   }
+  const Clock::time_point started = Clock::now();
+  bool labels_set = false;
+  if (absl::Status checked = BeforePublish(*request, &labels_set); !checked.ok()) {
+    return Finish("Publish", checked);
+  }
   auto result =
       context_.store->Publish(request->model(), request->version(), Ids(request->buffer_ids()));
-  if (!result.ok()) return Finish("Publish", result.status());
+  if (!result.ok()) {
+    if (labels_set) context_.rl.labels->Erase(request->model(), request->version());
+    return Finish("Publish", result.status());
+  }
   if (context_.ledger) {
     absl::Status saved = context_.ledger->Record(request->model(), result->version);
     if (!saved.ok()) {
@@ -225,10 +236,8 @@ grpc::Status RefitService::Publish(grpc::ServerContext*, const v1::PublishReques
   }
   response->set_version(result->version);
   response->set_bytes(result->bytes);
-  return grpc::Status::OK;
+  return Finish("Publish", AfterPublish(context, *request, result->version, started));
 }
-
-namespace {
 
 // When a waiting RPC must answer so that its reason reaches the caller before the caller's own
 // deadline fires. gRPC sends the deadline as a grpc-timeout header rounded UP to a coarser unit
@@ -244,8 +253,6 @@ Clock::time_point AnswerBy(const grpc::ServerContext& context) {
       std::min<Clock::duration>(left / 20, left / 100 + std::chrono::milliseconds(50));
   return deadline - margin;
 }
-
-}  // namespace
 
 grpc::Status RefitService::WaitForVersion(grpc::ServerContext* context,
                                           const v1::WaitForVersionRequest* request,
@@ -266,9 +273,17 @@ grpc::Status RefitService::Apply(grpc::ServerContext*, const v1::ApplyRequest* r
   if (absl::Status owned = CheckOwner(request->buffer_ids(), "apply into"); !owned.ok()) {
     return Finish("Apply", owned);
   }
+  const int64_t started_us = rl::WallMicros();
   auto result =
       context_.store->Apply(request->model(), request->version(), Ids(request->buffer_ids()));
   if (!result.ok()) return Finish("Apply", result.status());
+  if (context_.rl.timeline) {
+    context_.rl.timeline->Record(
+        request->model(), result->version, rl::kStageApplied, started_us, rl::WallMicros(),
+        absl::StrCat(context_.caller ? absl::StrCat("by pid ", context_.caller->pid, " ") : "",
+                     request->buffer_ids_size(), " buffer(s), ", result->bytes_written, " bytes",
+                     result->sparse ? ", sparse" : ""));
+  }
   response->set_version(result->version);
   response->set_bytes_written(result->bytes_written);
   return grpc::Status::OK;
@@ -286,9 +301,20 @@ grpc::Status RefitService::Watch(grpc::ServerContext* context, const v1::WatchRe
   // Initial metadata tells the client the watch is in place: nothing completing from now on
   // can be missed.
   writer->SendInitialMetadata();
+  // With a staleness budget the loop wakes every kStaleCheck to tell the engine when this node
+  // becomes stale or stops being so (VersionEvent.stale_notice).
+  constexpr auto kStaleCheck = std::chrono::milliseconds(100);
+  bool told_stale = false;
   while (true) {
+    const Clock::time_point deadline = SteadyDeadline(*context);
     auto versions = context_.store->WaitForCompletions(
-        request->model(), after, SteadyDeadline(*context), CancelledOf(context));
+        request->model(), after,
+        context_.rl.staleness ? std::min(deadline, Clock::now() + kStaleCheck) : deadline,
+        CancelledOf(context));
+    if (!versions.ok() && versions.status().code() == absl::StatusCode::kDeadlineExceeded &&
+        Clock::now() < deadline) {
+      versions = std::vector<uint64_t>();  // a staleness check's wake-up
+    }
     if (!versions.ok()) {
       if (versions.status().code() == absl::StatusCode::kCancelled) return grpc::Status::OK;
       return Finish("Watch", versions.status());
@@ -297,8 +323,19 @@ grpc::Status RefitService::Watch(grpc::ServerContext* context, const v1::WatchRe
       v1::VersionEvent event;
       event.set_model(request->model());
       event.set_version(v);
+      FillEvent(&event);
+      told_stale = event.stale();
       if (!writer->Write(event)) return grpc::Status::OK;  // the client went away
       after = v;
+    }
+    if (context_.rl.staleness && context_.rl.staleness->NodeStale(request->model()) != told_stale) {
+      v1::VersionEvent event;
+      event.set_model(request->model());
+      event.set_version(context_.store->LatestVersion(request->model()));
+      FillEvent(&event);
+      event.set_stale_notice(true);
+      told_stale = event.stale();
+      if (!writer->Write(event)) return grpc::Status::OK;
     }
   }
 }
@@ -321,12 +358,23 @@ grpc::Status RefitService::Status(grpc::ServerContext*, const v1::StatusRequest*
         }
       }
     }
+    AddRlStatus(model);
     if (!context_.replicas) continue;
-    for (const fleet::Replica& r : context_.replicas->ReplicasOf(info.name)) {
+    // With staleness budgets kept, each replica's stale flag too (rl::Staleness).
+    std::vector<rl::Staleness::ReplicaState> replicas;
+    if (context_.rl.staleness) {
+      replicas = context_.rl.staleness->Replicas(info.name);
+    } else {
+      for (const fleet::Replica& r : context_.replicas->ReplicasOf(info.name)) {
+        replicas.push_back({r, false});
+      }
+    }
+    for (const rl::Staleness::ReplicaState& r : replicas) {
       v1::ReplicaStatus* replica = model->add_replicas();
-      replica->set_node(r.node);
-      replica->set_latest_version(r.latest_version);
-      replica->set_relay(r.relay);
+      replica->set_node(r.replica.node);
+      replica->set_latest_version(r.replica.latest_version);
+      replica->set_relay(r.replica.relay);
+      replica->set_stale(r.stale);
     }
   }
   auto add_peers = [](const std::vector<PeerInfo>& peers,

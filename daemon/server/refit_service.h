@@ -6,6 +6,7 @@
 //
 // Thread-safety: gRPC calls the handlers from its own threads, concurrently.
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -16,6 +17,7 @@
 #include "daemon/callers/caller.h"
 #include "daemon/callers/fd_tokens.h"
 #include "daemon/fleet/replicas.h"
+#include "daemon/rl/parts.h"
 #include "daemon/server/leases.h"
 #include "daemon/server/owners.h"
 #include "daemon/server/server_metrics.h"
@@ -54,7 +56,16 @@ struct ServiceContext {
   std::function<std::vector<PeerInfo>()> pulled_by;  // daemons subscribed here; may be empty
   // What only the Daemon knows: bound ports, transfers in flight.
   std::function<void(v1::StatusResponse*)> add_runtime;  // may be empty
+  // Labels, staleness budgets and timelines (daemon/rl); null members: not kept.
+  rl::Parts rl;
+  // Every other node's timeline of a model (rl::GatherTimelines); may be empty.
+  std::function<std::vector<v1::NodeTimeline>(const std::string& model, uint64_t version)>
+      gather_timeline;
 };
+
+// When a waiting RPC answers so that its reason reaches the caller before the caller's own
+// deadline fires (refit_service.cc).
+Clock::time_point AnswerBy(const grpc::ServerContext& context);
 
 class RefitService final : public v1::Refit::Service {
  public:
@@ -87,6 +98,9 @@ class RefitService final : public v1::Refit::Service {
                            v1::RenewLeasesResponse* response) override;
   grpc::Status Verify(grpc::ServerContext* context, const v1::VerifyRequest* request,
                       v1::VerifyResponse* response) override;
+  // refit_service_rl.cc
+  grpc::Status Timeline(grpc::ServerContext* context, const v1::TimelineRequest* request,
+                        v1::TimelineResponse* response) override;
 
  private:
   // PERMISSION_DENIED unless the caller registered every one of `ids` (what: "publish", ...).
@@ -94,6 +108,18 @@ class RefitService final : public v1::Refit::Service {
                           const char* what) const;
   // Counts a long-lived call `rpc` against the caller's budget (an empty hold when unbounded).
   absl::StatusOr<callers::CallBudget::Hold> HoldCall(const char* rpc) const;
+  // ---- RL semantics (refit_service_rl.cc) ----
+  // Publish's checks before anything is published: the labels' size, a staleness budget on a
+  // model with replicas. The labels are set for the version (first publisher's win).
+  absl::Status BeforePublish(const v1::PublishRequest& request, bool* labels_set);
+  // After the snapshot: the timeline, the model's budget, and (max_staleness > 0) the wait
+  // until every replica holds version - max_staleness, answered before `context`'s deadline.
+  absl::Status AfterPublish(grpc::ServerContext* context, const v1::PublishRequest& request,
+                            uint64_t version, std::chrono::steady_clock::time_point started);
+  // What Status shows of labels and staleness for `model`.
+  void AddRlStatus(v1::ModelStatus* model) const;
+  // A VersionEvent's labels and staleness fields for `version` of `model`.
+  void FillEvent(v1::VersionEvent* event) const;
   // Converts, counts errors by code, and logs client errors at debug level.
   grpc::Status Finish(const char* rpc, const absl::Status& status);
 

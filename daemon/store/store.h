@@ -267,6 +267,10 @@ class StoreEvents {
   virtual void OnPullNeeded(const PullJob& /*job*/) {}
   // `version` of `model` became complete on this node (visible to WaitForVersion and Apply).
   virtual void OnVersionComplete(const std::string& /*model*/, uint64_t /*version*/) {}
+  // `version` of `model` was quantized for this node's fp8 destinations, in `seconds` (just
+  // before it completes).
+  virtual void OnVersionQuantized(const std::string& /*model*/, uint64_t /*version*/,
+                                  double /*seconds*/) {}
 
   // True when the listener reads local versions' snapshots (other nodes pull them, deltas
   // are encoded from them, the bucket exports them): the store keeps the newest --retain

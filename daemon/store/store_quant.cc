@@ -373,6 +373,9 @@ void Store::RunQuantizer() {
       }
       log->info("model={} version={} quantized {} fp8 boxes in {:.3f} s", name, version->number,
                 batch->jobs().size(), seconds);
+      for (StoreEvents* listener : listeners_) {
+        listener->OnVersionQuantized(name, version->number, seconds);
+      }
       PublishVersion(*model, version);
     }
     TryComplete(*model);

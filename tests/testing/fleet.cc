@@ -100,6 +100,13 @@ absl::StatusOr<std::unique_ptr<Network>> Network::Create(const std::string& pref
   return net;
 }
 
+absl::Status Network::SetRate(int node, const std::string& rate) {
+  const std::string tbf = " root tbf rate " + rate + " burst 256kb latency 20ms";
+  absl::Status s = Run("ip netns exec " + Namespace(node) + " tc qdisc replace dev eth0" + tbf);
+  if (!s.ok()) return s;
+  return Run(absl::StrCat("ip netns exec ", prefix_, "-sw tc qdisc replace dev p", node, tbf));
+}
+
 Network::~Network() {
   for (int i = 0; i < nodes_; ++i) (void)Run("ip netns del " + Namespace(i));
   if (switch_made_) (void)Run("ip netns del " + prefix_ + "-sw");

@@ -45,6 +45,8 @@ class Network {
 
   std::string Ip(int node) const;
   std::string SwitchNamespace() const { return prefix_ + "-sw"; }
+  // Node i's link (both directions) limited to `rate` from now on (tc tbf syntax).
+  absl::Status SetRate(int node, const std::string& rate);
   // The command prefix that runs a program in node i's namespace.
   std::vector<std::string> In(int node) const;
   // What node i's daemon needs in its environment (UCX over eth0 only).

@@ -14,7 +14,7 @@ import stat
 import sys
 import threading
 import time
-from typing import Iterable, Iterator, List, Optional, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Union
 
 import grpc
 import torch
@@ -398,14 +398,31 @@ class Client:
     # ---- versions ----
 
     def publish(self, model: str, version: int,
-                buffers: Union[BufferArg, Iterable[BufferArg]]) -> refit_pb2.PublishResponse:
+                buffers: Union[BufferArg, Iterable[BufferArg]], *,
+                labels: Optional[Dict[str, str]] = None, max_staleness: int = 0,
+                timeout: Optional[float] = None) -> refit_pb2.PublishResponse:
         """The SOURCE `buffers` now hold `version`; returns once the daemon has snapshotted
-        them (`.version`, `.bytes`), so their tensors may be overwritten at once."""
+        them (`.version`, `.bytes`), so their tensors may be overwritten at once.
+
+        `labels`: the trainer's metadata for the version (step, run id, wall time, a label:
+        at most 1 KiB of keys and values, else refit.InvalidArgumentError and nothing is
+        published), delivered with it to every engine's `watch()` (`event.labels`) and shown
+        in `status()` (`ModelStatus.version_labels`). Values are turned into strings.
+
+        `max_staleness` = k > 0: a staleness budget. The call then also waits (up to
+        `timeout` seconds, default the client's call timeout) until every replica of the
+        model (the nodes with DESTINATION buffers for it) holds `version` - k or newer;
+        refit.DeadlineExceededError naming the replicas behind otherwise (the version is
+        published all the same). refit.FailedPreconditionError, nothing published, when no
+        replica of the model has reported to this node.
+        """
         buffers = list(buffers) if not isinstance(buffers, (str, buffer_lib.Buffer)) else buffers
         _sync_cuda(buffers)
         ids = _buffer_ids(buffers)
+        labels = {str(k): str(v) for k, v in (labels or {}).items()}
         return self._call("Publish", lambda: refit_pb2.PublishRequest(
-            model=model, version=version, buffer_ids=self._ids(ids)))
+            model=model, version=version, buffer_ids=self._ids(ids), labels=labels,
+            max_staleness=max_staleness), timeout=timeout)
 
     def wait_for_version(self, model: str, min_version: int = 1,
                          timeout: Optional[float] = None) -> int:
@@ -458,6 +475,15 @@ class Client:
         """A stream of the versions of `model` completing on this node from now on; with
         `after_version` > 0, first the retained complete versions newer than it."""
         return Watch(self._stub, model, after_version, timeout, client=self)
+
+    def timeline(self, model: str, version: int = 0,
+                 local: bool = False) -> refit_pb2.TimelineResponse:
+        """Each node's stages of `model`'s `version` (0: every version the nodes remember):
+        `.nodes[i].node`, `.versions[j].stages[k]` (`.stage`, `.start_us`, `.end_us`,
+        `.detail`), from this node and every node reachable from it (`local`: this node only),
+        as `refitctl timeline` shows them."""
+        return self._call("Timeline", refit_pb2.TimelineRequest(model=model, version=version,
+                                                                 local=local))
 
     def status(self) -> refit_pb2.StatusResponse:
         """What `refitctl status` shows: node, peers, models, buffers, metrics."""

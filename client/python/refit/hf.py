@@ -49,7 +49,8 @@ class PublishCallback(TrainerCallback):
         if self.publisher is None or state.global_step % self.every:
             return
         version = state.global_step + self.version_offset
-        response = self.publisher.publish(version)
+        # Provenance: the engines see which training step made the version (event.labels).
+        response = self.publisher.publish(version, labels={"step": str(state.global_step)})
         self.published.append((version, response.bytes if response is not None else 0))
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -615,9 +615,13 @@ class Publisher:
 
     # ---- the public methods ----
 
-    def publish(self, version: int, timeout: Optional[float] = None):
+    def publish(self, version: int, timeout: Optional[float] = None, *,
+                labels: Optional[Dict[str, str]] = None, max_staleness: int = 0):
         """Snapshots this rank's part as `version` (refitd copies it before this returns);
-        returns the PublishResponse (None on a rank that holds nothing to publish)."""
+        returns the PublishResponse (None on a rank that holds nothing to publish).
+
+        `labels` and `max_staleness`: as `refit.Client.publish` (the trainer's metadata for the
+        version, delivered with it to the engines; a staleness budget to wait for)."""
         if self.released:
             raise PublisherError(f"rank {self.rank}: publish({version}) after release()")
         if self._check_peers and self._group is not None:
@@ -650,6 +654,9 @@ class Publisher:
             self.rehomes += 1
         if not self.buffers:
             return None
+        if labels or max_staleness:
+            return self.client.publish(self.model, version, self.buffers, labels=labels,
+                                       max_staleness=max_staleness)
         return self.client.publish(self.model, version, self.buffers)
 
     def _release_buffers(self) -> None:

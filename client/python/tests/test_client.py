@@ -5,6 +5,7 @@ import itertools
 import os
 import sys
 import threading
+import time
 import unittest
 
 import grpc
@@ -305,6 +306,60 @@ class WatchTest(DaemonTestCase):
         self.assertEqual([next(watch).version, next(watch).version], [2, 3])
         threading.Timer(0.2, watch.cancel).start()
         self.assertEqual(list(watch), [])
+
+
+class RlSemanticsTest(DaemonTestCase):
+    """Labels, the staleness budget and the timeline on one node (its engine is a replica)."""
+
+    def test_labels_reach_watch_and_status(self):
+        model = fresh_model("labels")
+        src = self.register(model, refit.SOURCE, {"w": torch.ones(4, 4)})
+        self.register(model, refit.DESTINATION, {"w": torch.zeros(4, 4)})
+        with self.client.watch(model) as watch:
+            self.client.publish(model, 1, [src], labels={"step": 17, "run": "grpo"})
+            event = next(watch)
+        self.assertEqual(event.version, 1)
+        self.assertEqual(dict(event.labels), {"step": "17", "run": "grpo"})
+        status = next(m for m in self.client.status().models if m.model == model)
+        self.assertEqual([(v.version, dict(v.labels)) for v in status.version_labels],
+                         [(1, {"step": "17", "run": "grpo"})])
+        with self.assertRaises(refit.InvalidArgumentError):
+            self.client.publish(model, 2, [src], labels={"note": "x" * 1021})
+        status = next(m for m in self.client.status().models if m.model == model)
+        self.assertEqual(status.latest_version, 1)  # nothing published
+
+    def test_staleness_budget(self):
+        model = fresh_model("stale")
+        src = self.register(model, refit.SOURCE, {"w": torch.ones(4, 4)})
+        with self.assertRaises(refit.FailedPreconditionError):
+            self.client.publish(model, 1, [src], max_staleness=1)  # no replica yet
+        self.register(model, refit.DESTINATION, {"w": torch.zeros(4, 4)})
+        # The engine's node reports itself as a replica within a second.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.client.publish(model, 1, [src], max_staleness=1)
+                break
+            except refit.FailedPreconditionError:
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.1)
+        self.client.publish(model, 2, [src], max_staleness=1, timeout=10)
+        status = next(m for m in self.client.status().models if m.model == model)
+        self.assertEqual(status.max_staleness, 1)
+        self.assertEqual(status.published_version, 2)
+        self.assertFalse(status.stale)
+        self.assertEqual([r.stale for r in status.replicas], [False])
+
+    def test_timeline(self):
+        model = fresh_model("timeline")
+        src = self.register(model, refit.SOURCE, {"w": torch.ones(4, 4)})
+        dst = self.register(model, refit.DESTINATION, {"w": torch.zeros(4, 4)})
+        self.client.publish(model, 1, [src])
+        self.client.apply(model, [dst], version=1)
+        timeline = self.client.timeline(model, 1)
+        self.assertEqual(len(timeline.nodes), 1)
+        stages = [s.stage for s in timeline.nodes[0].versions[0].stages]
+        self.assertEqual(stages, ["published", "complete", "applied"])
 
 
 class ErrorMappingTest(unittest.TestCase):
