@@ -9,6 +9,10 @@
 //   refitctl health            SERVING / NOT_SERVING
 //   refitctl drop MODEL        releases a model's held versions and forgets it (no buffers left)
 //   refitctl release BUFFER_ID releases a registered buffer (an operator cleaning up)
+//   refitctl rollback MODEL VERSION
+//                              every node with the model's DESTINATION buffers goes back to a
+//                              retained VERSION; newer versions are held back until resume
+//   refitctl resume MODEL      ends a rollback: the newest version is the target again
 //   refitctl verify MODEL      compares the engine's destination bytes with the version each
 //                              buffer holds (exit 1 naming the tensors that differ)
 //   refitctl --version
@@ -164,6 +168,23 @@ void PrintStatus(const v1::StatusResponse& status) {
       std::cout << absl::StrFormat("  version %d abandoned: %s\n", m.abandoned_version(),
                                    m.abandoned_error());
     }
+    if (!m.run().empty()) {
+      std::cout << "  run: " << m.run()
+                << (m.past_runs().empty()
+                        ? std::string()
+                        : absl::StrCat(" (after ", absl::StrJoin(m.past_runs(), ", "), ")"))
+                << "\n";
+    }
+    if (m.rollback_version() != 0) {
+      std::cout << absl::StrFormat(
+          "  rolled back to version %d: newer versions are held back until `refitctl resume "
+          "%s`\n",
+          m.rollback_version(), m.model());
+    }
+    if (m.skipped_version() != 0) {
+      std::cout << absl::StrFormat("  version %d skipped: %s\n", m.skipped_version(),
+                                   m.skipped_reason());
+    }
     for (const auto& b : m.buffers()) {
       std::cout << absl::StrFormat(
           "  %-34s %-11s %-4s %10s %5d tensors  client=%s%s\n", b.buffer_id(),
@@ -176,6 +197,8 @@ void PrintStatus(const v1::StatusResponse& status) {
     }
   }
 }
+
+std::string JsonString(const std::string& text);
 
 std::string Bar(uint64_t done, uint64_t total) {
   const int width = 30;
@@ -216,10 +239,17 @@ int Watch(Client& client, const std::string& model, bool json) {
       if (bar_shown) std::cout << "\r\033[K";
       bar_shown = false;
       if (json) {
-        std::cout << "{\"model\": \"" << event.model() << "\", \"version\": " << event.version()
-                  << "}" << std::endl;
+        std::cout << "{\"model\": " << JsonString(event.model())
+                  << ", \"version\": " << event.version()
+                  << ", \"rollback\": " << (event.rollback() ? "true" : "false")
+                  << ", \"run\": " << JsonString(event.run()) << "}" << std::endl;
+      } else if (event.rollback()) {
+        std::cout << event.model() << " version " << event.version()
+                  << " rollback (newer versions held back until resume)" << std::endl;
       } else {
-        std::cout << event.model() << " version " << event.version() << " complete" << std::endl;
+        std::cout << event.model() << " version " << event.version() << " complete"
+                  << (event.run().empty() ? std::string() : " (run " + event.run() + ")")
+                  << std::endl;
       }
     }
     if (done) break;
@@ -280,7 +310,9 @@ int PrintReplicas(const v1::ModelStatus& model, bool json) {
       std::cout << (i ? ",\n " : "\n ") << "{\"node\": " << JsonString(r.node())
                 << ", \"latest_version\": " << r.latest_version()
                 << ", \"behind\": " << newest - r.latest_version()
-                << ", \"relay\": " << (r.relay() ? "true" : "false") << "}";
+                << ", \"relay\": " << (r.relay() ? "true" : "false")
+                << ", \"rollback_version\": " << r.rollback_version()
+                << ", \"rolled_back\": " << (r.rolled_back() ? "true" : "false") << "}";
     }
     std::cout << (model.replicas_size() ? "\n]\n" : "]\n");
     return 0;
@@ -292,8 +324,13 @@ int PrintReplicas(const v1::ModelStatus& model, bool json) {
   }
   std::cout << absl::StrFormat("%-32s %10s %8s %s\n", "node", "latest", "behind", "relay");
   for (const auto& r : model.replicas()) {
-    std::cout << absl::StrFormat("%-32s %10d %8d %s\n", r.node(), r.latest_version(),
-                                 newest - r.latest_version(), r.relay() ? "yes" : "no");
+    std::cout << absl::StrFormat(
+        "%-32s %10d %8d %s%s\n", r.node(), r.latest_version(), newest - r.latest_version(),
+        r.relay() ? "yes" : "no",
+        r.rollback_version() == 0
+            ? std::string()
+            : absl::StrFormat("   rollback to %d: %s", r.rollback_version(),
+                              r.rolled_back() ? "applied" : "not applied yet"));
   }
   return 0;
 }
@@ -376,6 +413,14 @@ int main(int argc, char** argv) {
                          "compare MODEL's destination buffers on this node with the version "
                          "their last Apply installed (exit 1 naming the tensors that differ)");
   verify_cmd->add_option("MODEL", model, "model name")->required();
+  uint64_t rollback_version = 0;
+  auto* rollback_cmd = add("rollback",
+                           "every node with MODEL's DESTINATION buffers goes back to the retained "
+                           "VERSION (engines apply it); newer versions are held back until resume");
+  rollback_cmd->add_option("MODEL", model, "model name")->required();
+  rollback_cmd->add_option("VERSION", rollback_version, "a version still retained")->required();
+  auto* resume_cmd = add("resume", "end MODEL's rollback: the newest version is the target again");
+  resume_cmd->add_option("MODEL", model, "model name")->required();
   CLI11_PARSE(app, argc, argv);
   const bool json = flags.json;
 
@@ -394,6 +439,28 @@ int main(int argc, char** argv) {
     return *healthy ? 0 : kExitError;
   }
   if (drop_cmd->parsed()) return Drop(**client, model, json);
+  if (rollback_cmd->parsed()) {
+    auto rolled = (*client)->Rollback(model, rollback_version);
+    if (!rolled.ok()) return Fail(rolled.status());
+    if (json) {
+      std::cout << "{\"model\": " << JsonString(model) << ", \"rollback_version\": " << *rolled
+                << "}\n";
+    } else {
+      std::cout << model << " rolled back to version " << *rolled
+                << "; newer versions are held back until `refitctl resume " << model << "`\n";
+    }
+    return 0;
+  }
+  if (resume_cmd->parsed()) {
+    absl::Status resumed = (*client)->Resume(model);
+    if (!resumed.ok()) return Fail(resumed);
+    if (json) {
+      std::cout << "{\"model\": " << JsonString(model) << ", \"resumed\": true}\n";
+    } else {
+      std::cout << model << " resumed: the newest version is the target again\n";
+    }
+    return 0;
+  }
   if (verify_cmd->parsed()) {
     auto verified = (*client)->Verify(model);
     if (!verified.ok()) return Fail(verified.status());

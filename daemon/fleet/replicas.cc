@@ -22,7 +22,7 @@ absl::Status ReplicaTable::Report(const std::string& node, bool relay,
     n.relay = relay;
     n.heard = now_();
     n.latest.clear();
-    for (const ReplicaEntry& e : entries) n.latest[e.model] = e.latest_version;
+    for (ReplicaEntry& e : entries) n.latest[e.model] = std::move(e);
   }
   changed_.NotifyAll();
   return absl::OkStatus();
@@ -59,7 +59,8 @@ std::vector<Replica> ReplicaTable::LiveLocked(const std::string& model) const {
     if (now - node.heard > kReplicaTtl) continue;
     auto it = node.latest.find(model);
     if (it == node.latest.end()) continue;
-    out.push_back({name, it->second, node.relay});
+    out.push_back({name, it->second.latest_version, node.relay, it->second.rollback_version,
+                   it->second.rolled_back});
   }
   return out;  // map order: sorted by node
 }
@@ -90,9 +91,13 @@ absl::StatusOr<ReplicasReached> ReplicaTable::WaitFor(const std::string& model, 
     reached.version = UINT64_MAX;
     std::vector<std::string> behind;
     for (const Replica& r : live) {
-      if (r.latest_version >= version && r.latest_version > 0) {
+      const uint64_t at = r.Effective();
+      if (at >= version && at > 0) {
         reached.nodes.push_back(r.node);
-        reached.version = std::min(reached.version, r.latest_version);
+        reached.version = std::min(reached.version, at);
+      } else if (r.rollback_version != 0) {
+        behind.push_back(absl::StrCat(r.node, " rolling back to ", r.rollback_version,
+                                      " (not applied there yet)"));
       } else {
         behind.push_back(absl::StrCat(r.node, " at ", r.latest_version));
       }

@@ -29,12 +29,24 @@ inline constexpr size_t kMaxReplicaNodes = 4096;
 struct ReplicaEntry {
   std::string model;
   uint64_t latest_version = 0;  // newest complete version there (0: none yet)
+  // Rollback: the version the node holds the model back to (0: none), and whether every
+  // DESTINATION buffer of it there holds that version.
+  uint64_t rollback_version = 0;
+  bool rolled_back = false;
 };
 
 struct Replica {
   std::string node;
   uint64_t latest_version = 0;
   bool relay = false;  // serves what it pulled to other nodes
+  uint64_t rollback_version = 0;
+  bool rolled_back = false;
+  // What WaitForReplicas counts: latest_version, or during a rollback the rollback version once
+  // the node's destinations hold it (0 before).
+  uint64_t Effective() const {
+    if (rollback_version == 0) return latest_version;
+    return rolled_back ? rollback_version : 0;
+  }
 };
 
 struct ReplicasReached {
@@ -60,7 +72,9 @@ class ReplicaTable {
   std::vector<std::string> Relays(const std::string& model) const;
 
   // Blocks until `version` or newer is complete on at least `min_nodes` live replicas of
-  // `model` (0: on all of them, and at least one). DEADLINE_EXCEEDED past `deadline` (the
+  // `model` (0: on all of them, and at least one). A replica rolled back (Rollback) counts with
+  // its rollback version once every DESTINATION buffer there holds it, and not before
+  // (Replica::Effective): the fleet is back when each replica applied it. DEADLINE_EXCEEDED past `deadline` (the
   // message says which replicas are behind), CANCELLED when `cancelled()`, UNAVAILABLE after
   // Shutdown.
   absl::StatusOr<ReplicasReached> WaitFor(const std::string& model, uint64_t version,
@@ -74,7 +88,7 @@ class ReplicaTable {
   struct Node {
     bool relay = false;
     Clock::time_point heard;
-    std::map<std::string, uint64_t> latest;  // model -> version
+    std::map<std::string, ReplicaEntry> latest;  // by model
   };
   std::vector<Replica> LiveLocked(const std::string& model) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

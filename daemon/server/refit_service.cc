@@ -206,17 +206,28 @@ grpc::Status RefitService::Publish(grpc::ServerContext*, const v1::PublishReques
   if (absl::Status owned = CheckOwner(request->buffer_ids(), "publish"); !owned.ok()) {
     return Finish("Publish", owned);
   }
-  // A number the model used before (in this process or, with --state-dir, an earlier one) is
-  // refused: engines' nodes would take it for the version they hold.
-  if (context_.ledger && request->version() > 0) {
-    absl::Status fresh = context_.ledger->Check(request->model(), request->version());
-    if (!fresh.ok()) return Finish("Publish", fresh);
+  if (request->run().size() > kMaxNameBytes) {
+    return Finish("Publish", absl::InvalidArgumentError(absl::StrCat(
+                                 "run of ", request->run().size(), " bytes is longer than ",
+                                 kMaxNameBytes)));
   }
-  auto result =
-      context_.store->Publish(request->model(), request->version(), Ids(request->buffer_ids()));
+  // A number the model used before (in this process or, with --state-dir, an earlier one) is
+  // refused: engines' nodes would take it for the version they hold. Unless the Publish names
+  // a new run (a resume from a checkpoint): its numbers may restart.
+  if (context_.ledger && request->version() > 0) {
+    absl::Status fresh =
+        context_.ledger->Check(request->model(), request->version(), request->run());
+    if (!fresh.ok()) return Finish("Publish", fresh);
+    // After a restart the store learns the model's run from --state-dir.
+    context_.store->SeedRun(request->model(), context_.ledger->Run(request->model()),
+                            context_.ledger->PastRuns(request->model()));
+  }
+  auto result = context_.store->Publish(request->model(), request->version(),
+                                        Ids(request->buffer_ids()), request->run());
   if (!result.ok()) return Finish("Publish", result.status());
   if (context_.ledger) {
-    absl::Status saved = context_.ledger->Record(request->model(), result->version);
+    absl::Status saved =
+        context_.ledger->Record(request->model(), result->version, request->run());
     if (!saved.ok()) {
       // The version is published; only a restart could now reuse its number.
       Logger("server")->error("model={} version={} published, but not remembered: {}",
@@ -254,10 +265,13 @@ grpc::Status RefitService::WaitForVersion(grpc::ServerContext* context,
   // (e.g. "no node has SOURCE buffers") rather than its own bare DEADLINE_EXCEEDED.
   auto hold = HoldCall("WaitForVersion");
   if (!hold.ok()) return Finish("WaitForVersion", hold.status());
-  auto version = context_.store->WaitForVersion(request->model(), request->min_version(),
-                                                AnswerBy(*context), CancelledOf(context));
-  if (!version.ok()) return Finish("WaitForVersion", version.status());
-  response->set_version(*version);
+  auto target = context_.store->WaitForTarget(request->model(), request->min_version(),
+                                              request->run(), AnswerBy(*context),
+                                              CancelledOf(context));
+  if (!target.ok()) return Finish("WaitForVersion", target.status());
+  response->set_version(target->version);
+  response->set_run(target->run);
+  response->set_rollback(target->rollback);
   return grpc::Status::OK;
 }
 
@@ -281,24 +295,25 @@ grpc::Status RefitService::Watch(grpc::ServerContext* context, const v1::WatchRe
   }
   auto hold = HoldCall("Watch");
   if (!hold.ok()) return Finish("Watch", hold.status());
-  uint64_t after = request->after_version();
-  if (after == 0) after = context_.store->LatestVersion(request->model());
+  // Events (store_versions.cc): each version that becomes the target, a rollback, a resume.
+  uint64_t cursor = context_.store->WatchCursor(request->model(), request->after_version());
   // Initial metadata tells the client the watch is in place: nothing completing from now on
   // can be missed.
   writer->SendInitialMetadata();
   while (true) {
-    auto versions = context_.store->WaitForCompletions(
-        request->model(), after, SteadyDeadline(*context), CancelledOf(context));
-    if (!versions.ok()) {
-      if (versions.status().code() == absl::StatusCode::kCancelled) return grpc::Status::OK;
-      return Finish("Watch", versions.status());
+    auto targets = context_.store->WaitForEvents(request->model(), &cursor,
+                                                 SteadyDeadline(*context), CancelledOf(context));
+    if (!targets.ok()) {
+      if (targets.status().code() == absl::StatusCode::kCancelled) return grpc::Status::OK;
+      return Finish("Watch", targets.status());
     }
-    for (uint64_t v : *versions) {
+    for (const VersionTarget& t : *targets) {
       v1::VersionEvent event;
       event.set_model(request->model());
-      event.set_version(v);
+      event.set_version(t.version);
+      event.set_rollback(t.rollback);
+      event.set_run(t.run);
       if (!writer->Write(event)) return grpc::Status::OK;  // the client went away
-      after = v;
     }
   }
 }
@@ -327,6 +342,8 @@ grpc::Status RefitService::Status(grpc::ServerContext*, const v1::StatusRequest*
       replica->set_node(r.node);
       replica->set_latest_version(r.latest_version);
       replica->set_relay(r.relay);
+      replica->set_rollback_version(r.rollback_version);
+      replica->set_rolled_back(r.rolled_back);
     }
   }
   auto add_peers = [](const std::vector<PeerInfo>& peers,

@@ -52,6 +52,11 @@ struct ServiceContext {
   state::VersionLedger* ledger = nullptr;            // not owned
   std::function<std::vector<PeerInfo>()> peers;      // may be empty
   std::function<std::vector<PeerInfo>()> pulled_by;  // daemons subscribed here; may be empty
+  // Rollback (version > 0) or Resume (0) told to the nodes with SOURCE buffers of a model
+  // (PeerManager::ForwardHold); empty: this node alone.
+  std::function<absl::Status(const std::string& model, uint64_t version,
+                             const std::vector<std::string>& nodes)>
+      forward_hold;
   // What only the Daemon knows: bound ports, transfers in flight.
   std::function<void(v1::StatusResponse*)> add_runtime;  // may be empty
 };
@@ -87,6 +92,11 @@ class RefitService final : public v1::Refit::Service {
                            v1::RenewLeasesResponse* response) override;
   grpc::Status Verify(grpc::ServerContext* context, const v1::VerifyRequest* request,
                       v1::VerifyResponse* response) override;
+  // refit_service_versions.cc
+  grpc::Status Rollback(grpc::ServerContext* context, const v1::RollbackRequest* request,
+                        v1::RollbackResponse* response) override;
+  grpc::Status Resume(grpc::ServerContext* context, const v1::ResumeRequest* request,
+                      v1::ResumeResponse* response) override;
 
  private:
   // PERMISSION_DENIED unless the caller registered every one of `ids` (what: "publish", ...).
