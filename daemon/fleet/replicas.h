@@ -74,9 +74,9 @@ class ReplicaTable {
   // Blocks until `version` or newer is complete on at least `min_nodes` live replicas of
   // `model` (0: on all of them, and at least one). A replica rolled back (Rollback) counts with
   // its rollback version once every DESTINATION buffer there holds it, and not before
-  // (Replica::Effective): the fleet is back when each replica applied it. DEADLINE_EXCEEDED past `deadline` (the
-  // message says which replicas are behind), CANCELLED when `cancelled()`, UNAVAILABLE after
-  // Shutdown.
+  // (Replica::Effective): the fleet is back when each replica applied it. DEADLINE_EXCEEDED past
+  // `deadline` (the message says which replicas are behind), CANCELLED when `cancelled()`,
+  // UNAVAILABLE after Shutdown.
   absl::StatusOr<ReplicasReached> WaitFor(const std::string& model, uint64_t version,
                                           uint32_t min_nodes, Clock::time_point deadline,
                                           const std::function<bool()>& cancelled);

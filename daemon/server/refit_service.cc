@@ -207,9 +207,9 @@ grpc::Status RefitService::Publish(grpc::ServerContext*, const v1::PublishReques
     return Finish("Publish", owned);
   }
   if (request->run().size() > kMaxNameBytes) {
-    return Finish("Publish", absl::InvalidArgumentError(absl::StrCat(
-                                 "run of ", request->run().size(), " bytes is longer than ",
-                                 kMaxNameBytes)));
+    return Finish("Publish",
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "run of ", request->run().size(), " bytes is longer than ", kMaxNameBytes)));
   }
   // A number the model used before (in this process or, with --state-dir, an earlier one) is
   // refused: engines' nodes would take it for the version they hold. Unless the Publish names
@@ -226,8 +226,7 @@ grpc::Status RefitService::Publish(grpc::ServerContext*, const v1::PublishReques
                                         Ids(request->buffer_ids()), request->run());
   if (!result.ok()) return Finish("Publish", result.status());
   if (context_.ledger) {
-    absl::Status saved =
-        context_.ledger->Record(request->model(), result->version, request->run());
+    absl::Status saved = context_.ledger->Record(request->model(), result->version, request->run());
     if (!saved.ok()) {
       // The version is published; only a restart could now reuse its number.
       Logger("server")->error("model={} version={} published, but not remembered: {}",
@@ -267,7 +266,7 @@ grpc::Status RefitService::WaitForVersion(grpc::ServerContext* context,
   if (!hold.ok()) return Finish("WaitForVersion", hold.status());
   auto target = context_.store->WaitForTarget(request->model(), request->min_version(),
                                               request->run(), AnswerBy(*context),
-                                              CancelledOf(context));
+                                              CancelledOf(context), request->applied_version());
   if (!target.ok()) return Finish("WaitForVersion", target.status());
   response->set_version(target->version);
   response->set_run(target->run);

@@ -74,8 +74,7 @@ grpc::Status RefitService::Rollback(grpc::ServerContext* context,
                                    FollowDeadline(*context))) {
     return Finish("Rollback", absl::UnavailableError(absl::StrCat(
                                   "model ", request->model(), ": rollback to version ",
-                                  request->version(), " was told to ",
-                                  absl::StrJoin(sources, ", "),
+                                  request->version(), " was told to ", absl::StrJoin(sources, ", "),
                                   " but has not come back to this node yet; `refitctl status` "
                                   "shows the model's rollback version once it has")));
   }

@@ -98,8 +98,8 @@ absl::StatusOr<std::unique_ptr<VersionLedger>> VersionLedger::Open(const std::st
     e.newest = entry["newest_published"].get<uint64_t>();
     // The trainer's run (PublishRequest.run) and the runs left: optional keys.
     if (entry.contains("run")) {
-      if (!entry["run"].is_string()) return invalid(absl::StrCat("model '", name.substr(0, 64),
-                                                                 "': run is not a string"));
+      if (!entry["run"].is_string())
+        return invalid(absl::StrCat("model '", name.substr(0, 64), "': run is not a string"));
       e.run = entry["run"].get<std::string>();
     }
     if (entry.contains("past_runs")) {
@@ -108,7 +108,8 @@ absl::StatusOr<std::unique_ptr<VersionLedger>> VersionLedger::Open(const std::st
       }
       for (const auto& r : entry["past_runs"]) {
         if (!r.is_string()) {
-          return invalid(absl::StrCat("model '", name.substr(0, 64), "': a past run is not a string"));
+          return invalid(
+              absl::StrCat("model '", name.substr(0, 64), "': a past run is not a string"));
         }
         e.past_runs.push_back(r.get<std::string>());
       }
@@ -139,8 +140,10 @@ absl::Status VersionLedger::Check(const std::string& model, uint64_t version,
       "on this node is ", entry.newest,
       path_.empty() ? std::string() : absl::StrCat(" (remembered across restarts in ", path_, ")"),
       "; engines' nodes hold that number already and would skip this one. Publish ",
-      entry.newest + 1, " or later (resume the step count), or name a new run (PublishRequest.run: ",
-      "a resume from a checkpoint), whose versions engines follow even below ", entry.newest));
+      entry.newest + 1,
+      " or later (resume the step count), or name a new run (PublishRequest.run: ",
+      "a resume from a checkpoint), whose versions engines follow even below ", entry.newest,
+      ", or start over at 1 with `refitctl drop ", model, "` once no buffer of it is registered"));
 }
 
 absl::Status VersionLedger::Record(const std::string& model, uint64_t version,

@@ -63,8 +63,8 @@ class VersionLedger {
 
   struct Entry {
     uint64_t newest = 0;
-    bool this_process = false;  // `newest` was published since this process started
-    std::string run;                  // the trainer's current run ("": none named)
+    bool this_process = false;           // `newest` was published since this process started
+    std::string run;                     // the trainer's current run ("": none named)
     std::vector<std::string> past_runs;  // runs left, oldest first
   };
   const std::string path_;

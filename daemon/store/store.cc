@@ -244,10 +244,9 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
                                                       version, " was being published"));
   }
   if (model->run != run) {
-    return absl::FailedPreconditionError(absl::StrCat("model ", model_name, ": run ", run,
-                                                      " was replaced by run ", model->run,
-                                                      " while version ", version,
-                                                      " was being published"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("model ", model_name, ": run ", run, " was replaced by run ", model->run,
+                     " while version ", version, " was being published"));
   }
   if (version <= model->latest) {
     // Another buffer's publish completed a newer version meanwhile; this one can't complete.
@@ -449,7 +448,7 @@ absl::StatusOr<uint64_t> Store::WaitForVersion(const std::string& model_name, ui
 absl::StatusOr<VersionTarget> Store::WaitForTarget(const std::string& model_name,
                                                    uint64_t min_version, const std::string& run,
                                                    Clock::time_point deadline,
-                                                   const CancelledFn& cancelled) {
+                                                   const CancelledFn& cancelled, uint64_t applied) {
   common::UniqueLock lock(mu_);
   uint64_t latest = 0;
   VersionTarget out;
@@ -465,9 +464,11 @@ absl::StatusOr<VersionTarget> Store::WaitForTarget(const std::string& model_name
         out.run = model->run;
         // A new run (or a resume from a checkpoint) restarts its numbers: the caller hears of
         // its versions even below min_version, never waits past them.
-        const bool new_run = (!run.empty() && model->run != run) ||
-                             (run_at_start && *run_at_start != model->run);
-        return latest >= min_version || new_run;
+        const bool new_run =
+            (!run.empty() && model->run != run) || (run_at_start && *run_at_start != model->run);
+        // An engine on another version than the rollback's hears it must go back.
+        const bool go_back = model->hold != 0 && applied != 0 && applied != model->hold;
+        return latest >= min_version || new_run || go_back;
       });
   if (status.code() == absl::StatusCode::kDeadlineExceeded) {
     const Model* model = FindModel(model_name);

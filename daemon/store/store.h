@@ -358,10 +358,11 @@ class Store {
   // True when every DESTINATION buffer of `model` here holds `version` (applied_version).
   bool AllApplied(const std::string& model, uint64_t version) const;
   // Blocks until the model's target (the hold, else its newest complete version) is >=
-  // min_version, or its run differs from `run` (non-empty), and returns it.
+  // min_version, or its run differs from `run` (non-empty) or from the run at the call's start,
+  // or the model is held back to another version than `applied` (non-zero); returns it.
   absl::StatusOr<VersionTarget> WaitForTarget(const std::string& model, uint64_t min_version,
                                               const std::string& run, Clock::time_point deadline,
-                                              const CancelledFn& cancelled);
+                                              const CancelledFn& cancelled, uint64_t applied = 0);
   // Watch: where a watch of `model` starts. after_version 0: live events only (a hold in force
   // is delivered first); otherwise the retained complete versions of the current run newer than
   // after_version are replayed first.

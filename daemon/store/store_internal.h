@@ -88,7 +88,7 @@ struct Store::Piece {
 
 struct Store::Version {
   uint64_t number = 0;
-  std::string run;  // the trainer's run it belongs to (Model::run when it completed)
+  std::string run;            // the trainer's run it belongs to (Model::run when it completed)
   std::vector<Piece> pieces;  // sorted by buffer id
   std::string layout_key;     // the piece buffer ids: equal keys mean equal source layouts
   uint64_t bytes = 0;
@@ -151,10 +151,10 @@ struct Store::Model {
   // Several nodes.
   struct RemoteNode {
     std::vector<SourceLayout> sources;
-    std::string run;         // the run (daemon instance) that announced `announced`
+    std::string run;          // the run (daemon instance) that announced `announced`
     std::string trainer_run;  // the trainer's run of `announced` (PeerEvent.trainer_run)
     uint64_t hold = 0;        // the rollback target it announced last (PeerEvent.rollback_version)
-    uint64_t announced = 0;  // newest version all its sources published; 0: none known
+    uint64_t announced = 0;   // newest version all its sources published; 0: none known
     std::vector<RemotePieceRef> pieces;
     std::vector<RemoteDeltaRef> deltas;
     // Imported whole (ImportVersion): the slots of version `announced`, by buffer id.

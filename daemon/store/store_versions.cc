@@ -15,8 +15,8 @@
 namespace refit {
 namespace {
 
-constexpr size_t kMaxEvents = 4096;   // Watch events remembered per model
-constexpr size_t kMaxPastRuns = 16;   // runs remembered as left, per model
+constexpr size_t kMaxEvents = 4096;  // Watch events remembered per model
+constexpr size_t kMaxPastRuns = 16;  // runs remembered as left, per model
 constexpr auto kWaitSlice = std::chrono::milliseconds(50);
 
 }  // namespace
@@ -33,8 +33,8 @@ void Store::StartRun(Model& model, const std::string& run, const std::string& wh
   Logger("store")->warn(
       "model={} run {} starts ({}); run {} left: its {} version(s) here (newest {}) are let go, "
       "and the new run's versions are taken even below them",
-      model.name, run.empty() ? "(unnamed)" : run, why,
-      model.run.empty() ? "(unnamed)" : model.run, model.complete.size(), model.latest);
+      model.name, run.empty() ? "(unnamed)" : run, why, model.run.empty() ? "(unnamed)" : model.run,
+      model.complete.size(), model.latest);
   if (!model.run.empty()) {
     model.past_runs.erase(std::remove(model.past_runs.begin(), model.past_runs.end(), run),
                           model.past_runs.end());
@@ -119,10 +119,10 @@ absl::Status Store::RetainedForRollback(const Model& model, uint64_t version) co
   }
   std::vector<std::string> held;
   for (const auto& [v, ver] : model.complete) held.push_back(absl::StrCat(v));
-  return absl::NotFoundError(absl::StrCat(
-      "model ", model.name, ": version ", version, " is not retained here (--retain=",
-      options_.retain, "; oldest retained is ", model.complete.begin()->first,
-      ", held: ", absl::StrJoin(held, ", "), ")"));
+  return absl::NotFoundError(absl::StrCat("model ", model.name, ": version ", version,
+                                          " is not retained here (--retain=", options_.retain,
+                                          "; oldest retained is ", model.complete.begin()->first,
+                                          ", held: ", absl::StrJoin(held, ", "), ")"));
 }
 
 std::vector<std::string> Store::SourceNodes(const std::string& model_name) const {
@@ -162,9 +162,10 @@ absl::StatusOr<uint64_t> Store::Rollback(const std::string& model_name, uint64_t
   }
   if (model->hold == version) return version;  // already there (forwarded twice)
   model->hold = version;
-  Logger("store")->warn("model={} rolled back to version {} (newest complete {}); newer versions "
-                        "are held back until Resume",
-                        model_name, version, model->latest);
+  Logger("store")->warn(
+      "model={} rolled back to version {} (newest complete {}); newer versions "
+      "are held back until Resume",
+      model_name, version, model->latest);
   AddEvent(*model, version, true);
   for (StoreEvents* listener : listeners_) listener->OnHoldChanged(model_name, version);
   return version;

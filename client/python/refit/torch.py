@@ -387,8 +387,12 @@ class Publisher:
     docstring and `publisher()`."""
 
     def __init__(self, client, model: str, module: nn.Module, entries: List[_Entry],
-                 group, rank: int, client_name: str, check_peers: bool):
+                 group, rank: int, client_name: str, check_peers: bool, run: str = ""):
         self.client = client
+        # The trainer's run (PublishRequest.run): a trainer resuming from a checkpoint names a
+        # new one, and may publish steps below those the old run published; "" : the model's
+        # current run.
+        self.run = run
         self.model = model
         self.module = module
         self.rank = rank
@@ -488,9 +492,13 @@ class Publisher:
 
     # ---- the public methods ----
 
-    def publish(self, version: int, timeout: Optional[float] = None):
+    def publish(self, version: int, timeout: Optional[float] = None, run: Optional[str] = None):
         """Snapshots this rank's part as `version` (refitd copies it before this returns);
-        returns the PublishResponse (None on a rank that holds nothing to publish)."""
+        returns the PublishResponse (None on a rank that holds nothing to publish). `run`
+        (default: the publisher's `run`) names the trainer's run; a new one restarts the
+        version numbers and is remembered for the next publishes."""
+        if run is not None:
+            self.run = run
         if self.released:
             raise PublisherError(f"rank {self.rank}: publish({version}) after release()")
         if self._check_peers and self._group is not None:
@@ -523,7 +531,7 @@ class Publisher:
             self.rehomes += 1
         if not self.buffers:
             return None
-        return self.client.publish(self.model, version, self.buffers)
+        return self.client.publish(self.model, version, self.buffers, run=self.run)
 
     def _release_buffers(self) -> None:
         buffers, self.buffers = self.buffers, []
@@ -550,7 +558,7 @@ class Publisher:
 
 def publisher(client, model: str, module: nn.Module, *, layout: str = "hf",
               rename: Rename = None, group=None, client_name: Optional[str] = None,
-              check_peers: bool = True) -> Publisher:
+              check_peers: bool = True, run: str = "") -> Publisher:
     """Registers this rank's part of `module` as SOURCE slices of `model`; returns the
     Publisher (`publish(version)`, `release()`).
 
@@ -560,7 +568,10 @@ def publisher(client, model: str, module: nn.Module, *, layout: str = "hf",
     leave the tensor out). `group`: the process group of the trainer's ranks (default: the
     whole world, through a gloo group made for these checks where the default backend is not
     gloo). `check_peers=False` skips the cross-rank checks (and the small gloo exchange in each
-    publish). `layout="megatron"` is not implemented yet.
+    publish). `layout="megatron"` is not implemented yet. `run`: the trainer's run
+    (PublishRequest.run): a trainer resumed from a checkpoint at an older step passes a new
+    run (e.g. f"{job}-resume@{step}") and publishes from that step on; engines' nodes follow it
+    without a manual `refitctl drop`.
     """
     if layout != "hf":
         raise NotImplementedError(f"refit.torch.publisher: layout={layout!r} is not "
@@ -590,4 +601,4 @@ def publisher(client, model: str, module: nn.Module, *, layout: str = "hf",
         raise PublisherError(f"refit.torch.publisher(model={model!r}): "
                              + "; ".join(errors))
     return Publisher(client, model, module, entries, group, rank,
-                     client_name or f"rank{rank}", check_peers)
+                     client_name or f"rank{rank}", check_peers, run)
