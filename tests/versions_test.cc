@@ -221,8 +221,8 @@ TEST_CASE("a rollback asked on one engine's node takes the fleet back, until Res
 
   // refitctl speaks both.
   const std::string refitctl = testing::RunfilePath("client/refitctl");
-  auto out = testing::RunCommand(
-      {refitctl, "--socket=" + (*engine_a)->socket(), "rollback", "m", "3"});
+  auto out =
+      testing::RunCommand({refitctl, "--socket=" + (*engine_a)->socket(), "rollback", "m", "3"});
   INFO(out.out << out.err);
   CHECK(out.exit_code == 0);
   CHECK(out.out.find("rolled back to version 3") != std::string::npos);
@@ -248,8 +248,8 @@ TEST_CASE("a trainer resumed from an older step under a new run, on a restarted 
   REQUIRE(first.ok());
   const int port = ListenPort(**first);
   const std::string socket = (*first)->socket();
-  auto engine_node = DaemonProcess::Start(
-      {"--node=engine-node", "--peers=127.0.0.1:" + std::to_string(port)});
+  auto engine_node =
+      DaemonProcess::Start({"--node=engine-node", "--peers=127.0.0.1:" + std::to_string(port)});
   REQUIRE(engine_node.ok());
   auto engine = (*engine_node)->Connect();
   REQUIRE(engine.ok());
@@ -287,9 +287,9 @@ TEST_CASE("a trainer resumed from an older step under a new run, on a restarted 
   first->reset();
   std::unique_ptr<DaemonProcess> second;
   for (int i = 0; i < 50 && !second; ++i) {
-    auto restarted = DaemonProcess::Start(
-        {"--node=trainer-node", "--state-dir=" + state, "--listen=127.0.0.1:" + std::to_string(port)},
-        socket);
+    auto restarted = DaemonProcess::Start({"--node=trainer-node", "--state-dir=" + state,
+                                           "--listen=127.0.0.1:" + std::to_string(port)},
+                                          socket);
     if (restarted.ok()) {
       second = std::move(restarted).value();
     } else {

@@ -355,8 +355,6 @@ class Store {
   absl::Status Resume(const std::string& model);
   // The version `model` is held back to here; 0: none.
   uint64_t HoldOf(const std::string& model) const;
-  // True when every DESTINATION buffer of `model` here holds `version` (applied_version).
-  bool AllApplied(const std::string& model, uint64_t version) const;
   // Blocks until the model's target (the hold, else its newest complete version) is >=
   // min_version, or its run differs from `run` (non-empty) or from the run at the call's start,
   // or the model is held back to another version than `applied` (non-zero); returns it.
@@ -581,7 +579,8 @@ class Store {
   // quantized it for the model's fp8 destinations (Model::finishing meanwhile).
   void CompleteVersion(Model& model, uint64_t version, std::vector<Piece> pieces)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void PublishVersion(Model& model, std::shared_ptr<const Version> version);
+  void PublishVersion(Model& model, std::shared_ptr<const Version> version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunQuantizer();
   // The derived slot of `plan`'s jobs for `version` (no store lock held): one region, or none
   // when the plan has no jobs.

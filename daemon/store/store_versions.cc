@@ -90,14 +90,6 @@ uint64_t Store::HoldOf(const std::string& model_name) const {
   return model ? model->hold : 0;
 }
 
-bool Store::AllApplied(const std::string& model_name, uint64_t version) const {
-  common::MutexLock lock(mu_);
-  const Model* model = FindModel(model_name);
-  if (!model || model->destinations.empty()) return false;
-  return std::all_of(model->destinations.begin(), model->destinations.end(),
-                     [&](const std::string& id) { return buffers_.at(id)->applied == version; });
-}
-
 absl::Status Store::CheckRollback(const std::string& model_name, uint64_t version) const {
   common::MutexLock lock(mu_);
   const Model* model = FindModel(model_name);
