@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstring>
@@ -237,6 +238,62 @@ TEST_CASE("a rollback asked on one engine's node takes the fleet back, until Res
   CHECK(out.exit_code == 0);
   out = testing::RunCommand({refitctl, "--socket=" + (*engine_b)->socket(), "resume", "m"});
   CHECK(out.exit_code == 1);
+}
+
+TEST_CASE("Apply racing a Rollback: every Apply is whole, and after it Apply(0) is the rollback's",
+          "[integration]") {
+  auto node = DaemonProcess::Start({"--node=solo", "--retain=3"});
+  REQUIRE(node.ok());
+  auto c = (*node)->Connect();
+  REQUIRE(c.ok());
+  SharedMemory src = MakeShm("race-src");
+  SharedMemory dst = MakeShm("race-dst");
+  auto s =
+      (*c)->RegisterBuffer("m", v1::SOURCE, src, {Slice("w", v1::BF16, {kRows, kCols})}, "trainer");
+  auto d = (*c)->RegisterBuffer("m", v1::DESTINATION, dst, {Slice("w", v1::BF16, {kRows, kCols})},
+                                "engine");
+  REQUIRE(s.ok());
+  REQUIRE(d.ok());
+  std::vector<std::vector<uint8_t>> published(4);
+  for (uint64_t v = 1; v <= 3; ++v) {
+    published[v] = Fill(src, static_cast<uint32_t>(100 + v));
+    REQUIRE((*c)->Publish("m", v, {*s}).ok());
+  }
+  REQUIRE((*c)->WaitForVersion("m", 3, milliseconds(20000)).ok());
+  std::atomic<bool> stop{false};
+  std::vector<uint64_t> versions;
+  int failures = 0, torn = 0;
+  std::thread engine([&] {
+    while (!stop) {
+      auto r = (*c)->Apply("m", 0, {*d});
+      if (!r.ok()) {
+        ++failures;
+        continue;
+      }
+      versions.push_back(r->version());
+      if (r->version() > 3 || !Same(dst, published[r->version()])) ++torn;
+    }
+  });
+  std::this_thread::sleep_for(milliseconds(100));
+  auto rolled = (*c)->Rollback("m", 2);
+  std::this_thread::sleep_for(milliseconds(200));
+  stop = true;
+  engine.join();
+  REQUIRE(rolled.ok());
+  CHECK(failures == 0);
+  CHECK(torn == 0);
+  REQUIRE_FALSE(versions.empty());
+  CHECK(versions.back() == 2);
+  // Once the rollback's version was applied, no Apply(0) went back to the newer one.
+  auto first2 = std::find(versions.begin(), versions.end(), 2u);
+  REQUIRE(first2 != versions.end());
+  CHECK(std::count(first2, versions.end(), 3u) == 0);
+  CHECK(Same(dst, published[2]));
+  auto status = StatusOf(**c, "m");
+  REQUIRE(status.buffers_size() == 2);
+  for (const auto& b : status.buffers()) {
+    if (b.role() == v1::DESTINATION) CHECK(b.applied_version() == 2);
+  }
 }
 
 TEST_CASE("a trainer resumed from an older step under a new run, on a restarted node, is followed",
