@@ -228,11 +228,13 @@ absl::Status Client::ReleaseBuffer(const std::string& buffer_id) {
 }
 
 absl::StatusOr<v1::PublishResponse> Client::Publish(const std::string& model, uint64_t version,
-                                                    const std::vector<std::string>& buffer_ids) {
+                                                    const std::vector<std::string>& buffer_ids,
+                                                    const std::string& run) {
   return WithRestart<v1::PublishResponse>([&] {
     v1::PublishRequest request;
     request.set_model(model);
     request.set_version(version);
+    request.set_run(run);
     AddIds(registrations_->Current(buffer_ids), &request);
     return Call(stub_.get(), &v1::Refit::Stub::Publish, "Publish", request,
                 std::chrono::system_clock::now() + call_timeout_);
@@ -276,6 +278,37 @@ absl::StatusOr<uint64_t> Client::WaitForVersion(const std::string& model, uint64
   });
   if (!response.ok()) return response.status();
   return response->version();
+}
+
+absl::StatusOr<v1::WaitForVersionResponse> Client::WaitForTarget(
+    const std::string& model, uint64_t min_version, const std::string& run,
+    std::chrono::milliseconds timeout) {
+  const SystemTime deadline = std::chrono::system_clock::now() + timeout;
+  v1::WaitForVersionRequest request;
+  request.set_model(model);
+  request.set_min_version(min_version);
+  request.set_run(run);
+  return WithRestart<v1::WaitForVersionResponse>([&] {
+    return Call(stub_.get(), &v1::Refit::Stub::WaitForVersion, "WaitForVersion", request, deadline);
+  });
+}
+
+absl::StatusOr<uint64_t> Client::Rollback(const std::string& model, uint64_t version) {
+  v1::RollbackRequest request;
+  request.set_model(model);
+  request.set_version(version);
+  auto response = Call(stub_.get(), &v1::Refit::Stub::Rollback, "Rollback", request,
+                       std::chrono::system_clock::now() + call_timeout_);
+  if (!response.ok()) return response.status();
+  return response->version();
+}
+
+absl::Status Client::Resume(const std::string& model) {
+  v1::ResumeRequest request;
+  request.set_model(model);
+  return Call(stub_.get(), &v1::Refit::Stub::Resume, "Resume", request,
+              std::chrono::system_clock::now() + call_timeout_)
+      .status();
 }
 
 absl::StatusOr<v1::WaitForReplicasResponse> Client::WaitForReplicas(

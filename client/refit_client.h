@@ -139,8 +139,12 @@ class Client {
   // RESOURCE_EXHAUSTED when this uid holds too many unregistered fds there).
   absl::StatusOr<std::string> PassMemfd(int fd);
   absl::Status ReleaseBuffer(const std::string& buffer_id);
+  // `run`: the trainer's run (PublishRequest.run; empty: the model's current run). Another run
+  // than the current one starts it: a resume from a checkpoint may publish numbers below the
+  // old run's, and engines' nodes follow it.
   absl::StatusOr<v1::PublishResponse> Publish(const std::string& model, uint64_t version,
-                                              const std::vector<std::string>& buffer_ids);
+                                              const std::vector<std::string>& buffer_ids,
+                                              const std::string& run = "");
   // The same, with the rest of `with` (labels, max_staleness, run, ...: every field but model,
   // version and buffer_ids, which come from the arguments). With max_staleness the call waits
   // (within the client's call timeout) until every replica holds version - max_staleness.
@@ -154,6 +158,18 @@ class Client {
   // DEADLINE_EXCEEDED when no version >= min_version completes within `timeout`.
   absl::StatusOr<uint64_t> WaitForVersion(const std::string& model, uint64_t min_version,
                                           std::chrono::milliseconds timeout);
+  // WaitForVersion with the run the caller last saw (`run`; empty: any): answers at once, even
+  // below min_version, when the model's run is another one (a new run restarts its numbers);
+  // the response names the version's run and whether it is a rollback target.
+  absl::StatusOr<v1::WaitForVersionResponse> WaitForTarget(const std::string& model,
+                                                           uint64_t min_version,
+                                                           const std::string& run,
+                                                           std::chrono::milliseconds timeout);
+  // Rolls every node with DESTINATION buffers for `model` back to the retained `version`
+  // (NOT_FOUND naming the oldest retained otherwise); newer versions are held back until
+  // Resume (FAILED_PRECONDITION when the model is not held back).
+  absl::StatusOr<uint64_t> Rollback(const std::string& model, uint64_t version);
+  absl::Status Resume(const std::string& model);
   absl::StatusOr<v1::ApplyResponse> Apply(const std::string& model, uint64_t version,
                                           const std::vector<std::string>& buffer_ids);
   // Blocks until `version` or newer is complete on at least `min_nodes` of the nodes with

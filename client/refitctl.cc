@@ -9,6 +9,10 @@
 //   refitctl health            SERVING / NOT_SERVING
 //   refitctl drop MODEL        releases a model's held versions and forgets it (no buffers left)
 //   refitctl release BUFFER_ID releases a registered buffer (an operator cleaning up)
+//   refitctl rollback MODEL VERSION
+//                              every node with the model's DESTINATION buffers goes back to a
+//                              retained VERSION; newer versions are held back until resume
+//   refitctl resume MODEL      ends a rollback: the newest version is the target again
 //   refitctl verify MODEL      compares the engine's destination bytes with the version each
 //                              buffer holds (exit 1 naming the tensors that differ)
 //   refitctl timeline MODEL [VERSION]
@@ -169,6 +173,23 @@ void PrintStatus(const v1::StatusResponse& status) {
       std::cout << absl::StrFormat("  version %d abandoned: %s\n", m.abandoned_version(),
                                    m.abandoned_error());
     }
+    if (!m.run().empty()) {
+      std::cout << "  run: " << m.run()
+                << (m.past_runs().empty()
+                        ? std::string()
+                        : absl::StrCat(" (after ", absl::StrJoin(m.past_runs(), ", "), ")"))
+                << "\n";
+    }
+    if (m.rollback_version() != 0) {
+      std::cout << absl::StrFormat(
+          "  rolled back to version %d: newer versions are held back until `refitctl resume "
+          "%s`\n",
+          m.rollback_version(), m.model());
+    }
+    if (m.skipped_version() != 0) {
+      std::cout << absl::StrFormat("  version %d skipped: %s\n", m.skipped_version(),
+                                   m.skipped_reason());
+    }
     for (const auto& b : m.buffers()) {
       std::cout << absl::StrFormat(
           "  %-34s %-11s %-4s %10s %5d tensors  client=%s%s\n", b.buffer_id(),
@@ -181,6 +202,8 @@ void PrintStatus(const v1::StatusResponse& status) {
     }
   }
 }
+
+std::string JsonString(const std::string& text);
 
 std::string Bar(uint64_t done, uint64_t total) {
   const int width = 30;
@@ -238,7 +261,9 @@ int Watch(Client& client, const std::string& model, bool json) {
       if (json) {
         // One line per event; labels and the staleness fields only when set.
         std::cout << "{\"model\": " << JsonString(event.model())
-                  << ", \"version\": " << event.version();
+                  << ", \"version\": " << event.version()
+                  << ", \"rollback\": " << (event.rollback() ? "true" : "false")
+                  << ", \"run\": " << JsonString(event.run());
         if (!event.labels().empty()) {
           std::cout << ", \"labels\": {";
           bool first = true;
@@ -255,6 +280,9 @@ int Watch(Client& client, const std::string& model, bool json) {
                     << ", \"stale_notice\": " << (event.stale_notice() ? "true" : "false");
         }
         std::cout << "}" << std::endl;
+      } else if (event.rollback()) {
+        std::cout << event.model() << " version " << event.version()
+                  << " rollback (newer versions held back until resume)" << std::endl;
       } else if (event.stale_notice()) {
         std::cout << event.model() << (event.stale() ? " stale" : " within its staleness budget")
                   << ": holds version " << event.version() << ", newest published "
@@ -266,6 +294,7 @@ int Watch(Client& client, const std::string& model, bool json) {
           labels.push_back(k + "=" + v);
         }
         std::cout << event.model() << " version " << event.version() << " complete"
+                  << (event.run().empty() ? std::string() : " (run " + event.run() + ")")
                   << (labels.empty() ? "" : " (" + absl::StrJoin(labels, ", ") + ")")
                   << (event.stale() ? " (stale)" : "") << std::endl;
       }
@@ -314,7 +343,9 @@ int PrintReplicas(const v1::ModelStatus& model, bool json) {
                 << ", \"latest_version\": " << r.latest_version()
                 << ", \"behind\": " << newest - r.latest_version()
                 << ", \"relay\": " << (r.relay() ? "true" : "false")
-                << ", \"stale\": " << (r.stale() ? "true" : "false") << "}";
+                << ", \"stale\": " << (r.stale() ? "true" : "false")
+                << ", \"rollback_version\": " << r.rollback_version()
+                << ", \"rolled_back\": " << (r.rolled_back() ? "true" : "false") << "}";
     }
     std::cout << (model.replicas_size() ? "\n]\n" : "]\n");
     return 0;
@@ -327,9 +358,13 @@ int PrintReplicas(const v1::ModelStatus& model, bool json) {
   std::cout << absl::StrFormat("%-32s %10s %8s %-5s %s\n", "node", "latest", "behind", "relay",
                                "stale");
   for (const auto& r : model.replicas()) {
-    std::cout << absl::StrFormat("%-32s %10d %8d %-5s %s\n", r.node(), r.latest_version(),
-                                 newest - r.latest_version(), r.relay() ? "yes" : "no",
-                                 r.stale() ? "STALE" : "no");
+    std::cout << absl::StrFormat(
+        "%-32s %10d %8d %-5s %s%s\n", r.node(), r.latest_version(), newest - r.latest_version(),
+        r.relay() ? "yes" : "no", r.stale() ? "STALE" : "no",
+        r.rollback_version() == 0
+            ? std::string()
+            : absl::StrFormat("   rollback to %d: %s", r.rollback_version(),
+                              r.rolled_back() ? "applied" : "not applied yet"));
   }
   if (model.max_staleness() > 0) {
     std::cout << "staleness budget: " << model.max_staleness() << " version(s) behind "
@@ -452,6 +487,14 @@ int main(int argc, char** argv) {
                            "also write the timeline to FILE as Chrome trace-event JSON "
                            "(Perfetto, chrome://tracing): one process per node");
   timeline_cmd->add_flag("--local", local, "this node only (no other node asked)");
+  uint64_t rollback_version = 0;
+  auto* rollback_cmd = add("rollback",
+                           "every node with MODEL's DESTINATION buffers goes back to the retained "
+                           "VERSION (engines apply it); newer versions are held back until resume");
+  rollback_cmd->add_option("MODEL", model, "model name")->required();
+  rollback_cmd->add_option("VERSION", rollback_version, "a version still retained")->required();
+  auto* resume_cmd = add("resume", "end MODEL's rollback: the newest version is the target again");
+  resume_cmd->add_option("MODEL", model, "model name")->required();
   CLI11_PARSE(app, argc, argv);
   const bool json = flags.json;
 
@@ -472,6 +515,28 @@ int main(int argc, char** argv) {
   if (drop_cmd->parsed()) return Drop(**client, model, json);
   if (timeline_cmd->parsed()) {
     return Timeline(**client, model, timeline_version, local, trace, json);
+  }
+  if (rollback_cmd->parsed()) {
+    auto rolled = (*client)->Rollback(model, rollback_version);
+    if (!rolled.ok()) return Fail(rolled.status());
+    if (json) {
+      std::cout << "{\"model\": " << JsonString(model) << ", \"rollback_version\": " << *rolled
+                << "}\n";
+    } else {
+      std::cout << model << " rolled back to version " << *rolled
+                << "; newer versions are held back until `refitctl resume " << model << "`\n";
+    }
+    return 0;
+  }
+  if (resume_cmd->parsed()) {
+    absl::Status resumed = (*client)->Resume(model);
+    if (!resumed.ok()) return Fail(resumed);
+    if (json) {
+      std::cout << "{\"model\": " << JsonString(model) << ", \"resumed\": true}\n";
+    } else {
+      std::cout << model << " resumed: the newest version is the target again\n";
+    }
+    return 0;
   }
   if (verify_cmd->parsed()) {
     auto verified = (*client)->Verify(model);

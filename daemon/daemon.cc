@@ -392,6 +392,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     }
     return out;
   };
+  context.forward_hold = [raw](const std::string& model, uint64_t version,
+                               const std::vector<std::string>& nodes) {
+    return raw->peers->ForwardHold(model, version, nodes);
+  };
   context.pulled_by = [raw] {
     std::vector<server::PeerInfo> out;
     for (const auto& s : raw->peer_service->Subscribers()) {

@@ -786,7 +786,8 @@ TEST_CASE("Status and refitctl show a pull in flight and each version completing
   REQUIRE(after.ok());
   CHECK(after->transfers_size() == 0);
   watch.join();
-  CHECK(watch_out.find("{\"model\": \"m\", \"version\": 1}") != std::string::npos);
+  CHECK(watch_out.find("{\"model\": \"m\", \"version\": 1, \"rollback\": false, \"run\": \"\"}") !=
+        std::string::npos);
 }
 
 }  // namespace

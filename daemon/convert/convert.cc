@@ -73,6 +73,9 @@ void ToProto(const ModelInfo& info, v1::ModelStatus* out) {
   out->set_delta_base(info.delta_base);
   out->set_destination_base_version(info.destination_base_version);
   out->set_delta_base_note(info.delta_base_note);
+  out->set_run(info.run);
+  for (const std::string& r : info.past_runs) out->add_past_runs(r);
+  out->set_rollback_version(info.rollback_version);
   for (const BufferInfo& b : info.buffers) {
     v1::BufferStatus* bs = out->add_buffers();
     bs->set_buffer_id(b.id);

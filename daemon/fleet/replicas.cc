@@ -30,7 +30,7 @@ absl::Status ReplicaTable::Report(const std::string& node, bool relay,
     n.site = site;
     n.heard = now_();
     n.latest.clear();
-    for (const ReplicaEntry& e : entries) n.latest[e.model] = {e.latest_version, n.heard};
+    for (ReplicaEntry& e : entries) n.latest[e.model] = {std::move(e), n.heard};
   }
   changed_.NotifyAll();
   return absl::OkStatus();
@@ -46,7 +46,7 @@ absl::Status ReplicaTable::Merge(const std::string& node, bool relay,
     n.relay = relay;
     n.site = site;
     n.heard = now_();
-    for (const ReplicaEntry& e : entries) n.latest[e.model] = {e.latest_version, n.heard};
+    for (ReplicaEntry& e : entries) n.latest[e.model] = {std::move(e), n.heard};
   }
   changed_.NotifyAll();
   return absl::OkStatus();
@@ -87,7 +87,8 @@ std::vector<Replica> ReplicaTable::LiveLocked(const std::string& model) const {
     if (now - node.heard > kReplicaTtl) continue;
     auto it = node.latest.find(model);
     if (it == node.latest.end() || now - it->second.heard > kReplicaTtl) continue;
-    out.push_back({name, it->second.version, node.relay, node.site});
+    const ReplicaEntry& e = it->second.entry;
+    out.push_back({name, e.latest_version, node.relay, node.site, e.rollback_version, e.rolled_back});
   }
   return out;  // map order: sorted by node
 }
@@ -128,9 +129,13 @@ absl::StatusOr<ReplicasReached> ReplicaTable::WaitFor(const std::string& model, 
     reached.version = UINT64_MAX;
     std::vector<std::string> behind;
     for (const Replica& r : live) {
-      if (r.latest_version >= version && r.latest_version > 0) {
+      const uint64_t at = r.Effective();
+      if (at >= version && at > 0) {
         reached.nodes.push_back(r.node);
-        reached.version = std::min(reached.version, r.latest_version);
+        reached.version = std::min(reached.version, at);
+      } else if (r.rollback_version != 0) {
+        behind.push_back(absl::StrCat(r.node, " rolling back to ", r.rollback_version,
+                                      " (not applied there yet)"));
       } else {
         behind.push_back(absl::StrCat(r.node, " at ", r.latest_version));
       }

@@ -29,6 +29,10 @@ inline constexpr size_t kMaxReplicaNodes = 4096;
 struct ReplicaEntry {
   std::string model;
   uint64_t latest_version = 0;  // newest complete version there (0: none yet)
+  // Rollback: the version the node holds the model back to (0: none), and whether every
+  // DESTINATION buffer of it there holds that version.
+  uint64_t rollback_version = 0;
+  bool rolled_back = false;
 };
 
 struct Replica {
@@ -36,6 +40,14 @@ struct Replica {
   uint64_t latest_version = 0;
   bool relay = false;  // serves what it pulled to other nodes
   std::string site;    // its --site ("": none)
+  uint64_t rollback_version = 0;
+  bool rolled_back = false;
+  // What WaitForReplicas counts: latest_version, or during a rollback the rollback version once
+  // the node's destinations hold it (0 before).
+  uint64_t Effective() const {
+    if (rollback_version == 0) return latest_version;
+    return rolled_back ? rollback_version : 0;
+  }
 };
 
 struct ReplicasReached {
@@ -70,9 +82,11 @@ class ReplicaTable {
   std::map<std::string, std::vector<std::string>> RelaysBySite(const std::string& model) const;
 
   // Blocks until `version` or newer is complete on at least `min_nodes` live replicas of
-  // `model` (0: on all of them, and at least one). DEADLINE_EXCEEDED past `deadline` (the
-  // message says which replicas are behind), CANCELLED when `cancelled()`, UNAVAILABLE after
-  // Shutdown.
+  // `model` (0: on all of them, and at least one). A replica rolled back (Rollback) counts with
+  // its rollback version once every DESTINATION buffer there holds it, and not before
+  // (Replica::Effective): the fleet is back when each replica applied it. DEADLINE_EXCEEDED past
+  // `deadline` (the message says which replicas are behind), CANCELLED when `cancelled()`,
+  // UNAVAILABLE after Shutdown.
   absl::StatusOr<ReplicasReached> WaitFor(const std::string& model, uint64_t version,
                                           uint32_t min_nodes, Clock::time_point deadline,
                                           const std::function<bool()>& cancelled);
@@ -86,10 +100,10 @@ class ReplicaTable {
     std::string site;
     Clock::time_point heard;
     struct Held {
-      uint64_t version = 0;
+      ReplicaEntry entry;
       Clock::time_point heard;
     };
-    std::map<std::string, Held> latest;  // model -> version, and when it was said
+    std::map<std::string, Held> latest;  // by model: what was said, and when
   };
   std::vector<Replica> LiveLocked(const std::string& model) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

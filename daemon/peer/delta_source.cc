@@ -71,7 +71,15 @@ void DeltaSource::Step() {
   bool any = false;
   for (const auto& [model, layouts] : store_->LocalSourceLayouts()) {
     const uint64_t newest = store_->LatestLocalSnapshot(model);
-    if (newest == 0 || newest <= Prepared(model)) continue;
+    if (newest == 0) continue;
+    // A new run (a resume from a checkpoint) may restart below the version prepared last.
+    std::string prepared_run;
+    {
+      common::MutexLock lock(mu_);
+      auto it = prepared_run_.find(model);
+      if (it != prepared_run_.end()) prepared_run = it->second;
+    }
+    if (newest <= Prepared(model) && prepared_run == store_->RunOf(model)) continue;
     Prepare(model, layouts);
     any = true;
   }
@@ -83,6 +91,8 @@ void DeltaSource::Prepare(const std::string& model, const std::vector<SourceLayo
   auto snapshot = store_->GetLocalSnapshot(model, version);
   if (!snapshot.ok()) return;  // dropped meanwhile; the next one comes
   std::shared_ptr<const LocalSnapshot> previous = last_[model];
+  const bool new_run = previous && previous->run != (*snapshot)->run;
+  if (new_run) previous = nullptr;  // deltas chain versions of one run only
   std::vector<EncodedDelta> made;
   for (const LocalSnapshot::Piece& piece : (*snapshot)->pieces) {
     const LocalSnapshot::Piece* base = nullptr;
@@ -141,6 +151,11 @@ void DeltaSource::Prepare(const std::string& model, const std::vector<SourceLayo
   last_[model] = *snapshot;
   common::MutexLock lock(mu_);
   auto& held = deltas_[model];
+  const auto retire_at = std::chrono::steady_clock::now();
+  if (new_run) {
+    for (const EncodedDelta& d : held) retired_.emplace_back(retire_at, d.bytes);
+    held.clear();
+  }
   held.insert(held.end(), made.begin(), made.end());
   // Keep the newest `chain` deltas of each piece the model still has. A delta dropped here may
   // have been announced to a receiver that hasn't read it yet: it stays allocated for a pin's
@@ -160,6 +175,7 @@ void DeltaSource::Prepare(const std::string& model, const std::vector<SourceLayo
   held.assign(trimmed.rbegin(), trimmed.rend());
   while (!retired_.empty() && now - retired_.front().first > kRetiredGrace) retired_.pop_front();
   prepared_[model] = version;
+  prepared_run_[model] = (*snapshot)->run;
   prepared_snapshot_[model] = *snapshot;
 }
 

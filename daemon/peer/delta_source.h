@@ -92,7 +92,8 @@ class DeltaSource final : public StoreEvents {
   const std::function<void()> ready_;
 
   mutable common::Mutex mu_;
-  std::map<std::string, uint64_t> prepared_ ABSL_GUARDED_BY(mu_);  // by model
+  std::map<std::string, uint64_t> prepared_ ABSL_GUARDED_BY(mu_);         // by model
+  std::map<std::string, std::string> prepared_run_ ABSL_GUARDED_BY(mu_);  // its trainer's run
   std::map<std::string, std::vector<EncodedDelta>> deltas_
       ABSL_GUARDED_BY(mu_);  // by model, oldest first
   std::map<std::string, std::shared_ptr<const LocalSnapshot>> prepared_snapshot_

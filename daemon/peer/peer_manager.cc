@@ -404,8 +404,10 @@ void PeerManager::RunPeer(Peer* peer) {
           }
           NoteAnnounced(node, event);
           store_->AnnounceRemoteVersion(node, event.model(), event.version(), std::move(pieces),
-                                        std::move(deltas), event.run());
+                                        std::move(deltas), event.run(), event.trainer_run());
         }
+        // Rollback / Resume asked there (or forwarded to it): followed here on each change.
+        store_->FollowHold(node, event.model(), event.rollback_version());
       }
       status = reader->Finish();
       {
@@ -484,10 +486,18 @@ void PeerManager::Report() {
   std::vector<fleet::ReplicaEntry> entries;
   for (const ModelInfo& model : store_->Models()) {
     if (model.destination_buffers == 0) continue;
-    entries.push_back({model.name, model.latest_version});
+    // Rollback: whether every destination here holds the version the model is held back to.
+    const bool rolled_back =
+        model.rollback_version != 0 &&
+        std::all_of(model.buffers.begin(), model.buffers.end(), [&](const BufferInfo& b) {
+          return b.role != Role::kDestination || b.applied_version == model.rollback_version;
+        });
+    entries.push_back({model.name, model.latest_version, model.rollback_version, rolled_back});
     v1::ReplicaReport::Model* m = report.add_models();
     m->set_model(model.name);
     m->set_latest_version(model.latest_version);
+    m->set_rollback_version(model.rollback_version);
+    m->set_rolled_back(rolled_back);
   }
   if (entries.empty() && !reported_) return;  // a trainer's node has nothing to say
   reported_ = !entries.empty();
@@ -662,7 +672,9 @@ void PeerManager::Learn(const v1::ReplicaReportResponse& response) {
     if (!replicas_) continue;
     std::vector<fleet::ReplicaEntry> entries;
     for (const auto& m : member.models()) {
-      if (!m.model().empty()) entries.push_back({m.model(), m.latest_version()});
+      if (!m.model().empty()) {
+        entries.push_back({m.model(), m.latest_version(), m.rollback_version(), m.rolled_back()});
+      }
     }
     // Merged: another origin's answer may name other models of the same node.
     (void)replicas_->Merge(member.node(), member.relay(), std::move(entries), member.site());
@@ -704,6 +716,48 @@ void PeerManager::RunPulls() {
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
   }
+}
+
+}  // namespace refit::peer
+
+namespace refit::peer {
+
+void PeerManager::OnHoldChanged(const std::string& /*model*/, uint64_t /*version*/) {
+  reporter_.Notify();
+}
+
+absl::Status PeerManager::ForwardHold(const std::string& model, uint64_t version,
+                                      const std::vector<std::string>& nodes) {
+  for (const std::string& node : nodes) {
+    std::shared_ptr<v1::Peer::Stub> stub;
+    {
+      common::MutexLock lock(mu_);
+      for (const auto& peer : peers_) {
+        if (peer->node == node && peer->connected && peer->stub) stub = peer->stub;
+      }
+    }
+    const char* what = version == 0 ? "resume" : "rollback";
+    if (!stub) {
+      return absl::UnavailableError(
+          absl::StrCat("model ", model, ": node ", node,
+                       " (it has SOURCE buffers of the model) is not connected: the ", what,
+                       " cannot reach the fleet through it; try again once it is"));
+    }
+    grpc::ClientContext context;
+    context.set_deadline(In(milliseconds(5000)));
+    v1::HoldRequest request;
+    request.set_model(model);
+    request.set_version(version);
+    request.set_node(node_);
+    v1::HoldResponse response;
+    grpc::Status status = stub->Hold(&context, request, &response);
+    if (!status.ok()) {
+      return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                          absl::StrCat("node ", node, ": ", status.error_message()));
+    }
+    Logger("peer")->info("model={} {} to version {} told to node {}", model, what, version, node);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace refit::peer

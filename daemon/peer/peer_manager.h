@@ -86,6 +86,15 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   void OnPullNeeded(const PullJob& job) override;
   // A version became complete here (called by the store, under its lock): report it.
   void OnVersionComplete(const std::string& model, uint64_t version) override;
+  // A rollback target changed here (store lock held): report it.
+  void OnHoldChanged(const std::string& model, uint64_t version) override;
+
+  // Rollback (version > 0) or Resume (0) of `model` asked on this node: told to each of `nodes`
+  // (the nodes with SOURCE buffers of it) with Peer.Hold, whose Subscribe events then carry it
+  // to every node pulling the model, this one included. UNAVAILABLE naming a node not
+  // connected; a node's refusal (NOT_FOUND naming its oldest retained version, ...) as it came.
+  absl::Status ForwardHold(const std::string& model, uint64_t version,
+                           const std::vector<std::string>& nodes);
 
   // A connected --peers node's stub; else, with --relay, a relay channel to a node an origin
   // named (its Report answer), opened on demand (Hello, data-plane endpoint) while fewer than

@@ -66,6 +66,14 @@ void PeerService::OnLocalVersionReady(const std::string& /*model*/, uint64_t /*v
 
 void PeerService::OnLayoutChanged(const std::string& /*model*/) { NotifyChanged(); }
 
+void PeerService::OnRunStarted(const std::string& /*model*/, const std::string& /*run*/) {
+  NotifyChanged();
+}
+
+void PeerService::OnHoldChanged(const std::string& /*model*/, uint64_t /*version*/) {
+  NotifyChanged();
+}
+
 void PeerService::Stop() {
   {
     common::MutexLock lock(mu_);
@@ -206,6 +214,7 @@ bool PeerService::BuildEvent(const std::string& model, const std::vector<SourceL
   if (version == 0) return true;
   auto snapshot = Snapshot(model, version);
   if (!snapshot) return true;
+  event->set_trainer_run(snapshot->run);
   for (const LocalSnapshot::Piece& p : snapshot->pieces) {
     // The reader's own key; it may read once it pins the version (Pin grants it).
     auto key = data_plane_->Expose(p.slot, node);
@@ -339,6 +348,7 @@ grpc::Status PeerService::Subscribe(grpc::ServerContext* context,
           layouts_sent == sent_layouts.end() || !same(layouts_sent->second, model_layouts);
       v1::PeerEvent event;
       BuildEvent(model, model_layouts, with_sources, request->node(), &event);
+      event.set_rollback_version(store_->HoldOf(model));
       {
         common::MutexLock lock(mu_);
         event.set_run(instance_);

@@ -71,6 +71,10 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
   // StoreEvents: both mean NotifyChanged. Subscribers read local versions' snapshots.
   void OnLocalVersionReady(const std::string& model, uint64_t version) override;
   void OnLayoutChanged(const std::string& model) override;
+  // A new run or a rollback target here: subscribers hear of it (PeerEvent.trainer_run,
+  // .rollback_version).
+  void OnRunStarted(const std::string& model, const std::string& run) override;
+  void OnHoldChanged(const std::string& model, uint64_t version) override;
   bool WantsLocalSnapshots() const override { return true; }
   // Ends every Subscribe stream (shutdown).
   void Stop();
@@ -87,6 +91,9 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
                      grpc::ServerWriter<v1::RelayProgress>* writer) override;
   grpc::Status Report(grpc::ServerContext* context, const v1::ReplicaReport* request,
                       v1::ReplicaReportResponse* response) override;
+  // Rollback / Resume forwarded by another node (peer_service_versions.cc).
+  grpc::Status Hold(grpc::ServerContext* context, const v1::HoldRequest* request,
+                    v1::HoldResponse* response) override;
 
  private:
   // The event describing `model` now (its layouts only `with_sources`); false when there is

@@ -238,7 +238,7 @@ grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::Replica
       }
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, why);
     }
-    entries.push_back({m.model(), m.latest_version()});
+    entries.push_back({m.model(), m.latest_version(), m.rollback_version(), m.rolled_back()});
   }
   // Who else pulls these models, and where to reach them: the reporter's relay candidates,
   // so that it needn't be connected to every node (bounded peer connections).
@@ -253,6 +253,8 @@ grpc::Status PeerService::Report(grpc::ServerContext* context, const v1::Replica
       v1::ReplicaReport::Model* m = member.add_models();
       m->set_model(entry.model);
       m->set_latest_version(replica.latest_version);
+      m->set_rollback_version(replica.rollback_version);
+      m->set_rolled_back(replica.rolled_back);
     }
   }
   if (absl::Status kept =

@@ -209,11 +209,21 @@ grpc::Status RefitService::Publish(grpc::ServerContext* context, const v1::Publi
   if (absl::Status owned = CheckOwner(request->buffer_ids(), "publish"); !owned.ok()) {
     return Finish("Publish", owned);
   }
+  if (request->run().size() > kMaxNameBytes) {
+    return Finish("Publish",
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "run of ", request->run().size(), " bytes is longer than ", kMaxNameBytes)));
+  }
   // A number the model used before (in this process or, with --state-dir, an earlier one) is
-  // refused: engines' nodes would take it for the version they hold.
+  // refused: engines' nodes would take it for the version they hold. Unless the Publish names
+  // a new run (a resume from a checkpoint): its numbers may restart.
   if (context_.ledger && request->version() > 0) {
-    absl::Status fresh = context_.ledger->Check(request->model(), request->version());
+    absl::Status fresh =
+        context_.ledger->Check(request->model(), request->version(), request->run());
     if (!fresh.ok()) return Finish("Publish", fresh);
+    // After a restart the store learns the model's run from --state-dir.
+    context_.store->SeedRun(request->model(), context_.ledger->Run(request->model()),
+                            context_.ledger->PastRuns(request->model()));
   }
   const Clock::time_point started = Clock::now();
   bool labels_set = false;
@@ -221,13 +231,14 @@ grpc::Status RefitService::Publish(grpc::ServerContext* context, const v1::Publi
     return Finish("Publish", checked);
   }
   auto result =
-      context_.store->Publish(request->model(), request->version(), Ids(request->buffer_ids()));
+      context_.store->Publish(request->model(), request->version(),
+                                        Ids(request->buffer_ids()), request->run());
   if (!result.ok()) {
     if (labels_set) context_.rl.labels->Erase(request->model(), request->version());
     return Finish("Publish", result.status());
   }
   if (context_.ledger) {
-    absl::Status saved = context_.ledger->Record(request->model(), result->version);
+    absl::Status saved = context_.ledger->Record(request->model(), result->version, request->run());
     if (!saved.ok()) {
       // The version is published; only a restart could now reuse its number.
       Logger("server")->error("model={} version={} published, but not remembered: {}",
@@ -261,10 +272,13 @@ grpc::Status RefitService::WaitForVersion(grpc::ServerContext* context,
   // (e.g. "no node has SOURCE buffers") rather than its own bare DEADLINE_EXCEEDED.
   auto hold = HoldCall("WaitForVersion");
   if (!hold.ok()) return Finish("WaitForVersion", hold.status());
-  auto version = context_.store->WaitForVersion(request->model(), request->min_version(),
-                                                AnswerBy(*context), CancelledOf(context));
-  if (!version.ok()) return Finish("WaitForVersion", version.status());
-  response->set_version(*version);
+  auto target = context_.store->WaitForTarget(request->model(), request->min_version(),
+                                              request->run(), AnswerBy(*context),
+                                              CancelledOf(context), request->applied_version());
+  if (!target.ok()) return Finish("WaitForVersion", target.status());
+  response->set_version(target->version);
+  response->set_run(target->run);
+  response->set_rollback(target->rollback);
   return grpc::Status::OK;
 }
 
@@ -296,8 +310,8 @@ grpc::Status RefitService::Watch(grpc::ServerContext* context, const v1::WatchRe
   }
   auto hold = HoldCall("Watch");
   if (!hold.ok()) return Finish("Watch", hold.status());
-  uint64_t after = request->after_version();
-  if (after == 0) after = context_.store->LatestVersion(request->model());
+  // Events (store_versions.cc): each version that becomes the target, a rollback, a resume.
+  uint64_t cursor = context_.store->WatchCursor(request->model(), request->after_version());
   // Initial metadata tells the client the watch is in place: nothing completing from now on
   // can be missed.
   writer->SendInitialMetadata();
@@ -307,26 +321,27 @@ grpc::Status RefitService::Watch(grpc::ServerContext* context, const v1::WatchRe
   bool told_stale = false;
   while (true) {
     const Clock::time_point deadline = SteadyDeadline(*context);
-    auto versions = context_.store->WaitForCompletions(
-        request->model(), after,
+    auto targets = context_.store->WaitForEvents(
+        request->model(), &cursor,
         context_.rl.staleness ? std::min(deadline, Clock::now() + kStaleCheck) : deadline,
         CancelledOf(context));
-    if (!versions.ok() && versions.status().code() == absl::StatusCode::kDeadlineExceeded &&
+    if (!targets.ok() && targets.status().code() == absl::StatusCode::kDeadlineExceeded &&
         Clock::now() < deadline) {
-      versions = std::vector<uint64_t>();  // a staleness check's wake-up
+      targets = std::vector<VersionTarget>();  // a staleness check's wake-up
     }
-    if (!versions.ok()) {
-      if (versions.status().code() == absl::StatusCode::kCancelled) return grpc::Status::OK;
-      return Finish("Watch", versions.status());
+    if (!targets.ok()) {
+      if (targets.status().code() == absl::StatusCode::kCancelled) return grpc::Status::OK;
+      return Finish("Watch", targets.status());
     }
-    for (uint64_t v : *versions) {
+    for (const VersionTarget& t : *targets) {
       v1::VersionEvent event;
       event.set_model(request->model());
-      event.set_version(v);
+      event.set_version(t.version);
+      event.set_rollback(t.rollback);
+      event.set_run(t.run);
       FillEvent(&event);
       told_stale = event.stale();
       if (!writer->Write(event)) return grpc::Status::OK;  // the client went away
-      after = v;
     }
     if (context_.rl.staleness && context_.rl.staleness->NodeStale(request->model()) != told_stale) {
       v1::VersionEvent event;
@@ -375,6 +390,8 @@ grpc::Status RefitService::Status(grpc::ServerContext*, const v1::StatusRequest*
       replica->set_latest_version(r.replica.latest_version);
       replica->set_relay(r.replica.relay);
       replica->set_stale(r.stale);
+      replica->set_rollback_version(r.replica.rollback_version);
+      replica->set_rolled_back(r.replica.rolled_back);
     }
   }
   auto add_peers = [](const std::vector<PeerInfo>& peers,

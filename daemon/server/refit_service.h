@@ -54,6 +54,11 @@ struct ServiceContext {
   state::VersionLedger* ledger = nullptr;            // not owned
   std::function<std::vector<PeerInfo>()> peers;      // may be empty
   std::function<std::vector<PeerInfo>()> pulled_by;  // daemons subscribed here; may be empty
+  // Rollback (version > 0) or Resume (0) told to the nodes with SOURCE buffers of a model
+  // (PeerManager::ForwardHold); empty: this node alone.
+  std::function<absl::Status(const std::string& model, uint64_t version,
+                             const std::vector<std::string>& nodes)>
+      forward_hold;
   // What only the Daemon knows: bound ports, transfers in flight.
   std::function<void(v1::StatusResponse*)> add_runtime;  // may be empty
   // Labels, staleness budgets and timelines (daemon/rl); null members: not kept.
@@ -101,6 +106,11 @@ class RefitService final : public v1::Refit::Service {
   // refit_service_rl.cc
   grpc::Status Timeline(grpc::ServerContext* context, const v1::TimelineRequest* request,
                         v1::TimelineResponse* response) override;
+  // refit_service_versions.cc
+  grpc::Status Rollback(grpc::ServerContext* context, const v1::RollbackRequest* request,
+                        v1::RollbackResponse* response) override;
+  grpc::Status Resume(grpc::ServerContext* context, const v1::ResumeRequest* request,
+                      v1::ResumeResponse* response) override;
 
  private:
   // PERMISSION_DENIED unless the caller registered every one of `ids` (what: "publish", ...).

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -93,16 +94,44 @@ absl::StatusOr<std::unique_ptr<VersionLedger>> VersionLedger::Open(const std::st
       return invalid(
           absl::StrCat("model '", name.substr(0, 64), "' has no newest_published version >= 1"));
     }
-    ledger->models_[name].newest = entry["newest_published"].get<uint64_t>();
+    Entry& e = ledger->models_[name];
+    e.newest = entry["newest_published"].get<uint64_t>();
+    // The trainer's run (PublishRequest.run) and the runs left: optional keys.
+    if (entry.contains("run")) {
+      if (!entry["run"].is_string())
+        return invalid(absl::StrCat("model '", name.substr(0, 64), "': run is not a string"));
+      e.run = entry["run"].get<std::string>();
+    }
+    if (entry.contains("past_runs")) {
+      if (!entry["past_runs"].is_array()) {
+        return invalid(absl::StrCat("model '", name.substr(0, 64), "': past_runs is not a list"));
+      }
+      for (const auto& r : entry["past_runs"]) {
+        if (!r.is_string()) {
+          return invalid(
+              absl::StrCat("model '", name.substr(0, 64), "': a past run is not a string"));
+        }
+        e.past_runs.push_back(r.get<std::string>());
+      }
+    }
   }
   return ledger;
 }
 
-absl::Status VersionLedger::Check(const std::string& model, uint64_t version) const {
+absl::Status VersionLedger::Check(const std::string& model, uint64_t version,
+                                  const std::string& run) const {
   common::MutexLock lock(mu_);
   auto it = models_.find(model);
   if (it == models_.end()) return absl::OkStatus();
   const Entry& entry = it->second;
+  if (!run.empty() && run != entry.run) {
+    if (std::find(entry.past_runs.begin(), entry.past_runs.end(), run) != entry.past_runs.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("model ", model, ": run ", run, " was replaced by run ", entry.run,
+                       " on this node; publish under the current run or a new one"));
+    }
+    return absl::OkStatus();  // a new run: its numbers may restart
+  }
   if (version > entry.newest || (version == entry.newest && entry.this_process)) {
     return absl::OkStatus();
   }
@@ -111,13 +140,29 @@ absl::Status VersionLedger::Check(const std::string& model, uint64_t version) co
       "on this node is ", entry.newest,
       path_.empty() ? std::string() : absl::StrCat(" (remembered across restarts in ", path_, ")"),
       "; engines' nodes hold that number already and would skip this one. Publish ",
-      entry.newest + 1, " or later (resume the step count), or start a new run at 1 with ",
-      "`refitctl drop ", model, "` once no buffer of it is registered"));
+      entry.newest + 1,
+      " or later (resume the step count), or name a new run (PublishRequest.run: ",
+      "a resume from a checkpoint), whose versions engines follow even below ", entry.newest,
+      ", or start over at 1 with `refitctl drop ", model, "` once no buffer of it is registered"));
 }
 
-absl::Status VersionLedger::Record(const std::string& model, uint64_t version) {
+absl::Status VersionLedger::Record(const std::string& model, uint64_t version,
+                                   const std::string& run) {
   common::MutexLock lock(mu_);
   Entry& entry = models_[model];
+  if (!run.empty() && run != entry.run) {
+    // A new run: its numbers start over.
+    if (!entry.run.empty()) {
+      entry.past_runs.erase(std::remove(entry.past_runs.begin(), entry.past_runs.end(), run),
+                            entry.past_runs.end());
+      entry.past_runs.push_back(entry.run);
+      while (entry.past_runs.size() > kMaxPastRuns) entry.past_runs.erase(entry.past_runs.begin());
+    }
+    entry.run = run;
+    entry.newest = version;
+    entry.this_process = true;
+    return Save();
+  }
   if (version < entry.newest) return absl::OkStatus();
   const bool changed = version != entry.newest;
   entry.newest = version;
@@ -136,6 +181,18 @@ absl::StatusOr<uint64_t> VersionLedger::Forget(const std::string& model) {
   return newest;
 }
 
+std::string VersionLedger::Run(const std::string& model) const {
+  common::MutexLock lock(mu_);
+  auto it = models_.find(model);
+  return it == models_.end() ? "" : it->second.run;
+}
+
+std::vector<std::string> VersionLedger::PastRuns(const std::string& model) const {
+  common::MutexLock lock(mu_);
+  auto it = models_.find(model);
+  return it == models_.end() ? std::vector<std::string>() : it->second.past_runs;
+}
+
 uint64_t VersionLedger::Newest(const std::string& model) const {
   common::MutexLock lock(mu_);
   auto it = models_.find(model);
@@ -150,6 +207,8 @@ absl::Status VersionLedger::Save() const {
   json["models"] = nlohmann::json::object();
   for (const auto& [name, entry] : models_) {
     json["models"][name] = {{"newest_published", entry.newest}};
+    if (!entry.run.empty()) json["models"][name]["run"] = entry.run;
+    if (!entry.past_runs.empty()) json["models"][name]["past_runs"] = entry.past_runs;
   }
   const std::string text =
       json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";

@@ -6,7 +6,8 @@
 // the new one. Without a directory the ledger lives in memory only, for this process.
 //
 // The file, DIR/state.json, is JSON ({"format": "refit-state", "format_version": 1,
-// "models": {"NAME": {"newest_published": N}, ...}}), rewritten whole at every change through a
+// "models": {"NAME": {"newest_published": N, "run": "R", "past_runs": ["Q"]}, ...}}; run and
+// past_runs only when a trainer named runs), rewritten whole at every change through a
 // temporary file, fsync and rename, so that a crash leaves the old file or the new one; Open
 // refuses a file it can't read back.
 //
@@ -16,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -33,11 +35,20 @@ class VersionLedger {
   // OK when `model` may publish `version`; FAILED_PRECONDITION naming the newest otherwise: a
   // version below it, or equal to it when that number was published by an earlier process (a
   // number this process published is published again by the model's other source buffers).
-  absl::Status Check(const std::string& model, uint64_t version) const;
+  // `run` (PublishRequest.run; empty: the model's current run): another run than the current
+  // one is a new run (a resume from a checkpoint), whose numbers may restart: OK, unless it is
+  // a run the model left before (FAILED_PRECONDITION).
+  absl::Status Check(const std::string& model, uint64_t version, const std::string& run = "") const;
 
   // `model` published `version` (keeps the max) and persists it. An error means the file could
   // not be written; the number is remembered in memory all the same.
-  absl::Status Record(const std::string& model, uint64_t version);
+  // With another non-empty `run` than the current one: that run starts (the current one is
+  // remembered as left, at most kMaxPastRuns) and `version` is its newest.
+  absl::Status Record(const std::string& model, uint64_t version, const std::string& run = "");
+  // The model's current run ("": none named) and the runs it left, oldest first.
+  std::string Run(const std::string& model) const;
+  std::vector<std::string> PastRuns(const std::string& model) const;
+  static constexpr size_t kMaxPastRuns = 16;
 
   // Forgets `model` (refitctl drop), persisting that; returns the version it remembered, 0 if
   // none.
@@ -52,7 +63,9 @@ class VersionLedger {
 
   struct Entry {
     uint64_t newest = 0;
-    bool this_process = false;  // `newest` was published since this process started
+    bool this_process = false;           // `newest` was published since this process started
+    std::string run;                     // the trainer's current run ("": none named)
+    std::vector<std::string> past_runs;  // runs left, oldest first
   };
   const std::string path_;
   mutable common::Mutex mu_;

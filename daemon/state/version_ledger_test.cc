@@ -46,6 +46,42 @@ TEST_CASE("the newest published version outlives the process", "[state]") {
   CHECK(files == 1);
 }
 
+TEST_CASE("a named run may restart its numbers; runs left are refused, across restarts",
+          "[state]") {
+  const std::string dir = TempDir();
+  {
+    auto ledger = VersionLedger::Open(dir);
+    REQUIRE(ledger.ok());
+    REQUIRE((*ledger)->Record("m", 600, "run-a").ok());
+    CHECK((*ledger)->Run("m") == "run-a");
+    // Empty: the current run, with its reused-number refusal.
+    CHECK((*ledger)->Check("m", 500).code() == absl::StatusCode::kFailedPrecondition);
+    CHECK((*ledger)->Check("m", 500, "run-a").code() == absl::StatusCode::kFailedPrecondition);
+    CHECK((*ledger)->Check("m", 500, "run-b").ok());
+    REQUIRE((*ledger)->Record("m", 500, "run-b").ok());
+    CHECK((*ledger)->Newest("m") == 500);
+  }
+  auto reopened = VersionLedger::Open(dir);
+  REQUIRE(reopened.ok());
+  CHECK((*reopened)->Run("m") == "run-b");
+  CHECK((*reopened)->PastRuns("m") == std::vector<std::string>{"run-a"});
+  CHECK((*reopened)->Newest("m") == 500);
+  CHECK((*reopened)->Check("m", 500).code() == absl::StatusCode::kFailedPrecondition);
+  CHECK((*reopened)->Check("m", 501).ok());
+  const absl::Status left = (*reopened)->Check("m", 900, "run-a");
+  CHECK(left.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(std::string(left.message()).find("replaced by run run-b") != std::string::npos);
+  // A state file from before runs (no run keys) still opens.
+  const std::string old_dir = TempDir();
+  WriteFile(
+      old_dir + "/state.json",
+      R"({"format": "refit-state", "format_version": 1, "models": {"x": {"newest_published": 3}}})");
+  auto old = VersionLedger::Open(old_dir);
+  REQUIRE(old.ok());
+  CHECK((*old)->Run("x").empty());
+  CHECK((*old)->Check("x", 3, "run-1").ok());
+}
+
 TEST_CASE("Forget lets a new run start at 1, across restarts too", "[state]") {
   const std::string dir = TempDir();
   auto ledger = VersionLedger::Open(dir);

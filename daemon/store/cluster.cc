@@ -74,6 +74,7 @@ void Store::NoteLocalReady(Model& model) {
   auto snapshot = std::make_shared<LocalSnapshot>();
   snapshot->model = model.name;
   snapshot->version = newest;
+  snapshot->run = model.run;
   for (const auto& [id, piece] : model.pending[newest]) {
     if (model.sources.count(id)) {
       snapshot->pieces.push_back(
@@ -94,6 +95,8 @@ void Store::TryCompleteWithRemotes(Model& model) {
     if (remote.sources.empty()) continue;
     if (remote.announced == 0) return;
     if (candidate != 0 && remote.announced != candidate) return;  // wait for the laggard
+    // A node still on a run the model left: wait for it to announce the current run.
+    if (!remote.trainer_run.empty() && remote.trainer_run != model.run) return;
     candidate = remote.announced;
   }
   if (candidate <= model.latest || candidate <= model.failed) return;
@@ -174,6 +177,7 @@ void Store::TryCompleteWithRemotes(Model& model) {
   PullJob job;
   job.model = model.name;
   job.version = candidate;
+  job.run = model.run;
   for (size_t i = 0; i < pieces.size(); ++i) {
     if (pieces[i].node.empty() || pieces[i].slot) continue;
     MergeRanges(&needed[i]);
@@ -218,6 +222,8 @@ void Store::OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fet
   if (remote.deltas.empty() || model.latest == 0) return;
   auto held = model.complete.find(model.latest);
   if (held == model.complete.end()) return;
+  // Deltas chain versions of one run; numbers of another run name other bytes.
+  if (held->second->run != model.run) return;
   // The newest version held here must hold every byte this pull needs, from the same piece.
   const Piece* base = nullptr;
   for (const Piece& piece : held->second->pieces) {
@@ -268,7 +274,9 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
     {
       common::MutexLock lock(mu_);
       const Model* model = FindModel(job.model);
-      if (model && model->pulling == job.version) diff_base = DiffBaseFor(*model);
+      if (model && model->pulling == job.version && model->run == job.run) {
+        diff_base = DiffBaseFor(*model);
+      }
     }
     if (diff_base) {
       std::vector<Piece*> pieces;
@@ -284,7 +292,8 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
   }
   common::MutexLock lock(mu_);
   Model* model = FindModel(job.model);
-  if (!model || model->pulling != job.version) return;
+  // A pull of a run the model left since (StartRun) is dropped.
+  if (!model || model->pulling != job.version || model->run != job.run) return;
   model->pulling = 0;
   model->pulling_sizes.clear();
   std::vector<Piece> pieces = std::move(model->pulling_pieces);
@@ -439,11 +448,20 @@ void Store::SetRemoteSources(const std::string& node, const std::string& model_n
 
 void Store::AnnounceRemoteVersion(const std::string& node, const std::string& model_name,
                                   uint64_t version, std::vector<RemotePieceRef> pieces,
-                                  std::vector<RemoteDeltaRef> deltas, const std::string& run) {
+                                  std::vector<RemoteDeltaRef> deltas, const std::string& run,
+                                  const std::string& trainer_run) {
   common::MutexLock lock(mu_);
   Model* model = FindModel(model_name);
   if (!model) return;
   auto& remote = model->remotes[node];
+  if (!trainer_run.empty() && trainer_run != model->run &&
+      std::find(model->past_runs.begin(), model->past_runs.end(), trainer_run) ==
+          model->past_runs.end()) {
+    // The trainer started a new run (or resumed from a checkpoint): follow it, even below the
+    // version held here.
+    StartRun(*model, trainer_run, absl::StrCat("node ", node, " announced it"));
+  }
+  remote.trainer_run = trainer_run;
   if (remote.announced == 0 && version >= model->failed) model->failed = 0;  // a fresh start
   // A number this node already has from another run of that node: the numbers were reused
   // (its refitd restarted without --state-dir, or its model was dropped). Never silently.

@@ -170,8 +170,10 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
 }
 
 absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint64_t version,
-                                             const std::vector<std::string>& buffer_ids) {
+                                             const std::vector<std::string>& buffer_ids,
+                                             const std::string& run_asked) {
   std::shared_ptr<const Version> diff_base;
+  std::string run;  // the run this version belongs to
   if (version == 0) return absl::InvalidArgumentError("version must be >= 1");
   std::vector<std::shared_ptr<Buffer>> buffers;
   std::vector<uint64_t> previous;  // each buffer's last published version before this call
@@ -181,6 +183,16 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
     Model* model = FindModel(model_name);
     if (!model) return absl::NotFoundError(absl::StrCat("model ", model_name, " does not exist"));
     ASSIGN_OR_RETURN(buffers, LookUpBuffers(model_name, Role::kSource, buffer_ids));
+    if (!run_asked.empty() && run_asked != model->run) {
+      if (std::find(model->past_runs.begin(), model->past_runs.end(), run_asked) !=
+          model->past_runs.end()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("model ", model_name, ": run ", run_asked, " was replaced by run ",
+                         model->run, "; publish under the current run or a new one"));
+      }
+      StartRun(*model, run_asked, "a Publish named it");
+    }
+    run = model->run;
     if (version <= model->latest) {
       return absl::FailedPreconditionError(
           absl::StrCat("model ", model_name, ": version ", version,
@@ -231,6 +243,11 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
                                                       ": its buffers were released while version ",
                                                       version, " was being published"));
   }
+  if (model->run != run) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("model ", model_name, ": run ", run, " was replaced by run ", model->run,
+                     " while version ", version, " was being published"));
+  }
   if (version <= model->latest) {
     // Another buffer's publish completed a newer version meanwhile; this one can't complete.
     return absl::FailedPreconditionError(absl::StrCat("model ", model_name, ": version ", version,
@@ -274,6 +291,7 @@ void Store::TryComplete(Model& model) {
 void Store::CompleteVersion(Model& model, uint64_t number, std::vector<Piece> pieces) {
   auto version = std::make_shared<Version>();
   version->number = number;
+  version->run = model.run;
   std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
     return std::tie(a.node, a.buffer_id) < std::tie(b.node, b.buffer_id);
   });
@@ -312,10 +330,14 @@ void Store::PublishVersion(Model& model, std::shared_ptr<const Version> version)
   }
   model.history.push_back(number);
   if (model.history.size() > kHistoryLength) model.history.pop_front();
-  while (model.complete.size() > std::max<uint32_t>(1, options_.retain)) {
-    model.complete.erase(model.complete.begin());  // slots freed once no Apply holds them
+  // A rollback target stays held beside the --retain newest until Resume.
+  while (model.complete.size() > std::max<uint32_t>(1, options_.retain) + (model.hold ? 1 : 0)) {
+    auto oldest = model.complete.begin();
+    if (oldest->first == model.hold) ++oldest;
+    model.complete.erase(oldest);  // slots freed once no Apply holds them
     metrics_->Add(kVersionsDropped, 1);
   }
+  if (model.hold == 0) AddEvent(model, number, false);  // held back until Resume otherwise
   metrics_->Add(kVersionsCompleted, 1);
   Logger("store")->info("model={} version={} complete: {} pieces, {} bytes held here", model.name,
                         number, version->pieces.size(), version->bytes);
@@ -394,13 +416,35 @@ absl::Status Store::WaitUntil(common::UniqueLock& lock, Clock::time_point deadli
 absl::StatusOr<uint64_t> Store::WaitForVersion(const std::string& model_name, uint64_t min_version,
                                                Clock::time_point deadline,
                                                const CancelledFn& cancelled) {
+  auto target = WaitForTarget(model_name, min_version, "", deadline, cancelled);
+  if (!target.ok()) return target.status();
+  return target->version;
+}
+
+absl::StatusOr<VersionTarget> Store::WaitForTarget(const std::string& model_name,
+                                                   uint64_t min_version, const std::string& run,
+                                                   Clock::time_point deadline,
+                                                   const CancelledFn& cancelled, uint64_t applied) {
   common::UniqueLock lock(mu_);
   uint64_t latest = 0;
+  VersionTarget out;
+  std::optional<std::string> run_at_start;
+  if (const Model* model = FindModel(model_name)) run_at_start = model->run;
   absl::Status status =
       WaitUntil(lock, deadline, cancelled, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         const Model* model = FindModel(model_name);
-        latest = model ? model->latest : 0;
-        return latest != 0 && latest >= min_version;
+        latest = model ? TargetOf(*model) : 0;
+        if (latest == 0) return false;
+        out.version = latest;
+        out.rollback = model->hold != 0;
+        out.run = model->run;
+        // A new run (or a resume from a checkpoint) restarts its numbers: the caller hears of
+        // its versions even below min_version, never waits past them.
+        const bool new_run =
+            (!run.empty() && model->run != run) || (run_at_start && *run_at_start != model->run);
+        // An engine on another version than the rollback's hears it must go back.
+        const bool go_back = model->hold != 0 && applied != 0 && applied != model->hold;
+        return latest >= min_version || new_run || go_back;
       });
   if (status.code() == absl::StatusCode::kDeadlineExceeded) {
     const Model* model = FindModel(model_name);
@@ -422,7 +466,7 @@ absl::StatusOr<uint64_t> Store::WaitForVersion(const std::string& model_name, ui
                      " completed before the deadline (latest: ", latest, ")", abandoned));
   }
   RETURN_IF_ERROR(status);
-  return latest;
+  return out;
 }
 
 absl::StatusOr<std::vector<uint64_t>> Store::WaitForCompletions(const std::string& model_name,
@@ -509,6 +553,8 @@ absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
     model->skipped = 0;
     model->skipped_reason.clear();
     model->latest_runs.clear();
+    model->hold = 0;
+    model->events.clear();
   } else {
     models_.erase(name);
     pool_->SetBudget(name, 0);

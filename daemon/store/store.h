@@ -166,6 +166,18 @@ struct ModelInfo {
   std::string delta_base = "held";
   uint64_t destination_base_version = 0;
   std::string delta_base_note;
+  // Runs (store_versions.cc): the trainer's current run of the model, and the runs it left.
+  std::string run;
+  std::vector<std::string> past_runs;
+  // Rollback: the version the model is held back to on this node (0: none).
+  uint64_t rollback_version = 0;
+};
+
+// What Watch delivers (store_versions.cc): a version that became the engine's target.
+struct VersionTarget {
+  uint64_t version = 0;
+  bool rollback = false;  // an older, retained version (Rollback); newer ones are held back
+  std::string run;        // the trainer's run of `version`
 };
 
 // What Verify found in one DESTINATION buffer.
@@ -193,6 +205,7 @@ struct SourceLayout {
 struct LocalSnapshot {
   std::string model;
   uint64_t version = 0;
+  std::string run;  // the trainer's run of `version` (PublishRequest.run)
   struct Piece {
     std::string buffer_id;
     std::shared_ptr<Region> slot;
@@ -225,6 +238,7 @@ struct RemoteDeltaRef {
 struct PullJob {
   std::string model;
   uint64_t version = 0;
+  std::string run;  // the trainer's run of `version`: a pull of a run since left is dropped
   struct Fetch {
     std::string node;
     std::string buffer_id;
@@ -260,6 +274,10 @@ class StoreEvents {
   // Every local SOURCE buffer of `model` has published `version`; its snapshot is held
   // (GetLocalSnapshot) when a listener WantsLocalSnapshots.
   virtual void OnLocalVersionReady(const std::string& /*model*/, uint64_t /*version*/) {}
+  // `model` started the trainer's run `run` here: the previous run's versions were let go
+  // (versions may restart below theirs), or the rollback target changed (Rollback, Resume).
+  virtual void OnRunStarted(const std::string& /*model*/, const std::string& /*run*/) {}
+  virtual void OnHoldChanged(const std::string& /*model*/, uint64_t /*version*/) {}
   // The local SOURCE layout of `model` changed (a source registered or released).
   virtual void OnLayoutChanged(const std::string& /*model*/) {}
   // Other nodes' sources announced a version this node should take: start fetching `job`'s
@@ -312,9 +330,52 @@ class Store {
   // (e.g. "its process exited"), for logs and the abandoned version's message.
   absl::Status ReleaseBuffer(const std::string& buffer_id, const std::string& why = "");
 
-  // Snapshots the listed SOURCE buffers as `version` of `model`.
+  // Snapshots the listed SOURCE buffers as `version` of `model`. `run`: the trainer's run
+  // (empty: the model's current one); another run than the current one starts it here
+  // (StartRun): its versions may restart below the old run's. FAILED_PRECONDITION for a run
+  // the model left before.
   absl::StatusOr<PublishResult> Publish(const std::string& model, uint64_t version,
-                                        const std::vector<std::string>& buffer_ids);
+                                        const std::vector<std::string>& buffer_ids,
+                                        const std::string& run = "");
+
+  // ---- Runs and rollback (store_versions.cc) ----
+  // The model's current run ("" when none was named).
+  std::string RunOf(const std::string& model) const;
+  // Seeds the model's current run and the runs it left (refitd: from --state-dir at the
+  // model's first Publish) without letting anything go.
+  void SeedRun(const std::string& model, const std::string& run,
+               const std::vector<std::string>& past_runs);
+  // Holds `model` back to `version` here: it must be a retained complete version (NOT_FOUND
+  // naming the oldest retained otherwise; NOT_FOUND for an unknown model). Watch delivers it
+  // as a rollback event, WaitForVersion and Apply(0) answer it, and newer versions complete
+  // (into retention) without being delivered until Resume. Another Rollback moves the target.
+  absl::StatusOr<uint64_t> Rollback(const std::string& model, uint64_t version);
+  // What Rollback would answer, changing nothing: OK when `version` is retained here.
+  absl::Status CheckRollback(const std::string& model, uint64_t version) const;
+  // The other nodes with SOURCE buffers of `model` (where a Rollback asked here is forwarded).
+  std::vector<std::string> SourceNodes(const std::string& model) const;
+  // Waits until the model's hold is `version` (0: none), up to `deadline`; false past it.
+  bool WaitForHold(const std::string& model, uint64_t version, Clock::time_point deadline);
+  // Ends the hold: the newest complete version is the target again (delivered by Watch when
+  // it differs). FAILED_PRECONDITION when the model is not held back here.
+  absl::Status Resume(const std::string& model);
+  // The version `model` is held back to here; 0: none.
+  uint64_t HoldOf(const std::string& model) const;
+  // Blocks until the model's target (the hold, else its newest complete version) is >=
+  // min_version, or its run differs from `run` (non-empty) or from the run at the call's start,
+  // or the model is held back to another version than `applied` (non-zero); returns it.
+  absl::StatusOr<VersionTarget> WaitForTarget(const std::string& model, uint64_t min_version,
+                                              const std::string& run, Clock::time_point deadline,
+                                              const CancelledFn& cancelled, uint64_t applied = 0);
+  // Watch: where a watch of `model` starts. after_version 0: live events only (a hold in force
+  // is delivered first); otherwise the retained complete versions of the current run newer than
+  // after_version are replayed first.
+  uint64_t WatchCursor(const std::string& model, uint64_t after_version) const;
+  // Blocks until events after `*cursor` exist, returns them and moves the cursor past them.
+  absl::StatusOr<std::vector<VersionTarget>> WaitForEvents(const std::string& model,
+                                                           uint64_t* cursor,
+                                                           Clock::time_point deadline,
+                                                           const CancelledFn& cancelled);
 
   // Blocks until a version >= min_version of `model` is complete, then returns the newest.
   // DEADLINE_EXCEEDED past `deadline`; CANCELLED when `cancelled()`; UNAVAILABLE at Shutdown.
@@ -392,9 +453,16 @@ class Store {
   // `run` names the announcing daemon's process (HelloResponse.instance): a version number not
   // newer than the one held here, announced by another run of that node than the one it came
   // from, is a reused number; it is skipped, logged and shown (ModelInfo.skipped_version).
+  // `trainer_run` (PeerEvent.trainer_run): the trainer's run of `version`; another run than the
+  // model's current one (and none it left) starts that run here (StartRun), so its versions are
+  // taken even below the ones held.
   void AnnounceRemoteVersion(const std::string& node, const std::string& model, uint64_t version,
                              std::vector<RemotePieceRef> pieces,
-                             std::vector<RemoteDeltaRef> deltas = {}, const std::string& run = "");
+                             std::vector<RemoteDeltaRef> deltas = {}, const std::string& run = "",
+                             const std::string& trainer_run = "");
+  // `node` (a node with SOURCE buffers of `model`) holds the model back to `version` (0: it
+  // resumed): this node follows (Rollback / Resume here).
+  void FollowHold(const std::string& node, const std::string& model, uint64_t version);
   // `node` is gone: its sources stay expected (no version completes without them) and a pull
   // from it fails.
   void ForgetRemoteVersions(const std::string& node);
@@ -506,6 +574,17 @@ class Store {
   // releases the held copy of its pulled pieces, keeping their digests (destination mode only).
   void ReleaseApplied(const std::string& model, const std::shared_ptr<const Version>& version);
   void NoteLocalReady(Model& model);
+  // Starts the trainer's run `run` for `model` (store_versions.cc): lets the previous run's
+  // versions, pulls and snapshots go, so that the new run's numbers may restart below them.
+  void StartRun(Model& model, const std::string& run, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK when `version` of `model` is retained (complete) here; NOT_FOUND naming the oldest.
+  absl::Status RetainedForRollback(const Model& model, uint64_t version) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records an event for Watch (store_versions.cc).
+  void AddEvent(Model& model, uint64_t version, bool rollback) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The version Apply(0) and WaitForVersion answer: the hold, else the newest complete.
+  static uint64_t TargetOf(const Model& model);
   // For a Publish of `buffer`: the ranges NoteChecksumRanges kept (sorted), less those not
   // asked about lately or past `size`.
   static std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> HintsForPublish(
@@ -519,7 +598,8 @@ class Store {
   // quantized it for the model's fp8 destinations (Model::finishing meanwhile).
   void CompleteVersion(Model& model, uint64_t version, std::vector<Piece> pieces)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void PublishVersion(Model& model, std::shared_ptr<const Version> version);
+  void PublishVersion(Model& model, std::shared_ptr<const Version> version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunQuantizer();
   // The derived slot of `plan`'s jobs for `version` (no store lock held): one region, or none
   // when the plan has no jobs.
@@ -600,6 +680,7 @@ class Store {
   common::CondVar changed_;  // a version completed, or Shutdown
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_buffer_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_event_ ABSL_GUARDED_BY(mu_) = 1;  // Watch events' sequence numbers
   std::map<std::string, std::unique_ptr<Model>> models_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<Buffer>> buffers_ ABSL_GUARDED_BY(mu_);  // by id
   std::map<std::string, std::string> by_memory_

@@ -67,7 +67,12 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     for (const auto& d : dests) {
       if (!d->refused.empty()) return absl::FailedPreconditionError(d->refused);
     }
-    const uint64_t wanted = version == 0 ? model->latest : version;
+    const uint64_t wanted = version == 0 ? TargetOf(*model) : version;
+    if (model->hold != 0 && wanted > model->hold) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("model ", model_name, ": rolled back to version ", model->hold, "; version ",
+                       wanted, " is held back until Resume (refitctl resume ", model_name, ")"));
+    }
     if (wanted == 0) {
       return absl::FailedPreconditionError(
           absl::StrCat("model ", model_name, " has no complete version on this node yet"));

@@ -89,6 +89,7 @@ struct Store::Piece {
 
 struct Store::Version {
   uint64_t number = 0;
+  std::string run;            // the trainer's run it belongs to (Model::run when it completed)
   std::vector<Piece> pieces;  // sorted by buffer id
   std::string layout_key;     // the piece buffer ids: equal keys mean equal source layouts
   uint64_t bytes = 0;
@@ -151,8 +152,10 @@ struct Store::Model {
   // Several nodes.
   struct RemoteNode {
     std::vector<SourceLayout> sources;
-    std::string run;         // the run (daemon instance) that announced `announced`
-    uint64_t announced = 0;  // newest version all its sources published; 0: none known
+    std::string run;          // the run (daemon instance) that announced `announced`
+    std::string trainer_run;  // the trainer's run of `announced` (PeerEvent.trainer_run)
+    uint64_t hold = 0;        // the rollback target it announced last (PeerEvent.rollback_version)
+    uint64_t announced = 0;   // newest version all its sources published; 0: none known
     std::vector<RemotePieceRef> pieces;
     std::vector<RemoteDeltaRef> deltas;
     // Imported whole (ImportVersion): the slots of version `announced`, by buffer id.
@@ -176,6 +179,16 @@ struct Store::Model {
   // the held copy is kept instead (said once in the log, and in Status).
   std::shared_ptr<const DestinationBase> destination_base;
   std::string delta_base_note;
+
+  // Runs and rollback (store_versions.cc).
+  std::string run;                    // the trainer's current run ("" : none named)
+  std::deque<std::string> past_runs;  // runs left, oldest first (at most kMaxPastRuns)
+  uint64_t hold = 0;                  // rollback target; 0: none
+  struct Event {
+    uint64_t seq = 0;
+    VersionTarget target;
+  };
+  std::deque<Event> events;  // what Watch delivers, oldest first (bounded)
 
   bool HasRemoteSources() const {
     for (const auto& [node, remote] : remotes) {

@@ -167,6 +167,9 @@ std::vector<ModelInfo> Store::Models() const {
       info.destination_base_version = model->destination_base->version;
     }
     info.delta_base_note = model->delta_base_note;
+    info.run = model->run;
+    info.past_runs.assign(model->past_runs.begin(), model->past_runs.end());
+    info.rollback_version = model->hold;
     out.push_back(std::move(info));
   }
   return out;

@@ -354,7 +354,7 @@ void Store::RunQuantizer() {
     const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
     lock.lock();
     model = FindModel(name);
-    if (!model || model->finishing != version->number) continue;
+    if (!model || model->finishing != version->number || model->run != version->run) continue;
     model->finishing = 0;
     if (!slots.ok()) {
       Logger("store")->error("model={} version={} abandoned: quantizing for fp8 destinations: {}",

@@ -400,7 +400,7 @@ class Client:
     def publish(self, model: str, version: int,
                 buffers: Union[BufferArg, Iterable[BufferArg]], *,
                 labels: Optional[Dict[str, str]] = None, max_staleness: int = 0,
-                timeout: Optional[float] = None) -> refit_pb2.PublishResponse:
+                timeout: Optional[float] = None, run: str = "") -> refit_pb2.PublishResponse:
         """The SOURCE `buffers` now hold `version`; returns once the daemon has snapshotted
         them (`.version`, `.bytes`), so their tensors may be overwritten at once.
 
@@ -415,23 +415,40 @@ class Client:
         refit.DeadlineExceededError naming the replicas behind otherwise (the version is
         published all the same). refit.FailedPreconditionError, nothing published, when no
         replica of the model has reported to this node.
-        """
+
+        `run`: the trainer's run ("" : the model's current one). Naming another run starts it:
+        a trainer resuming from a checkpoint (step 600 published, resumed at 500) publishes 500
+        under a new run, and every engine node follows it (Watch events and status name the
+        run). A run the model left before is refused (refit.FailedPreconditionError)."""
         buffers = list(buffers) if not isinstance(buffers, (str, buffer_lib.Buffer)) else buffers
         _sync_cuda(buffers)
         ids = _buffer_ids(buffers)
         labels = {str(k): str(v) for k, v in (labels or {}).items()}
         return self._call("Publish", lambda: refit_pb2.PublishRequest(
             model=model, version=version, buffer_ids=self._ids(ids), labels=labels,
-            max_staleness=max_staleness), timeout=timeout)
+            max_staleness=max_staleness, run=run), timeout=timeout)
 
     def wait_for_version(self, model: str, min_version: int = 1,
                          timeout: Optional[float] = None) -> int:
-        """Blocks until a version >= min_version is complete on this node; returns the newest.
+        """Blocks until a version >= min_version is complete on this node; returns the newest
+        (during a rollback: the rollback version; newer ones are held back until resume).
 
         refit.DeadlineExceededError (also a TimeoutError) after `timeout` seconds
         (None: wait for ever).
         """
-        request = refit_pb2.WaitForVersionRequest(model=model, min_version=min_version)
+        return self.wait_for_target(model, min_version, timeout=timeout).version
+
+    def wait_for_target(self, model: str, min_version: int = 1, run: str = "",
+                        applied_version: int = 0,
+                        timeout: Optional[float] = None) -> refit_pb2.WaitForVersionResponse:
+        """wait_for_version for an engine: with the run it last saw (`run`; "" : any) it answers
+        at once, even below min_version, when the model's current run is another one (a new
+        run or a resume restarts its numbers); with the version its buffers hold
+        (`applied_version`) it answers at once while the model is rolled back to another
+        version. Returns `.version`, `.run` and `.rollback` (the version is a rollback
+        target: apply it even though it is older)."""
+        request = refit_pb2.WaitForVersionRequest(model=model, min_version=min_version, run=run,
+                                                  applied_version=applied_version)
         try:
             response = self._stub.WaitForVersion(request, timeout=timeout)
         except grpc.RpcError as e:
@@ -442,7 +459,20 @@ class Client:
                 response = self._stub.WaitForVersion(request, timeout=timeout)
             except grpc.RpcError as e2:
                 raise errors.from_rpc_error(e2, "WaitForVersion") from None
-        return response.version
+        return response
+
+    def rollback(self, model: str, version: int) -> int:
+        """Rolls every node with DESTINATION buffers for `model` back to `version` (still
+        retained), like `refitctl rollback`: their Watch streams deliver it with `rollback`
+        set, and newer versions are held back until resume(). refit.NotFoundError naming the
+        oldest retained version when `version` is no longer held."""
+        return self._call("Rollback", refit_pb2.RollbackRequest(model=model,
+                                                                version=version)).version
+
+    def resume(self, model: str) -> None:
+        """Ends a rollback (`refitctl resume`): the newest complete version is the target
+        again. refit.FailedPreconditionError when the model is not rolled back."""
+        self._call("Resume", refit_pb2.ResumeRequest(model=model))
 
     def wait_for_replicas(self, model: str, version: int, min_nodes: int = 0,
                           timeout: Optional[float] = None) -> refit_pb2.WaitForReplicasResponse:

@@ -102,6 +102,8 @@ class EngineWeights:
         self.fallback = None     # the load_weights buffer, in checkpoint layout
         self.fallback_reasons: Dict[str, str] = {}
         self.version = 0
+        self.run = ""            # the trainer's run of `version` (a new run restarts numbers)
+        self.rollback = False    # `version` is a rollback target (newer ones held back)
         fp8_block = tuple(int(b) for b in fp8_block)
         try:
             fallback_names = set(params) | {n + "_scale_inv" for n in fp8}
@@ -179,10 +181,19 @@ class EngineWeights:
                refuse_nonfinite: bool = True) -> int:
         """Waits for `version` (0: the newest after the one held), applies it (into the
         engine's parameters where they are registered), and hands what is left to
-        `load_weights`; a version holding inf/NaN values is refused before Apply."""
+        `load_weights`; a version holding inf/NaN values is refused before Apply.
+
+        With version 0 it follows the fleet: a rollback (refit Rollback: an older version,
+        newer ones held back until Resume) and a trainer's new run or resume from an older
+        step (its numbers restart) are applied as they come, never waited past."""
         wanted = version or self.version + 1
-        got = self.client.wait_for_version(self.model, wanted, timeout=timeout)
-        target = version or got
+        got = self.client.wait_for_target(self.model, wanted, run=self.run,
+                                          applied_version=self.version, timeout=timeout)
+        target = version or got.version
+        if not version and (got.rollback or got.run != self.run):
+            log.info("refit: model %s: %s version %d (run %r)", self.model,
+                     "rolling back to" if got.rollback else "following the new run at",
+                     got.version, got.run)
         count = self._nonfinite(target)
         if refuse_nonfinite and count:
             raise NonFiniteVersionError(self.model, target, count)
@@ -197,6 +208,8 @@ class EngineWeights:
         if self.fallback is not None:
             load_weights(self.weights())
         self.version = applied.version
+        if not version:
+            self.run, self.rollback = got.run, got.rollback
         return applied.version
 
     def weights(self) -> Iterator[Tuple[str, torch.Tensor]]:

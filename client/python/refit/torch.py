@@ -493,8 +493,12 @@ class Publisher:
     docstring and `publisher()`."""
 
     def __init__(self, client, model: str, module: nn.Module, entries: List[_Entry],
-                 group, rank: int, client_name: str, check_peers: bool):
+                 group, rank: int, client_name: str, check_peers: bool, run: str = ""):
         self.client = client
+        # The trainer's run (PublishRequest.run): a trainer resuming from a checkpoint names a
+        # new one, and may publish steps below those the old run published; "" : the model's
+        # current run.
+        self.run = run
         self.model = model
         self.module = module
         self.rank = rank
@@ -616,12 +620,17 @@ class Publisher:
     # ---- the public methods ----
 
     def publish(self, version: int, timeout: Optional[float] = None, *,
-                labels: Optional[Dict[str, str]] = None, max_staleness: int = 0):
+                labels: Optional[Dict[str, str]] = None, max_staleness: int = 0,
+                run: Optional[str] = None):
         """Snapshots this rank's part as `version` (refitd copies it before this returns);
         returns the PublishResponse (None on a rank that holds nothing to publish).
 
         `labels` and `max_staleness`: as `refit.Client.publish` (the trainer's metadata for the
-        version, delivered with it to the engines; a staleness budget to wait for)."""
+        version, delivered with it to the engines; a staleness budget to wait for).
+        `run` (default: the publisher's `run`) names the trainer's run; a new one restarts the
+        version numbers and is remembered for the next publishes."""
+        if run is not None:
+            self.run = run
         if self.released:
             raise PublisherError(f"rank {self.rank}: publish({version}) after release()")
         if self._check_peers and self._group is not None:
@@ -656,8 +665,8 @@ class Publisher:
             return None
         if labels or max_staleness:
             return self.client.publish(self.model, version, self.buffers, labels=labels,
-                                       max_staleness=max_staleness)
-        return self.client.publish(self.model, version, self.buffers)
+                                       max_staleness=max_staleness, run=self.run)
+        return self.client.publish(self.model, version, self.buffers, run=self.run)
 
     def _release_buffers(self) -> None:
         buffers, self.buffers = self.buffers, []
@@ -684,7 +693,8 @@ class Publisher:
 
 def publisher(client, model: str, module: nn.Module, *, layout: str = "hf",
               rename: Rename = None, group=None, client_name: Optional[str] = None,
-              check_peers: bool = True, vocab_size: Optional[int] = None) -> Publisher:
+              check_peers: bool = True, vocab_size: Optional[int] = None,
+              run: str = "") -> Publisher:
     """Registers this rank's part of `module` as SOURCE slices of `model`; returns the
     Publisher (`publish(version)`, `release()`).
 
@@ -699,7 +709,10 @@ def publisher(client, model: str, module: nn.Module, *, layout: str = "hf",
     `vocab_size`: the Hugging Face vocabulary, where Megatron padded its embedding rows. `group`: the process group of the trainer's ranks (default: the
     whole world, through a gloo group made for these checks where the default backend is not
     gloo). `check_peers=False` skips the cross-rank checks (and the small gloo exchange in each
-    publish).
+    publish). `run`: the trainer's run
+    (PublishRequest.run): a trainer resumed from a checkpoint at an older step passes a new
+    run (e.g. f"{job}-resume@{step}") and publishes from that step on; engines' nodes follow it
+    without a manual `refitctl drop`.
     """
     if layout not in ("hf", "megatron"):
         raise ValueError(f"refit.torch.publisher: layout={layout!r}: 'hf' or 'megatron'")
@@ -739,6 +752,6 @@ def publisher(client, model: str, module: nn.Module, *, layout: str = "hf",
                              + "; ".join(errors))
     checks = time.perf_counter() - started
     pub = Publisher(client, model, module, entries, group, rank, client_name or f"rank{rank}",
-                    check_peers)
+                    check_peers, run)
     pub.timings["checks"] = checks
     return pub
