@@ -20,6 +20,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 4
 
 
+def first_line(process: subprocess.Popen) -> str:
+    """The process's first line of its own output: library warnings some torch builds log to
+    stderr at import (e.g. "W1203 ... torch/_opaque_base.py:6] ... deprecated") are skipped."""
+    while True:
+        line = process.stdout.readline()
+        if not line or not re.match(r"[WI]\d{4} \d\d:\d\d:\d\d\.\d+ ", line):
+            return line
+
+
 def script(name: str, *args: str):
     return [sys.executable, os.path.join(HERE, name), *args]
 
@@ -44,7 +53,7 @@ class ExamplesTest(unittest.TestCase):
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.addCleanup(self.stop, engine)
         # Registered and waiting before the trainer publishes, so it sees every version.
-        line = engine.stdout.readline()
+        line = first_line(engine)
         self.assertIn("waiting for model=tiny-lm", line)
         return engine
 
@@ -107,7 +116,7 @@ class ExamplesTest(unittest.TestCase):
                    f"--until-version={STEPS}"),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.addCleanup(self.stop, engine)
-        self.assertIn("waiting for model=tiny-lm", engine.stdout.readline())
+        self.assertIn("waiting for model=tiny-lm", first_line(engine))
         trainer = subprocess.run(
             script("trainer.py", f"--socket={self.trainer_node.socket}", f"--steps={STEPS}",
                    "--shards=2", "--interval=0.3", "--publish-dtype=bfloat16"),
@@ -136,7 +145,7 @@ class ExamplesTest(unittest.TestCase):
                    f"--until-version={STEPS}", "--timeout=240"),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.addCleanup(self.stop, engine)
-        line = engine.stdout.readline()
+        line = first_line(engine)
         self.assertIn("waiting for model=qwen3-tiny", line)
         self.assertIn("qkv_proj (128, 64)", line)
         hold = os.path.join(self.trainer_node.dir, "engine-done")

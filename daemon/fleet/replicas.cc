@@ -30,7 +30,10 @@ absl::Status ReplicaTable::Report(const std::string& node, bool relay,
     n.site = site;
     n.heard = now_();
     n.latest.clear();
-    for (ReplicaEntry& e : entries) n.latest[e.model] = {std::move(e), n.heard};
+    for (ReplicaEntry& e : entries) {
+      const std::string model = e.model;  // the right side is evaluated first (C++17)
+      n.latest[model] = {std::move(e), n.heard};
+    }
   }
   changed_.NotifyAll();
   return absl::OkStatus();
@@ -46,7 +49,10 @@ absl::Status ReplicaTable::Merge(const std::string& node, bool relay,
     n.relay = relay;
     n.site = site;
     n.heard = now_();
-    for (ReplicaEntry& e : entries) n.latest[e.model] = {std::move(e), n.heard};
+    for (ReplicaEntry& e : entries) {
+      const std::string model = e.model;  // the right side is evaluated first (C++17)
+      n.latest[model] = {std::move(e), n.heard};
+    }
   }
   changed_.NotifyAll();
   return absl::OkStatus();
