@@ -94,7 +94,8 @@ std::vector<Replica> ReplicaTable::LiveLocked(const std::string& model) const {
     auto it = node.latest.find(model);
     if (it == node.latest.end() || now - it->second.heard > kReplicaTtl) continue;
     const ReplicaEntry& e = it->second.entry;
-    out.push_back({name, e.latest_version, node.relay, node.site, e.rollback_version, e.rolled_back});
+    out.push_back(
+        {name, e.latest_version, node.relay, node.site, e.rollback_version, e.rolled_back});
   }
   return out;  // map order: sorted by node
 }

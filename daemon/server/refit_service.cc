@@ -230,8 +230,7 @@ grpc::Status RefitService::Publish(grpc::ServerContext* context, const v1::Publi
   if (absl::Status checked = BeforePublish(*request, &labels_set); !checked.ok()) {
     return Finish("Publish", checked);
   }
-  auto result =
-      context_.store->Publish(request->model(), request->version(),
+  auto result = context_.store->Publish(request->model(), request->version(),
                                         Ids(request->buffer_ids()), request->run());
   if (!result.ok()) {
     if (labels_set) context_.rl.labels->Erase(request->model(), request->version());
