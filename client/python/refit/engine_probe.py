@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from refit.engine_storage import Part, MappingError
+from refit.engine_parts import Part, MappingError
 
 BASE = 16
 

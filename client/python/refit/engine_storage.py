@@ -32,8 +32,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from refit import dtypes
+from refit import engine_probe
 from refit import memory
 from refit.buffer import SliceLayout
+from refit.engine_parts import MappingError, Part  # noqa: F401 (re-exported)
 from refit.mapping import FusedMapping
 from refit.v1 import refit_pb2
 
@@ -41,29 +43,6 @@ log = logging.getLogger("refit.engine")
 
 STORAGE_MODES = ("auto", "zero_copy", "load_weights")
 ALIGNMENT = 64  # where each re-homed CPU parameter starts in the memfd
-
-
-class MappingError(ValueError):
-    """The mapping and the engine's parameters disagree (parts that don't add up)."""
-
-
-@dataclass(frozen=True)
-class Part:
-    """One checkpoint tensor inside an engine parameter."""
-
-    name: str                     # checkpoint name, as the trainer publishes it
-    sizes: Tuple[int, ...]        # its shape
-    expert: Optional[int]         # index in the parameter's dim 0 (per-expert parameters)
-    row: int                      # first row (dim 0 of the expert, or of the parameter)
-    refit_dtype: Optional[int] = None  # FP8_E4M3 for fp8 weights
-    scale_tensor: str = ""
-    scale_block: Tuple[int, ...] = ()
-    # A box of the checkpoint tensor (a tensor-parallel shard; refit.engine_probe): the whole
-    # tensor's shape, the box's offsets in it, and the element of the parameter it starts at.
-    # Unset: the whole tensor (`sizes`), at `row` (of `expert`).
-    global_shape: Tuple[int, ...] = ()
-    offsets: Tuple[int, ...] = ()
-    element_offset: Optional[int] = None
 
 
 @dataclass
@@ -181,7 +160,6 @@ def plan_probed(params_of_module: Dict[str, torch.Tensor], load_weights,
     (refit.engine_probe): TP shards, padded vocabularies, fused experts of any naming. Raises
     MappingError listing every checkpoint tensor the loader refuses and every engine parameter
     no checkpoint tensor reaches, before anything is registered."""
-    from refit import engine_probe  # engine_probe imports Part from here
 
     fp8 = set(fp8)
     tensors = checkpoint_tensors(params, fp8, fp8_block)
