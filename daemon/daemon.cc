@@ -139,8 +139,9 @@ struct Daemon::Impl {
   std::unique_ptr<Store> store;
   std::unique_ptr<LivenessProbe> store_probe;  // the store, for the watchdog (stopped first)
   std::unique_ptr<state::VersionLedger> ledger;
-  std::string instance;  // NewInstanceId()
-  std::string listen;    // --listen's host with the port bound
+  std::unique_ptr<HoldKeeper> hold_keeper;  // rollback holds into the ledger (--state-dir)
+  std::string instance;                     // NewInstanceId()
+  std::string listen;                       // --listen's host with the port bound
   // What this node serves to other pullers (slots from the store's pool: it goes first), and
   // which nodes hold which versions.
   fleet::RelayBoard relay_board;
@@ -359,6 +360,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   // Who hears the store's events: daemon/wiring.cc; and the timeline.
   ConnectStoreEvents(impl->Wiring());
   impl->store->AddListener(&impl->timeline_events);
+  // A rollback outlives a restart: the holds --state-dir kept, then every change to them.
+  impl->store->SeedHolds(impl->ledger->Holds());
+  impl->hold_keeper = std::make_unique<HoldKeeper>(impl->ledger.get());
+  impl->store->AddListener(impl->hold_keeper.get());
 
   Impl* raw = impl.get();
   server::ServiceContext context;

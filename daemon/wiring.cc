@@ -1,9 +1,11 @@
 #include "daemon/wiring.h"
 
 #include "daemon/bucket/bucket_sync.h"
+#include "daemon/common/logging.h"
 #include "daemon/peer/delta_source.h"
 #include "daemon/peer/peer_manager.h"
 #include "daemon/peer/peer_service.h"
+#include "daemon/state/version_ledger.h"
 #include "daemon/store/store.h"
 
 namespace refit {
@@ -17,6 +19,14 @@ void ConnectStoreEvents(const EventWiring& wiring) {
   if (wiring.bucket_export) wiring.store->AddListener(wiring.bucket_export);
   // OnPullNeeded and OnVersionComplete: the pull worker and the replica reporter.
   wiring.store->AddListener(wiring.peers);
+}
+
+void HoldKeeper::OnHoldChanged(const std::string& model, uint64_t version) {
+  absl::Status kept = ledger_->RecordHold(model, version);
+  if (!kept.ok()) {
+    Logger("store")->error("model={} hold {} not kept across restarts: {}", model, version,
+                           kept.ToString());
+  }
 }
 
 void OnDeltasPrepared(const EventWiring& wiring) {

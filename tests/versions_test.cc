@@ -404,5 +404,83 @@ TEST_CASE("a trainer resumed from an older step under a new run, on a restarted 
   CHECK(StatusOf(**trainer, "m").run() == "run-b");
 }
 
+TEST_CASE("a rollback outlives a restarted refitd (--state-dir) until Resume",
+          "[integration][restart]") {
+  char tmpl[] = "/tmp/refit-hold-XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  const std::string state = std::string(tmpl) + "/state";
+  auto first = DaemonProcess::Start({"--node=one", "--state-dir=" + state, "--retain=3"});
+  REQUIRE(first.ok());
+  const std::string socket = (*first)->socket();
+  SharedMemory src = MakeShm("hold-src");
+  SharedMemory dst = MakeShm("hold-dst");
+  const std::vector<v1::TensorSlice> layout = {Slice("w", v1::BF16, {kRows, kCols})};
+  std::vector<uint8_t> v2;
+  {
+    auto c = (*first)->Connect();
+    REQUIRE(c.ok());
+    auto s = (*c)->RegisterBuffer("m", v1::SOURCE, src, layout, "trainer");
+    auto d = (*c)->RegisterBuffer("m", v1::DESTINATION, dst, layout, "engine");
+    REQUIRE(s.ok());
+    REQUIRE(d.ok());
+    for (uint64_t v : {1, 2, 3}) {
+      const auto bytes = Fill(src, static_cast<uint32_t>(v));
+      if (v == 2) v2 = bytes;
+      REQUIRE((*c)->Publish("m", v, {*s}).ok());
+    }
+    REQUIRE((*c)->Rollback("m", 2).ok());
+    auto ap = (*c)->Apply("m", 0, {*d});
+    REQUIRE(ap.ok());
+    CHECK(ap->version() == 2);
+    CHECK(Same(dst, v2));
+  }
+  CHECK((*first)->Stop(SIGKILL) == 128 + SIGKILL);
+  first->reset();
+
+  // The same --state-dir: still held back to 2, before any buffer registers.
+  auto second = DaemonProcess::Start({"--node=one", "--state-dir=" + state, "--retain=3"}, socket);
+  REQUIRE(second.ok());
+  auto c = (*second)->Connect();
+  REQUIRE(c.ok());
+  auto s = (*c)->RegisterBuffer("m", v1::SOURCE, src, layout, "trainer");
+  auto d = (*c)->RegisterBuffer("m", v1::DESTINATION, dst, layout, "engine");
+  REQUIRE(s.ok());
+  REQUIRE(d.ok());
+  CHECK(StatusOf(**c, "m").rollback_version() == 2);
+  auto watch = (*c)->Watch("m");
+  REQUIRE(watch.ok());
+  v1::VersionEvent event = NextEvent(**watch);
+  CHECK(event.version() == 2);
+  CHECK(event.rollback());
+  const std::vector<uint8_t> v4 = Fill(src, 4);
+  REQUIRE((*c)->Publish("m", 4, {*s}).ok());
+  REQUIRE(StatusOf(**c, "m").latest_version() == 4);
+  // Newer versions stay held back: refused, the engine's buffer untouched.
+  auto newer = (*c)->Apply("m", 4, {*d});
+  CHECK(newer.status().code() == absl::StatusCode::kFailedPrecondition);
+  auto target = (*c)->Apply("m", 0, {*d});
+  CHECK(target.status().code() == absl::StatusCode::kFailedPrecondition);
+  INFO(target.status().ToString());
+  CHECK(std::string(target.status().message()).find("rolled back to version 2") !=
+        std::string::npos);
+  CHECK(Same(dst, v2));
+  // Resume: the newest is the target again, and stays so across the next restart.
+  REQUIRE((*c)->Resume("m").ok());
+  auto ap = (*c)->Apply("m", 0, {*d});
+  REQUIRE(ap.ok());
+  CHECK(ap->version() == 4);
+  CHECK(Same(dst, v4));
+  CHECK((*second)->Stop(SIGKILL) == 128 + SIGKILL);
+  second->reset();
+  auto third = DaemonProcess::Start({"--node=one", "--state-dir=" + state, "--retain=3"}, socket);
+  REQUIRE(third.ok());
+  auto c3 = (*third)->Connect();
+  REQUIRE(c3.ok());
+  REQUIRE((*c3)->RegisterBuffer("m", v1::DESTINATION, dst, layout, "engine").ok());
+  CHECK(StatusOf(**c3, "m").rollback_version() == 0);
+  auto resumed = (*c3)->Resume("m");
+  CHECK(resumed.code() == absl::StatusCode::kFailedPrecondition);
+}
+
 }  // namespace
 }  // namespace refit

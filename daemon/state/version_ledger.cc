@@ -88,14 +88,20 @@ absl::StatusOr<std::unique_ptr<VersionLedger>> VersionLedger::Open(const std::st
   if (!json.contains("models") || !json["models"].is_object()) return invalid("no models object");
   common::MutexLock lock(ledger->mu_);  // not shared yet; the analysis asks for it
   for (const auto& [name, entry] : json["models"].items()) {
+    const bool held = entry.is_object() && entry.contains("hold") &&
+                      entry["hold"].is_number_unsigned() && entry["hold"].get<uint64_t>() > 0;
     if (name.empty() || !entry.is_object() || !entry.contains("newest_published") ||
         !entry["newest_published"].is_number_unsigned() ||
-        entry["newest_published"].get<uint64_t>() == 0) {
+        (entry["newest_published"].get<uint64_t>() == 0 && !held)) {
       return invalid(
           absl::StrCat("model '", name.substr(0, 64), "' has no newest_published version >= 1"));
     }
+    if (entry.contains("hold") && !entry["hold"].is_number_unsigned()) {
+      return invalid(absl::StrCat("model '", name.substr(0, 64), "': hold is not a version"));
+    }
     Entry& e = ledger->models_[name];
     e.newest = entry["newest_published"].get<uint64_t>();
+    if (held) e.hold = entry["hold"].get<uint64_t>();
     // The trainer's run (PublishRequest.run) and the runs left: optional keys.
     if (entry.contains("run")) {
       if (!entry["run"].is_string())
@@ -193,6 +199,28 @@ std::vector<std::string> VersionLedger::PastRuns(const std::string& model) const
   return it == models_.end() ? std::vector<std::string>() : it->second.past_runs;
 }
 
+absl::Status VersionLedger::RecordHold(const std::string& model, uint64_t version) {
+  common::MutexLock lock(mu_);
+  auto it = models_.find(model);
+  if (it == models_.end()) {
+    if (version == 0) return absl::OkStatus();
+    it = models_.emplace(model, Entry()).first;
+  }
+  if (it->second.hold == version) return absl::OkStatus();
+  it->second.hold = version;
+  if (version == 0 && it->second.newest == 0) models_.erase(it);  // held back here only
+  return Save();
+}
+
+std::map<std::string, uint64_t> VersionLedger::Holds() const {
+  common::MutexLock lock(mu_);
+  std::map<std::string, uint64_t> out;
+  for (const auto& [name, entry] : models_) {
+    if (entry.hold != 0) out[name] = entry.hold;
+  }
+  return out;
+}
+
 uint64_t VersionLedger::Newest(const std::string& model) const {
   common::MutexLock lock(mu_);
   auto it = models_.find(model);
@@ -209,6 +237,7 @@ absl::Status VersionLedger::Save() const {
     json["models"][name] = {{"newest_published", entry.newest}};
     if (!entry.run.empty()) json["models"][name]["run"] = entry.run;
     if (!entry.past_runs.empty()) json["models"][name]["past_runs"] = entry.past_runs;
+    if (entry.hold != 0) json["models"][name]["hold"] = entry.hold;
   }
   const std::string text =
       json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";

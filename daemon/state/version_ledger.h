@@ -6,8 +6,10 @@
 // the new one. Without a directory the ledger lives in memory only, for this process.
 //
 // The file, DIR/state.json, is JSON ({"format": "refit-state", "format_version": 1,
-// "models": {"NAME": {"newest_published": N, "run": "R", "past_runs": ["Q"]}, ...}}; run and
-// past_runs only when a trainer named runs), rewritten whole at every change through a
+// "models": {"NAME": {"newest_published": N, "run": "R", "past_runs": ["Q"], "hold": H}, ...}};
+// run and past_runs only when a trainer named runs; hold only while the model is rolled back to
+// version H on this node: Rollback's hold outlives a restart, until Resume; newest_published 0
+// when this node only holds it back), rewritten whole at every change through a
 // temporary file, fsync and rename, so that a crash leaves the old file or the new one; Open
 // refuses a file it can't read back.
 //
@@ -55,6 +57,11 @@ class VersionLedger {
   absl::StatusOr<uint64_t> Forget(const std::string& model);
 
   uint64_t Newest(const std::string& model) const;
+
+  // The model is held back to `version` on this node (Rollback; 0: Resume ended it), persisted.
+  absl::Status RecordHold(const std::string& model, uint64_t version);
+  // Every model held back here, with its version (what the store starts with after a restart).
+  std::map<std::string, uint64_t> Holds() const;
   const std::string& path() const { return path_; }  // empty: memory only
 
  private:
@@ -66,6 +73,7 @@ class VersionLedger {
     bool this_process = false;           // `newest` was published since this process started
     std::string run;                     // the trainer's current run ("": none named)
     std::vector<std::string> past_runs;  // runs left, oldest first
+    uint64_t hold = 0;                   // rolled back to this version here (0: not)
   };
   const std::string path_;
   mutable common::Mutex mu_;

@@ -28,6 +28,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/plan/plan.h"
 
 namespace refit {
@@ -46,8 +47,11 @@ struct Header {
   uint64_t table_bytes;
   uint64_t data_offset;
   uint64_t data_bytes;
-  uint64_t reserved[3];
+  uint64_t kind;   // kDense: ranges in the table, their bytes in order; kSparse: records
+  uint64_t saved;  // kSparse: the bytes of records saved, from data_offset
+  uint64_t reserved;
 };
+constexpr uint64_t kDense = 0, kSparse = 1;
 static_assert(sizeof(Header) == 64, "journal header is 64 bytes");
 
 uint64_t RoundUp(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
@@ -71,6 +75,25 @@ uint64_t Get(const uint8_t*& at) {
   std::memcpy(&v, at, 8);
   at += 8;
   return v;
+}
+
+// Writes the table of `targets` at `at`.
+void WriteTable(const std::vector<UndoTarget>& targets, uint8_t* at) {
+  for (const UndoTarget& t : targets) {
+    Put(at, t.identity.size());
+    std::memset(at, 0, RoundUp(t.identity.size(), 8));
+    std::memcpy(at, t.identity.data(), t.identity.size());
+    at += RoundUp(t.identity.size(), 8);
+    Put(at, t.prev_version);
+    Put(at, t.version);
+    Put(at, t.size);
+    Put(at, 0);  // restored
+    Put(at, t.ranges.size());
+    for (const auto& [b, e] : t.ranges) {
+      Put(at, b);
+      Put(at, e);
+    }
+  }
 }
 
 // The state word, stored after everything before it in program order (a killed process keeps
@@ -178,17 +201,25 @@ class ApplyJournal::Slot {
   }
 };
 
+// Saved bytes of one target: `len` bytes at `offset` of it, at `file_at` of the journal file.
+struct SavedBytes {
+  uint64_t offset = 0, len = 0, file_at = 0;
+};
+
+// One target of a slot file a killed refitd left "writing".
+struct PendingTarget {
+  UndoTarget target;              // data unset
+  uint8_t* restored = nullptr;    // its word in the file
+  std::vector<SavedBytes> saved;  // in the order they were saved (restored newest first)
+};
+
 // A slot file a killed refitd left "writing".
 struct ApplyJournal::Pending {
   std::string path;
   int fd = -1;
   uint8_t* base = nullptr;
   uint64_t size = 0;
-  struct Target {
-    UndoTarget target;     // data unset
-    uint8_t* restored;     // its word in the file
-    uint64_t data_at = 0;  // its saved bytes, from the file's start
-  };
+  using Target = PendingTarget;
   std::vector<Target> targets;
   ~Pending() {
     if (base) munmap(base, size);
@@ -207,9 +238,8 @@ struct ApplyJournal::Pending {
 namespace {
 
 // Reads a pending restore from `path` (a slot file left "writing"); null when it is not one.
-absl::StatusOr<bool> ReadPending(
-    const std::string& path, uint8_t* base, uint64_t size,
-    std::vector<std::pair<UndoTarget, std::pair<uint8_t*, uint64_t>>>* out) {
+absl::StatusOr<bool> ReadPending(const std::string& path, uint8_t* base, uint64_t size,
+                                 std::vector<PendingTarget>* out) {
   if (size < sizeof(Header)) return false;
   Header header;
   std::memcpy(&header, base, sizeof(header));
@@ -249,8 +279,35 @@ absl::StatusOr<bool> ReadPending(
       bytes += e - b;
     }
     if (data_at + bytes > size) return absl::DataLossError(absl::StrCat(path, ": truncated"));
-    out->push_back({std::move(t), {restored, data_at}});
-    data_at += bytes;
+    PendingTarget pending;
+    pending.restored = restored;
+    for (const auto& [b, e] : t.ranges) {
+      pending.saved.push_back({b, e - b, data_at});
+      data_at += e - b;
+    }
+    pending.target = std::move(t);
+    out->push_back(std::move(pending));
+  }
+  if (header.kind != kSparse) return true;
+  // Sparse records: [offset | target << 40 | len << 48] then the bytes, padded to 8.
+  if (header.saved > size - header.data_offset) {
+    return absl::DataLossError(absl::StrCat(path, ": truncated records"));
+  }
+  uint64_t pos = header.data_offset;
+  const uint64_t stop = header.data_offset + header.saved;
+  while (pos < stop) {
+    if (stop - pos < 8) return absl::DataLossError(absl::StrCat(path, ": bad record"));
+    uint64_t word = 0;
+    std::memcpy(&word, base + pos, 8);
+    const uint64_t offset = word & ((uint64_t{1} << 40) - 1);
+    const uint64_t target = (word >> 40) & 0xff;
+    const uint64_t len = word >> 48;
+    const uint64_t need = ApplyJournal::Entry::RecordBytes(len);
+    if (target >= out->size() || need > stop - pos || offset + len > (*out)[target].target.size) {
+      return absl::DataLossError(absl::StrCat(path, ": bad record"));
+    }
+    (*out)[target].saved.push_back({offset, len, pos + 8});
+    pos += need;
   }
   return true;
 }
@@ -310,7 +367,7 @@ absl::StatusOr<std::unique_ptr<ApplyJournal>> ApplyJournal::Open(const std::stri
     pending->fd = fd;
     pending->base = static_cast<uint8_t*>(p);
     pending->size = size;
-    std::vector<std::pair<UndoTarget, std::pair<uint8_t*, uint64_t>>> targets;
+    std::vector<PendingTarget> targets;
     auto read = ReadPending(path, pending->base, size, &targets);
     if (!read.ok()) Logger("store")->error("{}: dropped", read.status().ToString());
     if (!read.ok() || !*read) {
@@ -325,9 +382,7 @@ absl::StatusOr<std::unique_ptr<ApplyJournal>> ApplyJournal::Open(const std::stri
       if (rename(path.c_str(), kept.c_str()) != 0) kept = path;
     }
     pending->path = kept;
-    for (auto& [target, where] : targets) {
-      pending->targets.push_back({std::move(target), where.first, where.second});
-    }
+    pending->targets = std::move(targets);
     if (pending->Done()) {
       unlink(kept.c_str());
       continue;
@@ -361,6 +416,24 @@ absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::Begin(
     for (const auto& [b, e] : t.ranges) data += e - b;
   }
   const uint64_t data_offset = RoundUp(sizeof(Header) + table, kPage);
+  ASSIGN_OR_RETURN(Slot * slot, SlotFor(data_offset + data));
+  uint8_t* base = slot->base;
+  SetState(base, kSaving);
+  Header header{};
+  std::memcpy(header.magic, kMagic, sizeof(kMagic));
+  header.state = kSaving;
+  header.targets = static_cast<uint32_t>(targets.size());
+  header.table_bytes = table;
+  header.data_offset = data_offset;
+  header.data_bytes = data;
+  std::memcpy(base, &header, sizeof(header));
+  WriteTable(targets, base + sizeof(Header));
+  CopyRanges(targets, base + data_offset, /*save=*/true, {});
+  SetState(base, kWriting);
+  return std::unique_ptr<Entry>(new Entry(this, slot, std::move(targets), data));
+}
+
+absl::StatusOr<ApplyJournal::Slot*> ApplyJournal::SlotFor(uint64_t bytes) {
   Slot* slot = nullptr;
   {
     common::MutexLock lock(mu_);
@@ -379,10 +452,27 @@ absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::Begin(
     }
     slot->in_use = true;
   }
-  if (absl::Status made = slot->Ensure(data_offset + data); !made.ok()) {
+  if (absl::Status made = slot->Ensure(bytes); !made.ok()) {
     Release(slot);
     return made;
   }
+  return slot;
+}
+
+absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::BeginSparse(
+    std::vector<UndoTarget> targets, uint64_t capacity) {
+  if (targets.size() > 255) {
+    return absl::InvalidArgumentError("a sparse undo record names at most 255 buffers");
+  }
+  for (UndoTarget& t : targets) {
+    if (t.size >= (uint64_t{1} << 40)) {
+      return absl::InvalidArgumentError("a sparse undo record covers buffers under 1 TiB");
+    }
+    t.ranges.clear();
+  }
+  const uint64_t table = TableBytes(targets);
+  const uint64_t data_offset = RoundUp(sizeof(Header) + table, kPage);
+  ASSIGN_OR_RETURN(Slot * slot, SlotFor(data_offset + capacity));
   uint8_t* base = slot->base;
   SetState(base, kSaving);
   Header header{};
@@ -391,27 +481,37 @@ absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::Begin(
   header.targets = static_cast<uint32_t>(targets.size());
   header.table_bytes = table;
   header.data_offset = data_offset;
-  header.data_bytes = data;
+  header.data_bytes = capacity;
+  header.kind = kSparse;
+  header.saved = 0;
   std::memcpy(base, &header, sizeof(header));
-  uint8_t* at = base + sizeof(Header);
-  for (const UndoTarget& t : targets) {
-    Put(at, t.identity.size());
-    std::memset(at, 0, RoundUp(t.identity.size(), 8));
-    std::memcpy(at, t.identity.data(), t.identity.size());
-    at += RoundUp(t.identity.size(), 8);
-    Put(at, t.prev_version);
-    Put(at, t.version);
-    Put(at, t.size);
-    Put(at, 0);  // restored
-    Put(at, t.ranges.size());
-    for (const auto& [b, e] : t.ranges) {
-      Put(at, b);
-      Put(at, e);
-    }
-  }
-  CopyRanges(targets, base + data_offset, /*save=*/true, {});
+  WriteTable(targets, base + sizeof(Header));
+  // Records are appended as the Apply goes; each counts once `saved` covers it.
   SetState(base, kWriting);
-  return std::unique_ptr<Entry>(new Entry(this, slot, std::move(targets), data));
+  std::unique_ptr<Entry> entry(new Entry(this, slot, std::move(targets), 0));
+  entry->data_ = base + data_offset;
+  entry->cursor_ = entry->data_;
+  entry->end_ = entry->data_ + capacity;
+  entry->saved_ = reinterpret_cast<std::atomic<uint64_t>*>(base + offsetof(Header, saved));
+  return entry;
+}
+
+void ApplyJournal::Entry::RestoreSparse(const std::vector<bool>& skip) {
+  std::vector<uint8_t*> records;
+  for (uint8_t* at = data_; at < cursor_;) {
+    records.push_back(at);
+    uint64_t word = 0;
+    std::memcpy(&word, at, 8);
+    at += RecordBytes(word >> 48);
+  }
+  for (auto it = records.rbegin(); it != records.rend(); ++it) {
+    uint64_t word = 0;
+    std::memcpy(&word, *it, 8);
+    const uint64_t offset = word & ((uint64_t{1} << 40) - 1);
+    const size_t target = (word >> 40) & 0xff;
+    if (target < skip.size() && skip[target]) continue;
+    std::memcpy(targets_[target].data + offset, *it + 8, word >> 48);
+  }
 }
 
 void ApplyJournal::Release(Slot* slot) {
@@ -426,9 +526,13 @@ ApplyJournal::Entry::~Entry() {
 
 void ApplyJournal::Entry::Restore(const std::vector<bool>& skip) {
   if (done_) return;
-  uint64_t data_offset = 0;
-  std::memcpy(&data_offset, slot_->base + offsetof(Header, data_offset), 8);
-  CopyRanges(targets_, slot_->base + data_offset, /*save=*/false, skip);
+  if (data_) {
+    RestoreSparse(skip);
+  } else {
+    uint64_t data_offset = 0;
+    std::memcpy(&data_offset, slot_->base + offsetof(Header, data_offset), 8);
+    CopyRanges(targets_, slot_->base + data_offset, /*save=*/false, skip);
+  }
   SetState(slot_->base, kIdle);
   done_ = true;
   journal_->Release(slot_);
@@ -451,10 +555,11 @@ std::optional<uint64_t> ApplyJournal::Recover(const std::string& identity, uint8
       uint64_t restored = 0;
       std::memcpy(&restored, t.restored, 8);
       if (restored != 0 || t.target.identity != identity || t.target.size != size) continue;
-      UndoTarget target = t.target;
-      target.data = data;
-      // The saved bytes of this target start at t.data_at: copy them back.
-      CopyRanges({target}, p.base + t.data_at, /*save=*/false, {});
+      // Newest first: a record saved after an earlier one overlapped it holds the bytes as
+      // they were after that earlier write.
+      for (auto r = t.saved.rbegin(); r != t.saved.rend(); ++r) {
+        std::memcpy(data + r->offset, p.base + r->file_at, r->len);
+      }
       std::atomic_thread_fence(std::memory_order_seq_cst);
       const uint64_t one = 1;
       std::memcpy(t.restored, &one, 8);

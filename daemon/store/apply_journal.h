@@ -21,6 +21,7 @@
 //
 // Thread-safety: every method may be called from any thread; one Entry per Apply in flight.
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -72,20 +73,67 @@ class ApplyJournal {
     void Commit();
     uint64_t undo_bytes() const { return undo_bytes_; }
 
+    // Sparse records (BeginSparse): saves `n` bytes of target `target` at `offset`, which the
+    // Apply is about to overwrite; call it before writing there. False when the capacity given
+    // to BeginSparse is used up (nothing saved: don't write). The record counts as saved, also
+    // for a refitd killed right after, before this returns (the count word is stored after the
+    // bytes, in program order, in a shared file mapping).
+    bool Save(uint32_t target, uint64_t offset, const uint8_t* bytes, uint64_t n) {
+      while (n > kMaxRecordBytes) {
+        if (!Save(target, offset, bytes, kMaxRecordBytes)) return false;
+        offset += kMaxRecordBytes;
+        bytes += kMaxRecordBytes;
+        n -= kMaxRecordBytes;
+      }
+      const uint64_t need = RecordBytes(n);
+      if (static_cast<uint64_t>(end_ - cursor_) < need) return false;
+      const uint64_t word = offset | (uint64_t{target} << 40) | (n << 48);
+      __builtin_memcpy(cursor_, &word, 8);
+      uint8_t* to = cursor_ + 8;
+      if (n == 2) {
+        __builtin_memcpy(to, bytes, 2);
+      } else if (n == 1) {
+        *to = *bytes;
+      } else {
+        __builtin_memcpy(to, bytes, n);
+      }
+      cursor_ += need;
+      undo_bytes_ += n;
+      saved_->store(static_cast<uint64_t>(cursor_ - data_), std::memory_order_release);
+      return true;
+    }
+    // The bytes a sparse record of `n` saved bytes takes in the journal (n <= kMaxRecordBytes).
+    static constexpr uint64_t RecordBytes(uint64_t n) { return 8 + (n + 7) / 8 * 8; }
+    static constexpr uint64_t kMaxRecordBytes = 0xffff;
+
    private:
     friend class ApplyJournal;
     Entry(ApplyJournal* journal, Slot* slot, std::vector<UndoTarget> targets, uint64_t undo_bytes)
         : journal_(journal), slot_(slot), targets_(std::move(targets)), undo_bytes_(undo_bytes) {}
+    void RestoreSparse(const std::vector<bool>& skip);
     ApplyJournal* journal_;
     Slot* slot_;
     std::vector<UndoTarget> targets_;
     uint64_t undo_bytes_;
     bool done_ = false;
+    // Sparse records: where they start, the next one, the end of the slot, the saved count.
+    uint8_t* data_ = nullptr;
+    uint8_t* cursor_ = nullptr;
+    uint8_t* end_ = nullptr;
+    std::atomic<uint64_t>* saved_ = nullptr;
   };
 
   // Saves the bytes of `targets`' ranges (on several cores when large) and marks the record
   // writing. INTERNAL / RESOURCE_EXHAUSTED when the slot can't be made (nothing written then).
   absl::StatusOr<std::unique_ptr<Entry>> Begin(std::vector<UndoTarget> targets);
+
+  // A sparse undo record: `targets` (their ranges unused) get records appended by
+  // Entry::Save, up to `capacity` bytes of records (the sum of Entry::RecordBytes), each saved
+  // just before the Apply writes there, in one pass with the writes. Restore puts the records
+  // back newest first, so overlapping records (strided writes) undo exactly. Targets: at most
+  // 255, each under 1 TiB (INVALID_ARGUMENT otherwise: take Begin).
+  absl::StatusOr<std::unique_ptr<Entry>> BeginSparse(std::vector<UndoTarget> targets,
+                                                     uint64_t capacity);
 
   // A buffer registered with `identity` (its memory at `data`, `size` bytes): when a killed
   // refitd left an Apply into it unfinished, restores the bytes it held before that Apply and
@@ -100,6 +148,7 @@ class ApplyJournal {
  private:
   struct Pending;
   explicit ApplyJournal(std::string dir);
+  absl::StatusOr<Slot*> SlotFor(uint64_t bytes);
   void Release(Slot* slot);
 
   std::string dir_;  // where the slot files are: /dev/shm, else the state directory

@@ -170,5 +170,89 @@ TEST_CASE("a process killed while writing: the next journal restores the memory,
   CHECK(left == 0);
 }
 
+TEST_CASE("sparse records: restored newest first, overlapping ones included; sized exactly",
+          "[journal]") {
+  const bool on_disk = GENERATE(false, true);
+  TempDir dir;
+  auto journal = ApplyJournal::Open(on_disk ? dir.path : "");
+  REQUIRE(journal.ok());
+  std::vector<uint8_t> a(1 << 20), b(300000);
+  Fill(a.data(), a.size(), 3);
+  Fill(b.data(), b.size(), 4);
+  const std::vector<uint8_t> a0 = a, b0 = b;
+  using Entry = ApplyJournal::Entry;
+  const uint64_t big = 200000;  // more than one record holds
+  const uint64_t capacity = Entry::RecordBytes(2) * 2 + Entry::RecordBytes(1) +
+                            Entry::RecordBytes(Entry::kMaxRecordBytes) * 3 +
+                            Entry::RecordBytes(big - 3 * Entry::kMaxRecordBytes);
+  for (const bool commit : {false, true}) {
+    a = a0;
+    b = b0;
+    auto entry = (*journal)->BeginSparse(
+        {Target("a", a.data(), a.size(), {}), Target("b", b.data(), b.size(), {})}, capacity);
+    REQUIRE(entry.ok());
+    // A write, then one overlapping it (a strided destination's neighbour), then others.
+    REQUIRE((*entry)->Save(0, 100, a.data() + 100, 2));
+    a[100] = 0xa1;
+    a[101] = 0xa2;
+    REQUIRE((*entry)->Save(0, 101, a.data() + 101, 2));
+    a[101] = 0xb1;
+    a[102] = 0xb2;
+    REQUIRE((*entry)->Save(1, 7, b.data() + 7, 1));
+    b[7] ^= 0xff;
+    REQUIRE((*entry)->Save(1, 1000, b.data() + 1000, big));
+    std::memset(b.data() + 1000, 0x33, big);
+    CHECK((*entry)->undo_bytes() == 2 + 2 + 1 + big);
+    CHECK_FALSE((*entry)->Save(0, 0, a.data(), 1));  // the capacity is used up
+    if (commit) {
+      (*entry)->Commit();
+      CHECK(a[101] == 0xb1);
+      CHECK(b[1000] == 0x33);
+    } else {
+      (*entry)->Restore();
+      CHECK(a == a0);
+      CHECK(b == b0);
+    }
+  }
+  CHECK((*journal)->PendingRecoveries() == 0);
+}
+
+TEST_CASE("a process killed inside a sparse Apply: the next journal restores what it wrote",
+          "[journal]") {
+  TempDir dir;
+  constexpr size_t kSize = 1 << 20;
+  Shared engine(kSize);
+  Fill(engine.data, kSize, 9);
+  const std::vector<uint8_t> before(engine.data, engine.data + kSize);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    auto journal = ApplyJournal::Open(dir.path);
+    if (!journal.ok()) _exit(2);
+    auto entry = (*journal)->BeginSparse({Target("engine-mem", engine.data, kSize, {})},
+                                         1000 * ApplyJournal::Entry::RecordBytes(2));
+    if (!entry.ok()) _exit(3);
+    for (uint64_t i = 0; i < 1000; ++i) {  // every 1000th element, saved then written
+      if (!(*entry)->Save(0, i * 1000, engine.data + i * 1000, 2)) _exit(5);
+      engine.data[i * 1000] ^= 0x01;
+      engine.data[i * 1000 + 1] ^= 0x80;
+      if (i == 600) kill(getpid(), SIGKILL);
+    }
+    _exit(4);
+  }
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  REQUIRE(WIFSIGNALED(status));
+  REQUIRE(std::memcmp(engine.data, before.data(), kSize) != 0);
+  auto journal = ApplyJournal::Open(dir.path);
+  REQUIRE(journal.ok());
+  CHECK((*journal)->PendingRecoveries() == 1);
+  auto held = (*journal)->Recover("engine-mem", engine.data, kSize);
+  REQUIRE(held.has_value());
+  CHECK(*held == 6);
+  CHECK(std::memcmp(engine.data, before.data(), kSize) == 0);
+  CHECK((*journal)->PendingRecoveries() == 0);
+}
+
 }  // namespace
 }  // namespace refit

@@ -369,6 +369,7 @@ void Store::ImportVersion(const std::string& node, const std::string& model_name
   if (!model) {
     model = std::make_unique<Model>();
     model->name = model_name;
+    SeedHold(*model);
   }
   auto& remote = model->remotes[node];
   bool same_layout = remote.sources.size() == layouts.size();
@@ -436,6 +437,7 @@ void Store::SetRemoteSources(const std::string& node, const std::string& model_n
   if (!model) {
     model = std::make_unique<Model>();
     model->name = model_name;
+    SeedHold(*model);
   }
   auto& remote = model->remotes[node];
   remote.sources = std::move(sources);

@@ -535,6 +535,7 @@ absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
         " buffer(s) registered: ", absl::StrJoin(held, ", "),
         "; stop its trainers and engines (or `refitctl release` their buffers) first"));
   }
+  seeded_holds_.erase(name);
   DropResult result;
   for (const auto& [v, version] : model->complete) result.released_versions.push_back(v);
   metrics_->Add(kVersionsDropped, static_cast<double>(model->complete.size()));

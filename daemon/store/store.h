@@ -361,6 +361,12 @@ class Store {
   absl::Status Resume(const std::string& model);
   // The version `model` is held back to here; 0: none.
   uint64_t HoldOf(const std::string& model) const;
+  // Models held back from the start (refitd: the holds --state-dir kept across a restart): each
+  // is held back to its version as if Rollback had been called (Watch delivers it as a rollback
+  // event; newer versions are held back until Resume), also when the model is made here later
+  // (a buffer registers, a peer announces it). The version itself need not be retained here (it
+  // is the one the engines hold).
+  void SeedHolds(const std::map<std::string, uint64_t>& holds);
   // Blocks until the model's target (the hold, else its newest complete version) is >=
   // min_version, or its run differs from `run` (non-empty) or from the run at the call's start,
   // or the model is held back to another version than `applied` (non-zero); returns it.
@@ -583,6 +589,8 @@ class Store {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records an event for Watch (store_versions.cc).
   void AddEvent(Model& model, uint64_t version, bool rollback) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A model just made here: held back when SeedHolds says so.
+  void SeedHold(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The version Apply(0) and WaitForVersion answer: the hold, else the newest complete.
   static uint64_t TargetOf(const Model& model);
   // For a Publish of `buffer`: the ranges NoteChecksumRanges kept (sorted), less those not
@@ -682,6 +690,8 @@ class Store {
   uint64_t next_buffer_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_event_ ABSL_GUARDED_BY(mu_) = 1;  // Watch events' sequence numbers
   std::map<std::string, std::unique_ptr<Model>> models_ ABSL_GUARDED_BY(mu_);
+  // SeedHolds: models held back once they are made here (until Rollback, Resume or a drop).
+  std::map<std::string, uint64_t> seeded_holds_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<Buffer>> buffers_ ABSL_GUARDED_BY(mu_);  // by id
   std::map<std::string, std::string> by_memory_
       ABSL_GUARDED_BY(mu_);              // buffer ids by Region::Identity()

@@ -79,6 +79,14 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     }
     auto it = model->complete.find(wanted);
     if (it == model->complete.end()) {
+      if (wanted == model->hold) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "model ", model_name, ": rolled back to version ", wanted,
+            ", which this node does not hold (a hold kept across a restart, or asked by "
+            "another node: engines that applied it keep it); newer versions are held back until "
+            "Resume (refitctl resume ",
+            model_name, "; latest complete: ", model->latest, ")"));
+      }
       // Dropped by --retain: it completed here once (or is older than the history kept).
       // Otherwise it never completed here (a version a pull skipped for a newer one).
       const bool dropped =

@@ -108,6 +108,7 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   if (created) {
     model = std::make_unique<Model>();
     model->name = model_name;
+    SeedHold(*model);
   }
   absl::Status consistent = CheckAgainstModel(*model, role, buffer->slices);
   if (consistent.ok() && !buffer->memory.empty()) {

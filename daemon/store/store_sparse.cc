@@ -24,6 +24,8 @@ namespace {
 constexpr uint64_t kDiffTaskBytes = 4 << 20;
 // Past this share of changed bytes a sparse Apply is not worth it: the full copy runs.
 constexpr uint64_t kDenseShareInverse = 8;  // 12.5 %
+// How many changed runs ahead a sparse Apply asks for the memory it will touch.
+constexpr ptrdiff_t kAhead = 16;
 
 uint64_t Load(const uint8_t* p) {
   uint64_t v;
@@ -86,6 +88,38 @@ uint64_t DstAt(const plan::CopyOp& op, uint64_t row, uint64_t element) {
                              elem;
 }
 
+// An op whose elements are bytes copied as they are (no conversion, no strides).
+bool PlainOp(const plan::CopyOp& op) {
+  return op.src_dtype == op.dst_dtype && op.src_stride == 1 && op.dst_stride == 1;
+}
+
+// memcmp for the few bytes a sparse write usually is (one bf16 element), without a call.
+inline bool SameBytes(const uint8_t* a, const uint8_t* b, uint64_t n) {
+  if (n == 2) {
+    uint16_t x, y;
+    __builtin_memcpy(&x, a, 2);
+    __builtin_memcpy(&y, b, 2);
+    return x == y;
+  }
+  if (n == 4) {
+    uint32_t x, y;
+    __builtin_memcpy(&x, a, 4);
+    __builtin_memcpy(&y, b, 4);
+    return x == y;
+  }
+  return std::memcmp(a, b, n) == 0;
+}
+
+inline void CopyBytes(uint8_t* to, const uint8_t* from, uint64_t n) {
+  if (n == 2) {
+    __builtin_memcpy(to, from, 2);
+  } else if (n == 4) {
+    __builtin_memcpy(to, from, 4);
+  } else {
+    std::memcpy(to, from, n);
+  }
+}
+
 // True when what `w` wrote at `dst` is what the plan says (the source converted).
 bool Landed(const plan::CopyOp& op, const SparseWrite& w, const uint8_t* src, const uint8_t* dst,
             std::vector<uint8_t>* scratch) {
@@ -104,6 +138,150 @@ bool Landed(const plan::CopyOp& op, const SparseWrite& w, const uint8_t* src, co
   }
   return true;
 }
+
+// Calls visitor.Write(w) for each element run of the plan's ops whose source bytes overlap a
+// changed run of their piece, in op and row order, overlapping runs of one row merged. The
+// changed runs are walked once per op (rows ascending in the source move a cursor forward).
+template <typename Visitor>
+void ForEachWrite(const plan::Plan& plan, const std::vector<const ChangeRuns*>& changes,
+                  Visitor& visitor) {
+  for (uint32_t k = 0; k < plan.ops.size(); ++k) {
+    const plan::CopyOp& op = plan.ops[k];
+    const ChangeRuns& runs = *changes[op.src_location];
+    if (runs.empty() || op.count == 0) continue;
+    const uint64_t se = DTypeSize(op.src_dtype);
+    const uint64_t step = static_cast<uint64_t>(op.src_stride) * se;
+    SparseWrite pending;
+    bool have = false;
+    auto row_first = runs.begin();  // the first run that may overlap the current row
+    uint64_t last_s0 = 0;
+    for (uint64_t r = 0; r < op.rows; ++r) {
+      const uint64_t s0 = SrcAt(op, r, 0);
+      const uint64_t s1 = s0 + (op.count - 1) * step + se;
+      if (r == 0 || s0 < last_s0) {
+        row_first = std::upper_bound(
+            runs.begin(), runs.end(), s0,
+            [](uint64_t at, const std::pair<uint64_t, uint64_t>& run) { return at < run.second; });
+      } else {
+        while (row_first != runs.end() && row_first->second <= s0) ++row_first;
+      }
+      last_s0 = s0;
+      for (auto it = row_first; it != runs.end() && it->first < s1; ++it) {
+        // The lines of a write kAhead runs on, asked for now: scattered runs are bound by
+        // memory latency, not bandwidth.
+        if (runs.end() - it > kAhead && (it + kAhead)->first < s1) {
+          const uint64_t ahead = (it + kAhead)->first;
+          visitor.Ahead(op, r, ahead > s0 ? (ahead - s0) / step : 0);
+        }
+        const uint64_t lo = it->first > s0 ? it->first - s0 : 0;
+        const uint64_t hi = std::min(it->second, s1) - s0;
+        const uint64_t first = lo < se ? 0 : (lo - se + step) / step;
+        const uint64_t last = std::min(op.count, (hi - 1) / step + 1);
+        if (first >= last) continue;
+        if (have && pending.row == r && pending.last >= first) {
+          pending.last = std::max(pending.last, last);
+          continue;
+        }
+        if (have && !visitor.Write(pending)) return;
+        pending = {k, r, first, last};
+        have = true;
+      }
+    }
+    if (have && !visitor.Write(pending)) return;
+  }
+}
+
+// Pass one: what the sparse Apply will write, and the journal room its undo records take.
+struct SparseSizer {
+  const plan::Plan& plan;
+  uint64_t writes = 0, written = 0, record_bytes = 0;
+  void Ahead(const plan::CopyOp&, uint64_t, uint64_t) {}
+  bool Write(const SparseWrite& w) {
+    const plan::CopyOp& op = plan.ops[w.op];
+    const uint64_t de = DTypeSize(op.dst_dtype);
+    const uint64_t n = w.last - w.first;
+    ++writes;
+    written += n * de;
+    if (op.dst_stride == 1) {
+      const uint64_t bytes = n * de, max = ApplyJournal::Entry::kMaxRecordBytes;
+      record_bytes += bytes / max * ApplyJournal::Entry::RecordBytes(max);
+      if (bytes % max) record_bytes += ApplyJournal::Entry::RecordBytes(bytes % max);
+    } else {
+      record_bytes += n * ApplyJournal::Entry::RecordBytes(de);
+    }
+    return true;
+  }
+};
+
+// Pass two, one pass per write while its lines are in cache: the destination still holds the
+// base version there (else stop: the full copy runs), its bytes saved in the undo record, the
+// new bytes written and checked.
+struct SparseWriter {
+  const plan::Plan& plan;
+  const std::vector<const uint8_t*>& base;  // the held version's pieces
+  const std::vector<const uint8_t*>& src;   // the new version's pieces
+  const std::vector<uint8_t*>& dst;
+  ApplyJournal::Entry& undo;
+  uint64_t kill_at = 0;
+  uint64_t done = 0;
+  bool not_base = false;      // the destination did not hold the base version: stopped
+  bool journal_full = false;  // (cannot happen: pass one sized it) stopped
+  uint32_t not_base_op = 0;
+  std::vector<size_t> bad = {};  // ops whose bytes did not land
+  std::vector<uint8_t> scratch = {};
+
+  void Ahead(const plan::CopyOp& op, uint64_t row, uint64_t element) {
+    if (element >= op.count) return;
+    const uint64_t from = SrcAt(op, row, element);
+    __builtin_prefetch(src[op.src_location] + from, 0);
+    __builtin_prefetch(base[op.src_location] + from, 0);
+    __builtin_prefetch(dst[op.dst_location] + DstAt(op, row, element), 1);
+  }
+
+  bool Write(const SparseWrite& w) {
+    const plan::CopyOp& op = plan.ops[w.op];
+    const uint64_t n = w.last - w.first;
+    const uint64_t at = DstAt(op, w.row, w.first);
+    uint8_t* to = dst[op.dst_location] + at;
+    if (PlainOp(op)) {
+      const uint64_t bytes = n * DTypeSize(op.dst_dtype);
+      const uint64_t from = SrcAt(op, w.row, w.first);
+      if (!SameBytes(to, base[op.src_location] + from, bytes)) return Stop(w.op);
+      if (!undo.Save(op.dst_location, at, to, bytes)) return Full();
+      CopyBytes(to, src[op.src_location] + from, bytes);
+      if (!SameBytes(to, src[op.src_location] + from, bytes)) bad.push_back(w.op);
+    } else {
+      if (!Landed(op, w, base[op.src_location], dst[op.dst_location], &scratch)) {
+        return Stop(w.op);
+      }
+      const uint64_t de = DTypeSize(op.dst_dtype);
+      if (op.dst_stride == 1) {
+        if (!undo.Save(op.dst_location, at, to, n * de)) return Full();
+      } else {
+        const uint64_t stride = static_cast<uint64_t>(op.dst_stride) * de;
+        for (uint64_t e = 0; e < n; ++e) {
+          if (!undo.Save(op.dst_location, at + e * stride, to + e * stride, de)) return Full();
+        }
+      }
+      plan::ConvertRun(src[op.src_location] + SrcAt(op, w.row, w.first), op.src_dtype,
+                       op.src_stride, to, op.dst_dtype, op.dst_stride, n);
+      if (!Landed(op, w, src[op.src_location], dst[op.dst_location], &scratch)) {
+        bad.push_back(w.op);
+      }
+    }
+    if (++done == kill_at) TestHookKillAt("apply");  // test build: a commit point
+    return true;
+  }
+  bool Stop(uint32_t op) {
+    not_base = true;
+    not_base_op = op;
+    return false;
+  }
+  bool Full() {
+    journal_full = true;
+    return false;
+  }
+};
 
 }  // namespace
 
@@ -217,36 +395,22 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
   }
   const plan::Plan& plan = cached.plan;
   const auto t_start = Clock::now();
-  std::vector<SparseWrite> writes;
-  for (uint32_t k = 0; k < plan.ops.size(); ++k) {
-    const plan::CopyOp& op = plan.ops[k];
-    if (op.src_location >= version.pieces.size()) return std::nullopt;
-    const ByteRanges& runs = *version.pieces[op.src_location].changes;
-    if (runs.empty() || op.count == 0) continue;
-    const uint64_t se = DTypeSize(op.src_dtype);
-    const uint64_t step = static_cast<uint64_t>(op.src_stride) * se;
-    for (uint64_t r = 0; r < op.rows; ++r) {
-      const uint64_t s0 = SrcAt(op, r, 0);
-      const uint64_t s1 = s0 + (op.count - 1) * step + se;
-      auto it = std::upper_bound(
-          runs.begin(), runs.end(), s0,
-          [](uint64_t at, const std::pair<uint64_t, uint64_t>& run) { return at < run.second; });
-      for (; it != runs.end() && it->first < s1; ++it) {
-        const uint64_t lo = it->first > s0 ? it->first - s0 : 0;
-        const uint64_t hi = std::min(it->second, s1) - s0;
-        const uint64_t first = lo < se ? 0 : (lo - se + step) / step;
-        const uint64_t last = std::min(op.count, (hi - 1) / step + 1);
-        if (first >= last) continue;
-        if (!writes.empty() && writes.back().op == k && writes.back().row == r &&
-            writes.back().last >= first) {
-          writes.back().last = std::max(writes.back().last, last);
-        } else {
-          writes.push_back({k, r, first, last});
-        }
-      }
+  std::vector<const ChangeRuns*> changes;
+  std::vector<const uint8_t*> old_bytes, src;
+  for (size_t i = 0; i < version.pieces.size(); ++i) {
+    changes.push_back(version.pieces[i].changes.get());
+    src.push_back(version.pieces[i].slot->data());
+    old_bytes.push_back(held->pieces[i].slot->data());
+  }
+  for (const plan::CopyOp& op : plan.ops) {
+    if (op.src_location >= version.pieces.size() || op.dst_location >= dests.size()) {
+      return std::nullopt;
     }
   }
-  // The undo record: the destination bytes of every write.
+  SparseSizer sizer{plan};
+  ForEachWrite(plan, changes, sizer);
+  const auto t_planned = Clock::now();
+  // The undo record: the destination bytes of every write, saved as it is made.
   std::vector<UndoTarget> targets;
   for (const auto& d : dests) {
     UndoTarget t;
@@ -257,52 +421,25 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
     t.version = version.number;
     targets.push_back(std::move(t));
   }
-  uint64_t written = 0;
-  for (const SparseWrite& w : writes) {
-    const plan::CopyOp& op = plan.ops[w.op];
-    const uint64_t de = DTypeSize(op.dst_dtype);
-    targets[op.dst_location].ranges.emplace_back(DstAt(op, w.row, w.first),
-                                                 DstAt(op, w.row, w.last - 1) + de);
-    written += (w.last - w.first) * de;
-  }
-  for (UndoTarget& t : targets) MergeRanges(&t.ranges);
-  const auto t_planned = Clock::now();
-  // The destinations must still hold the held version where this Apply writes: an engine that
-  // wrote into its buffer since (a bulk overwrite always shows here) gets the full copy.
-  {
-    std::vector<uint8_t> scratch;
-    for (const SparseWrite& w : writes) {
-      const plan::CopyOp& op = plan.ops[w.op];
-      if (!Landed(op, w, held->pieces[op.src_location].slot->data(),
-                  dests[op.dst_location]->region->data(), &scratch)) {
-        Logger("store")->info(
-            "Apply of version {} into {}: it does not hold version {} where this step writes "
-            "(written since?): full copy",
-            version.number, dests[op.dst_location]->id, base);
-        return std::nullopt;
-      }
-    }
-  }
-  const auto t_checked = Clock::now();
-  auto undo = journal_->Begin(std::move(targets));
+  auto undo = journal_->BeginSparse(std::move(targets), sizer.record_bytes);
+  if (undo.status().code() == absl::StatusCode::kInvalidArgument) return std::nullopt;
   if (!undo.ok()) return absl::StatusOr<ApplyResult>(undo.status());
-  const auto t_saved = Clock::now();
-
-  std::vector<const uint8_t*> src;
-  for (const Piece& piece : version.pieces) src.push_back(piece.slot->data());
   std::vector<uint8_t*> dst;
   for (const auto& d : dests) dst.push_back(d->region->data());
-  std::vector<size_t> bad;
-  std::vector<uint8_t> scratch;
-  for (size_t i = 0; i < writes.size(); ++i) {
-    const SparseWrite& w = writes[i];
-    const plan::CopyOp& op = plan.ops[w.op];
-    plan::ConvertRun(src[op.src_location] + SrcAt(op, w.row, w.first), op.src_dtype, op.src_stride,
-                     dst[op.dst_location] + DstAt(op, w.row, w.first), op.dst_dtype, op.dst_stride,
-                     w.last - w.first);
-    if (i == writes.size() / 2) TestHookKillAt("apply");  // test build: a commit point
-    if (!Landed(op, w, src[op.src_location], dst[op.dst_location], &scratch)) bad.push_back(w.op);
+  SparseWriter writer{plan, old_bytes, src, dst, **undo};
+  writer.kill_at = std::max<uint64_t>(1, sizer.writes / 2);
+  ForEachWrite(plan, changes, writer);
+  if (writer.not_base || writer.journal_full) {
+    // An engine that wrote into its buffer since (a bulk overwrite always shows here): what
+    // this pass wrote goes back, and the full copy runs.
+    (*undo)->Restore();
+    Logger("store")->info(
+        "Apply of version {} into {}: it does not hold version {} where this step writes "
+        "(written since?): full copy",
+        version.number, dests[plan.ops[writer.not_base_op].dst_location]->id, base);
+    return std::nullopt;
   }
+  std::vector<size_t>& bad = writer.bad;
   if (!bad.empty()) {
     std::sort(bad.begin(), bad.end());
     bad.erase(std::unique(bad.begin(), bad.end()), bad.end());
@@ -323,11 +460,11 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
     return std::chrono::duration<double, std::milli>(b - a).count();
   };
   Logger("store")->debug(
-      "sparse Apply of version {}: {} runs, {} bytes: planned {:.1f} ms, checked {:.1f} ms, "
-      "saved {:.1f} ms, written {:.1f} ms",
-      version.number, writes.size(), written, ms(t_start, t_planned), ms(t_planned, t_checked),
-      ms(t_checked, t_saved), ms(t_saved, Clock::now()));
-  return absl::StatusOr<ApplyResult>(ApplyResult{version.number, written, undo_bytes, true});
+      "sparse Apply of version {}: {} runs, {} bytes: planned {:.1f} ms, checked, saved, "
+      "written and verified {:.1f} ms",
+      version.number, sizer.writes, sizer.written, ms(t_start, t_planned),
+      ms(t_planned, Clock::now()));
+  return absl::StatusOr<ApplyResult>(ApplyResult{version.number, sizer.written, undo_bytes, true});
 }
 
 }  // namespace refit

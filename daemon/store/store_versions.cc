@@ -84,6 +84,26 @@ void Store::SeedRun(const std::string& model_name, const std::string& run,
   model->past_runs.assign(past_runs.begin(), past_runs.end());
 }
 
+void Store::SeedHolds(const std::map<std::string, uint64_t>& holds) {
+  common::MutexLock lock(mu_);
+  for (const auto& [name, version] : holds) {
+    if (version == 0) continue;
+    seeded_holds_[name] = version;
+    if (Model* model = FindModel(name)) SeedHold(*model);
+  }
+}
+
+void Store::SeedHold(Model& model) {
+  auto it = seeded_holds_.find(model.name);
+  if (it == seeded_holds_.end() || model.hold == it->second) return;
+  model.hold = it->second;
+  Logger("store")->warn(
+      "model={} is rolled back to version {} (kept across a restart in --state-dir): newer "
+      "versions are held back until Resume (refitctl resume {})",
+      model.name, model.hold, model.name);
+  AddEvent(model, model.hold, true);
+}
+
 uint64_t Store::HoldOf(const std::string& model_name) const {
   common::MutexLock lock(mu_);
   const Model* model = FindModel(model_name);
@@ -152,6 +172,7 @@ absl::StatusOr<uint64_t> Store::Rollback(const std::string& model_name, uint64_t
   if (absl::Status retained = RetainedForRollback(*model, version); !retained.ok()) {
     return retained;
   }
+  seeded_holds_.erase(model_name);
   if (model->hold == version) return version;  // already there (forwarded twice)
   model->hold = version;
   Logger("store")->warn(
@@ -172,6 +193,7 @@ absl::Status Store::Resume(const std::string& model_name) {
   }
   const uint64_t was = model->hold;
   model->hold = 0;
+  seeded_holds_.erase(model_name);
   Logger("store")->warn("model={} resumed from rollback to version {}: version {} is the target",
                         model_name, was, model->latest);
   // The engine holds the rollback version: tell it the newest, unless that is the same one.
