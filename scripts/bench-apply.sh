@@ -66,7 +66,7 @@ run() {
   pids+=("$engine")
   wait_serving "$work/$tag-e.sock"
   "$bin/tests/bench/apply_bench" --trainer-socket="$work/$tag-t.sock" \
-    --engine-socket="$work/$tag-e.sock" --mib="$mib" "$@"
+    --engine-socket="$work/$tag-e.sock" --engine-pid="$engine" --mib="$mib" "$@"
   kill -TERM "$trainer" "$engine"
   wait "$trainer" "$engine" 2>/dev/null || true
   pids=()

@@ -15,11 +15,14 @@
 //   apply_bench --trainer-socket=A.sock --engine-socket=B.sock [--mib=1024] [--versions=6]
 //               [--density=0.004] [--real=DIR]
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <iostream>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "CLI/CLI.hpp"
@@ -49,6 +52,26 @@ std::string ReadFile(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
+// CPU seconds process `pid` has used (every thread, finished ones included: /proc/PID/stat's
+// utime + stime, in clock ticks); -1 without a pid. On a machine shared with other work the
+// wall time of a single-threaded sparse Apply and an 8-thread full Apply compare unfairly (the
+// scheduler gives each thread a share), so both are given.
+double CpuSeconds(int pid) {
+  if (pid <= 0) return -1;
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::istringstream fields(text.substr(close + 2));
+  std::string f;
+  double utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && fields >> f; ++i) {
+    if (i == 14) utime = std::stod(f);
+    if (i == 15) stime = std::stod(f);
+  }
+  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
 // `block` repeated over [0, n).
 void Tile(uint8_t* to, uint64_t n, const std::string& block) {
   for (uint64_t at = 0; at < n; at += block.size()) {
@@ -64,12 +87,14 @@ int main(int argc, char** argv) {
   uint64_t mib = 1024;
   int versions = 6;
   double density = 0.004;
+  int engine_pid = 0;
   app.add_option("--trainer-socket", trainer_socket)->required();
   app.add_option("--engine-socket", engine_socket)->required();
   app.add_option("--mib", mib);
   app.add_option("--versions", versions);
   app.add_option("--density", density);
   app.add_option("--real", real, "a folder of ../shared/data/deltas (v000.bin ...)");
+  app.add_option("--engine-pid", engine_pid, "the engine node's refitd: its CPU time per Apply");
   CLI11_PARSE(app, argc, argv);
 
   auto trainer = Client::Connect(trainer_socket);
@@ -133,7 +158,7 @@ int main(int argc, char** argv) {
                                "full s", "full bytes", "undo bytes", "sp/full", "full/cpy",
                                "check");
   std::vector<double> ratio, sparse_s, full_s, sparse_written;
-  std::vector<double> copy;
+  std::vector<double> copy, sparse_cpu, full_cpu;
   for (int i = 0; i < versions; ++i) {
     const uint64_t version = static_cast<uint64_t>(i) + 1;
     uint64_t changed = total / 2;
@@ -180,14 +205,18 @@ int main(int argc, char** argv) {
     const double wire = received() - wire_before;
 
     const double ab0 = apply_bytes(), ub0 = undo_bytes();
+    const double c0 = CpuSeconds(engine_pid);
     auto t0 = Clock::now();
     auto a = (*engine)->Apply(model, version, {*sparse_id});
     auto t1 = Clock::now();
+    const double c1 = CpuSeconds(engine_pid);
     if (!a.ok()) return Fail("sparse apply", a.status());
     const double ab1 = apply_bytes(), ub1 = undo_bytes();
+    const double c2 = CpuSeconds(engine_pid);
     auto t2 = Clock::now();
     auto b = (*engine)->Apply(model, version, {full_id});
     auto t3 = Clock::now();
+    const double c3 = CpuSeconds(engine_pid);
     if (!b.ok()) return Fail("full apply", b.status());
     const double ab2 = apply_bytes(), ub2 = undo_bytes();
     const bool ok = std::memcmp(sparse->data(), src->data(), total) == 0 &&
@@ -198,7 +227,12 @@ int main(int argc, char** argv) {
         100.0 * static_cast<double>(changed) / static_cast<double>(total / 2), wire, s, ab1 - ab0,
         ub1 - ub0, f, ab2 - ab1, ub2 - ub1, s / f, f / copy_s, ok ? "ok" : "WRONG");
     if (!ok) return 1;
+    if (engine_pid > 0) {
+      std::cout << absl::StrFormat("     refitd CPU s: sparse %.3f, full %.3f\n", c1 - c0, c3 - c2);
+    }
     if (i >= 2) {  // after the first versions (full everywhere, slots being allocated)
+      sparse_cpu.push_back(c1 - c0);
+      full_cpu.push_back(c3 - c2);
       ratio.push_back(s / f);
       sparse_s.push_back(s);
       full_s.push_back(f);
@@ -216,6 +250,11 @@ int main(int argc, char** argv) {
         Median(full_s) / Median(copy), Median(sparse_s), Median(ratio),
         Median(sparse_s) / Median(copy), Median(sparse_written),
         100.0 * Median(sparse_written) / static_cast<double>(total));
+    if (engine_pid > 0) {
+      std::cout << absl::StrFormat(
+          "  refitd CPU seconds    sparse %.3f, full %.3f: sparse = %.3fx full (10 ms ticks)\n",
+          Median(sparse_cpu), Median(full_cpu), Median(sparse_cpu) / Median(full_cpu));
+    }
     std::cout << absl::StrFormat("RESULT sparse_over_full=%.4f full_over_memcpy=%.3f\n",
                                  Median(ratio), Median(full_s) / Median(copy));
   }
