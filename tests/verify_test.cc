@@ -146,4 +146,54 @@ TEST_CASE("a flipped byte caught by the verified Apply leaves the buffer as it w
   CHECK(client.Verify("m").ok());
 }
 
+TEST_CASE("a flipped byte caught by the verified sparse Apply leaves the buffer as it was",
+          "[integration][verify][faults]") {
+  // The destination holds version 1; version 2 changes 0.4 % of the elements (a sparse Apply:
+  // the test build's REFIT_TEST_SPARSE_ALWAYS takes it even on this small model). In each of
+  // the first kFlips sparse Applies a byte changes under the first write: DATA_LOSS, and the
+  // destination holds version 1, every byte; then one lands, bit-exact. (The switch flips the
+  // first kFlips full Applies too: version 1 lands after them.)
+  const int kFlips = 1000;
+  auto daemon = DaemonProcess::Start(
+      {"--retain=2"}, "",
+      {"REFIT_FAULT_APPLY_FLIP=" + std::to_string(kFlips), "REFIT_TEST_SPARSE_ALWAYS=1"});
+  REQUIRE(daemon.ok());
+  auto c = (*daemon)->Connect();
+  REQUIRE(c.ok());
+  auto& client = **c;
+  constexpr int64_t kN = 256 * 1024;  // bf16 "w": 512 KiB
+  auto src = Make("sflip-src", kN * 2, 0x3c);
+  for (uint64_t i = 0; i < src.size(); ++i) src.data()[i] = static_cast<uint8_t>(i * 13 + 5);
+  auto dst = Make("sflip-dst", kN * 2, 0x11);
+  const std::vector<v1::TensorSlice> layout = {Slice("w", v1::BF16, {kN}, 0)};
+  auto src_id = client.RegisterBuffer("m", v1::SOURCE, src.name(), layout, "trainer");
+  auto dst_id = client.RegisterBuffer("m", v1::DESTINATION, dst.name(), layout, "engine");
+  REQUIRE(src_id.ok());
+  REQUIRE(dst_id.ok());
+  REQUIRE(client.Publish("m", 1, {*src_id}).ok());
+  int full_tries = 0;
+  while (!client.Apply("m", 1, {*dst_id}).ok() && full_tries <= kFlips) ++full_tries;
+  REQUIRE(full_tries == kFlips);
+  const std::vector<uint8_t> v1_bytes(dst.data(), dst.data() + dst.size());
+  REQUIRE(std::memcmp(v1_bytes.data(), src.data(), src.size()) == 0);
+  for (uint64_t e = 0; e < static_cast<uint64_t>(kN); e += 250) src.data()[2 * e] ^= 1;
+  REQUIRE(client.Publish("m", 2, {*src_id}).ok());
+  const double sparse_before = Metric(client, "refit_apply_sparse_total");
+  int mixed = 0, refused = 0;
+  for (int i = 0; i < kFlips; ++i) {
+    auto applied = client.Apply("m", 2, {*dst_id});
+    refused += applied.status().code() == absl::StatusCode::kDataLoss;
+    mixed += std::memcmp(dst.data(), v1_bytes.data(), v1_bytes.size()) != 0;
+  }
+  testing::PrintFigureText("verified_sparse_apply_flip_mixed",
+                           std::to_string(mixed) + "/" + std::to_string(kFlips));
+  CHECK(refused == kFlips);
+  CHECK(mixed == 0);
+  auto landed = client.Apply("m", 2, {*dst_id});
+  REQUIRE(landed.ok());
+  CHECK(std::memcmp(dst.data(), src.data(), src.size()) == 0);
+  CHECK(Metric(client, "refit_apply_sparse_total") == sparse_before + 1);
+  CHECK(client.Verify("m").ok());
+}
+
 }  // namespace refit

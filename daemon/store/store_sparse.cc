@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -227,6 +228,7 @@ struct SparseWriter {
   uint64_t kill_at = 0;
   uint64_t done = 0;
   uint32_t last_op = UINT32_MAX;
+  bool flip = false;          // REFIT_FAULT_APPLY_FLIP (test build): the first write's byte changes
   bool not_base = false;      // the destination did not hold the base version: stopped
   bool journal_full = false;  // (cannot happen: pass one sized it) stopped
   uint32_t not_base_op = 0;
@@ -256,6 +258,7 @@ struct SparseWriter {
       if (check && !SameBytes(to, base[op.src_location] + from, bytes)) return Stop(w.op);
       if (!undo.Save(op.dst_location, at, to, bytes)) return Full();
       CopyBytes(to, src[op.src_location] + from, bytes);
+      if (flip && done == 0) *to ^= 0x5a;  // test build: a byte changes under the write
       if (!SameBytes(to, src[op.src_location] + from, bytes)) bad.push_back(w.op);
     } else {
       if (check && !Landed(op, w, base[op.src_location], dst[op.dst_location], &scratch)) {
@@ -435,6 +438,17 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
   for (const auto& d : dests) dst.push_back(d->region->data());
   SparseWriter writer{plan, old_bytes, src, dst, **undo};
   writer.kill_at = std::max<uint64_t>(1, sizer.writes / 2);
+  {
+    // Test build only: a destination byte changes under the first write, in the first N sparse
+    // Applies (as plan::ExecuteAndVerifyOnHost does for the full one).
+    static std::atomic<long> flips{-1};
+    if (flips.load() < 0) {
+      const char* n = TestSwitch("REFIT_FAULT_APPLY_FLIP");
+      long expected = -1;
+      flips.compare_exchange_strong(expected, n ? std::atol(n) : 0);
+    }
+    writer.flip = flips.load() > 0 && flips-- > 0;
+  }
   ForEachWrite(plan, changes, writer);
   if (writer.not_base || writer.journal_full) {
     // An engine that wrote into its buffer since (a bulk overwrite always shows here): what
