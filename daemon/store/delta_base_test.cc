@@ -171,6 +171,15 @@ TEST_CASE("the destinations are the delta base once every one holds the version"
   auto again = e.store.Apply("m", 1, {e.ids[0], e.ids[1]});
   CHECK(again.status().code() == absl::StatusCode::kFailedPrecondition);
   CHECK(again.status().message().find("--delta-base=destination") != std::string::npos);
+  // Verify still answers: the destinations against the digests of the released copy.
+  auto verified = e.store.Verify("m");
+  INFO(verified.status().ToString());
+  REQUIRE(verified.ok());
+  REQUIRE(verified->size() == 2);
+  for (const VerifyResult& r : *verified) {
+    CHECK(r.checked);
+    CHECK(r.version == 1);
+  }
 
   for (uint64_t v = 2; v <= 5; ++v) {
     const PullJob::Fetch& fetch = e.Announce(v, true);
@@ -203,6 +212,10 @@ TEST_CASE("a destination written since its Apply is no base: named, and a full p
   e.Finish(1);
   REQUIRE(e.store.Apply("m", 1, {e.ids[0], e.ids[1]}).ok());
   e.bytes[1][10] ^= 0xff;  // the engine scribbles on its second half
+  // Verify finds it with the held copy released (against the digests taken before).
+  auto verified = e.store.Verify("m");
+  CHECK(verified.status().code() == absl::StatusCode::kDataLoss);
+  CHECK(verified.status().message().find("buffer " + e.ids[1] + ": w") != std::string::npos);
   const PullJob::Fetch& fetch = e.Announce(2, true);
   REQUIRE(fetch.destination_base);
   auto base = e.store.BaseFromDestinations("m", fetch);

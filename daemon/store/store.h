@@ -658,6 +658,10 @@ class Store {
   std::optional<absl::StatusOr<ApplyResult>> ApplySparse(
       const Version& version, const std::shared_ptr<const Version>& base, const CachedPlan& cached,
       const std::vector<std::shared_ptr<Buffer>>& dests);
+  // Verify of a version whose held copy --delta-base=destination released: the destinations
+  // against the digests taken of it (BaseFromDestinations per released piece). DATA_LOSS naming
+  // the buffers and tensors that differ; FAILED_PRECONDITION where there is nothing to compare.
+  absl::Status VerifyReleased(const std::string& model, const Version& version);
   // A successful Apply of `source` into `dests` (their io locks held): applied versions,
   // metrics, --delta-base=destination's release.
   ApplyResult Applied(const std::string& model_name, const std::shared_ptr<const Version>& source,
