@@ -6,7 +6,8 @@
 # runs a torch gloo broadcast of the same bytes in the same topology (rank 0 on the trainer's
 # node, one receiver per engine's node). It prints per K:
 #   T(K)      Publish returned on the trainer -> the version complete on the LAST engine node
-#             (median over versions 2..N; the first version, which also allocates slots, apart);
+#             (median over versions 3..N; the first, and the second, which allocate the nodes'
+#             two version slots, apart: the second took 2-3x the others on a loaded machine);
 #   T(K)/T(1);
 #   trainer   what the trainer node's refit_data_bytes_sent_total grew by per version, in models
 #             (and the same over all engines: what they served each other), and the trainer
@@ -267,7 +268,7 @@ run_refit() {
   cpu1=$(cpu_ticks)
   daemons1=$(proc_ticks "${daemon_pids[@]}")
   busy=$(awk -v a="$cpu0" -v b="$cpu1" 'BEGIN { split(a, x, " "); split(b, y, " ");
-         t = y[1] - x[1]; i = y[2] - x[2]; printf "%.2f", t > 0 ? (t - i) / t : 0 }')
+         t = y[1] - x[1]; i = y[2] - x[2]; printf "%.2f", (t > 0 ? (t - i) / t : 0) }')
   daemon_s=$(awk -v a="$daemons0" -v b="$daemons1" -v n="$versions" -v hz="$(getconf CLK_TCK)" \
              'BEGIN { printf "%.2f", (b - a) / hz / n }')
   echo "cpu: the machine was ${busy} busy (all cores, /proc/stat) while K=$k ran;" \

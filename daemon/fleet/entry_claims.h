@@ -31,7 +31,7 @@ class EntryClaims {
   static constexpr size_t kPiecesKept = 256;
 
   struct Conflict {
-    std::string other;  // the node of the same site that asked for some of the same bytes first
+    std::string other;   // the node of the same site that asked for some of the same bytes first
     uint64_t bytes = 0;  // how many of the bytes both asked for
     // The first conflict of this model version and site (warn on this one only).
     bool first = false;
