@@ -29,6 +29,11 @@ inline constexpr Counter kRelayReadersRefused{
     "refit_relay_readers_refused_total",
     "Relay streams refused because --max-peer-connections other nodes were reading relayed "
     "stripes here (the reader takes those stripes from the origin)."};
+inline constexpr Counter kSiteEntryConflicts{
+    "refit_site_entry_conflicts_total",
+    "Relay streams from a node of another site asking for bytes another node of that site "
+    "asked for already (two entries into one site: those bytes cross twice; warned, naming "
+    "both)."};
 inline constexpr Histogram kTransferSeconds{
     "refit_transfer_seconds",
     "Time a pull took, from its start to the version complete, in seconds."};

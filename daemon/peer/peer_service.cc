@@ -35,6 +35,7 @@ PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane, 
   metrics_->Declare(kChecksumBytesHashed);
   metrics_->Declare(kRelayReaders);
   metrics_->Declare(kRelayReadersRefused);
+  metrics_->Declare(kSiteEntryConflicts);
   if (const char* fault = TestSwitch("REFIT_FAULT_RELAY_FLIP")) {
     relay_flips_ = std::atoll(fault);
     Logger("peer")->warn("fault injection: the first {} relayed ranges get a flipped byte",

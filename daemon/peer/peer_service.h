@@ -21,6 +21,7 @@
 
 #include "daemon/common/mutex.h"
 #include "daemon/dataplane/data_plane.h"
+#include "daemon/fleet/entry_claims.h"
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
 #include "daemon/peer/delta_source.h"
@@ -141,6 +142,11 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
   uint32_t max_relay_readers_ ABSL_GUARDED_BY(mu_) = 16;
   // Node -> its Relay streams open here.
   std::map<std::string, int> relay_readers_ ABSL_GUARDED_BY(mu_);
+  // Records which bytes of `key` a reader of another site asked for; warns (once per version
+  // and site) when another node of that site asked for some of them too.
+  void NoteEntry(const fleet::RelayKey& key, const v1::RelayRequest& request);
+  // Which node of each other site asked for which bytes of each relayed piece here.
+  fleet::EntryClaims entry_claims_;
   // A reader's place among relay_readers_ while its stream lasts.
   class RelayReaderSlot;
   // (node, address)

@@ -1,6 +1,7 @@
 // PeerService's fleet calls: Relay (serving a piece this node is pulling too) and Report (a
 // replica's report, answered with its relay candidates). peer_service.cc has the rest.
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <thread>
@@ -14,12 +15,17 @@
 namespace refit::peer {
 
 namespace {
+// A RelayRequest's wanted ranges past this many are not recorded (a hint; one per 4 MiB chunk
+// of a 256 GiB piece).
+constexpr int kMaxWantedRanges = 65536;
 // How long a Relay call waits for this node to start pulling the piece it asks for (the
 // announcement reaches every node at about the same time), and the longest quiet gap in its
 // stream.
 constexpr auto kRelayStartWait = std::chrono::milliseconds(2000);
 constexpr auto kRelayHeartbeat = std::chrono::milliseconds(500);
 constexpr auto kRelayLongest = std::chrono::minutes(30);
+// Once complete was sent, how often the stream looks whether its reader went.
+constexpr auto kRelayCompletePoll = std::chrono::milliseconds(20);
 constexpr size_t kMaxName = 1024;
 // A replica report: what one node may say (its models, and their names' bytes in all).
 constexpr int kMaxReportModels = 4096;
@@ -73,6 +79,47 @@ class PeerService::RelayReaderSlot {
   bool taken_ = false;
 };
 
+void PeerService::NoteEntry(const fleet::RelayKey& key, const v1::RelayRequest& request) {
+  std::string site;
+  {
+    common::MutexLock lock(mu_);
+    site = site_;
+  }
+  // Only readers of another site enter theirs here; an older reader says no ranges.
+  if (request.site() == site || request.wanted_size() == 0 ||
+      request.wanted_size() > kMaxWantedRanges || request.site().size() > kMaxNodeName) {
+    return;
+  }
+  fleet::Ranges wanted;
+  for (const v1::ByteRange& r : request.wanted()) {
+    if (r.length() == 0 || r.offset() + r.length() < r.offset()) continue;
+    wanted.emplace_back(r.offset(), r.offset() + r.length());
+  }
+  std::sort(wanted.begin(), wanted.end());
+  fleet::Ranges merged;
+  for (const auto& r : wanted) {
+    if (!merged.empty() && r.first <= merged.back().second) {
+      merged.back().second = std::max(merged.back().second, r.second);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  const fleet::EntryClaims::Conflict conflict =
+      entry_claims_.Claim(key, request.site(), request.node(), merged);
+  if (conflict.other.empty()) return;
+  metrics_->Add(kSiteEntryConflicts, 1);
+  if (!conflict.first) return;
+  Logger("peer")->warn(
+      "model={} version={}: nodes {} and {} of site '{}' both read {} bytes of piece {} of node "
+      "{} across sites from this node: two entries into site '{}' (each version should cross "
+      "into a site once); their views of site '{}' differ: check node {}'s --site and that the "
+      "nodes of site '{}' reach each other",
+      Printable(key.model), key.version, Printable(request.node()), Printable(conflict.other),
+      Printable(request.site()), conflict.bytes, Printable(key.buffer_id), Printable(key.origin),
+      Printable(request.site()), Printable(request.site()), Printable(request.node()),
+      Printable(request.site()));
+}
+
 grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayRequest* request,
                                 grpc::ServerWriter<v1::RelayProgress>* writer) {
   if (absl::Status who = Authenticate(*context, request->node()); !who.ok()) {
@@ -111,6 +158,7 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
                                      " of model ", request->model(), " version ",
                                      request->version(), " from ", request->origin()));
   }
+  NoteEntry(key, *request);
   const std::shared_ptr<Region> slot = view->slot;  // held while the stream lasts
   // The reader's grant to read the relayed slot lasts as long as this stream.
   auto remote_key = data_plane_->Expose(slot, request->node());
@@ -159,6 +207,21 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
                           "too many peer streams here: this one gave its place to another peer's");
     }
     if (std::chrono::steady_clock::now() - start > kRelayLongest) return grpc::Status::OK;
+    if (complete) {
+      // Nothing more will land: the stream now only keeps the slot while the reader finishes
+      // its reads, with a heartbeat. (Wait returns at once once a pull is no longer in
+      // progress: asking it again here would send an empty message per turn for as long as the
+      // reader reads, a flood of control traffic on its link, and a core spinning.)
+      const auto beat = std::chrono::steady_clock::now() + kRelayHeartbeat;
+      while (std::chrono::steady_clock::now() < beat && !context->IsCancelled()) {
+        std::this_thread::sleep_for(kRelayCompletePoll);
+      }
+      if (context->IsCancelled()) return grpc::Status::CANCELLED;
+      view = fleet::RelayView{};
+      view->state = fleet::RelayState::kComplete;
+      view->cursor = cursor;
+      continue;
+    }
     view = board_->Wait(key, cursor, std::chrono::steady_clock::now() + kRelayHeartbeat);
     if (!view.ok()) {
       // Its entry went: a newer version's pull began here. Once complete was sent the reader

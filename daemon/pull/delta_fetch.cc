@@ -264,8 +264,9 @@ PayloadReads ReadPayloads(const PullJob& job, const PullJob& delta_job,
         origin[s].push_back(data_plane->Read(delta_job.fetches[s], ranges, step.slot, landed[s]));
         continue;
       }
-      RelayReadRequest request{relays->view.self, job.model, job.version, piece, parent, ranges,
-                               step.slot,         landed[s]};
+      RelayReadRequest request{
+          relays->view.self, job.model, job.version,      piece, parent, ranges,
+          step.slot,         landed[s], relays->view.site};
       v1::Peer::Stub* stub = relays->stub(parent);
       parts.push_back({s, parent, std::async(std::launch::async, [request, stub, data_plane] {
                          return ReadFromRelay(request, stub, data_plane);

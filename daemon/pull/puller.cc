@@ -116,6 +116,9 @@ fleet::SiteView Puller::View(const PullJob& job) {
       view.remote[site] = std::move(reachable);
     }
   }
+  // Test build only: this node sees no other puller of its site, as a node whose view of the
+  // site differs from the others' would (tests/fleet_sites_test: two entries into one site).
+  if (TestSwitch("REFIT_TEST_SITE_ALONE")) view.local = {options_.node};
   std::sort(view.local.begin(), view.local.end());
   for (const auto& fetch : job.fetches) {
     if (!view.origin_sites.count(fetch.node)) {
@@ -386,9 +389,9 @@ absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& 
   // announces what landed there.
   std::vector<std::future<RelayReadResult>> relayed;
   for (const Part& part : relay_parts) {
-    RelayReadRequest request{options_.node,           job.model,         job.version,
-                             job.fetches[part.fetch], part.relay,        part.ranges,
-                             (*staging)[part.fetch],  landed[part.fetch]};
+    RelayReadRequest request{options_.node,           job.model,          job.version,
+                             job.fetches[part.fetch], part.relay,         part.ranges,
+                             (*staging)[part.fetch],  landed[part.fetch], options_.site};
     relayed.push_back(std::async(std::launch::async, [this, request] {
       return ReadFromRelay(request, channels_->StubFor(request.relay), data_plane_);
     }));

@@ -126,6 +126,12 @@ RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* s
   ask.set_node(request.self);
   ask.set_origin(request.fetch.node);
   ask.set_buffer_id(request.fetch.buffer_id);
+  ask.set_site(request.site);
+  for (const auto& [begin, end] : request.wanted) {
+    v1::ByteRange* range = ask.add_wanted();
+    range->set_offset(begin);
+    range->set_length(end - begin);
+  }
   auto stream = stub->Relay(&context, ask);
 
   Ranges pending;  // wanted, not yet asked of the data plane

@@ -46,6 +46,7 @@ struct RelayReadRequest {
   Ranges wanted;                        // sorted, disjoint, within fetch.ranges
   std::shared_ptr<Region> slot;         // this node's staging slot for the piece
   dataplane::DataPlane::Landed landed;  // told of each read that lands (may be null)
+  std::string site;                     // this node's --site (said to the relay)
 };
 
 // `stub`: the relay's control channel (null: everything is leftover).

@@ -94,7 +94,7 @@ void NextVersion(uint8_t* data, uint64_t bytes, uint64_t version) {
 int main(int argc, char** argv) {
   std::string trainer_socket, model = "fanout";
   std::vector<std::string> engine_sockets;
-  int versions = 5, timeout_s = 300;
+  int versions = 5, timeout_s = 300, warmup = 2;
   uint64_t mib = 256;
   CLI::App app{"refit fan-out benchmark: publish on one daemon, complete on K others"};
   app.add_option("--trainer-socket", trainer_socket, "the trainer node's refitd socket")
@@ -102,6 +102,10 @@ int main(int argc, char** argv) {
   app.add_option("--engine-sockets", engine_sockets, "the engine nodes' refitd sockets")
       ->required()
       ->delimiter(',');
+  app.add_option("--warmup", warmup,
+                 "versions reported apart, not in the medians (the first two allocate the "
+                 "nodes' version slots: retain + 1 = 2 of them)")
+      ->check(CLI::Range(1, 100));
   app.add_option("--versions", versions, "versions published (the first is reported apart)")
       ->capture_default_str()
       ->check(CLI::Range(2, 1000));
@@ -242,7 +246,7 @@ int main(int argc, char** argv) {
       first_t = t;
       first_trainer = trainer_sent;
       first_engines = engines_sent;
-    } else {
+    } else if (i > warmup || versions <= warmup) {
       t_last.push_back(t);
       trainer_models.push_back(trainer_sent);
       engine_models.push_back(engines_sent);
@@ -252,9 +256,10 @@ int main(int argc, char** argv) {
   std::vector<std::string> times;
   for (double t : t_last) times.push_back(absl::StrFormat("%.6f", t));
   std::cout << absl::StrFormat(
-      "K=%d: T(K) median of versions 2-%d %.3f s (first version %.3f s); trainer sent %.3f "
+      "K=%d: T(K) median of versions %d-%d %.3f s (first version %.3f s); trainer sent %.3f "
       "models per version, engines %.3f; every engine's bytes checked after Apply\n",
-      k, versions, Median(t_last), first_t, Median(trainer_models), Median(engine_models));
+      k, versions <= warmup ? 2 : warmup + 1, versions, Median(t_last), first_t,
+      Median(trainer_models), Median(engine_models));
   std::cout << absl::StrFormat(
       "RESULT k=%d bytes=%d versions=%d t_s=%.6f first_s=%.6f trainer_models=%.4f "
       "engines_models=%.4f first_trainer_models=%.4f first_engines_models=%.4f "
