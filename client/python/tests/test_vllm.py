@@ -165,6 +165,26 @@ class VllmTest(DaemonCase):
     def test_qwen3_moe(self):
         self.run_kind("qwen3_moe")
 
+    def test_deepseek_v3_mla_moe(self):
+        model, _ = self.run_kind("deepseek_v3")
+        p = dict(model.named_parameters())
+        # MLA: q_a_proj and kv_a_proj_with_mqa fused into fused_qkv_a_proj (256 + 128 + 64
+        # rows); routed experts fused into w13/w2, the shared expert's gate_up_proj fused.
+        self.assertEqual(tuple(p["model.layers.0.self_attn.fused_qkv_a_proj.weight"].shape),
+                         (448, 256))
+        self.assertEqual(
+            tuple(p["model.layers.1.mlp.experts.routed_experts.w13_weight"].shape),
+            (4, 512, 256))
+
+    def test_deepseek_v3_fp8_block_quantized(self):
+        model, _ = self.run_kind("deepseek_v3_fp8", fp8=True)
+        p = dict(model.named_parameters())
+        self.assertEqual(p["model.layers.1.mlp.experts.routed_experts.w13_weight"].dtype,
+                         torch.float8_e4m3fn)
+        self.assertEqual(
+            tuple(p["model.layers.1.mlp.experts.routed_experts.w13_weight_scale_inv"].shape),
+            (4, 4, 2))
+
     def test_llama_fp8_block_quantized(self):
         model, engine = self.run_kind("llama", fp8=True)
         # Apply quantized on the node: fp8 bytes and FP32 scales in vLLM's own parameters.

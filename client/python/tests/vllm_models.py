@@ -23,7 +23,7 @@ VOCAB = 1000  # not a multiple of 64: vLLM pads its embedding and lm_head rows
 
 def hf_config(kind: str) -> Dict:
     """A small Hugging Face config.json of `kind`: llama, llama_mha, qwen3, qwen3_moe,
-    deepseek_v3."""
+    deepseek_v3, deepseek_v3_fp8."""
     common = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2,
                   max_position_embeddings=512, rms_norm_eps=1e-6, torch_dtype="bfloat16",
                   tie_word_embeddings=False)
@@ -55,6 +55,8 @@ def hf_config(kind: str) -> Dict:
                     kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
                     v_head_dim=64, n_group=1, topk_group=1, routed_scaling_factor=1.0,
                     scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1)
+    if kind == "deepseek_v3_fp8":  # every fused part a whole number of [128, 128] blocks
+        return dict(hf_config("deepseek_v3"), kv_lora_rank=256, qk_rope_head_dim=128)
     raise ValueError(kind)
 
 
