@@ -69,7 +69,8 @@ class RefitWeightReceiver:
                  fp8: Iterable[str] = (), fp8_block: Sequence[int] = (128, 128),
                  socket: Optional[str] = None, mapping: Optional[FusedMapping] = None,
                  storage: str = "auto", experts: Optional[Iterable[int]] = None,
-                 layout: Optional[str] = None, check_release: bool = True):
+                 layout: Optional[str] = None, check_release: bool = True,
+                 timeout: Optional[float] = 60.0):
         inside = _is_sglang_model(model)
         if inside and check_release:
             globals()["check_release"]()
@@ -77,6 +78,7 @@ class RefitWeightReceiver:
         if layout is None:
             layout = "probe" if inside and mapping is None and load_weights else "mapping"
         self.model = model
+        self.timeout = timeout  # the custom loader's wait for a version (None: no limit)
         self.client = client_lib.Client(socket)
         try:
             self.weights = EngineWeights(
@@ -151,7 +153,7 @@ def _tp_rank() -> int:
 def init_tensors(settings: Dict[str, Any]) -> List[Tuple[str, torch.Tensor]]:
     """Named tensors carrying the receiver's settings: {"model", "params": {name: [shape,
     dtype name]}, "fp8", "fp8_block", "mapping": {"stacked", "experts"}, "storage", "experts",
-    "socket"}."""
+    "socket", "layout", "check_release", "timeout" (s to wait for a version; default 60)}."""
     data = json.dumps(settings, sort_keys=True).encode()
     return [(INIT_NAME, torch.tensor(list(data), dtype=torch.uint8))]
 
@@ -170,8 +172,10 @@ def _receiver_from(model: torch.nn.Module, data: torch.Tensor) -> RefitWeightRec
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{INIT_NAME}: not the receiver's settings ({e!r}); build them with "
                          "refit.sglang.init_tensors") from None
-    mapping = FusedMapping.from_dict(settings.pop("mapping", None))
-    known = {"fp8", "fp8_block", "socket", "storage", "experts", "layout", "check_release"}
+    mapping = settings.pop("mapping", None)  # none: the probe inside SGLang
+    mapping = FusedMapping.from_dict(mapping) if mapping is not None else None
+    known = {"fp8", "fp8_block", "socket", "storage", "experts", "layout", "check_release",
+             "timeout"}
     unknown = set(settings) - known
     if unknown:
         raise ValueError(f"{INIT_NAME}: unknown settings {sorted(unknown)}")
@@ -235,7 +239,7 @@ def _load(model: torch.nn.Module, named_tensors: Iterable[Tuple[str, torch.Tenso
             if receiver is None:
                 raise RuntimeError(f"{VERSION_NAME} before {INIT_NAME}: send "
                                    "refit.sglang.init_tensors(...) first")
-            receiver.receive(int(tensor.reshape(-1)[0].item()))
+            receiver.receive(int(tensor.reshape(-1)[0].item()), receiver.timeout)
         else:
             raise ValueError(f"refit.sglang.custom_weight_loader takes {INIT_NAME} and "
                              f"{VERSION_NAME}, not {name!r} (weights come from refitd)")

@@ -153,7 +153,9 @@ def hf_state_dict(kind: str, seed: int, fp8: bool = False) -> Dict[str, torch.Te
 
 def fp8_names(state: Dict[str, torch.Tensor]):
     """The names an fp8 block-quantized checkpoint holds as fp8 (DeepSeek-V3's rule: the 2-D
-    linear weights of the decoder layers; not embeddings, norms, lm_head or the router)."""
+    linear weights of the decoder layers, MLA's kv_a_proj_with_mqa included; not embeddings,
+    norms, lm_head or the router)."""
     return sorted(n for n, t in state.items()
-                  if t.dim() == 2 and ".layers." in n and n.endswith("_proj.weight")
+                  if t.dim() == 2 and ".layers." in n
+                  and n.endswith(("_proj.weight", "_proj_with_mqa.weight"))
                   and ".mlp.gate." not in n)
