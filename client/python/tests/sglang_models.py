@@ -15,9 +15,14 @@ import os
 import socket
 from typing import List, Optional
 
-import torch
+# SGLang points its and FlashInfer's JIT caches at ~/.cache/sglang, read-only in Bazel's sandbox.
+if os.environ.get("TEST_TMPDIR"):
+    os.environ.setdefault("SGLANG_CACHE_DIR",
+                          os.path.join(os.environ["TEST_TMPDIR"], "sglang-cache"))
 
-import vllm_models as vm  # the configs and checkpoints; imports no vLLM itself
+import torch  # noqa: E402
+
+import vllm_models as vm  # noqa: E402  # the configs and checkpoints; imports no vLLM itself
 
 LOADER = "refit.sglang.custom_weight_loader"  # what --custom-weight-loader lists
 
