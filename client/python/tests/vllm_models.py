@@ -104,7 +104,8 @@ def init_tp(config, rank: int = 0, world: int = 1, port: Optional[int] = None) -
         initialize_model_parallel(world, 1)
 
 
-def vllm_config(kind: str, fp8: bool = False, tp: int = 1, directory: Optional[str] = None):
+def vllm_config(kind: str, fp8: bool = False, tp: int = 1, directory: Optional[str] = None,
+                device: str = "cpu"):
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
     cfg = hf_config(kind)
     if fp8:
@@ -116,7 +117,7 @@ def vllm_config(kind: str, fp8: bool = False, tp: int = 1, directory: Optional[s
     mc = ModelConfig(model=directory, skip_tokenizer_init=True, dtype="bfloat16",
                      enforce_eager=True)
     return VllmConfig(model_config=mc, load_config=LoadConfig(load_format="dummy"),
-                      device_config=DeviceConfig("cpu"),
+                      device_config=DeviceConfig(device),
                       parallel_config=ParallelConfig(tensor_parallel_size=tp))
 
 
@@ -125,7 +126,9 @@ def build(config) -> torch.nn.Module:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
-    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype):
+    device = torch.device(config.device_config.device)
+    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), \
+            device:
         model = initialize_model(vllm_config=config)
     with torch.no_grad():
         for p in model.parameters():
