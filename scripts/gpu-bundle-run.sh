@@ -11,6 +11,9 @@
 #     runtime.log   cuda/cuda_runtime_test: IPC import, slots, copies, plans on the GPU
 #     e2e.log       tests/gpu_e2e_test: two refitd with CUDA slots, a GPU source and destination
 #     bench.txt     cuda/gpu_bench
+#     engines.log   client/python/tests/test_vllm_gpu.py, with REFIT_PYTHON=<a Python with torch
+#                   and vllm==0.33.0 for CUDA>: vLLM's own models on the GPU receiving versions
+#                   zero-copy through refit's CUDA path, bit for bit vLLM's load_weights
 #
 # Exit status: 0 when every step passed, 77 when no GPU is visible (nothing else was run), 1
 # otherwise. Finishes within 9 minutes: each step has a time limit, and none starts past the
@@ -118,6 +121,18 @@ step quantize 40 "$OUT/quantize.log" cuda/gpu_quantize_test "${catch_args[@]}"
 step runtime 100 "$OUT/runtime.log" cuda/cuda_runtime_test "${catch_args[@]}"
 step e2e 100 "$OUT/e2e.log" tests/gpu_e2e_test "${catch_args[@]}"
 step bench 100 "$OUT/bench.txt" cuda/gpu_bench --reps=5
+# refit.vllm's CUDA zero-copy path in vLLM 0.33's own models (the bundle holds the Python client
+# and the test, not torch or vLLM: REFIT_PYTHON names a Python that has them). It fails, never
+# skips, without a GPU.
+if [ -n "${REFIT_PYTHON:-}" ]; then
+  step engines 200 "$OUT/engines.log" env REFITD="$B/daemon/refitd" \
+    PYTHONPATH="$B/client/python:$B/client/python/tests" "$REFIT_PYTHON" \
+    "$B/client/python/tests/test_vllm_gpu.py"
+  grep -E '^(Ran|OK|FAILED)' "$OUT/engines.log" | sed 's/^/        /' >>"$summary"
+else
+  note "NOT RUN engines: set REFIT_PYTHON to a Python with torch and vllm==0.33.0 (CUDA) for" \
+    "the vLLM CUDA zero-copy check (client/python/tests/test_vllm_gpu.py)"
+fi
 
 # ---- the figures against the issue's goals ----
 # goal WHAT PATTERN MIN: the "= N.NNx" of the bench line matching PATTERN, against MIN.

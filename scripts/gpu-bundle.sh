@@ -2,7 +2,9 @@
 # Builds the GPU bundle (docs/cuda.md "The GPU bundle"): on a machine with the CUDA toolkit
 # ($CUDA_PATH, else /usr/local/cuda; no GPU needed), builds the GPU tests, the GPU benchmark and
 # a CUDA refitd with --config=cuda, and packs them with every shared library they load (but the
-# driver's libcuda) and the real bf16 deltas that fit into DIR (default gpu-bundle/ in the
+# driver's libcuda), the Python client with the vLLM engine check (client/python/tests/
+# test_vllm_gpu.py; run.sh runs it when given a Python with torch and vLLM), and
+# the real bf16 deltas that fit into DIR (default gpu-bundle/ in the
 # checkout; a relative DIR is taken from the current directory), at most 64 MiB in all.
 # DIR/run.sh then runs the checks on a machine with a GPU and nothing else.
 #
@@ -160,6 +162,19 @@ if [ -d "$shared/data/deltas" ]; then
     fi
   done
 fi
+
+# ---- the vLLM engine check (client/python/tests/test_vllm_gpu.py): the Python client with its
+# stubs and the test files; run.sh runs it with $REFIT_PYTHON (torch + vllm 0.33, CUDA) ----
+bazel build "${build_flags[@]}" --experimental_convenience_symlinks=ignore \
+  //client/python:refit_py_stubs
+mkdir -p "$dir/client/python/refit/v1" "$dir/client/python/tests"
+cp client/python/refit/*.py "$dir/client/python/refit/"
+cp "$bin"/client/python/refit/v1/*.py "$dir/client/python/refit/v1/"
+cp client/python/pyproject.toml "$dir/client/python/"
+cp VERSION "$dir/VERSION"
+for f in test_vllm_gpu.py test_vllm.py test_fp8.py vllm_models.py; do
+  cp "client/python/tests/$f" "$dir/client/python/tests/"
+done
 
 total=$(du -sb "$dir" | cut -f1)
 {

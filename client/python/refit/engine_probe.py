@@ -50,6 +50,12 @@ def _digits(numel: int) -> int:
     return max(1, math.ceil(math.log(numel + 1, BASE)))
 
 
+def expert_tensor(name: str) -> bool:
+    """A MoE expert's checkpoint tensor: on an expert-parallel rank, the loader may rightly put
+    it nowhere (another rank holds that expert)."""
+    return ".experts." in name
+
+
 def probe(named: Dict[str, torch.nn.Parameter], load_weights: Callable,
           tensors: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]) -> Probe:
     """Asks `load_weights` where each of `tensors` ({checkpoint name: (shape, dtype)}) lands in
@@ -90,8 +96,22 @@ def probe(named: Dict[str, torch.nn.Parameter], load_weights: Callable,
                 for name, base in zip(names, bases):
                     try:
                         load_weights([(name, values(name, base))])
+                        why = None
                     except Exception as e:  # the loader's own words, per tensor
-                        refused[name] = f"{type(e).__name__}: {e}".strip()
+                        why = f"{type(e).__name__}: {e}".strip()
+                    # A loader that skips names it does not know (SGLang's logs "not found in
+                    # params_dict") writes nothing: as much a mismatch, said in the same error.
+                    # (Experts may be another rank's: expert parallelism.)
+                    with torch.no_grad():
+                        wrote = False
+                        for p in named.values():
+                            if not wrote and bool(p.detach().ne(0).any()):
+                                wrote = True
+                            p.data.zero_()
+                    if why is None and not wrote and not expert_tensor(name):
+                        why = "given alone, its loader puts it nowhere (an unknown name?)"
+                    if why is not None:
+                        refused[name] = why
             if refused:
                 break
             if not batch_ok:  # a refusal that did not recur alone: the batch is what failed

@@ -185,11 +185,21 @@ def plan_probed(params_of_module: Dict[str, torch.Tensor], load_weights,
         log.info("refit: %d scalar engine parameter(s) no checkpoint tensor sets keep their "
                  "values: %s", len(unset), ", ".join(unset[:8]) + (" ..." if len(unset) > 8
                                                                    else ""))
+    # A loader that skips names it does not know (SGLang) puts a misspelt one nowhere; only an
+    # expert may rightly be elsewhere (expert parallelism).
+    nowhere = sorted(n for n in found.absent if not engine_probe.expert_tensor(n))
+    problems = []
+    if nowhere:
+        problems.append(f"{len(nowhere)} of the trainer's {len(params)} checkpoint tensor(s) "
+                        "land in no engine parameter (names the engine's loader skips): "
+                        + ", ".join(nowhere))
     if missing:
-        raise MappingError(
+        problems.append(
             f"{len(missing)} engine parameter(s) get no value from any of the trainer's "
             f"{len(params)} checkpoint tensor(s) (names that don't match the engine's model): "
             + ", ".join(missing))
+    if problems:
+        raise MappingError("; ".join(problems))
     for target, parts in found.placed.items():
         param = params_of_module[target]
         names = [p.name for p in parts]

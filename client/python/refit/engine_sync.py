@@ -186,6 +186,19 @@ class EngineWeights:
         With version 0 it follows the fleet: a rollback (refit Rollback: an older version,
         newer ones held back until Resume) and a trainer's new run or resume from an older
         step (its numbers restart) are applied as they come, never waited past."""
+        try:
+            return self._update(load_weights, version, timeout, refuse_nonfinite)
+        except errors.RefitError as e:  # the parameters hold what they held (atomic Apply)
+            # Said in the error's own text (vLLM hands only str(e) back to its caller) and as
+            # `held_version`: the engine keeps serving that version; the next update works.
+            e.held_version = self.version
+            wanted = getattr(e, "version", 0) or version or "the next"
+            e.args = (f"{e.args[0] if e.args else e} [refit: model {self.model}: version "
+                      f"{wanted} was not applied; the engine still holds version "
+                      f"{self.version}]",) + tuple(e.args[1:])
+            raise
+
+    def _update(self, load_weights, version, timeout, refuse_nonfinite) -> int:
         wanted = version or self.version + 1
         got = self.client.wait_for_target(self.model, wanted, run=self.run,
                                           applied_version=self.version, timeout=timeout)
@@ -200,10 +213,8 @@ class EngineWeights:
         buffers = self.buffers + ([self.fallback] if self.fallback is not None else [])
         try:
             applied = self.client.apply(self.model, buffers, target)
-        except errors.RefitError as e:  # an atomic Apply: the parameters hold what they held
-            e.held_version = self.version
-            e.add_note(f"refit: model {self.model}: version {target} was not applied; the "
-                       f"engine still holds version {self.version}")
+        except errors.RefitError as e:
+            e.version = target
             raise
         if self.fallback is not None:
             load_weights(self.weights())

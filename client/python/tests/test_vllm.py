@@ -19,6 +19,7 @@ import vllm_models as vm  # sets VLLM_TARGET_DEVICE before vLLM is imported
 import torch
 
 import refit
+import refit.testing
 from refit import vllm as refit_vllm
 from refit.engine_storage import MappingError
 from test_fp8 import DaemonCase, reference
@@ -165,6 +166,26 @@ class VllmTest(DaemonCase):
     def test_qwen3_moe(self):
         self.run_kind("qwen3_moe")
 
+    def test_deepseek_v3_mla_moe(self):
+        model, _ = self.run_kind("deepseek_v3")
+        p = dict(model.named_parameters())
+        # MLA: q_a_proj and kv_a_proj_with_mqa fused into fused_qkv_a_proj (256 + 128 + 64
+        # rows); routed experts fused into w13/w2, the shared expert's gate_up_proj fused.
+        self.assertEqual(tuple(p["model.layers.0.self_attn.fused_qkv_a_proj.weight"].shape),
+                         (448, 256))
+        self.assertEqual(
+            tuple(p["model.layers.1.mlp.experts.routed_experts.w13_weight"].shape),
+            (4, 512, 256))
+
+    def test_deepseek_v3_fp8_block_quantized(self):
+        model, _ = self.run_kind("deepseek_v3_fp8", fp8=True)
+        p = dict(model.named_parameters())
+        self.assertEqual(p["model.layers.1.mlp.experts.routed_experts.w13_weight"].dtype,
+                         torch.float8_e4m3fn)
+        self.assertEqual(
+            tuple(p["model.layers.1.mlp.experts.routed_experts.w13_weight_scale_inv"].shape),
+            (4, 4, 2))
+
     def test_llama_fp8_block_quantized(self):
         model, engine = self.run_kind("llama", fp8=True)
         # Apply quantized on the node: fp8 bytes and FP32 scales in vLLM's own parameters.
@@ -211,6 +232,66 @@ class VllmTest(DaemonCase):
                 "model": "vllm-bad", "socket": self.daemon.socket,
                 "params": {n: [list(t.shape), "bfloat16"] for n, t in state.items()}}))
         self.assertIn("weight_scale_inv", str(e.exception))
+
+    def test_failed_update_keeps_the_engine_serving(self):
+        """A failed Apply (the test build's fault switch flips a destination byte under the
+        first verified Apply: DATA_LOSS) and a version that does not come: vLLM's own utility
+        call path answers the failure with the held version in its text, the parameters hold
+        what they held, and the next update works."""
+        from vllm.v1.engine import UtilityOutput
+        from vllm.v1.engine.core import EngineCoreProc
+        os.environ["REFIT_FAULT_APPLY_FLIP"] = "1"  # read by refitd_testing at its first Apply
+        try:
+            daemon = refit.testing.Daemon(binary=os.path.abspath(os.environ["REFITD_TESTING"]))
+        finally:
+            del os.environ["REFIT_FAULT_APPLY_FLIP"]
+        self.addCleanup(daemon.stop)
+        client = daemon.client()
+        self.addCleanup(client.close)
+        name = "vllm-failures"
+        config = vm.vllm_config("llama")
+        model, ref = vm.build(config), vm.build(vm.vllm_config("llama"))
+        state = checkpoint_format(vm.hf_state_dict("llama", 1))
+        engine = self.engine(config, model)
+        engine.init_transfer_engine(engine.parse_init_info({
+            "model": name, "socket": daemon.socket, "storage": "zero_copy",
+            "params": {n: [list(t.shape), "bfloat16"] for n, t in state.items()}}))
+        src = client.register(name, refit.SOURCE, dict(state))
+        self.addCleanup(src.release)
+        client.publish(name, 1, [src])
+
+        def utility(update_info):  # how vLLM's engine core runs a collective_rpc utility call
+            out = []
+            EngineCoreProc._invoke_utility_method(
+                "update_weights", lambda: engine.update_weights(update_info),
+                UtilityOutput(call_id=1), out.append)
+            return out[0].failure_message
+
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        message = utility({"version": 1})
+        self.assertIn("DATA_LOSS", message)
+        self.assertIn("version 1 was not applied; the engine still holds version 0", message)
+        self.assertEqual(engine.weights.version, 0)
+        for n, p in model.named_parameters():  # atomic Apply: every byte as it was
+            self.assertTrue(same_bits(p, before[n]), n)
+        self.assertIsNone(utility({"version": 1}))  # the next update works
+        self.assertEqual(engine.weight_version, f"{name}@1")
+        ref.load_weights(engine_checkpoint(state, []))
+        theirs = dict(ref.named_parameters())
+        self.assertEqual([n for n, p in model.named_parameters()
+                          if not same_bits(p, theirs[n])], [])
+        # A version that does not come within the update's timeout: version 1 still served.
+        message = utility({"version": 2, "timeout": 0.5})
+        self.assertIn("DEADLINE_EXCEEDED", message)
+        self.assertIn("the engine still holds version 1", message)
+        self.assertEqual([n for n, p in model.named_parameters()
+                          if not same_bits(p, theirs[n])], [])
+        state = checkpoint_format(vm.hf_state_dict("llama", 2))
+        for n, t in state.items():
+            src.tensors[n].copy_(t)
+        client.publish(name, 2, [src])
+        self.assertIsNone(utility({"version": 2}))
+        self.assertEqual(engine.weight_version, f"{name}@2")
 
     def test_unknown_release_refused(self):
         with self.assertRaises(ValueError) as e:

@@ -30,14 +30,14 @@ def free_port() -> int:
 
 
 class VllmTpTest(DaemonCase):
-    def ranks(self, kind, fp8, world, name):
+    def ranks(self, kinds, world, name):
         port = free_port()
         procs = []
         for rank in range(world):
             procs.append(subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "vllm_tp_rank.py"), kind,
-                 "1" if fp8 else "0", str(rank), str(world), str(port), self.daemon.socket,
-                 name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                [sys.executable, os.path.join(HERE, "vllm_tp_rank.py"), ",".join(kinds), "0",
+                 str(rank), str(world), str(port), self.daemon.socket, name],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                 env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                     [HERE, os.environ.get("PYTHONPATH", "")]))))
 
@@ -58,59 +58,70 @@ class VllmTpTest(DaemonCase):
             if line.startswith("{"):
                 return json.loads(line)
 
-    def run_tp(self, kind, world, fp8=False, versions=(1, 2)):
+    def run_tp(self, kinds, world):
+        """One set of `world` rank processes serving `kinds` ([(kind, versions)], a kind
+        ending in "+fp8" fp8) one after the other; per kind, each rank's shapes of its last
+        version."""
         import vllm_models as vm
         from test_vllm import checkpoint_format
-        name = f"vllm-tp{world}-{kind}{'-fp8' if fp8 else ''}"
-        procs = self.ranks(kind, fp8, world, name)
-        ready = [self.read(p) for p in procs]
-        for r, info in enumerate(ready):
-            self.assertTrue(info["zero_copy"], (r, info))
-        src = None
-        shapes = []
-        for version in versions:
-            state = checkpoint_format(vm.hf_state_dict(kind, version))
-            if src is None:
-                src = self.register(name, refit.SOURCE, dict(state))
-            else:
-                for n, t in state.items():
-                    src.tensors[n].copy_(t)
-            self.client.publish(name, version, [src])
+        base = f"vllm-tp{world}"
+        procs = self.ranks([k for k, _ in kinds], world, base)
+        out = {}
+        for kind, versions in kinds:
+            name = base if len(kinds) == 1 else f"{base}-{kind.replace('+', '-')}"
+            ready = [self.read(p) for p in procs]
+            for r, info in enumerate(ready):
+                self.assertEqual(info["model"], name)
+                self.assertTrue(info["zero_copy"], (kind, r, info))
+            src = None
+            for version in versions:
+                state = checkpoint_format(vm.hf_state_dict(kind.removesuffix("+fp8"), version))
+                if src is None:
+                    src = self.register(name, refit.SOURCE, dict(state))
+                else:
+                    for n, t in state.items():
+                        src.tensors[n].copy_(t)
+                self.client.publish(name, version, [src])
+                for p in procs:
+                    p.stdin.write(f"{version}\n")
+                    p.stdin.flush()
+                shapes = []
+                for r, p in enumerate(procs):
+                    got = self.read(p)
+                    self.assertEqual(got["weight_version"], f"{name}@{version}")
+                    self.assertEqual(got["differ"], [], (kind, world, r, version))
+                    self.assertEqual(got["loads"], 0)
+                    self.assertTrue(got["pointers_stable"])
+                    shapes.append(got["shapes"])
+            out[kind] = shapes
             for p in procs:
-                p.stdin.write(f"{version}\n")
+                p.stdin.write("0\n")
                 p.stdin.flush()
-            for r, p in enumerate(procs):
-                got = self.read(p)
-                self.assertEqual(got["weight_version"], f"{name}@{version}")
-                self.assertEqual(got["differ"], [], (kind, world, r, version))
-                self.assertEqual(got["loads"], 0)
-                self.assertTrue(got["pointers_stable"])
-                shapes.append(got["shapes"])
-        for p in procs:
-            p.stdin.write("0\n")
-            p.stdin.flush()
         for p in procs:
             self.assertEqual(p.wait(timeout=120), 0)
-        return ready, shapes
+        return out
 
-    def test_llama_tp2(self):
-        _, shapes = self.run_tp("llama", 2)
+    def test_tp2_llama_qwen3_moe_fp8(self):
+        """TP 2 ranks, one process each, serving three models in turn: Llama (two versions),
+        Qwen3-MoE (w13/w2 expert shards), fp8 Llama (fp8 row shards and their scale rows)."""
+        shapes = self.run_tp([("llama", (1, 2)), ("qwen3_moe", (1,)),
+                              ("llama_mha+fp8", (1,))], 2)
         # Each rank holds half the heads: qkv 256/2 + 2 * 128/2 rows.
-        self.assertEqual(shapes[0]["model.layers.0.self_attn.qkv_proj.weight"], [256, 256])
-        self.assertEqual(shapes[0]["model.layers.0.self_attn.o_proj.weight"], [256, 128])
+        self.assertEqual(shapes["llama"][0]["model.layers.0.self_attn.qkv_proj.weight"],
+                         [256, 256])
+        self.assertEqual(shapes["llama"][0]["model.layers.0.self_attn.o_proj.weight"],
+                         [256, 128])
+        self.assertEqual(
+            shapes["qwen3_moe"][0]["model.layers.0.mlp.experts.routed_experts.w13_weight"],
+            [4, 128, 256])
+        self.assertEqual(
+            shapes["llama_mha+fp8"][1]["model.layers.0.self_attn.qkv_proj.weight"], [384, 256])
 
     def test_qwen3_tp4_replicated_kv_heads(self):
-        _, shapes = self.run_tp("qwen3", 4, versions=(1,))
+        shapes = self.run_tp([("qwen3", (1,))], 4)
         # 4 query heads over 4 ranks, 2 KV heads replicated on 2 ranks each (64-dim heads).
-        self.assertEqual(shapes[0]["model.layers.0.self_attn.qkv_proj.weight"], [192, 256])
-
-    def test_qwen3_moe_tp2_expert_shards(self):
-        _, shapes = self.run_tp("qwen3_moe", 2, versions=(1,))
-        self.assertEqual(
-            shapes[0]["model.layers.0.mlp.experts.routed_experts.w13_weight"], [4, 128, 256])
-
-    def test_llama_fp8_tp2(self):
-        self.run_tp("llama_mha", 2, fp8=True, versions=(1,))
+        self.assertEqual(shapes["qwen3"][0]["model.layers.0.self_attn.qkv_proj.weight"],
+                         [192, 256])
 
 
 if __name__ == "__main__":

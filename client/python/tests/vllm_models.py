@@ -23,7 +23,7 @@ VOCAB = 1000  # not a multiple of 64: vLLM pads its embedding and lm_head rows
 
 def hf_config(kind: str) -> Dict:
     """A small Hugging Face config.json of `kind`: llama, llama_mha, qwen3, qwen3_moe,
-    deepseek_v3."""
+    deepseek_v3, deepseek_v3_fp8."""
     common = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2,
                   max_position_embeddings=512, rms_norm_eps=1e-6, torch_dtype="bfloat16",
                   tie_word_embeddings=False)
@@ -55,6 +55,8 @@ def hf_config(kind: str) -> Dict:
                     kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
                     v_head_dim=64, n_group=1, topk_group=1, routed_scaling_factor=1.0,
                     scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1)
+    if kind == "deepseek_v3_fp8":  # every fused part a whole number of [128, 128] blocks
+        return dict(hf_config("deepseek_v3"), kv_lora_rank=256, qk_rope_head_dim=128)
     raise ValueError(kind)
 
 
@@ -102,7 +104,8 @@ def init_tp(config, rank: int = 0, world: int = 1, port: Optional[int] = None) -
         initialize_model_parallel(world, 1)
 
 
-def vllm_config(kind: str, fp8: bool = False, tp: int = 1, directory: Optional[str] = None):
+def vllm_config(kind: str, fp8: bool = False, tp: int = 1, directory: Optional[str] = None,
+                device: str = "cpu"):
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
     cfg = hf_config(kind)
     if fp8:
@@ -114,7 +117,7 @@ def vllm_config(kind: str, fp8: bool = False, tp: int = 1, directory: Optional[s
     mc = ModelConfig(model=directory, skip_tokenizer_init=True, dtype="bfloat16",
                      enforce_eager=True)
     return VllmConfig(model_config=mc, load_config=LoadConfig(load_format="dummy"),
-                      device_config=DeviceConfig("cpu"),
+                      device_config=DeviceConfig(device),
                       parallel_config=ParallelConfig(tensor_parallel_size=tp))
 
 
@@ -123,7 +126,9 @@ def build(config) -> torch.nn.Module:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
-    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype):
+    device = torch.device(config.device_config.device)
+    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), \
+            device:
         model = initialize_model(vllm_config=config)
     with torch.no_grad():
         for p in model.parameters():
@@ -151,7 +156,9 @@ def hf_state_dict(kind: str, seed: int, fp8: bool = False) -> Dict[str, torch.Te
 
 def fp8_names(state: Dict[str, torch.Tensor]):
     """The names an fp8 block-quantized checkpoint holds as fp8 (DeepSeek-V3's rule: the 2-D
-    linear weights of the decoder layers; not embeddings, norms, lm_head or the router)."""
+    linear weights of the decoder layers, MLA's kv_a_proj_with_mqa included; not embeddings,
+    norms, lm_head or the router)."""
     return sorted(n for n, t in state.items()
-                  if t.dim() == 2 and ".layers." in n and n.endswith("_proj.weight")
+                  if t.dim() == 2 and ".layers." in n
+                  and n.endswith(("_proj.weight", "_proj_with_mqa.weight"))
                   and ".mlp.gate." not in n)

@@ -1,12 +1,19 @@
 """One vLLM tensor-parallel engine rank for test_vllm_tp.py and bench_vllm.py:
-vllm_tp_rank.py KIND FP8 RANK WORLD PORT SOCKET MODEL [--bench 1].
+vllm_tp_rank.py KINDS FP8 RANK WORLD PORT SOCKET MODEL [--bench 1].
 
-Builds vLLM's model class of KIND as TP rank RANK of WORLD (gloo), takes refit as vLLM's
-weight-transfer backend `refit` (the entry point of client/python/pyproject.toml), and for
-each version number read from stdin updates through the four phases and prints one JSON line:
-the parameters that differ, bit for bit, from vLLM's own load_weights of the same checkpoint
-into a second instance of this rank's model, whether the parameters' storage stayed put, how
-many times load_weights was called. With --bench 1 it times instead (bench_vllm.py)."""
+KINDS: one model kind, or several separated by commas (a kind ending in "+fp8" is fp8
+block-quantized; FP8 "1" makes every kind fp8), served one after the other by this one process:
+vLLM is imported and its TP groups (gloo) are made once, and each model is built, checked and
+dropped in turn (the test's cost is mostly vLLM's import and process start, paid once).
+
+For each kind it builds vLLM's model class of the kind as TP rank RANK of WORLD, takes refit as
+vLLM's weight-transfer backend `refit` (the entry point of client/python/pyproject.toml) for
+model MODEL (several kinds: MODEL-<kind>), prints a "ready" JSON line, and for each version
+number read from stdin updates through the four phases and prints one JSON line: the
+parameters that differ, bit for bit, from vLLM's own load_weights of the same checkpoint into a
+second instance of this rank's model, whether the parameters' storage stayed put, how many
+times load_weights was called. A 0 ends the kind. With --bench 1 it times instead
+(bench_vllm.py)."""
 
 import json
 import os
@@ -23,16 +30,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main():
-    kind, fp8, rank, world, port, socket, name = sys.argv[1:8]
-    fp8, rank, world, port = fp8 == "1", int(rank), int(world), int(port)
+    kinds, fp8_all, rank, world, port, socket, name = sys.argv[1:8]
+    fp8_all, rank, world, port = fp8_all == "1", int(rank), int(world), int(port)
     bench = int(sys.argv[9]) if len(sys.argv) > 9 and sys.argv[8] == "--bench" else 0
     sys.path.insert(0, entry_point_dist(os.path.join(HERE, "..", "pyproject.toml")))
     import vllm.plugins
+    vllm.plugins.load_general_plugins()
+    kinds = kinds.split(",")
+    # vLLM makes its expert-parallel group only for a MoE config, and the groups once per
+    # process: a MoE config first serves dense and MoE models alike.
+    vm.init_tp(vm.vllm_config("qwen3_moe", tp=world), rank, world, port)
+    for kind in kinds:
+        fp8 = fp8_all or kind.endswith("+fp8")
+        serve(kind.removesuffix("+fp8"), fp8, world, socket,
+              name if len(kinds) == 1 else f"{name}-{kind.replace('+', '-')}", bench)
+
+
+def serve(kind, fp8, world, socket, name, bench):
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
-    vllm.plugins.load_general_plugins()
     config = vm.vllm_config(kind, fp8=fp8, tp=world)
-    vm.init_tp(config, rank, world, port)
     model = vm.build(config)
     ref = None if bench else vm.build(vm.vllm_config(kind, fp8=fp8, tp=world))
     state = checkpoint_format(vm.hf_state_dict(kind, 0))
@@ -48,7 +65,7 @@ def main():
     real_load_weights = model.load_weights
     model.load_weights = lambda weights: loads.append(len(list(weights)))
     pointers = {n: p.data_ptr() for n, p in model.named_parameters()}
-    print(json.dumps({"ready": True, "zero_copy": engine.zero_copy,
+    print(json.dumps({"ready": True, "model": name, "zero_copy": engine.zero_copy,
                       "absent": len(engine.weights.absent),
                       "placed": sum(len(b.tensors) for b in engine.weights.buffers)}),
           flush=True)
