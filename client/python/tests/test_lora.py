@@ -126,11 +126,11 @@ def two_nodes(test):
     return trainer, engine
 
 
-def vllm_engine(max_rank: int = RANK):
+def vllm_engine(max_rank: int = RANK, kind: str = "llama"):
     """vLLM's Llama on the CPU with vLLM's own LoRA model manager over it."""
     from vllm.config import LoRAConfig, set_current_vllm_config
     from vllm.lora.model_manager import LRUCacheLoRAModelManager, create_lora_manager
-    cfg = vm.vllm_config("llama")
+    cfg = vm.vllm_config(kind)
     cfg.lora_config = LoRAConfig(max_lora_rank=max_rank, max_loras=2, max_cpu_loras=2,
                                  lora_dtype=torch.bfloat16)
     vm.init_tp(cfg)
@@ -319,6 +319,73 @@ class BadInputTest(unittest.TestCase):
             refit.lora.publisher(self.client, "big-base", trainer_model(),
                                  base_model="m" * 1100)
         self.assert_nothing("big-base")
+
+
+class LabelsRestartTest(unittest.TestCase):
+    """Labels (VersionEvent.labels, ModelStatus.version_labels) outlive a SIGKILLed refitd
+    with --state-dir, on the trainer's node and on a node that heard them from a peer; an
+    adapter's rank with them (refit.lora's rank check still holds after the restart)."""
+
+    def test_labels_survive_a_restart(self):
+        import tempfile
+        from test_restart import restart
+        trainer_dir = tempfile.mkdtemp(prefix="lora-state-t-")
+        engine_dir = tempfile.mkdtemp(prefix="lora-state-e-")
+        trainer = refit.testing.Daemon(args=["--retain=4", "--node=trainer-node",
+                                             f"--state-dir={trainer_dir}"])
+        self.addCleanup(trainer.stop)
+        port = trainer.client().status().listen_port
+        engine = refit.testing.Daemon(args=["--retain=4", "--node=engine-node",
+                                            f"--peers=127.0.0.1:{port}",
+                                            f"--state-dir={engine_dir}"])
+        self.addCleanup(engine.stop)
+        tc, ec = trainer.client(), engine.client()
+        deadline = time.monotonic() + 20
+        while not all(p.connected for p in ec.status().peers):
+            self.assertLess(time.monotonic(), deadline, "the daemons did not connect")
+            time.sleep(0.05)
+        module = trainer_model(rank=8)
+        zeros = {}
+        for x in refit.lora.find_adapted(module):
+            a_name, b_name = refit.lora.peft_names(x.path)
+            zeros[a_name], zeros[b_name] = torch.zeros_like(x.a), torch.zeros_like(x.b)
+        with refit.lora.publisher(tc, "restart-adapter", module, base_model="b") as pub:
+            dst = ec.register("restart-adapter", refit.DESTINATION, zeros)
+            for version in (1, 2):
+                pub.publish(version, labels={"step": 10 * version, "run": "job-7"})
+                ec.wait_for_version("restart-adapter", version, timeout=30)
+            dst.release()
+
+        def labels_of(client):
+            status = model_status(client, "restart-adapter")
+            return {v.version: dict(v.labels) for v in status.version_labels} if status else {}
+
+        before = {"trainer": labels_of(tc), "engine": labels_of(ec)}
+        self.assertEqual(before["trainer"][2]["step"], "20")
+        self.assertEqual(before["engine"], before["trainer"])
+        self.assertEqual(before["engine"][1]["lora.rank"], "8")
+        tc.close()
+        ec.close()
+        restart(trainer)
+        restart(engine)
+        tc, ec = trainer.client(), engine.client()
+        self.addCleanup(tc.close)
+        self.addCleanup(ec.close)
+        self.assertEqual(labels_of(tc), before["trainer"])
+        self.assertEqual(labels_of(ec), before["engine"])
+        # The adapter's rank is still known on the trainer's node: rank 16 is refused.
+        with self.assertRaises(refit.FailedPreconditionError):
+            refit.lora.publisher(tc, "restart-adapter", trainer_model(rank=16),
+                                 base_model="b")
+        # refitctl drop forgets them (the model's numbers start over), on disk too.
+        tc.drop_model("restart-adapter")
+        self.assertEqual(labels_of(tc), {})
+        restart(trainer)
+        tc.close()
+        tc = trainer.client()
+        self.addCleanup(tc.close)
+        self.assertEqual(labels_of(tc), {})
+        self.assertEqual(os.listdir(os.path.join(trainer_dir, "labels")), [])
 
 
 if __name__ == "__main__":
