@@ -37,6 +37,7 @@
 #include "daemon/server/health_service.h"
 #include "daemon/server/owner_exit.h"
 #include "daemon/server/refit_service.h"
+#include "daemon/state/labels_file.h"
 #include "daemon/state/version_ledger.h"
 #include "daemon/store/store.h"
 #include "daemon/tls/peer_tls.h"
@@ -132,6 +133,8 @@ struct Daemon::Impl {
   DaemonOptions options;
   Metrics metrics;
   Liveness liveness;  // the workers the watchdog looks at (StuckWorkers)
+  // --state-dir's labels/ (daemon/state): outlives `labels`, which saves into it.
+  std::unique_ptr<state::LabelsFile> labels_file;
   // Each version's stages and labels here (daemon/rl): outlive the store, which feeds them.
   rl::Timeline timeline;
   rl::VersionLabels labels;
@@ -235,6 +238,20 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
     auto ledger = state::VersionLedger::Open(options.state_dir);
     if (!ledger.ok()) return ledger.status();
     impl->ledger = std::move(ledger).value();
+  }
+  if (!options.state_dir.empty()) {
+    // The trainer's labels of each model's newest versions, as they were before a restart.
+    auto labels_file = state::LabelsFile::Open(options.state_dir);
+    if (!labels_file.ok()) return labels_file.status();
+    impl->labels_file = std::move(labels_file).value();
+    state::LabelsFile::Loaded loaded = impl->labels_file->Load();
+    for (const std::string& skipped : loaded.skipped) {
+      Logger("daemon")->warn("--state-dir: labels left out: {}", skipped);
+    }
+    for (auto& [model, versions] : loaded.models) {
+      impl->labels.Restore(model, std::move(versions));
+    }
+    impl->labels.set_store(impl->labels_file.get());
   }
   // The data plane binds where --listen does (and in --data-ports), unless UCX's own
   // environment says otherwise.

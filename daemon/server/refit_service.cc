@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda.h"
@@ -361,7 +362,9 @@ grpc::Status RefitService::Status(grpc::ServerContext*, const v1::StatusRequest*
   // uid's buffer ids are not its business (issue 37).
   const bool sees_all = !context_.caller || !context_.owners || context_.caller->uid == geteuid() ||
                         context_.caller->uid == 0;
+  std::set<std::string> listed;
   for (const ModelInfo& info : context_.store->Models()) {
+    listed.insert(info.name);
     v1::ModelStatus* model = response->add_models();
     ToProto(info, model);
     if (!sees_all) {
@@ -391,6 +394,16 @@ grpc::Status RefitService::Status(grpc::ServerContext*, const v1::StatusRequest*
       replica->set_stale(r.stale);
       replica->set_rollback_version(r.replica.rollback_version);
       replica->set_rolled_back(r.replica.rolled_back);
+    }
+  }
+  // Models only their labels remember (kept in --state-dir across a restart, before any
+  // buffer of them registers again): their labels, nothing else.
+  if (context_.rl.labels) {
+    for (const std::string& name : context_.rl.labels->RestoredModels()) {
+      if (listed.count(name) > 0) continue;
+      v1::ModelStatus* model = response->add_models();
+      model->set_model(name);
+      AddRlStatus(model);
     }
   }
   auto add_peers = [](const std::vector<PeerInfo>& peers,
@@ -443,8 +456,11 @@ grpc::Status RefitService::DropModel(grpc::ServerContext*, const v1::DropModelRe
   auto dropped = context_.store->DropModel(request->model());
   if (!dropped.ok()) {
     // A model only the ledger remembers (its versions dropped by a restart) is forgotten too.
+    // So is one only its labels remember (--state-dir keeps them across restarts).
     const uint64_t remembered = context_.ledger ? context_.ledger->Newest(request->model()) : 0;
-    if (dropped.status().code() != absl::StatusCode::kNotFound || remembered == 0) {
+    const bool labelled =
+        context_.rl.labels && !context_.rl.labels->Recent(request->model()).empty();
+    if (dropped.status().code() != absl::StatusCode::kNotFound || (remembered == 0 && !labelled)) {
       return Finish("DropModel", dropped.status());
     }
     dropped = DropResult{};
@@ -455,6 +471,8 @@ grpc::Status RefitService::DropModel(grpc::ServerContext*, const v1::DropModelRe
     if (!forgotten.ok()) return Finish("DropModel", forgotten.status());
     response->set_forgotten_version(*forgotten);
   }
+  // Its numbers start over: labels of the old versions would name the new ones.
+  if (context_.rl.labels) context_.rl.labels->Forget(request->model());
   Logger("server")->info("model={} dropped: {} versions released, newest published {} forgotten",
                          request->model(), dropped->released_versions.size(),
                          response->forgotten_version());

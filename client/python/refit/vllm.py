@@ -42,7 +42,7 @@ from refit.mapping import FusedMapping
 
 __all__ = ["RefitInitInfo", "RefitUpdateInfo", "RefitWeightTransferEngine", "sync", "register",
            "check_release", "TESTED_RELEASES",
-           "MappingError", "NonFiniteVersionError", "weight_version"]
+           "MappingError", "NonFiniteVersionError", "weight_version", "adapter", "VllmAdapter"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -211,6 +211,9 @@ def __getattr__(name: str):
     """`VllmRefitEngine`: RefitWeightTransferEngine as a subclass of vLLM's own
     WeightTransferEngine, made on first use so that importing refit.vllm needs no vLLM."""
     global _vllm_engine_class
+    if name in ("adapter", "VllmAdapter"):  # LoRA adapters as refit models (refit.vllm_lora)
+        from refit import vllm_lora
+        return getattr(vllm_lora, name)
     if name != "VllmRefitEngine":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if _vllm_engine_class is None:
