@@ -176,8 +176,8 @@ class UcxTransport final : public Transport {
   // The gather protocol's counters since creation (tests and logs): requests sent; requests
   // answered (with bytes or a refusal); requests refused as malformed, outside this
   // transport's memory or not granted to their token; requests dropped unanswered (no id or no
-  // way back); replies dropped because their op had already ended (cancelled, endpoint closed
-  // or failed).
+  // way back, or sent to an active-message id refit doesn't use); replies dropped because their op
+  // had already ended (cancelled, endpoint closed or failed).
   uint64_t gathers_sent() const { return gathers_sent_; }
   uint64_t gathers_served() const { return gathers_served_; }
   uint64_t gathers_refused() const { return gathers_refused_; }
@@ -199,6 +199,7 @@ class UcxTransport final : public Transport {
   // Active-message handlers of the gather protocol (ucx_gather.cc).
   ucs_status_t OnGatherRequest(const void* header, size_t header_length, const void* data,
                                size_t length, const ucp_am_recv_param_t* param);
+  void OnUnknownAm();
   ucs_status_t OnGatherReply(const void* header, size_t header_length, const void* data,
                              size_t length, const ucp_am_recv_param_t* param);
   void OnServeDone(Serve* serve);
