@@ -292,20 +292,45 @@ class RawPeer {
   }
 
   // Sends an active message with id `am_id` (UCP_AM_SEND_FLAG_REPLY: the daemon may answer)
-  // and collects what comes back on the reply id within `wait`.
+  // and returns what comes back on the reply id: with `answer` set, once the reply carrying
+  // that gather id arrived (the replies with it; none if it didn't within 20 s, however loaded
+  // the machine), else whatever arrived within `wait`. A reply that comes late is kept and
+  // counted by all_replies(), never mistaken for the next call's.
   std::vector<Reply> Send(unsigned am_id, const std::vector<uint8_t>& header,
-                          const std::vector<uint64_t>& data, std::chrono::milliseconds wait) {
-    replies_.clear();
+                          const std::vector<uint64_t>& data, std::chrono::milliseconds wait,
+                          std::optional<uint64_t> answer = std::nullopt) {
+    const size_t before = replies_.size();
     ucp_request_param_t param;
     std::memset(&param, 0, sizeof(param));
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
     ucs_status_ptr_t request = ucp_am_send_nbx(ep_, am_id, header.data(), header.size(),
                                                data.data(), data.size() * 8, &param);
+    INFO("ucp_am_send_nbx: " << ucs_status_string(UCS_PTR_IS_ERR(request) ? UCS_PTR_STATUS(request)
+                                                                          : UCS_OK)
+                             << (failed_ ? ", the endpoint failed" : ""));
     REQUIRE_FALSE(UCS_PTR_IS_ERR(request));
-    const auto deadline = Clock::now() + wait;
-    while (Clock::now() < deadline) ucp_worker_progress(worker_);
+    auto arrived = [&] {
+      for (size_t i = before; i < replies_.size(); ++i) {
+        if (answer && replies_[i].id == *answer) return true;
+      }
+      return false;
+    };
+    const auto deadline = Clock::now() + (answer ? std::chrono::seconds(20) : wait);
+    while (Clock::now() < deadline && !arrived()) ucp_worker_progress(worker_);
     if (UCS_PTR_IS_PTR(request)) pending_.push_back(request);
+    std::vector<Reply> out;
+    for (size_t i = before; i < replies_.size(); ++i) {
+      if (!answer || replies_[i].id == *answer) out.push_back(replies_[i]);
+    }
+    return out;
+  }
+
+  // Progresses for `wait`, then: every reply received so far, late ones included.
+  const std::vector<Reply>& all_replies(std::chrono::milliseconds wait) {
+    for (const auto deadline = Clock::now() + wait; Clock::now() < deadline;) {
+      ucp_worker_progress(worker_);
+    }
     return replies_;
   }
 
@@ -417,7 +442,7 @@ TEST_CASE("raw UCX gets, puts and forged active messages read and write nothing"
     CHECK(target.daemon->running());
 
     // Gathers: the real one is served (the protocol is reachable) ...
-    auto replies = raw.Send(1, Gather(1, 1, base, token), {16, 64}, wait);
+    auto replies = raw.Send(1, Gather(1, 1, base, token), {16, 64}, wait, 1);
     REQUIRE(replies.size() == 1);
     CHECK(replies[0].status == UCS_OK);
     CHECK(replies[0].bytes == 64);
@@ -438,9 +463,10 @@ TEST_CASE("raw UCX gets, puts and forged active messages read and write nothing"
         {"the old protocol without a token", Gather(1, 8, base, token, 0x31475246), {0, 64}},
         {"count and data disagree", Gather(9, 9, base, token), {0, 64}},
     };
-    for (const Case& c : refused) {
+    for (uint64_t id = 2; id < 2 + refused.size(); ++id) {
+      const Case& c = refused[id - 2];
       INFO(c.what);
-      replies = raw.Send(1, c.header, c.spans, std::chrono::milliseconds(300));
+      replies = raw.Send(1, c.header, c.spans, std::chrono::milliseconds(300), id);
       REQUIRE(replies.size() == 1);
       CHECK(replies[0].status == UCS_ERR_INVALID_PARAM);
       CHECK(replies[0].bytes == 0);
@@ -456,6 +482,13 @@ TEST_CASE("raw UCX gets, puts and forged active messages read and write nothing"
     CHECK(raw.Send(2, {0x46, 0x52, 0x52, 0x31, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0}, {1, 2, 3},
                    std::chrono::milliseconds(200))
               .empty());
+    // Nothing answered the garbage, not even late: one reply for each gather above, ids 1-9.
+    std::vector<uint64_t> ids;
+    for (const auto& reply : raw.all_replies(std::chrono::milliseconds(500))) {
+      ids.push_back(reply.id);
+    }
+    std::sort(ids.begin(), ids.end());
+    CHECK(ids == std::vector<uint64_t>{1, 2, 3, 4, 5, 6, 7, 8, 9});
     CHECK_FALSE(raw.failed());
   }
   // Alive and serving, and the slot holds what was published: nothing was written.

@@ -10,7 +10,9 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/liveness.h"
@@ -72,6 +74,19 @@ bool TransitFlip() {
   if (every <= 0) return false;
   static std::atomic<long> reads{0};
   return ++reads % every == 0;
+}
+
+// Test build only ($REFIT_FAULT_READ_PACE_US=N): the data-plane thread waits N µs before it
+// posts each read, so that a pull takes at least (reads x N) however fast the machine is
+// (tests/two_node_liveness_test, lease case). Read once; 0 (off) in refitd.
+std::chrono::microseconds ReadPace() {
+  static const std::chrono::microseconds pace = [] {
+    const char* fault = TestSwitch("REFIT_FAULT_READ_PACE_US");
+    const long us = fault ? std::atol(fault) : 0;
+    if (us > 0) Logger("dataplane")->warn("fault injection: each read waits {} us", us);
+    return std::chrono::microseconds(std::max(0L, us));
+  }();
+  return pace;
 }
 
 }  // namespace
@@ -448,6 +463,7 @@ void DataPlane::Pump(const std::shared_ptr<Transfer>& transfer) {
         ++n;
       }
     }
+    if (ReadPace().count() > 0) std::this_thread::sleep_for(ReadPace());
     absl::Status posted;
     // A long read from an unmapped peer slot over a gathering transport goes as gathers too
     // (active messages of at most kGatherSpanBytes each, served by refit's handler) rather than

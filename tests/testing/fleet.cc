@@ -52,7 +52,10 @@ absl::StatusOr<std::unique_ptr<Network>> Network::Create(const std::string& pref
                                                          const std::string& rate,
                                                          const NetworkSites* sites) {
   std::unique_ptr<Network> net(new Network());
-  net->prefix_ = absl::StrCat(prefix, "-", getpid() % 100000);
+  // $REFIT_TEST_NETNS_PREFIX names whose namespaces these are (several people testing on one
+  // machine); the pid keeps two runs apart.
+  const char* owner = std::getenv("REFIT_TEST_NETNS_PREFIX");
+  net->prefix_ = absl::StrCat(owner ? owner : "", owner ? "-" : "", prefix, "-", getpid() % 100000);
   const std::string sw = net->prefix_ + "-sw";
   const std::string tbf = " root tbf rate " + rate + " burst 256kb latency 20ms";
   std::vector<std::string> commands = {"ip netns add " + sw, "ip -n " + sw + " link set lo up",

@@ -115,6 +115,14 @@ ucs_status_t GatherReplyCallback(void* arg, const void* header, size_t header_le
   return static_cast<UcxTransport*>(arg)->OnGatherReply(header, header_length, data, length, param);
 }
 
+// A message to an id refit doesn't use (a hostile or broken peer): dropped, counted.
+ucs_status_t UnknownAmCallback(void* arg, const void* /*header*/, size_t /*header_length*/,
+                               void* /*data*/, size_t /*length*/,
+                               const ucp_am_recv_param_t* /*param*/) {
+  static_cast<UcxTransport*>(arg)->OnUnknownAm();
+  return UCS_OK;
+}
+
 }  // namespace
 
 // A request on its way out: UCX reads the header and span list until the send completes.
@@ -153,8 +161,19 @@ void UcxTransport::OnOutgoingDone(Outgoing* outgoing, ucs_status_t status) {
 }
 
 absl::Status UcxTransport::InitGathers() {
-  for (auto [id, callback] : {std::make_pair(kGatherAmId, &GatherRequestCallback),
-                              std::make_pair(kReplyAmId, &GatherReplyCallback)}) {
+  // Every id below kAmIds gets a handler, in increasing order, the unused ones one that drops
+  // the message. UCX 1.13 grows its table of handlers without initializing the new slots but
+  // the one being set (ucp_worker_set_am_handler_common passes `id` where it means `i`), so a
+  // peer's message to an id in the table that nobody set called whatever the heap held there:
+  // refitd crashed (SIGSEGV) when a hostile peer sent to id 0 or 3 (tests/hostile_peer_test).
+  // The table doubles from 2 slots, so setting ids 0, 1, ..., kAmIds - 1 (a power of two) in
+  // order sets every slot it has; ids past it are refused by UCX ("no registered callback").
+  constexpr unsigned kAmIds = 4;
+  static_assert(kGatherAmId < kAmIds && kReplyAmId < kAmIds && (kAmIds & (kAmIds - 1)) == 0);
+  for (unsigned id = 0; id < kAmIds; ++id) {
+    ucp_am_recv_callback_t callback = id == kGatherAmId  ? &GatherRequestCallback
+                                      : id == kReplyAmId ? &GatherReplyCallback
+                                                         : &UnknownAmCallback;
     ucp_am_handler_param_t param;
     std::memset(&param, 0, sizeof(param));
     param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
@@ -428,6 +447,10 @@ ucs_status_ptr_t UcxTransport::SendReply(ucp_ep_h reply_ep, Serve* serve, uint64
   }
   return ucp_am_send_nbx(reply_ep, kReplyAmId, serve->header.data(), serve->header.size(), buffer,
                          count, &send);
+}
+
+void UcxTransport::OnUnknownAm() {
+  WarnThrottled(&gathers_dropped_, "dropped an active message to an id refit doesn't use");
 }
 
 void UcxTransport::OnServeDone(Serve* serve) {

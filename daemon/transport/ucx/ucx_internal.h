@@ -18,6 +18,8 @@ namespace refit::transport {
 
 // Whether a UCX_TLS value names only transports with hardware RMA (ucx_options.cc).
 bool HardwareRmaOnly(const char* tls);
+// Whether this host has RDMA devices (/sys/class/infiniband), where UCX prefers rc/dc to tcp.
+bool RdmaDevicesPresent();
 
 // A memory registration; ops in flight share it, so it outlives its LocalMemory if need be.
 struct UcxTransport::MemHolder {

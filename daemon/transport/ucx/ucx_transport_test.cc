@@ -105,6 +105,43 @@ TEST_CASE("tcp's send segment is set only where tcp may run and the operator did
   }
 }
 
+TEST_CASE("zero-copy sends are off where tcp may carry the data plane", "[transport][ucx]") {
+  auto sets_threshold = [] {
+    for (const auto& [name, value] : UcxTransport::Options::DefaultConfig()) {
+      if (name == "ZCOPY_THRESH") return value == "inf";
+    }
+    return false;
+  };
+  const char* had = std::getenv("UCX_TLS");
+  const std::string saved = had ? had : "";
+  // Unset or "all" on a host with RDMA devices: rc/dc carry it, and keep their zero-copy.
+  const bool rdma = RdmaDevicesPresent();
+  const std::vector<std::pair<std::string, bool>> cases = {
+      {"", !rdma},   {"all", !rdma},  {"tcp", true},    {"sm,tcp", true}, {"^sm", true},
+      {"sm", false}, {"^tcp", false}, {"rc,ud", false}, {"rc,tcp", true}};
+  for (const auto& [tls, expected] : cases) {
+    INFO("UCX_TLS=" << tls);
+    if (tls.empty()) {
+      unsetenv("UCX_TLS");
+    } else {
+      setenv("UCX_TLS", tls.c_str(), 1);
+    }
+    CHECK(sets_threshold() == expected);
+  }
+  setenv("UCX_TLS", "tcp", 1);
+  setenv("UCX_ZCOPY_THRESH", "64k", 1);  // the operator's: left alone
+  CHECK_FALSE(sets_threshold());
+  unsetenv("UCX_ZCOPY_THRESH");
+  setenv("UCX_TCP_TX_SEG_SIZE", "32k", 1);  // the operator's segment doesn't skip it
+  CHECK(sets_threshold());
+  unsetenv("UCX_TCP_TX_SEG_SIZE");
+  if (had) {
+    setenv("UCX_TLS", saved.c_str(), 1);
+  } else {
+    unsetenv("UCX_TLS");
+  }
+}
+
 TEST_CASE("UCX 1.13 shared memory refuses endpoints with peer-failure handling",
           "[transport][ucx]") {
   if (std::getenv("UCX_TLS") != nullptr) return;  // the environment would win
