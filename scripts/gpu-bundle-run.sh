@@ -9,6 +9,8 @@
 #     kernels.log   cuda/gpu_kernels_test: every GPU kernel against its CPU twin, bit-exact
 #     quantize.log  cuda/gpu_quantize_test: fp8 block quantization on the GPU against the CPU's
 #     runtime.log   cuda/cuda_runtime_test: IPC import, slots, copies, plans on the GPU
+#     store_quantize.log  daemon/store/quant_gpu_test: the store with GPU slots quantizing on the
+#                   GPU, bit for bit what host slots get from the CPU kernel
 #     e2e.log       tests/gpu_e2e_test: two refitd with CUDA slots, a GPU source and destination
 #     bench.txt     cuda/gpu_bench
 #
@@ -115,6 +117,7 @@ step kernels 160 "$OUT/kernels.log" cuda/gpu_kernels_test "${catch_args[@]}"
 grep -E 'real-data checks|SKIPPING' "$OUT/kernels.log" | sort -u | sed 's/^ */        /' \
   >>"$summary"
 step quantize 40 "$OUT/quantize.log" cuda/gpu_quantize_test "${catch_args[@]}"
+step store-quantize 40 "$OUT/store_quantize.log" daemon/store/quant_gpu_test "${catch_args[@]}"
 step runtime 100 "$OUT/runtime.log" cuda/cuda_runtime_test "${catch_args[@]}"
 step e2e 100 "$OUT/e2e.log" tests/gpu_e2e_test "${catch_args[@]}"
 step bench 100 "$OUT/bench.txt" cuda/gpu_bench --reps=5

@@ -185,16 +185,36 @@ absl::StatusOr<std::pair<plan::Plan, plan::Plan>> Store::QuantPlans(
 absl::StatusOr<std::shared_ptr<Region>> Store::RunQuantBatch(
     const Version& version, const std::shared_ptr<const QuantBatch>& batch, bool partial,
     const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>* landed) {
+  // GPU slots (--slot-memory=cuda: every piece here published on this node into GPU memory of
+  // one device) are quantized there, by the GPU kernel, into a GPU slot; everything else (host
+  // slots, pulled pieces, a mix) on the CPU from host memory, a GPU slot's host mirror included.
+  int device = QuantCache::kOnHost;
+  if (gpu_pool_ && !landed) {
+    bool on_device = false;
+    for (const Piece& piece : version.pieces) {
+      if (!piece.slot) continue;
+      if (piece.slot->kind() != MemoryKind::kCuda ||
+          (on_device && piece.slot->device() != device)) {
+        on_device = false;
+        break;
+      }
+      on_device = true;
+      device = piece.slot->device();
+    }
+    if (!on_device) device = QuantCache::kOnHost;
+  }
   std::vector<QuantSource> sources;
   for (size_t p = 0; p < version.pieces.size(); ++p) {
     const Piece& piece = version.pieces[p];
     QuantSource source;
     source.slices = piece.slices.get();
     if (landed && p < landed->size()) source.landed = &(*landed)[p];
-    if (piece.slot && piece.slot->kind() == MemoryKind::kHost) {
+    if (piece.slot && (device != QuantCache::kOnHost || piece.slot->kind() == MemoryKind::kHost)) {
       source.data = piece.slot->data();
+      source.region = piece.slot.get();
     } else if (piece.host) {
       source.data = piece.host->data();  // a GPU slot's host mirror holds the same bytes
+      source.region = piece.host.get();
     }
     sources.push_back(source);
   }
@@ -202,9 +222,14 @@ absl::StatusOr<std::shared_ptr<Region>> Store::RunQuantBatch(
   uint64_t nonfinite = 0;
   uint64_t values = 0;
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
-  auto slot = version.quant->Run(batch, sources, *pool_, threads, partial, &nonfinite, &values);
+  SlotPool& pool = device != QuantCache::kOnHost ? *gpu_pool_ : *pool_;
+  auto slot =
+      version.quant->Run(batch, sources, pool, threads, partial, &nonfinite, &values, device);
   if (values > 0) {
     metrics_->Add(kQuantizedValues, static_cast<double>(values));
+    if (device != QuantCache::kOnHost) {
+      metrics_->Add(kQuantizedGpuValues, static_cast<double>(values));
+    }
     metrics_->Add(kNonfiniteValues, static_cast<double>(nonfinite));
     metrics_->Observe(kQuantizeSeconds,
                       std::chrono::duration<double>(Clock::now() - started).count());
