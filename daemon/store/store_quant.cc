@@ -21,9 +21,9 @@ namespace refit {
 absl::Status CheckScaleLayout(const std::string& model, Role role,
                               const std::vector<TensorSlice>& slices,
                               const ScaleMaps::SourceNames& source_of,
-                              const ScaleMaps::ByName& request,
                               const ScaleMaps::ByNameMulti& dest_of,
-                              const ScaleMaps::ByNameMulti& scaled_by) {
+                              const ScaleMaps::ByNameMulti& scaled_by,
+                              std::vector<char>* is_scale) {
   if (role == Role::kSource) {
     for (const TensorSlice& s : slices) {
       if (scaled_by.count(s.name)) {
@@ -34,23 +34,37 @@ absl::Status CheckScaleLayout(const std::string& model, Role role,
     }
     return absl::OkStatus();
   }
-  // The request's scaled slices by scale tensor.
-  ScaleMaps::ByNameMulti scaled_here;
+  // The request's scaled slices by scale tensor (their indexes); each scaled slice learns here
+  // whether the request holds a slice of its scale tensor (one lookup per slice in all, where
+  // looking each scale tensor up by name again would be another per scaled slice).
+  std::unordered_multimap<std::string_view, uint32_t> scaled_here;
+  std::vector<char> scale_in_request(slices.size(), 0);
+  is_scale->assign(slices.size(), 0);
   scaled_here.reserve(slices.size());
-  for (const TensorSlice& s : slices) {
-    if (plan::IsScaled(s)) scaled_here.emplace(s.scale_tensor, &s);
+  for (uint32_t i = 0; i < slices.size(); ++i) {
+    if (plan::IsScaled(slices[i])) scaled_here.emplace(slices[i].scale_tensor, i);
   }
-  for (const TensorSlice& s : slices) {
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const TensorSlice& s = slices[i];
     // A slice of a scale tensor that fp8 slices (earlier or in this request) name.
-    using ByScale = ScaleMaps::ByNameMulti;
-    const ByScale* both[] = {&scaled_by, &scaled_here};
-    for (const ByScale* by : both) {
-      if (by->empty()) continue;
-      auto [first, last] = by->equal_range(s.name);
+    if (!scaled_by.empty()) {
+      auto [first, last] = scaled_by.equal_range(s.name);
       for (auto it = first; it != last; ++it) {
         RETURN_IF_ERROR(plan::CheckScaleSlice(*it->second, s));
+        (*is_scale)[i] = 1;
       }
     }
+    if (!scaled_here.empty()) {
+      auto [first, last] = scaled_here.equal_range(s.name);
+      for (auto it = first; it != last; ++it) {
+        RETURN_IF_ERROR(plan::CheckScaleSlice(slices[it->second], s));
+        scale_in_request[it->second] = 1;
+        (*is_scale)[i] = 1;
+      }
+    }
+  }
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const TensorSlice& s = slices[i];
     if (!plan::IsScaled(s)) continue;
     if (source_of.Has(s.scale_tensor)) {
       return absl::InvalidArgumentError(
@@ -62,7 +76,7 @@ absl::Status CheckScaleLayout(const std::string& model, Role role,
     for (auto it = d_first; it != d_last; ++it) {
       RETURN_IF_ERROR(plan::CheckScaleSlice(s, *it->second));
     }
-    if (d_first == d_last && request.count(s.scale_tensor) == 0) {
+    if (d_first == d_last && !scale_in_request[i]) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor ", s.name, ": scale_tensor ", s.scale_tensor, " is not registered for model ",
           model, " (register its DESTINATION slices in this buffer or an earlier one)"));
