@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "cuda/quantize.h"
 #include "daemon/memory/region.h"
 #include "daemon/plan/plan.h"
 
@@ -87,5 +88,16 @@ absl::Status Copy(const Region& dst, uint64_t dst_offset, const Region& src, uin
 // support; INTERNAL for a CUDA error (the destinations are then partly written).
 absl::Status ExecutePlan(const plan::Plan& plan, const std::vector<const Region*>& src,
                          const std::vector<const Region*>& dst);
+
+// cpu::QuantizeFp8Blocks (quantize.h) for runs in GPU memory: each run's `src`, `dst` and
+// `scales` point into CUDA memory of `device` (`scale_row_of` stays in host memory; it is
+// copied up, once per distinct array). Runs them in order on the device's stream with the GPU
+// kernel (gpu_quantize.h, bit-identical to the CPU kernels) and returns, once every byte is
+// written, how many source elements were inf or NaN. INVALID_ARGUMENT for what the CPU version
+// refuses (a non-float dtype, a zero block, a scale row out of range); FAILED_PRECONDITION
+// without CUDA support or without that device; INTERNAL for a CUDA error (the outputs are then
+// partly written).
+absl::StatusOr<uint64_t> QuantizeFp8BlocksOnDevice(const std::vector<cpu::Fp8BlockRun>& runs,
+                                                   int device);
 
 }  // namespace refit::cuda

@@ -69,4 +69,10 @@ absl::Status ExecutePlan(const plan::Plan& plan, const std::vector<const Region*
   return internal::ExecutePlanWith(ops, plan, src, dst, /*staging_bytes=*/0);
 }
 
+absl::StatusOr<uint64_t> QuantizeFp8BlocksOnDevice(const std::vector<cpu::Fp8BlockRun>& runs,
+                                                   int device) {
+  return NeedsCuda(
+      absl::StrCat("fp8 quantization of ", runs.size(), " run(s) on cuda device ", device));
+}
+
 }  // namespace refit::cuda

@@ -10,16 +10,19 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda.h"
 #include "cuda/cuda_internal.h"
 #include "cuda/gpu_kernels.h"
+#include "cuda/gpu_quantize.h"
 #include "cuda/kernels.h"
 #include "cuda/transfer.h"
 #include "daemon/common/status_macros.h"
@@ -289,6 +292,79 @@ absl::Status ExecutePlan(const plan::Plan& plan, const std::vector<const Region*
   }
   ASSIGN_OR_RETURN(std::unique_ptr<CudaOps> ops, CudaOps::Start(places));
   return internal::ExecutePlanWith(*ops, plan, src, dst, kStagingBytes);
+}
+
+absl::StatusOr<uint64_t> QuantizeFp8BlocksOnDevice(const std::vector<cpu::Fp8BlockRun>& runs,
+                                                   int device) {
+  if (runs.empty()) return uint64_t{0};
+  for (const cpu::Fp8BlockRun& run : runs) RETURN_IF_ERROR(cpu::CheckFp8BlockRun(run));
+  PlaceContext& context = ContextOf(device);
+  std::lock_guard<std::mutex> lock(context.mutex);
+  RETURN_IF_ERROR(Prepare(context));
+  RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
+  // One device allocation for everything the kernels read besides the runs' own memory: each
+  // distinct row map, then one inf/NaN counter per run, then the amax scratch (one block grid:
+  // the stream runs the runs one after another, and each run clears it first).
+  std::map<const uint32_t*, uint64_t> map_at;  // host map -> bytes into the allocation
+  uint64_t bytes = 0, amax_cells = 1;
+  for (const cpu::Fp8BlockRun& run : runs) {
+    auto [it, fresh] = map_at.emplace(run.scale_row_of, bytes);
+    if (fresh) bytes += (run.rows * sizeof(uint32_t) + 255) / 256 * 256;
+    const uint64_t col_blocks = (run.cols + run.block_cols - 1) / run.block_cols;
+    amax_cells = std::max(amax_cells, run.scale_rows * col_blocks);
+  }
+  const uint64_t counters_at = bytes;
+  bytes += (runs.size() * sizeof(unsigned long long) + 255) / 256 * 256;
+  const uint64_t amax_at = bytes;
+  bytes += amax_cells * sizeof(uint32_t);
+  void* raw = nullptr;
+  RETURN_IF_ERROR(CudaStatus(cudaMalloc(&raw, bytes), "cudaMalloc (fp8 quantization)"));
+  uint8_t* base = static_cast<uint8_t*>(raw);
+  auto run_all = [&]() -> absl::StatusOr<uint64_t> {
+    for (const auto& [map, at] : map_at) {
+      uint64_t rows = 0;
+      for (const cpu::Fp8BlockRun& run : runs) {
+        if (run.scale_row_of == map) rows = std::max(rows, run.rows);
+      }
+      RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(base + at, map, rows * sizeof(uint32_t),
+                                                 cudaMemcpyHostToDevice, context.stream),
+                                 "cudaMemcpyAsync (row map)"));
+    }
+    auto* counters = reinterpret_cast<unsigned long long*>(base + counters_at);
+    auto* amax = reinterpret_cast<uint32_t*>(base + amax_at);
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const cpu::Fp8BlockRun& run = runs[i];
+      gpu::Fp8BlockRun g;
+      g.src = run.src;
+      g.src_dtype = static_cast<int>(run.src_dtype);
+      g.rows = run.rows;
+      g.cols = run.cols;
+      g.src_row_stride = run.src_row_stride;
+      g.block_cols = run.block_cols;
+      g.scale_row_of = reinterpret_cast<const uint32_t*>(base + map_at.at(run.scale_row_of));
+      g.scale_rows = run.scale_rows;
+      g.dst = run.dst;
+      g.dst_row_stride = run.dst_row_stride;
+      g.scales = run.scales;
+      g.scale_row_stride = run.scale_row_stride;
+      RETURN_IF_ERROR(CudaStatus(gpu::QuantizeFp8Blocks(g, amax, counters + i, context.stream),
+                                 "fp8 quantization kernels"));
+    }
+    std::vector<unsigned long long> counted(runs.size());
+    RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(counted.data(), counters, runs.size() * sizeof(unsigned long long),
+                        cudaMemcpyDeviceToHost, context.stream),
+        "cudaMemcpyAsync (inf/NaN counts)"));
+    RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(context.stream), "cudaStreamSynchronize"));
+    uint64_t nonfinite = 0;
+    for (unsigned long long n : counted) nonfinite += n;
+    return nonfinite;
+  };
+  absl::StatusOr<uint64_t> result = run_all();
+  if (!result.ok()) (void)cudaStreamSynchronize(context.stream);
+  absl::Status freed = CudaStatus(cudaFree(raw), "cudaFree (fp8 quantization)");
+  if (result.ok() && !freed.ok()) return freed;
+  return result;
 }
 
 }  // namespace refit::cuda

@@ -36,6 +36,10 @@ struct Fp8BlockRun {
   int64_t scale_row_stride = 0;
 };
 
+// INVALID_ARGUMENT for what every version refuses (below), read on the host (the GPU version's
+// caller checks its runs with it before they go to the device).
+absl::Status CheckFp8BlockRun(const Fp8BlockRun& run);
+
 // Quantizes `run`; returns how many source elements were inf or NaN. INVALID_ARGUMENT for a
 // non-float source dtype, a zero block or a scale row out of range.
 absl::StatusOr<uint64_t> QuantizeFp8Blocks(const Fp8BlockRun& run);

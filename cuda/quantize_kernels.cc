@@ -20,7 +20,9 @@ namespace {
 
 uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
-absl::Status CheckRun(const Fp8BlockRun& run) {
+}  // namespace
+
+absl::Status CheckFp8BlockRun(const Fp8BlockRun& run) {
   switch (run.src_dtype) {
     case DType::kBF16:
     case DType::kFP16:
@@ -41,6 +43,10 @@ absl::Status CheckRun(const Fp8BlockRun& run) {
   }
   return absl::OkStatus();
 }
+
+namespace {
+
+absl::Status CheckRun(const Fp8BlockRun& run) { return CheckFp8BlockRun(run); }
 
 // fp32 bits of element i of a row of dtype `dtype`.
 uint32_t LoadBits(const uint8_t* row, DType dtype, uint64_t i) {

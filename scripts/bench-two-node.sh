@@ -27,12 +27,20 @@
 # interleave them on a noisy machine (medians per mode). The default is "off". TLS covers
 # the gRPC peer plane (announcements, pins, checksums); the UCX data plane is not TLS.
 #
+# --engine "bf16 fp8" runs every refit case once per engine dtype, in that order: bf16 (the
+# engine holds the trainer's bf16) and fp8 (FP8_E4M3 destinations with [128, 128] block scales
+# in FP32 "<name>_scale_inv" tensors, quantized on the engine's node as the pulled bytes land).
+# With fp8 in the list both use the same 2-D tensors [rows, 8192], and the summary gives
+# fp8 / bf16 for publish -> complete, Apply and both (issue 34's goal: <= 1.3x). The default is
+# "bf16" (1-D tensors, as before).
+#
 # --density F makes every version after the first an RL-like step (F of the elements move by one
 # unit in the last place) so that deltas carry them; the default 0 changes every byte.
 #
 # Usage: scripts/bench-two-node.sh [--tls "tcp sm,tcp sm,tcp+eh"] [--tensors "1 20000"]
 #                                  [--versions 5] [--warmup 3] [--mib 1024] [--density 0]
-#                                  [--engine-shard none|rows|cols] [--no-build] [--keep]
+#                                  [--engine-shard none|rows|cols] [--engine "bf16 fp8"]
+#                                  [--no-build] [--keep]
 #                                  [--bin DIR] [--mtls "off on"]
 # --bin DIR: the binaries of another build (a bazel-bin directory holding daemon/refitd,
 # client/refitctl and tests/bench/two_node_bench), not built here: run it once per build, in
@@ -55,6 +63,7 @@ build=1
 keep=0
 bin_dir=
 mtls_list=off
+engine_list=bf16
 while [ $# -gt 0 ]; do
   case "$1" in
     --tls) tls_list="$2"; shift 2 ;;
@@ -75,6 +84,8 @@ while [ $# -gt 0 ]; do
     --bin) bin_dir="$2"; build=0; shift 2 ;;
     --bin=*) bin_dir="${1#*=}"; build=0; shift ;;
     --keep) keep=1; shift ;;
+    --engine) engine_list="$2"; shift 2 ;;
+    --engine=*) engine_list="${1#*=}"; shift ;;
     --mtls) mtls_list="$2"; shift 2 ;;
     --mtls=*) mtls_list="${1#*=}"; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
@@ -238,21 +249,25 @@ for tls in $tls_list; do
   read -r pt1 pt_lanes <<<"$(perftest "$tag-1")"
   read -r pt2 _ <<<"$(perftest "$tag-2")"
   echo "ucx_perftest -t ucp_get -s ${chunk} -n $(( (mib << 20) / chunk )) -w 16 (before): $pt1 $pt2 GB/s; lanes: ${pt_lanes//\~/ }"
+  matrix_flag=
+  [[ " $engine_list " == *" fp8 "* ]] && matrix_flag=--matrix
   for tensors in $tensor_list; do
    round=0
    for mtls in $mtls_list; do
+   for engine_dtype in $engine_list; do
     round=$((round + 1))
-    run="$tag-$tensors-$mtls-$round"
+    run="$tag-$tensors-$mtls-$engine_dtype-$round"
     start_daemons "$run" "$mtls"
     if [ "$mtls" = on ]; then
       grep -q "peer plane: mutual TLS" "$work/$run-engine.log" ||
         { echo "bench-two-node: the engine's refitd has no TLS" >&2; exit 1; }
     fi
-    echo "--- refit, $tensors tensor(s), mTLS $mtls:"
+    echo "--- refit, $tensors tensor(s), mTLS $mtls, $engine_dtype engine:"
     ok=1
     "$bin/tests/bench/two_node_bench" --trainer-socket="$work/$run-trainer.sock" \
       --engine-socket="$work/$run-engine.sock" --versions="$versions" \
       --warmup="$warmup" --mib="$mib" --tensors="$tensors" --density="$density" --engine-shard="$engine_shard" --timeout=60 \
+      --engine="$engine_dtype" $matrix_flag \
       >"$work/bench-$run.out" 2>&1 || ok=0
     cat "$work/bench-$run.out"
     stop_daemons
@@ -263,14 +278,20 @@ for tls in $tls_list; do
       echo "two_node_bench FAILED with UCX_TLS=$tls; the engine's log says:"
       { grep -E ' [EW] \[|UCX  ERROR' "$work/$run-engine.log" || true; } | sort -u |
         head -5 | sed 's/^/  /'
-      echo "tls=$tls mtls=$mtls lanes=$lanes failed=1 tensors=$tensors" >>"$results"
+      echo "tls=$tls mtls=$mtls lanes=$lanes failed=1 tensors=$tensors engine=$engine_dtype" >>"$results"
       continue
     fi
     echo "engine's pull times (announce -> pulled + verified; the first ones allocate staging):"
     { grep -o 'version=[0-9]* pulled [0-9]* bytes in [0-9.]* s' \
         "$work/$run-engine.log" || true; } | sed 's/^/  /'
+    if [ "$engine_dtype" = fp8 ]; then
+      echo "engine's quantization (after the pull's last bytes; the rest ran as they landed):"
+      { grep -o 'version=[0-9]* quantized [0-9]* fp8 boxes in [0-9.]* s' \
+          "$work/$run-engine.log" || true; } | sed 's/^/  /'
+    fi
     r=$(grep '^RESULT' "$work/bench-$run.out")
     echo "tls=$tls mtls=$mtls lanes=$lanes pt_lanes=$pt_lanes $r" >>"$results"
+   done
    done
   done
   read -r pt3 _ <<<"$(perftest "$tag-3")"
@@ -304,19 +325,25 @@ print(f"{'':<12} {'':>7} {'':>10} {'':>10} {'':>10} {'GB/s':>8} {'':>8} {'GB/s':
       f"{'GB/s':>5}")
 cycle = {}
 by_mode = {}
+engines = {}
 for r in rows:
+    if not r.get("failed") and r.get("mtls", "off") == "off":
+        engines.setdefault((r["tls"], r["tensors"], r.get("engine", "bf16")), []).append(r)
     if not r.get("failed"):
         by_mode.setdefault((r["tls"], r["tensors"], r.get("mtls", "off")), []).append(
             float(r["transfer_s"]))
     if r.get("failed"):
-        print(f"{r['tls']:<12} {r['tensors']:>7} {'FAILED':>10}  daemon lanes: "
+        print(f"{r['tls'] + ('' if r.get('engine', 'bf16') == 'bf16' else '>' + r['engine']):<12} "
+              f"{r['tensors']:>7} {'FAILED':>10}  daemon lanes: "
               f"{r['lanes'].replace('~', ' ')}")
         continue
     t, pt, ptw = float(r["transfer_gbs"]), float(r["pt_gbs"]), float(r.get("pt_whole", 0))
-    if r.get("mtls", "off") == "off":
+    if r.get("mtls", "off") == "off" and r.get("engine", "bf16") == "bf16":
         cycle[(r["tls"], r["tensors"])] = (float(r["transfer_s"]),
                                            float(r["e2e_s"]) + float(r["apply_s"]))
-    print(f"{r['tls'] + ('' if r.get('mtls', 'off') == 'off' else '+mTLS'):<12} "
+    label = r["tls"] + ("" if r.get("mtls", "off") == "off" else "+mTLS")
+    label += "" if r.get("engine", "bf16") == "bf16" else ">" + r["engine"]
+    print(f"{label:<12} "
           f"{r['tensors']:>7} {float(r['transfer_s']):>10.3f} {t:>10.2f} "
           f"{float(r['apply_gbs']):>10.2f} {pt:>8.2f} {t / pt if pt else 0:>8.2f} {ptw:>8.2f} "
           f"{t / ptw if ptw else 0:>9.2f} {gloo:>5.2f} "
@@ -334,6 +361,20 @@ for (tls, tensors, mtls), times in sorted(by_mode.items()):
         print(f"UCX_TLS={tls}, {tensors} tensor(s): transfer with mTLS {on_s:.3f} s, without "
               f"{off_s:.3f} s (medians of {len(times)} and {len(off)} runs): "
               f"{(on_s / off_s - 1) * 100:+.1f} % (goal <= +3 %)")
+def med(rs, key):
+    return statistics.median(float(r[key]) for r in rs)
+for (tls, tensors, engine), rs in sorted(engines.items()):
+    ref = engines.get((tls, tensors, "bf16"))
+    if engine != "fp8" or not ref:
+        continue
+    e2e, e2e_ref = med(rs, "e2e_s"), med(ref, "e2e_s")
+    app, app_ref = med(rs, "apply_s"), med(ref, "apply_s")
+    reg, reg_ref = med(rs, "register_s"), med(ref, "register_s")
+    print(f"UCX_TLS={tls}, {tensors} tensor(s), fp8 [128, 128] engine / bf16 engine (same run, "
+          f"same 2-D tensors): publish -> complete {e2e:.3f} / {e2e_ref:.3f} s = "
+          f"{e2e / e2e_ref:.2f}x; Apply {app:.3f} / {app_ref:.3f} s = {app / app_ref:.2f}x; "
+          f"publish -> complete + Apply {(e2e + app) / (e2e_ref + app_ref):.2f}x (goal <= 1.3x); "
+          f"register {reg:.3f} / {reg_ref:.3f} s")
 print("goals: refit/perftest >= 0.9, refit/gloo >= 3; transfer = Publish returned -> "
       "WaitForVersion returned on the other node; perftest = chunk-sized messages re-reading one "
       "cache-resident buffer (the issue's reference), pt whole = the model as one message")

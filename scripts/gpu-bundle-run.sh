@@ -7,7 +7,9 @@
 #     summary.txt   written first, one line per step, the bench figures against their goals
 #     machine.txt   date, host, glibc, nvidia-smi, the bundle's MANIFEST
 #     kernels.log   cuda/gpu_kernels_test: every GPU kernel against its CPU twin, bit-exact
-#     quantize.log  cuda/gpu_quantize_test: fp8 block quantization on the GPU against the CPU's
+#     quantize.log  cuda/gpu_quantize_test: fp8 block quantization on the GPU against the CPU's,
+#                   then daemon/store/quant_gpu_test: the store with GPU slots quantizing on the
+#                   GPU, bit for bit what host slots get from the CPU kernel
 #     runtime.log   cuda/cuda_runtime_test: IPC import, slots, copies, plans on the GPU
 #     e2e.log       tests/gpu_e2e_test: two refitd with CUDA slots, a GPU source and destination
 #     bench.txt     cuda/gpu_bench
@@ -84,8 +86,8 @@ if ! echo "$probe" | grep -Eq ', [1-9][0-9]* device\(s\)'; then
 fi
 grep -E '^GPU ' "$OUT/machine.txt" | head -n 8 | sed 's/^/gpu     /' >>"$summary"
 
-# step NAME LIMIT_S LOG COMMAND...: runs it with its output in LOG (capped at 8 MiB), within
-# LIMIT_S and the overall budget.
+# step NAME LIMIT_S LOG COMMAND...: runs it with its output in LOG (capped at 8 MiB; appended
+# when append=1, so two steps can share one of the 8 files), within LIMIT_S and the overall budget.
 step() {
   local name=$1 limit=$2 log=$3
   shift 3
@@ -98,7 +100,11 @@ step() {
   [ "$limit" -gt "$left" ] && limit=$left
   local t0 rc
   t0=$(date +%s)
-  timeout -k 5 "$limit" "$@" 2>&1 | head -c 8388608 >"$log"
+  if [ "${append:-0}" = 1 ]; then
+    timeout -k 5 "$limit" "$@" 2>&1 | head -c 8388608 >>"$log"
+  else
+    timeout -k 5 "$limit" "$@" 2>&1 | head -c 8388608 >"$log"
+  fi
   rc=${PIPESTATUS[0]}
   local took=$(($(date +%s) - t0))
   if [ "$rc" -eq 0 ]; then
@@ -118,6 +124,7 @@ step kernels 160 "$OUT/kernels.log" cuda/gpu_kernels_test "${catch_args[@]}"
 grep -E 'real-data checks|SKIPPING' "$OUT/kernels.log" | sort -u | sed 's/^ */        /' \
   >>"$summary"
 step quantize 40 "$OUT/quantize.log" cuda/gpu_quantize_test "${catch_args[@]}"
+append=1 step store-quantize 40 "$OUT/quantize.log" daemon/store/quant_gpu_test "${catch_args[@]}"
 step runtime 100 "$OUT/runtime.log" cuda/cuda_runtime_test "${catch_args[@]}"
 step e2e 100 "$OUT/e2e.log" tests/gpu_e2e_test "${catch_args[@]}"
 step bench 100 "$OUT/bench.txt" cuda/gpu_bench --reps=5

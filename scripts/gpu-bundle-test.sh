@@ -84,6 +84,8 @@ if [ "$want" -eq 77 ]; then
     "$copy/run.sh" >"$work/dry.log" 2>&1
   rc=$?
   expect "dry run exited 1" "dry run exited $rc, want 1: $(cat "$work/dry.log")" [ "$rc" -eq 1 ]
+  expect "dry run: quantize.log holds both quantize tests" "dry run: quantize.log: $(head -c 2000 "$dry/quantize.log")" \
+    [ "$(grep -c 'test cases:' "$dry/quantize.log")" -ge 2 ]
   for log in kernels.log quantize.log runtime.log e2e.log; do
     expect "dry run: $log reached the GPU check" "dry run: $log did not: $(head -c 2000 "$dry/$log")" \
       grep -q 'HaveGpu\|DeviceCount() >= 1' "$dry/$log"

@@ -30,6 +30,7 @@ declare -A targets=(
   [daemon/refitd]=//daemon:refitd
   [cuda/gpu_kernels_test]=//cuda:gpu_kernels_test
   [cuda/gpu_quantize_test]=//cuda:gpu_quantize_test
+  [daemon/store/quant_gpu_test]=//daemon/store:quant_gpu_test
   [cuda/cuda_runtime_test]=//cuda:cuda_runtime_test
   [cuda/ipc_exporter]=//cuda:ipc_exporter
   [cuda/gpu_bench]=//cuda:gpu_bench

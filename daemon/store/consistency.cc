@@ -120,6 +120,7 @@ absl::Status Store::CheckAgainstModel(const Model& model, Role role,
   }
   bool scaled = !model.scale_tensors.empty();
   for (size_t i = 0; i < slices.size() && !scaled; ++i) scaled = plan::IsScaled(slices[i]);
+  std::vector<char> is_scale;  // per slice: of a scale tensor (CheckScaleLayout)
   if (scaled) {
     // fp8 destinations with block scales: their scale tensors, shapes and blocks
     // (CheckScaleLayout, store_quant.cc). Nothing to check where neither the model nor the
@@ -128,14 +129,19 @@ absl::Status Store::CheckAgainstModel(const Model& model, Role role,
     ScaleMaps::ByNameMulti scaled_by;  // scale tensor -> fp8 slices
     for (const std::string& id : model.destinations) {
       for (const TensorSlice& s : buffers_.at(id)->slices) {
-        dest_of.emplace(s.name, &s);
+        if (role == Role::kDestination) dest_of.emplace(s.name, &s);
         if (plan::IsScaled(s)) scaled_by.emplace(s.scale_tensor, &s);
       }
     }
-    RETURN_IF_ERROR(CheckScaleLayout(model.name, role, slices, LocalSources(sources), request,
-                                     dest_of, scaled_by));
+    RETURN_IF_ERROR(CheckScaleLayout(model.name, role, slices, LocalSources(sources), dest_of,
+                                     scaled_by, &is_scale));
   }
-  for (const TensorSlice& s : slices) {
+  // A scale tensor's slices were checked above and no local SOURCE slice has its name (scales
+  // come from quantization): without other nodes' sources there is nothing to look up for them.
+  const bool skip_scales = role == Role::kDestination && remote.empty() && !is_scale.empty();
+  for (size_t i = 0; i < slices.size(); ++i) {
+    if (skip_scales && is_scale[i]) continue;
+    const TensorSlice& s = slices[i];
     auto src = sources.find(s.name);
     if (role == Role::kDestination) {
       if (src == sources.end()) continue;  // no source of it yet: checked when one comes

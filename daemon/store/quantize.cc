@@ -8,7 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cuda/cuda.h"
 #include "cuda/quantize.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/plan/scales.h"
 
 namespace refit {
@@ -354,37 +356,9 @@ std::shared_ptr<const QuantBatch> QuantBatch::Make(
 
 namespace {
 
-// Runs `band` of a batch from `sources` into `slot`; returns the inf/NaN count.
-absl::StatusOr<uint64_t> RunBand(const QuantBatch::Band& band, const QuantJob& job,
-                                 const std::vector<QuantSource>& sources, uint8_t* slot) {
-  const uint8_t* src = nullptr;
-  int64_t row_stride = static_cast<int64_t>(band.cols);
-  std::vector<uint8_t> scratch;
-  if (!band.direct.empty()) {
-    for (const QuantBatch::Band::Direct& d : band.direct) {
-      if (d.piece < sources.size() && sources[d.piece].data) {
-        src = sources[d.piece].data + d.offset;
-        row_stride = d.row_stride;
-        break;
-      }
-    }
-    if (!src) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("tensor ", job.tensor, ": its source bytes are not held on this node"));
-    }
-  } else {
-    std::vector<const uint8_t*> from;
-    for (const QuantSource& s : sources) from.push_back(s.data);
-    for (uint32_t p : band.gather_pieces) {
-      if (p >= from.size() || !from[p]) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("tensor ", job.tensor, ": its source bytes are not held on this node"));
-      }
-    }
-    scratch.resize(band.rows * band.cols * DTypeSize(band.dtype));
-    plan::ExecuteOnHost(*band.gather, from, {scratch.data()});
-    src = scratch.data();
-  }
+// The kernel's run for `band` read from `src` (rows `row_stride` elements apart) into `slot`.
+cuda::cpu::Fp8BlockRun BandRun(const QuantBatch::Band& band, const uint8_t* src, int64_t row_stride,
+                               uint8_t* slot) {
   cuda::cpu::Fp8BlockRun run;
   run.src = src;
   run.src_dtype = band.dtype;
@@ -398,7 +372,80 @@ absl::StatusOr<uint64_t> RunBand(const QuantBatch::Band& band, const QuantJob& j
   run.dst_row_stride = static_cast<int64_t>(band.cols);
   run.scales = reinterpret_cast<float*>(slot + band.scales_offset);
   run.scale_row_stride = static_cast<int64_t>(CeilDiv(band.cols, band.block_cols));
-  return cuda::cpu::QuantizeFp8Blocks(run);
+  return run;
+}
+
+absl::Status NotHeld(const QuantJob& job) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("tensor ", job.tensor, ": its source bytes are not held on this node"));
+}
+
+// Where a direct band's rows are in `sources` (the first of its pieces that is here); null when
+// none is.
+const QuantBatch::Band::Direct* DirectSource(const QuantBatch::Band& band,
+                                             const std::vector<QuantSource>& sources) {
+  for (const QuantBatch::Band::Direct& d : band.direct) {
+    if (d.piece < sources.size() && sources[d.piece].data) return &d;
+  }
+  return nullptr;
+}
+
+// Runs `band` of a batch from `sources` (host memory) into `slot`; returns the inf/NaN count.
+absl::StatusOr<uint64_t> RunBand(const QuantBatch::Band& band, const QuantJob& job,
+                                 const std::vector<QuantSource>& sources, uint8_t* slot) {
+  const uint8_t* src = nullptr;
+  int64_t row_stride = static_cast<int64_t>(band.cols);
+  std::vector<uint8_t> scratch;
+  if (!band.direct.empty()) {
+    const QuantBatch::Band::Direct* d = DirectSource(band, sources);
+    if (!d) return NotHeld(job);
+    src = sources[d->piece].data + d->offset;
+    row_stride = d->row_stride;
+  } else {
+    std::vector<const uint8_t*> from;
+    for (const QuantSource& s : sources) from.push_back(s.data);
+    for (uint32_t p : band.gather_pieces) {
+      if (p >= from.size() || !from[p]) return NotHeld(job);
+    }
+    scratch.resize(band.rows * band.cols * DTypeSize(band.dtype));
+    plan::ExecuteOnHost(*band.gather, from, {scratch.data()});
+    src = scratch.data();
+  }
+  return cuda::cpu::QuantizeFp8Blocks(BandRun(band, src, row_stride, slot));
+}
+
+// Runs the bands of `task` on GPU `device`: `sources` are GPU slots there and so is `slot`. A
+// gathered band is gathered into device scratch first (cuda::ExecutePlan). Returns the inf/NaN
+// count; `values` gets the values quantized.
+absl::StatusOr<uint64_t> RunTaskOnDevice(const QuantBatch& batch, const QuantBatch::Task& task,
+                                         const std::vector<QuantSource>& sources, Region& slot,
+                                         int device, uint64_t* values) {
+  std::vector<cuda::cpu::Fp8BlockRun> runs;
+  std::vector<std::unique_ptr<Region>> scratch;  // until the runs are done
+  for (size_t b = task.first_band; b < task.end_band; ++b) {
+    const QuantBatch::Band& band = batch.bands()[b];
+    const QuantJob& job = batch.jobs()[band.job];
+    if (!band.direct.empty()) {
+      const QuantBatch::Band::Direct* d = DirectSource(band, sources);
+      if (!d) return NotHeld(job);
+      runs.push_back(BandRun(band, sources[d->piece].data + d->offset, d->row_stride, slot.data()));
+    } else {
+      std::vector<const Region*> from;
+      for (const QuantSource& s : sources) from.push_back(s.data ? s.region : nullptr);
+      for (uint32_t p : band.gather_pieces) {
+        if (p >= from.size() || !from[p]) return NotHeld(job);
+      }
+      const uint64_t bytes = band.rows * band.cols * DTypeSize(band.dtype);
+      auto region = cuda::AllocateDevice(std::max<uint64_t>(bytes, 1), device);
+      if (!region.ok()) return region.status();
+      RETURN_IF_ERROR(cuda::ExecutePlan(*band.gather, from, {region->get()}));
+      runs.push_back(
+          BandRun(band, (*region)->data(), static_cast<int64_t>(band.cols), slot.data()));
+      scratch.push_back(std::move(region).value());
+    }
+    *values += band.rows * band.cols;
+  }
+  return cuda::QuantizeFp8BlocksOnDevice(runs, device);
 }
 
 // Whether every byte `task` reads is here: its pieces present, and landed where a pull is still
@@ -452,7 +499,8 @@ void QuantCache::Forget(const QuantBatch& batch, uint32_t piece,
 
 absl::StatusOr<std::shared_ptr<Region>> QuantCache::Run(
     const std::shared_ptr<const QuantBatch>& batch, const std::vector<QuantSource>& sources,
-    SlotPool& pool, unsigned threads, bool partial, uint64_t* nonfinite_added, uint64_t* values) {
+    SlotPool& pool, unsigned threads, bool partial, uint64_t* nonfinite_added, uint64_t* values,
+    int device) {
   *nonfinite_added = 0;
   *values = 0;
   std::shared_ptr<Entry> entry;
@@ -519,12 +567,27 @@ absl::StatusOr<std::shared_ptr<Region>> QuantCache::Run(
       task_nonfinite[runnable[i]] = counted;
     }
   };
-  const unsigned count =
-      static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(threads, runnable.size())));
-  std::vector<std::thread> pool_threads;
-  for (unsigned t = 1; t < count; ++t) pool_threads.emplace_back(work);
-  work();
-  for (std::thread& t : pool_threads) t.join();
+  if (device != kOnHost) {
+    // One device: its stream runs one task after another anyway.
+    for (size_t t : runnable) {
+      uint64_t task_values = 0;
+      auto n =
+          RunTaskOnDevice(*batch, batch->tasks()[t], sources, *entry->slot, device, &task_values);
+      if (!n.ok()) {
+        if (status.ok()) status = n.status();
+        continue;
+      }
+      task_nonfinite[t] = *n;
+      quantized += task_values;
+    }
+  } else {
+    const unsigned count =
+        static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(threads, runnable.size())));
+    std::vector<std::thread> pool_threads;
+    for (unsigned t = 1; t < count; ++t) pool_threads.emplace_back(work);
+    work();
+    for (std::thread& t : pool_threads) t.join();
+  }
   uint64_t nonfinite = 0;
   for (size_t t : runnable) {
     entry->done[t] = 1;

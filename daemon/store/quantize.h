@@ -54,9 +54,11 @@ inline constexpr size_t kNoJob = ~size_t{0};
 std::vector<QuantJob> QuantJobsFor(const std::vector<const TensorSlice*>& slices,
                                    std::vector<size_t>* job_of_slice = nullptr);
 
-// A source piece as the quantizer reads it: host memory with the version's bytes.
+// A source piece as the quantizer reads it: memory with the version's bytes (host memory, or a
+// GPU slot for QuantCache::Run on a device).
 struct QuantSource {
-  const uint8_t* data = nullptr;  // null: not here (yet)
+  const uint8_t* data = nullptr;   // null: not here (yet)
+  const Region* region = nullptr;  // what `data` points into (gathers on a device need it)
   const std::vector<TensorSlice>* slices = nullptr;
   // The bytes of `data` that have landed ([begin, end), sorted, disjoint; a pull in progress);
   // null: all of them.
@@ -143,10 +145,16 @@ class QuantCache {
   // runs and it returns the slot. A second caller waits for the first. `values` and
   // `nonfinite_added`: the source values this call quantized and how many of them were inf or
   // NaN. FAILED_PRECONDITION when a source is missing or not a float; the error is kept.
+  // `device` kOnHost: the sources are host memory, `pool` makes host slots, and the CPU kernel
+  // runs on `threads` threads; a CUDA ordinal: the sources are GPU slots on that device, `pool`
+  // makes GPU slots, and every band runs on the GPU (cuda::QuantizeFp8BlocksOnDevice: the same
+  // bytes), task by task on the calling thread.
+  static constexpr int kOnHost = -1;
   absl::StatusOr<std::shared_ptr<Region>> Run(const std::shared_ptr<const QuantBatch>& batch,
                                               const std::vector<QuantSource>& sources,
                                               SlotPool& pool, unsigned threads, bool partial,
-                                              uint64_t* nonfinite_added, uint64_t* values);
+                                              uint64_t* nonfinite_added, uint64_t* values,
+                                              int device = kOnHost);
 
   // Forgets the tasks of `batch` run so far that read bytes of piece `piece` in `ranges` (bytes
   // a pull fetched again after they were quantized: their checksums failed): a later Run

@@ -44,7 +44,7 @@ Store::Store(StoreOptions options, Metrics* metrics)
   for (const Counter& counter :
        {kVersionsCompleted, kApplyBytes, kApplyUndoBytes, kApplySparse, kPublishBytes, kPublishes,
         kApplies, kVersionsDropped, kVersionsAbandoned, kApplyVerifyFailures, kDeltaBaseFallbacks,
-        kQuantizedValues, kNonfiniteValues}) {
+        kQuantizedValues, kQuantizedGpuValues, kNonfiniteValues}) {
     metrics_->Declare(counter);
   }
   for (const Histogram& histogram :

@@ -143,7 +143,7 @@ struct Store::Model {
   std::map<std::string, std::shared_ptr<const CachedPlan>> plans;
   // Scale tensors named by the fp8 destinations of the model, with how many slices name each.
   // Non-empty: versions are quantized before they complete here.
-  std::map<std::string, int> scale_tensors;
+  std::unordered_map<std::string, int> scale_tensors;
   uint64_t finishing = 0;  // version being quantized before it completes; 0: none
   // Pending versions whose local pieces are quantized as they are published (QuantizeEarly):
   // their derived slots, handed to the version when it completes.
@@ -234,11 +234,14 @@ struct ScaleMaps {
     virtual bool Has(std::string_view tensor) const = 0;
   };
 };
+// The scale checks of RegisterBuffer (store_quant.cc). For a DESTINATION request, `is_scale`
+// gets one entry per slice: 1 for a slice of a scale tensor that an fp8 slice (of the request
+// or registered before) names; those were checked here and are not source tensors, so the
+// caller need not look them up among the sources again.
 absl::Status CheckScaleLayout(const std::string& model, Role role,
                               const std::vector<TensorSlice>& slices,
                               const ScaleMaps::SourceNames& source_of,
-                              const ScaleMaps::ByName& request,
                               const ScaleMaps::ByNameMulti& dest_of,
-                              const ScaleMaps::ByNameMulti& scaled_by);
+                              const ScaleMaps::ByNameMulti& scaled_by, std::vector<char>* is_scale);
 
 }  // namespace refit

@@ -41,6 +41,10 @@ inline constexpr Gauge kSlotMemoryLimitBytes{"refit_slot_memory_limit_bytes",
 inline constexpr Counter kQuantizedValues{
     "refit_quantized_values_total",
     "Source values quantized for fp8 destinations with block scales."};
+inline constexpr Counter kQuantizedGpuValues{
+    "refit_quantized_gpu_values_total",
+    "Of the quantized values, those the GPU kernel quantized (versions in GPU slots: "
+    "--slot-memory=cuda)."};
 inline constexpr Counter kNonfiniteValues{"refit_nonfinite_values_total",
                                           "Of the quantized values, the inf and NaN ones."};
 inline constexpr Histogram kPublishSeconds{"refit_publish_seconds",

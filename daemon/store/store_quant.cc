@@ -21,9 +21,9 @@ namespace refit {
 absl::Status CheckScaleLayout(const std::string& model, Role role,
                               const std::vector<TensorSlice>& slices,
                               const ScaleMaps::SourceNames& source_of,
-                              const ScaleMaps::ByName& request,
                               const ScaleMaps::ByNameMulti& dest_of,
-                              const ScaleMaps::ByNameMulti& scaled_by) {
+                              const ScaleMaps::ByNameMulti& scaled_by,
+                              std::vector<char>* is_scale) {
   if (role == Role::kSource) {
     for (const TensorSlice& s : slices) {
       if (scaled_by.count(s.name)) {
@@ -34,23 +34,37 @@ absl::Status CheckScaleLayout(const std::string& model, Role role,
     }
     return absl::OkStatus();
   }
-  // The request's scaled slices by scale tensor.
-  ScaleMaps::ByNameMulti scaled_here;
+  // The request's scaled slices by scale tensor (their indexes); each scaled slice learns here
+  // whether the request holds a slice of its scale tensor (one lookup per slice in all, where
+  // looking each scale tensor up by name again would be another per scaled slice).
+  std::unordered_multimap<std::string_view, uint32_t> scaled_here;
+  std::vector<char> scale_in_request(slices.size(), 0);
+  is_scale->assign(slices.size(), 0);
   scaled_here.reserve(slices.size());
-  for (const TensorSlice& s : slices) {
-    if (plan::IsScaled(s)) scaled_here.emplace(s.scale_tensor, &s);
+  for (uint32_t i = 0; i < slices.size(); ++i) {
+    if (plan::IsScaled(slices[i])) scaled_here.emplace(slices[i].scale_tensor, i);
   }
-  for (const TensorSlice& s : slices) {
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const TensorSlice& s = slices[i];
     // A slice of a scale tensor that fp8 slices (earlier or in this request) name.
-    using ByScale = ScaleMaps::ByNameMulti;
-    const ByScale* both[] = {&scaled_by, &scaled_here};
-    for (const ByScale* by : both) {
-      if (by->empty()) continue;
-      auto [first, last] = by->equal_range(s.name);
+    if (!scaled_by.empty()) {
+      auto [first, last] = scaled_by.equal_range(s.name);
       for (auto it = first; it != last; ++it) {
         RETURN_IF_ERROR(plan::CheckScaleSlice(*it->second, s));
+        (*is_scale)[i] = 1;
       }
     }
+    if (!scaled_here.empty()) {
+      auto [first, last] = scaled_here.equal_range(s.name);
+      for (auto it = first; it != last; ++it) {
+        RETURN_IF_ERROR(plan::CheckScaleSlice(slices[it->second], s));
+        scale_in_request[it->second] = 1;
+        (*is_scale)[i] = 1;
+      }
+    }
+  }
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const TensorSlice& s = slices[i];
     if (!plan::IsScaled(s)) continue;
     if (source_of.Has(s.scale_tensor)) {
       return absl::InvalidArgumentError(
@@ -62,7 +76,7 @@ absl::Status CheckScaleLayout(const std::string& model, Role role,
     for (auto it = d_first; it != d_last; ++it) {
       RETURN_IF_ERROR(plan::CheckScaleSlice(s, *it->second));
     }
-    if (d_first == d_last && request.count(s.scale_tensor) == 0) {
+    if (d_first == d_last && !scale_in_request[i]) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor ", s.name, ": scale_tensor ", s.scale_tensor, " is not registered for model ",
           model, " (register its DESTINATION slices in this buffer or an earlier one)"));
@@ -185,16 +199,36 @@ absl::StatusOr<std::pair<plan::Plan, plan::Plan>> Store::QuantPlans(
 absl::StatusOr<std::shared_ptr<Region>> Store::RunQuantBatch(
     const Version& version, const std::shared_ptr<const QuantBatch>& batch, bool partial,
     const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>* landed) {
+  // GPU slots (--slot-memory=cuda: every piece here published on this node into GPU memory of
+  // one device) are quantized there, by the GPU kernel, into a GPU slot; everything else (host
+  // slots, pulled pieces, a mix) on the CPU from host memory, a GPU slot's host mirror included.
+  int device = QuantCache::kOnHost;
+  if (gpu_pool_ && !landed) {
+    bool on_device = false;
+    for (const Piece& piece : version.pieces) {
+      if (!piece.slot) continue;
+      if (piece.slot->kind() != MemoryKind::kCuda ||
+          (on_device && piece.slot->device() != device)) {
+        on_device = false;
+        break;
+      }
+      on_device = true;
+      device = piece.slot->device();
+    }
+    if (!on_device) device = QuantCache::kOnHost;
+  }
   std::vector<QuantSource> sources;
   for (size_t p = 0; p < version.pieces.size(); ++p) {
     const Piece& piece = version.pieces[p];
     QuantSource source;
     source.slices = piece.slices.get();
     if (landed && p < landed->size()) source.landed = &(*landed)[p];
-    if (piece.slot && piece.slot->kind() == MemoryKind::kHost) {
+    if (piece.slot && (device != QuantCache::kOnHost || piece.slot->kind() == MemoryKind::kHost)) {
       source.data = piece.slot->data();
+      source.region = piece.slot.get();
     } else if (piece.host) {
       source.data = piece.host->data();  // a GPU slot's host mirror holds the same bytes
+      source.region = piece.host.get();
     }
     sources.push_back(source);
   }
@@ -202,9 +236,14 @@ absl::StatusOr<std::shared_ptr<Region>> Store::RunQuantBatch(
   uint64_t nonfinite = 0;
   uint64_t values = 0;
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
-  auto slot = version.quant->Run(batch, sources, *pool_, threads, partial, &nonfinite, &values);
+  SlotPool& pool = device != QuantCache::kOnHost ? *gpu_pool_ : *pool_;
+  auto slot =
+      version.quant->Run(batch, sources, pool, threads, partial, &nonfinite, &values, device);
   if (values > 0) {
     metrics_->Add(kQuantizedValues, static_cast<double>(values));
+    if (device != QuantCache::kOnHost) {
+      metrics_->Add(kQuantizedGpuValues, static_cast<double>(values));
+    }
     metrics_->Add(kNonfiniteValues, static_cast<double>(nonfinite));
     metrics_->Observe(kQuantizeSeconds,
                       std::chrono::duration<double>(Clock::now() - started).count());

@@ -184,10 +184,19 @@ absl::StatusOr<std::vector<VerifyResult>> Store::Verify(const std::string& model
       derived = std::move(slots).value();
     }
     std::vector<const uint8_t*> src;
+    bool host = true;
     for (const Piece& piece : job.version->pieces) {
       src.push_back(piece.slot ? piece.slot->data() : nullptr);
+      host = host && (!piece.slot || piece.slot->kind() == MemoryKind::kHost);
     }
-    for (const auto& slot : derived) src.push_back(slot->data());
+    for (const auto& slot : derived) {
+      src.push_back(slot->data());
+      host = host && slot->kind() == MemoryKind::kHost;
+    }
+    if (!host) {
+      result.note = "the version is held in GPU slots: not compared here";
+      continue;
+    }
     common::MutexLock io(job.buffer->io_mu);
     if (job.buffer->region->Broken()) {
       result.note = "its memory went away under refitd";

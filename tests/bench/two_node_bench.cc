@@ -26,6 +26,14 @@
 // holds half: the first half of the rows (a contiguous range of the source: the same bytes,
 // not resharded) or the first half of the columns (one 8 KiB range per row, strided into the
 // engine's buffer: a tensor-parallel reshard). Run both for resharded ÷ unresharded.
+//
+// --engine=fp8 makes the engine's node an fp8 engine: the model is 2-D bf16 tensors [rows, 8192]
+// on the trainer's node, and each is an FP8_E4M3 DESTINATION with [128, 128] block scales in an
+// FP32 tensor "<name>_scale_inv" on the engine's node, quantized there before the version
+// completes. Each version is checked after Apply against the same quantization computed here
+// (cuda::cpu::QuantizeFp8Blocks, bit-exact with the scalar reference: quantize_kernels_test).
+// --matrix gives a bf16 engine the same 2-D tensors, for fp8 ÷ bf16 on the same layout
+// (scripts/bench-two-node.sh --engine "bf16 fp8" runs both and prints the ratios).
 
 #include <unistd.h>
 
@@ -40,6 +48,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
 #include "client/refit_client.h"
+#include "cuda/quantize.h"
 #include "tests/bench/bench_util.h"
 
 namespace {
@@ -140,6 +149,8 @@ int main(int argc, char** argv) {
   std::string engine_shard = "none";
   bool memory = false;
   int burst = 0;
+  std::string engine_dtype = "bf16";
+  bool matrix = false;
   CLI::App app{"refit two-node benchmark: publish on one daemon, receive on another"};
   app.add_option("--trainer-socket", trainer_socket, "the trainer node's refitd socket")
       ->required();
@@ -173,9 +184,21 @@ int main(int argc, char** argv) {
                  "node between them), the engine's node taking the last")
       ->capture_default_str()
       ->check(CLI::Range(0, 100));
+  app.add_option("--engine", engine_dtype,
+                 "bf16: the engine holds bf16 like the trainer; fp8: FP8_E4M3 with [128, 128] "
+                 "block scales (2-D tensors)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"bf16", "fp8"}));
+  app.add_flag("--matrix", matrix, "2-D tensors [rows, 8192] (as --engine=fp8 uses) for bf16 too");
   CLI11_PARSE(app, argc, argv);
   const bool sharded = engine_shard != "none";
   if (sharded) tensors = 1;
+  const bool fp8 = engine_dtype == "fp8";
+  if (fp8 && sharded) {
+    std::cerr << "two_node_bench: --engine=fp8 takes the whole model (--engine-shard=none)\n";
+    return 2;
+  }
+  if (fp8) matrix = true;
 
   const uint64_t total = mib << 20;
   const int64_t elements = static_cast<int64_t>(total / 2);
@@ -197,20 +220,57 @@ int main(int argc, char** argv) {
   if (!src.ok()) return Fail("shared memory", src.status());
   constexpr int64_t kCols = 8192;
   const int64_t rows = static_cast<int64_t>(total / 2 / kCols);
-  const uint64_t dst_total = sharded ? total / 2 : total;
-  auto dst = SharedMemory::Create("/refit-bench-engine-" + tag, dst_total);
-  if (!dst.ok()) return Fail("shared memory", dst.status());
+  if (matrix && tensors > rows) tensors = rows;
 
-  // N 1-D tensors of (nearly) equal size, back to back, in the same order on both sides.
+  // N 1-D tensors of (nearly) equal size, back to back, in the same order on both sides; with
+  // --matrix N 2-D tensors [rows_i, kCols] (the rows of one [rows, kCols] matrix split N ways).
   std::vector<v1::TensorSlice> slices;
   slices.reserve(static_cast<size_t>(tensors));
+  std::vector<std::pair<int64_t, int64_t>> shapes;  // --matrix: each tensor's rows, first row
   uint64_t offset = 0;
-  for (int64_t i = 0; i < tensors; ++i) {
+  for (int64_t i = 0, first_row = 0; i < tensors; ++i) {
+    const std::string name = absl::StrFormat("model.tensor.%07d.weight", i);
+    if (matrix) {
+      const int64_t r = rows / tensors + (i < rows % tensors ? 1 : 0);
+      slices.push_back(Slice(name, v1::BF16, {r, kCols}, offset));
+      shapes.emplace_back(r, first_row);
+      first_row += r;
+      offset += static_cast<uint64_t>(r * kCols) * 2;
+      continue;
+    }
     const int64_t n = elements / tensors + (i < elements % tensors ? 1 : 0);
-    slices.push_back(Slice(absl::StrFormat("model.tensor.%07d.weight", i), v1::BF16, {n}, offset));
+    slices.push_back(Slice(name, v1::BF16, {n}, offset));
     offset += static_cast<uint64_t>(n) * 2;
   }
   std::vector<v1::TensorSlice> dst_slices = slices;
+  // fp8: each tensor's e4m3 bytes back to back (the source's element order), then every scale
+  // tensor, [ceil(rows_i / 128), kCols / 128] FP32 each.
+  uint64_t dst_total = sharded ? total / 2 : total;
+  uint64_t scales_at = 0;
+  std::vector<uint64_t> scale_offset;  // fp8: of each tensor's scales in the engine's buffer
+  if (fp8) {
+    dst_slices.clear();
+    uint64_t q_offset = 0;
+    scales_at = total / 2;
+    uint64_t s_offset = scales_at;
+    for (size_t i = 0; i < slices.size(); ++i) {
+      v1::TensorSlice d = slices[i];
+      d.set_dtype(v1::FP8_E4M3);
+      d.set_buffer_offset(q_offset);
+      d.set_scale_tensor(slices[i].name() + "_scale_inv");
+      d.add_scale_block(128);
+      d.add_scale_block(128);
+      const int64_t grid_rows = (shapes[i].first + 127) / 128;
+      dst_slices.push_back(d);
+      dst_slices.push_back(Slice(d.scale_tensor(), v1::FP32, {grid_rows, kCols / 128}, s_offset));
+      scale_offset.push_back(s_offset);
+      q_offset += static_cast<uint64_t>(shapes[i].first * kCols);
+      s_offset += static_cast<uint64_t>(grid_rows * (kCols / 128)) * 4;
+    }
+    dst_total = s_offset;
+  }
+  auto dst = SharedMemory::Create("/refit-bench-engine-" + tag, dst_total);
+  if (!dst.ok()) return Fail("shared memory", dst.status());
   if (sharded) {
     slices = {Slice("model.weight", v1::BF16, {rows, kCols}, 0)};
     dst_slices = {
@@ -219,7 +279,35 @@ int main(int argc, char** argv) {
             : Slice("model.weight", v1::BF16, {rows, kCols}, 0, {0, 0}, {rows, kCols / 2})};
   }
   // The engine's expected bytes: all of the source, or the half it holds.
+  std::vector<uint8_t> expected;  // fp8: what the engine's buffer must hold
+  std::vector<uint32_t> scale_row_of;
   auto matches = [&](const uint8_t* dst_bytes, const uint8_t* src_bytes) {
+    if (fp8) {
+      // The same quantization here, tensor by tensor, then the bytes compared.
+      expected.resize(dst_total);
+      uint64_t q = 0;
+      for (size_t i = 0; i < slices.size(); ++i) {
+        const uint64_t r = static_cast<uint64_t>(shapes[i].first);
+        scale_row_of.resize(r);
+        for (uint64_t k = 0; k < r; ++k) scale_row_of[k] = static_cast<uint32_t>(k / 128);
+        refit::cuda::cpu::Fp8BlockRun run;
+        run.src = src_bytes + slices[i].buffer_offset();
+        run.src_dtype = refit::DType::kBF16;
+        run.rows = r;
+        run.cols = kCols;
+        run.src_row_stride = kCols;
+        run.block_cols = 128;
+        run.scale_row_of = scale_row_of.data();
+        run.scale_rows = (r + 127) / 128;
+        run.dst = expected.data() + q;
+        run.dst_row_stride = kCols;
+        run.scales = reinterpret_cast<float*>(expected.data() + scale_offset[i]);
+        run.scale_row_stride = kCols / 128;
+        if (!refit::cuda::cpu::QuantizeFp8Blocks(run).ok()) return false;
+        q += r * kCols;
+      }
+      return std::memcmp(dst_bytes, expected.data(), dst_total) == 0;
+    }
     if (!sharded || engine_shard == "rows") {
       return std::memcmp(dst_bytes, src_bytes, dst_total) == 0;
     }
@@ -231,9 +319,11 @@ int main(int argc, char** argv) {
     }
     return true;
   };
-  const std::string model_name = sharded        ? absl::StrCat(model, "-", engine_shard)
-                                 : tensors == 1 ? model
-                                                : absl::StrFormat("%s-%dt", model, tensors);
+  std::string model_name = sharded        ? absl::StrCat(model, "-", engine_shard)
+                           : tensors == 1 ? model
+                                          : absl::StrFormat("%s-%dt", model, tensors);
+  if (fp8) absl::StrAppend(&model_name, "-fp8");
+  if (matrix && !fp8) absl::StrAppend(&model_name, "-2d");
   auto reg_start = Clock::now();
   auto src_id =
       (*trainer)->RegisterBuffer(model_name, v1::SOURCE, src->name(), slices, "bench-trainer");
@@ -253,10 +343,12 @@ int main(int argc, char** argv) {
   }
 
   std::cout << absl::StrFormat(
-      "model %s: %d bf16 tensors, %d bytes (%.3f GiB); trainer node %s -> engine node %s; "
-      "register %.3f s\n",
-      model_name, tensors, total, static_cast<double>(total) / (1 << 30), trainer_socket,
-      engine_socket, register_s);
+      "model %s: %d bf16 tensors%s, %d bytes (%.3f GiB); engine %s%s (%d bytes); trainer node "
+      "%s -> engine node %s; register %.3f s\n",
+      model_name, tensors, matrix ? absl::StrFormat(" [~%d, %d]", rows / tensors, kCols) : "",
+      total, static_cast<double>(total) / (1 << 30), engine_dtype,
+      fp8 ? " + [128, 128] block scales" : "", dst_total, trainer_socket, engine_socket,
+      register_s);
   std::cout << absl::StrFormat("%-8s %14s %10s %10s %11s %10s %10s %10s %8s\n", "version",
                                "bytes pulled", "publish s", "GB/s", "transfer s", "GB/s", "apply s",
                                "GB/s", "check");
@@ -269,10 +361,23 @@ int main(int argc, char** argv) {
   if (memory) sampler = std::make_unique<RssSampler>(std::vector<int>{trainer_pid, engine_pid});
   std::vector<double> publish_s, transfer_s, apply_s, e2e_s;
   const double gb = static_cast<double>(total) / 1e9;
-  const double gb_dst = static_cast<double>(dst_total) / 1e9;  // what the engine needs
+  // What the engine needs, in the trainer's bf16 bytes (an fp8 engine's buffer is about half).
+  const double gb_dst = static_cast<double>(sharded ? total / 2 : total) / 1e9;
   // The trainer's step that makes version `version` (the `i`th of this run) in its buffer.
   auto make_version = [&](int i, uint64_t version) {
-    if (density == 0) {
+    if (matrix && (density == 0 || i == 1)) {
+      // Normal bf16 values of mixed sign and magnitude (+-2^-7 .. 2^-3), new in every element:
+      // what a quantizer meets in a weight matrix (no inf/NaN, no constant blocks).
+      uint64_t state = version * 0x9e3779b97f4a7c15ull;
+      for (uint64_t at = 0; at + 8 <= total; at += 8) {
+        uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+        const uint64_t word = (z & 0x81ff81ff81ff81ffull) | 0x3c003c003c003c00ull;
+        std::memcpy(src->data() + at, &word, 8);
+      }
+    } else if (density == 0) {
       // The "optimizer step": every byte changes; a marker per tensor.
       std::memset(src->data(), static_cast<int>(version * 37 & 0xff), total);
       for (const auto& s : slices) {
@@ -390,12 +495,14 @@ int main(int argc, char** argv) {
         ReportMemory("engine's node", "engine", engine_pid, peak[1], **engine, model_name, total);
   }
   std::cout << absl::StrFormat(
-      "RESULT shard=%s density=%g tensors=%d bytes=%d versions=%d burst=%d publish_s=%.6f "
+      "RESULT engine=%s shard=%s density=%g tensors=%d bytes=%d versions=%d burst=%d "
+      "register_s=%.6f publish_s=%.6f "
       "transfer_s=%.6f "
       "apply_s=%.6f "
       "e2e_s=%.6f transfer_gbs=%.4f apply_gbs=%.4f publish_gbs=%.4f%s\n",
-      engine_shard, density, tensors, total, versions, burst, Median(publish_s), Median(transfer_s),
-      Median(apply_s), Median(e2e_s), transfer_gbs, apply_gbs, publish_gbs, memory_fields);
+      engine_dtype, engine_shard, density, tensors, total, versions, burst, register_s,
+      Median(publish_s), Median(transfer_s), Median(apply_s), Median(e2e_s), transfer_gbs,
+      apply_gbs, publish_gbs, memory_fields);
   (void)(*engine)->ReleaseBuffer(*dst_id);
   (void)(*trainer)->ReleaseBuffer(*src_id);
   return 0;
