@@ -205,7 +205,7 @@ std::vector<std::string> NamesOf(X509* cert) {
 
 }  // namespace
 
-absl::Status CheckOwnCertificate(const PeerTlsFiles& files, const std::string& node, int64_t now) {
+absl::Status CheckOwnCertificate(const PeerTlsFiles& files, int64_t now) {
   ERR_clear_error();
   EVP_PKEY* raw_key = nullptr;
   {
@@ -262,14 +262,23 @@ absl::Status CheckOwnCertificate(const PeerTlsFiles& files, const std::string& n
         absl::StrCat("--tls-cert: ", files.cert, " is not valid against --tls-ca=", files.ca, ": ",
                      X509_verify_cert_error_string(error), "; peers would refuse it. Give ", fix));
   }
-  const std::vector<std::string> names = NamesOf(cert);
+  return absl::OkStatus();
+}
+
+absl::Status CheckCertificateNames(const PeerTlsFiles& files, const std::string& node) {
+  auto chain = ReadCertificates(files.cert);
+  if (chain.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls-cert: ", files.cert, " holds no PEM certificate"));
+  }
+  const std::vector<std::string> names = NamesOf(chain.front().get());
   for (const std::string& name : names) {
     if (name == node) return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(absl::StrCat(
+  return absl::FailedPreconditionError(absl::StrCat(
       "--tls-cert: ", files.cert, " names ", names.empty() ? "no one" : absl::StrJoin(names, ", "),
       ", not this node (--node=", node,
-      "): peers check that a node's certificate names it and would refuse this one. Give the "
+      "): peers check that a node's certificate names it and will refuse this one. Give the "
       "certificate issued for this node, or the --node it names"));
 }
 
