@@ -15,6 +15,7 @@ _LIBRARIES = {
     "grpc++": (["grpc++"], []),
     "grpc_reflection": ([], ["-lgrpc++_reflection"]),
     "json": ([], []),
+    "openssl": (["libcrypto"], []),
     "protobuf": (["protobuf"], []),
     "spdlog": (["spdlog"], []),
     "systemd": (["libsystemd"], []),

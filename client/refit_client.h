@@ -207,6 +207,10 @@ class Client {
   // retrying. False at once for other codes, for a Client without buffers, or with
   // restart_timeout 0.
   bool Recover(const absl::Status& error, uint64_t generation);
+  // For a Watch stream that ended with `error`: Recover for a Client with buffers; for one
+  // without, true once refitd answers again after UNAVAILABLE (within restart_timeout), as the
+  // Python client's watch does.
+  bool AwaitRefitd(const absl::Status& error, uint64_t generation);
   uint64_t generation() const;
   v1::Refit::Stub* stub() const { return stub_.get(); }
 

@@ -80,10 +80,19 @@ bool Client::Recover(const absl::Status& error, uint64_t generation) {
   return true;
 }
 
+bool Client::AwaitRefitd(const absl::Status& error, uint64_t generation) {
+  if (!registrations_->empty()) return Recover(error, generation);
+  if (restart_timeout_.count() <= 0 || error.code() != absl::StatusCode::kUnavailable) {
+    return false;
+  }
+  return StatusWhenBack().has_value();
+}
+
 namespace {
 
-// A Watch stream that, when it ends UNAVAILABLE on a Client with buffers, waits for refitd
-// (Client::Recover) and opens again after the last version it delivered.
+// A Watch stream that, when it ends UNAVAILABLE, waits for refitd (Client::AwaitRefitd: with
+// buffers, registering them again on a restarted one) and opens again after the last version it
+// delivered.
 class ResumingWatcher final : public Watcher {
  public:
   ResumingWatcher(Client* client, std::string model, uint64_t after_version)
@@ -110,7 +119,7 @@ class ResumingWatcher final : public Watcher {
       }
       const uint64_t generation = client_->generation();
       final_ = FromGrpc(reader_->Finish(), "Watch");
-      if (Cancelled() || !client_->Recover(final_, generation)) return false;
+      if (Cancelled() || !client_->AwaitRefitd(final_, generation)) return false;
       Open();
     }
   }
@@ -143,7 +152,7 @@ absl::StatusOr<std::unique_ptr<Watcher>> Client::Watch(const std::string& model,
                                                        uint64_t after_version) {
   auto watcher = std::make_unique<ResumingWatcher>(this, model, after_version);
   watcher->Open();
-  if (after_version == 0 && !registrations_->empty()) {
+  if (after_version == 0) {
     grpc::ClientContext context;
     SetDeadline(&context);
     v1::StatusResponse status;

@@ -339,6 +339,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const DaemonOptions& optio
   impl->tls = tls::PeerTlsFiles{options.tls_cert, options.tls_key, options.tls_ca};
   if (impl->tls.enabled()) {
     if (absl::Status files = tls::CheckFiles(impl->tls); !files.ok()) return files;
+    if (absl::Status own = tls::CheckOwnCertificate(impl->tls); !own.ok()) return own;
+    if (absl::Status named = tls::CheckCertificateNames(impl->tls, options.node); !named.ok()) {
+      // Its local clients are served all the same (one node needs no peers).
+      Logger("daemon")->error("{}", std::string(named.message()));
+    }
     Logger("daemon")->info("peer plane: mutual TLS (certificate {}, key {}, CA {})",
                            options.tls_cert, options.tls_key, options.tls_ca);
   } else if (tls::IsLoopbackHost(options.listen.substr(0, options.listen.rfind(':')))) {

@@ -16,6 +16,7 @@
 #include "daemon/config/cli.h"
 #include "daemon/config/config.h"
 #include "daemon/daemon.h"
+#include "daemon/tls/grpc_log.h"
 #include "daemon/tls/peer_tls.h"
 #include "daemon/version.h"
 
@@ -90,6 +91,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   refit::SetLogLevel(options.log_level);
+  refit::tls::RouteGrpcLogs();  // gRPC's own lines in refit's format, TLS failures explained
 
   // Block the stop signals in every thread (gRPC's inherit this mask); this thread waits.
   sigset_t stop_signals;

@@ -204,7 +204,6 @@ start_daemons() {
   trainer=$!
   pids+=("$trainer")
   wait_healthy "$work/$tag-trainer.sock" "$work/$tag-trainer.log"
-  local port
   port=$("$bin/client/refitctl" --socket="$work/$tag-trainer.sock" status --json |
          "$python" -c 'import json,sys; d=json.load(sys.stdin); print(d.get("listen_port") or d.get("listenPort"))')
   # shellcheck disable=SC2046
@@ -214,6 +213,15 @@ start_daemons() {
   engine=$!
   pids+=("$engine")
   wait_healthy "$work/$tag-engine.sock" "$work/$tag-engine.log"
+}
+
+# The peer plane's bytes (gRPC: plaintext or TLS records, headers and all) both ways on the
+# engine's connections to the trainer's peer port, from the kernel's TCP counters: what mutual
+# TLS encrypts. "<bytes> <connections>".
+peer_plane_bytes() {
+  ss -tinH "( dport = :$port )" 2>/dev/null |
+    grep -o 'bytes_sent:[0-9]*\|bytes_received:[0-9]*' |
+    awk -F: '{ s += $2 } /bytes_sent/ { n++ } END { printf "%d %d\n", s, n }'
 }
 
 stop_daemons() {
@@ -270,7 +278,10 @@ for tls in $tls_list; do
       --engine="$engine_dtype" $matrix_flag \
       >"$work/bench-$run.out" 2>&1 || ok=0
     cat "$work/bench-$run.out"
+    read -r peer_bytes peer_conns <<<"$(peer_plane_bytes)"
+    reconnects=$(grep -c 'disconnected' "$work/$run-engine.log" || true)  # before the stop's
     stop_daemons
+    echo "peer plane (gRPC$([ "$mtls" = on ] && echo ' over mutual TLS')): $peer_bytes bytes both ways over the run on $peer_conns connection(s); the engine's node lost its peer $reconnects time(s)"
     lanes=$(lanes_in "$work/$run-engine.log")
     lanes=${lanes:-none}
     echo "daemon data-plane lanes (engine's UCX log): ${lanes//\~/ }"
@@ -290,7 +301,7 @@ for tls in $tls_list; do
           "$work/$run-engine.log" || true; } | sed 's/^/  /'
     fi
     r=$(grep '^RESULT' "$work/bench-$run.out")
-    echo "tls=$tls mtls=$mtls lanes=$lanes pt_lanes=$pt_lanes $r" >>"$results"
+    echo "tls=$tls mtls=$mtls lanes=$lanes pt_lanes=$pt_lanes peer_bytes=$peer_bytes reconnects=$reconnects $r" >>"$results"
    done
    done
   done
@@ -312,7 +323,7 @@ gloo_times=$({ grep -h '^RESULT' "$work"/gloo-*.out || true; } | sed 's/.*gloo_t
 
 echo
 echo "=== summary (medians; GB = 1e9 bytes; model ${mib} MiB; $(date -u '+%Y-%m-%d %H:%M UTC'); $(( $(date +%s) - started )) s)"
-"$python" - "$results" "$gloo_times" "$mib" <<'EOF'
+"$python" - "$results" "$gloo_times" "$mib" "$versions" "$warmup" <<'EOF'
 import statistics, sys
 rows = [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in open(sys.argv[1])]
 times = [float(t) for t in sys.argv[2].split(",") if t]
@@ -375,6 +386,16 @@ for (tls, tensors, engine), rs in sorted(engines.items()):
           f"{e2e / e2e_ref:.2f}x; Apply {app:.3f} / {app_ref:.3f} s = {app / app_ref:.2f}x; "
           f"publish -> complete + Apply {(e2e + app) / (e2e_ref + app_ref):.2f}x (goal <= 1.3x); "
           f"register {reg:.3f} / {reg_ref:.3f} s")
+peer = {}
+for r in rows:
+    if not r.get("failed") and "peer_bytes" in r:
+        peer.setdefault((r["tls"], r["tensors"], r.get("mtls", "off")), []).append(
+            (int(r["peer_bytes"]), int(r.get("reconnects", 0))))
+for (tls, tensors, mtls), runs in sorted(peer.items()):
+    print(f"UCX_TLS={tls}, {tensors} tensor(s), mTLS {mtls}: peer plane "
+          f"{statistics.median(b for b, _ in runs):.0f} bytes per run (median of {len(runs)}; "
+          f"{int(sys.argv[4]) + int(sys.argv[5])} versions each), peer lost "
+          f"{sum(c for _, c in runs)} time(s) in all")
 print("goals: refit/perftest >= 0.9, refit/gloo >= 3; transfer = Publish returned -> "
       "WaitForVersion returned on the other node; perftest = chunk-sized messages re-reading one "
       "cache-resident buffer (the issue's reference), pt whole = the model as one message")

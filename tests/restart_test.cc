@@ -211,6 +211,42 @@ TEST_CASE("a trainer and an engine carry on across a SIGKILLed and restarted ref
   REQUIRE(daemons.current().running());
 }
 
+TEST_CASE("a Watch of a client without buffers follows a restarted refitd",
+          "[integration][restart]") {
+  Generations daemons;
+  REQUIRE(daemons.Start().ok());
+  auto t = daemons.current().Connect();
+  auto o = daemons.current().Connect();
+  REQUIRE(t.ok());
+  REQUIRE(o.ok());
+  client::Client& trainer = **t;
+  client::Client& observer = **o;  // registers nothing (a dashboard, `refitctl watch`)
+  auto src = SharedMemory::CreateSealed(kBytes, "r33-trainer");
+  REQUIRE(src.ok());
+  auto src_id = trainer.RegisterBuffer("m", v1::SOURCE, *src, Tensors(), "trainer");
+  REQUIRE(src_id.ok());
+  Fill(src->data(), 1);
+  REQUIRE(trainer.Publish("m", 1, {*src_id}).ok());
+  auto watcher = observer.Watch("m");  // from now: after version 1
+  REQUIRE(watcher.ok());
+
+  REQUIRE(daemons.Restart(milliseconds(300)).ok());
+  // The trainer rides the restart (registers again) and publishes 2 on the new refitd; the
+  // observer's stream, broken by the kill, resumes after version 1 and delivers 2.
+  Fill(src->data(), 2);
+  auto published = trainer.Publish("m", 2, {*src_id});
+  INFO(published.status().ToString());
+  REQUIRE(published.ok());
+  v1::VersionEvent event;
+  const bool next = (*watcher)->Next(&event);
+  INFO((*watcher)->status().ToString());
+  REQUIRE(next);
+  CHECK(event.version() == 2);
+  CHECK(trainer.restarts_ridden() == 1);
+  CHECK(observer.restarts_ridden() == 0);  // nothing to register again
+  (*watcher)->Cancel();
+}
+
 TEST_CASE("a call waits for a restarted refitd only as long as restart_timeout",
           "[integration][restart]") {
   auto daemon = DaemonProcess::Start();

@@ -131,6 +131,9 @@ struct PeerManager::Peer {
   std::string site;        // its Hello's --site; guarded by PeerManager::mu_
   bool connected = false;  // guarded by PeerManager::mu_
   std::string error;       // guarded by PeerManager::mu_
+  // Why the last Dial failed when it was a matter of trust (TLS, identity), for Status;
+  // guarded by PeerManager::mu_.
+  std::string refused;
   // Set by its thread before `node`, under mu_; shared with the replica reporter, which calls
   // through it outside the lock while a reconnect may replace it.
   std::shared_ptr<v1::Peer::Stub> stub;
@@ -240,14 +243,42 @@ void PeerManager::Stop() {
   if (pull_thread_.joinable()) pull_thread_.join();
 }
 
+namespace {
+
+// What a failed Dial says about trust, for the operator ("" when it was not about trust): a
+// TLS handshake that failed (a certificate expired, of another CA, refused by the peer), a
+// peer whose certificate names another node, or (this node without TLS) a connection the peer
+// closed before answering, as a peer with --tls-* does to plaintext.
+std::string TrustFailure(const grpc::Status& status, bool tls, const std::string& address) {
+  const std::string& message = status.error_message();
+  auto has = [&message](const char* text) { return message.find(text) != std::string::npos; };
+  if (status.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
+    return absl::StrCat("peer at ", address, " refused: ", message);
+  }
+  if (tls && (has("andshake failed") || has("SSL_ERROR") || has("certificate"))) {
+    return absl::StrCat(
+        "peer at ", address, ": no mutual TLS session (", message,
+        "): each side's certificate must be valid now and issued by the CA the other side "
+        "trusts (--tls-ca), and the peer must run with --tls-* too");
+  }
+  if (!tls && has("Socket closed")) {
+    return absl::StrCat("peer at ", address, " closed the connection before answering (", message,
+                        "): a peer with mutual TLS (--tls-*) does that to plaintext; if it "
+                        "runs with --tls-*, give this node --tls-cert, --tls-key and --tls-ca");
+  }
+  return "";
+}
+
+}  // namespace
+
 std::vector<PeerState> PeerManager::Peers() const {
   common::MutexLock lock(mu_);
   std::vector<PeerState> out;
   for (const auto& peer : peers_) {
     if (peer->node == node_ + " (self)") continue;
     // A refused peer has this node's name (kept out of `node`, which names endpoints).
-    out.push_back(
-        {peer->address, peer->error.empty() ? peer->node : node_, peer->connected, peer->error});
+    out.push_back({peer->address, peer->error.empty() ? peer->node : node_, peer->connected,
+                   peer->error.empty() ? peer->refused : peer->error});
   }
   return out;
 }
@@ -353,6 +384,7 @@ void PeerManager::RunPeer(Peer* peer) {
         peer->site = who.site().size() <= kMaxNodeName ? who.site() : "";
         peer->connected = true;
         peer->error.clear();
+        peer->refused.clear();
         peer->channel = channel;
         if (peer->stub) retired_stubs_.push_back(std::move(peer->stub));
         peer->stub = std::move(stub);
@@ -423,6 +455,17 @@ void PeerManager::RunPeer(Peer* peer) {
       Logger("peer")->warn(
           "peer={} at {} disconnected: {}", node, peer->address,
           status.error_message().empty() ? "stream ended" : status.error_message());
+    } else if (std::string why = TrustFailure(status, tls_.enabled(), peer->address);
+               !why.empty()) {
+      // Refused for trust (certificates, identity): said in Status, logged once per reason.
+      bool first = false;
+      {
+        common::MutexLock lock(mu_);
+        first = peer->refused != why;
+        peer->refused = why;
+      }
+      if (first) Logger("peer")->error("{}; retrying", why);
+      reported_down = true;
     } else if (!reported_down) {
       if (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT) {
         Logger("peer")->error("peer at {} refused: {}; retrying", peer->address,

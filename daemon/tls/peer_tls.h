@@ -45,6 +45,17 @@ absl::StatusOr<PeerTlsFiles> FromCredentials(const std::string& dir);
 // INVALID_ARGUMENT unless all three are given and readable PEM files.
 absl::Status CheckFiles(const PeerTlsFiles& files);
 
+// This daemon's own identity, read at start so that a bad one is a clear error there rather
+// than every handshake failing later: INVALID_ARGUMENT naming the file and what to fix when the
+// key can't be read (encrypted with a passphrase, not a private key), the key is not the
+// certificate's, or the certificate does not chain to the CA or is not valid now (expired, not
+// yet valid). `now` (seconds since the epoch; 0: the clock) is for tests.
+absl::Status CheckOwnCertificate(const PeerTlsFiles& files, int64_t now = 0);
+
+// FAILED_PRECONDITION when the certificate names neither `node` as its common name nor as a DNS
+// name: peers will refuse this node (refitd says so at start and serves its local clients).
+absl::Status CheckCertificateNames(const PeerTlsFiles& files, const std::string& node);
+
 // The peer server's credentials: TLS requiring a client certificate that chains to the CA, or
 // plaintext without files.
 std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const PeerTlsFiles& files);
