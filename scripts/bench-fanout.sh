@@ -109,7 +109,8 @@ if [ "$build" = 1 ]; then
       //daemon:refitd_testing
   fi
 fi
-bin="$("${bazel_cmd[@]}" info bazel-bin 2>/dev/null)"
+# $REFIT_FANOUT_BIN: binaries laid out as bazel-bin (daemon/refitd, ...) instead of bazel-bin.
+bin="${REFIT_FANOUT_BIN:-$("${bazel_cmd[@]}" info bazel-bin 2>/dev/null)}"
 # The lock is fd 9 of this shell only: every process started below gets "9>&-", so one
 # that outlives a killed run (and the Bazel server) never holds it.
 exec 9>/run/lock/refit-bench-fanout.lock
@@ -118,7 +119,8 @@ if ! flock -n 9; then
   exit 1
 fi
 python=/usr/bin/python3
-prefix=fleet-fan
+# $REFIT_TEST_NETNS_PREFIX (as the netns tests): whose namespaces these are.
+prefix=${REFIT_TEST_NETNS_PREFIX:+$REFIT_TEST_NETNS_PREFIX-}fleet-fan
 switch=$prefix-sw
 port=7070
 gloo_port=29500

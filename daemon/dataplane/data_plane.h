@@ -139,6 +139,9 @@ class DataPlane {
   // transport has events, or the loop's next deadline (a sweep, an eviction, a liveness turn);
   // only naps while the transport has something in flight (Transport::PrepareToSleep).
   void Sleep(Clock::time_point active_at);
+  // With own reads in flight after a turn that completed nothing: blocks until the transport's
+  // next event or posted work, briefly (kBusyWait; kBusyNap where the transport can't arm).
+  void WaitInFlight();
   int wake_fd_ = -1;
 
   common::Mutex mu_;

@@ -58,6 +58,22 @@ void RelayBoard::End(const std::string& model, uint64_t version, bool complete) 
   changed_.NotifyAll();
 }
 
+void RelayBoard::Retire(const std::string& model, uint64_t version) {
+  std::vector<std::shared_ptr<Region>> going;  // let go outside the lock
+  {
+    common::MutexLock lock(mu_);
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      if (it->first.model == model && it->first.version < version) {
+        going.push_back(std::move(it->second.slot));
+        it = entries_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  changed_.NotifyAll();
+}
+
 absl::StatusOr<RelayView> RelayBoard::Wait(const RelayKey& key, size_t cursor,
                                            std::chrono::steady_clock::time_point deadline) {
   common::UniqueLock lock(mu_);

@@ -64,6 +64,13 @@ class RelayBoard {
   void Landed(const RelayKey& key, uint64_t offset, uint64_t length);
   // The pull of `model` `version` ended: complete (its bytes verified) or failed.
   void End(const std::string& model, uint64_t version, bool complete);
+  // A pull of `model` `version` is about to take its staging slots: the board lets go of the
+  // pieces of older versions, so that their slots (if nothing else holds them) go back to the
+  // pool before the new pull asks it for slots. Readers still streaming one keep its slot.
+  // Without this, a node that stages one version at a time (--delta-base=destination) found the
+  // previous version's slot still held here and allocated (faulted in) a second one in its
+  // second version, while its readers waited for it (issue 36: version 2 at 2-4x the others).
+  void Retire(const std::string& model, uint64_t version);
 
   // Waits until `key` is on the board and something landed past `cursor` or its state is not
   // kPulling, or `deadline`. NOT_FOUND when `key` never appeared by then.

@@ -56,4 +56,27 @@ TEST_CASE("relay board: a failed pull ends its readers, old versions are forgott
   REQUIRE(board.Wait({"m", 5, "t", "b"}, 0, In(milliseconds(5))).ok());
 }
 
+TEST_CASE("relay board: Retire lets go of older versions' slots before a new pull takes slots",
+          "[fleet]") {
+  RelayBoard board;
+  auto old_slot = std::shared_ptr<Region>(AllocateHost(4096).value().release());
+  auto other_slot = std::shared_ptr<Region>(AllocateHost(4096).value().release());
+  board.Begin({"m", 1, "t", "b"}, old_slot, 4096, {{0, 4096}});
+  board.Begin({"other", 1, "t", "b"}, other_slot, 4096, {{0, 4096}});
+  board.End("m", 1, true);
+  // A reader still streaming version 1 holds its view's slot.
+  auto reader = board.Wait({"m", 1, "t", "b"}, 0, In(milliseconds(5)));
+  REQUIRE(reader.ok());
+  REQUIRE(old_slot.use_count() == 3);  // here, the board, the reader's view
+  board.Retire("m", 2);
+  REQUIRE(old_slot.use_count() == 2);  // the board let go; the reader keeps it
+  REQUIRE(reader->slot == old_slot);
+  REQUIRE(!board.Wait({"m", 1, "t", "b"}, 0, In(milliseconds(5))).ok());
+  // Another model, and the version being pulled, stay.
+  REQUIRE(other_slot.use_count() == 2);
+  board.Begin({"m", 2, "t", "b"}, old_slot, 4096, {{0, 4096}});
+  board.Retire("m", 2);
+  REQUIRE(board.Wait({"m", 2, "t", "b"}, 0, In(milliseconds(5))).ok());
+}
+
 }  // namespace refit::fleet

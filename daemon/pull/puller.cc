@@ -167,6 +167,8 @@ void FaultPullDelay() {
 
 PullOutcome Puller::Pull(const PullJob& job) {
   FaultPullDelay();
+  // The board's hold on the previous version's slots goes before this pull asks for its own.
+  if (board_) board_->Retire(job.model, job.version);
   const int64_t started_us = rl::WallMicros();
   PullOutcome outcome;
   std::vector<std::shared_ptr<Region>>& staging = outcome.staging;

@@ -318,6 +318,13 @@ class Transport {
   // true when the caller may block until WakeFd() is readable (or until it has work of its own);
   // false when it must Poll again soon. A backend that can't tell (the default) answers false.
   [[nodiscard]] virtual bool PrepareToSleep() { return false; }
+  // Like PrepareToSleep, but also while this transport's own ops (or replies) are in flight:
+  // kArmed when WakeFd() will turn readable at the next network event (data from a peer, a
+  // socket that can take more of a send); kPending: events arrived since the last Poll (Poll
+  // again now); kCannot: the backend can't tell (or work is on threads that signal no event).
+  // A caller that blocks after kArmed blocks with a short timeout all the same.
+  enum class Armed { kArmed, kPending, kCannot };
+  [[nodiscard]] virtual Armed ArmWhileBusy() { return Armed::kCannot; }
   // The descriptor to wait on (readable: Poll) after PrepareToSleep() said true; -1 when nothing
   // but the caller's own calls makes work for this backend. Fixed for the transport's life.
   virtual int WakeFd() const { return -1; }

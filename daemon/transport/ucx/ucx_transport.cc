@@ -635,6 +635,16 @@ bool UcxTransport::PrepareToSleep() {
   return ucp_worker_arm(worker_.get()) == UCS_OK;
 }
 
+Transport::Armed UcxTransport::ArmWhileBusy() {
+  // Copies on the CopyEngine's threads end with no event on the fd.
+  if (wake_fd_ < 0 || in_copier_ != 0) return Armed::kCannot;
+  // Results not yet handed out go first.
+  if (!done_.empty() || !newly_failed_.empty()) return Armed::kPending;
+  const ucs_status_t s = ucp_worker_arm(worker_.get());
+  if (s == UCS_OK) return Armed::kArmed;
+  return s == UCS_ERR_BUSY ? Armed::kPending : Armed::kCannot;
+}
+
 size_t UcxTransport::Poll(std::vector<Completion>* out) {
   // Bounded so one busy Poll can't starve the caller's loop.
   for (int i = 0; i < 64; ++i) {

@@ -89,6 +89,8 @@
 //   PrepareToSleep ucp_worker_arm (the context has UCP_FEATURE_WAKEUP), only when nothing is in
 //                  flight: no op outstanding, no reply or request being sent, no endpoint
 //                  closing; UCS_ERR_BUSY (events pending) is false. WakeFd: ucp_worker_get_efd.
+//   ArmWhileBusy   ucp_worker_arm with ops, replies or closes in flight too (their progress over
+//                  tcp comes with socket events); kCannot while copies are on the CopyEngine.
 //   Cancel         marks the endpoint's outstanding ops cancelled; each reports CANCELLED when
 //                  UCX is done with it. UCX 1.13 can't abort one RMA op, and closing the ep with
 //                  FORCE would also reset the PEER's endpoints to us (they share the transport
@@ -170,6 +172,7 @@ class UcxTransport final : public Transport {
   uint64_t outstanding() const override { return outstanding_; }
   uint64_t activity() const override { return activity_; }
   bool PrepareToSleep() override;
+  Armed ArmWhileBusy() override;
   int WakeFd() const override { return wake_fd_; }
   absl::StatusOr<Grant> GrantRead(const LocalMemory& memory, std::string_view token) override;
 
