@@ -33,9 +33,18 @@
 # run left (namespaces fleet-fan-*, their processes, /dev/shm/refit-fanout-*). One run at a time
 # (flock on /run/lock/refit-bench-fanout.lock). Needs root and iproute2.
 #
-# Usage: scripts/bench-fanout.sh [--engines "1 2 4"] [--mib 256 | --gib] [--versions 5]
-#                                [--gloo-rounds 5] [--rate 1gbit] [--no-gloo] [--no-build]
-#                                [--refitd-args "--relay=false"] [--keep] [--extras]
+# Usage: scripts/bench-fanout.sh [--engines "1 2 4"] [--mib 256 | --gib | --sizes "256 1024"]
+#                                [--versions 5] [--warmup 2] [--gloo-rounds 5] [--rate 1gbit]
+#                                [--no-gloo] [--no-build] [--refitd-args "--relay=false"]
+#                                [--keep] [--extras]
+# The issue-36 table (K = 1 2 4 8 at 256 MiB and at 1 GiB, gloo beside it):
+#   scripts/bench-fanout.sh --engines "1 2 4 8" --sizes "256 1024" --versions 4 --warmup 1 \
+#     --gloo-rounds 1 --gloo-warmup 0
+# --sizes: each size in turn, every K at each (one table per size). A size that nine (K + 1)
+# daemons, their clients' buffers and the slots can't hold in the memory available is shrunk,
+# in 64 MiB steps, to the largest that fits the largest K, and the output says so.
+# --warmup: versions reported apart, not in the medians (default 2); --gloo-warmup: gloo rounds
+# before the timed ones (default 1).
 # --engines: the K values, run in this order (8 is skipped, with a message, when the machine's
 # available memory can't hold it); --gib: a 1 GiB model; --keep: keep the logs (the daemons'
 # logs say what each pull did); --refitd-args: more flags for every refitd (split on spaces),
@@ -51,7 +60,10 @@ cd "$(dirname "$0")/.."
 engines_list="1 2 4"
 mib=256
 versions=5
+warmup=2
+sizes=""
 gloo_rounds=5
+gloo_warmup=1
 rate=1gbit
 burst=256kb
 latency=20ms
@@ -67,10 +79,16 @@ while [ $# -gt 0 ]; do
     --mib) mib="$2"; shift 2 ;;
     --mib=*) mib="${1#*=}"; shift ;;
     --gib) mib=1024; shift ;;
+    --sizes) sizes="$2"; shift 2 ;;
+    --sizes=*) sizes="${1#*=}"; shift ;;
+    --warmup) warmup="$2"; shift 2 ;;
+    --warmup=*) warmup="${1#*=}"; shift ;;
     --versions) versions="$2"; shift 2 ;;
     --versions=*) versions="${1#*=}"; shift ;;
     --gloo-rounds) gloo_rounds="$2"; shift 2 ;;
     --gloo-rounds=*) gloo_rounds="${1#*=}"; shift ;;
+    --gloo-warmup) gloo_warmup="$2"; shift 2 ;;
+    --gloo-warmup=*) gloo_warmup="${1#*=}"; shift ;;
     --rate) rate="$2"; shift 2 ;;
     --rate=*) rate="${1#*=}"; shift ;;
     --no-gloo) gloo=0; shift ;;
@@ -166,24 +184,37 @@ trap 'exit 130' INT TERM
 
 # Memory: the clients' buffers (the trainer's SOURCE and one DESTINATION per engine, in
 # /dev/shm), the trainer's retain+1 = 2 version slots and one slot per engine node
-# (--delta-base=destination); gloo holds one copy per rank plus torch. A K that would leave
-# under 2 GiB available is skipped.
+# (--delta-base=destination); gloo holds one copy per rank plus torch. Each size is shrunk (in
+# 64 MiB steps) until the largest K leaves 2 GiB available.
 avail_mib=$(awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo)
 max_k=0
 runs=()
 for k in $engines_list; do
-  need=$(( (2 * k + 3) * mib + 2048 ))
-  if [ "$need" -gt "$avail_mib" ]; then
-    echo "bench-fanout: skipping K=$k: needs ~${need} MiB, ${avail_mib} MiB available"
-    continue
-  fi
   runs+=("$k")
   [ "$k" -gt "$max_k" ] && max_k=$k
 done
-if [ "${#runs[@]}" -eq 0 ]; then
-  echo "bench-fanout: nothing to run" >&2
-  exit 1
-fi
+[ -n "$sizes" ] || sizes="$mib"
+fitted=()
+for size in $sizes; do
+  case "$size" in
+    [1-9]|[1-9][0-9]|[1-9][0-9][0-9]|[1-9][0-9][0-9][0-9]|[1-9][0-9][0-9][0-9][0-9]) ;;
+    *) echo "bench-fanout: --sizes takes MiB (1-99999), not '$size'" >&2; exit 2 ;;
+  esac
+  fit=$size
+  while [ $(( (2 * max_k + 3) * fit + 2048 )) -gt "$avail_mib" ] && [ "$fit" -gt 64 ]; do
+    fit=$(( (fit - 1) / 64 * 64 ))
+  done
+  if [ $(( (2 * max_k + 3) * fit + 2048 )) -gt "$avail_mib" ]; then
+    echo "bench-fanout: not even 64 MiB fits K=$max_k (${avail_mib} MiB available)" >&2
+    exit 1
+  fi
+  if [ "$fit" != "$size" ]; then
+    echo "bench-fanout: ${size} MiB does not fit K=$max_k: $(( max_k + 1 )) daemons need" \
+      "~$(( (2 * max_k + 3) * size + 2048 )) MiB, ${avail_mib} MiB available;" \
+      "running ${fit} MiB instead (the largest that fits)"
+  fi
+  fitted+=("$fit")
+done
 
 remove_network  # what a killed run left
 ip netns add "$switch"
@@ -209,7 +240,7 @@ done
 
 started=$(date +%s)
 echo "bench-fanout: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r), load $(cut -d' ' -f1-3 /proc/loadavg), ${avail_mib} MiB available"
-echo "  model ${mib} MiB (one bf16 tensor), ${versions} versions per K, engines: ${runs[*]}; links: tbf rate $rate burst $burst latency $latency on both ends of each veth"
+echo "  models ${fitted[*]} MiB (one bf16 tensor), ${versions} versions per K (the first ${warmup} apart), engines: ${runs[*]}; links: tbf rate $rate burst $burst latency $latency on both ends of each veth"
 echo "  refitd --retain=1 ${refitd_args:+$refitd_args }(full mesh of --peers), UCX_TLS=tcp, UCX_NET_DEVICES=eth0; $(ucx_info -v | head -1 | sed 's/# //')"
 
 wait_healthy() {
@@ -248,22 +279,22 @@ run_refit() {
     done
     ip netns exec "$(node_ns "$i")" env UCX_TLS=tcp UCX_NET_DEVICES=eth0 \
       UCX_WARN_UNUSED_ENV_VARS=n "$bin/daemon/refitd" --node="$(node_name "$i")" \
-      --listen="$(node_ip "$i"):$port" --peers="$peers" --socket="$work/k$k-$i.sock" \
+      --listen="$(node_ip "$i"):$port" --peers="$peers" --socket="$out/k$k-$i.sock" \
       --retain=1 --allow-plaintext-peers ${base_args[$i]:-} "${extra_args[@]}" \
-      >"$work/k$k-$(node_name "$i").log" 2>&1 9>&- &
+      >"$out/k$k-$(node_name "$i").log" 2>&1 9>&- &
     pids+=("$!")
   done
   for i in $(seq 0 "$k"); do
-    wait_healthy "$work/k$k-$i.sock" "$work/k$k-$(node_name "$i").log"
-    [ "$i" = 0 ] || sockets+="${sockets:+,}$work/k$k-$i.sock"
+    wait_healthy "$out/k$k-$i.sock" "$out/k$k-$(node_name "$i").log"
+    [ "$i" = 0 ] || sockets+="${sockets:+,}$out/k$k-$i.sock"
   done
   local tx0 ok=1 cpu0 daemons0 daemon_pids=("${pids[@]}")
   tx0=$(tx_bytes)
   cpu0=$(cpu_ticks)
   daemons0=$(proc_ticks "${daemon_pids[@]}")
   ip netns exec "$(node_ns 0)" "$bin/tests/bench/fanout_bench" \
-    --trainer-socket="$work/k$k-0.sock" --engine-sockets="$sockets" --versions="$versions" \
-    --mib="$mib" --timeout=$((60 + 3 * k * mib / 100)) >"$work/refit-k$k.out" 2>&1 9>&- &
+    --trainer-socket="$out/k$k-0.sock" --engine-sockets="$sockets" --versions="$versions" \
+    --mib="$mib" --warmup="$warmup" --timeout=$((60 + 3 * k * mib / 100)) >"$out/refit-k$k.out" 2>&1 9>&- &
   pids+=("$!")
   wait "$!" || ok=0  # in the background: a signal's trap runs at once, not after the bench
   local cpu1 daemons1 busy daemon_s
@@ -279,22 +310,22 @@ run_refit() {
   wire=$(awk -v a="$tx0" -v b="$(tx_bytes)" -v n="$versions" -v m="$mib" \
          'BEGIN { printf "%.3f", (b - a) / n / (m * 1048576) }')
   stop_pids
-  cat "$work/refit-k$k.out"
+  cat "$out/refit-k$k.out"
   if [ "$ok" = 0 ]; then
     echo "fanout_bench FAILED for K=$k; the daemons' warnings and errors:"
-    grep -hE ' [EW] \[|UCX  ERROR' "$work"/k"$k"-*.log | sort -u | head -10 | sed 's/^/  /' ||
+    grep -hE ' [EW] \[|UCX  ERROR' "$out"/k"$k"-*.log | sort -u | head -10 | sed 's/^/  /' ||
       true
-    echo "k=$k refit_failed=1" >>"$work/results.txt"
+    echo "k=$k refit_failed=1" >>"$out/results.txt"
     return 0
   fi
   # A peer channel closed by its server (gRPC GOAWAY) loses the calls on it, among them the pin
   # release that carries a puller's byte count to refit_data_bytes_sent_total.
   local goaways
-  goaways=$(cat "$work"/k"$k"-*.log | grep -c 'GOAWAY' || true)
+  goaways=$(cat "$out"/k"$k"-*.log | grep -c 'GOAWAY' || true)
   echo "trainer link (eth0) transmitted ${wire} models per version (IP level, all traffic);" \
     "gRPC GOAWAYs in the daemons' logs: $goaways"
-  echo "$(grep '^RESULT' "$work/refit-k$k.out" | sed 's/^RESULT //') wire_models=$wire" \
-    "goaways=$goaways busy=$busy daemon_cpu_s=$daemon_s" >>"$work/results.txt"
+  echo "$(grep '^RESULT' "$out/refit-k$k.out" | sed 's/^RESULT //') wire_models=$wire" \
+    "goaways=$goaways busy=$busy daemon_cpu_s=$daemon_s" >>"$out/results.txt"
 }
 
 # A gloo broadcast from rank 0 on the trainer's node to ranks 1..$1 on the engines' nodes.
@@ -304,31 +335,34 @@ run_gloo() {
   for r in $(seq 1 "$k"); do
     ip netns exec "$(node_ns "$r")" timeout "$limit" "$python" tests/bench/gloo_broadcast.py \
       --rank "$r" --world-size $((k + 1)) --master-addr "$(node_ip 0)" --port "$gloo_port" \
-      --ifname eth0 --mib "$mib" --rounds "$gloo_rounds" --warmup 1 >"$work/gloo-k$k-$r.out" \
+      --ifname eth0 --mib "$mib" --rounds "$gloo_rounds" --warmup "$gloo_warmup" >"$out/gloo-k$k-$r.out" \
       2>&1 9>&- &
     pids+=("$!")
   done
   ip netns exec "$(node_ns 0)" timeout "$limit" "$python" \
     tests/bench/gloo_broadcast.py --rank 0 --world-size $((k + 1)) --master-addr "$(node_ip 0)" \
-    --port "$gloo_port" --ifname eth0 --mib "$mib" --rounds "$gloo_rounds" --warmup 1 \
-    >"$work/gloo-k$k-0.out" 2>&1 9>&- &
+    --port "$gloo_port" --ifname eth0 --mib "$mib" --rounds "$gloo_rounds" --warmup "$gloo_warmup" \
+    >"$out/gloo-k$k-0.out" 2>&1 9>&- &
   pids+=("$!")
   for pid in "${pids[@]}"; do wait "$pid" || ok=0; done
   pids=()
-  cat "$work/gloo-k$k-0.out"
+  cat "$out/gloo-k$k-0.out"
   if [ "$ok" = 0 ]; then
     echo "gloo broadcast FAILED for K=$k:"
-    tail -n 3 "$work"/gloo-k"$k"-*.out | sed 's/^/  /'
-    echo "k=$k gloo_failed=1" >>"$work/results.txt"
+    tail -n 3 "$out"/gloo-k"$k"-*.out | sed 's/^/  /'
+    echo "k=$k gloo_failed=1" >>"$out/results.txt"
     return 0
   fi
-  echo "k=$k $(grep '^RESULT' "$work/gloo-k$k-0.out" | sed 's/^RESULT //')" >>"$work/results.txt"
+  echo "k=$k $(grep '^RESULT' "$out/gloo-k$k-0.out" | sed 's/^RESULT //')" >>"$out/results.txt"
 }
 
-: >"$work/results.txt"
+for mib in "${fitted[@]}"; do
+out="$work/$mib"
+mkdir -p "$out"
+: >"$out/results.txt"
 for k in "${runs[@]}"; do
   echo
-  echo "=== K=$k: refit, 1 trainer node -> $k engine node(s)"
+  echo "=== K=$k, ${mib} MiB: refit, 1 trainer node -> $k engine node(s)"
   run_refit "$k"
   if [ "$gloo" = 1 ]; then
     echo "--- K=$k: gloo broadcast (torch $("$python" -c 'import torch; print(torch.__version__)'))"
@@ -338,7 +372,7 @@ done
 
 echo
 echo "=== summary: model ${mib} MiB, links $rate; medians; $(date -u '+%Y-%m-%d %H:%M UTC'), $(( $(date +%s) - started )) s"
-"$python" - "$work/results.txt" <<'EOF'
+"$python" - "$out/results.txt" <<'EOF'
 import sys
 by_k = {}
 for line in open(sys.argv[1]):
@@ -393,6 +427,7 @@ for k in sorted(by_k):
           + (f"; refit/gloo = {t / float(r['gloo_s']):.2f}" if r.get("gloo_s") else "")
           + (f" ({met(t / float(r['gloo_s']) <= 0.35)})" if r.get("gloo_s") and k == 4 else ""))
 EOF
+done
 
 if [ "$extras" = 1 ]; then
   # Run from bazel-bin: the tests find daemon/refitd_testing there. Each makes its own
