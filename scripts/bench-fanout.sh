@@ -44,7 +44,9 @@
 # daemons, their clients' buffers and the slots can't hold in the memory available is shrunk,
 # in 64 MiB steps, to the largest that fits the largest K, and the output says so.
 # --warmup: versions reported apart, not in the medians (default 2); --gloo-warmup: gloo rounds
-# before the timed ones (default 1).
+# before the timed ones (default 1). After each size's table the simulator's T(K) for the same
+# K, model and link is printed beside it, every link at --sim-goodput (default 0.951: the
+# goodput fitted once, docs/fanout-simulator.md).
 # --engines: the K values, run in this order (8 is skipped, with a message, when the machine's
 # available memory can't hold it); --gib: a 1 GiB model; --keep: keep the logs (the daemons'
 # logs say what each pull did); --refitd-args: more flags for every refitd (split on spaces),
@@ -64,6 +66,7 @@ warmup=2
 sizes=""
 gloo_rounds=5
 gloo_warmup=1
+sim_goodput=0.951
 rate=1gbit
 burst=256kb
 latency=20ms
@@ -89,6 +92,8 @@ while [ $# -gt 0 ]; do
     --gloo-rounds=*) gloo_rounds="${1#*=}"; shift ;;
     --gloo-warmup) gloo_warmup="$2"; shift 2 ;;
     --gloo-warmup=*) gloo_warmup="${1#*=}"; shift ;;
+    --sim-goodput) sim_goodput="$2"; shift 2 ;;
+    --sim-goodput=*) sim_goodput="${1#*=}"; shift ;;
     --rate) rate="$2"; shift 2 ;;
     --rate=*) rate="${1#*=}"; shift ;;
     --no-gloo) gloo=0; shift ;;
@@ -121,7 +126,7 @@ fi
 if [ "$build" = 1 ]; then
   ./scripts/install-deps.sh
   "${bazel_cmd[@]}" build "${build_flags[@]}" //daemon:refitd //client:refitctl \
-    //tests/bench:fanout_bench
+    //tests/bench:fanout_bench //daemon/fleet:fanout_sim
   if [ "$extras" = 1 ]; then
     "${bazel_cmd[@]}" build "${build_flags[@]}" //tests:fleet_netns_test //tests:fleet_sites_test \
       //daemon:refitd_testing
@@ -427,6 +432,21 @@ for k in sorted(by_k):
           + (f"; refit/gloo = {t / float(r['gloo_s']):.2f}" if r.get("gloo_s") else "")
           + (f" ({met(t / float(r['gloo_s']) <= 0.35)})" if r.get("gloo_s") and k == 4 else ""))
 EOF
+# The simulator (daemon/fleet/fanout_sim) beside the real table: the same K, model and link,
+# every link at the goodput fitted once (docs/fanout-simulator.md), not refitted per run.
+sim="$bin/daemon/fleet/fanout_sim"
+rate_gbit=$(echo "$rate" | awk '/gbit$/ { sub(/gbit$/, ""); print; next }
+                                /mbit$/ { sub(/mbit$/, ""); print $0 / 1000; next }')
+if [ -x "$sim" ] && [ -n "$rate_gbit" ]; then
+  measured=$(for k in "${runs[@]}"; do
+                t=$(grep "^k=$k " "$out/results.txt" | grep -o ' t_s=[0-9.]*' | head -1 |
+                    cut -d= -f2 || true)
+                printf '%s,' "${t:--}"
+              done | sed 's/,$//')
+  "$sim" --model-bytes "${mib}MiB" --link-gbit "$rate_gbit" --k 1 --kimi=false \
+    --goodput "$sim_goodput" --calibrate-measured "$measured" \
+    --calibrate-k "$(echo "${runs[*]}" | tr ' ' ',')" | sed -n '/^Calibration/,/^$/p' || true
+fi
 done
 
 if [ "$extras" = 1 ]; then

@@ -332,3 +332,65 @@ TEST_CASE("netns fleet: a relay serving corrupted bytes is caught, the chunks ar
 }
 
 }  // namespace refit
+
+namespace refit {
+
+TEST_CASE(
+    "netns fleet: two trainer nodes each publish half; bounded engines merge both member "
+    "lists and relay to each other within --max-peer-connections",
+    "[integration][netns][fanout]") {
+  // Issue 36, part 4: each engine's --peers names the two trainer nodes only (bounded mode);
+  // it learns the other engines from both trainers' answers to its replica reports (merged,
+  // not replaced). (The cap on incoming relay readers binding: tests/fleet_bounded_test.)
+  auto network = Network::Create("r16t2", kEngines + 2, kRate);
+  if (!network.ok()) {
+    FAIL("cannot create the network namespaces this test needs (root and iproute2): "
+         << network.status().message());
+  }
+  FleetOptions options = InNetwork(network->get(), 4096);  // 32 MiB, 16 MiB per trainer node
+  options.trainers = 2;
+  options.peers_trainer_only = true;
+  // Two trainers and the three other engines: room for every channel, none for more.
+  options.engine_args.assign(kEngines, {"--max-peer-connections=5"});
+  Fleet fleet(std::move(options));
+  const double half = static_cast<double>(fleet.ModelBytes()) / 2;
+  for (uint64_t v = 1; v <= 3; ++v) {
+    const double first_before = Metric(*fleet.trainer, "refit_data_bytes_sent_total");
+    const double second_before = Metric(*fleet.second_trainer, "refit_data_bytes_sent_total");
+    const double relayed_before = fleet.RelaySent();
+    fleet.PublishAndCheck(v);
+    std::this_thread::sleep_for(milliseconds(500));  // the pins' releases count the bytes
+    const double first = Metric(*fleet.trainer, "refit_data_bytes_sent_total") - first_before;
+    const double second =
+        Metric(*fleet.second_trainer, "refit_data_bytes_sent_total") - second_before;
+    const double relayed = fleet.RelaySent() - relayed_before;
+    std::cout << "two trainer nodes in namespaces, version " << v << ": each sent " << first / half
+              << " and " << second / half << " of its half, the relays " << relayed / half
+              << " halves\n";
+    INFO("version " << v << ": trainer nodes sent " << first / half << " and " << second / half
+                    << " of their halves, relays " << relayed / half);
+    REQUIRE(first >= 0.9 * half);
+    REQUIRE(second >= 0.9 * half);
+    // From version 2 on every engine knows the others: each half leaves its trainer once.
+    const double most = v == 1 ? 1.25 : 1.05;
+    REQUIRE(first <= most * half);
+    REQUIRE(second <= most * half);
+    if (v > 1) REQUIRE(relayed >= 2 * 2.5 * half);  // 3/4 of each half to each of 4 nodes
+  }
+  // Merged member lists: every engine knows the other three as replicas while its --peers
+  // named only the two trainer nodes; incoming relay readers stayed within the cap.
+  for (auto& e : fleet.engines) {
+    auto status = e.client->Status();
+    REQUIRE(status.ok());
+    REQUIRE(status->models(0).replicas_size() == kEngines);
+    REQUIRE(Metric(*e.client, "refit_peer_channels_open") <= 5);
+    REQUIRE(status->peers_size() == 2);  // --peers: the two trainer nodes
+  }
+  for (client::Client* t : {fleet.trainer.get(), fleet.second_trainer.get()}) {
+    auto status = t->Status();
+    REQUIRE(status.ok());
+    REQUIRE(status->models(0).replicas_size() == kEngines);
+  }
+}
+
+}  // namespace refit

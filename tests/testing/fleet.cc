@@ -161,7 +161,12 @@ std::string Fleet::Address(int node) const {
 
 Fleet::Fleet(FleetOptions opts) : options(std::move(opts)) {
   const int engine_count = options.engines;
-  REQUIRE((options.trainers == 1 || (options.trainers == 2 && !options.network)));
+  // Two trainer nodes in namespaces: the network has engines + 2 nodes (the second trainer's
+  // node last).
+  REQUIRE((options.trainers == 1 || options.trainers == 2));
+  if (options.network && options.trainers == 2) {
+    REQUIRE(options.network->Nodes() >= engine_count + 2);
+  }
   for (int i = 0; i <= engine_count + 1; ++i) ports_.push_back(options.network ? 0 : FreePort());
   std::vector<std::string> args = {"--node=trainer", "--listen=" + Address(0), "--retain=1"};
   // Network namespaces: veth addresses, plaintext by the test's choice (secure by default).
@@ -185,8 +190,12 @@ Fleet::Fleet(FleetOptions opts) : options(std::move(opts)) {
   } else {
     std::vector<std::string> second = {"--node=trainer-1", "--listen=" + Address(engine_count + 1),
                                        "--retain=1"};
+    if (options.network) second.push_back("--allow-plaintext-peers");
     second.insert(second.end(), options.trainer_args.begin(), options.trainer_args.end());
-    auto t2 = DaemonProcess::Start(second, "", {}, Wrapper(engine_count + 1, "trainer-1"));
+    auto t2 = DaemonProcess::Start(
+        second, "",
+        options.network ? options.network->Env(engine_count + 1) : std::vector<std::string>(),
+        Wrapper(engine_count + 1, "trainer-1"));
     REQUIRE(t2.ok());
     second_trainer_node = std::move(t2).value();
     second_trainer = second_trainer_node->Connect().value();

@@ -44,6 +44,7 @@ class Network {
   ~Network();
 
   std::string Ip(int node) const;
+  int Nodes() const { return nodes_; }
   std::string SwitchNamespace() const { return prefix_ + "-sw"; }
   // Node i's link (both directions) limited to `rate` from now on (tc tbf syntax).
   absl::Status SetRate(int node, const std::string& rate);
@@ -89,8 +90,9 @@ struct FleetOptions {
   // the other engines from the trainer's answers to its replica reports); else every engine
   // lists every other daemon.
   bool peers_trainer_only = false;
-  // 2: a second trainer's node ("trainer-1", loopback only); each trainer node publishes half
-  // the rows of the tensor (a TP2 trainer), and every engine's --peers names both.
+  // 2: a second trainer's node ("trainer-1"; in a network, its last node: engines + 2 nodes);
+  // each trainer node publishes half the rows of the tensor (a TP2 trainer), and every
+  // engine's --peers names both.
   int trainers = 1;
   // Non-empty: each daemon's stderr (its log) goes to <log_dir>/<node>.log (LogOf).
   std::string log_dir;
