@@ -1,0 +1,212 @@
+// pull::Puller in one process: a real Store (slots), two real DataPlanes over the in-process
+// transport (daemon/transport/inproc), and a fake origin's Peer service (Pin, Checksum) on an
+// in-process gRPC channel. Fast and deterministic; the multi-process tests (tests/two_node_*,
+// tests/peer_plane_test, tests/faults_peer_test ...) stay beside it.
+
+#include "daemon/pull/puller.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "daemon/dataplane/data_plane.h"
+#include "daemon/memory/checksum.h"
+#include "daemon/metrics/metrics.h"
+#include "daemon/store/store.h"
+#include "daemon/transport/inproc/inproc_transport.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/refit/v1/peer.grpc.pb.h"
+
+namespace refit::pull {
+namespace {
+
+constexpr char kOrigin[] = "origin";
+constexpr char kPuller[] = "puller";
+constexpr uint64_t kBytes = 2 * kChecksumChunkBytes + kChecksumChunkBytes / 2;  // 3 chunks
+
+// The origin's side of the control plane: pins counted, checksums of `truth` (the bytes the
+// version really holds), whatever its data plane serves.
+class FakeOrigin final : public v1::Peer::Service {
+ public:
+  explicit FakeOrigin(std::vector<uint8_t> truth) : truth_(std::move(truth)) {}
+
+  grpc::Status Pin(grpc::ServerContext*, const v1::PinRequest* request, v1::PinResponse*) override {
+    (request->release() ? releases : pins)++;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Checksum(grpc::ServerContext*, const v1::ChecksumRequest* request,
+                        v1::ChecksumResponse* response) override {
+    if (before_checksum) before_checksum();
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    for (const v1::RangeRun& run : request->runs()) {
+      for (uint64_t i = 0; i < run.count(); ++i) {
+        const uint64_t begin = run.offset() + i * run.stride();
+        ranges.emplace_back(begin, std::min<uint64_t>(truth_.size(), begin + run.length()));
+      }
+    }
+    for (uint64_t sum : HashRanges(truth_.data(), ranges)) response->add_sums(sum);
+    checksum_calls++;
+    return grpc::Status::OK;
+  }
+
+  std::atomic<int> pins{0};
+  std::atomic<int> releases{0};
+  std::atomic<int> checksum_calls{0};
+  // Runs at the start of each Checksum call (on a gRPC thread); set before the pull.
+  std::function<void()> before_checksum;
+
+ private:
+  const std::vector<uint8_t> truth_;
+};
+
+// The peer manager's part: one channel, to the origin (or none).
+class OneChannel final : public PeerChannels {
+ public:
+  explicit OneChannel(v1::Peer::Stub* stub) : stub_(stub) {}
+  v1::Peer::Stub* StubFor(const std::string& node) override {
+    return node == kOrigin ? stub_ : nullptr;
+  }
+
+ private:
+  v1::Peer::Stub* const stub_;
+};
+
+std::vector<uint8_t> Pattern(uint64_t size) {
+  std::vector<uint8_t> bytes(size);
+  for (uint64_t i = 0; i < size; ++i) bytes[i] = static_cast<uint8_t>((i * 131 + (i >> 12)) & 0xff);
+  return bytes;
+}
+
+// Two nodes in one process: the origin's data plane exposes a version slot holding `truth`,
+// the puller's reads it.
+struct TwoNodes {
+  explicit TwoNodes(std::vector<uint8_t> truth_bytes)
+      : truth(std::move(truth_bytes)),
+        origin_plane(transport::InprocTransport::Create(), {}, &origin_metrics),
+        puller_plane(transport::InprocTransport::Create(), {}, &puller_metrics),
+        store(StoreOptions{}, &puller_metrics),
+        service(truth) {
+    auto slot_or = origin_plane.AllocateSlot(truth.size());
+    REQUIRE(slot_or.ok());
+    slot = std::shared_ptr<Region>(std::move(*slot_or));
+    std::memcpy(slot->data(), truth.data(), truth.size());
+    auto exposed = origin_plane.Expose(slot, kPuller);
+    REQUIRE(exposed.ok());
+    grant = exposed->grant;
+    puller_plane.Connect(kOrigin, origin_plane.LocalAddress());
+    grpc::ServerBuilder builder;
+    builder.RegisterService(&service);
+    server = builder.BuildAndStart();
+    REQUIRE(server);
+    stub = v1::Peer::NewStub(server->InProcessChannel(grpc::ChannelArguments()));
+    job.model = "m";
+    job.version = 1;
+    PullJob::Fetch fetch;
+    fetch.node = kOrigin;
+    fetch.buffer_id = "b";
+    fetch.remote_key = exposed->descriptor;
+    fetch.bytes = truth.size();
+    fetch.ranges = {{0, truth.size()}};
+    job.fetches.push_back(fetch);
+  }
+  ~TwoNodes() { server->Shutdown(); }
+
+  PullOutcome Pull(PeerChannels* channels) {
+    PullerOptions options;
+    options.node = kPuller;
+    options.relay = false;
+    Puller puller(options, &store, &puller_plane, &puller_metrics, channels, nullptr, nullptr);
+    return puller.Pull(job);
+  }
+
+  const std::vector<uint8_t> truth;
+  Metrics origin_metrics;
+  Metrics puller_metrics;
+  dataplane::DataPlane origin_plane;
+  dataplane::DataPlane puller_plane;
+  Store store;
+  FakeOrigin service;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<v1::Peer::Stub> stub;
+  std::shared_ptr<Region> slot;
+  std::shared_ptr<void> grant;
+  PullJob job;
+};
+
+bool SameBytes(const Region& region, const std::vector<uint8_t>& bytes) {
+  return region.size() >= bytes.size() &&
+         std::memcmp(region.data(), bytes.data(), bytes.size()) == 0;
+}
+
+TEST_CASE("a pull completes, byte-equal, pinned and released on the origin") {
+  TwoNodes nodes(Pattern(kBytes));
+  OneChannel channels(nodes.stub.get());
+  PullOutcome outcome = nodes.Pull(&channels);
+  REQUIRE(outcome.status.ok());
+  REQUIRE(outcome.staging.size() == 1);
+  CHECK(SameBytes(*outcome.staging[0], nodes.truth));
+  CHECK(nodes.service.pins >= 1);
+  CHECK(nodes.service.releases == 1);
+  CHECK(nodes.service.checksum_calls == 1);
+  CHECK(nodes.puller_metrics.Get(kFullVersions) == 1);
+  CHECK(nodes.puller_metrics.Get(kChunksRefetched) == 0);
+  CHECK(nodes.puller_metrics.Get(kDataBytesReceived) == static_cast<double>(kBytes));
+}
+
+TEST_CASE("a corrupt chunk fails its checksum, is fetched again (counted), and the pull is exact") {
+  std::vector<uint8_t> truth = Pattern(kBytes);
+  TwoNodes nodes(truth);
+  // The origin's slot serves one wrong byte in the second chunk until the first read is in.
+  const uint64_t at = kChecksumChunkBytes + 17;
+  nodes.slot->data()[at] ^= 0x5a;
+  std::atomic<bool> healed{false};
+  nodes.service.before_checksum = [&] {
+    if (healed.exchange(true)) return;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (nodes.puller_metrics.Get(kDataBytesReceived) < static_cast<double>(kBytes) &&
+           std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    nodes.slot->data()[at] = truth[at];
+  };
+  OneChannel channels(nodes.stub.get());
+  PullOutcome outcome = nodes.Pull(&channels);
+  REQUIRE(outcome.status.ok());
+  CHECK(SameBytes(*outcome.staging[0], truth));
+  CHECK(nodes.puller_metrics.Get(kChunksRefetched) == 1);
+  CHECK(nodes.service.checksum_calls == 2);  // the pull's, and the refetched chunk's
+  // The refetch read one chunk again.
+  CHECK(nodes.puller_metrics.Get(kDataBytesReceived) ==
+        static_cast<double>(kBytes + kChecksumChunkBytes));
+}
+
+TEST_CASE("a chunk that never matches the origin's checksum fails the pull with DATA_LOSS") {
+  std::vector<uint8_t> truth = Pattern(kBytes);
+  TwoNodes nodes(truth);
+  nodes.slot->data()[3] ^= 0x01;  // served wrong, every time
+  OneChannel channels(nodes.stub.get());
+  PullOutcome outcome = nodes.Pull(&channels);
+  CHECK(outcome.status.code() == absl::StatusCode::kDataLoss);
+  CHECK(outcome.staging.empty());
+  CHECK(nodes.puller_metrics.Get(kChunksRefetched) == 2);  // 3 fetches in all
+  CHECK(nodes.puller_metrics.Get(kFullVersions) == 0);
+  CHECK(nodes.service.releases == 1);  // unpinned all the same
+}
+
+TEST_CASE("a pull from an origin with no channel fails UNAVAILABLE and reads nothing") {
+  TwoNodes nodes(Pattern(kBytes));
+  OneChannel none(nullptr);
+  PullOutcome outcome = nodes.Pull(&none);
+  CHECK(outcome.status.code() == absl::StatusCode::kUnavailable);
+  CHECK(outcome.staging.empty());
+  CHECK(nodes.puller_metrics.Get(kDataBytesReceived) == 0);
+}
+
+}  // namespace
+}  // namespace refit::pull
