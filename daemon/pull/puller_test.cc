@@ -27,6 +27,7 @@ namespace {
 
 constexpr char kOrigin[] = "origin";
 constexpr char kPuller[] = "puller";
+constexpr char kRelay[] = "relay";
 constexpr uint64_t kBytes = 2 * kChecksumChunkBytes + kChecksumChunkBytes / 2;  // 3 chunks
 
 // The origin's side of the control plane: pins counted, checksums of `truth` (the bytes the
@@ -77,6 +78,36 @@ class OneChannel final : public PeerChannels {
   v1::Peer::Stub* const stub_;
 };
 
+// Another puller of the version, dead: every Relay stream fails at once (its process went away).
+class DeadRelay final : public v1::Peer::Service {
+ public:
+  grpc::Status Relay(grpc::ServerContext*, const v1::RelayRequest*,
+                     grpc::ServerWriter<v1::RelayProgress>*) override {
+    streams++;
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "relay went away");
+  }
+  grpc::Status Pin(grpc::ServerContext*, const v1::PinRequest*, v1::PinResponse*) override {
+    pins++;
+    return grpc::Status::OK;
+  }
+  std::atomic<int> streams{0};
+  std::atomic<int> pins{0};
+};
+
+// The origin's channel and a relay's.
+class OriginAndRelay final : public PeerChannels {
+ public:
+  OriginAndRelay(v1::Peer::Stub* origin, v1::Peer::Stub* relay) : origin_(origin), relay_(relay) {}
+  v1::Peer::Stub* StubFor(const std::string& node) override {
+    if (node == kOrigin) return origin_;
+    return node == kRelay ? relay_ : nullptr;
+  }
+
+ private:
+  v1::Peer::Stub* const origin_;
+  v1::Peer::Stub* const relay_;
+};
+
 std::vector<uint8_t> Pattern(uint64_t size) {
   std::vector<uint8_t> bytes(size);
   for (uint64_t i = 0; i < size; ++i) bytes[i] = static_cast<uint8_t>((i * 131 + (i >> 12)) & 0xff);
@@ -117,11 +148,12 @@ struct TwoNodes {
   }
   ~TwoNodes() { server->Shutdown(); }
 
-  PullOutcome Pull(PeerChannels* channels) {
+  // `replicas` (may be null): the other pullers this node may read stripes from (relaying on).
+  PullOutcome Pull(PeerChannels* channels, fleet::ReplicaTable* replicas = nullptr) {
     PullerOptions options;
     options.node = kPuller;
-    options.relay = false;
-    Puller puller(options, &store, &puller_plane, &puller_metrics, channels, nullptr, nullptr);
+    options.relay = replicas != nullptr;
+    Puller puller(options, &store, &puller_plane, &puller_metrics, channels, nullptr, replicas);
     return puller.Pull(job);
   }
 
@@ -206,6 +238,37 @@ TEST_CASE("a pull from an origin with no channel fails UNAVAILABLE and reads not
   CHECK(outcome.status.code() == absl::StatusCode::kUnavailable);
   CHECK(outcome.staging.empty());
   CHECK(nodes.puller_metrics.Get(kDataBytesReceived) == 0);
+}
+
+}  // namespace
+}  // namespace refit::pull
+
+namespace refit::pull {
+namespace {
+
+TEST_CASE("a dead relay's stripes are read from the origin (a failover, counted), byte-equal") {
+  // Enough chunks that the relay is dealt some of them.
+  std::vector<uint8_t> truth = Pattern(8 * kChecksumChunkBytes);
+  TwoNodes nodes(truth);
+  DeadRelay relay;
+  grpc::ServerBuilder builder;
+  builder.RegisterService(&relay);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  REQUIRE(server);
+  auto relay_stub = v1::Peer::NewStub(server->InProcessChannel(grpc::ChannelArguments()));
+  fleet::ReplicaTable replicas;
+  REQUIRE(replicas.Report(kRelay, /*relay=*/true, {{"m", 0, 0, false}}, "").ok());
+  OriginAndRelay channels(nodes.stub.get(), relay_stub.get());
+  PullOutcome outcome = nodes.Pull(&channels, &replicas);
+  REQUIRE(outcome.status.ok());
+  CHECK(SameBytes(*outcome.staging[0], truth));
+  CHECK(relay.streams >= 1);
+  CHECK(nodes.puller_metrics.Get(kRelayFailovers) == relay.streams.load());
+  CHECK(nodes.puller_metrics.Get(kRelayBytesReceived) == 0);
+  // Every byte came from the origin, once: nothing refetched.
+  CHECK(nodes.puller_metrics.Get(kDataBytesReceived) == static_cast<double>(truth.size()));
+  CHECK(nodes.puller_metrics.Get(kChunksRefetched) == 0);
+  server->Shutdown();
 }
 
 }  // namespace
