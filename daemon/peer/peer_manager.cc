@@ -64,7 +64,9 @@ PeerManager::PeerManager(PeerManagerOptions options, std::vector<std::string> ad
       resolver_(std::move(addresses), &links_),
       channels_(ChannelOptions(options), &dialer_, &links_, data_plane, metrics),
       puller_(PullOptions(options), store, data_plane, metrics, &channels_, board, replicas),
-      pulls_(store, &puller_, &channels_, metrics),
+      runner_(&puller_),
+      finisher_(store),
+      pulls_(&runner_, &finisher_, &channels_, metrics),
       reporter_(ReplicaReporterOptions{options.node, options.relay, options.site}, store, &links_,
                 &channels_, replicas) {}
 

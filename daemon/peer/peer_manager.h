@@ -113,6 +113,8 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   PeerResolver resolver_;
   RelayChannels channels_;
   pull::Puller puller_;
+  PullerRunner runner_;
+  StoreFinisher finisher_;
   PullWorker pulls_;
   ReplicaReporter reporter_;
   std::atomic<bool> stopped_{false};

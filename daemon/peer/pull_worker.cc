@@ -9,9 +9,9 @@
 
 namespace refit::peer {
 
-PullWorker::PullWorker(Store* store, pull::Puller* puller, RelayChannels* channels,
+PullWorker::PullWorker(PullRunner* runner, PullFinisher* finisher, PullsInFlight* in_flight,
                        Metrics* metrics)
-    : store_(store), puller_(puller), channels_(channels), metrics_(metrics) {
+    : runner_(runner), finisher_(finisher), in_flight_(in_flight), metrics_(metrics) {
   metrics_->Declare(kTransferSeconds);
 }
 
@@ -59,20 +59,20 @@ void PullWorker::Run() {
       jobs_.pop_front();
     }
     const auto start = std::chrono::steady_clock::now();
-    channels_->BeginPull();
+    in_flight_->BeginPull();
     {
       common::MutexLock lock(mu_);
       current_ = Transfer{job.model, job.version, job.Bytes(), 0};
       received_at_start_ = metrics_->Get(kDataBytesReceived);
     }
-    pull::PullOutcome outcome = puller_->Pull(job);
+    pull::PullOutcome outcome = runner_->Run(job);
     {
       common::MutexLock lock(mu_);
       current_.reset();  // before the store shows the version: no stale progress after it
     }
-    channels_->EndPull();
-    store_->FinishPull(job, outcome.status, std::move(outcome.staging));
-    const absl::Status& status = outcome.status;
+    in_flight_->EndPull();
+    const absl::Status status = outcome.status;
+    finisher_->Finish(job, outcome.status, std::move(outcome.staging));
     metrics_->Observe(
         kTransferSeconds,
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());

@@ -21,6 +21,7 @@
 #include "daemon/metrics/metrics.h"
 #include "daemon/peer/peer_dial.h"
 #include "daemon/peer/peer_links.h"
+#include "daemon/peer/pull_worker.h"
 #include "daemon/pull/puller.h"
 
 namespace refit::peer {
@@ -34,7 +35,7 @@ struct RelayChannelsOptions {
   std::chrono::milliseconds idle{60000};
 };
 
-class RelayChannels final : public pull::PeerChannels {
+class RelayChannels final : public pull::PeerChannels, public PullsInFlight {
  public:
   // Nothing is owned.
   RelayChannels(RelayChannelsOptions options, const Dialer* dialer, PeerLinks* links,
@@ -50,8 +51,8 @@ class RelayChannels final : public pull::PeerChannels {
   // Control channels open now: --peers connected plus relay channels.
   size_t Open() const;
   // A pull is running / ended: no stub is freed in between.
-  void BeginPull();
-  void EndPull();
+  void BeginPull() override;
+  void EndPull() override;
   // Closes relay channels unused for `idle` (all of them after Stop), and frees the stubs
   // reconnects replaced; nothing while a pull runs.
   void CloseIdle();
