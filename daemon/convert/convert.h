@@ -8,7 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "daemon/common/types.h"
-#include "daemon/store/store.h"
+#include "daemon/store/store_types.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/refit/v1/refit.pb.h"
 

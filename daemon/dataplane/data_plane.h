@@ -25,7 +25,7 @@
 #include "daemon/common/mutex.h"
 #include "daemon/memory/region.h"
 #include "daemon/metrics/metrics.h"
-#include "daemon/store/store.h"
+#include "daemon/store/store_types.h"
 #include "daemon/transport/transport.h"
 
 namespace refit {

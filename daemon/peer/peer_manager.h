@@ -1,34 +1,40 @@
 #pragma once
 
-// The other daemons, seen from this one: one connection loop per --peers address (Hello, then a
-// Subscribe stream whose events feed the store), reconnecting with backoff; the pull worker,
-// which runs the store's PullJobs one at a time through a pull::Puller and hands the outcome to
-// the store; and the reporter, which tells every connected daemon which versions this node's
-// DESTINATION buffers' models are complete at (Peer.Report: on every completion and every
-// second), for replica status, WaitForReplicas and the choice of relays.
+// The other daemons, seen from this one: the assembly of the peer plane's client side, one part
+// per job —
+//   PeerLinks        one connection loop per --peers address (Hello, then a Subscribe stream
+//                    whose events PeerEvents applies to the store), reconnecting with backoff;
+//   PeerResolver     the --peers names resolved again every 10 s (more daemons behind a name);
+//   RelayChannels    the channels a pull uses: --peers connections, else relay channels opened
+//                    on demand to nodes an origin named (--relay, --max-peer-connections);
+//   PullWorker       runs the store's PullJobs one at a time through a pull::Puller and hands
+//                    the outcome to the store;
+//   ReplicaReporter  tells every connected daemon which versions this node's DESTINATION
+//                    buffers' models are complete at (Peer.Report: on every completion and
+//                    every second), for replica status, WaitForReplicas and the choice of relays.
 //
-// Listens to the store (StoreEvents): OnPullNeeded queues a pull, OnVersionComplete makes a
-// report due.
+// Listens to the store (StoreEvents): OnPullNeeded queues a pull, OnVersionComplete and
+// OnHoldChanged make a report due.
 //
 // Thread-safety: public methods may be called from any thread. The store's events only queue
 // work or set a flag (the store calls them with its lock held).
 
 #include <atomic>
-#include <deque>
-#include <future>
-#include <map>
 #include <memory>
-#include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "daemon/common/mutex.h"
-#include "daemon/common/worker_loop.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
 #include "daemon/fleet/replicas.h"
+#include "daemon/peer/peer_dial.h"
+#include "daemon/peer/peer_events.h"
+#include "daemon/peer/peer_links.h"
 #include "daemon/peer/peer_metrics.h"
+#include "daemon/peer/peer_resolver.h"
+#include "daemon/peer/pull_worker.h"
+#include "daemon/peer/relay_channels.h"
+#include "daemon/peer/replica_reporter.h"
 #include "daemon/pull/puller.h"
 #include "daemon/rl/parts.h"
 #include "daemon/store/store.h"
@@ -38,17 +44,6 @@
 namespace refit::peer {
 
 using dataplane::DataPlane;
-
-struct PeerState {
-  std::string address;
-  std::string node;  // empty until the first Hello
-  bool connected = false;
-  std::string error;  // why this daemon does not connect to it (e.g. it has this node's name)
-};
-
-// "host:port" -> every "ip:port" the name resolves to now (one entry, unchanged, when it
-// doesn't resolve). A headless Kubernetes Service resolves to every daemon.
-std::vector<std::string> ResolvePeerAddress(const std::string& address);
 
 struct PeerManagerOptions {
   std::string node;  // this node
@@ -78,7 +73,7 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   ~PeerManager() override;  // Stop()
 
   // This daemon's --listen address as bound (for messages and subscriptions); before Start.
-  void SetListenAddress(const std::string& listen) { listen_ = listen; }
+  void SetListenAddress(const std::string& listen) { dialer_.SetListen(listen); }
   void Start();
   void Stop();
 
@@ -96,93 +91,33 @@ class PeerManager final : public pull::PeerChannels, public StoreEvents {
   absl::Status ForwardHold(const std::string& model, uint64_t version,
                            const std::vector<std::string>& nodes);
 
-  // A connected --peers node's stub; else, with --relay, a relay channel to a node an origin
-  // named (its Report answer), opened on demand (Hello, data-plane endpoint) while fewer than
-  // --max-peer-connections channels are open, and closed after a while unused.
-  v1::Peer::Stub* StubFor(const std::string& node) override;
-  bool CanReach(const std::string& node) override;
-  std::string SiteOf(const std::string& node) override;
+  // pull::PeerChannels (RelayChannels): a connected --peers node's stub; else, with --relay, a
+  // relay channel to a node an origin named (its Report answer), opened on demand.
+  v1::Peer::Stub* StubFor(const std::string& node) override { return channels_.StubFor(node); }
+  bool CanReach(const std::string& node) override { return channels_.CanReach(node); }
+  std::string SiteOf(const std::string& node) override { return channels_.SiteOf(node); }
   // Control channels open now: --peers connected plus relay channels (refit_peer_channels_open).
-  size_t OpenChannels() const;
+  size_t OpenChannels() const { return channels_.Open(); }
 
-  std::vector<PeerState> Peers() const;
+  std::vector<PeerState> Peers() const { return links_.Peers(); }
 
-  struct Transfer {
-    std::string model;
-    uint64_t version = 0;
-    uint64_t bytes_total = 0;
-    uint64_t bytes_done = 0;
-  };
+  using Transfer = peer::Transfer;
   // The pull in flight, if any.
-  std::vector<Transfer> Transfers() const;
+  std::vector<Transfer> Transfers() const { return pulls_.Transfers(); }
 
  private:
-  struct Peer;
-  struct Dialed {
-    std::shared_ptr<grpc::Channel> channel;
-    std::shared_ptr<v1::Peer::Stub> stub;
-    v1::HelloResponse who;
-  };
-  // A channel to `address` and its Hello, checked (a node name; with TLS, its certificate's).
-  grpc::Status Dial(const std::string& address, Dialed* out) const;
-  // A relay channel opened on demand: used by pulls, closed when idle (CloseIdle).
-  struct Relay {
-    std::string site;  // its Hello's
-    std::shared_ptr<grpc::Channel> channel;
-    std::shared_ptr<v1::Peer::Stub> stub;
-    std::chrono::steady_clock::time_point used;
-  };
-  v1::Peer::Stub* OpenRelay(const std::string& node);
-  void CloseIdle();
-  // The other nodes an origin named in its answer to this node's report.
-  void Learn(const v1::ReplicaReportResponse& response);
-  size_t OpenLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::Peer::Stub* ConnectedLocked(const std::string& node) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunPeer(Peer* peer);
-  void RunResolver();
-  void AddPeer(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunPulls();
-  void Report();  // one turn of reporter_
-  // An event from `node` announcing a version: its labels, budget and timeline (daemon/rl).
-  void NoteAnnounced(const std::string& node, const v1::PeerEvent& event);
   const std::string node_;
-  const std::string instance_;
-  std::string listen_;  // set before Start
-  const bool relay_;
-  const std::string site_;
-  const tls::PeerTlsFiles tls_;
-  const rl::Parts rl_;
-  Store* const store_;
-  DataPlane* const data_plane_;
-  Metrics* const metrics_;
-  fleet::ReplicaTable* const replicas_;
-  const std::vector<std::string> configured_;  // --peers as given
-  std::unique_ptr<pull::Puller> puller_;
-  std::vector<std::unique_ptr<Peer>> peers_ ABSL_GUARDED_BY(mu_);  // grows only
-  std::thread resolver_thread_;
-  bool started_ = false;
-
-  mutable common::Mutex mu_;
-  common::CondVar wake_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::deque<PullJob> jobs_ ABSL_GUARDED_BY(mu_);
-  // The pull in flight: bytes_done = received counter now - at its start.
-  std::optional<Transfer> current_ ABSL_GUARDED_BY(mu_);
-  double received_at_start_ ABSL_GUARDED_BY(mu_) = 0;
-  std::thread pull_thread_;
-  // The replica reporter: Report every second and on each completion (OnVersionComplete).
-  WorkerLoop reporter_;
-  bool reported_ = false;  // reporter thread only: the last report held a model
-  const uint32_t max_channels_;
-  const std::chrono::milliseconds idle_;  // a relay channel unused this long closes
-  common::Mutex open_mu_;                 // serializes opening and closing relay channels
-  std::map<std::string, Relay> relays_ ABSL_GUARDED_BY(mu_);       // node -> relay channel
-  std::map<std::string, std::string> known_ ABSL_GUARDED_BY(mu_);  // node -> address, learned
-  std::map<std::string, std::chrono::steady_clock::time_point> dial_failed_ ABSL_GUARDED_BY(mu_);
-  bool pulling_ ABSL_GUARDED_BY(mu_) = false;  // a pull is using channels
-  // Stubs of --peers connections that were replaced by a reconnect while a pull may still hold
-  // them (StubFor hands out plain pointers): kept until no pull is running (CloseIdle).
-  std::vector<std::shared_ptr<v1::Peer::Stub>> retired_stubs_ ABSL_GUARDED_BY(mu_);
+  Dialer dialer_;
+  PeerEvents events_;
+  PeerLinks links_;
+  PeerResolver resolver_;
+  RelayChannels channels_;
+  pull::Puller puller_;
+  PullerRunner runner_;
+  StoreFinisher finisher_;
+  PullWorker pulls_;
+  ReplicaReporter reporter_;
+  std::atomic<bool> stopped_{false};
 };
 
 }  // namespace refit::peer

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "daemon/rl/timeline.h"
-#include "daemon/store/store.h"
+#include "daemon/store/store_types.h"
 
 namespace refit::rl {
 

@@ -12,14 +12,6 @@
 
 namespace refit {
 
-uint64_t PullJob::Bytes() const {
-  uint64_t total = 0;
-  for (const Fetch& f : fetches) {
-    for (const auto& [begin, end] : f.ranges) total += end - begin;
-  }
-  return total;
-}
-
 void AppendSourceRuns(const plan::CopyOp& op, ByteRanges* out) {
   const uint64_t es = DTypeSize(op.src_dtype);
   const uint64_t run = (static_cast<uint64_t>(op.count - 1) * op.src_stride + 1) * es;
