@@ -99,6 +99,10 @@ struct StoreOptions {
   // Apply streams ~4-10 GB/s); a sparse Apply runs only when runs x this < the bytes a full
   // Apply writes. 0: whenever it applies (tests; the test build's REFIT_TEST_SPARSE_ALWAYS).
   uint64_t sparse_bytes_per_run = 4096;
+  // Threads of a sparse Apply: 0 picks (one per core, at most 8, from 16,384 changed runs);
+  // N > 0 takes N whenever the work cuts into as many items (tests: the undo record in parts;
+  // the test build's REFIT_TEST_SPARSE_THREADS sets it in refitd).
+  unsigned sparse_threads = 0;
 };
 
 struct PublishResult {

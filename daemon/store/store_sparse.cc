@@ -523,11 +523,16 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
   // when there are enough runs: each worker takes a contiguous share of the items, with a part
   // of the undo record of its own.
   const std::vector<WorkItem> items = SplitOps(plan, changes);
-  const unsigned threads =
-      runs < kParallelRuns
-          ? 1u
-          : std::min<unsigned>({std::max(1u, std::thread::hardware_concurrency()), kMaxThreads,
-                                static_cast<unsigned>(std::max<size_t>(1, items.size()))});
+  static const char* forced = TestSwitch("REFIT_TEST_SPARSE_THREADS");
+  const unsigned wanted =
+      forced ? static_cast<unsigned>(std::atoi(forced)) : options_.sparse_threads;
+  const unsigned threads = std::min<unsigned>(
+      {wanted > 0
+           ? wanted
+           : (runs < kParallelRuns
+                  ? 1u
+                  : std::min(std::max(1u, std::thread::hardware_concurrency()), kMaxThreads)),
+       static_cast<unsigned>(std::max<size_t>(1, items.size()))});
   std::vector<SparseSizer> sized(items.size(), SparseSizer{plan});
   {
     std::atomic<size_t> next{0};
