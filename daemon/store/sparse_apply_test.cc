@@ -205,7 +205,7 @@ TEST_CASE("the cost model keeps scattered steps on the full copy", "[store][spar
   REQUIRE(d1_id.ok());
   REQUIRE(store.Publish("m", 1, {*src_id}).ok());
   REQUIRE(store.Apply("m", 1, {*d1_id}).ok());
-  // 0.4 % of 24 K elements: ~100 runs x 4 KiB > the 18 KiB a full Apply writes: full.
+  // 0.4 % of 24 K elements: ~100 runs x 384 B > the 18 KiB a full Apply writes: full.
   Step(src.data, src.size, 0.004, 22);
   REQUIRE(store.Publish("m", 2, {*src_id}).ok());
   auto applied = store.Apply("m", 2, {*d1_id});

@@ -301,6 +301,7 @@ struct SparseWriter {
   ApplyJournal::Part& undo;    // this worker's part of the undo record
   std::atomic<bool>& stopped;  // another worker stopped: stop too
   uint64_t kill_at = 0;
+  bool from_slot = false;  // REFIT_TEST_SPARSE_FROM_SLOT (test build): the new bytes not carried
   uint64_t done = 0;
   uint32_t last_op = UINT32_MAX;
   bool flip = false;          // REFIT_FAULT_APPLY_FLIP (test build): the first write's byte changes
@@ -334,7 +335,8 @@ struct SparseWriter {
     if (PlainOp(op)) {
       const uint64_t bytes = n * DTypeSize(op.dst_dtype);
       const uint64_t from = SrcAt(op, w.row, w.first);
-      const uint8_t* value = list[op.src_location]->Values(w.run, from, bytes);
+      const uint8_t* value =
+          from_slot ? nullptr : list[op.src_location]->Values(w.run, from, bytes);
       if (!value) value = src[op.src_location] + from;  // a write past its run's words
       if (check && !SameBytes(to, base[op.src_location] + from, bytes)) return Stop(w.op);
       if (!undo.Save(op.dst_location, at, to, bytes)) return Full();
@@ -586,6 +588,8 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
   for (unsigned w = 0; w < threads; ++w) {
     writers.push_back(SparseWriter{plan, old_bytes, src, changes, dst, (*undo)->part(w), stopped});
   }
+  static const bool from_slot = TestSwitch("REFIT_TEST_SPARSE_FROM_SLOT") != nullptr;
+  for (SparseWriter& w : writers) w.from_slot = from_slot;
   // Test build: killed half-way through the busiest worker's writes (the others mid-way too).
   const unsigned busiest =
       static_cast<unsigned>(std::max_element(writes.begin(), writes.end()) - writes.begin());
