@@ -189,23 +189,38 @@ bool Landed(const plan::CopyOp& op, const SparseWrite& w, const uint8_t* src, co
 }
 
 // Rows [row_begin, row_end) of op `op`: what one worker of a sparse Apply takes at a time.
+// Rows [row_begin, row_end) of op `op`, elements [elem_begin, elem_end) of each: what one
+// worker of a sparse Apply takes at a time.
 struct WorkItem {
   uint32_t op = 0;
   uint64_t row_begin = 0;
   uint64_t row_end = 0;
+  uint64_t elem_begin = 0;
+  uint64_t elem_end = 0;
 };
 
-// The plan's ops with changes to write, each cut into about kRowParts items of rows.
+// The plan's ops with changes to write, each cut into about kRowParts items of rows, or an op of
+// fewer rows (a contiguous tensor is one row) into kElemParts items of elements per row.
 constexpr uint64_t kRowParts = 8;
+constexpr uint64_t kElemParts = 32;
 std::vector<WorkItem> SplitOps(const plan::Plan& plan,
                                const std::vector<const ChangeList*>& changes) {
   std::vector<WorkItem> items;
   for (uint32_t k = 0; k < plan.ops.size(); ++k) {
     const plan::CopyOp& op = plan.ops[k];
     if (changes[op.src_location]->runs.empty() || op.count == 0 || op.rows == 0) continue;
+    if (op.rows < kRowParts) {
+      const uint64_t elems = std::max<uint64_t>(1, (op.count + kElemParts - 1) / kElemParts);
+      for (uint64_t r = 0; r < op.rows; ++r) {
+        for (uint64_t e = 0; e < op.count; e += elems) {
+          items.push_back({k, r, r + 1, e, std::min<uint64_t>(op.count, e + elems)});
+        }
+      }
+      continue;
+    }
     const uint64_t rows = std::max<uint64_t>(1, (op.rows + kRowParts - 1) / kRowParts);
     for (uint64_t r = 0; r < op.rows; r += rows) {
-      items.push_back({k, r, std::min<uint64_t>(op.rows, r + rows)});
+      items.push_back({k, r, std::min<uint64_t>(op.rows, r + rows), 0, op.count});
     }
   }
   return items;
@@ -225,13 +240,15 @@ void ForEachWrite(const plan::Plan& plan, const std::vector<const ChangeList*>& 
     if (runs.empty() || op.count == 0) continue;
     const uint64_t se = DTypeSize(op.src_dtype);
     const uint64_t step = static_cast<uint64_t>(op.src_stride) * se;
+    const uint64_t eb = item->elem_begin, count = item->elem_end - item->elem_begin;
+    if (count == 0) continue;
     SparseWrite pending;
     bool have = false;
     auto row_first = runs.begin();  // the first run that may overlap the current row
     uint64_t last_s0 = 0;
     for (uint64_t r = item->row_begin; r < item->row_end; ++r) {
-      const uint64_t s0 = SrcAt(op, r, 0);
-      const uint64_t s1 = s0 + (op.count - 1) * step + se;
+      const uint64_t s0 = SrcAt(op, r, eb);
+      const uint64_t s1 = s0 + (count - 1) * step + se;
       if (r == item->row_begin || s0 < last_s0) {
         row_first = std::upper_bound(
             runs.begin(), runs.end(), s0,
@@ -245,13 +262,13 @@ void ForEachWrite(const plan::Plan& plan, const std::vector<const ChangeList*>& 
         // memory latency, not bandwidth.
         if (runs.end() - it > kAhead && (it + kAhead)->first < s1) {
           const uint64_t ahead = (it + kAhead)->first;
-          visitor.Ahead(op, r, ahead > s0 ? (ahead - s0) / step : 0,
+          visitor.Ahead(op, r, eb + (ahead > s0 ? (ahead - s0) / step : 0),
                         static_cast<uint64_t>(it + kAhead - runs.begin()));
         }
         const uint64_t lo = it->first > s0 ? it->first - s0 : 0;
         const uint64_t hi = std::min(it->second, s1) - s0;
-        const uint64_t first = lo < se ? 0 : (lo - se + step) / step;
-        const uint64_t last = std::min(op.count, (hi - 1) / step + 1);
+        const uint64_t first = eb + (lo < se ? 0 : (lo - se + step) / step);
+        const uint64_t last = eb + std::min(count, (hi - 1) / step + 1);
         if (first >= last) continue;
         if (have && pending.row == r && pending.last >= first) {
           pending.last = std::max(pending.last, last);
