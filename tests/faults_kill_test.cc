@@ -252,7 +252,10 @@ TEST_CASE("SIGKILL inside a sparse Apply: after the restart the engine holds N-1
           "[integration][faults][kill]") {
   // The test build's REFIT_TEST_SPARSE_ALWAYS: the sparse path even on this small model, where
   // refitd's cost model would take the full copy.
-  Victim node("apply", {"--node=one", "--retain=3"}, {"REFIT_TEST_SPARSE_ALWAYS=1"});
+  // REFIT_TEST_SPARSE_THREADS: four workers, each with its part of the undo record, killed
+  // while they all write.
+  Victim node("apply", {"--node=one", "--retain=3"},
+              {"REFIT_TEST_SPARSE_ALWAYS=1", "REFIT_TEST_SPARSE_THREADS=4"});
   SharedMemory src = MakeShm("skill-src"), dst = MakeShm("skill-dst");
   const int kills = testing::Iterations(3);
   int mixed = 0;

@@ -47,11 +47,15 @@ struct Header {
   uint64_t table_bytes;
   uint64_t data_offset;
   uint64_t data_bytes;
-  uint64_t kind;   // kDense: ranges in the table, their bytes in order; kSparse: records
+  // kDense: ranges in the table, their bytes in order; kSparse: records from data_offset;
+  // kSparseParts: `parts` parts of records, each described after the targets' table by three
+  // words (its start from data_offset, its capacity, the bytes of its records saved).
+  uint64_t kind;
   uint64_t saved;  // kSparse: the bytes of records saved, from data_offset
-  uint64_t reserved;
+  uint64_t parts;  // kSparseParts
 };
-constexpr uint64_t kDense = 0, kSparse = 1;
+constexpr uint64_t kDense = 0, kSparse = 1, kSparseParts = 2;
+constexpr uint64_t kPartWords = 3;
 static_assert(sizeof(Header) == 64, "journal header is 64 bytes");
 
 uint64_t RoundUp(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
@@ -288,26 +292,43 @@ absl::StatusOr<bool> ReadPending(const std::string& path, uint8_t* base, uint64_
     pending.target = std::move(t);
     out->push_back(std::move(pending));
   }
-  if (header.kind != kSparse) return true;
-  // Sparse records: [offset | target << 40 | len << 48] then the bytes, padded to 8.
-  if (header.saved > size - header.data_offset) {
-    return absl::DataLossError(absl::StrCat(path, ": truncated records"));
-  }
-  uint64_t pos = header.data_offset;
-  const uint64_t stop = header.data_offset + header.saved;
-  while (pos < stop) {
-    if (stop - pos < 8) return absl::DataLossError(absl::StrCat(path, ": bad record"));
-    uint64_t word = 0;
-    std::memcpy(&word, base + pos, 8);
-    const uint64_t offset = word & ((uint64_t{1} << 40) - 1);
-    const uint64_t target = (word >> 40) & 0xff;
-    const uint64_t len = word >> 48;
-    const uint64_t need = ApplyJournal::Entry::RecordBytes(len);
-    if (target >= out->size() || need > stop - pos || offset + len > (*out)[target].target.size) {
-      return absl::DataLossError(absl::StrCat(path, ": bad record"));
+  if (header.kind != kSparse && header.kind != kSparseParts) return true;
+  // Sparse records: [offset | target << 40 | len << 48] then the bytes, padded to 8; one part
+  // (kSparse) or several, read in order (restored newest first, the last part first).
+  std::vector<std::pair<uint64_t, uint64_t>> parts;  // [begin, end) in the file
+  if (header.kind == kSparse) {
+    if (header.saved > size - header.data_offset) {
+      return absl::DataLossError(absl::StrCat(path, ": truncated records"));
     }
-    (*out)[target].saved.push_back({offset, len, pos + 8});
-    pos += need;
+    parts.emplace_back(header.data_offset, header.data_offset + header.saved);
+  } else {
+    if (header.parts > static_cast<uint64_t>(end - at) / (8 * kPartWords)) {
+      return absl::DataLossError(absl::StrCat(path, ": bad parts table"));
+    }
+    for (uint64_t k = 0; k < header.parts; ++k) {
+      const uint64_t begin = Get(at), capacity = Get(at), saved = Get(at);
+      if (begin > header.data_bytes || capacity > header.data_bytes - begin || saved > capacity) {
+        return absl::DataLossError(absl::StrCat(path, ": bad part"));
+      }
+      parts.emplace_back(header.data_offset + begin, header.data_offset + begin + saved);
+    }
+  }
+  for (const auto& [first, stop] : parts) {
+    uint64_t pos = first;
+    while (pos < stop) {
+      if (stop - pos < 8) return absl::DataLossError(absl::StrCat(path, ": bad record"));
+      uint64_t word = 0;
+      std::memcpy(&word, base + pos, 8);
+      const uint64_t offset = word & ((uint64_t{1} << 40) - 1);
+      const uint64_t target = (word >> 40) & 0xff;
+      const uint64_t len = word >> 48;
+      const uint64_t need = ApplyJournal::Part::RecordBytes(len);
+      if (target >= out->size() || need > stop - pos || offset + len > (*out)[target].target.size) {
+        return absl::DataLossError(absl::StrCat(path, ": bad record"));
+      }
+      (*out)[target].saved.push_back({offset, len, pos + 8});
+      pos += need;
+    }
   }
   return true;
 }
@@ -461,6 +482,12 @@ absl::StatusOr<ApplyJournal::Slot*> ApplyJournal::SlotFor(uint64_t bytes) {
 
 absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::BeginSparse(
     std::vector<UndoTarget> targets, uint64_t capacity) {
+  return BeginSparse(std::move(targets), std::vector<uint64_t>{capacity});
+}
+
+absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::BeginSparse(
+    std::vector<UndoTarget> targets, const std::vector<uint64_t>& capacities) {
+  if (capacities.empty()) return absl::InvalidArgumentError("a sparse undo record has parts");
   if (targets.size() > 255) {
     return absl::InvalidArgumentError("a sparse undo record names at most 255 buffers");
   }
@@ -470,9 +497,17 @@ absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::BeginSparse(
     }
     t.ranges.clear();
   }
-  const uint64_t table = TableBytes(targets);
+  const uint64_t targets_table = TableBytes(targets);
+  const uint64_t table = targets_table + capacities.size() * kPartWords * 8;
   const uint64_t data_offset = RoundUp(sizeof(Header) + table, kPage);
-  ASSIGN_OR_RETURN(Slot * slot, SlotFor(data_offset + capacity));
+  // Each part on cache lines of its own (threads append to them at once).
+  std::vector<uint64_t> begins;
+  uint64_t data = 0;
+  for (uint64_t c : capacities) {
+    begins.push_back(data);
+    data += RoundUp(c, 64);
+  }
+  ASSIGN_OR_RETURN(Slot * slot, SlotFor(data_offset + data));
   uint8_t* base = slot->base;
   SetState(base, kSaving);
   Header header{};
@@ -481,28 +516,46 @@ absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::BeginSparse(
   header.targets = static_cast<uint32_t>(targets.size());
   header.table_bytes = table;
   header.data_offset = data_offset;
-  header.data_bytes = capacity;
-  header.kind = kSparse;
+  header.data_bytes = data;
+  header.kind = kSparseParts;
   header.saved = 0;
+  header.parts = capacities.size();
   std::memcpy(base, &header, sizeof(header));
   WriteTable(targets, base + sizeof(Header));
-  // Records are appended as the Apply goes; each counts once `saved` covers it.
-  SetState(base, kWriting);
+  uint8_t* words = base + sizeof(Header) + targets_table;
   std::unique_ptr<Entry> entry(new Entry(this, slot, std::move(targets), 0));
-  entry->data_ = base + data_offset;
-  entry->cursor_ = entry->data_;
-  entry->end_ = entry->data_ + capacity;
-  entry->saved_ = reinterpret_cast<std::atomic<uint64_t>*>(base + offsetof(Header, saved));
+  for (size_t k = 0; k < capacities.size(); ++k) {
+    uint8_t* at = words + k * kPartWords * 8;
+    Put(at, begins[k]);
+    Put(at, capacities[k]);
+    Put(at, 0);  // saved
+    Part part;
+    part.data_ = base + data_offset + begins[k];
+    part.cursor_ = part.data_;
+    part.end_ = part.data_ + capacities[k];
+    part.saved_ = reinterpret_cast<std::atomic<uint64_t>*>(words + k * kPartWords * 8 + 16);
+    entry->parts_.push_back(part);
+  }
+  // Records are appended as the Apply goes; each counts once its part's `saved` covers it.
+  SetState(base, kWriting);
   return entry;
+}
+
+uint64_t ApplyJournal::Entry::undo_bytes() const {
+  uint64_t bytes = undo_bytes_;
+  for (const Part& part : parts_) bytes += part.undo_bytes();
+  return bytes;
 }
 
 void ApplyJournal::Entry::RestoreSparse(const std::vector<bool>& skip) {
   std::vector<uint8_t*> records;
-  for (uint8_t* at = data_; at < cursor_;) {
-    records.push_back(at);
-    uint64_t word = 0;
-    std::memcpy(&word, at, 8);
-    at += RecordBytes(word >> 48);
+  for (const Part& part : parts_) {
+    for (uint8_t* at = part.data_; at < part.cursor_;) {
+      records.push_back(at);
+      uint64_t word = 0;
+      std::memcpy(&word, at, 8);
+      at += RecordBytes(word >> 48);
+    }
   }
   for (auto it = records.rbegin(); it != records.rend(); ++it) {
     uint64_t word = 0;
@@ -526,7 +579,7 @@ ApplyJournal::Entry::~Entry() {
 
 void ApplyJournal::Entry::Restore(const std::vector<bool>& skip) {
   if (done_) return;
-  if (data_) {
+  if (!parts_.empty()) {
     RestoreSparse(skip);
   } else {
     uint64_t data_offset = 0;

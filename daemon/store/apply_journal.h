@@ -60,24 +60,15 @@ class ApplyJournal {
   ApplyJournal& operator=(const ApplyJournal&) = delete;
 
   class Slot;
-  // One Apply's undo record, saved: the Apply may write into the targets now. Dropping it
-  // without Commit() restores the targets (an Apply that returns early fails whole).
-  class Entry {
-   public:
-    ~Entry();
-    Entry(const Entry&) = delete;
-    Entry& operator=(const Entry&) = delete;
-    // Puts the saved bytes back into every target (skipping `skip[i]`, e.g. memory gone).
-    void Restore(const std::vector<bool>& skip = {});
-    // The Apply landed: the record is void.
-    void Commit();
-    uint64_t undo_bytes() const { return undo_bytes_; }
 
-    // Sparse records (BeginSparse): saves `n` bytes of target `target` at `offset`, which the
-    // Apply is about to overwrite; call it before writing there. False when the capacity given
-    // to BeginSparse is used up (nothing saved: don't write). The record counts as saved, also
-    // for a refitd killed right after, before this returns (the count word is stored after the
-    // bytes, in program order, in a shared file mapping).
+  // One part of a sparse undo record (BeginSparse): appended to by one thread.
+  class Part {
+   public:
+    // Saves `n` bytes of target `target` at `offset`, which the Apply is about to overwrite;
+    // call it before writing there. False when the part's capacity is used up (nothing saved:
+    // don't write). The record counts as saved, also for a refitd killed right after, before
+    // this returns (the part's count word is stored after the bytes, in program order, in a
+    // shared file mapping).
     bool Save(uint32_t target, uint64_t offset, const uint8_t* bytes, uint64_t n) {
       while (n > kMaxRecordBytes) {
         if (!Save(target, offset, bytes, kMaxRecordBytes)) return false;
@@ -105,6 +96,40 @@ class ApplyJournal {
     // The bytes a sparse record of `n` saved bytes takes in the journal (n <= kMaxRecordBytes).
     static constexpr uint64_t RecordBytes(uint64_t n) { return 8 + (n + 7) / 8 * 8; }
     static constexpr uint64_t kMaxRecordBytes = 0xffff;
+    uint64_t undo_bytes() const { return undo_bytes_; }
+
+   private:
+    friend class ApplyJournal;
+    uint8_t* data_ = nullptr;    // where its records start
+    uint8_t* cursor_ = nullptr;  // the next one
+    uint8_t* end_ = nullptr;
+    std::atomic<uint64_t>* saved_ = nullptr;  // the bytes of records saved, in the file
+    uint64_t undo_bytes_ = 0;
+  };
+
+  // One Apply's undo record, saved: the Apply may write into the targets now. Dropping it
+  // without Commit() restores the targets (an Apply that returns early fails whole).
+  class Entry {
+   public:
+    ~Entry();
+    Entry(const Entry&) = delete;
+    Entry& operator=(const Entry&) = delete;
+    // Puts the saved bytes back into every target (skipping `skip[i]`, e.g. memory gone).
+    void Restore(const std::vector<bool>& skip = {});
+    // The Apply landed: the record is void.
+    void Commit();
+    // The bytes saved: the dense ranges, or the sparse parts' records.
+    uint64_t undo_bytes() const;
+
+    // Sparse records (BeginSparse): part `k`, for one thread to append to.
+    Part& part(size_t k) { return parts_[k]; }
+    size_t parts() const { return parts_.size(); }
+    // Part 0's Save (a record of one part).
+    bool Save(uint32_t target, uint64_t offset, const uint8_t* bytes, uint64_t n) {
+      return parts_[0].Save(target, offset, bytes, n);
+    }
+    static constexpr uint64_t RecordBytes(uint64_t n) { return Part::RecordBytes(n); }
+    static constexpr uint64_t kMaxRecordBytes = Part::kMaxRecordBytes;
 
    private:
     friend class ApplyJournal;
@@ -114,13 +139,9 @@ class ApplyJournal {
     ApplyJournal* journal_;
     Slot* slot_;
     std::vector<UndoTarget> targets_;
-    uint64_t undo_bytes_;
+    uint64_t undo_bytes_;  // dense records
     bool done_ = false;
-    // Sparse records: where they start, the next one, the end of the slot, the saved count.
-    uint8_t* data_ = nullptr;
-    uint8_t* cursor_ = nullptr;
-    uint8_t* end_ = nullptr;
-    std::atomic<uint64_t>* saved_ = nullptr;
+    std::vector<Part> parts_;  // sparse records (empty: dense)
   };
 
   // Saves the bytes of `targets`' ranges (on several cores when large) and marks the record
@@ -134,6 +155,11 @@ class ApplyJournal {
   // 255, each under 1 TiB (INVALID_ARGUMENT otherwise: take Begin).
   absl::StatusOr<std::unique_ptr<Entry>> BeginSparse(std::vector<UndoTarget> targets,
                                                      uint64_t capacity);
+  // The same in `capacities.size()` parts (Entry::part), each with its own capacity and its
+  // own saved count, so that several threads save and write at once (their records must
+  // cover disjoint destination bytes: parts are restored in reverse order, each newest first).
+  absl::StatusOr<std::unique_ptr<Entry>> BeginSparse(std::vector<UndoTarget> targets,
+                                                     const std::vector<uint64_t>& capacities);
 
   // A buffer registered with `identity` (its memory at `data`, `size` bytes): when a killed
   // refitd left an Apply into it unfinished, restores the bytes it held before that Apply and

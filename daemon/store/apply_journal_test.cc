@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "catch2/catch.hpp"
@@ -252,6 +253,85 @@ TEST_CASE("a process killed inside a sparse Apply: the next journal restores wha
   CHECK(*held == 6);
   CHECK(std::memcmp(engine.data, before.data(), kSize) == 0);
   CHECK((*journal)->PendingRecoveries() == 0);
+}
+
+// Part `part` of `parts` saves then flips the low byte of every 1000th element of its share of
+// `data` (elements i with i % parts == part); `kill_at`: the process SIGKILLs itself there.
+void SaveAndWrite(ApplyJournal::Part* undo, uint8_t* data, uint64_t elements, unsigned part,
+                  unsigned parts, uint64_t kill_at) {
+  for (uint64_t i = part; i < elements; i += parts) {
+    if (!undo->Save(0, i * 1000, data + i * 1000, 2)) _exit(5);
+    data[i * 1000] ^= 0x01;
+    data[i * 1000 + 1] ^= 0x80;
+    if (i == kill_at) kill(getpid(), SIGKILL);
+  }
+}
+
+TEST_CASE("a sparse record in parts, written by several threads: undone whole, or recovered",
+          "[journal]") {
+  constexpr size_t kSize = 1 << 20;
+  constexpr uint64_t kElements = 1000;
+  constexpr unsigned kParts = 3;
+  const std::vector<uint64_t> capacities(
+      kParts, (kElements / kParts + 1) * ApplyJournal::Entry::RecordBytes(2));
+  SECTION("an error: Restore puts every part back") {
+    TempDir dir;
+    auto journal = ApplyJournal::Open(dir.path);
+    REQUIRE(journal.ok());
+    Shared engine(kSize);
+    Fill(engine.data, kSize, 10);
+    const std::vector<uint8_t> before(engine.data, engine.data + kSize);
+    auto entry =
+        (*journal)->BeginSparse({Target("engine-mem", engine.data, kSize, {})}, capacities);
+    REQUIRE(entry.ok());
+    REQUIRE((*entry)->parts() == kParts);
+    std::vector<std::thread> threads;
+    for (unsigned k = 0; k < kParts; ++k) {
+      threads.emplace_back(SaveAndWrite, &(*entry)->part(k), engine.data, kElements, k, kParts,
+                           UINT64_MAX);
+    }
+    for (std::thread& t : threads) t.join();
+    CHECK((*entry)->undo_bytes() == 2 * kElements);
+    CHECK(std::memcmp(engine.data, before.data(), kSize) != 0);
+    (*entry)->Restore();
+    CHECK(std::memcmp(engine.data, before.data(), kSize) == 0);
+  }
+  SECTION("a kill while every part is being written: the next journal restores them all") {
+    TempDir dir;
+    Shared engine(kSize);
+    Fill(engine.data, kSize, 11);
+    const std::vector<uint8_t> before(engine.data, engine.data + kSize);
+    const pid_t child = fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      auto journal = ApplyJournal::Open(dir.path);
+      if (!journal.ok()) _exit(2);
+      auto entry =
+          (*journal)->BeginSparse({Target("engine-mem", engine.data, kSize, {})}, capacities);
+      if (!entry.ok()) _exit(3);
+      // Parts 1 and 2 finish; part 0 is killed two thirds of the way through its share.
+      std::thread one(SaveAndWrite, &(*entry)->part(1), engine.data, kElements, 1, kParts,
+                      UINT64_MAX);
+      std::thread two(SaveAndWrite, &(*entry)->part(2), engine.data, kElements, 2, kParts,
+                      UINT64_MAX);
+      one.join();
+      two.join();
+      SaveAndWrite(&(*entry)->part(0), engine.data, kElements, 0, kParts, 600);
+      _exit(4);
+    }
+    int status = 0;
+    REQUIRE(waitpid(child, &status, 0) == child);
+    REQUIRE(WIFSIGNALED(status));
+    REQUIRE(std::memcmp(engine.data, before.data(), kSize) != 0);
+    auto journal = ApplyJournal::Open(dir.path);
+    REQUIRE(journal.ok());
+    CHECK((*journal)->PendingRecoveries() == 1);
+    auto held = (*journal)->Recover("engine-mem", engine.data, kSize);
+    REQUIRE(held.has_value());
+    CHECK(*held == 6);
+    CHECK(std::memcmp(engine.data, before.data(), kSize) == 0);
+    CHECK((*journal)->PendingRecoveries() == 0);
+  }
 }
 
 }  // namespace

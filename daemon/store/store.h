@@ -96,10 +96,15 @@ struct StoreOptions {
   // a kill is not).
   std::string journal_dir;
   // Sparse Apply's cost model: one changed run costs about as much as copying this many bytes in
-  // a full Apply (scattered runs are bound by memory latency: ~0.5-1 us each here, where a full
-  // Apply streams ~4-10 GB/s); a sparse Apply runs only when runs x this < the bytes a full
-  // Apply writes. 0: whenever it applies (tests; the test build's REFIT_TEST_SPARSE_ALWAYS).
-  uint64_t sparse_bytes_per_run = 4096;
+  // a full Apply (scattered runs are bound by memory latency; fitted on bench-apply.sh, where
+  // the break-even measured 250-340 bytes per run with the new bytes carried in the change
+  // list: docs/benchmarks.md, "Third run"); a sparse Apply runs only when runs x this < the
+  // bytes a full Apply writes. 0: whenever it applies (tests; REFIT_TEST_SPARSE_ALWAYS).
+  uint64_t sparse_bytes_per_run = 384;
+  // Threads of a sparse Apply: 0 picks (one per core, at most 8, from 16,384 changed runs);
+  // N > 0 takes N whenever the work cuts into as many items (tests: the undo record in parts;
+  // the test build's REFIT_TEST_SPARSE_THREADS sets it in refitd).
+  unsigned sparse_threads = 0;
 };
 
 class Store {

@@ -25,6 +25,25 @@ namespace refit {
 // word (runs of neighbouring words merged).
 using ChangeRuns = std::vector<std::pair<uint64_t, uint64_t>>;
 
+// A piece's change list: its ChangeRuns and, carried with them, the new version's bytes of each
+// run's 8-byte words ([run begin rounded down to 8, run end rounded up to 8, at most the piece's
+// size)), back to back in run order, so that a sparse Apply reads the new values sequentially
+// and only the destination is scattered (store_sparse.cc).
+struct ChangeList {
+  ChangeRuns runs;
+  std::vector<uint64_t> values_at;  // runs.size() + 1 entries: where each run's words start
+  std::vector<uint8_t> values;
+  uint64_t changed_bytes = 0;  // sum of the runs' lengths
+
+  // The new bytes [at, at + n) of the piece, when they lie in run `run`'s words; else null.
+  const uint8_t* Values(size_t run, uint64_t at, uint64_t n) const {
+    const uint64_t lo = runs[run].first & ~uint64_t{7};
+    if (at < lo) return nullptr;
+    const uint64_t from = values_at[run] + (at - lo);
+    return from + n <= values_at[run + 1] ? values.data() + from : nullptr;
+  }
+};
+
 // Runs of ranges peers asked checksums for, by offset: (the run, `publishes` when last asked
 // about).
 struct Store::ChecksumHints {
@@ -82,7 +101,7 @@ struct Store::Piece {
   bool released = false;
   // Sparse Apply (store_sparse.cc): what differs from version `changes_base`'s piece of the
   // same buffer, found as the piece arrived (Publish, FinishPull); null: not diffed.
-  std::shared_ptr<const ChangeRuns> changes;
+  std::shared_ptr<const ChangeList> changes;
   uint64_t changes_base = 0;
   uint64_t compared_bytes = 0;  // of the piece, diffed
 };

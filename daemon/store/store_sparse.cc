@@ -22,13 +22,18 @@
 namespace refit {
 namespace {
 
-constexpr uint64_t kDiffTaskBytes = 4 << 20;
+// Small enough that the lines a task compared are still in cache when it gathers the new
+// bytes of its runs.
+constexpr uint64_t kDiffTaskBytes = 1 << 20;
 // Past this share of changed bytes a sparse Apply is not worth it: the full copy runs.
 constexpr uint64_t kDenseShareInverse = 8;  // 12.5 %
 // How many changed runs ahead a sparse Apply asks for the memory it will touch.
 constexpr ptrdiff_t kAhead = 16;
 // A sparse Apply checks every this-many-th write against N-1 (and each op's first).
 constexpr uint64_t kCheckEvery = 16;
+// A sparse Apply of at least this many changed runs is spread over up to kMaxThreads cores.
+constexpr uint64_t kParallelRuns = 16384;
+constexpr unsigned kMaxThreads = 8;
 
 uint64_t Load(const uint8_t* p) {
   uint64_t v;
@@ -69,12 +74,53 @@ void DiffRange(const uint8_t* a, const uint8_t* b, uint64_t begin, uint64_t end,
   }
 }
 
-// One element run of an op that the sparse Apply writes: elements [first, last) of `row`.
+// What one diff task found: its runs and the new bytes of their words (ChangeList).
+struct Found {
+  ByteRanges runs;
+  std::vector<uint64_t> at;  // per run: where its words start in `values`
+  std::vector<uint8_t> values;
+};
+
+// Copies the new bytes of each of `found`'s runs' words out of `data` (`size` bytes), right
+// after DiffRange read those lines.
+void GatherValues(const uint8_t* data, uint64_t size, Found* found) {
+  uint64_t total = 0;
+  for (const auto& [b, e] : found->runs) {
+    total += std::min(size, (e + 7) & ~uint64_t{7}) - (b & ~uint64_t{7});
+  }
+  found->at.resize(found->runs.size());
+  found->values.resize(total);
+  uint8_t* to = found->values.data();
+  for (size_t k = 0; k < found->runs.size(); ++k) {
+    const uint64_t lo = found->runs[k].first & ~uint64_t{7};
+    const uint64_t hi = std::min(size, (found->runs[k].second + 7) & ~uint64_t{7});
+    found->at[k] = static_cast<uint64_t>(to - found->values.data());
+    if (hi - lo == 8) {
+      __builtin_memcpy(to, data + lo, 8);
+    } else {
+      std::memcpy(to, data + lo, hi - lo);
+    }
+    to += hi - lo;
+  }
+}
+
+// Runs fn(0) .. fn(threads - 1), fn(0) on the calling thread.
+template <typename Fn>
+void ParallelFor(unsigned threads, Fn fn) {
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(fn, t);
+  fn(0u);
+  for (std::thread& t : pool) t.join();
+}
+
+// One element run of an op that the sparse Apply writes: elements [first, last) of `row`,
+// from change run `run` on (of the op's piece).
 struct SparseWrite {
   uint32_t op = 0;
   uint64_t row = 0;
   uint64_t first = 0;
   uint64_t last = 0;
+  uint64_t run = 0;
 };
 
 uint64_t SrcAt(const plan::CopyOp& op, uint64_t row, uint64_t element) {
@@ -142,26 +188,68 @@ bool Landed(const plan::CopyOp& op, const SparseWrite& w, const uint8_t* src, co
   return true;
 }
 
-// Calls visitor.Write(w) for each element run of the plan's ops whose source bytes overlap a
-// changed run of their piece, in op and row order, overlapping runs of one row merged. The
-// changed runs are walked once per op (rows ascending in the source move a cursor forward).
-template <typename Visitor>
-void ForEachWrite(const plan::Plan& plan, const std::vector<const ChangeRuns*>& changes,
-                  Visitor& visitor) {
+// Rows [row_begin, row_end) of op `op`: what one worker of a sparse Apply takes at a time.
+// Rows [row_begin, row_end) of op `op`, elements [elem_begin, elem_end) of each: what one
+// worker of a sparse Apply takes at a time.
+struct WorkItem {
+  uint32_t op = 0;
+  uint64_t row_begin = 0;
+  uint64_t row_end = 0;
+  uint64_t elem_begin = 0;
+  uint64_t elem_end = 0;
+};
+
+// The plan's ops with changes to write, each cut into about kRowParts items of rows, or an op of
+// fewer rows (a contiguous tensor is one row) into kElemParts items of elements per row.
+constexpr uint64_t kRowParts = 8;
+constexpr uint64_t kElemParts = 32;
+std::vector<WorkItem> SplitOps(const plan::Plan& plan,
+                               const std::vector<const ChangeList*>& changes) {
+  std::vector<WorkItem> items;
   for (uint32_t k = 0; k < plan.ops.size(); ++k) {
     const plan::CopyOp& op = plan.ops[k];
-    const ChangeRuns& runs = *changes[op.src_location];
+    if (changes[op.src_location]->runs.empty() || op.count == 0 || op.rows == 0) continue;
+    if (op.rows < kRowParts) {
+      const uint64_t elems = std::max<uint64_t>(1, (op.count + kElemParts - 1) / kElemParts);
+      for (uint64_t r = 0; r < op.rows; ++r) {
+        for (uint64_t e = 0; e < op.count; e += elems) {
+          items.push_back({k, r, r + 1, e, std::min<uint64_t>(op.count, e + elems)});
+        }
+      }
+      continue;
+    }
+    const uint64_t rows = std::max<uint64_t>(1, (op.rows + kRowParts - 1) / kRowParts);
+    for (uint64_t r = 0; r < op.rows; r += rows) {
+      items.push_back({k, r, std::min<uint64_t>(op.rows, r + rows), 0, op.count});
+    }
+  }
+  return items;
+}
+
+// Calls visitor.Write(w) for each element run of the items' rows whose source bytes overlap a
+// changed run of their piece, in item and row order, overlapping runs of one row merged. The
+// changed runs are walked once per item (rows ascending in the source move a cursor forward).
+// Stops when a Write returns false.
+template <typename Visitor>
+void ForEachWrite(const plan::Plan& plan, const std::vector<const ChangeList*>& changes,
+                  const WorkItem* items, const WorkItem* items_end, Visitor& visitor) {
+  for (const WorkItem* item = items; item != items_end; ++item) {
+    const uint32_t k = item->op;
+    const plan::CopyOp& op = plan.ops[k];
+    const ChangeRuns& runs = changes[op.src_location]->runs;
     if (runs.empty() || op.count == 0) continue;
     const uint64_t se = DTypeSize(op.src_dtype);
     const uint64_t step = static_cast<uint64_t>(op.src_stride) * se;
+    const uint64_t eb = item->elem_begin, count = item->elem_end - item->elem_begin;
+    if (count == 0) continue;
     SparseWrite pending;
     bool have = false;
     auto row_first = runs.begin();  // the first run that may overlap the current row
     uint64_t last_s0 = 0;
-    for (uint64_t r = 0; r < op.rows; ++r) {
-      const uint64_t s0 = SrcAt(op, r, 0);
-      const uint64_t s1 = s0 + (op.count - 1) * step + se;
-      if (r == 0 || s0 < last_s0) {
+    for (uint64_t r = item->row_begin; r < item->row_end; ++r) {
+      const uint64_t s0 = SrcAt(op, r, eb);
+      const uint64_t s1 = s0 + (count - 1) * step + se;
+      if (r == item->row_begin || s0 < last_s0) {
         row_first = std::upper_bound(
             runs.begin(), runs.end(), s0,
             [](uint64_t at, const std::pair<uint64_t, uint64_t>& run) { return at < run.second; });
@@ -174,19 +262,20 @@ void ForEachWrite(const plan::Plan& plan, const std::vector<const ChangeRuns*>& 
         // memory latency, not bandwidth.
         if (runs.end() - it > kAhead && (it + kAhead)->first < s1) {
           const uint64_t ahead = (it + kAhead)->first;
-          visitor.Ahead(op, r, ahead > s0 ? (ahead - s0) / step : 0);
+          visitor.Ahead(op, r, eb + (ahead > s0 ? (ahead - s0) / step : 0),
+                        static_cast<uint64_t>(it + kAhead - runs.begin()));
         }
         const uint64_t lo = it->first > s0 ? it->first - s0 : 0;
         const uint64_t hi = std::min(it->second, s1) - s0;
-        const uint64_t first = lo < se ? 0 : (lo - se + step) / step;
-        const uint64_t last = std::min(op.count, (hi - 1) / step + 1);
+        const uint64_t first = eb + (lo < se ? 0 : (lo - se + step) / step);
+        const uint64_t last = eb + std::min(count, (hi - 1) / step + 1);
         if (first >= last) continue;
         if (have && pending.row == r && pending.last >= first) {
           pending.last = std::max(pending.last, last);
           continue;
         }
         if (have && !visitor.Write(pending)) return;
-        pending = {k, r, first, last};
+        pending = {k, r, first, last, static_cast<uint64_t>(it - runs.begin())};
         have = true;
       }
     }
@@ -198,7 +287,7 @@ void ForEachWrite(const plan::Plan& plan, const std::vector<const ChangeRuns*>& 
 struct SparseSizer {
   const plan::Plan& plan;
   uint64_t writes = 0, written = 0, record_bytes = 0;
-  void Ahead(const plan::CopyOp&, uint64_t, uint64_t) {}
+  void Ahead(const plan::CopyOp&, uint64_t, uint64_t, uint64_t) {}
   bool Write(const SparseWrite& w) {
     const plan::CopyOp& op = plan.ops[w.op];
     const uint64_t de = DTypeSize(op.dst_dtype);
@@ -218,14 +307,18 @@ struct SparseSizer {
 
 // Pass two, one pass per write while its lines are in cache: the destination still holds the
 // base version there (else stop: the full copy runs), its bytes saved in the undo record, the
-// new bytes written and checked.
+// new bytes written and checked. Plain ops take the new bytes from the change list (read in
+// order); only the destination (and every kCheckEvery-th run's bytes of N-1) is scattered.
 struct SparseWriter {
   const plan::Plan& plan;
-  const std::vector<const uint8_t*>& base;  // the held version's pieces
-  const std::vector<const uint8_t*>& src;   // the new version's pieces
+  const std::vector<const uint8_t*>& base;     // the held version's pieces
+  const std::vector<const uint8_t*>& src;      // the new version's pieces
+  const std::vector<const ChangeList*>& list;  // their change lists
   const std::vector<uint8_t*>& dst;
-  ApplyJournal::Entry& undo;
+  ApplyJournal::Part& undo;    // this worker's part of the undo record
+  std::atomic<bool>& stopped;  // another worker stopped: stop too
   uint64_t kill_at = 0;
+  bool from_slot = false;  // REFIT_TEST_SPARSE_FROM_SLOT (test build): the new bytes not carried
   uint64_t done = 0;
   uint32_t last_op = UINT32_MAX;
   bool flip = false;          // REFIT_FAULT_APPLY_FLIP (test build): the first write's byte changes
@@ -235,31 +328,38 @@ struct SparseWriter {
   std::vector<size_t> bad = {};  // ops whose bytes did not land
   std::vector<uint8_t> scratch = {};
 
-  void Ahead(const plan::CopyOp& op, uint64_t row, uint64_t element) {
+  void Ahead(const plan::CopyOp& op, uint64_t row, uint64_t element, uint64_t run) {
     if (element >= op.count) return;
-    __builtin_prefetch(src[op.src_location] + SrcAt(op, row, element), 0);
+    if (!PlainOp(op)) __builtin_prefetch(src[op.src_location] + SrcAt(op, row, element), 0);
+    if (run % kCheckEvery == 0) {
+      __builtin_prefetch(base[op.src_location] + SrcAt(op, row, element), 0);
+    }
     __builtin_prefetch(dst[op.dst_location] + DstAt(op, row, element), 1);
   }
 
   bool Write(const SparseWrite& w) {
+    if (done % 256 == 0 && stopped.load(std::memory_order_relaxed)) return false;
     const plan::CopyOp& op = plan.ops[w.op];
     const uint64_t n = w.last - w.first;
     const uint64_t at = DstAt(op, w.row, w.first);
     uint8_t* to = dst[op.dst_location] + at;
     // Whatever the destination holds where this step writes is overwritten with N: the check
     // only tells a buffer the engine wrote into since (a bulk overwrite) from one that holds
-    // N-1, so every kCheckEvery-th write and each op's first are checked, not each (the bytes
-    // of N-1 are a third stream of scattered reads).
-    const bool check = done % kCheckEvery == 0 || w.op != last_op;
+    // N-1, so the writes from every kCheckEvery-th change run and each op's first are checked,
+    // not each (the bytes of N-1 are another stream of scattered reads).
+    const bool check = w.run % kCheckEvery == 0 || w.op != last_op;
     last_op = w.op;
     if (PlainOp(op)) {
       const uint64_t bytes = n * DTypeSize(op.dst_dtype);
       const uint64_t from = SrcAt(op, w.row, w.first);
+      const uint8_t* value =
+          from_slot ? nullptr : list[op.src_location]->Values(w.run, from, bytes);
+      if (!value) value = src[op.src_location] + from;  // a write past its run's words
       if (check && !SameBytes(to, base[op.src_location] + from, bytes)) return Stop(w.op);
       if (!undo.Save(op.dst_location, at, to, bytes)) return Full();
-      CopyBytes(to, src[op.src_location] + from, bytes);
+      CopyBytes(to, value, bytes);
       if (flip && done == 0) *to ^= 0x5a;  // test build: a byte changes under the write
-      if (!SameBytes(to, src[op.src_location] + from, bytes)) bad.push_back(w.op);
+      if (!SameBytes(to, value, bytes)) bad.push_back(w.op);
     } else {
       if (check && !Landed(op, w, base[op.src_location], dst[op.dst_location], &scratch)) {
         return Stop(w.op);
@@ -285,10 +385,12 @@ struct SparseWriter {
   bool Stop(uint32_t op) {
     not_base = true;
     not_base_op = op;
+    stopped.store(true);
     return false;
   }
   bool Full() {
     journal_full = true;
+    stopped.store(true);
     return false;
   }
 };
@@ -329,12 +431,14 @@ void Store::DiffPieces(std::vector<Piece*> pieces, const Version& base) {
     }
   }
   first_task[pieces.size()] = tasks.size();
-  std::vector<ByteRanges> found(tasks.size());
+  std::vector<Found> found(tasks.size());
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t t = next++; t < tasks.size(); t = next++) {
       const Task& task = tasks[t];
-      DiffRange(pieces[task.piece]->slot->data(), task.old_bytes, task.begin, task.end, &found[t]);
+      const Region& slot = *pieces[task.piece]->slot;
+      DiffRange(slot.data(), task.old_bytes, task.begin, task.end, &found[t].runs);
+      GatherValues(slot.data(), slot.size(), &found[t]);
     }
   };
   uint64_t total = 0;
@@ -349,13 +453,30 @@ void Store::DiffPieces(std::vector<Piece*> pieces, const Version& base) {
   for (std::thread& t : pool) t.join();
   for (size_t i = 0; i < pieces.size(); ++i) {
     if (!diffed[i]) continue;
-    auto runs = std::make_shared<ChangeRuns>();
-    uint64_t compared = 0;
+    // The tasks' runs in order (touching runs of neighbouring tasks are left apart: each
+    // carries its own words).
+    auto list = std::make_shared<ChangeList>();
+    uint64_t compared = 0, runs = 0, values = 0;
     for (size_t t = first_task[i]; t < first_task[i + 1]; ++t) {
-      for (const auto& [b, e] : found[t]) AddRun(runs.get(), b, e);
+      runs += found[t].runs.size();
+      values += found[t].values.size();
+    }
+    list->runs.reserve(runs);
+    list->values_at.reserve(runs + 1);
+    list->values.reserve(values);
+    for (size_t t = first_task[i]; t < first_task[i + 1]; ++t) {
+      const Found& f = found[t];
+      const uint64_t at = list->values.size();
+      for (size_t k = 0; k < f.runs.size(); ++k) {
+        list->runs.push_back(f.runs[k]);
+        list->values_at.push_back(at + f.at[k]);
+        list->changed_bytes += f.runs[k].second - f.runs[k].first;
+      }
+      list->values.insert(list->values.end(), f.values.begin(), f.values.end());
       compared += tasks[t].end - tasks[t].begin;
     }
-    pieces[i]->changes = std::move(runs);
+    list->values_at.push_back(list->values.size());
+    pieces[i]->changes = std::move(list);
     pieces[i]->changes_base = base.number;
     pieces[i]->compared_bytes = compared;
   }
@@ -379,7 +500,7 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
   uint64_t changed = 0, compared = 0;
   for (const Piece& piece : version.pieces) {
     if (!piece.changes || piece.changes_base != base || !piece.slot) return std::nullopt;
-    for (const auto& [b, e] : *piece.changes) changed += e - b;
+    changed += piece.changes->changed_bytes;
     compared += piece.compared_bytes;
   }
   if (held->number != base) return std::nullopt;
@@ -398,14 +519,14 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
   // Fewer changed runs than the cost model allows, or the full copy is cheaper.
   static const bool always = TestSwitch("REFIT_TEST_SPARSE_ALWAYS") != nullptr;
   uint64_t runs = 0;
-  for (const Piece& piece : version.pieces) runs += piece.changes->size();
+  for (const Piece& piece : version.pieces) runs += piece.changes->runs.size();
   if (!always && options_.sparse_bytes_per_run > 0 &&
       runs * options_.sparse_bytes_per_run >= cached.plan.dst_bytes) {
     return std::nullopt;
   }
   const plan::Plan& plan = cached.plan;
   const auto t_start = Clock::now();
-  std::vector<const ChangeRuns*> changes;
+  std::vector<const ChangeList*> changes;
   std::vector<const uint8_t*> old_bytes, src;
   for (size_t i = 0; i < version.pieces.size(); ++i) {
     changes.push_back(version.pieces[i].changes.get());
@@ -417,8 +538,50 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
       return std::nullopt;
     }
   }
+  // The work cut into items of rows, sized (pass one) and written (pass two) on several cores
+  // when there are enough runs: each worker takes a contiguous share of the items, with a part
+  // of the undo record of its own.
+  const std::vector<WorkItem> items = SplitOps(plan, changes);
+  static const char* forced = TestSwitch("REFIT_TEST_SPARSE_THREADS");
+  const unsigned wanted =
+      forced ? static_cast<unsigned>(std::atoi(forced)) : options_.sparse_threads;
+  const unsigned threads = std::min<unsigned>(
+      {wanted > 0
+           ? wanted
+           : (runs < kParallelRuns
+                  ? 1u
+                  : std::min(std::max(1u, std::thread::hardware_concurrency()), kMaxThreads)),
+       static_cast<unsigned>(std::max<size_t>(1, items.size()))});
+  std::vector<SparseSizer> sized(items.size(), SparseSizer{plan});
+  {
+    std::atomic<size_t> next{0};
+    ParallelFor(threads, [&](unsigned) {
+      for (size_t i = next++; i < items.size(); i = next++) {
+        ForEachWrite(plan, changes, &items[i], &items[i] + 1, sized[i]);
+      }
+    });
+  }
   SparseSizer sizer{plan};
-  ForEachWrite(plan, changes, sizer);
+  for (const SparseSizer& s : sized) {
+    sizer.writes += s.writes;
+    sizer.written += s.written;
+    sizer.record_bytes += s.record_bytes;
+  }
+  // Worker w: items [cut[w], cut[w + 1]), about sizer.writes / threads writes.
+  std::vector<size_t> cut(threads + 1, items.size());
+  std::vector<uint64_t> capacities(threads, 0), writes(threads, 0);
+  cut[0] = 0;
+  {
+    unsigned w = 0;
+    uint64_t acc = 0;
+    for (size_t i = 0; i < items.size(); ++i) {
+      while (w + 1 < threads && acc >= sizer.writes * (w + 1) / threads) cut[++w] = i;
+      acc += sized[i].writes;
+      capacities[w] += sized[i].record_bytes;
+      writes[w] += sized[i].writes;
+    }
+    while (w + 1 < threads) cut[++w] = items.size();
+  }
   const auto t_planned = Clock::now();
   // The undo record: the destination bytes of every write, saved as it is made.
   std::vector<UndoTarget> targets;
@@ -431,13 +594,24 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
     t.version = version.number;
     targets.push_back(std::move(t));
   }
-  auto undo = journal_->BeginSparse(std::move(targets), sizer.record_bytes);
+  auto undo = journal_->BeginSparse(std::move(targets), capacities);
   if (undo.status().code() == absl::StatusCode::kInvalidArgument) return std::nullopt;
   if (!undo.ok()) return absl::StatusOr<ApplyResult>(undo.status());
   std::vector<uint8_t*> dst;
   for (const auto& d : dests) dst.push_back(d->region->data());
-  SparseWriter writer{plan, old_bytes, src, dst, **undo};
-  writer.kill_at = std::max<uint64_t>(1, sizer.writes / 2);
+  std::atomic<bool> stopped{false};
+  std::vector<SparseWriter> writers;
+  writers.reserve(threads);
+  for (unsigned w = 0; w < threads; ++w) {
+    writers.push_back(SparseWriter{plan, old_bytes, src, changes, dst, (*undo)->part(w), stopped});
+  }
+  static const bool from_slot = TestSwitch("REFIT_TEST_SPARSE_FROM_SLOT") != nullptr;
+  for (SparseWriter& w : writers) w.from_slot = from_slot;
+  // Test build: killed half-way through the busiest worker's writes (the others mid-way too).
+  const unsigned busiest =
+      static_cast<unsigned>(std::max_element(writes.begin(), writes.end()) - writes.begin());
+  writers[busiest].kill_at = std::max<uint64_t>(1, writes[busiest] / 2);
+  SparseWriter& writer = writers[busiest];
   {
     // Test build only: a destination byte changes under the first write, in the first N sparse
     // Applies (as plan::ExecuteAndVerifyOnHost does for the full one).
@@ -449,8 +623,15 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
     }
     writer.flip = flips.load() > 0 && flips-- > 0;
   }
-  ForEachWrite(plan, changes, writer);
-  if (writer.not_base || writer.journal_full) {
+  ParallelFor(threads, [&](unsigned w) {
+    ForEachWrite(plan, changes, items.data() + cut[w], items.data() + cut[w + 1], writers[w]);
+  });
+  for (const SparseWriter& other : writers) {
+    if (!other.not_base && !other.journal_full) continue;
+    writer.not_base_op = other.not_base_op;
+    writer.not_base = true;
+  }
+  if (writer.not_base) {
     // An engine that wrote into its buffer since (a bulk overwrite always shows here): what
     // this pass wrote goes back, and the full copy runs.
     (*undo)->Restore();
@@ -460,7 +641,8 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
         version.number, dests[plan.ops[writer.not_base_op].dst_location]->id, base);
     return std::nullopt;
   }
-  std::vector<size_t>& bad = writer.bad;
+  std::vector<size_t> bad;
+  for (const SparseWriter& w : writers) bad.insert(bad.end(), w.bad.begin(), w.bad.end());
   if (!bad.empty()) {
     std::sort(bad.begin(), bad.end());
     bad.erase(std::unique(bad.begin(), bad.end()), bad.end());
@@ -481,9 +663,9 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
     return std::chrono::duration<double, std::milli>(b - a).count();
   };
   Logger("store")->debug(
-      "sparse Apply of version {}: {} runs, {} bytes: planned {:.1f} ms, checked, saved, "
-      "written and verified {:.1f} ms",
-      version.number, sizer.writes, sizer.written, ms(t_start, t_planned),
+      "sparse Apply of version {}: {} runs, {} bytes, {} thread(s): planned {:.1f} ms, checked, "
+      "saved, written and verified {:.1f} ms",
+      version.number, sizer.writes, sizer.written, threads, ms(t_start, t_planned),
       ms(t_planned, Clock::now()));
   return absl::StatusOr<ApplyResult>(ApplyResult{version.number, sizer.written, undo_bytes, true});
 }

@@ -158,7 +158,7 @@ int main(int argc, char** argv) {
                                "full s", "full bytes", "undo bytes", "sp/full", "full/cpy",
                                "check");
   std::vector<double> ratio, sparse_s, full_s, sparse_written;
-  std::vector<double> copy, sparse_cpu, full_cpu;
+  std::vector<double> copy, sparse_cpu, full_cpu, complete;
   for (int i = 0; i < versions; ++i) {
     const uint64_t version = static_cast<uint64_t>(i) + 1;
     uint64_t changed = total / 2;
@@ -200,8 +200,14 @@ int main(int argc, char** argv) {
     const double wire_before = received();
     auto published = (*trainer)->Publish(model, version, {*src_id});
     if (!published.ok()) return Fail("publish", published.status());
+    // Publish returned -> complete on the engine's node (pulled, verified, diffed for the
+    // sparse Apply), and the engine refitd's CPU seconds meanwhile.
+    const double pc0 = CpuSeconds(engine_pid);
+    auto p0 = Clock::now();
     auto ready = (*engine)->WaitForVersion(model, version, std::chrono::milliseconds(120000));
     if (!ready.ok()) return Fail("wait", ready.status());
+    const double complete_s = Seconds(p0, Clock::now());
+    const double complete_cpu = CpuSeconds(engine_pid) - pc0;
     const double wire = received() - wire_before;
 
     const double ab0 = apply_bytes(), ub0 = undo_bytes();
@@ -228,7 +234,10 @@ int main(int argc, char** argv) {
         ub1 - ub0, f, ab2 - ab1, ub2 - ub1, s / f, f / copy_s, ok ? "ok" : "WRONG");
     if (!ok) return 1;
     if (engine_pid > 0) {
-      std::cout << absl::StrFormat("     refitd CPU s: sparse %.3f, full %.3f\n", c1 - c0, c3 - c2);
+      std::cout << absl::StrFormat(
+          "     refitd CPU s: sparse %.3f, full %.3f; publish -> complete %.4f s (engine refitd "
+          "CPU %.3f s)\n",
+          c1 - c0, c3 - c2, complete_s, complete_cpu);
     }
     if (i >= 2) {  // after the first versions (full everywhere, slots being allocated)
       sparse_cpu.push_back(c1 - c0);
@@ -237,6 +246,7 @@ int main(int argc, char** argv) {
       sparse_s.push_back(s);
       full_s.push_back(f);
       sparse_written.push_back(ab1 - ab0);
+      complete.push_back(complete_s);
     }
   }
   if (!ratio.empty()) {
@@ -255,6 +265,9 @@ int main(int argc, char** argv) {
           "  refitd CPU seconds    sparse %.3f, full %.3f: sparse = %.3fx full (10 ms ticks)\n",
           Median(sparse_cpu), Median(full_cpu), Median(sparse_cpu) / Median(full_cpu));
     }
+    std::cout << absl::StrFormat(
+        "  publish -> complete   %.4f s on the engine's node (pull, verify, diff)\n",
+        Median(complete));
     std::cout << absl::StrFormat("RESULT sparse_over_full=%.4f full_over_memcpy=%.3f\n",
                                  Median(ratio), Median(full_s) / Median(copy));
   }
