@@ -38,7 +38,8 @@ Client::Client(std::string socket_path, std::shared_ptr<grpc::Channel> channel)
       channel_(std::move(channel)),
       stub_(v1::Refit::NewStub(channel_)),
       leases_(std::make_unique<LeaseKeeper>(stub_.get())),
-      registrations_(std::make_unique<Registrations>()) {}
+      registrations_(std::make_unique<Registrations>()),
+      recoveries_(std::make_unique<Recoveries>()) {}
 
 Client::~Client() = default;
 

@@ -28,7 +28,6 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "daemon/common/mutex.h"
 #include "proto/refit/v1/refit.grpc.pb.h"
 
 namespace refit::client {
@@ -103,6 +102,7 @@ class Watcher {
 
 class LeaseKeeper;
 class Registrations;
+struct Recoveries;
 
 class Client {
  public:
@@ -233,8 +233,7 @@ class Client {
   std::unique_ptr<LeaseKeeper> leases_;
   std::chrono::milliseconds restart_timeout_{60000};
   std::unique_ptr<Registrations> registrations_;
-  mutable common::Mutex restart_mu_;  // one recovery at a time
-  uint64_t restarts_ ABSL_GUARDED_BY(restart_mu_) = 0;
+  std::unique_ptr<Recoveries> recoveries_;  // one at a time, counted (registrations.h)
 };
 
 // grpc::Status to absl::Status (same codes), prefixed with `what`.

@@ -55,4 +55,11 @@ class Registrations {
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
+// One recovery from a restarted refitd at a time (Client::Recover holds `mu` while it waits for
+// refitd and registers the buffers again), and how many registered the buffers again.
+struct Recoveries {
+  common::Mutex mu;
+  uint64_t count ABSL_GUARDED_BY(mu) = 0;
+};
+
 }  // namespace refit::client

@@ -15,8 +15,8 @@
 namespace refit::client {
 
 uint64_t Client::restarts_ridden() const {
-  common::MutexLock lock(restart_mu_);
-  return restarts_;
+  common::MutexLock lock(recoveries_->mu);
+  return recoveries_->count;
 }
 
 uint64_t Client::generation() const { return registrations_->generation(); }
@@ -62,7 +62,7 @@ bool Client::Recover(const absl::Status& error, uint64_t generation) {
       (code != absl::StatusCode::kUnavailable && code != absl::StatusCode::kNotFound)) {
     return false;
   }
-  common::MutexLock lock(restart_mu_);
+  common::MutexLock lock(recoveries_->mu);
   // Another call registered the buffers again meanwhile: retry with the ids it got.
   if (registrations_->generation() != generation) return true;
   const std::optional<v1::StatusResponse> status = StatusWhenBack();
@@ -76,7 +76,7 @@ bool Client::Recover(const absl::Status& error, uint64_t generation) {
     if (known.count(entry.current) > 0) return code == absl::StatusCode::kUnavailable;
   }
   if (!RegisterAgain().ok()) return false;
-  ++restarts_;
+  ++recoveries_->count;
   return true;
 }
 

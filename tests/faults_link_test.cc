@@ -20,6 +20,7 @@
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/faults.h"
+#include "tests/testing/two_hosts.h"
 
 namespace refit {
 namespace {
@@ -27,37 +28,8 @@ namespace {
 using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
-
-int Sh(const std::string& command) { return std::system((command + " >/dev/null 2>&1").c_str()); }
-
-// Namespaces a (192.0.2.1) and b (192.0.2.2) joined by veth; removed on destruction.
-struct TwoHosts {
-  TwoHosts() {
-    const std::string tag = std::to_string(getpid() % 100000);
-    a = "r18f-a-" + tag;
-    b = "r18f-b-" + tag;
-    va = "r18fa" + tag;
-    vb = "r18fb" + tag;
-    ok = Sh("ip netns add " + a) == 0 && Sh("ip netns add " + b) == 0 &&
-         Sh("ip link add " + va + " type veth peer name " + vb) == 0 &&
-         Sh("ip link set " + va + " netns " + a) == 0 &&
-         Sh("ip link set " + vb + " netns " + b) == 0 &&
-         Sh("ip -n " + a + " addr add 192.0.2.1/24 dev " + va) == 0 &&
-         Sh("ip -n " + b + " addr add 192.0.2.2/24 dev " + vb) == 0 &&
-         Sh("ip -n " + a + " link set " + va + " up") == 0 &&
-         Sh("ip -n " + b + " link set " + vb + " up") == 0 &&
-         Sh("ip -n " + a + " link set lo up") == 0 && Sh("ip -n " + b + " link set lo up") == 0;
-  }
-  ~TwoHosts() {
-    Sh("ip netns del " + a);
-    Sh("ip netns del " + b);
-  }
-  std::vector<std::string> In(const std::string& ns) {
-    return {"/usr/sbin/ip", "netns", "exec", ns};
-  }
-  bool ok = false;
-  std::string a, b, va, vb;
-};
+using testing::Sh;
+using testing::TwoHosts;
 
 double OutageSeconds() {
   const char* s = std::getenv("REFIT_FAULTS_OUTAGE_S");
@@ -68,19 +40,19 @@ double OutageSeconds() {
 
 TEST_CASE("a link down mid-pull is reported within 3 s; the next version is exact",
           "[integration][faults][link]") {
-  TwoHosts hosts;
+  TwoHosts hosts("r18f");
   if (!hosts.ok) FAIL("network namespaces r18f-* could not be made (needs root and iproute2)");
   // The trainer's side sends the bytes: slow it so the pull is still under way.
-  REQUIRE(Sh("ip netns exec " + hosts.a + " tc qdisc add dev " + hosts.va +
+  REQUIRE(Sh("ip netns exec " + hosts.a + " tc qdisc add dev " + hosts.device_a +
              " root tbf rate 40mbit burst 64kb latency 500ms") == 0);
   auto source = testing::DaemonProcess::Start(
       {"--node=host-a", "--listen=192.0.2.1:7070", "--allow-plaintext-peers"}, "",
-      {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.va}, hosts.In(hosts.a));
+      {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_a}, hosts.In(hosts.a));
   REQUIRE(source.ok());
   auto engine_node = testing::DaemonProcess::Start(
       {"--node=host-b", "--listen=192.0.2.2:7070", "--peers=192.0.2.1:7070",
        "--allow-plaintext-peers"},
-      "", {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.vb}, hosts.In(hosts.b));
+      "", {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_b}, hosts.In(hosts.b));
   REQUIRE(engine_node.ok());
   auto tc = (*source)->Connect();
   auto ec = (*engine_node)->Connect();
@@ -127,7 +99,7 @@ TEST_CASE("a link down mid-pull is reported within 3 s; the next version is exac
   }
   REQUIRE(pulling);
   const double down = testing::Now();
-  REQUIRE(Sh("ip -n " + hosts.a + " link set " + hosts.va + " down") == 0);
+  REQUIRE(Sh("ip -n " + hosts.a + " link set " + hosts.device_a + " down") == 0);
   // Reported: the waiting client's answer, or the version abandoned in Status.
   double reported = -1;
   std::string how;
@@ -142,9 +114,9 @@ TEST_CASE("a link down mid-pull is reported within 3 s; the next version is exac
     std::this_thread::sleep_for(milliseconds(20));
   }
   while (testing::Now() - down < OutageSeconds()) std::this_thread::sleep_for(milliseconds(50));
-  REQUIRE(Sh("ip -n " + hosts.a + " link set " + hosts.va + " up") == 0);
+  REQUIRE(Sh("ip -n " + hosts.a + " link set " + hosts.device_a + " up") == 0);
   const double up = testing::Now();
-  REQUIRE(Sh("ip netns exec " + hosts.a + " tc qdisc del dev " + hosts.va + " root") == 0);
+  REQUIRE(Sh("ip netns exec " + hosts.a + " tc qdisc del dev " + hosts.device_a + " root") == 0);
   testing::PrintFigureText(
       "link_down_reported_after",
       absl::StrCat(reported, " s (", how, "); outage ", OutageSeconds(), " s"));

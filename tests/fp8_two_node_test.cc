@@ -20,6 +20,7 @@
 #include "client/refit_client.h"
 #include "cuda/quantize_testing.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/two_nodes.h"
 
 namespace refit {
 namespace {
@@ -27,22 +28,8 @@ namespace {
 using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
-using testing::DaemonProcess;
-
-SharedMemory MakeShm(uint64_t size) {
-  auto shm = SharedMemory::Create(testing::UniqueShmName("fp8"), size);
-  REQUIRE(shm.ok());
-  std::memset(shm->data(), 0, size);
-  return std::move(shm).value();
-}
-
-int ListenPort(DaemonProcess& d) {
-  auto c = d.Connect();
-  REQUIRE(c.ok());
-  auto s = (*c)->Status();
-  REQUIRE(s.ok());
-  return s->listen_port();
-}
+using testing::MakeShm;
+using testing::TwoNodes;
 
 double Metric(client::Client& c, const std::string& name) {
   auto s = c.Status();
@@ -50,35 +37,6 @@ double Metric(client::Client& c, const std::string& name) {
   auto it = s->metrics().find(name);
   return it == s->metrics().end() ? 0.0 : it->second;
 }
-
-struct TwoNodes {
-  TwoNodes() {
-    auto t = DaemonProcess::Start({"--node=trainer-node"});
-    REQUIRE(t.ok());
-    trainer_node = std::move(t).value();
-    auto e = DaemonProcess::Start(
-        {"--node=engine-node", "--peers=127.0.0.1:" + std::to_string(ListenPort(*trainer_node))});
-    REQUIRE(e.ok());
-    engine_node = std::move(e).value();
-    auto tc = trainer_node->Connect();
-    auto ec = engine_node->Connect();
-    REQUIRE(tc.ok());
-    REQUIRE(ec.ok());
-    trainer = std::move(tc).value();
-    engine = std::move(ec).value();
-    for (int i = 0; i < 200; ++i) {
-      auto s = engine->Status();
-      REQUIRE(s.ok());
-      int connected = 0;
-      for (const auto& p : s->peers()) connected += p.connected();
-      if (connected == 1) return;
-      std::this_thread::sleep_for(milliseconds(50));
-    }
-    FAIL("the engine's node never connected to the trainer's");
-  }
-  std::unique_ptr<DaemonProcess> trainer_node, engine_node;
-  std::unique_ptr<client::Client> trainer, engine;
-};
 
 // One bf16 weight of the trainer: [rows, cols] at `offset` of its buffer.
 struct Weight {

@@ -12,6 +12,7 @@
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/two_hosts.h"
 
 namespace refit {
 namespace {
@@ -19,41 +20,10 @@ namespace {
 using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
-
-int Sh(const std::string& command) { return std::system((command + " >/dev/null 2>&1").c_str()); }
-
-// Two namespaces, a (192.0.2.1) and b (192.0.2.2), joined by veth; removed on destruction.
-struct TwoHosts {
-  TwoHosts() {
-    const std::string tag = std::to_string(getpid() % 100000);
-    a = "refit-a-" + tag;
-    b = "refit-b-" + tag;
-    const std::string va = "rfa" + tag, vb = "rfb" + tag;
-    ok = Sh("ip netns add " + a) == 0 && Sh("ip netns add " + b) == 0 &&
-         Sh("ip link add " + va + " type veth peer name " + vb) == 0 &&
-         Sh("ip link set " + va + " netns " + a) == 0 &&
-         Sh("ip link set " + vb + " netns " + b) == 0 &&
-         Sh("ip -n " + a + " addr add 192.0.2.1/24 dev " + va) == 0 &&
-         Sh("ip -n " + b + " addr add 192.0.2.2/24 dev " + vb) == 0 &&
-         Sh("ip -n " + a + " link set " + va + " up") == 0 &&
-         Sh("ip -n " + b + " link set " + vb + " up") == 0 &&
-         Sh("ip -n " + a + " link set lo up") == 0 && Sh("ip -n " + b + " link set lo up") == 0;
-    device_a = va;
-    device_b = vb;
-  }
-  ~TwoHosts() {
-    Sh("ip netns del " + a);
-    Sh("ip netns del " + b);
-  }
-  std::vector<std::string> In(const std::string& ns) {
-    return {"/usr/sbin/ip", "netns", "exec", ns};
-  }
-  bool ok = false;
-  std::string a, b, device_a, device_b;
-};
+using testing::TwoHosts;
 
 TEST_CASE("two daemons in two network namespaces sync over veth", "[integration][netns]") {
-  TwoHosts hosts;
+  TwoHosts hosts("refit");
   if (!hosts.ok) {
     WARN(
         "SKIPPED: cannot create network namespaces here (needs root and iproute2); the "

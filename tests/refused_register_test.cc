@@ -8,12 +8,11 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <random>
 #include <thread>
 
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
-#include "tests/testing/daemon_process.h"
+#include "tests/testing/two_nodes.h"
 
 namespace refit {
 namespace {
@@ -21,30 +20,9 @@ namespace {
 using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
-using testing::DaemonProcess;
 
 constexpr int64_t kRows = 256, kCols = 512;  // bf16 [256, 512]: 256 KiB
 constexpr uint64_t kBytes = kRows * kCols * 2;
-
-SharedMemory MakeShm(uint64_t size) {
-  auto shm = SharedMemory::Create(testing::UniqueShmName("refused"), size);
-  REQUIRE(shm.ok());
-  return std::move(shm).value();
-}
-
-void Fill(SharedMemory& shm, uint32_t seed) {
-  std::mt19937_64 rng(seed);
-  uint64_t* p = reinterpret_cast<uint64_t*>(shm.data());
-  for (uint64_t i = 0; i < shm.size() / 8; ++i) p[i] = rng();
-}
-
-int ListenPort(DaemonProcess& d) {
-  auto c = d.Connect();
-  REQUIRE(c.ok());
-  auto s = (*c)->Status();
-  REQUIRE(s.ok());
-  return s->listen_port();
-}
 
 // True once `client`'s daemon knows `model` (from another node's SOURCE buffers).
 bool KnowsModel(client::Client& client, const std::string& model) {
@@ -56,32 +34,12 @@ bool KnowsModel(client::Client& client, const std::string& model) {
   return false;
 }
 
-struct Nodes {
-  Nodes() {
-    auto t = DaemonProcess::Start({"--node=trainer-node"});
-    REQUIRE(t.ok());
-    trainer_node = std::move(t).value();
-    auto e = DaemonProcess::Start(
-        {"--node=engine-node", "--peers=127.0.0.1:" + std::to_string(ListenPort(*trainer_node))});
-    REQUIRE(e.ok());
-    engine_node = std::move(e).value();
-    auto tc = trainer_node->Connect();
-    auto ec = engine_node->Connect();
-    REQUIRE(tc.ok());
-    REQUIRE(ec.ok());
-    trainer = std::move(tc).value();
-    engine = std::move(ec).value();
-  }
-  std::unique_ptr<DaemonProcess> trainer_node, engine_node;
-  std::unique_ptr<client::Client> trainer, engine;
-};
-
 TEST_CASE("a refused RegisterBuffer on the engine's node changes nothing; versions still arrive",
           "[integration][two]") {
   const std::string kind = GENERATE("shape", "dtype", "memory");
   INFO("refused for its " << kind);
-  Nodes nodes;
-  SharedMemory src = MakeShm(kBytes);
+  testing::TwoNodes nodes;
+  SharedMemory src = testing::MakeShm(kBytes);
   auto s = nodes.trainer->RegisterBuffer("m", v1::SOURCE, src,
                                          {Slice("w", v1::BF16, {kRows, kCols})}, "trainer");
   REQUIRE(s.ok());
@@ -91,7 +49,7 @@ TEST_CASE("a refused RegisterBuffer on the engine's node changes nothing; versio
   }
   REQUIRE(KnowsModel(*nodes.engine, "m"));
 
-  SharedMemory dst = MakeShm(kBytes);
+  SharedMemory dst = testing::MakeShm(kBytes);
   std::string other_buffer;
   if (kind == "shape") {
     auto bad = nodes.engine->RegisterBuffer("m", v1::DESTINATION, dst,
@@ -122,7 +80,7 @@ TEST_CASE("a refused RegisterBuffer on the engine's node changes nothing; versio
                                         {Slice("w", v1::BF16, {kRows, kCols})}, "engine");
   REQUIRE(d.ok());
   for (uint64_t v = 1; v <= 2; ++v) {
-    Fill(src, static_cast<uint32_t>(v));
+    testing::FillRandom(src, static_cast<uint32_t>(v));
     REQUIRE(nodes.trainer->Publish("m", v, {*s}).ok());
     auto got = nodes.engine->WaitForVersion("m", v, milliseconds(20000));
     INFO(got.status().ToString());

@@ -19,6 +19,7 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/two_nodes.h"
 
 namespace refit {
 namespace {
@@ -27,6 +28,7 @@ using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
 using testing::DaemonProcess;
+using testing::ListenPort;
 
 int Sh(const std::string& command) { return std::system((command + " >/dev/null 2>&1").c_str()); }
 
@@ -78,12 +80,6 @@ struct Pki {
   }
   std::string dir;
 };
-
-int ListenPort(DaemonProcess& d) {
-  auto s = d.Connect().value()->Status();
-  REQUIRE(s.ok());
-  return s->listen_port();
-}
 
 // Whether `engine`'s daemon gets its peer connected within `wait`.
 bool Connects(client::Client& engine, milliseconds wait) {

@@ -24,6 +24,7 @@
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/two_nodes.h"
 
 namespace refit {
 namespace {
@@ -32,6 +33,7 @@ using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
 using testing::DaemonProcess;
+using testing::ListenPort;
 
 constexpr int64_t kRows = 256, kCols = 512;  // bf16 [256, 512]: 256 KiB
 constexpr uint64_t kBytes = kRows * kCols * 2;
@@ -51,14 +53,6 @@ std::vector<uint8_t> Fill(SharedMemory& shm, uint32_t seed) {
 
 bool Same(const SharedMemory& shm, const std::vector<uint8_t>& bytes) {
   return std::memcmp(shm.data(), bytes.data(), bytes.size()) == 0;
-}
-
-int ListenPort(const DaemonProcess& d) {
-  auto c = d.Connect();
-  REQUIRE(c.ok());
-  auto s = (*c)->Status();
-  REQUIRE(s.ok());
-  return s->listen_port();
 }
 
 v1::ModelStatus StatusOf(client::Client& c, const std::string& model) {

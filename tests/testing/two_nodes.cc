@@ -31,7 +31,7 @@ void FillRandom(SharedMemory& shm, uint32_t seed) {
   for (uint64_t i = 0; i < shm.size() / 8; ++i) p[i] = rng();
 }
 
-int ListenPort(DaemonProcess& d) {
+int ListenPort(const DaemonProcess& d) {
   auto c = d.Connect();
   REQUIRE(c.ok());
   auto s = (*c)->Status();

@@ -17,7 +17,7 @@ client::SharedMemory MakeShm(uint64_t size);
 // Random words from `seed` over the whole buffer.
 void FillRandom(client::SharedMemory& shm, uint32_t seed);
 // The daemon's peer (gRPC) port.
-int ListenPort(DaemonProcess& d);
+int ListenPort(const DaemonProcess& d);
 // Waits until `client`'s daemon reports every peer connected.
 void WaitConnected(client::Client& client, int peers);
 // Waits (up to 10 s) until `client`'s daemon has pulled some bytes of `version`.

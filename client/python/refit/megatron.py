@@ -43,10 +43,13 @@ delivered (the q/k/v interleave and the gate/up order), and the GroupedMLP rule 
 
 import re
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+
+from refit.entries import (Entry, View, check_tensor, default_name, dtensor_type, overlap, place,
+                           rename_fn)
 
 # The per-layer table: Megatron suffix -> (kind, Hugging Face suffix(es)).
 _LAYER = {
@@ -113,45 +116,6 @@ class Groups:
                    get("get_expert_model_parallel_world_size", 1),
                    get("get_expert_tensor_parallel_rank", tp_rank),
                    get("get_expert_tensor_parallel_world_size", tp_size))
-
-
-class View:
-    """A box of a published tensor that lies in a parameter's local storage: `sizes` elements
-    of `global_shape` from `offsets`, starting `start` elements into the (contiguous) local
-    tensor, with element `strides` (empty: row-major)."""
-
-    __slots__ = ("name", "global_shape", "offsets", "sizes", "start", "strides", "publishes")
-
-    def __init__(self, name: str, global_shape, offsets, sizes, start: int = 0,
-                 strides: Sequence[int] = ()):
-        self.name = name
-        self.global_shape = tuple(int(d) for d in global_shape)
-        self.offsets = tuple(int(d) for d in offsets)
-        self.sizes = tuple(int(d) for d in sizes)
-        self.start = int(start)
-        self.strides = tuple(int(d) for d in strides)
-        self.publishes = True
-
-    def contiguous_strides(self) -> Tuple[int, ...]:
-        out, step = [], 1
-        for d in reversed(self.sizes):
-            out.append(step)
-            step *= d
-        return tuple(reversed(out))
-
-    def of(self, local: torch.Tensor) -> torch.Tensor:
-        """This view of the local tensor (which must be contiguous)."""
-        flat = local.reshape(-1)
-        return flat.as_strided(self.sizes, self.strides or self.contiguous_strides(),
-                               flat.storage_offset() + self.start)
-
-    def box(self, dtype: str) -> Tuple:
-        return (self.name, dtype, self.global_shape, self.offsets, self.sizes)
-
-    def __repr__(self) -> str:
-        return (f"View({self.name}, global {list(self.global_shape)}, offsets "
-                f"{list(self.offsets)}, sizes {list(self.sizes)}, start {self.start}, strides "
-                f"{list(self.strides)})")
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -324,13 +288,11 @@ def chunks_of(module) -> List[nn.Module]:
 
 def collect(module, rename, rank: int, errors: List[str], vocab_size: Optional[int]) -> List:
     """Megatron-core's parameters (one GPTModel or the chunks of a virtual pipeline), each
-    with the Hugging Face boxes it holds; refit.torch's entries (the checks of
+    with the Hugging Face boxes it holds; refit.entries' entries (the checks of
     refit.torch.publisher). Problems go to `errors`, each naming the parameter and the rank."""
-    from refit.torch import (_Entry, _check_tensor, _dtensor_type, _overlap, _place,
-                             _rename_fn, default_name)
     groups = Groups.from_parallel_state()
-    rename_fn = _rename_fn(rename)
-    DTensor = _dtensor_type()
+    renamed = rename_fn(rename)
+    DTensor = dtensor_type()
     chunks = chunks_of(module)
     seen = set()
     boxes: Dict[str, List[Tuple[str, View]]] = {}
@@ -350,16 +312,16 @@ def collect(module, rename, rank: int, errors: List[str], vocab_size: Optional[i
                 seen.add(id(tensor))
                 fqn = f"{prefix}.{attr}" if prefix else attr
                 label = f"{where}{fqn}"
-                e = _Entry(label, label, m, attr, True, tensor)
+                e = Entry(label, label, m, attr, True, tensor)
                 if DTensor is not None and isinstance(tensor, DTensor):
                     e.dtensor = True
-                    problem = _place(e, rank) or (
+                    problem = place(e, rank) or (
                         f"rank {rank}: parameter {label} is a DTensor "
                         f"({tensor._spec.placements}); layout='megatron' takes Megatron's "
                         "own sharding (plain tensors); use layout='hf' for DTensors")
                     errors.append(problem)
                     continue
-                problem = _check_tensor(e, rank)
+                problem = check_tensor(e, rank)
                 if problem:
                     errors.append(problem)
                     continue
@@ -370,7 +332,7 @@ def collect(module, rename, rank: int, errors: List[str], vocab_size: Optional[i
                     errors.append(f"rank {rank}: parameter {label}: {err}")
                     continue
                 if views is None:
-                    name = rename_fn(fqn)
+                    name = renamed(fqn)
                     if name is None:
                         continue
                     if name == fqn or getattr(tensor, "tensor_model_parallel", False):
@@ -383,7 +345,7 @@ def collect(module, rename, rank: int, errors: List[str], vocab_size: Optional[i
                 else:
                     kept = []
                     for v in views:
-                        name = rename_fn(v.name)
+                        name = renamed(v.name)
                         if name is None:
                             continue
                         if not isinstance(name, str) or not name:
@@ -395,7 +357,7 @@ def collect(module, rename, rank: int, errors: List[str], vocab_size: Optional[i
                     views = kept
                 for v in views:
                     for other, w in boxes.get(v.name, []):
-                        if w.global_shape != v.global_shape or _overlap(
+                        if w.global_shape != v.global_shape or overlap(
                                 (w.offsets, w.sizes), (v.offsets, v.sizes)):
                             errors.append(
                                 f"rank {rank}: parameters {other} and {label} both give "

@@ -39,25 +39,23 @@ Not thread-safe: the training loop's thread drives a Publisher.
 import logging
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from refit import buffer as buffer_lib
-from refit import dtypes
 from refit import memory
-from refit.megatron import View
+from refit.entries import WRAPPER_SEGMENTS  # noqa: F401 (refit.torch.WRAPPER_SEGMENTS, as before)
+from refit.entries import (Entry, Rename, View, check_tensor, default_name, dtensor_type, overlap,
+                           place, rename_fn)
 from refit.v1 import refit_pb2
 
 log = logging.getLogger("refit.torch")
 
 ALIGNMENT = 64
-# Module wrappers that insert a path segment which the checkpoint names do not have.
-WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
-
-Rename = Union[None, Mapping[str, Optional[str]], Callable[[str], Optional[str]]]
+_Entry = Entry  # its name here before refit.entries held it
 
 
 class PublisherError(ValueError):
@@ -68,17 +66,6 @@ class PublisherError(ValueError):
 def _dist():
     import torch.distributed as dist
     return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.4 keeps it under torch.distributed._tensor
-        try:
-            from torch.distributed._tensor import DTensor
-        except ImportError:
-            return None
-    return DTensor
 
 
 def _fsdp_params(module: nn.Module) -> Dict[int, object]:
@@ -107,68 +94,14 @@ def _fsdp_params(module: nn.Module) -> Dict[int, object]:
     return out
 
 
-def default_name(fqn: str) -> str:
-    """The checkpoint name of a module path: wrapper segments (torch.compile's `_orig_mod`,
-    activation checkpointing's `_checkpoint_wrapped_module`) left out."""
-    return ".".join(p for p in fqn.split(".") if p not in WRAPPER_SEGMENTS)
-
-
-@dataclass
-class _Entry:
-    """One tensor of the module, as this rank holds it."""
-
-    fqn: str                      # where it lives in the module
-    name: str                     # the name it is published under
-    owner: nn.Module
-    attr: str
-    is_param: bool
-    tensor: torch.Tensor          # the parameter/buffer object
-    dtensor: bool = False
-    fsdp: object = None           # FSDP2's FSDPParam
-    global_shape: Tuple[int, ...] = ()
-    offsets: Tuple[int, ...] = ()
-    sizes: Tuple[int, ...] = ()
-    publishes: bool = False       # this rank publishes a part of it
-    ptr: int = 0                  # where its local data lived when registered
-    # The boxes it publishes, as views of its local data (layout="hf": the one box above;
-    # layout="megatron": one per Hugging Face tensor part, refit.megatron).
-    views: List[View] = field(default_factory=list)
-    local_shape: Tuple[int, ...] = ()
-
-    def local(self) -> torch.Tensor:
-        return self.tensor._local_tensor if self.dtensor else self.tensor
-
-    def parts(self) -> List[View]:
-        if not self.views:
-            self.views = [View(self.name, self.global_shape, self.offsets, self.sizes)]
-            self.views[0].publishes = self.publishes
-        return self.views
-
-    def published(self) -> List[View]:
-        return [v for v in self.parts() if v.publishes]
-
-    def box(self) -> Tuple:
-        return (self.name, str(self.local().dtype), self.global_shape, self.offsets, self.sizes)
-
-
-def _rename_fn(rename: Rename) -> Callable[[str], Optional[str]]:
-    if rename is None:
-        return lambda name: name
-    if isinstance(rename, Mapping):
-        return lambda name: rename.get(name, name)
-    if callable(rename):
-        return rename
-    raise TypeError(f"rename must be a mapping or a callable, not {type(rename).__name__}")
-
-
-def _collect(module: nn.Module, rename: Rename, rank: int, errors: List[str]) -> List[_Entry]:
+def _collect(module: nn.Module, rename: Rename, rank: int, errors: List[str]) -> List[Entry]:
     """Every parameter and persistent buffer once (a tied tensor under its first name)."""
-    DTensor = _dtensor_type()
+    DTensor = dtensor_type()
     fsdp = _fsdp_params(module)
-    rename_fn = _rename_fn(rename)
+    renamed = rename_fn(rename)
     seen: Dict[int, str] = {}
     named: Dict[str, str] = {}
-    out: List[_Entry] = []
+    out: List[Entry] = []
     for prefix, m in module.named_modules(remove_duplicate=False):
         items = [(a, t, True) for a, t in m._parameters.items()]
         items += [(a, t, False) for a, t in m._buffers.items()
@@ -182,7 +115,7 @@ def _collect(module: nn.Module, rename: Rename, rank: int, errors: List[str]) ->
                           seen[id(tensor)], seen[id(tensor)])
                 continue
             seen[id(tensor)] = fqn
-            name = rename_fn(default_name(fqn))
+            name = renamed(default_name(fqn))
             if name is None:
                 continue
             if not isinstance(name, str) or not name:
@@ -194,119 +127,9 @@ def _collect(module: nn.Module, rename: Rename, rank: int, errors: List[str]) ->
                 continue
             named[name] = fqn
             is_dtensor = DTensor is not None and isinstance(tensor, DTensor)
-            out.append(_Entry(fqn, name, m, attr, is_param, tensor, is_dtensor,
+            out.append(Entry(fqn, name, m, attr, is_param, tensor, is_dtensor,
                               fsdp.get(id(tensor))))
     return out
-
-
-def _check_tensor(e: _Entry, rank: int) -> Optional[str]:
-    what = f"rank {rank}: parameter {e.fqn}" if e.is_param else f"rank {rank}: buffer {e.fqn}"
-    local = e.local()
-    if not isinstance(local, torch.Tensor) or type(local) not in (torch.Tensor, nn.Parameter):
-        return (f"{what} is a {type(local).__name__}, neither a torch.Tensor nor a DTensor of "
-                "plain tensors; refit cannot read its bytes")
-    if local.device.type not in ("cpu", "cuda"):
-        return f"{what} lives on {local.device}, neither CPU nor CUDA memory"
-    try:
-        dtypes.to_refit(local.dtype)
-    except (KeyError, ValueError, TypeError):
-        return f"{what} has dtype {local.dtype}, which refit does not carry"
-    return None
-
-
-def _place(e: _Entry, rank: int) -> Optional[str]:
-    """This rank's box of the tensor (global shape, offsets, sizes) and whether it publishes."""
-    local = e.local()
-    if not e.dtensor:
-        e.global_shape = tuple(local.shape)
-        e.offsets = (0,) * local.dim()
-        e.sizes = tuple(local.shape)
-        e.publishes = local.numel() > 0  # a claim: the ranks' exchange keeps one replica
-        return None
-    from torch.distributed.tensor import Replicate, Shard
-    spec = e.tensor._spec
-    mesh = spec.mesh
-    coordinate = mesh.get_coordinate()
-    e.global_shape = tuple(e.tensor.shape)
-    if coordinate is None:  # this rank is not on the tensor's mesh
-        return None
-    try:  # FSDP2 over TP on one dimension; packed gate/up (transformers' packed_colwise)
-        from torch.distributed.tensor.placement_types import _StridedShard as Strided
-    except ImportError:
-        Strided = Shard
-    for dim, p in enumerate(spec.placements):
-        if not isinstance(p, (Shard, Replicate, Strided)):
-            return (f"rank {rank}: parameter {e.fqn} has placement {type(p).__name__} ({p}) on "
-                    f"mesh dimension {dim}; "
-                    "refit publishes Shard(d) and Replicate() (reduce a Partial first, e.g. "
-                    "redistribute to Replicate or Shard)")
-    e.local_shape = tuple(local.shape)
-    views = _dtensor_views(e.name, e.global_shape, tuple(local.shape), mesh, spec.placements,
-                           coordinate, (Shard, Strided))
-    if isinstance(views, str):
-        return (f"rank {rank}: parameter {e.fqn}: its local tensor is {tuple(local.shape)}, "
-                f"but its placements {spec.placements} give {views}")
-    replica = any(isinstance(p, Replicate) and coordinate[dim] != 0
-                  for dim, p in enumerate(spec.placements))
-    e.publishes = not replica and local.numel() > 0
-    e.offsets, e.sizes = views[0].offsets, views[0].sizes
-    if len(views) > 1:  # e.g. _StridedShard: several boxes, strided views of the local tensor
-        for v in views:
-            v.publishes = e.publishes
-        e.views = views
-    return None
-
-
-def _runs(indices: List[int]) -> List[Tuple[int, int, int]]:
-    """(global start, local start, length) of the runs of consecutive global indices."""
-    runs: List[Tuple[int, int, int]] = []
-    for local, index in enumerate(indices):
-        if runs and runs[-1][0] + runs[-1][2] == index:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((index, local, 1))
-    return runs
-
-
-def _dtensor_views(name, global_shape, local_shape, mesh, placements, coordinate, shards):
-    """This rank's boxes of a DTensor: per tensor dimension, the global indices its local
-    tensor holds, in order (each Shard / _StridedShard placement applied to an index tensor by
-    torch's own splitting, mesh dimension by mesh dimension), cut into runs; one box per
-    combination of runs, a view of the (row-major) local tensor. A string where the local
-    tensor's shape disagrees."""
-    import itertools
-    per_dim = []
-    for d, size in enumerate(global_shape):
-        shape = [1] * len(global_shape)
-        shape[d] = size
-        index = torch.arange(size).view(shape)
-        for i, p in enumerate(placements):
-            if isinstance(p, shards) and p.dim == d:
-                pieces, _ = p._split_tensor(index, mesh.size(i), with_padding=False)
-                index = pieces[coordinate[i]] if coordinate[i] < len(pieces) else index[:0]
-        per_dim.append(index.reshape(-1).tolist())
-    got = tuple(len(i) for i in per_dim)
-    if got != tuple(local_shape):
-        return str(got)
-    strides, step = [], 1
-    for d in reversed(local_shape):
-        strides.append(step)
-        step *= d
-    strides = tuple(reversed(strides))
-    if any(n == 0 for n in got):
-        return [View(name, global_shape, (0,) * len(got), got)]
-    views = []
-    for combo in itertools.product(*[_runs(i) for i in per_dim]):
-        offsets = tuple(c[0] for c in combo)
-        sizes = tuple(c[2] for c in combo)
-        start = sum(c[1] * st for c, st in zip(combo, strides))
-        views.append(View(name, global_shape, offsets, sizes, start,
-                          strides if len(combo) and sizes != tuple(local_shape) else ()))
-    return views
-
-
-def _overlap(a, b) -> bool:
-    return all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1]))
 
 
 def check_boxes(boxes_by_rank: Sequence[Sequence[Tuple]],
@@ -328,7 +151,7 @@ def check_boxes(boxes_by_rank: Sequence[Sequence[Tuple]],
                                 f"{list(first[2])}, rank {rank} has {box[1]} {list(box[2])}")
         for i, (ra, a) in enumerate(claims):
             for rb, b in claims[i + 1:]:
-                if _overlap((a[3], a[4]), (b[3], b[4])):
+                if overlap((a[3], a[4]), (b[3], b[4])):
                     problems.append(
                         f"parameter {name}: rank {ra} and rank {rb} both claim the shard at "
                         f"offsets {list(b[3])} sizes {list(b[4])} (rank {ra}: offsets "
@@ -348,7 +171,7 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(memoryview(data), digest_size=16).hexdigest()
 
 
-def _agree(entries: List[_Entry], errors: List[str], rank: int, group) -> List[str]:
+def _agree(entries: List[Entry], errors: List[str], rank: int, group) -> List[str]:
     """The ranks exchange their claims (and errors): every rank raises the same errors.
 
     Identical claims by several ranks (plain tensors, replicated by data or tensor parallelism;
@@ -358,7 +181,7 @@ def _agree(entries: List[_Entry], errors: List[str], rank: int, group) -> List[s
     dist = _dist()
     size = dist.get_world_size(group)
     gathered: List[Optional[Tuple]] = [None] * size
-    mine: Dict[Tuple, Tuple[_Entry, View]] = {}
+    mine: Dict[Tuple, Tuple[Entry, View]] = {}
     labels: Dict[Tuple, str] = {}
     for e in entries:
         for v in e.published():
@@ -422,7 +245,7 @@ class CudaSourceRegion(memory.CudaIpcBlock):
                 f"{self.offset} of an IPC block)")
 
 
-def cuda_regions(entries: Sequence[_Entry], block_of: Callable = _cuda_block,
+def cuda_regions(entries: Sequence[Entry], block_of: Callable = _cuda_block,
                  uuid_of: Optional[Callable[[int], str]] = None
                  ) -> List[Tuple[CudaSourceRegion, List[buffer_lib.SliceLayout]]]:
     """One region per cudaMalloc block holding the entries' local data, spanning them, with
@@ -431,7 +254,7 @@ def cuda_regions(entries: Sequence[_Entry], block_of: Callable = _cuda_block,
     if uuid_of is None:
         def uuid_of(device: int) -> str:
             return memory.gpu_uuid(torch.cuda.get_device_properties(device))
-    blocks: Dict[Tuple[int, bytes], List[Tuple[int, _Entry, int]]] = {}
+    blocks: Dict[Tuple[int, bytes], List[Tuple[int, Entry, int]]] = {}
     for e in entries:
         local = e.local()
         if not local.is_contiguous():
@@ -460,7 +283,7 @@ class StridedLayout(buffer_lib.SliceLayout):
         return proto
 
 
-def _layouts(e: _Entry, offset: int) -> List[buffer_lib.SliceLayout]:
+def _layouts(e: Entry, offset: int) -> List[buffer_lib.SliceLayout]:
     """The slices of what this entry publishes, its local data at `offset` in the buffer."""
     local = e.local()
     size = local.element_size()
@@ -492,7 +315,7 @@ class Publisher:
     """This rank's part of a module, registered with refitd as SOURCE buffers; see the module
     docstring and `publisher()`."""
 
-    def __init__(self, client, model: str, module: nn.Module, entries: List[_Entry],
+    def __init__(self, client, model: str, module: nn.Module, entries: List[Entry],
                  group, rank: int, client_name: str, check_peers: bool, run: str = ""):
         self.client = client
         # The trainer's run (PublishRequest.run): a trainer resuming from a checkpoint names a
@@ -555,7 +378,7 @@ class Publisher:
         if cpu:
             _trim_heap()
 
-    def _rehome_cpu(self, entries: List[_Entry]):
+    def _rehome_cpu(self, entries: List[Entry]):
         """Moves the entries' local data into one new sealed memfd; returns it and layouts."""
         slots, end = [], 0
         for e in entries:
@@ -602,7 +425,7 @@ class Publisher:
         return region, layouts
 
     @staticmethod
-    def _pointer(e: _Entry) -> int:
+    def _pointer(e: Entry) -> int:
         return e.local().data_ptr()
 
     def _moved(self) -> List[str]:
@@ -729,7 +552,7 @@ def publisher(client, model: str, module: nn.Module, *, layout: str = "hf",
     else:
         entries = _collect(module, rename, rank, errors)
         for e in entries:
-            problem = _check_tensor(e, rank) or _place(e, rank)
+            problem = check_tensor(e, rank) or place(e, rank)
             if problem:
                 errors.append(problem)
     if not entries and not errors:

@@ -34,8 +34,9 @@ import refit.lora  # noqa: E402
 import refit.testing  # noqa: E402
 import refit.torch  # noqa: E402
 from refit import vllm as refit_vllm  # noqa: E402
+from daemons import two_nodes  # noqa: E402
 from test_lora import (ALPHA, RANK, add_lora, base_name, model_status, prepare_cpu_gemm,  # noqa: E402
-                       two_nodes, vllm_engine)
+                       vllm_engine)
 
 KIND = "llama_bench"
 
@@ -84,7 +85,7 @@ def main():
     versions = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     case = _Case()
     try:
-        trainer_node, engine_node = two_nodes(case)
+        trainer_node, engine_node = two_nodes(case, retain=4)
         tc, ec = trainer_node.client(), engine_node.client()
         model, merged = trainer_models()
         adapter_pub = refit.lora.publisher(tc, "bench-adapter", model, base_model="bench-base")

@@ -12,7 +12,7 @@ import grpc
 import torch
 
 import refit
-import refit.testing
+from daemons import DaemonCase
 
 _models = itertools.count()
 
@@ -51,27 +51,7 @@ def step(tensors, seed):
         t.add_(torch.randn(t.shape, generator=g).to(t.dtype) * 0.01)
 
 
-class DaemonTestCase(unittest.TestCase):
-    daemon_args = ()
-
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = refit.testing.Daemon(args=cls.daemon_args)
-        cls.client = cls.daemon.client()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        code = cls.daemon.stop()
-        if code != 0:
-            print(cls.daemon.log()[-4000:], file=sys.stderr)
-        assert code == 0, f"refitd exited with {code}"
-
-    def register(self, *args, **kwargs):
-        buf = self.client.register(*args, **kwargs)
-        self.addCleanup(buf.release)
-        return buf
-
+class DaemonTestCase(DaemonCase):
     def assertAllEqual(self, expected, actual):
         self.assertEqual(sorted(expected), sorted(actual))
         for name in expected:

@@ -77,14 +77,6 @@ class EnginesTest(DaemonCase):
         self.assertTrue(torch.equal(model.params[p + "mlp.down_proj.weight_scale_inv"]
                                     .view(torch.int32), scales.view(torch.int32)))
 
-    def publish(self, name, version, ckpt, src=None):
-        if src is None:
-            src = self.client.register(name, refit.SOURCE, ckpt)
-            self.addCleanup(src.release)
-        src.copy_from(ckpt)
-        self.client.publish(name, version, [src])
-        return src
-
     def test_vllm_engine_four_phases_pause_resume(self):
         model = FakeEngineModel()
         engine = refit_vllm.RefitWeightTransferEngine(model=model)

@@ -11,7 +11,7 @@ import unittest
 import torch
 
 import refit
-import refit.testing
+from daemons import DaemonCase
 from refit.v1 import refit_pb2
 
 _models = itertools.count()
@@ -55,28 +55,6 @@ def reference(x: torch.Tensor, block=(128, 128)):
             scales[i, j] = s
             codes[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = e4m3(b / s)
     return codes, scales
-
-
-class DaemonCase(unittest.TestCase):
-    """One real refitd per test class (shared with test_engines.py)."""
-
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = refit.testing.Daemon()
-        cls.client = cls.daemon.client()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        code = cls.daemon.stop()
-        if code != 0:
-            print(cls.daemon.log()[-4000:], file=sys.stderr)
-        assert code == 0, f"refitd exited with {code}"
-
-    def register(self, *args, **kwargs):
-        buf = self.client.register(*args, **kwargs)
-        self.addCleanup(buf.release)
-        return buf
 
 
 class Fp8Test(DaemonCase):

@@ -38,6 +38,7 @@ import refit.lora  # noqa: E402
 import refit.testing  # noqa: E402
 import refit.torch  # noqa: E402
 from refit import vllm as refit_vllm  # noqa: E402
+from daemons import two_nodes  # noqa: E402
 
 RANK, ALPHA = 16, 32
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -112,20 +113,6 @@ def train_step(model: nn.Module, step: int) -> None:
             p.sub_(grad * 2.0)
 
 
-def two_nodes(test):
-    trainer = refit.testing.Daemon(args=["--retain=4", "--node=trainer-node"])
-    test.addCleanup(trainer.stop)
-    port = trainer.client().status().listen_port
-    engine = refit.testing.Daemon(
-        args=["--retain=4", "--node=engine-node", f"--peers=127.0.0.1:{port}"])
-    test.addCleanup(engine.stop)
-    deadline = time.monotonic() + 20
-    while not all(p.connected for p in engine.client().status().peers):
-        test.assertLess(time.monotonic(), deadline, "the daemons did not connect")
-        time.sleep(0.05)
-    return trainer, engine
-
-
 def vllm_engine(max_rank: int = RANK, kind: str = "llama"):
     """vLLM's Llama on the CPU with vLLM's own LoRA model manager over it."""
     from vllm.config import LoRAConfig, set_current_vllm_config
@@ -173,7 +160,7 @@ def model_status(client, model: str):
 
 class AdapterTest(unittest.TestCase):
     def test_adapter_versions_into_vllm_lora_slots(self):
-        trainer_node, engine_node = two_nodes(self)
+        trainer_node, engine_node = two_nodes(self, retain=4)
         tc, ec = trainer_node.client(), engine_node.client()
         model = trainer_model()
         base_pub = refit.torch.publisher(tc, "lora-base", model, rename=base_name)

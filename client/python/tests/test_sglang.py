@@ -21,7 +21,7 @@ import torch
 import refit
 from refit import sglang as refit_sglang
 from test_fp8 import DaemonCase
-from test_vllm import checkpoint_format, engine_checkpoint, same_bits
+from test_vllm import assert_same_tensors, checkpoint_format, engine_checkpoint, same_bits
 
 
 class SglangTest(DaemonCase):
@@ -29,15 +29,6 @@ class SglangTest(DaemonCase):
     def setUpClass(cls):
         super().setUpClass()
         sm.init()
-
-    def publish(self, model_name, version, state, src=None):
-        if src is None:
-            src = self.register(model_name, refit.SOURCE, dict(state))
-        else:
-            for n, t in state.items():
-                src.tensors[n].copy_(t)
-        self.client.publish(model_name, version, [src])
-        return src
 
     def settings(self, name, state, fp8=(), **extra):
         return dict({"model": name, "socket": self.daemon.socket, "fp8": list(fp8),
@@ -51,15 +42,10 @@ class SglangTest(DaemonCase):
         self.assertTrue(ok, message)
 
     def compare(self, model, ref, what):
-        mine, theirs = dict(model.named_parameters()), dict(ref.named_parameters())
-        self.assertEqual(sorted(mine), sorted(theirs))
-        differ = [n for n in theirs if not same_bits(mine[n], theirs[n])]
-        self.assertEqual(differ, [], f"{what}: parameters that differ from SGLang's "
-                         "load_weights")
-        mine, theirs = sm.derived(model), sm.derived(ref)
-        self.assertEqual(sorted(mine), sorted(theirs))
-        differ = [n for n in theirs if not same_bits(mine[n], theirs[n])]
-        self.assertEqual(differ, [], f"{what}: derived tensors that differ")
+        assert_same_tensors(self, dict(model.named_parameters()), dict(ref.named_parameters()),
+                            f"{what}: parameters that differ from SGLang's load_weights")
+        assert_same_tensors(self, sm.derived(model), sm.derived(ref),
+                            f"{what}: derived tensors that differ")
 
     def run_kind(self, kind, fp8=False, versions=(1, 2), name=None):
         name = name or f"sglang-{kind}{'-fp8' if fp8 else ''}"

@@ -33,6 +33,7 @@ from refit.mapping import FusedMapping
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import torch_trainer  # noqa: E402
+from daemons import two_nodes  # noqa: E402
 
 STEPS = 3
 VLLM = FusedMapping(stacked=[("qkv_proj", ["q_proj", "k_proj", "v_proj"]),
@@ -43,20 +44,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def two_nodes(test: unittest.TestCase):
-    trainer = refit.testing.Daemon(args=["--retain=8", "--node=trainer-node"])
-    test.addCleanup(trainer.stop)
-    port = trainer.client().status().listen_port
-    engine = refit.testing.Daemon(
-        args=["--retain=8", "--node=engine-node", f"--peers=127.0.0.1:{port}"])
-    test.addCleanup(engine.stop)
-    deadline = time.monotonic() + 20
-    while not all(p.connected for p in engine.client().status().peers):
-        test.assertLess(time.monotonic(), deadline, "the daemons did not connect")
-        time.sleep(0.05)
-    return trainer, engine
 
 
 def launch(script: str, world: int, *args: str):

@@ -10,26 +10,15 @@ import unittest
 import torch
 
 import refit
-import refit.testing
 from refit import sglang as refit_sglang
 from refit import vllm as refit_vllm
+from daemons import DaemonCase
 from test_engines import CKPT, FP8, FakeEngineModel, checkpoint
 from test_fp8 import reference
 
 
-class VersionsTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.daemon = refit.testing.Daemon(args=("--retain=3",))
-        cls.client = cls.daemon.client()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        code = cls.daemon.stop()
-        if code != 0:
-            print(cls.daemon.log()[-4000:], file=sys.stderr)
-        assert code == 0, f"refitd exited with {code}"
+class VersionsTest(DaemonCase):
+    daemon_args = ("--retain=3",)
 
     def check(self, model, ckpt):
         p = "model.layers.0."

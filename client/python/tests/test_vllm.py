@@ -86,6 +86,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         b.detach().reshape(-1).contiguous().view(torch.uint8))
 
 
+def assert_same_tensors(test: unittest.TestCase, mine, theirs, what: str) -> None:
+    """`mine` and `theirs` (name -> tensor) name the same tensors, each the same bits."""
+    test.assertEqual(sorted(mine), sorted(theirs))
+    differ = [n for n in theirs if not same_bits(mine[n], theirs[n])]
+    test.assertEqual(differ, [], what)
+
+
 class VllmTest(DaemonCase):
     @classmethod
     def setUpClass(cls):
@@ -108,15 +115,6 @@ class VllmTest(DaemonCase):
         self.assertIsInstance(engine, refit_vllm.RefitWeightTransferEngine)
         self.addCleanup(engine.shutdown)
         return engine
-
-    def publish(self, model_name, version, state, src=None):
-        if src is None:
-            src = self.register(model_name, refit.SOURCE, dict(state))
-        else:
-            for n, t in state.items():
-                src.tensors[n].copy_(t)
-        self.client.publish(model_name, version, [src])
-        return src
 
     def run_kind(self, kind, fp8=False, versions=(1, 2)):
         name = f"vllm-{kind}{'-fp8' if fp8 else ''}"
@@ -142,12 +140,9 @@ class VllmTest(DaemonCase):
             engine.finish_weight_update()
             self.assertEqual(engine.weight_version, f"{name}@{version}")
             ref.load_weights(engine_checkpoint(state, f8))
-            mine = dict(model.named_parameters())
-            theirs = dict(ref.named_parameters())
-            self.assertEqual(sorted(mine), sorted(theirs))
-            differ = [n for n in theirs if not same_bits(mine[n], theirs[n])]
-            self.assertEqual(differ, [], f"{kind} v{version}: parameters that differ from "
-                             "vLLM's load_weights")
+            assert_same_tensors(self, dict(model.named_parameters()), dict(ref.named_parameters()),
+                                f"{kind} v{version}: parameters that differ from vLLM's "
+                                "load_weights")
             self.assertEqual({n: p.data_ptr() for n, p in model.named_parameters()}, pointers)
         self.assertEqual(loads, [])
         return model, engine

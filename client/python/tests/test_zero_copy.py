@@ -163,13 +163,6 @@ class ZeroCopyTest(DaemonCase):
                 want = want.to(got.dtype)
             self.assertTrue(same_bytes(got, want), f"{name} differs")
 
-    def publish(self, name, version, ckpt, src=None):
-        if src is None:
-            src = self.register(name, refit.SOURCE, ckpt)
-        src.copy_from(ckpt)
-        self.client.publish(name, version, [src])
-        return src
-
     def vllm_engine(self, name, model, storage="zero_copy"):
         engine = refit_vllm.RefitWeightTransferEngine(model=model)
         engine.init_transfer_engine(engine.parse_init_info({
