@@ -98,6 +98,13 @@ class Puller {
   Store* const store_;
   dataplane::DataPlane* const data_plane_;
   Metrics* const metrics_;
+  // The counters a pull adds to, resolved once (Metrics::Declare lists them at 0).
+  struct Counters {
+    explicit Counters(Metrics* metrics);
+    CounterHandle delta_versions, full_versions, relay_bytes_received, relay_chunks_rejected,
+        chunks_refetched, site_bytes_received, relay_failovers;
+  };
+  const Counters counters_;
   PeerChannels* const channels_;
   fleet::RelayBoard* const board_;
   fleet::ReplicaTable* const replicas_;
