@@ -1,7 +1,11 @@
 #include "daemon/wiring.h"
 
+#include <algorithm>
+#include <cstdlib>
+
 #include "daemon/bucket/bucket_sync.h"
 #include "daemon/common/logging.h"
+#include "daemon/dataplane/data_plane.h"
 #include "daemon/peer/delta_source.h"
 #include "daemon/peer/peer_manager.h"
 #include "daemon/peer/peer_service.h"
@@ -32,6 +36,18 @@ void HoldKeeper::OnHoldChanged(const std::string& model, uint64_t version) {
 void OnDeltasPrepared(const EventWiring& wiring) {
   wiring.peer_service->NotifyChanged();
   if (wiring.bucket_export) wiring.bucket_export->Notify();
+}
+
+absl::StatusOr<std::unique_ptr<Region>> DataPlaneSlots::operator()(uint64_t size) const {
+  return data_plane_->AllocateSlot(size);
+}
+
+std::chrono::milliseconds HealthStallBound(std::chrono::milliseconds fallback) {
+  if (const char* usec = std::getenv("WATCHDOG_USEC"); usec && std::atoll(usec) > 0) {
+    return std::max<std::chrono::milliseconds>(std::chrono::milliseconds(std::atoll(usec) / 2000),
+                                               std::chrono::seconds(2));
+  }
+  return fallback;
 }
 
 }  // namespace refit

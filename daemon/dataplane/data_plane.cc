@@ -124,8 +124,8 @@ DataPlane::DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneO
     : transport_(std::move(transport)),
       token_key_(::refit::transport::RandomBytes(32)),
       options_(options),
-      metrics_(metrics) {
-  metrics_->Declare(kDataBytesReceived);
+      metrics_(metrics),
+      data_bytes_received_(metrics->Declare(kDataBytesReceived)) {
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) {
     Logger("transport")->critical("eventfd: {}", std::strerror(errno));
@@ -269,7 +269,7 @@ void DataPlane::Run() {
         done.transfer->inflight -= done.reads;
         done.transfer->bytes_inflight -= done.length;
         if (c.status.ok()) {
-          metrics_->Add(kDataBytesReceived, static_cast<double>(done.length));
+          data_bytes_received_.Add(static_cast<double>(done.length));
           Transfer& t = *done.transfer;
           const bool flipped = t.status.ok() && TransitFlip();
           if (flipped) {

@@ -131,6 +131,7 @@ class DataPlane {
   const std::string token_key_;  // 32 random bytes, made at construction
   const DataPlaneOptions options_;
   Metrics* const metrics_;
+  const CounterHandle data_bytes_received_;  // kDataBytesReceived, per completion
 
   using Clock = std::chrono::steady_clock;
   // Wakes the loop: an eventfd it sleeps on beside the transport's (Sleep).

@@ -7,6 +7,8 @@
 
 #include <cstdio>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "catch2/catch.hpp"
 #include "daemon/metrics/prometheus.h"
@@ -124,6 +126,80 @@ TEST_CASE("/metrics is served over HTTP and follows the counters", "[metrics]") 
   m.Add(kBytes, 7);
   std::string second = HttpGet((*server)->port(), "/metrics");
   CHECK(second.find("test_bytes_total 7\n") != std::string::npos);
+}
+
+TEST_CASE("a handle counts into the same series as the by-name path", "[metrics]") {
+  Metrics m;
+  CounterHandle bytes = m.Declare(kBytes);
+  CHECK(m.Snapshot().count(kBytes) == 1);
+  bytes.Add(5);
+  m.Add(kBytes, 2);
+  m.Declare(kBytes).Add(1);  // declaring again: the same series
+  CHECK(m.Get(kBytes) == 8);
+  GaugeHandle level = m.Declare(kLevel);
+  level.Set(10);
+  level.Add(-3);
+  m.Add(kLevel, 1);
+  CHECK(m.Get(kLevel) == 8);
+  HistogramHandle seconds = m.Declare(kSeconds);
+  seconds.Observe(0.002);
+  m.Observe(kSeconds, 5);
+  seconds.Observe(1000);  // past the last bound: +Inf only
+  auto h = m.Histograms().at(kSeconds);
+  CHECK(h.bounds.size() == 13);
+  CHECK(h.counts.size() == 14);
+  CHECK(h.count == 3);
+  CHECK(h.sum == Approx(1005.002));
+  CHECK(h.counts.front() == 0);  // 0.0001 s
+  CHECK(h.counts[3] == 1);       // 0.003 s
+  CHECK(h.counts[9] == 1);       // 3 s
+  CHECK(h.counts[10] == 2);      // 10 s: cumulative
+  CHECK(h.counts[12] == 2);      // 100 s
+  CHECK(h.counts.back() == 3);   // +Inf
+  CounterHandle none;            // no Metrics: counts nothing, harmlessly
+  none.Add(1);
+}
+
+TEST_CASE("a labelled series resolved up front is listed only once it moves", "[metrics]") {
+  Metrics m;
+  m.DeclareLabelled(kErrors);
+  CounterHandle not_found = m.Series(kErrors, "code=\"NOT_FOUND\"");
+  CounterHandle internal = m.Series(kErrors, "code=\"INTERNAL\"");
+  CHECK(m.Snapshot().empty());
+  CHECK(RenderPrometheus(m).find("test_errors_total{") == std::string::npos);
+  not_found.Add(1);
+  m.Add(kErrors, "code=\"NOT_FOUND\"", 1);  // the by-name path finds the same series
+  const auto snapshot = m.Snapshot();
+  CHECK(snapshot.size() == 1);
+  CHECK(snapshot.at("test_errors_total{code=\"NOT_FOUND\"}") == 2);
+  CHECK(m.Get("test_errors_total{code=\"INTERNAL\"}") == 0);
+  internal.Add(3);
+  CHECK(RenderPrometheus(m).find("test_errors_total{code=\"INTERNAL\"} 3\n") != std::string::npos);
+}
+
+TEST_CASE("handles count exactly from several threads at once", "[metrics]") {
+  Metrics m;
+  CounterHandle bytes = m.Declare(kBytes);
+  HistogramHandle seconds = m.Declare(kSeconds);
+  constexpr int kThreads = 4;
+  constexpr int kAdds = 50000;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < kAdds; ++i) {
+        bytes.Add(2);
+        m.Add(kBytes, 1);
+        seconds.Observe(0.5);
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  CHECK(m.Get(kBytes) == 3.0 * kThreads * kAdds);
+  auto h = m.Histograms().at(kSeconds);
+  CHECK(h.count == uint64_t{kThreads} * kAdds);
+  CHECK(h.counts.back() == uint64_t{kThreads} * kAdds);
+  CHECK(h.counts[7] == 0);                           // 0.3 s
+  CHECK(h.counts[8] == uint64_t{kThreads} * kAdds);  // 1 s
 }
 
 }  // namespace

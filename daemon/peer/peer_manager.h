@@ -51,13 +51,14 @@ struct PeerManagerOptions {
   // name and this id reached this very daemon.
   std::string instance;
   // Use a source's deltas when they are at most this fraction of the bytes a pull needs (0:
-  // always pull full bytes).
-  double delta_threshold = 0.5;
-  bool relay = true;      // --relay
+  // always pull full bytes). Its default, and --relay's and --max-peer-connections', are in
+  // daemon/config's option table (DaemonOptions) only: refitd sets each of them here.
+  double delta_threshold = 0;
+  bool relay = false;     // --relay
   tls::PeerTlsFiles tls;  // mutual TLS on every channel to a peer (none: plaintext)
   // --max-peer-connections: --peers are always connected; relay channels open on demand only
   // while fewer than this many channels are open.
-  uint32_t max_peer_connections = 16;
+  uint32_t max_peer_connections = 0;
   std::string site;  // --site ("": none)
   // Labels, staleness budgets and the timeline heard from other nodes (daemon/rl); may be
   // null members.

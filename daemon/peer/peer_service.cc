@@ -20,7 +20,7 @@ namespace refit::peer {
 
 PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane, DeltaSource* deltas,
                          Metrics* metrics, fleet::RelayBoard* board, fleet::ReplicaTable* replicas,
-                         bool relay, bool tls)
+                         PeerServiceOptions options)
     : node_(std::move(node)),
       store_(store),
       data_plane_(data_plane),
@@ -28,8 +28,8 @@ PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane, 
       metrics_(metrics),
       board_(board),
       replicas_(replicas),
-      relay_(relay && board != nullptr),
-      tls_(tls) {
+      relay_(options.relay && board != nullptr),
+      tls_(options.tls) {
   metrics_->Declare(kDataBytesSent);
   metrics_->Declare(kRelayBytesSent);
   metrics_->Declare(kChecksumBytesHashed);

@@ -35,15 +35,21 @@ namespace refit::peer {
 
 using dataplane::DataPlane;
 
+// How a PeerService serves (from refitd's flags).
+struct PeerServiceOptions {
+  bool relay = false;  // --relay: other pullers may read what this node pulled (Relay)
+  bool tls = false;    // --tls-*: callers are authenticated by their certificates
+};
+
 class PeerService final : public v1::Peer::Service, public StoreEvents {
  public:
   // `deltas` (may be null: no delta sync) says which versions may be announced and which
   // deltas to offer with them.
-  // `board` and `replicas` may be null (no relaying; replica reports refused). With `relay`
-  // false, Relay answers FAILED_PRECONDITION.
+  // `board` and `replicas` may be null (no relaying; replica reports refused). Without
+  // `options.relay` (or a board), Relay answers FAILED_PRECONDITION.
   PeerService(std::string node, Store* store, DataPlane* data_plane, DeltaSource* deltas,
               Metrics* metrics, fleet::RelayBoard* board = nullptr,
-              fleet::ReplicaTable* replicas = nullptr, bool relay = false, bool tls = false);
+              fleet::ReplicaTable* replicas = nullptr, PeerServiceOptions options = {});
 
   // This daemon's identity in Hello: its random per-process instance id and its --listen
   // address (HOST:PORT as bound). Call before serving, and again once the port is known.

@@ -67,14 +67,22 @@ Puller::Puller(PullerOptions options, Store* store, dataplane::DataPlane* data_p
       store_(store),
       data_plane_(data_plane),
       metrics_(metrics),
+      counters_(metrics),
       channels_(channels),
       board_(board),
-      replicas_(replicas) {
-  for (const Counter& counter :
-       {kDeltaVersions, kFullVersions, kDeltaBytesReceived, kDeltaFallbacks, kRelayBytesReceived,
-        kRelayChunksRejected, kChunksRefetched, kSiteBytesReceived, kRelayFailovers}) {
-    metrics_->Declare(counter);
-  }
+      replicas_(replicas) {}
+
+Puller::Counters::Counters(Metrics* metrics)
+    : delta_versions(metrics->Declare(kDeltaVersions)),
+      full_versions(metrics->Declare(kFullVersions)),
+      relay_bytes_received(metrics->Declare(kRelayBytesReceived)),
+      relay_chunks_rejected(metrics->Declare(kRelayChunksRejected)),
+      chunks_refetched(metrics->Declare(kChunksRefetched)),
+      site_bytes_received(metrics->Declare(kSiteBytesReceived)),
+      relay_failovers(metrics->Declare(kRelayFailovers)) {
+  // Counted by FetchDeltas (delta_fetch.cc), by name.
+  metrics->Declare(kDeltaBytesReceived);
+  metrics->Declare(kDeltaFallbacks);
 }
 
 absl::Status Puller::PinOn(const std::string& node, const PullJob& job, bool release,
@@ -215,8 +223,8 @@ PullOutcome Puller::Pull(const PullJob& job) {
   std::map<std::string, uint64_t> relayed_from;  // for the timeline
   for (const auto& [relay, bytes] : deltas.relayed) {
     relayed_from[relay] += bytes;
-    metrics_->Add(kRelayBytesReceived, static_cast<double>(bytes));
-    if (view.Across(relay)) metrics_->Add(kSiteBytesReceived, static_cast<double>(bytes));
+    counters_.relay_bytes_received.Add(static_cast<double>(bytes));
+    if (view.Across(relay)) counters_.site_bytes_received.Add(static_cast<double>(bytes));
     (void)PinOn(relay, job, true, bytes, true);
   }
   // The origin hashes what we read while the bytes are still moving (not what deltas already
@@ -332,10 +340,10 @@ PullOutcome Puller::Pull(const PullJob& job) {
       ms_since(pinned) - deltas_ms - data_ms - sums_wait_ms);
   for (const auto& [node, bytes] : bytes_from) {
     (void)PinOn(node, job, true, bytes, false);
-    if (view.Across(node)) metrics_->Add(kSiteBytesReceived, static_cast<double>(bytes));
+    if (view.Across(node)) counters_.site_bytes_received.Add(static_cast<double>(bytes));
   }
   if (status.ok()) TestHookKillAt("pull_complete");  // test build only: a commit point
-  if (status.ok()) metrics_->Add(used_delta ? kDeltaVersions : kFullVersions, 1);
+  if (status.ok()) (used_delta ? counters_.delta_versions : counters_.full_versions).Add(1);
   return finish(status);
 }
 
@@ -417,14 +425,14 @@ absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& 
       if (result.bytes > 0) {
         sources->relayed[part.fetch][part.relay] = result.read;
         for (auto& [offset, sum] : result.hashes) (*hashes)[part.fetch][offset] = sum;
-        metrics_->Add(kRelayBytesReceived, static_cast<double>(result.bytes));
+        counters_.relay_bytes_received.Add(static_cast<double>(result.bytes));
         if (view.Across(part.relay)) {
-          metrics_->Add(kSiteBytesReceived, static_cast<double>(result.bytes));
+          counters_.site_bytes_received.Add(static_cast<double>(result.bytes));
         }
         (void)PinOn(part.relay, job, true, result.bytes, true);
       }
       if (result.leftover.empty()) continue;
-      if (result.failed) metrics_->Add(kRelayFailovers, 1);
+      if (result.failed) counters_.relay_failovers.Add(1);
       // A relay of another layout holding only part of this node's ranges is normal (debug);
       // one that failed, stalled or went away is worth a warning.
       Logger("peer")->log(
@@ -567,7 +575,7 @@ absl::Status Puller::Verify(const PullJob& job, const std::vector<std::shared_pt
         for (const auto& [relay, ranges] : sources.relayed[f]) {
           const uint64_t rejected = Intersect(bad, ranges).size();
           if (rejected == 0) continue;
-          metrics_->Add(kRelayChunksRejected, static_cast<double>(rejected));
+          counters_.relay_chunks_rejected.Add(static_cast<double>(rejected));
           Logger("peer")->warn(
               "model={} version={} relay={} served {} chunks of piece {} that fail node {}'s "
               "checksums; reading them from node {}",
@@ -583,7 +591,7 @@ absl::Status Puller::Verify(const PullJob& job, const std::vector<std::shared_pt
           "model={} version={} node={} {} chunks failed their checksum; "
           "fetching them again",
           job.model, job.version, fetch.node, bad.size());
-      metrics_->Add(kChunksRefetched, static_cast<double>(bad.size()));
+      counters_.chunks_refetched.Add(static_cast<double>(bad.size()));
       (*refetched)[f].insert((*refetched)[f].end(), bad.begin(), bad.end());
       absl::Status again = data_plane_->Refetch(job, f, bad, staging[f]).get();
       if (!again.ok()) return again;

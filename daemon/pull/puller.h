@@ -47,10 +47,11 @@ class PeerChannels {
 
 struct PullerOptions {
   std::string node;  // this node
-  // Use a source's deltas when they are at most this fraction of the bytes a pull needs.
-  double delta_threshold = 0.5;
+  // Use a source's deltas when they are at most this fraction of the bytes a pull needs
+  // (--delta-threshold; its default and --relay's: daemon/config's option table only).
+  double delta_threshold = 0;
   uint32_t pin_lease_ms = 120000;  // a pull's pins, renewed every quarter of it
-  bool relay = true;               // read stripes from other pullers, and let them read here
+  bool relay = false;              // read stripes from other pullers, and let them read here
   int fanout = fleet::kDefaultFanout;
   std::string site;  // --site: this node's site ("": none)
   // Where each pull's stages are recorded ("pulled" from whom, "verified"); null: nowhere.
@@ -98,6 +99,13 @@ class Puller {
   Store* const store_;
   dataplane::DataPlane* const data_plane_;
   Metrics* const metrics_;
+  // The counters a pull adds to, resolved once (Metrics::Declare lists them at 0).
+  struct Counters {
+    explicit Counters(Metrics* metrics);
+    CounterHandle delta_versions, full_versions, relay_bytes_received, relay_chunks_rejected,
+        chunks_refetched, site_bytes_received, relay_failovers;
+  };
+  const Counters counters_;
   PeerChannels* const channels_;
   fleet::RelayBoard* const board_;
   fleet::ReplicaTable* const replicas_;

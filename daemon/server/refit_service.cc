@@ -100,8 +100,7 @@ absl::StatusOr<callers::CallBudget::Hold> RefitService::HoldCall(const char* rpc
 
 grpc::Status RefitService::Finish(const char* rpc, const absl::Status& status) {
   if (!status.ok()) {
-    context_.metrics->Add(
-        kRequestErrors, absl::StrCat("code=\"", absl::StatusCodeToString(status.code()), "\""), 1);
+    request_errors_.Add(status.code());
     Logger("server")->debug("rpc={} error {}", rpc, status.ToString());
   }
   return ToGrpc(status);
@@ -416,15 +415,17 @@ grpc::Status RefitService::Status(grpc::ServerContext*, const v1::StatusRequest*
       ps->set_error(peer.error);
     }
   };
-  if (context_.peers) add_peers(context_.peers(), response->mutable_peers());
-  if (context_.pulled_by) add_peers(context_.pulled_by(), response->mutable_pulled_by());
+  if (context_.node_view) {
+    add_peers(context_.node_view->Peers(), response->mutable_peers());
+    add_peers(context_.node_view->PulledBy(), response->mutable_pulled_by());
+  }
   for (const auto& [name, value] : context_.metrics->Snapshot()) {
     (*response->mutable_metrics())[name] = value;
   }
   response->set_version(kRefitVersion);
   response->set_cuda_enabled(cuda::CompiledIn());
   response->set_cuda_devices(cuda::DeviceCount());
-  if (context_.add_runtime) context_.add_runtime(response);
+  if (context_.node_view) context_.node_view->AddRuntime(response);
   return grpc::Status::OK;
 }
 

@@ -34,6 +34,24 @@ struct PeerInfo {
   std::string error;  // why this daemon does not connect to it; empty otherwise
 };
 
+// What the local API asks of the rest of the daemon (Daemon::Impl::NodeViewAdapter,
+// daemon/daemon_impl.h).
+class NodeView {
+ public:
+  virtual ~NodeView() = default;
+  virtual std::vector<PeerInfo> Peers() const = 0;     // the daemons this one pulls from
+  virtual std::vector<PeerInfo> PulledBy() const = 0;  // daemons subscribed here
+  // Rollback (version > 0) or Resume (0) told to the nodes with SOURCE buffers of a model
+  // (PeerManager::ForwardHold).
+  virtual absl::Status ForwardHold(const std::string& model, uint64_t version,
+                                   const std::vector<std::string>& nodes) = 0;
+  // Bound ports and transfers in flight.
+  virtual void AddRuntime(v1::StatusResponse* response) const = 0;
+  // Every other node's timeline of a model (rl::GatherTimelines).
+  virtual std::vector<v1::NodeTimeline> GatherTimeline(const std::string& model,
+                                                       uint64_t version) const = 0;
+};
+
 struct ServiceContext {
   std::string node;
   Store* store = nullptr;      // not owned
@@ -51,21 +69,12 @@ struct ServiceContext {
   callers::CallBudget* calls = nullptr;     // not owned
   fleet::ReplicaTable* replicas = nullptr;  // not owned; null: WaitForReplicas UNIMPLEMENTED
   // Each model's newest published version (--state-dir); null: Publish checks only the store.
-  state::VersionLedger* ledger = nullptr;            // not owned
-  std::function<std::vector<PeerInfo>()> peers;      // may be empty
-  std::function<std::vector<PeerInfo>()> pulled_by;  // daemons subscribed here; may be empty
-  // Rollback (version > 0) or Resume (0) told to the nodes with SOURCE buffers of a model
-  // (PeerManager::ForwardHold); empty: this node alone.
-  std::function<absl::Status(const std::string& model, uint64_t version,
-                             const std::vector<std::string>& nodes)>
-      forward_hold;
-  // What only the Daemon knows: bound ports, transfers in flight.
-  std::function<void(v1::StatusResponse*)> add_runtime;  // may be empty
+  state::VersionLedger* ledger = nullptr;  // not owned
+  // What only the Daemon knows (its peers, bound ports, the other nodes' timelines); null:
+  // this node alone, nothing added to Status.
+  NodeView* node_view = nullptr;  // not owned
   // Labels, staleness budgets and timelines (daemon/rl); null members: not kept.
   rl::Parts rl;
-  // Every other node's timeline of a model (rl::GatherTimelines); may be empty.
-  std::function<std::vector<v1::NodeTimeline>(const std::string& model, uint64_t version)>
-      gather_timeline;
 };
 
 // When a waiting RPC answers so that its reason reaches the caller before the caller's own
@@ -74,9 +83,8 @@ Clock::time_point AnswerBy(const grpc::ServerContext& context);
 
 class RefitService final : public v1::Refit::Service {
  public:
-  explicit RefitService(ServiceContext context) : context_(std::move(context)) {
-    if (context_.metrics) context_.metrics->DeclareLabelled(kRequestErrors);
-  }
+  explicit RefitService(ServiceContext context)
+      : context_(std::move(context)), request_errors_(context_.metrics) {}
 
   grpc::Status RegisterBuffer(grpc::ServerContext* context,
                               const v1::RegisterBufferRequest* request,
@@ -134,6 +142,7 @@ class RefitService final : public v1::Refit::Service {
   grpc::Status Finish(const char* rpc, const absl::Status& status);
 
   ServiceContext context_;
+  const RequestErrors request_errors_;  // refit_request_errors_total, by code
 };
 
 }  // namespace refit::server

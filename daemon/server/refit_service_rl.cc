@@ -102,8 +102,9 @@ grpc::Status RefitService::Timeline(grpc::ServerContext*, const v1::TimelineRequ
   response->set_model(request->model());
   *response->add_nodes() =
       rl::ToProto(context_.node, context_.rl.timeline->Get(request->model(), request->version()));
-  if (!request->local() && context_.gather_timeline) {
-    for (v1::NodeTimeline& node : context_.gather_timeline(request->model(), request->version())) {
+  if (!request->local() && context_.node_view) {
+    for (v1::NodeTimeline& node :
+         context_.node_view->GatherTimeline(request->model(), request->version())) {
       *response->add_nodes() = std::move(node);
     }
   }

@@ -49,13 +49,14 @@ grpc::Status RefitService::Rollback(grpc::ServerContext* context,
     return Finish("Rollback", held);
   }
   const std::vector<std::string> sources = context_.store->SourceNodes(request->model());
-  if (sources.empty() || !context_.forward_hold) {
+  if (sources.empty() || !context_.node_view) {
     auto rolled = context_.store->Rollback(request->model(), request->version());
     if (!rolled.ok()) return Finish("Rollback", rolled.status());
     response->set_version(*rolled);
     return grpc::Status::OK;
   }
-  if (absl::Status told = context_.forward_hold(request->model(), request->version(), sources);
+  if (absl::Status told =
+          context_.node_view->ForwardHold(request->model(), request->version(), sources);
       !told.ok()) {
     return Finish("Rollback", told);
   }
@@ -93,8 +94,8 @@ grpc::Status RefitService::Resume(grpc::ServerContext* context, const v1::Resume
                                 " is not rolled back on this node: nothing to resume")));
   }
   const std::vector<std::string> sources = context_.store->SourceNodes(request->model());
-  if (!sources.empty() && context_.forward_hold) {
-    absl::Status told = context_.forward_hold(request->model(), 0, sources);
+  if (!sources.empty() && context_.node_view) {
+    absl::Status told = context_.node_view->ForwardHold(request->model(), 0, sources);
     // A source node that is not held back (its refitd restarted since) has nothing to resume;
     // this node resumes on its own then.
     if (!told.ok() && told.code() != absl::StatusCode::kFailedPrecondition) {

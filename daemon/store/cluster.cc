@@ -196,7 +196,7 @@ void Store::TryCompleteWithRemotes(Model& model) {
                            candidate, model.latest, fits.ToString());
     model.failed = candidate;
     model.failed_status = std::move(fits);
-    metrics_->Add(kVersionsAbandoned, 1);
+    counters_.versions_abandoned.Add(1);
     changed_.NotifyAll();
     return;
   }
@@ -295,7 +295,7 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
                            job.version, model->latest, result.ToString());
     model->failed = job.version;
     model->failed_status = result.ok() ? absl::InternalError("a pull returned no staging") : result;
-    metrics_->Add(kVersionsAbandoned, 1);
+    counters_.versions_abandoned.Add(1);
     model->pending.erase(job.version);
     model->early_quant.erase(job.version);  // blocks quantized as they landed go with it
     changed_.NotifyAll();

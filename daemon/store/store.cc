@@ -35,23 +35,14 @@ void Store::Probe() {
 Store::Store(StoreOptions options, Metrics* metrics)
     : options_(std::move(options)),
       metrics_(metrics),
+      counters_(metrics),
       pool_(SlotPool::Create(
           options_.max_spare_slot_bytes,
           options_.host_slot_allocator ? options_.host_slot_allocator : cuda::AllocatePinnedHost,
-          options_.max_slot_bytes, [metrics](uint64_t held) {
-            metrics->Set(kSlotMemoryBytes, static_cast<double>(held));
+          options_.max_slot_bytes,
+          [slot_memory = metrics->Declare(kSlotMemoryBytes)](uint64_t held) {
+            slot_memory.Set(static_cast<double>(held));
           })) {
-  for (const Counter& counter :
-       {kVersionsCompleted, kApplyBytes, kApplyUndoBytes, kApplySparse, kPublishBytes, kPublishes,
-        kApplies, kVersionsDropped, kVersionsAbandoned, kApplyVerifyFailures, kDeltaBaseFallbacks,
-        kQuantizedValues, kQuantizedGpuValues, kNonfiniteValues}) {
-    metrics_->Declare(counter);
-  }
-  for (const Histogram& histogram :
-       {kPublishSeconds, kApplySeconds, kPlanSeconds, kQuantizeSeconds}) {
-    metrics_->Declare(histogram);
-  }
-  metrics_->Declare(kSlotMemoryBytes);
   metrics_->Declare(kSlotMemoryLimitBytes);
   metrics_->Set(kSlotMemoryBytes, 0);
   metrics_->Set(kSlotMemoryLimitBytes, static_cast<double>(options_.max_slot_bytes));
@@ -70,6 +61,26 @@ Store::Store(StoreOptions options, Metrics* metrics)
   }
   journal_ = std::move(journal).value();
 }
+
+Store::Counters::Counters(Metrics* metrics)
+    : versions_completed(metrics->Declare(kVersionsCompleted)),
+      apply_bytes(metrics->Declare(kApplyBytes)),
+      apply_undo_bytes(metrics->Declare(kApplyUndoBytes)),
+      apply_sparse(metrics->Declare(kApplySparse)),
+      publish_bytes(metrics->Declare(kPublishBytes)),
+      publishes(metrics->Declare(kPublishes)),
+      applies(metrics->Declare(kApplies)),
+      versions_dropped(metrics->Declare(kVersionsDropped)),
+      versions_abandoned(metrics->Declare(kVersionsAbandoned)),
+      apply_verify_failures(metrics->Declare(kApplyVerifyFailures)),
+      delta_base_fallbacks(metrics->Declare(kDeltaBaseFallbacks)),
+      quantized_values(metrics->Declare(kQuantizedValues)),
+      quantized_gpu_values(metrics->Declare(kQuantizedGpuValues)),
+      nonfinite_values(metrics->Declare(kNonfiniteValues)),
+      publish_seconds(metrics->Declare(kPublishSeconds)),
+      apply_seconds(metrics->Declare(kApplySeconds)),
+      plan_seconds(metrics->Declare(kPlanSeconds)),
+      quantize_seconds(metrics->Declare(kQuantizeSeconds)) {}
 
 Store::~Store() {
   Shutdown();
@@ -232,9 +243,9 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
     for (Piece& piece : pieces) diffed.push_back(&piece);
     DiffPieces(std::move(diffed), *diff_base);
   }
-  metrics_->Add(kPublishBytes, static_cast<double>(bytes));
-  metrics_->Add(kPublishes, 1);
-  metrics_->Observe(kPublishSeconds, std::chrono::duration<double>(Clock::now() - started).count());
+  counters_.publish_bytes.Add(static_cast<double>(bytes));
+  counters_.publishes.Add(1);
+  counters_.publish_seconds.Observe(std::chrono::duration<double>(Clock::now() - started).count());
 
   common::MutexLock lock(mu_);
   Model* model = FindModel(model_name);
@@ -335,10 +346,10 @@ void Store::PublishVersion(Model& model, std::shared_ptr<const Version> version)
     auto oldest = model.complete.begin();
     if (oldest->first == model.hold) ++oldest;
     model.complete.erase(oldest);  // slots freed once no Apply holds them
-    metrics_->Add(kVersionsDropped, 1);
+    counters_.versions_dropped.Add(1);
   }
   if (model.hold == 0) AddEvent(model, number, false);  // held back until Resume otherwise
-  metrics_->Add(kVersionsCompleted, 1);
+  counters_.versions_completed.Add(1);
   Logger("store")->info("model={} version={} complete: {} pieces, {} bytes held here", model.name,
                         number, version->pieces.size(), version->bytes);
   for (StoreEvents* listener : listeners_) listener->OnVersionComplete(model.name, number);
@@ -395,7 +406,7 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
                      QuantPlans(model, version, sources, destinations, *cached, plan_options));
   }
   cached->dst_extents = DestinationExtents(cached->plan, dests.size());
-  metrics_->Observe(kPlanSeconds, std::chrono::duration<double>(Clock::now() - started).count());
+  counters_.plan_seconds.Observe(std::chrono::duration<double>(Clock::now() - started).count());
   model.plans[key] = cached;
   return std::shared_ptr<const CachedPlan>(cached);
 }
@@ -538,7 +549,7 @@ absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
   seeded_holds_.erase(name);
   DropResult result;
   for (const auto& [v, version] : model->complete) result.released_versions.push_back(v);
-  metrics_->Add(kVersionsDropped, static_cast<double>(model->complete.size()));
+  counters_.versions_dropped.Add(static_cast<double>(model->complete.size()));
   if (model->HasRemoteSources()) {
     // Other nodes still have sources: keep what they told, forget every version. Their next
     // announcement (or the one they made) completes here again for an engine that registers.

@@ -492,6 +492,15 @@ class Store {
 
   const StoreOptions options_;
   Metrics* const metrics_;
+  // The store's counters and histograms, resolved once (Metrics::Declare lists them at 0).
+  struct Counters {
+    explicit Counters(Metrics* metrics);
+    CounterHandle versions_completed, apply_bytes, apply_undo_bytes, apply_sparse, publish_bytes,
+        publishes, applies, versions_dropped, versions_abandoned, apply_verify_failures,
+        delta_base_fallbacks, quantized_values, quantized_gpu_values, nonfinite_values;
+    HistogramHandle publish_seconds, apply_seconds, plan_seconds, quantize_seconds;
+  };
+  const Counters counters_;
   std::shared_ptr<SlotPool> pool_;      // host slots: local snapshots, staging, mirrors
   std::shared_ptr<SlotPool> gpu_pool_;  // GPU slots (--slot-memory=cuda); null otherwise
 

@@ -194,11 +194,11 @@ ApplyResult Store::Applied(const std::string& model_name,
                            const std::vector<std::shared_ptr<Buffer>>& dests, ApplyResult result,
                            Clock::time_point started) {
   for (const auto& d : dests) d->applied = source->number;
-  metrics_->Add(kApplyBytes, static_cast<double>(result.bytes_written));
-  metrics_->Add(kApplyUndoBytes, static_cast<double>(result.undo_bytes));
-  if (result.sparse) metrics_->Add(kApplySparse, 1);
-  metrics_->Add(kApplies, 1);
-  metrics_->Observe(kApplySeconds, std::chrono::duration<double>(Clock::now() - started).count());
+  counters_.apply_bytes.Add(static_cast<double>(result.bytes_written));
+  counters_.apply_undo_bytes.Add(static_cast<double>(result.undo_bytes));
+  if (result.sparse) counters_.apply_sparse.Add(1);
+  counters_.applies.Add(1);
+  counters_.apply_seconds.Observe(std::chrono::duration<double>(Clock::now() - started).count());
   ReleaseApplied(model_name, source);  // --delta-base=destination: the destinations hold it now
   return result;
 }

@@ -232,7 +232,7 @@ void Store::AbandonUnpublished(Model& model, const Buffer& buffer, const std::st
       model.failed = version;
       model.failed_status = absl::FailedPreconditionError(message);
     }
-    metrics_->Add(kVersionsAbandoned, 1);
+    counters_.versions_abandoned.Add(1);
     it = model.pending.erase(it);
   }
 }

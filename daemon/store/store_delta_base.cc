@@ -269,7 +269,7 @@ bool Store::CanUseDestinationBase(const Model& model, const Piece& piece,
         "model={} buffer={}: the destinations can't be the delta base from "
         "version {} ({}); pulling in full",
         model.name, fetch.buffer_id, model.latest, why);
-    metrics_->Add(kDeltaBaseFallbacks, 1);
+    counters_.delta_base_fallbacks.Add(1);
     return false;
   };
   const std::shared_ptr<const DestinationBase>& base = model.destination_base;

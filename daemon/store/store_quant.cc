@@ -240,13 +240,13 @@ absl::StatusOr<std::shared_ptr<Region>> Store::RunQuantBatch(
   auto slot =
       version.quant->Run(batch, sources, pool, threads, partial, &nonfinite, &values, device);
   if (values > 0) {
-    metrics_->Add(kQuantizedValues, static_cast<double>(values));
+    counters_.quantized_values.Add(static_cast<double>(values));
     if (device != QuantCache::kOnHost) {
-      metrics_->Add(kQuantizedGpuValues, static_cast<double>(values));
+      counters_.quantized_gpu_values.Add(static_cast<double>(values));
     }
-    metrics_->Add(kNonfiniteValues, static_cast<double>(nonfinite));
-    metrics_->Observe(kQuantizeSeconds,
-                      std::chrono::duration<double>(Clock::now() - started).count());
+    counters_.nonfinite_values.Add(static_cast<double>(nonfinite));
+    counters_.quantize_seconds.Observe(
+        std::chrono::duration<double>(Clock::now() - started).count());
   }
   return slot;
 }

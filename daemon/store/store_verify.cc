@@ -65,7 +65,7 @@ absl::Status Store::NotLanded(const Version& version, const plan::Plan& plan,
   for (const auto& [id, names] : tensors) {
     parts.push_back(absl::StrCat("buffer ", id, ": ", absl::StrJoin(names, ", ")));
   }
-  metrics_->Add(kApplyVerifyFailures, 1);
+  counters_.apply_verify_failures.Add(1);
   std::string outcome;
   if (restored) {
     // The undo journal put every byte back: each buffer holds what it held before the call.

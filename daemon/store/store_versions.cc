@@ -42,7 +42,7 @@ void Store::StartRun(Model& model, const std::string& run, const std::string& wh
     while (model.past_runs.size() > kMaxPastRuns) model.past_runs.pop_front();
   }
   model.run = run;
-  metrics_->Add(kVersionsDropped, static_cast<double>(model.complete.size()));
+  counters_.versions_dropped.Add(static_cast<double>(model.complete.size()));
   // Readers (an Apply in flight, a peer's pin) keep their own references to what goes here.
   model.complete.clear();
   model.pending.clear();
@@ -201,7 +201,7 @@ absl::Status Store::Resume(const std::string& model_name) {
   // Trim what the hold kept beyond --retain.
   while (model->complete.size() > std::max<uint32_t>(1, options_.retain)) {
     model->complete.erase(model->complete.begin());
-    metrics_->Add(kVersionsDropped, 1);
+    counters_.versions_dropped.Add(1);
   }
   for (StoreEvents* listener : listeners_) listener->OnHoldChanged(model_name, 0);
   changed_.NotifyAll();
