@@ -31,8 +31,10 @@
 # engine holds the trainer's bf16) and fp8 (FP8_E4M3 destinations with [128, 128] block scales
 # in FP32 "<name>_scale_inv" tensors, quantized on the engine's node as the pulled bytes land).
 # With fp8 in the list both use the same 2-D tensors [rows, 8192], and the summary gives
-# fp8 / bf16 for publish -> complete, Apply and both (issue 34's goal: <= 1.3x). The default is
-# "bf16" (1-D tensors, as before).
+# fp8 / bf16 for publish -> complete, Apply and both (issue 34's goal: <= 1.3x), and beside them
+# each daemon's CPU seconds per version and the bytes the engine's node pulled (fp8 / bf16). The
+# default is "bf16" (1-D tensors, as before). Every two_node_bench row prints both daemons' CPU
+# seconds for that version (publish -> complete -> Apply) beside its wall times.
 #
 # --density F makes every version after the first an RL-like step (F of the elements move by one
 # unit in the last place) so that deltas carry them; the default 0 changes every byte.
@@ -386,6 +388,16 @@ for (tls, tensors, engine), rs in sorted(engines.items()):
           f"{e2e / e2e_ref:.2f}x; Apply {app:.3f} / {app_ref:.3f} s = {app / app_ref:.2f}x; "
           f"publish -> complete + Apply {(e2e + app) / (e2e_ref + app_ref):.2f}x (goal <= 1.3x); "
           f"register {reg:.3f} / {reg_ref:.3f} s")
+    if "engine_cpu_s" in rs[0] and "engine_cpu_s" in ref[0]:
+        # The daemons' CPU seconds per version (publish -> complete -> Apply) and the bytes the
+        # engine's node pulled: what a loaded machine does not blur the way it blurs wall time.
+        ecpu, ecpu_ref = med(rs, "engine_cpu_s"), med(ref, "engine_cpu_s")
+        tcpu, tcpu_ref = med(rs, "trainer_cpu_s"), med(ref, "trainer_cpu_s")
+        pb, pb_ref = med(rs, "pulled_bytes"), med(ref, "pulled_bytes")
+        print(f"  refitd CPU per version: engine's node {ecpu:.3f} / {ecpu_ref:.3f} s = "
+              f"{ecpu / ecpu_ref if ecpu_ref else 0:.2f}x, trainer's node {tcpu:.3f} / "
+              f"{tcpu_ref:.3f} s; bytes pulled per version {pb:.0f} / {pb_ref:.0f} = "
+              f"{pb / pb_ref if pb_ref else 0:.3f}x")
 peer = {}
 for r in rows:
     if not r.get("failed") and "peer_bytes" in r:

@@ -1,6 +1,10 @@
 // LandedQuantizer: what a pull has landed, handed to the store's quantizer as it lands.
 #include "daemon/pull/landed_quant.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 
@@ -8,6 +12,7 @@ namespace refit::pull {
 namespace {
 
 constexpr auto kTick = std::chrono::milliseconds(5);
+constexpr int kNice = 19;  // the quantizer thread's nice value (the lowest priority)
 
 // `ranges` sorted and merged.
 void Merge(LandedQuantizer::Ranges& ranges) {
@@ -79,18 +84,26 @@ void LandedQuantizer::Finish(const std::vector<Ranges>& refetched) {
 }
 
 void LandedQuantizer::Run() {
+  // The lowest priority: this thread takes the cores the pull leaves idle (a pull over loopback
+  // or shared memory is itself CPU-bound: quantizing beside it at the same priority slowed it
+  // more than the overlap saved, docs/benchmarks.md). Linux keeps a nice value per thread; a
+  // failure leaves the thread as it was.
+  (void)setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), kNice);
   common::UniqueLock lock(mu_);
+  bool more = false;  // the last call left runnable tasks
   while (true) {
-    wake_.Wait(lock, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || changed_; });
+    wake_.Wait(lock,
+               [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || changed_ || more; });
     if (stop_) return;
     lock.unlock();
-    Quantize({});
-    std::this_thread::sleep_for(kTick);  // let a few more chunks land first
+    // A task (~4 MiB of source) per call, so that Stop never waits on more than one.
+    more = Quantize({});
+    if (!more) std::this_thread::sleep_for(kTick);  // let a few more chunks land first
     lock.lock();
   }
 }
 
-void LandedQuantizer::Quantize(const std::vector<Ranges>& refetched) {
+bool LandedQuantizer::Quantize(const std::vector<Ranges>& refetched) {
   std::vector<std::shared_ptr<Region>> staging;
   std::vector<Ranges> landed;
   {
@@ -100,7 +113,7 @@ void LandedQuantizer::Quantize(const std::vector<Ranges>& refetched) {
     landed = landed_;
     changed_ = false;
   }
-  store_->QuantizeLanded(job_, staging, landed, refetched);
+  return store_->QuantizeLanded(job_, staging, landed, refetched);
 }
 
 }  // namespace refit::pull

@@ -1,11 +1,14 @@
 #pragma once
 
 // Quantizing a pulled version while it lands (fp8 engines with block scales): a pull reports
-// each range of each fetch as it lands; a thread of its own hands what landed so far to
-// Store::QuantizeLanded every few milliseconds, which quantizes the blocks whose source bytes
-// are all there. After the pull verified every byte, Finish reports the ranges fetched again
-// (their checksums failed), whose blocks are quantized again from the bytes that passed. The
-// version still becomes visible only when FinishPull completes it and every block is done.
+// each range of each fetch as it lands; a thread of its own, at the lowest priority (nice 19:
+// it takes only the CPU the pull leaves idle), hands what landed so far to
+// Store::QuantizeLanded, which quantizes a task (~4 MiB of source) of the blocks whose source
+// bytes are all there per call, on that one thread; it calls again at once while runnable
+// tasks are left, else every few milliseconds. After the pull verified every byte, Finish reports
+// the ranges fetched again (their checksums failed), whose blocks are quantized again from the
+// bytes that passed. The version still becomes visible only when FinishPull completes it and every
+// block is done.
 //
 // Thread-safety: Staged, Landed and Whole may be called from any thread; Finish from one.
 
@@ -45,8 +48,8 @@ class LandedQuantizer {
  private:
   void Run();
   void Stop();
-  // Hands what landed so far to the store (no lock held).
-  void Quantize(const std::vector<Ranges>& refetched);
+  // Hands what landed so far to the store (no lock held); true when it left runnable tasks.
+  bool Quantize(const std::vector<Ranges>& refetched);
 
   Store* const store_;
   const PullJob job_;

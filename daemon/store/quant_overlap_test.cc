@@ -379,7 +379,12 @@ TEST_CASE("fp8 overlap: a pulled version is quantized block by block as its byte
   // Tensor 0's bytes failed their checksum and were fetched again; tensor 2 landed.
   std::memcpy(staged, x[0].data(), tensor_bytes);
   std::memcpy(staged + 2 * tensor_bytes, x[2].data(), tensor_bytes);
-  store.QuantizeLanded(job, {*slot}, {Ranges{{0, 3 * tensor_bytes}}}, {Ranges{{4096, 8192}}});
+  // One task (~4 MiB of source: a tensor here) per call, so that the landed-bytes quantizer
+  // never holds the CPU long: two runnable (tensor 0 again, tensor 2), one run, one left.
+  CHECK(
+      store.QuantizeLanded(job, {*slot}, {Ranges{{0, 3 * tensor_bytes}}}, {Ranges{{4096, 8192}}}));
+  CHECK(metrics.Get(kQuantizedValues) == static_cast<double>(3 * elements));
+  CHECK_FALSE(store.QuantizeLanded(job, {*slot}, {Ranges{{0, 3 * tensor_bytes}}}, {}));
   CHECK(metrics.Get(kQuantizedValues) == static_cast<double>(4 * elements));
   CHECK(store.LatestVersion("m") == 0);
   store.FinishPull(job, absl::OkStatus(), {*slot});

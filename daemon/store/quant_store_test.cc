@@ -364,5 +364,65 @@ TEST_CASE_METHOD(Fixture, "fp8 with block scales: bad layouts are refused at Reg
   CHECK(refused({Whole("s", DType::kFP32, {2, 2}, 0)}, Role::kSource));
 }
 
+TEST_CASE_METHOD(Fixture,
+                 "fp8 with block scales: scale slices found apart from their weights, in shards, "
+                 "and across releases",
+                 "[store][fp8]") {
+  const std::vector<int64_t> shape{256, 256}, block{128, 128};
+  const std::string src = Source("w", shape, RandomBf16(Elements(shape), 7));
+  (void)src;
+  (void)Source("v", shape, RandomBf16(Elements(shape), 8));
+  auto registered = [&](std::vector<TensorSlice> slices) {
+    TestBuffer b(1 << 20);
+    auto id = store.RegisterBuffer("m", Role::kDestination, b.Lend(), std::move(slices), "engine");
+    INFO(id.status().ToString());
+    return id;
+  };
+  // Two row shards of w and two of its scale tensor, the scales not beside their weights (the
+  // request's table finds them), a plain tensor between: accepted.
+  auto both = registered(
+      {Scaled(Box("w", DType::kFP8E4M3, shape, {0, 0}, {128, 256}, 0), "s", block),
+       Whole("v", DType::kBF16, shape, 1 << 16),
+       Scaled(Box("w", DType::kFP8E4M3, shape, {128, 0}, {128, 256}, 1 << 15), "s", block),
+       Box("s", DType::kFP32, {2, 2}, {0, 0}, {1, 2}, 1 << 18),
+       Box("s", DType::kFP32, {2, 2}, {1, 0}, {1, 2}, (1 << 18) + 8)});
+  REQUIRE(both.ok());
+  // Another fp8 tensor naming the same scale tensor with a shape its scales don't have: the
+  // scale slices registered before are checked against it (INVALID_ARGUMENT, nothing changes).
+  auto other = registered({Scaled(Whole("v", DType::kFP8E4M3, {256, 256}, 0), "s", {128, 64})});
+  CHECK(other.status().code() == absl::StatusCode::kInvalidArgument);
+  // A second shard of the scale tensor of another shape, apart from any weight: refused.
+  auto bad_scale = registered({Box("s", DType::kFP32, {2, 3}, {0, 0}, {1, 3}, 0)});
+  CHECK(bad_scale.status().code() == absl::StatusCode::kInvalidArgument);
+  // The scale tensor as a SOURCE: refused while the fp8 slices are registered, ...
+  TestBuffer s_src(64);
+  CHECK(store
+            .RegisterBuffer("m", Role::kSource, s_src.Lend(), {Whole("s", DType::kFP32, {2, 2}, 0)},
+                            "trainer")
+            .status()
+            .code() == absl::StatusCode::kInvalidArgument);
+  // ... and accepted once they are released (the model's tensors by name forget them).
+  REQUIRE(store.ReleaseBuffer(*both).ok());
+  TestBuffer s_src2(64);
+  auto s_source = store.RegisterBuffer("m", Role::kSource, s_src2.Lend(),
+                                       {Whole("s", DType::kFP32, {2, 2}, 0)}, "trainer");
+  CHECK(s_source.ok());
+  // Now a scale tensor that is a source is refused for fp8 slices.
+  auto named_source = registered({Scaled(Whole("w", DType::kFP8E4M3, shape, 0), "s", block),
+                                  Whole("s", DType::kFP32, {2, 2}, 1 << 18)});
+  CHECK(named_source.status().code() == absl::StatusCode::kInvalidArgument);
+  // A released source leaves the model's sources: the same tensor may come back in another
+  // shape, and destinations are checked against that.
+  REQUIRE(store.ReleaseBuffer(*s_source).ok());
+  TestBuffer s_src3(64);
+  CHECK(store
+            .RegisterBuffer("m", Role::kSource, s_src3.Lend(),
+                            {Whole("s", DType::kFP32, {4, 2}, 0)}, "trainer")
+            .ok());
+  CHECK(registered({Whole("s", DType::kFP32, {2, 2}, 0)}).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(registered({Whole("s", DType::kFP32, {4, 2}, 0)}).ok());
+}
+
 }  // namespace
 }  // namespace refit

@@ -500,9 +500,10 @@ void QuantCache::Forget(const QuantBatch& batch, uint32_t piece,
 absl::StatusOr<std::shared_ptr<Region>> QuantCache::Run(
     const std::shared_ptr<const QuantBatch>& batch, const std::vector<QuantSource>& sources,
     SlotPool& pool, unsigned threads, bool partial, uint64_t* nonfinite_added, uint64_t* values,
-    int device) {
+    int device, size_t max_tasks, size_t* runnable_left) {
   *nonfinite_added = 0;
   *values = 0;
+  if (runnable_left) *runnable_left = 0;
   std::shared_ptr<Entry> entry;
   {
     common::MutexLock lock(mu_);
@@ -542,6 +543,10 @@ absl::StatusOr<std::shared_ptr<Region>> QuantCache::Run(
   for (size_t t = 0; t < batch->tasks().size(); ++t) {
     if (entry->done[t]) continue;
     if (!partial || Landed(batch->tasks()[t], sources)) runnable.push_back(t);
+  }
+  if (partial && runnable.size() > max_tasks) {
+    if (runnable_left) *runnable_left = runnable.size() - max_tasks;
+    runnable.resize(max_tasks);
   }
   std::atomic<size_t> next{0};
   std::atomic<uint64_t> quantized{0};

@@ -148,13 +148,16 @@ class QuantCache {
   // `device` kOnHost: the sources are host memory, `pool` makes host slots, and the CPU kernel
   // runs on `threads` threads; a CUDA ordinal: the sources are GPU slots on that device, `pool`
   // makes GPU slots, and every band runs on the GPU (cuda::QuantizeFp8BlocksOnDevice: the same
-  // bytes), task by task on the calling thread.
+  // bytes), task by task on the calling thread. With `partial`, `max_tasks` bounds the tasks
+  // this call runs (a caller that must not hold the CPU long: the landed-bytes quantizer), and
+  // `*runnable_left` (when given) says how many runnable ones it left.
   static constexpr int kOnHost = -1;
   absl::StatusOr<std::shared_ptr<Region>> Run(const std::shared_ptr<const QuantBatch>& batch,
                                               const std::vector<QuantSource>& sources,
                                               SlotPool& pool, unsigned threads, bool partial,
                                               uint64_t* nonfinite_added, uint64_t* values,
-                                              int device = kOnHost);
+                                              int device = kOnHost, size_t max_tasks = SIZE_MAX,
+                                              size_t* runnable_left = nullptr);
 
   // Forgets the tasks of `batch` run so far that read bytes of piece `piece` in `ranges` (bytes
   // a pull fetched again after they were quantized: their checksums failed): a later Run

@@ -318,7 +318,7 @@ void Store::CompleteVersion(Model& model, uint64_t number, std::vector<Piece> pi
   auto early = model.early_quant.find(number);
   if (early != model.early_quant.end()) version->quant = early->second;  // partly done
   model.early_quant.erase(model.early_quant.begin(), model.early_quant.upper_bound(number));
-  if (!model.scale_tensors.empty()) {
+  if (model.HasScales()) {
     // fp8 destinations with scales: quantize first, so that Apply stays a copy.
     model.finishing = number;
     quant_queue_.emplace_back(model.name, std::move(version));
@@ -383,7 +383,7 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
   auto cached = std::make_shared<CachedPlan>();
   std::vector<const TensorSlice*> dest_slices;
   for (const plan::PlacedSlice& d : destinations) dest_slices.push_back(d.slice);
-  if (!model.scale_tensors.empty()) {
+  if (model.HasScales()) {
     // The jobs of these destinations, as the model's batch places them in its slot (one plan
     // location), each once.
     std::vector<const std::vector<TensorSlice>*> layout;
@@ -399,7 +399,7 @@ absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
       taken[index] = 1;
     }
   }
-  if (cached->jobs.empty() && model.scale_tensors.empty()) {
+  if (cached->jobs.empty() && !model.HasScales()) {
     ASSIGN_OR_RETURN(cached->plan, plan::BuildPlan(sources, destinations, plan_options));
   } else {
     ASSIGN_OR_RETURN(std::tie(cached->plan, cached->reads),

@@ -54,6 +54,8 @@ namespace refit {
 
 struct QuantJob;
 class QuantBatch;
+class SourceIndex;
+class DestinationIndex;
 class ApplyJournal;
 struct UndoTarget;
 
@@ -305,9 +307,13 @@ class Store {
   // invisible until FinishPull completes it and the quantizer finishes the rest). `refetched[f]`
   // (may be empty): ranges fetched again since (their checksums failed): the blocks read from
   // them are quantized again. Does nothing for a job no longer pulled.
-  void QuantizeLanded(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
+  // Bounded, so as not to take cores from the pull it overlaps: one thread (the caller's) and at
+  // most `max_tasks` tasks (~4 MiB of source each) per call; returns true when it left runnable
+  // tasks for the next call.
+  bool QuantizeLanded(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
                       const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& landed,
-                      const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& refetched);
+                      const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& refetched,
+                      size_t max_tasks = 1);
 
   // --delta-base=destination: `fetch.ranges` of the piece as version fetch.base_version held
   // them, rebuilt from this node's DESTINATION buffers (what its last Apply installed) into a
@@ -342,6 +348,13 @@ class Store {
   const Model* FindModel(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckAgainstModel(const Model& model, Role role,
                                  const std::vector<TensorSlice>& slices) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The model's SOURCE slices by tensor (Model::source_index), rebuilt first when a local
+  // source was released or other nodes' layouts changed since it was built.
+  const SourceIndex& SourcesOf(const Model& model) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The model's DESTINATION slices by tensor (`slices`) and scaled slices by scale tensor
+  // (`scaled`), the parts asked for built first where they are not.
+  const DestinationIndex& DestinationsOf(const Model& model, bool slices, bool scaled) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks the model's DESTINATION buffers whose layout disagrees with its SOURCE buffers (here
   // and on other nodes) as refused, and clears the mark of those that agree again.
@@ -422,9 +435,11 @@ class Store {
                                                                       const CachedPlan& plan);
   // Runs `batch` for `version` (no store lock held); `partial`: QuantCache::Run; `landed`: per
   // piece, the bytes a pull has landed so far (null: all).
+  // `threads` 0: one per core; `max_tasks`, `runnable_left`: QuantCache::Run.
   absl::StatusOr<std::shared_ptr<Region>> RunQuantBatch(
       const Version& version, const std::shared_ptr<const QuantBatch>& batch, bool partial,
-      const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>* landed = nullptr);
+      const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>* landed = nullptr,
+      unsigned threads = 0, size_t max_tasks = SIZE_MAX, size_t* runnable_left = nullptr);
   // The two plans of destinations with fp8 scaled slices (mu_ held): the copy from the version's
   // pieces and the derived slot (`cached.jobs`, at location version.pieces.size()), and what
   // that needs held of the pieces.

@@ -140,8 +140,15 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
       absl::StrCat(options_.node, "/", model_name, "/", role == Role::kSource ? "src" : "dst", "-",
                    next_buffer_++, "-", absl::Hex(nonce, absl::kZeroPad16));
   (role == Role::kSource ? model->sources : model->destinations).insert(buffer->id);
-  for (const TensorSlice& s : buffer->slices) {
-    if (plan::IsScaled(s)) ++model->scale_tensors[s.scale_tensor];
+  // The model's tensors by name take the new slices in (tensor_index.h): no map of the whole
+  // model is built again for the next registration.
+  if (role == Role::kSource) {
+    if (model->source_index.valid()) {
+      model->source_index.AddLocal(buffer->id, buffer->client, buffer->slices);
+    }
+  } else {
+    model->destination_index.Add(buffer->slices);
+    if (scaled) ++model->scaled_buffers;
   }
   model->plans.clear();
   buffers_[buffer->id] = buffer;
@@ -189,15 +196,13 @@ absl::Status Store::ReleaseBuffer(const std::string& buffer_id, const std::strin
   buffers_.erase(it);
   if (!buffer->memory.empty()) by_memory_.erase(buffer->memory);
   Model& model = *FindModel(buffer->model);
-  model.sources.erase(buffer_id);
+  // Its slices leave the model's tensors by name: the index is built again when next needed.
+  if (model.sources.erase(buffer_id)) model.source_index.Invalidate();
   // A destination that stood in for a released version no longer can; let go of its memory.
-  if (model.destinations.erase(buffer_id)) model.destination_base.reset();
-  for (const TensorSlice& s : buffer->slices) {
-    if (!plan::IsScaled(s)) continue;
-    auto scale = model.scale_tensors.find(s.scale_tensor);
-    if (scale != model.scale_tensors.end() && --scale->second <= 0) {
-      model.scale_tensors.erase(scale);
-    }
+  if (model.destinations.erase(buffer_id)) {
+    model.destination_base.reset();
+    model.destination_index.Clear();
+    if (buffer->scaled) --model.scaled_buffers;
   }
   model.plans.clear();
   UpdateBudget(model);

@@ -207,7 +207,7 @@ void Store::ReleaseApplied(const std::string& model_name,
     auto cached = PlanFor(*model, *version, dests);
     if (!cached.ok()) return;
     plan = *cached;
-    if (!plan->jobs.empty() || !model->scale_tensors.empty()) {
+    if (!plan->jobs.empty() || model->HasScales()) {
       return keep_held("fp8 destinations with scales are quantized, not copied");
     }
     for (const plan::CopyOp& op : plan->plan.ops) {

@@ -18,6 +18,7 @@
 #include "daemon/plan/plan.h"
 #include "daemon/store/quantize.h"
 #include "daemon/store/store.h"
+#include "daemon/store/tensor_index.h"
 
 namespace refit {
 // Sparse Apply: byte runs [begin, end) of a piece that differ from the same piece of an earlier
@@ -160,9 +161,17 @@ struct Store::Model {
   uint64_t latest = 0;
   std::deque<uint64_t> history;  // completed versions, oldest first
   std::map<std::string, std::shared_ptr<const CachedPlan>> plans;
-  // Scale tensors named by the fp8 destinations of the model, with how many slices name each.
-  // Non-empty: versions are quantized before they complete here.
-  std::unordered_map<std::string, int> scale_tensors;
+  // DESTINATION buffers with scaled fp8 slices. Non-zero: versions are quantized before they
+  // complete here.
+  int scaled_buffers = 0;
+  bool HasScales() const { return scaled_buffers > 0; }
+  // Tensors by name (tensor_index.h), for RegisterBuffer's checks: the SOURCE slices here and
+  // on other nodes (kept as local sources register; rebuilt by Store::SourcesOf after a release
+  // or when other nodes' layouts changed), and the DESTINATION slices (Store::DestinationsOf:
+  // built when first needed, then kept as destinations register; cleared by a release).
+  // Guarded by Store::mu_.
+  mutable SourceIndex source_index;
+  mutable DestinationIndex destination_index;
   uint64_t finishing = 0;  // version being quantized before it completes; 0: none
   // Pending versions whose local pieces are quantized as they are published (QuantizeEarly):
   // their derived slots, handed to the version when it completes.
@@ -237,30 +246,19 @@ std::vector<ByteRanges> DestinationExtents(const plan::Plan& plan, size_t locati
 
 namespace refit {
 
-// RegisterBuffer's checks of fp8 slices with scales against the model (`source_of`: its
-// tensors held by local SOURCE buffers; `dest_of`: its DESTINATION slices by tensor; `scaled_by`:
-// its scaled fp8 slices by scale tensor): a scaled slice's scale tensor is registered (earlier, or
-// in `slices`) as FP32 DESTINATION slices of the scale shape and is no source tensor; a new slice
-// of a scale tensor fits the tensors it scales; a source never provides a scale tensor.
-// INVALID_ARGUMENT. The maps are keyed by views of the slices' names (the slices outlive them);
-// `request`: the first of `slices` of each tensor.
-struct ScaleMaps {
-  using ByName = std::unordered_map<std::string_view, const TensorSlice*>;
-  using ByNameMulti = std::unordered_multimap<std::string_view, const TensorSlice*>;
-  class SourceNames {  // tensors of the model's SOURCE buffers on this node
-   public:
-    virtual ~SourceNames() = default;
-    virtual bool Has(std::string_view tensor) const = 0;
-  };
-};
-// The scale checks of RegisterBuffer (store_quant.cc). For a DESTINATION request, `is_scale`
-// gets one entry per slice: 1 for a slice of a scale tensor that an fp8 slice (of the request
-// or registered before) names; those were checked here and are not source tensors, so the
-// caller need not look them up among the sources again.
+// RegisterBuffer's checks of fp8 slices with scales against the model (store_quant.cc): a
+// scaled slice's scale tensor is registered (earlier, or in `slices`) as FP32 DESTINATION slices
+// of the scale shape and is no source tensor here; a new slice of a scale tensor fits the tensors
+// it scales; a source never provides a scale tensor. INVALID_ARGUMENT.
+// `request`: the first of `slices` of each tensor (by name); `first_of[i]`: that first slice's
+// index for slices[i]. `destinations`: the model's DESTINATION buffers registered before (null
+// where there are none). For a DESTINATION request, `is_scale` gets one entry per slice: 1 for a
+// slice of a scale tensor that an fp8 slice (of the request or registered before) names; those
+// were checked here and are not source tensors, so the caller need not look them up among the
+// sources again.
 absl::Status CheckScaleLayout(const std::string& model, Role role,
-                              const std::vector<TensorSlice>& slices,
-                              const ScaleMaps::SourceNames& source_of,
-                              const ScaleMaps::ByNameMulti& dest_of,
-                              const ScaleMaps::ByNameMulti& scaled_by, std::vector<char>* is_scale);
+                              const std::vector<TensorSlice>& slices, const NameTable& request,
+                              const std::vector<uint32_t>& first_of, const SourceIndex& sources,
+                              const DestinationIndex* destinations, std::vector<char>* is_scale);
 
 }  // namespace refit

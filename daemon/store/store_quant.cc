@@ -18,69 +18,91 @@
 
 namespace refit {
 
+namespace {
+
+// The index of the first slice of `name` in the request: a neighbour of `i` where it is one
+// (an engine registers a weight beside its scales: a string compare, not a hash lookup), else
+// looked up; NameTable::kNone where the request has none.
+uint32_t FirstInRequest(const std::vector<TensorSlice>& slices, const NameTable& request,
+                        const std::vector<uint32_t>& first_of, size_t i, const std::string& name) {
+  if (i + 1 < slices.size() && slices[i + 1].name == name) return first_of[i + 1];
+  if (i > 0 && slices[i - 1].name == name) return first_of[i - 1];
+  return request.Find(name);
+}
+
+}  // namespace
+
 absl::Status CheckScaleLayout(const std::string& model, Role role,
-                              const std::vector<TensorSlice>& slices,
-                              const ScaleMaps::SourceNames& source_of,
-                              const ScaleMaps::ByNameMulti& dest_of,
-                              const ScaleMaps::ByNameMulti& scaled_by,
-                              std::vector<char>* is_scale) {
+                              const std::vector<TensorSlice>& slices, const NameTable& request,
+                              const std::vector<uint32_t>& first_of, const SourceIndex& sources,
+                              const DestinationIndex* destinations, std::vector<char>* is_scale) {
+  const NameChains* scaled_before =
+      destinations && !destinations->scaled().empty() ? &destinations->scaled() : nullptr;
   if (role == Role::kSource) {
+    if (!scaled_before) return absl::OkStatus();
     for (const TensorSlice& s : slices) {
-      if (scaled_by.count(s.name)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor ", s.name, " is the scale tensor of ", scaled_by.find(s.name)->second->name,
-            " in model ", model, ": its scales come from quantization, never from a source"));
+      const TensorSlice* scaled = nullptr;
+      scaled_before->ForEach(s.name, [&](const TensorSlice& fp8) {
+        scaled = &fp8;
+        return false;
+      });
+      if (scaled) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor ", s.name, " is the scale tensor of ", scaled->name, " in model ",
+                         model, ": its scales come from quantization, never from a source"));
       }
     }
     return absl::OkStatus();
   }
-  // The request's scaled slices by scale tensor (their indexes); each scaled slice learns here
-  // whether the request holds a slice of its scale tensor (one lookup per slice in all, where
-  // looking each scale tensor up by name again would be another per scaled slice).
-  std::unordered_multimap<std::string_view, uint32_t> scaled_here;
-  std::vector<char> scale_in_request(slices.size(), 0);
-  is_scale->assign(slices.size(), 0);
-  scaled_here.reserve(slices.size());
-  for (uint32_t i = 0; i < slices.size(); ++i) {
-    if (plan::IsScaled(slices[i])) scaled_here.emplace(slices[i].scale_tensor, i);
-  }
-  for (size_t i = 0; i < slices.size(); ++i) {
-    const TensorSlice& s = slices[i];
-    // A slice of a scale tensor that fp8 slices (earlier or in this request) name.
-    if (!scaled_by.empty()) {
-      auto [first, last] = scaled_by.equal_range(s.name);
-      for (auto it = first; it != last; ++it) {
-        RETURN_IF_ERROR(plan::CheckScaleSlice(*it->second, s));
-        (*is_scale)[i] = 1;
-      }
-    }
-    if (!scaled_here.empty()) {
-      auto [first, last] = scaled_here.equal_range(s.name);
-      for (auto it = first; it != last; ++it) {
-        RETURN_IF_ERROR(plan::CheckScaleSlice(slices[it->second], s));
-        scale_in_request[it->second] = 1;
-        (*is_scale)[i] = 1;
-      }
-    }
-  }
+  // Each scaled slice against its scale tensor's slices: the request's first slice of it (the
+  // request's other slices of a tensor have its dtype and global_shape, checked before) and
+  // those registered before. `scale_first[j]`: slice j is the first of a scale tensor.
+  std::vector<char> scale_first(slices.size(), 0);
+  const NameChains* destinations_before =
+      destinations && !destinations->slices().empty() ? &destinations->slices() : nullptr;
   for (size_t i = 0; i < slices.size(); ++i) {
     const TensorSlice& s = slices[i];
     if (!plan::IsScaled(s)) continue;
-    if (source_of.Has(s.scale_tensor)) {
+    const SourceRef* source = sources.Find(s.scale_tensor);
+    if (source && source->client) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor ", s.name, ": its scale_tensor ", s.scale_tensor,
                        " is a source tensor of model ", model, "; scales come from quantization"));
     }
-    auto [d_first, d_last] = dest_of.empty() ? std::make_pair(dest_of.end(), dest_of.end())
-                                             : dest_of.equal_range(s.scale_tensor);
-    for (auto it = d_first; it != d_last; ++it) {
-      RETURN_IF_ERROR(plan::CheckScaleSlice(s, *it->second));
+    const uint32_t first = FirstInRequest(slices, request, first_of, i, s.scale_tensor);
+    if (first != NameTable::kNone) {
+      RETURN_IF_ERROR(plan::CheckScaleSlice(s, slices[first]));
+      scale_first[first] = 1;
     }
-    if (d_first == d_last && !scale_in_request[i]) {
+    size_t before = 0;
+    if (destinations_before) {
+      absl::Status checked;
+      before = destinations_before->ForEach(s.scale_tensor, [&](const TensorSlice& scale) {
+        checked = plan::CheckScaleSlice(s, scale);
+        return checked.ok();
+      });
+      RETURN_IF_ERROR(checked);
+    }
+    if (first == NameTable::kNone && before == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor ", s.name, ": scale_tensor ", s.scale_tensor, " is not registered for model ",
           model, " (register its DESTINATION slices in this buffer or an earlier one)"));
     }
+  }
+  // Each slice of a scale tensor: named by a scaled slice of the request (checked above), or
+  // by fp8 slices registered before (checked here).
+  is_scale->assign(slices.size(), 0);
+  for (size_t i = 0; i < slices.size(); ++i) {
+    (*is_scale)[i] = scale_first[first_of[i]];
+    if (!scaled_before) continue;
+    const TensorSlice& s = slices[i];
+    absl::Status checked;
+    const size_t named = scaled_before->ForEach(s.name, [&](const TensorSlice& fp8) {
+      checked = plan::CheckScaleSlice(fp8, s);
+      return checked.ok();
+    });
+    RETURN_IF_ERROR(checked);
+    if (named > 0) (*is_scale)[i] = 1;
   }
   return absl::OkStatus();
 }
@@ -113,6 +135,7 @@ absl::StatusOr<std::pair<plan::Plan, plan::Plan>> Store::QuantPlans(
   // destinations, scale slices spread over several jobs) is planned by name, the derived
   // slices renamed so that only those can fill them.
   const uint32_t slot = static_cast<uint32_t>(version.pieces.size());
+  const DestinationIndex& scale_tensors = DestinationsOf(model, false, true);
   std::unordered_map<std::string_view, std::vector<const QuantJob*>> jobs_of_scale;
   for (const QuantJob* job : cached.jobs) {
     jobs_of_scale[std::string_view(job->scales.name).substr(3)].push_back(job);  // ScalePlanName
@@ -146,7 +169,7 @@ absl::StatusOr<std::pair<plan::Plan, plan::Plan>> Store::QuantPlans(
       }
       continue;
     }
-    if (model.scale_tensors.count(slice.name) > 0) {
+    if (scale_tensors.IsScaleTensor(slice.name)) {
       const QuantJob* holder = nullptr;
       auto jobs = jobs_of_scale.find(slice.name);
       if (jobs != jobs_of_scale.end()) {
@@ -198,7 +221,8 @@ absl::StatusOr<std::pair<plan::Plan, plan::Plan>> Store::QuantPlans(
 
 absl::StatusOr<std::shared_ptr<Region>> Store::RunQuantBatch(
     const Version& version, const std::shared_ptr<const QuantBatch>& batch, bool partial,
-    const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>* landed) {
+    const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>* landed, unsigned threads,
+    size_t max_tasks, size_t* runnable_left) {
   // GPU slots (--slot-memory=cuda: every piece here published on this node into GPU memory of
   // one device) are quantized there, by the GPU kernel, into a GPU slot; everything else (host
   // slots, pulled pieces, a mix) on the CPU from host memory, a GPU slot's host mirror included.
@@ -235,10 +259,10 @@ absl::StatusOr<std::shared_ptr<Region>> Store::RunQuantBatch(
   const auto started = Clock::now();
   uint64_t nonfinite = 0;
   uint64_t values = 0;
-  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
   SlotPool& pool = device != QuantCache::kOnHost ? *gpu_pool_ : *pool_;
-  auto slot =
-      version.quant->Run(batch, sources, pool, threads, partial, &nonfinite, &values, device);
+  auto slot = version.quant->Run(batch, sources, pool, threads, partial, &nonfinite, &values,
+                                 device, max_tasks, runnable_left);
   if (values > 0) {
     counters_.quantized_values.Add(static_cast<double>(values));
     if (device != QuantCache::kOnHost) {
@@ -261,7 +285,7 @@ absl::StatusOr<std::vector<std::shared_ptr<Region>>> Store::QuantizedSlots(const
 }
 
 void Store::QuantizeEarly(Model& model, uint64_t number) {
-  if (model.scale_tensors.empty() || model.HasRemoteSources()) return;
+  if (!model.HasScales() || model.HasRemoteSources()) return;
   auto pending = model.pending.find(number);
   if (pending == model.pending.end()) return;
   std::vector<std::string> ids;
@@ -295,13 +319,13 @@ void Store::QuantizeEarly(Model& model, uint64_t number) {
 bool Store::QuantizesWhilePulling(const std::string& model_name) const {
   common::MutexLock lock(mu_);
   const Model* model = FindModel(model_name);
-  return model && !model->scale_tensors.empty() && model->HasRemoteSources();
+  return model && model->HasScales() && model->HasRemoteSources();
 }
 
-void Store::QuantizeLanded(
-    const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
-    const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& landed,
-    const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& refetched) {
+bool Store::QuantizeLanded(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
+                           const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& landed,
+                           const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& refetched,
+                           size_t max_tasks) {
   auto version = std::make_shared<Version>();  // the pulled pieces, in the version's order
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> landed_by_piece;
   std::vector<size_t> fetch_of_piece;
@@ -309,7 +333,7 @@ void Store::QuantizeLanded(
   {
     common::MutexLock lock(mu_);
     Model* model = FindModel(job.model);
-    if (!model || model->pulling != job.version || model->scale_tensors.empty()) return;
+    if (!model || model->pulling != job.version || !model->HasScales()) return false;
     std::vector<Piece> pieces = model->pulling_pieces;
     std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
       return std::tie(a.node, a.buffer_id) < std::tie(b.node, b.buffer_id);
@@ -345,11 +369,16 @@ void Store::QuantizeLanded(
     if (f < refetched.size() && !refetched[f].empty())
       version->quant->Forget(*batch, p, refetched[f]);
   }
-  auto partial = RunQuantBatch(*version, batch, true, &landed_by_piece);
+  // One thread, a few tasks: the pull this overlaps is itself CPU-bound where the network is
+  // fast (loopback, shared memory), and what is left when it ends runs on every core anyway.
+  size_t left = 0;
+  auto partial = RunQuantBatch(*version, batch, true, &landed_by_piece, 1, max_tasks, &left);
   if (!partial.ok()) {
     Logger("store")->debug("model={} version={}: quantizing landed bytes early: {}", job.model,
                            job.version, partial.status().ToString());
+    return false;
   }
+  return left > 0;
 }
 
 void Store::RunQuantizer() {

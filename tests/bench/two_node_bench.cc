@@ -41,8 +41,10 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "CLI/CLI.hpp"
@@ -61,6 +63,25 @@ using refit::bench::WaitConnected;
 using refit::client::Client;
 using refit::client::SharedMemory;
 using refit::client::Slice;
+
+// CPU seconds process `pid` has used (every thread: /proc/PID/stat's utime + stime); -1 when
+// it can't be read. The daemons' CPU per version is what a loaded machine doesn't blur: the
+// wall time counts the other processes' turns on the cores.
+double CpuSeconds(int pid) {
+  if (pid <= 0) return -1;
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')');
+  if (close == std::string::npos) return -1;
+  std::istringstream fields(text.substr(close + 2));
+  std::string f;
+  double utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && fields >> f; ++i) {
+    if (i == 14) utime = std::stod(f);
+    if (i == 15) stime = std::stod(f);
+  }
+  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
 
 int Fail(const std::string& what, const absl::Status& status) {
   std::cerr << "two_node_bench: " << what << ": " << status.ToString() << "\n";
@@ -349,17 +370,19 @@ int main(int argc, char** argv) {
       total, static_cast<double>(total) / (1 << 30), engine_dtype,
       fp8 ? " + [128, 128] block scales" : "", dst_total, trainer_socket, engine_socket,
       register_s);
-  std::cout << absl::StrFormat("%-8s %14s %10s %10s %11s %10s %10s %10s %8s\n", "version",
+  std::cout << absl::StrFormat("%-8s %14s %10s %10s %11s %10s %10s %10s %8s %22s\n", "version",
                                "bytes pulled", "publish s", "GB/s", "transfer s", "GB/s", "apply s",
-                               "GB/s", "check");
-  const int trainer_pid = memory ? refit::bench::SocketPeerPid(trainer_socket) : 0;
-  const int engine_pid = memory ? refit::bench::SocketPeerPid(engine_socket) : 0;
+                               "GB/s", "check", "refitd CPU s: tr / eng");
+  // The daemons (found through their sockets, SO_PEERCRED): their CPU seconds per version.
+  const int trainer_pid = refit::bench::SocketPeerPid(trainer_socket);
+  const int engine_pid = refit::bench::SocketPeerPid(engine_socket);
   if (memory && (trainer_pid == 0 || engine_pid == 0)) {
     return Fail("--memory", absl::NotFoundError("cannot find the daemons' pids (SO_PEERCRED)"));
   }
   std::unique_ptr<RssSampler> sampler;
   if (memory) sampler = std::make_unique<RssSampler>(std::vector<int>{trainer_pid, engine_pid});
-  std::vector<double> publish_s, transfer_s, apply_s, e2e_s;
+  std::vector<double> publish_s, transfer_s, apply_s, e2e_s, trainer_cpu_s, engine_cpu_s,
+      pulled_bytes;
   const double gb = static_cast<double>(total) / 1e9;
   // What the engine needs, in the trainer's bf16 bytes (an fp8 engine's buffer is about half).
   const double gb_dst = static_cast<double>(sharded ? total / 2 : total) / 1e9;
@@ -406,6 +429,7 @@ int main(int argc, char** argv) {
     const bool measured = i > warmup;
     make_version(i, version);
     const double received_before = Received(**engine);
+    const double trainer_cpu0 = CpuSeconds(trainer_pid), engine_cpu0 = CpuSeconds(engine_pid);
 
     // The engine waits from before Publish, as an inference engine's refit loop would.
     absl::StatusOr<uint64_t> ready = absl::UnknownError("not waited");
@@ -426,20 +450,26 @@ int main(int argc, char** argv) {
     auto applied = (*engine)->Apply(model_name, version, {*dst_id});
     const auto t3 = Clock::now();
     if (!applied.ok()) return Fail("Apply", applied.status());
+    // Publish -> complete -> Apply: the daemons' CPU over the version (before the check).
+    const double trainer_cpu = CpuSeconds(trainer_pid) - trainer_cpu0;
+    const double engine_cpu = CpuSeconds(engine_pid) - engine_cpu0;
     const bool ok = matches(dst->data(), src->data());
     const double pulled = Received(**engine) - received_before;
 
     const double pub = Seconds(t0, t1), xfer = Seconds(t1, t_ready), app_s = Seconds(t2, t3);
-    std::cout << absl::StrFormat("%-8s %14.0f %10.4f %10.2f %11.4f %10.2f %10.4f %10.2f %8s\n",
-                                 absl::StrCat(version, measured ? "" : " (w)"), pulled, pub,
-                                 gb / pub, xfer, gb_dst / xfer, app_s, gb_dst / app_s,
-                                 ok ? "ok" : "WRONG");
+    std::cout << absl::StrFormat(
+        "%-8s %14.0f %10.4f %10.2f %11.4f %10.2f %10.4f %10.2f %8s %11.3f / %7.3f\n",
+        absl::StrCat(version, measured ? "" : " (w)"), pulled, pub, gb / pub, xfer, gb_dst / xfer,
+        app_s, gb_dst / app_s, ok ? "ok" : "WRONG", trainer_cpu, engine_cpu);
     if (!ok) return 1;
     if (measured) {
       publish_s.push_back(pub);
       transfer_s.push_back(xfer);
       apply_s.push_back(app_s);
       e2e_s.push_back(Seconds(t0, t_ready));
+      trainer_cpu_s.push_back(trainer_cpu);
+      engine_cpu_s.push_back(engine_cpu);
+      pulled_bytes.push_back(pulled);
     }
   }
 
@@ -450,9 +480,12 @@ int main(int argc, char** argv) {
       "  publish   %8.4f s  %7.2f GB/s\n"
       "  transfer  %8.4f s  %7.2f GB/s   (Publish returned -> WaitForVersion returned)\n"
       "  apply     %8.4f s  %7.2f GB/s\n"
-      "  publish+transfer %.4f s  %7.2f GB/s\n",
+      "  publish+transfer %.4f s  %7.2f GB/s\n"
+      "  refitd CPU per version (publish -> complete -> Apply): trainer's node %.3f s, engine's "
+      "node %.3f s\n",
       versions, gb, tensors, Median(publish_s), publish_gbs, Median(transfer_s), transfer_gbs,
-      Median(apply_s), apply_gbs, Median(e2e_s), e2e_gbs);
+      Median(apply_s), apply_gbs, Median(e2e_s), e2e_gbs, Median(trainer_cpu_s),
+      Median(engine_cpu_s));
   if (sharded) {
     std::cout << absl::StrFormat(
         "  (engine shard %s: transfer and apply GB/s over the %.3f GB the engine holds)\n",
@@ -499,10 +532,12 @@ int main(int argc, char** argv) {
       "register_s=%.6f publish_s=%.6f "
       "transfer_s=%.6f "
       "apply_s=%.6f "
-      "e2e_s=%.6f transfer_gbs=%.4f apply_gbs=%.4f publish_gbs=%.4f%s\n",
+      "e2e_s=%.6f transfer_gbs=%.4f apply_gbs=%.4f publish_gbs=%.4f trainer_cpu_s=%.4f "
+      "engine_cpu_s=%.4f pulled_bytes=%.0f%s\n",
       engine_dtype, engine_shard, density, tensors, total, versions, burst, register_s,
       Median(publish_s), Median(transfer_s), Median(apply_s), Median(e2e_s), transfer_gbs,
-      apply_gbs, publish_gbs, memory_fields);
+      apply_gbs, publish_gbs, Median(trainer_cpu_s), Median(engine_cpu_s), Median(pulled_bytes),
+      memory_fields);
   (void)(*engine)->ReleaseBuffer(*dst_id);
   (void)(*trainer)->ReleaseBuffer(*src_id);
   return 0;
