@@ -113,9 +113,8 @@ int Main(uint64_t mib, int rounds) {
   const Runs r_stream(512, 0, true, "512 B runs, streaming (plain)");
   const Runs r_plain(512, 0, false, "512 B runs, ordinary, no compare");
   const Runs r_check(512, 32 << 10, false, "512 B runs, ordinary, compare/32 KiB");
-  const std::vector<const Variant*> variants = {&streaming, &ordinary, &p8,      &p16,
-                                                &p32,       &p256,     &r_stream, &r_plain,
-                                                &r_check};
+  const std::vector<const Variant*> variants = {&streaming, &ordinary, &p8,      &p16,    &p32,
+                                                &p256,      &r_stream, &r_plain, &r_check};
   std::vector<std::vector<double>> seconds(variants.size());
   for (int r = 0; r < rounds; ++r) {
     for (size_t v = 0; v < variants.size(); ++v) {
