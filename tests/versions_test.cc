@@ -228,6 +228,14 @@ TEST_CASE("a rollback asked on one engine's node takes the fleet back, until Res
   out = testing::RunCommand({refitctl, "--socket=" + (*engine_b)->socket(), "rollback", "m", "1"});
   CHECK(out.exit_code == 1);
   CHECK(out.err.find("oldest retained is") != std::string::npos);
+  // Version 1 was dropped by --retain: NOT_FOUND over gRPC too, naming the oldest retained; the
+  // rollback in force and the engine's bytes stay as they were.
+  auto dropped = (*eb)->Rollback("m", 1);
+  REQUIRE_FALSE(dropped.ok());
+  CHECK(dropped.status().code() == absl::StatusCode::kNotFound);
+  CHECK(std::string(dropped.status().message()).find("oldest retained is ") != std::string::npos);
+  CHECK(StatusOf(**eb, "m").rollback_version() == 3);
+  CHECK(Same(dst_b, published[4]));
   out = testing::RunCommand({refitctl, "--socket=" + (*engine_b)->socket(), "resume", "m"});
   CHECK(out.exit_code == 0);
   out = testing::RunCommand({refitctl, "--socket=" + (*engine_b)->socket(), "resume", "m"});

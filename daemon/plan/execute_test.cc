@@ -1,6 +1,9 @@
 // ExecuteOnHost on large ops, where it streams stores and copies row groups together: bytes
 // equal a reference gather computed here.
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <random>
 
@@ -137,6 +140,49 @@ TEST_CASE("verification follows conversions and strides", "[plan][execute]") {
   out[2 * 7 + 1] = 99.0f;  // a gap the plan never writes: not its business
   out[2 * 7] -= 1.0f;
   CHECK(VerifyOnHost(*plan, s, t).empty());
+}
+
+TEST_CASE("the verified copy compares the destination memory, not what it meant to write",
+          "[plan][execute]") {
+  // The destination's two pages are one page of memory mapped twice: one row's bytes land over
+  // the other's within the copy (as a concurrent writer's would) before it is compared, so the
+  // memory does not hold what the op wrote. Verified execution reports the op; a check of the
+  // copy's own registers would not.
+  const long page = sysconf(_SC_PAGESIZE);
+  REQUIRE(page > 0);
+  const int64_t cols = page / 2;  // bf16: one row per page
+  const int fd = memfd_create("refit-execute-test", 0);
+  REQUIRE(fd >= 0);
+  REQUIRE(ftruncate(fd, page) == 0);
+  void* area = mmap(nullptr, 2 * page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  REQUIRE(area != MAP_FAILED);
+  uint8_t* base = static_cast<uint8_t*>(area);
+  for (int i = 0; i < 2; ++i) {
+    REQUIRE(mmap(base + i * page, page, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) !=
+            MAP_FAILED);
+  }
+  close(fd);
+  // One op copies both rows (one source buffer): row 1 lands over row 0 within it.
+  std::vector<TensorSlice> sv{Part("w", {2, cols}, {0, 0}, {2, cols}, 0)};
+  std::vector<TensorSlice> d{Part("w", {2, cols}, {0, 0}, {2, cols}, 0)};
+  REQUIRE(NormalizeAndValidateBuffer(sv, 2 * page).ok());
+  REQUIRE(NormalizeAndValidateBuffer(d, 2 * page).ok());
+  auto plan = BuildPlan({{&sv[0], 0, 0}}, {{&d[0], 0, 0}});
+  REQUIRE(plan.ok());
+  REQUIRE(plan->ops.size() == 1);
+  std::vector<uint8_t> rows(2 * page, 0x11);
+  std::memset(rows.data() + page, 0x22, page);
+  std::vector<const uint8_t*> src{rows.data()};
+  std::vector<uint8_t*> dst{base};
+  CHECK(ExecuteAndVerifyOnHost(*plan, src, dst) == std::vector<size_t>{0});
+  CHECK(std::memcmp(base, base + page, page) == 0);  // one page of memory: not both rows
+  CHECK(VerifyOnHost(*plan, src, dst) == std::vector<size_t>{0});
+  // Mapped apart, the same plan lands and checks clean.
+  std::vector<uint8_t> apart(2 * page, 0);
+  dst[0] = apart.data();
+  CHECK(ExecuteAndVerifyOnHost(*plan, src, dst).empty());
+  CHECK(apart == rows);
+  munmap(area, 2 * page);
 }
 
 }  // namespace

@@ -599,42 +599,80 @@ bool TaskLanded(const std::vector<CopyOp>& ops, const Task& t,
   return true;
 }
 
-// The fused verified copy: memcpy ops check what landed piece by piece as they copy, each piece
-// small enough that its source and destination bytes are still in the core's first-level
-// cache when it is compared (the second read costs next to nothing there).
-constexpr uint64_t kFusedBytes = 8 << 10;
+// The fused verified copy: memcpy ops are copied with ordinary (write-back) stores and what
+// landed is compared with the source once about kFusedBytes were copied, while those source and
+// destination bytes are still in the core's own cache (reading them again costs little there).
+// The compare loads the destination's cache lines, which another core or a device writing into
+// that memory would have changed or invalidated: it checks the memory, not the copy's registers.
+// One thread copying 256 MiB, CPU time against a streaming copy (docs/benchmarks.md, "Verified
+// apply"): ordinary stores alone 0.88-0.91x (the write-allocate of each destination line), with
+// the compare every 8 KiB 0.70-0.72x, every 16-32 KiB 0.78-0.88x, every 256 KiB 0.77-0.79x.
+constexpr uint64_t kFusedBytes = 32 << 10;
 
-// Copies [from, from + n) to `to` in kFusedBytes pieces, each compared with its source right
-// after it was written. True when every byte landed.
-bool CopyAndCompare(uint8_t* to, const uint8_t* from, uint64_t n) {
-  bool landed = true;
-  for (uint64_t at = 0; at < n; at += kFusedBytes) {
-    const uint64_t k = std::min(kFusedBytes, n - at);
-    std::memcpy(to + at, from + at, k);
-    landed &= std::memcmp(to + at, from + at, k) == 0;
+// Copies runs and compares them in batches of about kFusedBytes: many short runs (a column
+// shard's rows) are compared together, a long run in kFusedBytes pieces. One per thread.
+class CheckedCopy {
+ public:
+  CheckedCopy() { runs_.reserve(64); }
+
+  void Run(uint8_t* to, const uint8_t* from, uint64_t n) {
+    while (n > 0) {
+      const uint64_t k = std::min(n, kFusedBytes - pending_);
+      std::memcpy(to, from, k);
+      runs_.push_back({to, from, k});
+      pending_ += k;
+      if (pending_ >= kFusedBytes) Compare();
+      to += k;
+      from += k;
+      n -= k;
+    }
   }
-  return landed;
-}
 
-// Task `t` of memcpy ops, run and checked in one pass (CopyAndCompare); false when a byte of
-// it did not land.
+  // Compares what is left; true when every byte copied since the last call landed.
+  bool Landed() {
+    Compare();
+    const bool landed = landed_;
+    landed_ = true;
+    return landed;
+  }
+
+ private:
+  struct CopiedRun {
+    const uint8_t* to;
+    const uint8_t* from;
+    uint64_t n;
+  };
+
+  void Compare() {
+    for (const CopiedRun& r : runs_) landed_ &= std::memcmp(r.to, r.from, r.n) == 0;
+    runs_.clear();
+    pending_ = 0;
+  }
+
+  std::vector<CopiedRun> runs_;
+  uint64_t pending_ = 0;
+  bool landed_ = true;
+};
+
+// Task `t` of memcpy ops, run and checked in one pass (CheckedCopy); false when a byte of it
+// did not land.
 bool RunAndCompareTask(const std::vector<CopyOp>& ops, const Task& t,
-                       const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst) {
-  bool landed = true;
+                       const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst,
+                       CheckedCopy* copy) {
   const uint64_t elem = DTypeSize(ops[t.first].dst_dtype);
   for (uint64_t r = t.row_begin; r < t.row_end; ++r) {
     for (size_t i = t.first; i < t.last; ++i) {
       const CopyOp& op = ops[i];
       const uint64_t begin = t.last - t.first > 1 ? 0 : t.elem_begin;
       const uint64_t end = t.last - t.first > 1 ? op.count : t.elem_end;
-      landed &= CopyAndCompare(dst[op.dst_location] + op.dst_offset +
-                                   (r * static_cast<uint64_t>(op.dst_row_stride) + begin) * elem,
-                               src[op.src_location] + op.src_offset +
-                                   (r * static_cast<uint64_t>(op.src_row_stride) + begin) * elem,
-                               (end - begin) * elem);
+      copy->Run(dst[op.dst_location] + op.dst_offset +
+                    (r * static_cast<uint64_t>(op.dst_row_stride) + begin) * elem,
+                src[op.src_location] + op.src_offset +
+                    (r * static_cast<uint64_t>(op.src_row_stride) + begin) * elem,
+                (end - begin) * elem);
     }
   }
-  return landed;
+  return copy->Landed();
 }
 
 // Runs `work` (one call per thread; it takes tasks from `next` until none is left) on up to 8
@@ -671,11 +709,12 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
   std::vector<size_t> bad;
   OnCores(tasks.size(), total, [&] {
     std::vector<uint8_t> scratch;
+    CheckedCopy copy;
     for (size_t i = next++; i < tasks.size(); i = next++) {
       const bool flip = i == 0 && flips.load(std::memory_order_relaxed) > 0;
       if (run && !flip && IsMemcpyOp(plan.ops[tasks[i].first])) {
         // Copied and compared in one pass (a row group's ops are all memcpy ops).
-        const bool landed = RunAndCompareTask(plan.ops, tasks[i], src, dst);
+        const bool landed = RunAndCompareTask(plan.ops, tasks[i], src, dst, &copy);
         if (i == tasks.size() / 2) TestHookKillAt("apply");  // test build: a commit point
         if (!landed) {
           std::lock_guard<std::mutex> lock(mu);

@@ -1,6 +1,7 @@
 // Plans a 70B-shaped (Llama-3-70B) reshard from TP8 trainer buffers to TP2 inference buffers and
 // prints the median planning time, the op count and src_bytes over the bytes the destinations
-// need, for single-row and multi-row ops. Usage: plan_bench [repetitions]
+// need, for single-row and multi-row ops; then plain vs verified execution of a ~1 GiB model.
+// Usage: plan_bench [repetitions] | plan_bench execution [ROUNDS [LAYERS [VOCAB]]]
 
 #include <algorithm>
 #include <chrono>
@@ -8,7 +9,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "daemon/common/types.h"
@@ -77,9 +80,21 @@ double Median(std::vector<double> v) {
 
 std::vector<Tensor> Llama70B() { return Llama(8192, 28672, 1024, 128256, 80); }
 
-// Executes `plan` `runs` times between freshly touched buffers; returns the median seconds.
-double TimeExecution(const Plan& plan, const std::vector<uint64_t>& src_sizes,
-                     const std::vector<uint64_t>& dst_sizes, int runs, bool verified = false) {
+// Seconds of wall time and of CPU time (every thread of the process) of one execution.
+struct Timing {
+  double wall = 0;
+  double cpu = 0;
+};
+
+double CpuSeconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+// Executes `plan` once between freshly touched buffers.
+Timing TimeExecution(const Plan& plan, const std::vector<uint64_t>& src_sizes,
+                     const std::vector<uint64_t>& dst_sizes, bool verified = false) {
   std::vector<std::vector<uint8_t>> src, dst;
   for (uint64_t n : src_sizes) src.emplace_back(n, 1);
   for (uint64_t n : dst_sizes) dst.emplace_back(n, 0);
@@ -87,22 +102,34 @@ double TimeExecution(const Plan& plan, const std::vector<uint64_t>& src_sizes,
   std::vector<uint8_t*> d;
   for (auto& b : src) s.push_back(b.data());
   for (auto& b : dst) d.push_back(b.data());
-  std::vector<double> seconds;
-  for (int r = 0; r < runs; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    if (verified) {
-      if (!ExecuteAndVerifyOnHost(plan, s, d).empty()) std::abort();
-    } else {
-      ExecuteOnHost(plan, s, d);
-    }
-    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  const double c0 = CpuSeconds();
+  const auto t0 = std::chrono::steady_clock::now();
+  if (verified) {
+    if (!ExecuteAndVerifyOnHost(plan, s, d).empty()) std::abort();
+  } else {
+    ExecuteOnHost(plan, s, d);
   }
-  return Median(seconds);
+  Timing t;
+  t.wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  t.cpu = CpuSeconds() - c0;
+  return t;
 }
 
-// Resharded (TP8 -> TP2) vs unresharded (TP1 -> TP1) execution of the same ~1 GiB model.
-int RunExecution(int runs) {
-  const std::vector<Tensor> model = Llama(2048, 5632, 512, 32000, 8);
+struct Series {
+  std::vector<double> wall, cpu;
+  void Add(const Timing& t) {
+    wall.push_back(t.wall);
+    cpu.push_back(t.cpu);
+  }
+  double Wall() const { return Median(wall); }
+  double Cpu() const { return Median(cpu); }
+  double BestCpu() const { return *std::min_element(cpu.begin(), cpu.end()); }
+};
+
+// Resharded (TP8 -> TP2) vs unresharded (TP1 -> TP1) execution of the same model: plain
+// (ExecuteOnHost) and verified (ExecuteAndVerifyOnHost), memcpy as the reference.
+int RunExecution(int runs, int layers, int64_t vocab) {
+  const std::vector<Tensor> model = Llama(2048, 5632, 512, vocab, layers);
   auto plan_for = [&](int from, int to, std::vector<uint64_t>* src_sizes,
                       std::vector<uint64_t>* dst_sizes,
                       std::vector<std::vector<TensorSlice>>* keep) -> absl::StatusOr<Plan> {
@@ -136,33 +163,47 @@ int RunExecution(int runs) {
   const double bytes = static_cast<double>(straight->dst_bytes);
   // Interleaved: each round times plain, verified and memcpy back to back, so that a machine
   // whose load drifts (shared build hosts) weighs on all of them alike; medians over rounds.
-  std::vector<double> plain_s, plain_r, verified_s, verified_r, copies;
+  Series plain_s, plain_r, verified_s, verified_r, copies;
   std::vector<uint8_t> from(straight->dst_bytes, 1), to(straight->dst_bytes, 0);
   for (int r = 0; r < runs; ++r) {
-    plain_s.push_back(TimeExecution(*straight, ss_b, ds_b, 1));
-    verified_s.push_back(TimeExecution(*straight, ss_b, ds_b, 1, true));
-    plain_r.push_back(TimeExecution(*resharded, ss_a, ds_a, 1));
-    verified_r.push_back(TimeExecution(*resharded, ss_a, ds_a, 1, true));
+    plain_s.Add(TimeExecution(*straight, ss_b, ds_b));
+    verified_s.Add(TimeExecution(*straight, ss_b, ds_b, true));
+    plain_r.Add(TimeExecution(*resharded, ss_a, ds_a));
+    verified_r.Add(TimeExecution(*resharded, ss_a, ds_a, true));
+    const double c0 = CpuSeconds();
     const auto t0 = std::chrono::steady_clock::now();
     std::memcpy(to.data(), from.data(), from.size());
-    copies.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    copies.Add({std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                CpuSeconds() - c0});
   }
-  const double t_straight = Median(plain_s), t_resharded = Median(plain_r);
+  const double t_straight = plain_s.Wall(), t_resharded = plain_r.Wall();
   std::printf(
-      "execution, %.2f GiB bf16 (8 layers, hidden 2048), median of %d:\n"
+      "execution, %.2f GiB bf16 (%d layers, hidden 2048, vocab %lld), median of %d rounds, "
+      "%u cores:\n"
       "  unresharded TP1 -> TP1: %7.2f GB/s (%zu ops)\n"
       "  resharded   TP8 -> TP2: %7.2f GB/s (%zu ops) = %.2fx unresharded\n",
-      bytes / (1ull << 30), runs, bytes / t_straight / 1e9, straight->ops.size(),
-      bytes / t_resharded / 1e9, resharded->ops.size(), t_straight / t_resharded);
-  const double t_straight_v = Median(verified_s), t_resharded_v = Median(verified_r);
-  const double t_memcpy = Median(copies);
+      bytes / (1ull << 30), layers, static_cast<long long>(vocab), runs,
+      std::max(1u, std::thread::hardware_concurrency()), bytes / t_straight / 1e9,
+      straight->ops.size(), bytes / t_resharded / 1e9, resharded->ops.size(),
+      t_straight / t_resharded);
+  // Wall time: what an engine waits. CPU time (every thread): what the cores spent, steadier
+  // on a machine shared with other work.
+  auto line = [&](const char* what, const Series& verified, const Series& plain) {
+    std::printf(
+        "  %-11s wall %7.2f GB/s vs plain %7.2f GB/s: verified / plain = %.2fx   "
+        "cpu %7.2f vs %7.2f GB/s: %.2fx (best rounds %.2fx)\n",
+        what, bytes / verified.Wall() / 1e9, bytes / plain.Wall() / 1e9,
+        plain.Wall() / verified.Wall(), bytes / verified.Cpu() / 1e9, bytes / plain.Cpu() / 1e9,
+        plain.Cpu() / verified.Cpu(), plain.BestCpu() / verified.BestCpu());
+  };
   std::printf(
-      "verified apply (memcpy ops copied and compared in 8 KiB pieces), median of %d:\n"
-      "  memcpy (one thread, reference): %7.2f GB/s\n"
-      "  unresharded verified: %7.2f GB/s = %.2fx plain apply\n"
-      "  resharded   verified: %7.2f GB/s = %.2fx plain apply\n",
-      runs, bytes / t_memcpy / 1e9, bytes / t_straight_v / 1e9, t_straight / t_straight_v,
-      bytes / t_resharded_v / 1e9, t_resharded / t_resharded_v);
+      "verified apply (memcpy ops copied and compared in 32 KiB batches), median of %d:\n"
+      "  memcpy (one thread, reference): wall %7.2f GB/s, cpu %7.2f GB/s\n",
+      runs, bytes / copies.Wall() / 1e9, bytes / copies.Cpu() / 1e9);
+  line("unresharded", verified_s, plain_s);
+  line("resharded", verified_r, plain_r);
+  std::printf("verified / plain, full apply: unresharded %.2fx, resharded %.2fx (wall)\n",
+              plain_s.Wall() / verified_s.Wall(), plain_r.Wall() / verified_r.Wall());
   return 0;
 }
 
@@ -230,9 +271,13 @@ int Run(int repetitions) {
 // plan_bench [REPETITIONS]: both parts; plan_bench execution [ROUNDS]: execution only.
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "execution") {
-    return refit::plan::RunExecution(argc > 2 ? std::max(1, std::atoi(argv[2])) : 9);
+    // plan_bench execution [ROUNDS [LAYERS [VOCAB]]]: 8 layers and a 32000 vocabulary are
+    // ~0.92 GiB; 2 layers and 8000, ~0.23 GiB.
+    return refit::plan::RunExecution(argc > 2 ? std::max(1, std::atoi(argv[2])) : 9,
+                                     argc > 3 ? std::max(1, std::atoi(argv[3])) : 8,
+                                     argc > 4 ? std::max(1, std::atoi(argv[4])) : 32000);
   }
   const int repetitions = argc > 1 ? std::max(1, std::atoi(argv[1])) : 9;
   const int status = refit::plan::Run(repetitions);
-  return status != 0 ? status : refit::plan::RunExecution(5);
+  return status != 0 ? status : refit::plan::RunExecution(5, 8, 32000);
 }

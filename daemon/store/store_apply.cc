@@ -12,6 +12,7 @@
 #include "cuda/cuda.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/test_hooks.h"
 #include "daemon/plan/plan.h"
 #include "daemon/store/apply_journal.h"
 #include "daemon/store/store.h"
@@ -156,8 +157,16 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     for (const auto& slot : derived) src.push_back(slot->data());
     std::vector<uint8_t*> dst;
     for (const auto& d : dests) dst.push_back(d->region->data());
-    // Verified install: each block checked against the version as it lands.
-    const std::vector<size_t> bad = plan::ExecuteAndVerifyOnHost(cached->plan, src, dst);
+    // Verified install: each block checked against the version as it lands. Test build only,
+    // REFIT_TEST_APPLY_UNVERIFIED: the plain copy, unchecked, for a benchmark that puts the
+    // verified Apply beside it (an engine's refitd of each kind in one run).
+    static const bool unverified = TestSwitch("REFIT_TEST_APPLY_UNVERIFIED") != nullptr;
+    std::vector<size_t> bad;
+    if (unverified) {
+      plan::ExecuteOnHost(cached->plan, src, dst);
+    } else {
+      bad = plan::ExecuteAndVerifyOnHost(cached->plan, src, dst);
+    }
     if (!bad.empty()) {
       undo->Restore();
       return NotLanded(*source, cached->plan, bad, dests, /*restored=*/true);
