@@ -20,7 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "cuda/quantize.h"
+#include "cuda/quantize_kernels.h"
 #include "daemon/memory/region.h"
 #include "daemon/plan/plan.h"
 
@@ -89,7 +89,7 @@ absl::Status Copy(const Region& dst, uint64_t dst_offset, const Region& src, uin
 absl::Status ExecutePlan(const plan::Plan& plan, const std::vector<const Region*>& src,
                          const std::vector<const Region*>& dst);
 
-// cpu::QuantizeFp8Blocks (quantize.h) for runs in GPU memory: each run's `src`, `dst` and
+// cpu::QuantizeFp8Blocks (quantize_kernels.h) for runs in GPU memory: each run's `src`, `dst` and
 // `scales` point into CUDA memory of `device` (`scale_row_of` stays in host memory; it is
 // copied up, once per distinct array). Runs them in order on the device's stream with the GPU
 // kernel (gpu_quantize.h, bit-identical to the CPU kernels) and returns, once every byte is

@@ -1,6 +1,6 @@
 #pragma once
 
-// cpu::QuantizeFp8Blocks (quantize.h) on the device (--config=cuda only), bit-identical: the
+// cpu::QuantizeFp8Blocks (quantize_kernels.h) on the device (--config=cuda only), bit-identical: the
 // same rule from the same expressions (fp8_block.h), in three kernels enqueued on `stream` —
 // the amax of each block (atomicMax on |x| bit patterns, so NaN wins as on the CPU), the scales,
 // then the quantized bytes. Every pointer is device memory: `scale_row_of` (`rows` entries),

@@ -13,7 +13,7 @@
 
 #include "catch2/catch.hpp"
 #include "cuda/gpu_testing.h"
-#include "cuda/quantize.h"
+#include "cuda/quantize_kernels.h"
 
 namespace refit::cuda {
 namespace {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
-#include "cuda/quantize.h"
+#include "cuda/quantize_kernels.h"
 #include "cuda/quantize_testing.h"
 
 namespace refit::cuda {

@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "cuda/quantize.h"
+#include "cuda/quantize_kernels.h"
 #include "daemon/common/logging.h"
 #include "daemon/store/store.h"
 

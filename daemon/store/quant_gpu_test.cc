@@ -14,7 +14,7 @@
 #include "catch2/catch.hpp"
 #include "cuda/cuda.h"
 #include "cuda/gpu_testing.h"
-#include "cuda/quantize.h"
+#include "cuda/quantize_kernels.h"
 #include "cuda/quantize_testing.h"
 #include "daemon/store/store.h"
 #include "daemon/store/store_metrics.h"

@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cuda/cuda.h"
-#include "cuda/quantize.h"
+#include "cuda/quantize_kernels.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/plan/scales.h"
 

@@ -50,7 +50,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_format.h"
 #include "client/refit_client.h"
-#include "cuda/quantize.h"
+#include "cuda/quantize_kernels.h"
 #include "tests/bench/bench_util.h"
 
 namespace {
