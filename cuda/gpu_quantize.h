@@ -1,7 +1,7 @@
 #pragma once
 
-// cpu::QuantizeFp8Blocks (quantize_kernels.h) on the device (--config=cuda only), bit-identical: the
-// same rule from the same expressions (fp8_block.h), in three kernels enqueued on `stream` —
+// cpu::QuantizeFp8Blocks (quantize_kernels.h) on the device (--config=cuda only), bit-identical:
+// the same rule from the same expressions (fp8_block.h), in three kernels enqueued on `stream` —
 // the amax of each block (atomicMax on |x| bit patterns, so NaN wins as on the CPU), the scales,
 // then the quantized bytes. Every pointer is device memory: `scale_row_of` (`rows` entries),
 // `amax_scratch` (scale_rows x ceil(cols / block_cols) uint32s) and `nonfinite` (one counter,

@@ -1,4 +1,6 @@
 // fp8 block quantization on the CPU: a scalar version and an AVX2 one (quantize_kernels.h).
+#include "cuda/quantize_kernels.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -6,7 +8,6 @@
 #include "absl/strings/str_cat.h"
 #include "cuda/float_bits.h"
 #include "cuda/fp8_block.h"
-#include "cuda/quantize_kernels.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>

@@ -3,13 +3,14 @@
 // API names, odd sizes, non-finite inputs, every fp32 quotient class the e4m3 cast
 // distinguishes, and every bf16 dividend against scales of every kind.
 
+#include "cuda/quantize_kernels.h"
+
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
 
 #include "catch2/catch.hpp"
-#include "cuda/quantize_kernels.h"
 #include "cuda/quantize_testing.h"
 
 namespace refit::cuda {
