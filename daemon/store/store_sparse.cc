@@ -432,17 +432,29 @@ void Store::DiffPieces(std::vector<Piece*> pieces, const Version& base) {
   }
   first_task[pieces.size()] = tasks.size();
   std::vector<Found> found(tasks.size());
+  uint64_t total = 0;
+  for (const Task& t : tasks) total += t.end - t.begin;
+  // A version that changed more than ApplySparse would ever write sparsely (a full version,
+  // not an RL step) is not diffed to its end nor its new bytes carried: once the bytes found
+  // changed pass that share of everything compared, every task stops and no piece gets a
+  // change list (ApplySparse then takes the full copy, as it would have).
+  std::atomic<uint64_t> changed_total{0};
+  std::atomic<bool> dense{false};
   std::atomic<size_t> next{0};
   auto work = [&] {
-    for (size_t t = next++; t < tasks.size(); t = next++) {
+    for (size_t t = next++; t < tasks.size() && !dense; t = next++) {
       const Task& task = tasks[t];
       const Region& slot = *pieces[task.piece]->slot;
       DiffRange(slot.data(), task.old_bytes, task.begin, task.end, &found[t].runs);
+      uint64_t changed = 0;
+      for (const auto& [b, e] : found[t].runs) changed += e - b;
+      if ((changed_total += changed) * kDenseShareInverse > total) {
+        dense = true;
+        break;
+      }
       GatherValues(slot.data(), slot.size(), &found[t]);
     }
   };
-  uint64_t total = 0;
-  for (const Task& t : tasks) total += t.end - t.begin;
   const unsigned threads =
       total < (16u << 20) ? 1u
                           : std::min<unsigned>({std::max(1u, std::thread::hardware_concurrency()),
@@ -451,6 +463,7 @@ void Store::DiffPieces(std::vector<Piece*> pieces, const Version& base) {
   for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
   work();
   for (std::thread& t : pool) t.join();
+  if (dense) return;
   for (size_t i = 0; i < pieces.size(); ++i) {
     if (!diffed[i]) continue;
     // The tasks' runs in order (touching runs of neighbouring tasks are left apart: each
