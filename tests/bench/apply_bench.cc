@@ -34,6 +34,7 @@ namespace {
 
 namespace v1 = refit::v1;
 using refit::bench::Clock;
+using refit::bench::CpuSeconds;
 using refit::bench::Median;
 using refit::bench::Metric;
 using refit::bench::Seconds;
@@ -50,26 +51,6 @@ int Fail(const std::string& what, const absl::Status& status) {
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-// CPU seconds process `pid` has used (every thread, finished ones included: /proc/PID/stat's
-// utime + stime, in clock ticks); -1 without a pid. On a machine shared with other work the
-// wall time of a single-threaded sparse Apply and an 8-thread full Apply compare unfairly (the
-// scheduler gives each thread a share), so both are given.
-double CpuSeconds(int pid) {
-  if (pid <= 0) return -1;
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t close = text.rfind(')');
-  if (close == std::string::npos) return -1;
-  std::istringstream fields(text.substr(close + 2));
-  std::string f;
-  double utime = 0, stime = 0;
-  for (int i = 3; i <= 15 && fields >> f; ++i) {
-    if (i == 14) utime = std::stod(f);
-    if (i == 15) stime = std::stod(f);
-  }
-  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
 // `block` repeated over [0, n).

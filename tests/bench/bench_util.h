@@ -26,6 +26,11 @@ absl::StatusOr<double> Metric(client::Client& client, const std::string& name);
 // Until the daemon reports at least `peers` connected peers; false after `timeout`.
 bool WaitConnected(client::Client& client, int peers, std::chrono::milliseconds timeout);
 
+// CPU seconds process `pid` has used (every thread, finished ones included: /proc/PID/stat's
+// utime + stime); -1 without a pid or when it can't be read. On a shared machine a daemon's
+// CPU per version is what the other processes' turns on the cores don't blur.
+double CpuSeconds(int pid);
+
 // The pid of the process serving the unix socket `path` (SO_PEERCRED); 0 when unknown.
 int SocketPeerPid(const std::string& path);
 

@@ -57,31 +57,13 @@ namespace {
 
 namespace v1 = refit::v1;
 using refit::bench::Clock;
+using refit::bench::CpuSeconds;
 using refit::bench::Median;
 using refit::bench::Seconds;
 using refit::bench::WaitConnected;
 using refit::client::Client;
 using refit::client::SharedMemory;
 using refit::client::Slice;
-
-// CPU seconds process `pid` has used (every thread: /proc/PID/stat's utime + stime); -1 when
-// it can't be read. The daemons' CPU per version is what a loaded machine doesn't blur: the
-// wall time counts the other processes' turns on the cores.
-double CpuSeconds(int pid) {
-  if (pid <= 0) return -1;
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const size_t close = text.rfind(')');
-  if (close == std::string::npos) return -1;
-  std::istringstream fields(text.substr(close + 2));
-  std::string f;
-  double utime = 0, stime = 0;
-  for (int i = 3; i <= 15 && fields >> f; ++i) {
-    if (i == 14) utime = std::stod(f);
-    if (i == 15) stime = std::stod(f);
-  }
-  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
-}
 
 int Fail(const std::string& what, const absl::Status& status) {
   std::cerr << "two_node_bench: " << what << ": " << status.ToString() << "\n";
