@@ -116,6 +116,10 @@ absl::Status Daemon::Impl::ListenPeers() {
   grpc::EnableDefaultHealthCheckService(false);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen, tls::ServerCredentials(tls), &listen_port);
+  // gRPC sets SO_REUSEPORT by default: a second daemon on this port would then share its
+  // connections (and a port-0 bind may even be handed a port another refitd of this uid holds,
+  // which split one fleet's peers between two daemons in CI). One port, one daemon.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // Peers ping every second (keepalive, PeerManager) to notice a dead node within ~3 s; by
   // default gRPC's server would answer that with GOAWAY "too_many_pings", closing the channel
   // under a pull's last calls (its pin release, which carries the byte count, got lost).
@@ -211,6 +215,7 @@ absl::Status Daemon::Impl::ListenProbes() {
     grpc::ServerBuilder builder;
     builder.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(),
                              &health_port);
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // one port, one daemon
     // Probes only: a thread quota of its own, and at most kHealthWatches Watch streams open
     // (RESOURCE_EXHAUSTED past it), so whoever reaches the port can't hold its threads.
     health_quota = std::make_unique<grpc::ResourceQuota>("refit-health");

@@ -97,6 +97,42 @@ TEST_CASE("a second daemon on a served socket is refused; a stale socket is repl
   CHECK_FALSE(Exists(socket));
 }
 
+TEST_CASE("a second daemon on a served peer port is refused, not sharing its connections",
+          "[integration][lifecycle]") {
+  auto first = testing::DaemonProcess::Start();
+  REQUIRE(first.ok());
+  auto client = (*first)->Connect();
+  REQUIRE(client.ok());
+  auto status = (*client)->Status();
+  REQUIRE(status.ok());
+  REQUIRE(status->listen_port() > 0);
+  const std::string port = std::to_string(status->listen_port());
+  // gRPC's default SO_REUSEPORT would let this one bind too and take half of the first's peers.
+  auto second = testing::RunCommand({testing::RunfilePath("daemon/refitd"),
+                                     "--socket=" + (*first)->dir() + "/second.sock",
+                                     "--listen=127.0.0.1:" + port});
+  INFO(second.err);
+  CHECK(second.exit_code == 1);
+  CHECK(second.err.find("cannot listen on 127.0.0.1:" + port) != std::string::npos);
+  // The same for the health port.
+  auto health = testing::DaemonProcess::Start({"--health-listen=127.0.0.1:0"});
+  REQUIRE(health.ok());
+  auto health_client = (*health)->Connect();
+  REQUIRE(health_client.ok());
+  auto health_status = (*health_client)->Status();
+  REQUIRE(health_status.ok());
+  REQUIRE(health_status->health_port() > 0);
+  const std::string hport = std::to_string(health_status->health_port());
+  auto third = testing::RunCommand({testing::RunfilePath("daemon/refitd"),
+                                    "--socket=" + (*first)->dir() + "/third.sock",
+                                    "--listen=127.0.0.1:0", "--health-listen=127.0.0.1:" + hport});
+  INFO(third.err);
+  CHECK(third.exit_code == 1);
+  CHECK(third.err.find(hport) != std::string::npos);
+  CHECK((*client)->Status().ok());
+  CHECK((*health_client)->Status().ok());
+}
+
 TEST_CASE("refitctl shows status and fails clearly without a daemon", "[integration][lifecycle]") {
   const std::string refitctl = testing::RunfilePath("client/refitctl");
   auto none = testing::RunCommand(
