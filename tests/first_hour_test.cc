@@ -15,6 +15,7 @@
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/ports.h"
 
 namespace refit {
 namespace {
@@ -23,6 +24,7 @@ using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
 using testing::DaemonProcess;
+using testing::FreePort;
 
 SharedMemory MakeShm(uint64_t size) {
   auto shm = SharedMemory::Create(testing::UniqueShmName("fh"), size);
@@ -46,19 +48,6 @@ int ListenPort(const DaemonProcess& d) {
   auto s = ClientOf(d)->Status();
   REQUIRE(s.ok());
   return s->listen_port();
-}
-
-// A TCP port on 127.0.0.1 that was free a moment ago (for a daemon restarted on the same port).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  socklen_t len = sizeof(addr);
-  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  close(fd);
-  return ntohs(addr.sin_port);
 }
 
 // Polls `client`'s Status (up to 10 s) until `ready` holds.

@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "catch2/catch.hpp"
+#include "tests/testing/ports.h"
 
 namespace refit::testing {
 namespace {
@@ -25,20 +26,6 @@ using client::Slice;
 using std::chrono::milliseconds;
 
 constexpr int kNetnsPort = 7070;
-
-// A TCP port nothing listens on now (the daemons need each other's ports before they start:
-// every engine lists every other one in --peers).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  socklen_t len = sizeof(addr);
-  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 absl::Status Run(const std::string& command) {
   const int rc = std::system((command + " >/dev/null 2>&1").c_str());
@@ -167,6 +154,8 @@ Fleet::Fleet(FleetOptions opts) : options(std::move(opts)) {
   if (options.network && options.trainers == 2) {
     REQUIRE(options.network->Nodes() >= engine_count + 2);
   }
+  // The daemons need each other's ports before they start (every engine lists every other one
+  // in --peers): ports picked now, each one distinct.
   for (int i = 0; i <= engine_count + 1; ++i) ports_.push_back(options.network ? 0 : FreePort());
   std::vector<std::string> args = {"--node=trainer", "--listen=" + Address(0), "--retain=1"};
   // Network namespaces: veth addresses, plaintext by the test's choice (secure by default).

@@ -63,17 +63,6 @@ void WaitPulling(client::Client& client, uint64_t version) {
   FAIL("no pull of version " << version << " under way");
 }
 
-int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  socklen_t len = sizeof(addr);
-  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 bool SharedMemoryTls() {
   const char* tls = std::getenv("UCX_TLS");

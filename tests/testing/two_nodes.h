@@ -10,6 +10,7 @@
 
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/ports.h"
 
 namespace refit::testing {
 
@@ -22,8 +23,6 @@ int ListenPort(const DaemonProcess& d);
 void WaitConnected(client::Client& client, int peers);
 // Waits (up to 10 s) until `client`'s daemon has pulled some bytes of `version`.
 void WaitPulling(client::Client& client, uint64_t version);
-// A TCP port that was free a moment ago, for a daemon that must come back on the same address.
-int FreePort();
 // Whether UCX_TLS names shared memory (the *_shm_test variants).
 bool SharedMemoryTls();
 
