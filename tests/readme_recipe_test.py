@@ -17,10 +17,17 @@ import unittest
 RUNFILES = os.path.join(os.environ["TEST_SRCDIR"], os.environ.get("TEST_WORKSPACE", "refit"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list:
+    """n distinct ports on 127.0.0.1 that were free a moment ago: the sockets are held open until
+    all n are bound, since a port-0 bind may be given the port the previous one just closed."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def recipe() -> str:
@@ -44,9 +51,9 @@ class ReadmeRecipeTest(unittest.TestCase):
         script = "\n".join(lines[1:]) + "\n"
         work = tempfile.mkdtemp(prefix="refit-recipe-", dir="/tmp")
         os.symlink(RUNFILES, os.path.join(work, "bazel-bin"))
-        for old in ("7070", "7071"):
+        for old, port in zip(("7070", "7071"), free_ports(2)):
             self.assertIn(old, script)
-            script = script.replace(old, str(free_port()))
+            script = script.replace(old, str(port))
         script = script.replace("/tmp/refit-recipe", os.path.join(work, "run"))
         env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
         env.pop("REFIT_SOCKET", None)
