@@ -227,7 +227,7 @@ absl::StatusOr<std::shared_ptr<Region>> Store::RunQuantBatch(
   // one device) are quantized there, by the GPU kernel, into a GPU slot; everything else (host
   // slots, pulled pieces, a mix) on the CPU from host memory, a GPU slot's host mirror included.
   int device = QuantCache::kOnHost;
-  if (gpu_pool_ && !landed) {
+  if (budget_.gpu() && !landed) {
     bool on_device = false;
     for (const Piece& piece : version.pieces) {
       if (!piece.slot) continue;
@@ -260,7 +260,7 @@ absl::StatusOr<std::shared_ptr<Region>> Store::RunQuantBatch(
   uint64_t nonfinite = 0;
   uint64_t values = 0;
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
-  SlotPool& pool = device != QuantCache::kOnHost ? *gpu_pool_ : *pool_;
+  SlotPool& pool = device != QuantCache::kOnHost ? *budget_.gpu() : *budget_.host();
   auto slot = version.quant->Run(batch, sources, pool, threads, partial, &nonfinite, &values,
                                  device, max_tasks, runnable_left);
   if (values > 0) {
