@@ -34,6 +34,7 @@ void Store::Probe() {
 
 Store::Store(StoreOptions options, Metrics* metrics)
     : options_(std::move(options)),
+      delta_base_(options_.delta_base, options_.delta_base_models),
       metrics_(metrics),
       counters_(metrics),
       budget_(
@@ -72,7 +73,7 @@ Store::Counters::Counters(Metrics* metrics)
 
 Store::~Store() {
   Shutdown();
-  if (quantizer_.joinable()) quantizer_.join();
+  quant_queue_.Stop();
 }
 
 Store::Model* Store::FindModel(const std::string& name) {
@@ -310,9 +311,7 @@ void Store::CompleteVersion(Model& model, uint64_t number, std::vector<Piece> pi
   if (model.HasScales()) {
     // fp8 destinations with scales: quantize first, so that Apply stays a copy.
     model.finishing = number;
-    quant_queue_.emplace_back(model.name, std::move(version));
-    if (!quantizer_.joinable()) quantizer_ = std::thread([this] { RunQuantizer(); });
-    quant_wake_.NotifyOne();
+    quant_queue_.Push({model.name, std::move(version), /*early=*/false});
     return;
   }
   PublishVersion(model, std::move(version));
@@ -574,7 +573,7 @@ void Store::Shutdown() {
   common::MutexLock lock(mu_);
   shutdown_ = true;
   changed_.NotifyAll();
-  quant_wake_.NotifyAll();
+  quant_queue_.Shutdown();
 }
 
 }  // namespace refit

@@ -42,7 +42,9 @@
 #include "daemon/memory/region.h"
 #include "daemon/memory/slot_pool.h"
 #include "daemon/store/checksum_hints.h"
+#include "daemon/store/delta_base_mode.h"
 #include "daemon/store/pull_landing.h"
+#include "daemon/store/quant_queue.h"
 #include "daemon/store/slot_budget.h"
 #include "daemon/store/store_metrics.h"
 #include "daemon/store/store_types.h"
@@ -61,21 +63,6 @@ class SourceIndex;
 class DestinationIndex;
 class ApplyJournal;
 struct UndoTarget;
-
-// Where an engine node takes the base a delta is applied to (--delta-base): its held copy of
-// the newest version (kHeld), or its own DESTINATION buffers, which the last Apply filled with
-// that version (kDestination: the held copy is released once every destination holds it, so
-// the node keeps 1 x the model plus the deltas; store_delta_base.cc).
-enum class DeltaBase { kHeld, kDestination };
-
-// Parses --delta-base / the config key delta_base: comma-separated items, each "held" or
-// "destination" (every model not named) or MODEL=held|destination (that model), e.g.
-// "destination", "policy=destination", "destination,critic=held". Not given: held.
-// INVALID_ARGUMENT naming the item for an empty item, an unknown mode, two defaults or a model
-// named twice.
-absl::Status ParseDeltaBase(const std::string& text, DeltaBase* default_base,
-                            std::map<std::string, DeltaBase>* per_model);
-const char* DeltaBaseName(DeltaBase base);
 
 struct StoreOptions {
   uint32_t retain = 2;                         // complete versions kept per model (>= 1)
@@ -426,7 +413,9 @@ class Store : public PullLanding {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishVersion(Model& model, std::shared_ptr<const Version> version)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunQuantizer();
+  // One job of the quantizer's queue (quant_queue.h), on its thread: a version quantized before
+  // it completes, or a pending version's published pieces (QuantizeEarly).
+  void RunQuantJob(QuantQueue<Version>::Job job);
   // The derived slot of `plan`'s jobs for `version` (no store lock held): one region, or none
   // when the plan has no jobs.
   absl::StatusOr<std::vector<std::shared_ptr<Region>>> QuantizedSlots(const Version& version,
@@ -504,6 +493,7 @@ class Store : public PullLanding {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const StoreOptions options_;
+  const DeltaBaseModes delta_base_;  // --delta-base per model (delta_base_mode.h; fixed)
   Metrics* const metrics_;
   // The store's counters and histograms, resolved once (Metrics::Declare lists them at 0).
   struct Counters {
@@ -529,14 +519,18 @@ class Store : public PullLanding {
   std::map<std::string, std::string> by_memory_
       ABSL_GUARDED_BY(mu_);              // buffer ids by Region::Identity()
   std::vector<StoreEvents*> listeners_;  // in the order added
-  // Versions waiting for quantization (model, version); the thread starts with the first.
-  std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_queue_
-      ABSL_GUARDED_BY(mu_);
-  // Pending versions' pieces published so far (QuantizeEarly); after quant_queue_.
-  std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_early_
-      ABSL_GUARDED_BY(mu_);
-  common::CondVar quant_wake_;
-  std::thread quantizer_;
+  // The quantizer's queue and thread (quant_queue.h: its own lock, taken after mu_); each job
+  // runs in RunQuantJob.
+  class QuantWorker : public QuantQueue<Version>::Worker {
+   public:
+    explicit QuantWorker(Store* store) : store_(store) {}
+    void Quantize(QuantQueue<Version>::Job job) override { store_->RunQuantJob(std::move(job)); }
+
+   private:
+    Store* const store_;
+  };
+  QuantWorker quant_worker_{this};
+  QuantQueue<Version> quant_queue_{&quant_worker_};
   std::unique_ptr<ApplyJournal> journal_;  // Apply's undo record (atomic Apply)
 };
 
