@@ -180,8 +180,8 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   if (role == Role::kSource) {
     // Warm the slot pool for the versions to come (retain + the one being published): a
     // failure here only means the first publishes fault their memory in.
-    (void)pool_->Reserve(buffer->span_end - buffer->span_begin,
-                         static_cast<int>(options_.retain) + 1, model_name);
+    (void)budget_.host()->Reserve(buffer->span_end - buffer->span_begin,
+                                  static_cast<int>(options_.retain) + 1, model_name);
   }
   return id;
 }
