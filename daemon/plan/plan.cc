@@ -615,9 +615,15 @@ class CheckedCopy {
  public:
   CheckedCopy() { runs_.reserve(64); }
 
-  void Run(uint8_t* to, const uint8_t* from, uint64_t n) {
+  // `save` (may be null): where the destination's old bytes go, streamed out just before each
+  // piece is overwritten (that read brings the lines the copy then writes into cache).
+  void Run(uint8_t* to, const uint8_t* from, uint64_t n, uint8_t* save = nullptr) {
     while (n > 0) {
       const uint64_t k = std::min(n, kFusedBytes - pending_);
+      if (save != nullptr) {
+        StreamCopy(save, to, k);
+        save += k;
+      }
       std::memcpy(to, from, k);
       runs_.push_back({to, from, k});
       pending_ += k;
@@ -656,20 +662,69 @@ class CheckedCopy {
 
 // Task `t` of memcpy ops, run and checked in one pass (CheckedCopy); false when a byte of it
 // did not land.
+// Where ExecuteSaveAndVerifyOnHost saves what each op overwrites: `saved` + the op's offset
+// (the destination bytes of the ops before it); null when nothing is saved.
+struct SaveArea {
+  uint8_t* saved = nullptr;
+  std::vector<uint64_t> at;  // per op
+
+  SaveArea(const Plan& plan, uint8_t* to) : saved(to) {
+    if (saved == nullptr) return;
+    at.reserve(plan.ops.size());
+    uint64_t offset = 0;
+    for (const CopyOp& op : plan.ops) {
+      at.push_back(offset);
+      offset += op.rows * op.count * DTypeSize(op.dst_dtype);
+    }
+  }
+  // Where element `e` of row `r` of op `i` is saved.
+  uint8_t* For(const std::vector<CopyOp>& ops, size_t i, uint64_t r, uint64_t e) const {
+    return saved + at[i] + (r * ops[i].count + e) * DTypeSize(ops[i].dst_dtype);
+  }
+};
+
+// The first and one-past-last element of each row that task `t` covers of op `i`.
+std::pair<uint64_t, uint64_t> TaskElems(const std::vector<CopyOp>& ops, const Task& t, size_t i) {
+  if (t.last - t.first > 1) return {0, ops[i].count};
+  return {t.elem_begin, t.elem_end};
+}
+
+// Saves the destination bytes task `t` will overwrite (before it runs).
+void SaveTask(const std::vector<CopyOp>& ops, const Task& t, const std::vector<uint8_t*>& dst,
+              const SaveArea& save) {
+  for (size_t i = t.first; i < t.last; ++i) {
+    const CopyOp& op = ops[i];
+    const uint64_t elem = DTypeSize(op.dst_dtype);
+    const auto [begin, end] = TaskElems(ops, t, i);
+    for (uint64_t r = t.row_begin; r < t.row_end; ++r) {
+      const uint8_t* row = dst[op.dst_location] + op.dst_offset +
+                           r * static_cast<uint64_t>(op.dst_row_stride) * elem;
+      uint8_t* to = save.For(ops, i, r, begin);
+      if (op.dst_stride == 1) {
+        StreamCopy(to, row + begin * elem, (end - begin) * elem);
+        continue;
+      }
+      for (uint64_t e = begin; e < end; ++e) {
+        std::memcpy(to + (e - begin) * elem, row + e * static_cast<uint64_t>(op.dst_stride) * elem,
+                    elem);
+      }
+    }
+  }
+}
+
 bool RunAndCompareTask(const std::vector<CopyOp>& ops, const Task& t,
                        const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst,
-                       CheckedCopy* copy) {
+                       const SaveArea& save, CheckedCopy* copy) {
   const uint64_t elem = DTypeSize(ops[t.first].dst_dtype);
   for (uint64_t r = t.row_begin; r < t.row_end; ++r) {
     for (size_t i = t.first; i < t.last; ++i) {
       const CopyOp& op = ops[i];
-      const uint64_t begin = t.last - t.first > 1 ? 0 : t.elem_begin;
-      const uint64_t end = t.last - t.first > 1 ? op.count : t.elem_end;
+      const auto [begin, end] = TaskElems(ops, t, i);
       copy->Run(dst[op.dst_location] + op.dst_offset +
                     (r * static_cast<uint64_t>(op.dst_row_stride) + begin) * elem,
                 src[op.src_location] + op.src_offset +
                     (r * static_cast<uint64_t>(op.src_row_stride) + begin) * elem,
-                (end - begin) * elem);
+                (end - begin) * elem, save.saved ? save.For(ops, i, r, begin) : nullptr);
     }
   }
   return copy->Landed();
@@ -690,8 +745,11 @@ void OnCores(size_t tasks, uint64_t total, const std::function<void()>& work) {
 }
 
 // Runs (when `run`) and checks every task on up to 8 cores; the ops of tasks that didn't land.
+// With `saved`, each task's destination bytes are saved there first (ExecuteSaveAndVerifyOnHost).
 std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_t*>& src,
-                                const std::vector<uint8_t*>& dst, bool run) {
+                                const std::vector<uint8_t*>& dst, bool run,
+                                uint8_t* saved = nullptr) {
+  const SaveArea save(plan, run ? saved : nullptr);
   uint64_t total = 0;
   std::vector<Task> tasks = CutTasks(plan.ops, &total, kVerifiedTaskBytes);
   // Checked at once, the destination bytes must still be in cache: no streaming stores.
@@ -714,7 +772,7 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
       const bool flip = i == 0 && flips.load(std::memory_order_relaxed) > 0;
       if (run && !flip && IsMemcpyOp(plan.ops[tasks[i].first])) {
         // Copied and compared in one pass (a row group's ops are all memcpy ops).
-        const bool landed = RunAndCompareTask(plan.ops, tasks[i], src, dst, &copy);
+        const bool landed = RunAndCompareTask(plan.ops, tasks[i], src, dst, save, &copy);
         if (i == tasks.size() / 2) TestHookKillAt("apply");  // test build: a commit point
         if (!landed) {
           std::lock_guard<std::mutex> lock(mu);
@@ -723,6 +781,7 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
         continue;
       }
       if (run) {
+        if (save.saved != nullptr) SaveTask(plan.ops, tasks[i], dst, save);
         RunTask(plan.ops, tasks[i], src, dst);
         if (i == tasks.size() / 2) TestHookKillAt("apply");  // test build: a commit point
         if (i == 0 && flips.load(std::memory_order_relaxed) > 0 && flips-- > 0) {
@@ -735,6 +794,7 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
         for (size_t op = tasks[i].first; op < tasks[i].last; ++op) bad.push_back(op);
       }
     }
+    if (save.saved != nullptr) StoreFence();  // the saved bytes' streaming stores
   });
   std::sort(bad.begin(), bad.end());
   bad.erase(std::unique(bad.begin(), bad.end()), bad.end());
@@ -746,6 +806,36 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
 std::vector<size_t> ExecuteAndVerifyOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
                                            const std::vector<uint8_t*>& dst) {
   return RunAndCheck(plan, src, dst, /*run=*/true);
+}
+
+std::vector<size_t> ExecuteSaveAndVerifyOnHost(const Plan& plan,
+                                               const std::vector<const uint8_t*>& src,
+                                               const std::vector<uint8_t*>& dst, uint8_t* saved) {
+  return RunAndCheck(plan, src, dst, /*run=*/true, saved);
+}
+
+uint64_t SavedBytes(const Plan& plan) {
+  uint64_t bytes = 0;
+  for (const CopyOp& op : plan.ops) bytes += op.rows * op.count * DTypeSize(op.dst_dtype);
+  return bytes;
+}
+
+Plan RestorePlan(const Plan& plan) {
+  Plan back;
+  back.ops.reserve(plan.ops.size());
+  uint64_t at = 0;
+  for (const CopyOp& op : plan.ops) {
+    CopyOp r = op;
+    r.src_location = 0;
+    r.src_offset = at;
+    r.src_stride = 1;
+    r.src_dtype = op.dst_dtype;
+    r.src_row_stride = static_cast<int64_t>(op.count);
+    back.ops.push_back(r);
+    at += op.rows * op.count * DTypeSize(op.dst_dtype);
+  }
+  back.src_bytes = back.dst_bytes = at;
+  return back;
 }
 
 std::vector<size_t> VerifyOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,

@@ -113,6 +113,26 @@ void ExecuteOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
 std::vector<size_t> ExecuteAndVerifyOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
                                            const std::vector<uint8_t*>& dst);
 
+// Verified install with the undo save folded into the copy: as ExecuteAndVerifyOnHost, and
+// right before each piece of work overwrites destination bytes, those bytes are copied (streaming
+// stores) to `saved`, laid out in plan order: op 0's destination elements row by row, then op
+// 1's, ...; SavedBytes(plan) bytes in all. The save's read of each destination line is the read
+// that ordinary stores (write-allocate) and the check need anyway, so a store that saves what
+// an Apply overwrites gets the verified copy without a second read of the destination.
+// ExecuteOnHost(RestorePlan(plan), {saved}, dst) puts the destinations back as they were. A
+// piece's bytes are saved before it is written, on the thread that writes it; how far each
+// piece got when a process is killed between the two is not recorded here (the caller's).
+std::vector<size_t> ExecuteSaveAndVerifyOnHost(const Plan& plan,
+                                               const std::vector<const uint8_t*>& src,
+                                               const std::vector<uint8_t*>& dst, uint8_t* saved);
+
+// Bytes ExecuteSaveAndVerifyOnHost saves for `plan`: every destination element it writes.
+uint64_t SavedBytes(const Plan& plan);
+
+// The plan that copies what ExecuteSaveAndVerifyOnHost saved (location 0) back into the
+// destinations of `plan`, at the same places, bytes unconverted.
+Plan RestorePlan(const Plan& plan);
+
 // Only the check (refitctl verify): the ops whose destination bytes differ from what `plan`
 // would write there from `src`.
 std::vector<size_t> VerifyOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
