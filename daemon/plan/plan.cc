@@ -615,15 +615,9 @@ class CheckedCopy {
  public:
   CheckedCopy() { runs_.reserve(64); }
 
-  // `save` (may be null): where the destination's old bytes go, streamed out just before each
-  // piece is overwritten (that read brings the lines the copy then writes into cache).
-  void Run(uint8_t* to, const uint8_t* from, uint64_t n, uint8_t* save = nullptr) {
+  void Run(uint8_t* to, const uint8_t* from, uint64_t n) {
     while (n > 0) {
       const uint64_t k = std::min(n, kFusedBytes - pending_);
-      if (save != nullptr) {
-        StreamCopy(save, to, k);
-        save += k;
-      }
       std::memcpy(to, from, k);
       runs_.push_back({to, from, k});
       pending_ += k;
@@ -662,24 +656,36 @@ class CheckedCopy {
 
 // Task `t` of memcpy ops, run and checked in one pass (CheckedCopy); false when a byte of it
 // did not land.
-// Where ExecuteSaveAndVerifyOnHost saves what each op overwrites: `saved` + the op's offset
-// (the destination bytes of the ops before it); null when nothing is saved.
+// Where ExecuteSaveAndVerifyOnHost saves what each op overwrites. The ops of a row group
+// (RowGroupEnd) are saved together, row by row, each row as it lies in the destination (the
+// group's runs side by side); an op of its own row by row. So a task's rows are saved with
+// one streaming copy per row, or one in all where the destination rows follow each other.
 struct SaveArea {
   uint8_t* saved = nullptr;
-  std::vector<uint64_t> at;  // per op
+  std::vector<uint64_t> at;         // per op: where its row 0 is saved
+  std::vector<uint64_t> row_bytes;  // per op: its group's row, saved
 
-  SaveArea(const Plan& plan, uint8_t* to) : saved(to) {
-    if (saved == nullptr) return;
-    at.reserve(plan.ops.size());
+  // `layout`: the offsets alone (RestorePlan), with no area to save into.
+  SaveArea(const std::vector<CopyOp>& ops, uint8_t* to, bool layout = false) : saved(to) {
+    if (saved == nullptr && !layout) return;
+    at.resize(ops.size());
+    row_bytes.resize(ops.size());
     uint64_t offset = 0;
-    for (const CopyOp& op : plan.ops) {
-      at.push_back(offset);
-      offset += op.rows * op.count * DTypeSize(op.dst_dtype);
+    for (size_t first = 0; first < ops.size();) {
+      const size_t last = RowGroupEnd(ops, first);
+      uint64_t row = 0;
+      for (size_t i = first; i < last; ++i) {
+        at[i] = offset + row;
+        row += ops[i].count * DTypeSize(ops[i].dst_dtype);
+      }
+      for (size_t i = first; i < last; ++i) row_bytes[i] = row;
+      offset += ops[first].rows * row;
+      first = last;
     }
   }
   // Where element `e` of row `r` of op `i` is saved.
   uint8_t* For(const std::vector<CopyOp>& ops, size_t i, uint64_t r, uint64_t e) const {
-    return saved + at[i] + (r * ops[i].count + e) * DTypeSize(ops[i].dst_dtype);
+    return saved + at[i] + r * row_bytes[i] + e * DTypeSize(ops[i].dst_dtype);
   }
 };
 
@@ -692,29 +698,42 @@ std::pair<uint64_t, uint64_t> TaskElems(const std::vector<CopyOp>& ops, const Ta
 // Saves the destination bytes task `t` will overwrite (before it runs).
 void SaveTask(const std::vector<CopyOp>& ops, const Task& t, const std::vector<uint8_t*>& dst,
               const SaveArea& save) {
-  for (size_t i = t.first; i < t.last; ++i) {
-    const CopyOp& op = ops[i];
-    const uint64_t elem = DTypeSize(op.dst_dtype);
-    const auto [begin, end] = TaskElems(ops, t, i);
-    for (uint64_t r = t.row_begin; r < t.row_end; ++r) {
-      const uint8_t* row = dst[op.dst_location] + op.dst_offset +
-                           r * static_cast<uint64_t>(op.dst_row_stride) * elem;
-      uint8_t* to = save.For(ops, i, r, begin);
-      if (op.dst_stride == 1) {
-        StreamCopy(to, row + begin * elem, (end - begin) * elem);
-        continue;
-      }
-      for (uint64_t e = begin; e < end; ++e) {
-        std::memcpy(to + (e - begin) * elem, row + e * static_cast<uint64_t>(op.dst_stride) * elem,
-                    elem);
-      }
+  const CopyOp& op = ops[t.first];
+  const uint64_t elem = DTypeSize(op.dst_dtype);
+  const auto [begin, end] = TaskElems(ops, t, t.first);
+  const uint64_t row = save.row_bytes[t.first];
+  auto dst_at = [&](uint64_t r, uint64_t e) {
+    return dst[op.dst_location] + op.dst_offset +
+           (r * static_cast<uint64_t>(op.dst_row_stride) +
+            e * static_cast<uint64_t>(op.dst_stride)) *
+               elem;
+  };
+  if (op.dst_stride == 1 && (t.last - t.first > 1 || end - begin == op.count)) {
+    // Whole rows, each contiguous in the destination (a row group's runs lie side by side).
+    if (t.row_end - t.row_begin == 1 || static_cast<uint64_t>(op.dst_row_stride) * elem == row) {
+      StreamCopy(save.For(ops, t.first, t.row_begin, 0), dst_at(t.row_begin, 0),
+                 (t.row_end - t.row_begin) * row);
+      return;
     }
+    for (uint64_t r = t.row_begin; r < t.row_end; ++r) {
+      StreamCopy(save.For(ops, t.first, r, 0), dst_at(r, 0), row);
+    }
+    return;
+  }
+  // One op: part of each row, or strided elements.
+  for (uint64_t r = t.row_begin; r < t.row_end; ++r) {
+    uint8_t* to = save.For(ops, t.first, r, begin);
+    if (op.dst_stride == 1) {
+      StreamCopy(to, dst_at(r, begin), (end - begin) * elem);
+      continue;
+    }
+    for (uint64_t e = begin; e < end; ++e) std::memcpy(to + (e - begin) * elem, dst_at(r, e), elem);
   }
 }
 
 bool RunAndCompareTask(const std::vector<CopyOp>& ops, const Task& t,
                        const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst,
-                       const SaveArea& save, CheckedCopy* copy) {
+                       CheckedCopy* copy) {
   const uint64_t elem = DTypeSize(ops[t.first].dst_dtype);
   for (uint64_t r = t.row_begin; r < t.row_end; ++r) {
     for (size_t i = t.first; i < t.last; ++i) {
@@ -724,7 +743,7 @@ bool RunAndCompareTask(const std::vector<CopyOp>& ops, const Task& t,
                     (r * static_cast<uint64_t>(op.dst_row_stride) + begin) * elem,
                 src[op.src_location] + op.src_offset +
                     (r * static_cast<uint64_t>(op.src_row_stride) + begin) * elem,
-                (end - begin) * elem, save.saved ? save.For(ops, i, r, begin) : nullptr);
+                (end - begin) * elem);
     }
   }
   return copy->Landed();
@@ -749,7 +768,7 @@ void OnCores(size_t tasks, uint64_t total, const std::function<void()>& work) {
 std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_t*>& src,
                                 const std::vector<uint8_t*>& dst, bool run,
                                 uint8_t* saved = nullptr) {
-  const SaveArea save(plan, run ? saved : nullptr);
+  const SaveArea save(plan.ops, run ? saved : nullptr);
   uint64_t total = 0;
   std::vector<Task> tasks = CutTasks(plan.ops, &total, kVerifiedTaskBytes);
   // Checked at once, the destination bytes must still be in cache: no streaming stores.
@@ -772,7 +791,10 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
       const bool flip = i == 0 && flips.load(std::memory_order_relaxed) > 0;
       if (run && !flip && IsMemcpyOp(plan.ops[tasks[i].first])) {
         // Copied and compared in one pass (a row group's ops are all memcpy ops).
-        const bool landed = RunAndCompareTask(plan.ops, tasks[i], src, dst, save, &copy);
+        // With the undo save folded in, the task's destination bytes are saved first: that
+        // read brings them into this core's cache, where the copy then overwrites them.
+        if (save.saved != nullptr) SaveTask(plan.ops, tasks[i], dst, save);
+        const bool landed = RunAndCompareTask(plan.ops, tasks[i], src, dst, &copy);
         if (i == tasks.size() / 2) TestHookKillAt("apply");  // test build: a commit point
         if (!landed) {
           std::lock_guard<std::mutex> lock(mu);
@@ -821,20 +843,21 @@ uint64_t SavedBytes(const Plan& plan) {
 }
 
 Plan RestorePlan(const Plan& plan) {
+  const SaveArea layout(plan.ops, nullptr, /*layout=*/true);
   Plan back;
   back.ops.reserve(plan.ops.size());
-  uint64_t at = 0;
-  for (const CopyOp& op : plan.ops) {
+  for (size_t i = 0; i < plan.ops.size(); ++i) {
+    const CopyOp& op = plan.ops[i];
+    const uint64_t elem = DTypeSize(op.dst_dtype);
     CopyOp r = op;
     r.src_location = 0;
-    r.src_offset = at;
+    r.src_offset = layout.at[i];
     r.src_stride = 1;
     r.src_dtype = op.dst_dtype;
-    r.src_row_stride = static_cast<int64_t>(op.count);
+    r.src_row_stride = static_cast<int64_t>(layout.row_bytes[i] / elem);
     back.ops.push_back(r);
-    at += op.rows * op.count * DTypeSize(op.dst_dtype);
   }
-  back.src_bytes = back.dst_bytes = at;
+  back.src_bytes = back.dst_bytes = SavedBytes(plan);
   return back;
 }
 

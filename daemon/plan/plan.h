@@ -114,10 +114,11 @@ std::vector<size_t> ExecuteAndVerifyOnHost(const Plan& plan, const std::vector<c
                                            const std::vector<uint8_t*>& dst);
 
 // Verified install with the undo save folded into the copy: as ExecuteAndVerifyOnHost, and
-// right before each piece of work overwrites destination bytes, those bytes are copied (streaming
-// stores) to `saved`, laid out in plan order: op 0's destination elements row by row, then op
-// 1's, ...; SavedBytes(plan) bytes in all. The save's read of each destination line is the read
-// that ordinary stores (write-allocate) and the check need anyway, so a store that saves what
+// right before each piece of work (256 KiB) overwrites destination bytes, those bytes are copied
+// (streaming stores) to `saved`, SavedBytes(plan) bytes in all, in plan order: the ops of a row
+// group (a row-split tensor gathered side by side) row by row as each row lies in the
+// destination, any other op's elements row by row. The save's read of each destination line is the
+// read that ordinary stores (write-allocate) and the check need anyway, so a store that saves what
 // an Apply overwrites gets the verified copy without a second read of the destination.
 // ExecuteOnHost(RestorePlan(plan), {saved}, dst) puts the destinations back as they were. A
 // piece's bytes are saved before it is written, on the thread that writes it; how far each
