@@ -767,7 +767,7 @@ void OnCores(size_t tasks, uint64_t total, const std::function<void()>& work) {
 // With `saved`, each task's destination bytes are saved there first (ExecuteSaveAndVerifyOnHost).
 std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_t*>& src,
                                 const std::vector<uint8_t*>& dst, bool run,
-                                uint8_t* saved = nullptr) {
+                                uint8_t* saved = nullptr, uint8_t* marks = nullptr) {
   const SaveArea save(plan.ops, run ? saved : nullptr);
   uint64_t total = 0;
   std::vector<Task> tasks = CutTasks(plan.ops, &total, kVerifiedTaskBytes);
@@ -781,6 +781,15 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
     long expected = -1;
     flips.compare_exchange_strong(expected, flip ? std::atol(flip) : 0);
   }
+  // Saves task i's destination bytes (with `saved`), then marks it saved (with `marks`): the
+  // saved bytes reach memory before the mark, the mark before the task's first write.
+  auto save_first = [&](size_t i) {
+    if (save.saved == nullptr) return;
+    SaveTask(plan.ops, tasks[i], dst, save);
+    if (marks == nullptr) return;
+    StoreFence();
+    __atomic_store_n(&marks[i], uint8_t{1}, __ATOMIC_SEQ_CST);
+  };
   std::atomic<size_t> next{0};
   std::mutex mu;
   std::vector<size_t> bad;
@@ -793,7 +802,7 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
         // Copied and compared in one pass (a row group's ops are all memcpy ops).
         // With the undo save folded in, the task's destination bytes are saved first: that
         // read brings them into this core's cache, where the copy then overwrites them.
-        if (save.saved != nullptr) SaveTask(plan.ops, tasks[i], dst, save);
+        save_first(i);
         const bool landed = RunAndCompareTask(plan.ops, tasks[i], src, dst, &copy);
         if (i == tasks.size() / 2) TestHookKillAt("apply");  // test build: a commit point
         if (!landed) {
@@ -803,7 +812,7 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
         continue;
       }
       if (run) {
-        if (save.saved != nullptr) SaveTask(plan.ops, tasks[i], dst, save);
+        save_first(i);
         RunTask(plan.ops, tasks[i], src, dst);
         if (i == tasks.size() / 2) TestHookKillAt("apply");  // test build: a commit point
         if (i == 0 && flips.load(std::memory_order_relaxed) > 0 && flips-- > 0) {
@@ -832,8 +841,9 @@ std::vector<size_t> ExecuteAndVerifyOnHost(const Plan& plan, const std::vector<c
 
 std::vector<size_t> ExecuteSaveAndVerifyOnHost(const Plan& plan,
                                                const std::vector<const uint8_t*>& src,
-                                               const std::vector<uint8_t*>& dst, uint8_t* saved) {
-  return RunAndCheck(plan, src, dst, /*run=*/true, saved);
+                                               const std::vector<uint8_t*>& dst, uint8_t* saved,
+                                               uint8_t* marks) {
+  return RunAndCheck(plan, src, dst, /*run=*/true, saved, marks);
 }
 
 uint64_t SavedBytes(const Plan& plan) {
@@ -842,22 +852,47 @@ uint64_t SavedBytes(const Plan& plan) {
   return bytes;
 }
 
-Plan RestorePlan(const Plan& plan) {
+uint64_t SaveTasks(const Plan& plan) {
+  uint64_t total = 0;
+  return CutTasks(plan.ops, &total, kVerifiedTaskBytes).size();
+}
+
+Plan RestorePlan(const Plan& plan, const uint8_t* marks) {
   const SaveArea layout(plan.ops, nullptr, /*layout=*/true);
   Plan back;
-  back.ops.reserve(plan.ops.size());
-  for (size_t i = 0; i < plan.ops.size(); ++i) {
+  // Op i's rows [row_begin, row_end) and elements [begin, end) of each, from where they were saved.
+  auto add = [&](size_t i, uint64_t row_begin, uint64_t row_end, uint64_t begin, uint64_t end) {
     const CopyOp& op = plan.ops[i];
     const uint64_t elem = DTypeSize(op.dst_dtype);
     CopyOp r = op;
+    r.dst_offset = op.dst_offset + (row_begin * static_cast<uint64_t>(op.dst_row_stride) +
+                                    begin * static_cast<uint64_t>(op.dst_stride)) *
+                                       elem;
+    r.count = end - begin;
+    r.rows = row_end - row_begin;
     r.src_location = 0;
-    r.src_offset = layout.at[i];
+    r.src_offset = layout.at[i] + row_begin * layout.row_bytes[i] + begin * elem;
     r.src_stride = 1;
     r.src_dtype = op.dst_dtype;
     r.src_row_stride = static_cast<int64_t>(layout.row_bytes[i] / elem);
     back.ops.push_back(r);
+    back.dst_bytes += r.rows * r.count * elem;
+  };
+  if (marks == nullptr) {
+    for (size_t i = 0; i < plan.ops.size(); ++i) add(i, 0, plan.ops[i].rows, 0, plan.ops[i].count);
+  } else {
+    uint64_t total = 0;
+    const std::vector<Task> tasks = CutTasks(plan.ops, &total, kVerifiedTaskBytes);
+    for (size_t k = 0; k < tasks.size(); ++k) {
+      if (marks[k] == 0) continue;
+      const Task& t = tasks[k];
+      for (size_t i = t.first; i < t.last; ++i) {
+        const auto [begin, end] = TaskElems(plan.ops, t, i);
+        add(i, t.row_begin, t.row_end, begin, end);
+      }
+    }
   }
-  back.src_bytes = back.dst_bytes = SavedBytes(plan);
+  back.src_bytes = back.dst_bytes;
   return back;
 }
 

@@ -120,19 +120,26 @@ std::vector<size_t> ExecuteAndVerifyOnHost(const Plan& plan, const std::vector<c
 // destination, any other op's elements row by row. The save's read of each destination line is the
 // read that ordinary stores (write-allocate) and the check need anyway, so a store that saves what
 // an Apply overwrites gets the verified copy without a second read of the destination.
-// ExecuteOnHost(RestorePlan(plan), {saved}, dst) puts the destinations back as they were. A
-// piece's bytes are saved before it is written, on the thread that writes it; how far each
-// piece got when a process is killed between the two is not recorded here (the caller's).
+// ExecuteOnHost(RestorePlan(plan), {saved}, dst) puts the destinations back as they were.
+// `marks` (may be null): SaveTasks(plan) bytes, zero on entry; piece k's byte is set to 1 once
+// its bytes are saved (their streaming stores fenced) and before its first write, on the thread
+// that writes it. A process killed part-way (memory shared with a file keeps every store made)
+// leaves the marked pieces restorable: RestorePlan(plan, marks); unmarked ones were not written.
 std::vector<size_t> ExecuteSaveAndVerifyOnHost(const Plan& plan,
                                                const std::vector<const uint8_t*>& src,
-                                               const std::vector<uint8_t*>& dst, uint8_t* saved);
+                                               const std::vector<uint8_t*>& dst, uint8_t* saved,
+                                               uint8_t* marks = nullptr);
 
 // Bytes ExecuteSaveAndVerifyOnHost saves for `plan`: every destination element it writes.
 uint64_t SavedBytes(const Plan& plan);
 
+// Pieces of work ExecuteSaveAndVerifyOnHost cuts `plan` into: the bytes of its `marks`.
+uint64_t SaveTasks(const Plan& plan);
+
 // The plan that copies what ExecuteSaveAndVerifyOnHost saved (location 0) back into the
-// destinations of `plan`, at the same places, bytes unconverted.
-Plan RestorePlan(const Plan& plan);
+// destinations of `plan`, at the same places, bytes unconverted: every piece (marks null) or
+// the pieces whose mark is nonzero.
+Plan RestorePlan(const Plan& plan, const uint8_t* marks = nullptr);
 
 // Only the check (refitctl verify): the ops whose destination bytes differ from what `plan`
 // would write there from `src`.
