@@ -857,7 +857,7 @@ uint64_t SaveTasks(const Plan& plan) {
   return CutTasks(plan.ops, &total, kVerifiedTaskBytes).size();
 }
 
-Plan RestorePlan(const Plan& plan, const uint8_t* marks) {
+Plan RestorePlan(const Plan& plan, const uint8_t* marks, std::vector<uint32_t>* pieces) {
   const SaveArea layout(plan.ops, nullptr, /*layout=*/true);
   Plan back;
   // Op i's rows [row_begin, row_end) and elements [begin, end) of each, from where they were saved.
@@ -878,17 +878,18 @@ Plan RestorePlan(const Plan& plan, const uint8_t* marks) {
     back.ops.push_back(r);
     back.dst_bytes += r.rows * r.count * elem;
   };
-  if (marks == nullptr) {
+  if (marks == nullptr && pieces == nullptr) {
     for (size_t i = 0; i < plan.ops.size(); ++i) add(i, 0, plan.ops[i].rows, 0, plan.ops[i].count);
   } else {
     uint64_t total = 0;
     const std::vector<Task> tasks = CutTasks(plan.ops, &total, kVerifiedTaskBytes);
     for (size_t k = 0; k < tasks.size(); ++k) {
-      if (marks[k] == 0) continue;
+      if (marks != nullptr && marks[k] == 0) continue;
       const Task& t = tasks[k];
       for (size_t i = t.first; i < t.last; ++i) {
         const auto [begin, end] = TaskElems(plan.ops, t, i);
         add(i, t.row_begin, t.row_end, begin, end);
+        if (pieces != nullptr) pieces->push_back(static_cast<uint32_t>(k));
       }
     }
   }

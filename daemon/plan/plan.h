@@ -138,8 +138,10 @@ uint64_t SaveTasks(const Plan& plan);
 
 // The plan that copies what ExecuteSaveAndVerifyOnHost saved (location 0) back into the
 // destinations of `plan`, at the same places, bytes unconverted: every piece (marks null) or
-// the pieces whose mark is nonzero.
-Plan RestorePlan(const Plan& plan, const uint8_t* marks = nullptr);
+// the pieces whose mark is nonzero. `pieces` (may be null): per op of the result, the piece
+// (index into `marks`) it restores; the result is then cut by pieces even without `marks`.
+Plan RestorePlan(const Plan& plan, const uint8_t* marks = nullptr,
+                 std::vector<uint32_t>* pieces = nullptr);
 
 // Only the check (refitctl verify): the ops whose destination bytes differ from what `plan`
 // would write there from `src`.
