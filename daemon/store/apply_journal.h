@@ -13,7 +13,8 @@
 // or memfd and the range), before that RegisterBuffer is answered: no call on the model sees the
 // mix. Without --state-dir the slots are anonymous memory: errors are undone, a kill is not.
 //
-// Cost: one extra read of the overwritten bytes and one write of them into the journal. The
+// Cost: one extra read of the overwritten bytes and one write of them into the journal (folded
+// into the verified copy, BeginFolded: the write alone). The
 // sparse Apply's undo is its changed elements; a full Apply's is the whole destination. Slots
 // stay mapped between Applies up to kKeepBytes (an engine node holds about 1x its destination
 // bytes of journal in /dev/shm): allocating and zeroing a model-sized slot per Apply made a
