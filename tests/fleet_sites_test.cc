@@ -250,7 +250,7 @@ TEST_CASE(
   }
   REQUIRE(named);
   // Every node of site b dies: site a's nodes take the next version as before. (Killed while
-  // version 3 was on its way into b, 2026-12-03, the trainer's refitd aborted once in UCX 1.13:
+  // version 3 was on its way into b, 2026-12-03, the trainer's refitd aborted in UCX 1.13, 3 of 3:
   // "ucp_request.c:684 Assertion ... got REP message" under uct_tcp_ep_set_failed, three
   // endpoints failing at once; daemon/transport's to work around, so not asserted here yet.)
   for (size_t i : site_b) REQUIRE(fleet.engines[i].daemon->Stop(SIGKILL) == 128 + SIGKILL);
