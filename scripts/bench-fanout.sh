@@ -39,9 +39,10 @@
 #                                [--refitd-args "--relay=false"] [--keep] [--extras]
 # The issue-36 table (K = 1 2 4 8 at 256 MiB and at 1 GiB, gloo beside the 256 MiB table),
 # at 250 Mbit/s: the rate at which the daemons' CPU is not the limit at K = 8 on 2 cores (they
-# use ~1.1 CPU-s per engine node per 256 MiB version whatever the rate, ~10 CPU-s for nine
-# daemons, plus the kernel's veth/tbf/TCP work; at 1 Gbit/s or 500 Mbit/s a K = 8 version has
-# 2 x 2.4-4.8 CPU-s, at 250 Mbit/s 2 x 9.5). About 17 minutes on a quiet machine:
+# use ~1.1-1.5 CPU-s per engine node per 256 MiB version, a little more at lower rates (part
+# is paid per second of transfer): 10-12 CPU-s for nine daemons, plus the kernel's veth/tbf/TCP
+# work; a K = 8 version at line rate has 2 x 2.4 CPU-s at 1 Gbit/s, 2 x 4.8 at 500 Mbit/s,
+# 2 x 9.5 at 250 Mbit/s). About 17 minutes on a quiet machine:
 #   scripts/bench-fanout.sh --engines "1 2 4 8" --sizes "256 1024" --versions 4 --warmup 1 \
 #     --gloo-rounds 1 --gloo-warmup 0 --gloo-sizes 256 --rate 250mbit
 # --gloo-sizes: the sizes the gloo reference runs at (default: every size; gloo's K = 8 round
