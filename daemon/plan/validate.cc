@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/types.h"
 #include "daemon/plan/plan.h"
+#include "daemon/plan/scales.h"
 
 namespace refit::plan {
 namespace {
@@ -282,13 +283,85 @@ std::pair<uint64_t, uint64_t> SliceByteExtent(const TensorSlice& slice) {
   return {slice.buffer_offset, slice.buffer_offset + (span + 1) * DTypeSize(slice.dtype)};
 }
 
+namespace {
+
+struct Entry {
+  uint64_t begin;
+  uint64_t end;
+  size_t index;
+};
+
+bool EntryBefore(const Entry& a, const Entry& b) {
+  return a.begin != b.begin ? a.begin < b.begin : a.index < b.index;
+}
+
+// Sorts `entries` (in index order) by begin, then index: each entry joins the first of at most
+// kLanes lanes whose last begin is not past its own (each lane then ascends), and the lanes are
+// merged pairwise; with more lanes needed, std::sort.
+void SortEntries(std::vector<Entry>& entries) {
+  constexpr size_t kLanes = 4;
+  std::vector<Entry> lanes[kLanes];
+  size_t used = 0;
+  for (const Entry& e : entries) {
+    size_t lane = 0;
+    while (lane < used && lanes[lane].back().begin > e.begin) ++lane;
+    if (lane == kLanes) {
+      std::sort(entries.begin(), entries.end(), EntryBefore);
+      return;
+    }
+    if (lane == used) {
+      ++used;
+      lanes[lane].reserve(entries.size() / 2);
+    }
+    lanes[lane].push_back(e);
+  }
+  // Entries of one begin stay in index order: within a lane they are, and merge takes from the
+  // lane of the smaller index first.
+  while (used > 1) {
+    std::vector<Entry> merged(lanes[used - 2].size() + lanes[used - 1].size());
+    std::merge(lanes[used - 2].begin(), lanes[used - 2].end(), lanes[used - 1].begin(),
+               lanes[used - 1].end(), merged.begin(), EntryBefore);
+    lanes[used - 2].swap(merged);
+    --used;
+  }
+  entries.swap(lanes[0]);
+}
+
+// The scaled slices' checks NormalizeAndValidateScaledBuffer makes on the way.
+struct ScaledChecks {
+  bool allowed = false;
+  bool scaled = false;
+  absl::Status first_error;
+};
+
+absl::Status NormalizeAndValidate(std::vector<TensorSlice>& slices, uint64_t region_size,
+                                  ScaledChecks* checks);
+
+}  // namespace
+
 absl::Status NormalizeAndValidateBuffer(std::vector<TensorSlice>& slices, uint64_t region_size) {
-  struct Entry {
-    uint64_t begin;
-    uint64_t end;
-    size_t index;
-  };
-  // One pass normalizes, checks and measures each slice (its byte extent, contiguity).
+  return NormalizeAndValidate(slices, region_size, nullptr);
+}
+
+absl::Status NormalizeAndValidateScaledBuffer(std::vector<TensorSlice>& slices,
+                                              uint64_t region_size, bool scales_allowed,
+                                              bool* scaled) {
+  ScaledChecks checks;
+  checks.allowed = scales_allowed;
+  if (absl::Status valid = NormalizeAndValidate(slices, region_size, &checks); !valid.ok()) {
+    return valid;
+  }
+  if (!checks.first_error.ok()) return checks.first_error;
+  *scaled = checks.scaled;
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status NormalizeAndValidate(std::vector<TensorSlice>& slices, uint64_t region_size,
+                                  ScaledChecks* checks) {
+  // One pass normalizes, checks and measures each slice (its byte extent, contiguity), and,
+  // with `checks`, checks a scaled slice while its fields are in the cache.
   std::vector<Entry> entries(slices.size());
   std::vector<char> contiguous(slices.size());
   bool sorted = true;
@@ -300,14 +373,23 @@ absl::Status NormalizeAndValidateBuffer(std::vector<TensorSlice>& slices, uint64
     }
     entries[i] = {slices[i].buffer_offset, end, i};
     contiguous[i] = flat;
+    if (checks && IsScaled(slices[i])) {
+      checks->scaled = true;
+      if (checks->first_error.ok()) {
+        checks->first_error =
+            checks->allowed ? CheckScaledSlice(slices[i])
+                            : absl::InvalidArgumentError(absl::StrCat(
+                                  "tensor ", slices[i].name,
+                                  ": scale_tensor and scale_block are for DESTINATION slices"));
+      }
+    }
     sorted = sorted && (i == 0 || entries[i - 1].begin <= entries[i].begin);
   }
-  // In buffer order already (by begin, then index): the common case needs no sort.
-  if (!sorted) {
-    std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
-      return a.begin != b.begin ? a.begin < b.begin : a.index < b.index;
-    });
-  }
+  // In buffer order already (by begin, then index): the common case needs no sort. Nearly so
+  // (an fp8 engine's weights in one part of its buffer and their scale tensors in another, the
+  // slices of each in order, one after the other: a few ascending lanes interleaved): the lanes
+  // merged, not sorted.
+  if (!sorted) SortEntries(entries);
   // Layouts are built lazily: most slices are contiguous and never need one (nor its 72 bytes
   // made and freed: 100,000 slices per registration).
   std::vector<std::unique_ptr<ByteLayout>> layouts(slices.size());
@@ -400,5 +482,7 @@ absl::Status NormalizeAndValidateBuffer(std::vector<TensorSlice>& slices, uint64
   }
   return absl::OkStatus();
 }
+
+}  // namespace
 
 }  // namespace refit::plan
