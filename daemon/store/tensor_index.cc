@@ -27,7 +27,7 @@ size_t NameTable::Probe(std::string_view name, uint64_t hash) const {
     if (!slot.name) return at;
     if (slot.tag != tag || slot.size != size) continue;
     if (is_long ? *reinterpret_cast<const std::string_view*>(slot.name) == name
-                : std::memcmp(slot.name, name.data(), size) == 0) {
+                : size == 0 || std::memcmp(slot.name, name.data(), size) == 0) {
       return at;
     }
   }
