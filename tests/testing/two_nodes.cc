@@ -63,7 +63,6 @@ void WaitPulling(client::Client& client, uint64_t version) {
   FAIL("no pull of version " << version << " under way");
 }
 
-
 bool SharedMemoryTls() {
   const char* tls = std::getenv("UCX_TLS");
   return tls != nullptr && std::string(tls).find("sm") != std::string::npos;

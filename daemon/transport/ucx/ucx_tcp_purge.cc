@@ -9,8 +9,9 @@
 // then, uct_tcp_ep_set_failed -> ucp_ep_set_failed -> ucp_worker_discard_uct_ep purges the
 // queue, and ucp_request_send_state_ff asserts that a wire-up message found there is only
 // EP_REMOVED, EP_CHECK or ACK ("ucp_request.c:684 Assertion ... got REP message"): abort
-// (ucx_peer_kill_test's third case stops a peer in that window). UCX removed that assertion in 1.14 (commit 9ccaf31b, "UCP/CORE: Remove assertion
-// for checking WIREUP_MSGs when purging"): the request's release after it was always right.
+// (ucx_peer_kill_test's third case stops a peer in that window). UCX removed that assertion in 1.14
+// (commit 9ccaf31b, "UCP/CORE: Remove assertion for checking WIREUP_MSGs when purging"): the
+// request's release after it was always right.
 //
 // What this file does: it defines uct_tcp_ep_pending_purge itself. libuct's tcp interface names
 // that function in its ops table through a dynamic relocation (R_X86_64_64 against the exported
@@ -77,10 +78,12 @@ void FilterWireup(uct_pending_req_t* request, void* arg) {
   auto* filter = static_cast<FilterArg*>(arg);
   if (reinterpret_cast<void*>(request->func) == filter->wireup_progress) {
     const uint64_t n = dropped_wireup_messages.fetch_add(1, std::memory_order_relaxed) + 1;
-    Logger("transport")->info(
-        "a peer failed mid wire-up over tcp: its pending wire-up message dropped, not handed to "
-        "UCX 1.13's purge (which would abort); {} so far",
-        n);
+    Logger("transport")
+        ->info(
+            "a peer failed mid wire-up over tcp: its pending wire-up message dropped, not handed "
+            "to "
+            "UCX 1.13's purge (which would abort); {} so far",
+            n);
     return;
   }
   if (filter->callback != nullptr) filter->callback(request, filter->arg);
@@ -90,9 +93,8 @@ void FilterWireup(uct_pending_req_t* request, void* arg) {
 
 bool TcpPurgeWorkaroundActive() {
   const Affected& affected = Lookup();
-  return affected.filter &&
-         dlsym(RTLD_DEFAULT, "uct_tcp_ep_pending_purge") ==
-             reinterpret_cast<void*>(&uct_tcp_ep_pending_purge);
+  return affected.filter && dlsym(RTLD_DEFAULT, "uct_tcp_ep_pending_purge") ==
+                                reinterpret_cast<void*>(&uct_tcp_ep_pending_purge);
 }
 
 uint64_t TcpPurgeDroppedWireupMessages() {
