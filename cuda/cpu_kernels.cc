@@ -156,5 +156,11 @@ void Copy2D(uint8_t* dst, uint64_t dst_pitch, const uint8_t* src, uint64_t src_p
   }
 }
 
+void ScatterRuns(uint8_t* dst, const ByteRun* runs, uint64_t n, const uint8_t* values) {
+  for (uint64_t i = 0; i < n; ++i) {
+    std::memcpy(dst + runs[i].dst_offset, values + runs[i].value_offset, runs[i].bytes);
+  }
+}
+
 }  // namespace cpu
 }  // namespace refit::cuda

@@ -226,5 +226,43 @@ TEST_CASE("real weight versions: changes agree with the delta codec and diffs ap
   }
 }
 
+TEST_CASE("ScatterRuns writes each run's new bytes and nothing else", "[changes]") {
+  // Random runs against a byte-by-byte reference.
+  for (const uint64_t seed : {1, 2, 3}) {
+    const uint64_t n = (3 << 20) + 11;
+    const testing::ChangeRunsForTest c = testing::RandomRuns(n, seed);
+    REQUIRE(c.runs.size() > 10);
+    const Bytes before = testing::RandomBytes(n, seed + 100);
+    Bytes want = before;
+    for (const ByteRun& r : c.runs) {
+      for (uint64_t k = 0; k < r.bytes; ++k) want[r.dst_offset + k] = c.values[r.value_offset + k];
+    }
+    Bytes got = before;
+    cpu::ScatterRuns(got.data(), c.runs.data(), c.runs.size(), c.values.data());
+    CHECK((got == want));
+  }
+  // A change list from a diff (the runs of bytes that differ, their new bytes packed) takes the
+  // base to the target.
+  const Bytes base = testing::RandomBytes(1 << 20, 7);
+  const Bytes target = testing::Mutate(base, 2, 0.004, 8);
+  std::vector<ByteRun> runs;
+  Bytes values;
+  for (uint64_t i = 0; i < base.size();) {
+    if (base[i] == target[i]) {
+      ++i;
+      continue;
+    }
+    ByteRun r{i, values.size(), 0};
+    for (; i < base.size() && base[i] != target[i]; ++i, ++r.bytes) values.push_back(target[i]);
+    runs.push_back(r);
+  }
+  REQUIRE(runs.size() > 1000);
+  Bytes patched = base;
+  cpu::ScatterRuns(patched.data(), runs.data(), runs.size(), values.data());
+  CHECK((patched == target));
+  cpu::ScatterRuns(patched.data(), runs.data(), 0, values.data());  // no runs: nothing
+  CHECK((patched == target));
+}
+
 }  // namespace
 }  // namespace refit::cuda

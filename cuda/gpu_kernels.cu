@@ -586,4 +586,43 @@ cudaError_t ReadWriteReference(const uint8_t* a, const uint8_t* b, uint8_t* out,
   return LaunchError();
 }
 
+namespace {
+
+// One block per run at a time (grid-stride over runs): the block's threads copy the run's bytes,
+// in 8-byte words between its first and last aligned word where the destination and the values
+// share their alignment, bytes around them (and throughout otherwise).
+__global__ void __launch_bounds__(kThreads)
+    ScatterRunsKernel(uint8_t* dst, const ByteRun* runs, uint64_t n, const uint8_t* values) {
+  for (uint64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const ByteRun run = runs[i];
+    uint8_t* to = dst + run.dst_offset;
+    const uint8_t* from = values + run.value_offset;
+    uint64_t head = run.bytes;  // bytes copied one by one from the start
+    uint64_t words = 0;
+    const uintptr_t to_at = reinterpret_cast<uintptr_t>(to);
+    if (((to_at ^ reinterpret_cast<uintptr_t>(from)) & 7) == 0) {
+      const uint64_t to_word = (8 - (to_at & 7)) & 7;
+      head = run.bytes < to_word ? run.bytes : to_word;
+      words = (run.bytes - head) / 8;
+    }
+    for (uint64_t k = threadIdx.x; k < head; k += kThreads) to[k] = from[k];
+    uint64_t* to_words = reinterpret_cast<uint64_t*>(to + head);
+    const uint64_t* from_words = reinterpret_cast<const uint64_t*>(from + head);
+    for (uint64_t k = threadIdx.x; k < words; k += kThreads) to_words[k] = from_words[k];
+    for (uint64_t k = head + words * 8 + threadIdx.x; k < run.bytes; k += kThreads) {
+      to[k] = from[k];
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t ScatterRuns(uint8_t* dst, const ByteRun* runs, uint64_t n, const uint8_t* values,
+                        cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>(std::min(n, kMaxBlocks));
+  ScatterRunsKernel<<<blocks, kThreads, 0, stream>>>(dst, runs, n, values);
+  return LaunchError();
+}
+
 }  // namespace refit::cuda::gpu

@@ -17,6 +17,8 @@
 
 #include <cstdint>
 
+#include "cuda/byte_run.h"
+
 namespace refit::cuda::gpu {
 
 // Bytes of device scratch FindChanges needs for `num_elements` elements of `element_size`.
@@ -53,6 +55,12 @@ cudaError_t Convert(const uint8_t* src, int src_dtype, uint8_t* dst, int dst_dty
 // kernel for device-to-device pitches cudaMemcpy2DAsync refuses.
 cudaError_t Copy2D(uint8_t* dst, uint64_t dst_pitch, const uint8_t* src, uint64_t src_pitch,
                    uint64_t row_bytes, uint64_t rows, cudaStream_t stream);
+
+// cpu::ScatterRuns on the device: `runs` (n of them), `values` and `dst` are device memory.
+// Each block takes whole runs (grid-stride over runs) and copies a run with all its threads,
+// 8-byte words where the run's destination and values are equally aligned, bytes otherwise.
+cudaError_t ScatterRuns(uint8_t* dst, const ByteRun* runs, uint64_t n, const uint8_t* values,
+                        cudaStream_t stream);
 
 // Benchmark references (gpu_bench): the plain device traffic the kernels above are compared
 // with. ReadWriteReference reads `bytes` from each of a and b and writes their XOR to out.

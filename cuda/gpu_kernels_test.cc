@@ -273,5 +273,34 @@ TEST_CASE("GPU kernels on the real weight versions equal the CPU's", "[gpu][real
   CHECK(checked > 0);
 }
 
+TEST_CASE("GPU ScatterRuns equals the CPU's", "[gpu][changes]") {
+  REQUIRE_GPU();
+  // Destinations at offsets 0 and 3 (aligned and not), runs of awkward lengths whose values are
+  // sometimes aligned like their destination and sometimes not.
+  for (const uint64_t seed : {11, 12, 13}) {
+    for (const uint64_t offset : {0, 3}) {
+      INFO("seed " << seed << " offset " << offset);
+      const uint64_t n = (5 << 20) + 17;
+      const testing::ChangeRunsForTest c = testing::RandomRuns(n, seed);
+      REQUIRE(c.runs.size() > 10);
+      const Bytes before = testing::RandomBytes(n + offset, seed + 100);
+      Bytes want = before;
+      cpu::ScatterRuns(want.data() + offset, c.runs.data(), c.runs.size(), c.values.data());
+      DeviceBuffer dst(n + offset), runs(c.runs.size() * sizeof(ByteRun) + 1),
+          values(c.values.size() + 1);
+      dst.Upload(before.data(), before.size());
+      runs.Upload(c.runs.data(), c.runs.size() * sizeof(ByteRun));
+      values.Upload(c.values.data(), c.values.size());
+      CheckCuda(gpu::ScatterRuns(dst.get() + offset, reinterpret_cast<const ByteRun*>(runs.get()),
+                                 c.runs.size(), values.get(), nullptr),
+                "ScatterRuns");
+      CHECK((Sync(dst, n + offset) == want));
+      // No runs: nothing written, no error.
+      CheckCuda(gpu::ScatterRuns(dst.get(), nullptr, 0, values.get(), nullptr), "ScatterRuns 0");
+      CHECK((Sync(dst, n + offset) == want));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace refit::cuda

@@ -12,7 +12,9 @@
 //                     as an unsigned integer modulo 2^bits, as daemon/delta encodes it;
 //   conversion        Convert: one 2-D run of plan::CopyOp between dtypes, with exactly the
 //                     semantics of plan::ConvertRun (round to nearest even, fp8 saturating);
-//   reshard copies    Copy2D: rows x row_bytes between pitched buffers.
+//   reshard copies    Copy2D: rows x row_bytes between pitched buffers;
+//   sparse apply      ScatterRuns: a change list's runs of new bytes written into a
+//                     destination (byte_run.h).
 //
 // Element sizes for the change and scatter kernels: 1, 2, 4 or 8 bytes; positions are element
 // indices. Pointers need no particular alignment. Every function is thread-safe; the caller
@@ -22,6 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "cuda/byte_run.h"
 #include "daemon/common/types.h"
 
 namespace refit::cuda {
@@ -78,6 +81,10 @@ absl::Status Convert(const uint8_t* src, DType src_dtype, uint8_t* dst, DType ds
 // dst + r * dst_pitch.
 void Copy2D(uint8_t* dst, uint64_t dst_pitch, const uint8_t* src, uint64_t src_pitch,
             uint64_t row_bytes, uint64_t rows);
+
+// Writes each of runs[0 .. n): dst[run.dst_offset + k] = values[run.value_offset + k] for
+// k < run.bytes. Runs must not overlap in dst (the GPU writes them in no particular order).
+void ScatterRuns(uint8_t* dst, const ByteRun* runs, uint64_t n, const uint8_t* values);
 
 }  // namespace cpu
 }  // namespace refit::cuda

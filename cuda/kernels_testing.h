@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cuda/byte_run.h"
 #include "daemon/memory/region.h"
 
 namespace refit::cuda::testing {
@@ -42,6 +43,31 @@ inline Bytes Mutate(const Bytes& base, uint64_t element_size, double density, ui
     target[i + rng() % element_size] ^= static_cast<uint8_t>(1 + rng() % 255);
   }
   return target;
+}
+
+// A change list placed in a destination of `dst_bytes` bytes: runs that don't overlap, of
+// awkward lengths (0 to over 1 MiB; what fits), at random gaps, their new bytes packed into
+// `values` with 0-7 bytes of padding before each (so that some share the destination's
+// alignment and some don't).
+struct ChangeRunsForTest {
+  std::vector<ByteRun> runs;
+  Bytes values;
+};
+inline ChangeRunsForTest RandomRuns(uint64_t dst_bytes, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const uint64_t lengths[] = {0,  1,  2,  3,  7,  8,   9,    15,
+                              16, 17, 63, 64, 65, 255, 4097, (1 << 20) + 5};
+  ChangeRunsForTest out;
+  uint64_t at = rng() % 13;
+  while (at < dst_bytes) {
+    uint64_t n = lengths[rng() % (sizeof(lengths) / sizeof(lengths[0]))];
+    if (at + n > dst_bytes) n = (dst_bytes - at) / 2;
+    const uint64_t pad = rng() % 8;
+    out.runs.push_back({at, out.values.size() + pad, n});
+    for (uint64_t k = 0; k < pad + n; ++k) out.values.push_back(static_cast<uint8_t>(rng()));
+    at += n + rng() % 300;
+  }
+  return out;
 }
 
 // Element i of a little-endian buffer as an integer, assembled byte by byte.

@@ -7,19 +7,25 @@
 #     elements moves by one unit in the last place);
 #   the real successive versions of ../shared/data/deltas/tiny-llama-lr1e-6 (0.41-0.47 % changed
 #     per step), tiled over the model's bytes.
+#   --plain-too: each step kind again with the engine's full Apply plain (REFIT_TEST_APPLY_UNVERIFIED:
+#     the unchecked streaming copy, its undo saved in a pass first), and the verified full Apply's
+#     speed against it (each run's time over its own memcpy; refitd CPU seconds).
 # Usage: scripts/bench-apply.sh [--mib 1024] [--versions 6] [--density "0.004 0.01"] [--no-build]
+#        [--plain-too]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mib=1024
 versions=6
 densities="0.004 0.01"
 build=1
+plain_too=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --mib) mib="$2"; shift 2 ;;
     --versions) versions="$2"; shift 2 ;;
     --density) densities="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
+    --plain-too) plain_too=1; shift ;;
     *) echo "bench-apply: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -59,14 +65,17 @@ run() {
   # The test build of refitd on the engine's node, with REFIT_TEST_SPARSE_ALWAYS: the sparse path
   # is measured even where refitd's cost model would pick the full copy (it does at these
   # densities here: see docs/benchmarks.md).
-  REFIT_TEST_SPARSE_ALWAYS=1 "$bin/daemon/refitd_testing" --socket="$work/$tag-e.sock" \
+  local plain_env=()
+  if [ "${plain:-0}" = 1 ]; then plain_env=(REFIT_TEST_APPLY_UNVERIFIED=1); fi
+  env REFIT_TEST_SPARSE_ALWAYS=1 "${plain_env[@]}" "$bin/daemon/refitd_testing" --socket="$work/$tag-e.sock" \
     --listen=127.0.0.1:0 --node=engine-node \
     --peers="127.0.0.1:$port" --state-dir="$work/$tag-state" >"$work/$tag-e.log" 2>&1 &
   local engine=$!
   pids+=("$engine")
   wait_serving "$work/$tag-e.sock"
   "$bin/tests/bench/apply_bench" --trainer-socket="$work/$tag-t.sock" \
-    --engine-socket="$work/$tag-e.sock" --engine-pid="$engine" --mib="$mib" "$@"
+    --engine-socket="$work/$tag-e.sock" --engine-pid="$engine" --mib="$mib" "$@" |
+    tee "$work/$tag.out"
   kill -TERM "$trainer" "$engine"
   wait "$trainer" "$engine" 2>/dev/null || true
   pids=()
@@ -76,6 +85,23 @@ for d in $densities; do
   echo
   echo "== RL-like steps, $d of the elements changed per version"
   run "d$d" --versions="$versions" --density="$d"
+  if [ "$plain_too" = 1 ]; then
+    echo "-- the same, the engine's full Apply plain (REFIT_TEST_APPLY_UNVERIFIED)"
+    plain=1 run "p$d" --versions="$versions" --density="$d"
+    /usr/bin/python3 - "$work/d$d.out" "$work/p$d.out" <<'PY'
+import re, sys
+def figures(path):
+    text = open(path).read()
+    ratio = float(re.search(r"full_over_memcpy=([0-9.]+)", text).group(1))
+    cpu = re.search(r"refitd CPU seconds +sparse [0-9.]+, full ([0-9.]+)", text)
+    return ratio, float(cpu.group(1)) if cpu else None
+(v, vc), (p, pc) = figures(sys.argv[1]), figures(sys.argv[2])
+line = f"verified full Apply / plain full Apply: {p / v:.2f}x the speed (time over each run's memcpy: {v:.2f}x verified, {p:.2f}x plain)"
+if vc and pc:
+    line += f"; refitd CPU s {vc:.3f} verified, {pc:.3f} plain: {pc / vc:.2f}x"
+print(line)
+PY
+  fi
 done
 real=../shared/data/deltas/tiny-llama-lr1e-6
 if [ -d "$real" ]; then

@@ -35,11 +35,18 @@
 #
 # Usage: scripts/bench-fanout.sh [--engines "1 2 4"] [--mib 256 | --gib | --sizes "256 1024"]
 #                                [--versions 5] [--warmup 2] [--gloo-rounds 5] [--rate 1gbit]
-#                                [--no-gloo] [--no-build] [--refitd-args "--relay=false"]
-#                                [--keep] [--extras]
-# The issue-36 table (K = 1 2 4 8 at 256 MiB and at 1 GiB, gloo beside it):
+#                                [--no-gloo | --gloo-sizes "256"] [--no-build]
+#                                [--refitd-args "--relay=false"] [--keep] [--extras]
+# The issue-36 table (K = 1 2 4 8 at 256 MiB and at 1 GiB, gloo beside the 256 MiB table),
+# at 250 Mbit/s: the rate at which the daemons' CPU is not the limit at K = 8 on 2 cores (they
+# use ~1.1-1.5 CPU-s per engine node per 256 MiB version, a little more at lower rates (part
+# is paid per second of transfer): 10-12 CPU-s for nine daemons, plus the kernel's veth/tbf/TCP
+# work; a K = 8 version at line rate has 2 x 2.4 CPU-s at 1 Gbit/s, 2 x 4.8 at 500 Mbit/s,
+# 2 x 9.5 at 250 Mbit/s). About 17 minutes on a quiet machine:
 #   scripts/bench-fanout.sh --engines "1 2 4 8" --sizes "256 1024" --versions 4 --warmup 1 \
-#     --gloo-rounds 1 --gloo-warmup 0
+#     --gloo-rounds 1 --gloo-warmup 0 --gloo-sizes 256 --rate 250mbit
+# --gloo-sizes: the sizes the gloo reference runs at (default: every size; gloo's K = 8 round
+# at 1 GiB and 250 Mbit/s alone takes ~4.5 min).
 # --sizes: each size in turn, every K at each (one table per size). A size that nine (K + 1)
 # daemons, their clients' buffers and the slots can't hold in the memory available is shrunk,
 # in 64 MiB steps, to the largest that fits the largest K, and the output says so.
@@ -71,6 +78,7 @@ rate=1gbit
 burst=256kb
 latency=20ms
 gloo=1
+gloo_sizes=""
 build=1
 keep=0
 extras=0
@@ -97,6 +105,8 @@ while [ $# -gt 0 ]; do
     --rate) rate="$2"; shift 2 ;;
     --rate=*) rate="${1#*=}"; shift ;;
     --no-gloo) gloo=0; shift ;;
+    --gloo-sizes) gloo_sizes="$2"; shift 2 ;;
+    --gloo-sizes=*) gloo_sizes="${1#*=}"; shift ;;
     --refitd-args) refitd_args="$2"; shift 2 ;;
     --refitd-args=*) refitd_args="${1#*=}"; shift ;;
     --no-build) build=0; shift ;;
@@ -112,6 +122,16 @@ for k in $engines_list; do
     *) echo "bench-fanout: --engines takes numbers 1-99, not '$k'" >&2; exit 2 ;;
   esac
 done
+# The link rate in Mbit/s (tc's kbit / mbit / gbit): the timeouts below scale with it.
+rate_mbit=$(echo "$rate" | awk '/gbit$/ { sub(/gbit$/, ""); print int($0 * 1000); next }
+                                /mbit$/ { sub(/mbit$/, ""); print int($0); next }
+                                /kbit$/ { sub(/kbit$/, ""); print int($0 / 1000); next }')
+if [ -z "$rate_mbit" ] || [ "$rate_mbit" -lt 1 ]; then
+  echo "bench-fanout: --rate takes tc's kbit / mbit / gbit of at least 1mbit, not '$rate'" >&2
+  exit 2
+fi
+# Seconds a transfer of $1 MiB at the link rate takes, at least 1.
+line_s() { echo $(( ($1 * 8 * 1049 / 1000 + rate_mbit - 1) / rate_mbit + 1 )); }
 if [ "$(id -u)" -ne 0 ]; then
   echo "bench-fanout: needs root (network namespaces, tc)" >&2
   exit 1
@@ -299,7 +319,7 @@ run_refit() {
   daemons0=$(proc_ticks "${daemon_pids[@]}")
   ip netns exec "$(node_ns 0)" "$bin/tests/bench/fanout_bench" \
     --trainer-socket="$out/k$k-0.sock" --engine-sockets="$sockets" --versions="$versions" \
-    --mib="$mib" --warmup="$warmup" --timeout=$((60 + 3 * k * mib / 100)) >"$out/refit-k$k.out" 2>&1 9>&- &
+    --mib="$mib" --warmup="$warmup" --timeout=$((60 + 3 * k * $(line_s "$mib"))) >"$out/refit-k$k.out" 2>&1 9>&- &
   pids+=("$!")
   wait "$!" || ok=0  # in the background: a signal's trap runs at once, not after the bench
   local cpu1 daemons1 busy daemon_s
@@ -336,7 +356,7 @@ run_refit() {
 # A gloo broadcast from rank 0 on the trainer's node to ranks 1..$1 on the engines' nodes.
 run_gloo() {
   local k="$1" r ok=1
-  local limit=$((300 + 3 * k * mib * gloo_rounds / 100))
+  local limit=$((300 + 3 * k * $(line_s "$mib") * (gloo_rounds + gloo_warmup)))
   for r in $(seq 1 "$k"); do
     ip netns exec "$(node_ns "$r")" timeout "$limit" "$python" tests/bench/gloo_broadcast.py \
       --rank "$r" --world-size $((k + 1)) --master-addr "$(node_ip 0)" --port "$gloo_port" \
@@ -369,7 +389,7 @@ for k in "${runs[@]}"; do
   echo
   echo "=== K=$k, ${mib} MiB: refit, 1 trainer node -> $k engine node(s)"
   run_refit "$k"
-  if [ "$gloo" = 1 ]; then
+  if [ "$gloo" = 1 ] && { [ -z "$gloo_sizes" ] || [[ " $gloo_sizes " == *" $mib "* ]]; }; then
     echo "--- K=$k: gloo broadcast (torch $("$python" -c 'import torch; print(torch.__version__)'))"
     run_gloo "$k"
   fi

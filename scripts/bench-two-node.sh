@@ -126,12 +126,13 @@ echo "bench-two-node: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname 
 echo "  $(ucx_info -v | head -1 | sed 's/# //'), model ${mib} MiB bf16, ${versions} versions (+${warmup} warm-up), tensors: ${tensor_list}"
 
 # The environment of every UCX process for --tls entry $1: UCX_TLS, info logging (it names the
-# lanes UCX picked), the TCP send segment refitd sets by default (so ucx_perftest runs with the
-# same tuning; an operator's UCX_TCP_TX_SEG_SIZE wins for both), and shared-memory peer-failure
-# support for "+eh" entries.
+# lanes UCX picked), the TCP send and receive segments refitd sets by default (2 MiB: so
+# ucx_perftest runs with the same tuning; an operator's UCX_TCP_TX_SEG_SIZE /
+# UCX_TCP_RX_SEG_SIZE win for both), and shared-memory peer-failure support for "+eh" entries.
 set_ucx_env() {
   ucx_env=(UCX_TLS="${1%+eh}" UCX_LOG_LEVEL=info UCX_WARN_UNUSED_ENV_VARS=n
-           UCX_TCP_TX_SEG_SIZE="${UCX_TCP_TX_SEG_SIZE:-64k}")
+           UCX_TCP_TX_SEG_SIZE="${UCX_TCP_TX_SEG_SIZE:-2m}"
+           UCX_TCP_RX_SEG_SIZE="${UCX_TCP_RX_SEG_SIZE:-2m}")
   case "$1" in
     *+eh) ucx_env+=(UCX_POSIX_ERROR_HANDLING=y UCX_SYSV_ERROR_HANDLING=y) ;;
   esac

@@ -183,28 +183,15 @@ TEST_CASE("two trainer nodes, each publishing half the model: engines that know 
   testing::FleetOptions options = TrainerOnly(4, 4096);  // 32 MiB, 16 MiB per trainer node
   options.trainers = 2;
   Fleet fleet(std::move(options));
-  const double half = static_cast<double>(fleet.ModelBytes()) / 2;
   for (uint64_t v = 1; v <= 3; ++v) {
-    const double first_before = Metric(*fleet.trainer, "refit_data_bytes_sent_total");
-    const double second_before = Metric(*fleet.second_trainer, "refit_data_bytes_sent_total");
-    const double relayed_before = fleet.RelaySent();
-    fleet.PublishAndCheck(v);
-    std::this_thread::sleep_for(milliseconds(300));  // the pins' releases count the bytes
-    const double first = Metric(*fleet.trainer, "refit_data_bytes_sent_total") - first_before;
-    const double second =
-        Metric(*fleet.second_trainer, "refit_data_bytes_sent_total") - second_before;
-    const double relayed = fleet.RelaySent() - relayed_before;
-    std::printf(
-        "two trainer nodes, version %llu: each sent %.3f and %.3f of its half, the relays %.3f "
-        "halves\n",
-        static_cast<unsigned long long>(v), first / half, second / half, relayed / half);
-    INFO("version " << v << ": trainer nodes sent " << first / half << " and " << second / half
-                    << " of their halves, relays " << relayed / half);
-    REQUIRE(first >= 0.9 * half);
-    REQUIRE(first <= 1.25 * half);
-    REQUIRE(second >= 0.9 * half);
-    REQUIRE(second <= 1.25 * half);
-    REQUIRE(relayed >= 2 * 2.5 * half);  // 3/4 of each half to each of 4 nodes
+    const Fleet::HalvesSent sent = fleet.PublishAndCheckHalves(v);
+    INFO("version " << v << ": trainer nodes sent " << sent.first << " and " << sent.second
+                    << " of their halves, relays " << sent.relayed);
+    REQUIRE(sent.first >= 0.9);
+    REQUIRE(sent.first <= 1.25);
+    REQUIRE(sent.second >= 0.9);
+    REQUIRE(sent.second <= 1.25);
+    REQUIRE(sent.relayed >= 2 * 2.5);  // 3/4 of each half to each of 4 nodes
     ChannelsOpen(fleet, 16);
   }
   // Every engine knows the other three (from both trainers' answers, merged) and both trainers

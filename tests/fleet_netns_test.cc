@@ -13,7 +13,6 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
-#include <random>
 #include <thread>
 
 #include "catch2/catch.hpp"
@@ -35,12 +34,7 @@ constexpr char kRate[] = "200mbit";
 constexpr int kEngines = 4;
 
 std::unique_ptr<Network> MakeNetwork() {
-  auto network = Network::Create("r16", kEngines + 1, kRate);
-  if (!network.ok()) {
-    FAIL("cannot create the network namespaces this test needs (root and iproute2): "
-         << network.status().message());
-  }
-  return std::move(network).value();
+  return testing::RequireNetwork("r16", kEngines + 1, kRate);
 }
 
 FleetOptions InNetwork(Network* network, int64_t rows) {
@@ -52,15 +46,6 @@ FleetOptions InNetwork(Network* network, int64_t rows) {
 }
 
 double TrainerSent(Fleet& fleet) { return Metric(*fleet.trainer, "refit_data_bytes_sent_total"); }
-
-// Changes one bf16 element in every `stride` of the source: a small delta of the last version.
-void Touch(Fleet& fleet, uint64_t seed, uint64_t stride) {
-  std::mt19937_64 rng(seed);
-  auto* p = reinterpret_cast<uint16_t*>(fleet.source->data());
-  for (uint64_t i = rng() % stride; i < fleet.ModelBytes() / 2; i += stride) {
-    p[i] = static_cast<uint16_t>(rng());
-  }
-}
 
 }  // namespace
 
@@ -125,7 +110,7 @@ TEST_CASE("netns fleet: deltas with relays on; a node without the base gets full
   const double deltas_before = fleet.Sum("refit_delta_versions_total");
   for (uint64_t v = 2; v <= 3; ++v) {
     const double sent_before = TrainerSent(fleet), relayed_before = fleet.RelaySent();
-    Touch(fleet, v, 4096);  // ~8 K of 16 M elements change
+    fleet.Touch(v, 4096);  // ~8 K of 16 M elements change
     fleet.Publish(v);
     fleet.CheckEngines(v);
     std::this_thread::sleep_for(milliseconds(500));
@@ -142,7 +127,7 @@ TEST_CASE("netns fleet: deltas with relays on; a node without the base gets full
   // engine-3 comes back with nothing: its first version is full bytes, the others' a delta.
   fleet.RestartEngine(3);
   fleet.WaitForFleet();
-  Touch(fleet, 4, 4096);
+  fleet.Touch(4, 4096);
   fleet.Publish(4);
   fleet.CheckEngines(4);
   // Whatever it pulled first after the restart (version 3 or 4) came in full.
@@ -213,16 +198,7 @@ TEST_CASE("netns fleet: a relay killed mid-transfer; the others complete bit-exa
   Fill(*fleet.source, 2 * 7919);
   fleet.Publish(2);
   // Kill engine-0 while version 2 is partly on it (and it serves its stripes to the others).
-  bool mid = false;
-  for (int i = 0; i < 5000 && !mid; ++i) {
-    auto s = fleet.engines[0].client->Status();
-    REQUIRE(s.ok());
-    for (const auto& t : s->transfers()) {
-      mid = mid || (t.version() == 2 && t.bytes_done() > 0 && t.bytes_done() < t.bytes_total());
-    }
-    if (!mid) std::this_thread::sleep_for(milliseconds(2));
-  }
-  REQUIRE(mid);
+  fleet.WaitMidVersion(0, 2);
   REQUIRE(fleet.engines[0].daemon->Stop(SIGKILL) == 128 + SIGKILL);
   const double from_relays = fleet.Sum("refit_relay_bytes_received_total", {0});
   fleet.CheckEngines(2, {0});
@@ -257,17 +233,7 @@ TEST_CASE("netns fleet: a relay killed mid-version is replaced within about a se
   Fill(*fleet.source, 3 * 7919);
   fleet.Publish(3);
   start = Clock::now();
-  bool mid = false;
-  for (int i = 0; i < 5000 && !mid; ++i) {
-    auto s = fleet.engines[0].client->Status();
-    REQUIRE(s.ok());
-    for (const auto& t : s->transfers()) {
-      mid = mid || (t.version() == 3 && t.bytes_done() > t.bytes_total() / 8 &&
-                    t.bytes_done() < t.bytes_total() / 2);
-    }
-    if (!mid) std::this_thread::sleep_for(milliseconds(2));
-  }
-  REQUIRE(mid);
+  fleet.WaitMidVersion(0, 3, 1.0 / 8, 1.0 / 2);
   std::vector<double> before;
   for (size_t i = 1; i < fleet.engines.size(); ++i) {
     before.push_back(Metric(*fleet.engines[i].client, "refit_relay_failovers_total"));
@@ -325,7 +291,7 @@ TEST_CASE("netns fleet: a relay serving corrupted bytes is caught, the chunks ar
   fleet.PublishAndCheck(2, {0});
   // A small change: a delta, whose chunks may come through the same relay; what it flips fails
   // the checksums in the origin's delta header and is read from the trainer's node again.
-  Touch(fleet, 3, 4096);
+  fleet.Touch(3, 4096);
   fleet.Publish(3);
   fleet.CheckEngines(3, {0});
   REQUIRE(fleet.Sum("refit_delta_versions_total", {0}) == 3);
@@ -342,40 +308,24 @@ TEST_CASE(
   // Issue 36, part 4: each engine's --peers names the two trainer nodes only (bounded mode);
   // it learns the other engines from both trainers' answers to its replica reports (merged,
   // not replaced). (The cap on incoming relay readers binding: tests/fleet_bounded_test.)
-  auto network = Network::Create("r16t2", kEngines + 2, kRate);
-  if (!network.ok()) {
-    FAIL("cannot create the network namespaces this test needs (root and iproute2): "
-         << network.status().message());
-  }
-  FleetOptions options = InNetwork(network->get(), 4096);  // 32 MiB, 16 MiB per trainer node
+  auto network = testing::RequireNetwork("r16t2", kEngines + 2, kRate);
+  FleetOptions options = InNetwork(network.get(), 4096);  // 32 MiB, 16 MiB per trainer node
   options.trainers = 2;
   options.peers_trainer_only = true;
   // Two trainers and the three other engines: room for every channel, none for more.
   options.engine_args.assign(kEngines, {"--max-peer-connections=5"});
   Fleet fleet(std::move(options));
-  const double half = static_cast<double>(fleet.ModelBytes()) / 2;
   for (uint64_t v = 1; v <= 3; ++v) {
-    const double first_before = Metric(*fleet.trainer, "refit_data_bytes_sent_total");
-    const double second_before = Metric(*fleet.second_trainer, "refit_data_bytes_sent_total");
-    const double relayed_before = fleet.RelaySent();
-    fleet.PublishAndCheck(v);
-    std::this_thread::sleep_for(milliseconds(500));  // the pins' releases count the bytes
-    const double first = Metric(*fleet.trainer, "refit_data_bytes_sent_total") - first_before;
-    const double second =
-        Metric(*fleet.second_trainer, "refit_data_bytes_sent_total") - second_before;
-    const double relayed = fleet.RelaySent() - relayed_before;
-    std::cout << "two trainer nodes in namespaces, version " << v << ": each sent " << first / half
-              << " and " << second / half << " of its half, the relays " << relayed / half
-              << " halves\n";
-    INFO("version " << v << ": trainer nodes sent " << first / half << " and " << second / half
-                    << " of their halves, relays " << relayed / half);
-    REQUIRE(first >= 0.9 * half);
-    REQUIRE(second >= 0.9 * half);
+    const Fleet::HalvesSent sent = fleet.PublishAndCheckHalves(v);
+    INFO("version " << v << ": trainer nodes sent " << sent.first << " and " << sent.second
+                    << " of their halves, relays " << sent.relayed);
+    REQUIRE(sent.first >= 0.9);
+    REQUIRE(sent.second >= 0.9);
     // From version 2 on every engine knows the others: each half leaves its trainer once.
     const double most = v == 1 ? 1.25 : 1.05;
-    REQUIRE(first <= most * half);
-    REQUIRE(second <= most * half);
-    if (v > 1) REQUIRE(relayed >= 2 * 2.5 * half);  // 3/4 of each half to each of 4 nodes
+    REQUIRE(sent.first <= most);
+    REQUIRE(sent.second <= most);
+    if (v > 1) REQUIRE(sent.relayed >= 2 * 2.5);  // 3/4 of each half to each of 4 nodes
   }
   // Merged member lists: every engine knows the other three as replicas while its --peers
   // named only the two trainer nodes; incoming relay readers stayed within the cap.

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 
@@ -106,6 +107,33 @@ TEST_CASE("large row-split and contiguous ops copy exactly", "[plan][execute]") 
   for (auto& v : again) t2.push_back(reinterpret_cast<uint8_t*>(v.data()));
   CHECK(ExecuteAndVerifyOnHost(*plan, s, t2).empty());
   CHECK(again == out);
+  // The undo save folded in: destinations holding other bytes end up as `out`, and what was
+  // saved puts every byte back (row groups, long runs cut into tasks, several threads).
+  CHECK(SavedBytes(*plan) == plan->dst_bytes);
+  std::vector<std::vector<uint16_t>> old(2);
+  for (int d = 0; d < 2; ++d) {
+    old[d].resize(dst_size[d] / 2);
+    for (auto& x : old[d]) x = static_cast<uint16_t>(rng());
+  }
+  std::vector<std::vector<uint16_t>> fused = old;
+  std::vector<uint8_t*> t3;
+  for (auto& v : fused) t3.push_back(reinterpret_cast<uint8_t*>(v.data()));
+  std::vector<uint8_t> saved(SavedBytes(*plan), 0);
+  std::vector<uint8_t> marks(SaveTasks(*plan), 0);
+  REQUIRE(marks.size() > 2);
+  CHECK(ExecuteSaveAndVerifyOnHost(*plan, s, t3, saved.data(), marks.data()).empty());
+  CHECK(fused == out);
+  CHECK(std::count(marks.begin(), marks.end(), 1) == static_cast<long>(marks.size()));
+  CHECK(RestorePlan(*plan, marks.data()).dst_bytes == SavedBytes(*plan));
+  // As after a kill: the marked pieces alone go back (every other one here), the rest stay as
+  // written; restoring the others then completes it.
+  std::vector<uint8_t> even(marks.size(), 0), odd(marks.size(), 0);
+  for (size_t k = 0; k < marks.size(); ++k) (k % 2 == 0 ? even : odd)[k] = 1;
+  ExecuteOnHost(RestorePlan(*plan, even.data()), {saved.data()}, t3);
+  CHECK(fused != old);
+  CHECK(fused != out);
+  ExecuteOnHost(RestorePlan(*plan, odd.data()), {saved.data()}, t3);
+  CHECK(fused == old);
   // One byte of c changed afterwards: the op that writes it, and only that one, is reported.
   out[1][c_dst + K / 2] ^= 1;
   const std::vector<size_t> bad = VerifyOnHost(*plan, s, t);
@@ -135,6 +163,20 @@ TEST_CASE("verification follows conversions and strides", "[plan][execute]") {
   std::vector<const uint8_t*> s{reinterpret_cast<const uint8_t*>(in.data())};
   std::vector<uint8_t*> t{reinterpret_cast<uint8_t*>(out.data())};
   CHECK(ExecuteAndVerifyOnHost(*plan, s, t).empty());
+  // With the undo save folded in: the same bytes land, and the strided elements it overwrote
+  // (only those) go back.
+  std::vector<float> old(64 * 128);
+  for (size_t i = 0; i < old.size(); ++i) old[i] = static_cast<float>(i);
+  std::vector<float> fused = old;
+  std::vector<uint8_t*> t2{reinterpret_cast<uint8_t*>(fused.data())};
+  std::vector<uint8_t> saved(SavedBytes(*plan));
+  CHECK(saved.size() == 64 * 64 * 4);
+  CHECK(ExecuteSaveAndVerifyOnHost(*plan, s, t2, saved.data()).empty());
+  size_t wrong = 0;
+  for (size_t i = 0; i < fused.size(); ++i) wrong += fused[i] != (i % 2 == 0 ? out[i] : old[i]);
+  CHECK(wrong == 0);
+  ExecuteOnHost(RestorePlan(*plan), {saved.data()}, t2);
+  CHECK(fused == old);
   out[2 * 7] += 1.0f;  // element (0, 7)
   CHECK_FALSE(VerifyOnHost(*plan, s, t).empty());
   out[2 * 7 + 1] = 99.0f;  // a gap the plan never writes: not its business
@@ -177,6 +219,11 @@ TEST_CASE("the verified copy compares the destination memory, not what it meant 
   CHECK(ExecuteAndVerifyOnHost(*plan, src, dst) == std::vector<size_t>{0});
   CHECK(std::memcmp(base, base + page, page) == 0);  // one page of memory: not both rows
   CHECK(VerifyOnHost(*plan, src, dst) == std::vector<size_t>{0});
+  // The same with the undo save folded in: the save reads the destination too, and the check
+  // still reads what landed in memory.
+  std::vector<uint8_t> saved(SavedBytes(*plan));
+  CHECK(ExecuteSaveAndVerifyOnHost(*plan, src, dst, saved.data()) == std::vector<size_t>{0});
+  CHECK(std::memcmp(base, base + page, page) == 0);
   // Mapped apart, the same plan lands and checks clean.
   std::vector<uint8_t> apart(2 * page, 0);
   dst[0] = apart.data();

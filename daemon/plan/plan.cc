@@ -656,6 +656,81 @@ class CheckedCopy {
 
 // Task `t` of memcpy ops, run and checked in one pass (CheckedCopy); false when a byte of it
 // did not land.
+// Where ExecuteSaveAndVerifyOnHost saves what each op overwrites. The ops of a row group
+// (RowGroupEnd) are saved together, row by row, each row as it lies in the destination (the
+// group's runs side by side); an op of its own row by row. So a task's rows are saved with
+// one streaming copy per row, or one in all where the destination rows follow each other.
+struct SaveArea {
+  uint8_t* saved = nullptr;
+  std::vector<uint64_t> at;         // per op: where its row 0 is saved
+  std::vector<uint64_t> row_bytes;  // per op: its group's row, saved
+
+  // `layout`: the offsets alone (RestorePlan), with no area to save into.
+  SaveArea(const std::vector<CopyOp>& ops, uint8_t* to, bool layout = false) : saved(to) {
+    if (saved == nullptr && !layout) return;
+    at.resize(ops.size());
+    row_bytes.resize(ops.size());
+    uint64_t offset = 0;
+    for (size_t first = 0; first < ops.size();) {
+      const size_t last = RowGroupEnd(ops, first);
+      uint64_t row = 0;
+      for (size_t i = first; i < last; ++i) {
+        at[i] = offset + row;
+        row += ops[i].count * DTypeSize(ops[i].dst_dtype);
+      }
+      for (size_t i = first; i < last; ++i) row_bytes[i] = row;
+      offset += ops[first].rows * row;
+      first = last;
+    }
+  }
+  // Where element `e` of row `r` of op `i` is saved.
+  uint8_t* For(const std::vector<CopyOp>& ops, size_t i, uint64_t r, uint64_t e) const {
+    return saved + at[i] + r * row_bytes[i] + e * DTypeSize(ops[i].dst_dtype);
+  }
+};
+
+// The first and one-past-last element of each row that task `t` covers of op `i`.
+std::pair<uint64_t, uint64_t> TaskElems(const std::vector<CopyOp>& ops, const Task& t, size_t i) {
+  if (t.last - t.first > 1) return {0, ops[i].count};
+  return {t.elem_begin, t.elem_end};
+}
+
+// Saves the destination bytes task `t` will overwrite (before it runs).
+void SaveTask(const std::vector<CopyOp>& ops, const Task& t, const std::vector<uint8_t*>& dst,
+              const SaveArea& save) {
+  const CopyOp& op = ops[t.first];
+  const uint64_t elem = DTypeSize(op.dst_dtype);
+  const auto [begin, end] = TaskElems(ops, t, t.first);
+  const uint64_t row = save.row_bytes[t.first];
+  auto dst_at = [&](uint64_t r, uint64_t e) {
+    return dst[op.dst_location] + op.dst_offset +
+           (r * static_cast<uint64_t>(op.dst_row_stride) +
+            e * static_cast<uint64_t>(op.dst_stride)) *
+               elem;
+  };
+  if (op.dst_stride == 1 && (t.last - t.first > 1 || end - begin == op.count)) {
+    // Whole rows, each contiguous in the destination (a row group's runs lie side by side).
+    if (t.row_end - t.row_begin == 1 || static_cast<uint64_t>(op.dst_row_stride) * elem == row) {
+      StreamCopy(save.For(ops, t.first, t.row_begin, 0), dst_at(t.row_begin, 0),
+                 (t.row_end - t.row_begin) * row);
+      return;
+    }
+    for (uint64_t r = t.row_begin; r < t.row_end; ++r) {
+      StreamCopy(save.For(ops, t.first, r, 0), dst_at(r, 0), row);
+    }
+    return;
+  }
+  // One op: part of each row, or strided elements.
+  for (uint64_t r = t.row_begin; r < t.row_end; ++r) {
+    uint8_t* to = save.For(ops, t.first, r, begin);
+    if (op.dst_stride == 1) {
+      StreamCopy(to, dst_at(r, begin), (end - begin) * elem);
+      continue;
+    }
+    for (uint64_t e = begin; e < end; ++e) std::memcpy(to + (e - begin) * elem, dst_at(r, e), elem);
+  }
+}
+
 bool RunAndCompareTask(const std::vector<CopyOp>& ops, const Task& t,
                        const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst,
                        CheckedCopy* copy) {
@@ -663,8 +738,7 @@ bool RunAndCompareTask(const std::vector<CopyOp>& ops, const Task& t,
   for (uint64_t r = t.row_begin; r < t.row_end; ++r) {
     for (size_t i = t.first; i < t.last; ++i) {
       const CopyOp& op = ops[i];
-      const uint64_t begin = t.last - t.first > 1 ? 0 : t.elem_begin;
-      const uint64_t end = t.last - t.first > 1 ? op.count : t.elem_end;
+      const auto [begin, end] = TaskElems(ops, t, i);
       copy->Run(dst[op.dst_location] + op.dst_offset +
                     (r * static_cast<uint64_t>(op.dst_row_stride) + begin) * elem,
                 src[op.src_location] + op.src_offset +
@@ -690,8 +764,11 @@ void OnCores(size_t tasks, uint64_t total, const std::function<void()>& work) {
 }
 
 // Runs (when `run`) and checks every task on up to 8 cores; the ops of tasks that didn't land.
+// With `saved`, each task's destination bytes are saved there first (ExecuteSaveAndVerifyOnHost).
 std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_t*>& src,
-                                const std::vector<uint8_t*>& dst, bool run) {
+                                const std::vector<uint8_t*>& dst, bool run,
+                                uint8_t* saved = nullptr, uint8_t* marks = nullptr) {
+  const SaveArea save(plan.ops, run ? saved : nullptr);
   uint64_t total = 0;
   std::vector<Task> tasks = CutTasks(plan.ops, &total, kVerifiedTaskBytes);
   // Checked at once, the destination bytes must still be in cache: no streaming stores.
@@ -704,6 +781,15 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
     long expected = -1;
     flips.compare_exchange_strong(expected, flip ? std::atol(flip) : 0);
   }
+  // Saves task i's destination bytes (with `saved`), then marks it saved (with `marks`): the
+  // saved bytes reach memory before the mark, the mark before the task's first write.
+  auto save_first = [&](size_t i) {
+    if (save.saved == nullptr) return;
+    SaveTask(plan.ops, tasks[i], dst, save);
+    if (marks == nullptr) return;
+    StoreFence();
+    __atomic_store_n(&marks[i], uint8_t{1}, __ATOMIC_SEQ_CST);
+  };
   std::atomic<size_t> next{0};
   std::mutex mu;
   std::vector<size_t> bad;
@@ -714,6 +800,9 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
       const bool flip = i == 0 && flips.load(std::memory_order_relaxed) > 0;
       if (run && !flip && IsMemcpyOp(plan.ops[tasks[i].first])) {
         // Copied and compared in one pass (a row group's ops are all memcpy ops).
+        // With the undo save folded in, the task's destination bytes are saved first: that
+        // read brings them into this core's cache, where the copy then overwrites them.
+        save_first(i);
         const bool landed = RunAndCompareTask(plan.ops, tasks[i], src, dst, &copy);
         if (i == tasks.size() / 2) TestHookKillAt("apply");  // test build: a commit point
         if (!landed) {
@@ -723,6 +812,7 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
         continue;
       }
       if (run) {
+        save_first(i);
         RunTask(plan.ops, tasks[i], src, dst);
         if (i == tasks.size() / 2) TestHookKillAt("apply");  // test build: a commit point
         if (i == 0 && flips.load(std::memory_order_relaxed) > 0 && flips-- > 0) {
@@ -735,6 +825,7 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
         for (size_t op = tasks[i].first; op < tasks[i].last; ++op) bad.push_back(op);
       }
     }
+    if (save.saved != nullptr) StoreFence();  // the saved bytes' streaming stores
   });
   std::sort(bad.begin(), bad.end());
   bad.erase(std::unique(bad.begin(), bad.end()), bad.end());
@@ -746,6 +837,64 @@ std::vector<size_t> RunAndCheck(const Plan& plan, const std::vector<const uint8_
 std::vector<size_t> ExecuteAndVerifyOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
                                            const std::vector<uint8_t*>& dst) {
   return RunAndCheck(plan, src, dst, /*run=*/true);
+}
+
+std::vector<size_t> ExecuteSaveAndVerifyOnHost(const Plan& plan,
+                                               const std::vector<const uint8_t*>& src,
+                                               const std::vector<uint8_t*>& dst, uint8_t* saved,
+                                               uint8_t* marks) {
+  return RunAndCheck(plan, src, dst, /*run=*/true, saved, marks);
+}
+
+uint64_t SavedBytes(const Plan& plan) {
+  uint64_t bytes = 0;
+  for (const CopyOp& op : plan.ops) bytes += op.rows * op.count * DTypeSize(op.dst_dtype);
+  return bytes;
+}
+
+uint64_t SaveTasks(const Plan& plan) {
+  uint64_t total = 0;
+  return CutTasks(plan.ops, &total, kVerifiedTaskBytes).size();
+}
+
+Plan RestorePlan(const Plan& plan, const uint8_t* marks, std::vector<uint32_t>* pieces) {
+  const SaveArea layout(plan.ops, nullptr, /*layout=*/true);
+  Plan back;
+  // Op i's rows [row_begin, row_end) and elements [begin, end) of each, from where they were saved.
+  auto add = [&](size_t i, uint64_t row_begin, uint64_t row_end, uint64_t begin, uint64_t end) {
+    const CopyOp& op = plan.ops[i];
+    const uint64_t elem = DTypeSize(op.dst_dtype);
+    CopyOp r = op;
+    r.dst_offset = op.dst_offset + (row_begin * static_cast<uint64_t>(op.dst_row_stride) +
+                                    begin * static_cast<uint64_t>(op.dst_stride)) *
+                                       elem;
+    r.count = end - begin;
+    r.rows = row_end - row_begin;
+    r.src_location = 0;
+    r.src_offset = layout.at[i] + row_begin * layout.row_bytes[i] + begin * elem;
+    r.src_stride = 1;
+    r.src_dtype = op.dst_dtype;
+    r.src_row_stride = static_cast<int64_t>(layout.row_bytes[i] / elem);
+    back.ops.push_back(r);
+    back.dst_bytes += r.rows * r.count * elem;
+  };
+  if (marks == nullptr && pieces == nullptr) {
+    for (size_t i = 0; i < plan.ops.size(); ++i) add(i, 0, plan.ops[i].rows, 0, plan.ops[i].count);
+  } else {
+    uint64_t total = 0;
+    const std::vector<Task> tasks = CutTasks(plan.ops, &total, kVerifiedTaskBytes);
+    for (size_t k = 0; k < tasks.size(); ++k) {
+      if (marks != nullptr && marks[k] == 0) continue;
+      const Task& t = tasks[k];
+      for (size_t i = t.first; i < t.last; ++i) {
+        const auto [begin, end] = TaskElems(plan.ops, t, i);
+        add(i, t.row_begin, t.row_end, begin, end);
+        if (pieces != nullptr) pieces->push_back(static_cast<uint32_t>(k));
+      }
+    }
+  }
+  back.src_bytes = back.dst_bytes;
+  return back;
 }
 
 std::vector<size_t> VerifyOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,

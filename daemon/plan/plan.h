@@ -113,6 +113,36 @@ void ExecuteOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
 std::vector<size_t> ExecuteAndVerifyOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,
                                            const std::vector<uint8_t*>& dst);
 
+// Verified install with the undo save folded into the copy: as ExecuteAndVerifyOnHost, and
+// right before each piece of work (256 KiB) overwrites destination bytes, those bytes are copied
+// (streaming stores) to `saved`, SavedBytes(plan) bytes in all, in plan order: the ops of a row
+// group (a row-split tensor gathered side by side) row by row as each row lies in the
+// destination, any other op's elements row by row. The save's read of each destination line is the
+// read that ordinary stores (write-allocate) and the check need anyway, so a store that saves what
+// an Apply overwrites gets the verified copy without a second read of the destination.
+// ExecuteOnHost(RestorePlan(plan), {saved}, dst) puts the destinations back as they were.
+// `marks` (may be null): SaveTasks(plan) bytes, zero on entry; piece k's byte is set to 1 once
+// its bytes are saved (their streaming stores fenced) and before its first write, on the thread
+// that writes it. A process killed part-way (memory shared with a file keeps every store made)
+// leaves the marked pieces restorable: RestorePlan(plan, marks); unmarked ones were not written.
+std::vector<size_t> ExecuteSaveAndVerifyOnHost(const Plan& plan,
+                                               const std::vector<const uint8_t*>& src,
+                                               const std::vector<uint8_t*>& dst, uint8_t* saved,
+                                               uint8_t* marks = nullptr);
+
+// Bytes ExecuteSaveAndVerifyOnHost saves for `plan`: every destination element it writes.
+uint64_t SavedBytes(const Plan& plan);
+
+// Pieces of work ExecuteSaveAndVerifyOnHost cuts `plan` into: the bytes of its `marks`.
+uint64_t SaveTasks(const Plan& plan);
+
+// The plan that copies what ExecuteSaveAndVerifyOnHost saved (location 0) back into the
+// destinations of `plan`, at the same places, bytes unconverted: every piece (marks null) or
+// the pieces whose mark is nonzero. `pieces` (may be null): per op of the result, the piece
+// (index into `marks`) it restores; the result is then cut by pieces even without `marks`.
+Plan RestorePlan(const Plan& plan, const uint8_t* marks = nullptr,
+                 std::vector<uint32_t>* pieces = nullptr);
+
 // Only the check (refitctl verify): the ops whose destination bytes differ from what `plan`
 // would write there from `src`.
 std::vector<size_t> VerifyOnHost(const Plan& plan, const std::vector<const uint8_t*>& src,

@@ -1,6 +1,9 @@
 // Plans a 70B-shaped (Llama-3-70B) reshard from TP8 trainer buffers to TP2 inference buffers and
 // prints the median planning time, the op count and src_bytes over the bytes the destinations
 // need, for single-row and multi-row ops; then plain vs verified execution of a ~1 GiB model.
+// "execution" also times the full Apply as the store runs it, with its undo journal's save of
+// the destinations: save pass then plain copy (reference), save pass then verified copy, and the
+// save folded into the verified copy.
 // Usage: plan_bench [repetitions] | plan_bench execution [ROUNDS [LAYERS [VOCAB]]]
 
 #include <algorithm>
@@ -92,9 +95,15 @@ double CpuSeconds() {
   return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
+// How one execution runs: the copy alone, plain or verified; or as the store's full Apply runs
+// it, the undo journal's save of the destinations first (a streaming copy of each destination
+// buffer into a journal area, as daemon/store/apply_journal does) and then the plain or verified
+// copy; or the save folded into the verified copy (ExecuteSaveAndVerifyOnHost).
+enum class Mode { kPlain, kVerified, kSaveThenPlain, kSaveThenVerified, kFolded };
+
 // Executes `plan` once between freshly touched buffers.
 Timing TimeExecution(const Plan& plan, const std::vector<uint64_t>& src_sizes,
-                     const std::vector<uint64_t>& dst_sizes, bool verified = false) {
+                     const std::vector<uint64_t>& dst_sizes, Mode mode = Mode::kPlain) {
   std::vector<std::vector<uint8_t>> src, dst;
   for (uint64_t n : src_sizes) src.emplace_back(n, 1);
   for (uint64_t n : dst_sizes) dst.emplace_back(n, 0);
@@ -102,12 +111,39 @@ Timing TimeExecution(const Plan& plan, const std::vector<uint64_t>& src_sizes,
   std::vector<uint8_t*> d;
   for (auto& b : src) s.push_back(b.data());
   for (auto& b : dst) d.push_back(b.data());
+  // The journal area, touched (the store keeps its journal slot mapped between Applies), and the
+  // plan of the save pass: each destination buffer, whole, into it.
+  const bool saves = mode == Mode::kSaveThenPlain || mode == Mode::kSaveThenVerified;
+  Plan save;
+  uint64_t journal_bytes = mode == Mode::kFolded ? SavedBytes(plan) : 0;
+  if (saves) {
+    for (size_t i = 0; i < dst_sizes.size(); ++i) {
+      CopyOp op;
+      op.src_location = static_cast<uint32_t>(i);
+      op.dst_offset = journal_bytes;
+      op.count = dst_sizes[i];
+      op.src_dtype = op.dst_dtype = DType::kUINT8;
+      save.ops.push_back(op);
+      journal_bytes += dst_sizes[i];
+    }
+    save.src_bytes = save.dst_bytes = journal_bytes;
+  }
+  std::vector<uint8_t> journal(journal_bytes, 2);
   const double c0 = CpuSeconds();
   const auto t0 = std::chrono::steady_clock::now();
-  if (verified) {
-    if (!ExecuteAndVerifyOnHost(plan, s, d).empty()) std::abort();
-  } else {
-    ExecuteOnHost(plan, s, d);
+  if (saves) ExecuteOnHost(save, {d.begin(), d.end()}, {journal.data()});
+  switch (mode) {
+    case Mode::kPlain:
+    case Mode::kSaveThenPlain:
+      ExecuteOnHost(plan, s, d);
+      break;
+    case Mode::kVerified:
+    case Mode::kSaveThenVerified:
+      if (!ExecuteAndVerifyOnHost(plan, s, d).empty()) std::abort();
+      break;
+    case Mode::kFolded:
+      if (!ExecuteSaveAndVerifyOnHost(plan, s, d, journal.data()).empty()) std::abort();
+      break;
   }
   Timing t;
   t.wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -128,7 +164,7 @@ struct Series {
 
 // Resharded (TP8 -> TP2) vs unresharded (TP1 -> TP1) execution of the same model: plain
 // (ExecuteOnHost) and verified (ExecuteAndVerifyOnHost), memcpy as the reference.
-int RunExecution(int runs, int layers, int64_t vocab) {
+int RunExecution(int runs, int layers, int64_t vocab, bool with_journal) {
   const std::vector<Tensor> model = Llama(2048, 5632, 512, vocab, layers);
   auto plan_for = [&](int from, int to, std::vector<uint64_t>* src_sizes,
                       std::vector<uint64_t>* dst_sizes,
@@ -164,12 +200,22 @@ int RunExecution(int runs, int layers, int64_t vocab) {
   // Interleaved: each round times plain, verified and memcpy back to back, so that a machine
   // whose load drifts (shared build hosts) weighs on all of them alike; medians over rounds.
   Series plain_s, plain_r, verified_s, verified_r, copies;
+  // The full Apply with its undo journal (see Mode), unresharded and resharded.
+  Series saved_plain_s, saved_verified_s, folded_s, saved_plain_r, saved_verified_r, folded_r;
   std::vector<uint8_t> from(straight->dst_bytes, 1), to(straight->dst_bytes, 0);
   for (int r = 0; r < runs; ++r) {
     plain_s.Add(TimeExecution(*straight, ss_b, ds_b));
-    verified_s.Add(TimeExecution(*straight, ss_b, ds_b, true));
+    verified_s.Add(TimeExecution(*straight, ss_b, ds_b, Mode::kVerified));
     plain_r.Add(TimeExecution(*resharded, ss_a, ds_a));
-    verified_r.Add(TimeExecution(*resharded, ss_a, ds_a, true));
+    verified_r.Add(TimeExecution(*resharded, ss_a, ds_a, Mode::kVerified));
+    if (with_journal) {
+      saved_plain_s.Add(TimeExecution(*straight, ss_b, ds_b, Mode::kSaveThenPlain));
+      saved_verified_s.Add(TimeExecution(*straight, ss_b, ds_b, Mode::kSaveThenVerified));
+      folded_s.Add(TimeExecution(*straight, ss_b, ds_b, Mode::kFolded));
+      saved_plain_r.Add(TimeExecution(*resharded, ss_a, ds_a, Mode::kSaveThenPlain));
+      saved_verified_r.Add(TimeExecution(*resharded, ss_a, ds_a, Mode::kSaveThenVerified));
+      folded_r.Add(TimeExecution(*resharded, ss_a, ds_a, Mode::kFolded));
+    }
     const double c0 = CpuSeconds();
     const auto t0 = std::chrono::steady_clock::now();
     std::memcpy(to.data(), from.data(), from.size());
@@ -190,7 +236,7 @@ int RunExecution(int runs, int layers, int64_t vocab) {
   // on a machine shared with other work.
   auto line = [&](const char* what, const Series& verified, const Series& plain) {
     std::printf(
-        "  %-11s wall %7.2f GB/s vs plain %7.2f GB/s: verified / plain = %.2fx   "
+        "  %-40s wall %7.2f GB/s vs plain %7.2f GB/s: verified / plain = %.2fx   "
         "cpu %7.2f vs %7.2f GB/s: %.2fx (best rounds %.2fx)\n",
         what, bytes / verified.Wall() / 1e9, bytes / plain.Wall() / 1e9,
         plain.Wall() / verified.Wall(), bytes / verified.Cpu() / 1e9, bytes / plain.Cpu() / 1e9,
@@ -204,6 +250,23 @@ int RunExecution(int runs, int layers, int64_t vocab) {
   line("resharded", verified_r, plain_r);
   std::printf("verified / plain, full apply: unresharded %.2fx, resharded %.2fx (wall)\n",
               plain_s.Wall() / verified_s.Wall(), plain_r.Wall() / verified_r.Wall());
+  if (!with_journal) return 0;
+  std::printf(
+      "with the undo journal's save of the destinations (the store's full Apply), median of %d; "
+      "reference: save pass, then the plain copy:\n",
+      runs);
+  line("unresharded, save pass + verified", saved_verified_s, saved_plain_s);
+  line("unresharded, save folded into verified", folded_s, saved_plain_s);
+  line("resharded, save pass + verified", saved_verified_r, saved_plain_r);
+  line("resharded, save folded into verified", folded_r, saved_plain_r);
+  std::printf(
+      "verified / plain, full apply with its undo save: save pass %.2fx / %.2fx, folded %.2fx / "
+      "%.2fx (unresharded / resharded, wall; cpu %.2fx / %.2fx, folded %.2fx / %.2fx)\n",
+      saved_plain_s.Wall() / saved_verified_s.Wall(),
+      saved_plain_r.Wall() / saved_verified_r.Wall(), saved_plain_s.Wall() / folded_s.Wall(),
+      saved_plain_r.Wall() / folded_r.Wall(), saved_plain_s.Cpu() / saved_verified_s.Cpu(),
+      saved_plain_r.Cpu() / saved_verified_r.Cpu(), saved_plain_s.Cpu() / folded_s.Cpu(),
+      saved_plain_r.Cpu() / folded_r.Cpu());
   return 0;
 }
 
@@ -275,9 +338,10 @@ int main(int argc, char** argv) {
     // ~0.92 GiB; 2 layers and 8000, ~0.23 GiB.
     return refit::plan::RunExecution(argc > 2 ? std::max(1, std::atoi(argv[2])) : 9,
                                      argc > 3 ? std::max(1, std::atoi(argv[3])) : 8,
-                                     argc > 4 ? std::max(1, std::atoi(argv[4])) : 32000);
+                                     argc > 4 ? std::max(1, std::atoi(argv[4])) : 32000,
+                                     /*with_journal=*/true);
   }
   const int repetitions = argc > 1 ? std::max(1, std::atoi(argv[1])) : 9;
   const int status = refit::plan::Run(repetitions);
-  return status != 0 ? status : refit::plan::RunExecution(5, 8, 32000);
+  return status != 0 ? status : refit::plan::RunExecution(5, 8, 32000, /*with_journal=*/false);
 }

@@ -21,6 +21,16 @@ bool IsScaled(const TensorSlice& slice);
 // naming the tensor otherwise.
 absl::Status CheckScaledSlice(const TensorSlice& slice);
 
+// NormalizeAndValidateBuffer (plan.h) and, in the same pass over the slices, the checks of each
+// slice that IsScaled: refused where the buffer may not hold such slices (`scales_allowed`
+// false: a SOURCE buffer; "tensor X: scale_tensor and scale_block are for DESTINATION
+// slices"), else CheckScaledSlice. An error of NormalizeAndValidateBuffer wins over these (as
+// when the two ran one after the other); among these, the first slice's. `*scaled`: some slice
+// IsScaled (set when OK).
+absl::Status NormalizeAndValidateScaledBuffer(std::vector<TensorSlice>& slices,
+                                              uint64_t region_size, bool scales_allowed,
+                                              bool* scaled);
+
 // The scale tensor's global shape: ceil(dim / block) per dimension.
 std::vector<int64_t> ScaleShape(const TensorSlice& scaled);
 

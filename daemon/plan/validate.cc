@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/types.h"
 #include "daemon/plan/plan.h"
+#include "daemon/plan/scales.h"
 
 namespace refit::plan {
 namespace {
@@ -34,7 +35,11 @@ std::string Join(const std::vector<int64_t>& values) {
   return out + "]";
 }
 
-absl::Status NormalizeOne(TensorSlice& slice, size_t index, uint64_t region_size) {
+// Normalizes and checks one slice; `*end` is the byte past its last (SliceByteExtent's end) and
+// `*contiguous` whether its elements are row-major contiguous (TensorSlice::IsContiguous), both
+// worked out on the way (one pass over the slice).
+absl::Status NormalizeOne(TensorSlice& slice, size_t index, uint64_t region_size, uint64_t* end_out,
+                          bool* contiguous) {
   if (slice.name.empty()) return Invalid(slice, index, "empty name");
   const uint64_t elem = DTypeSize(slice.dtype);
   if (elem == 0) {
@@ -129,6 +134,13 @@ absl::Status NormalizeOne(TensorSlice& slice, size_t index, uint64_t region_size
                    absl::StrCat("bytes from buffer_offset ", slice.buffer_offset, " with strides ",
                                 Join(slice.buffer_strides), " run past the region of ", region_size,
                                 " bytes"));
+  }
+  *end_out = end;
+  int64_t expected = 1;  // the row-major stride of dimension d (IsContiguous)
+  *contiguous = true;
+  for (size_t d = rank; d-- > 0;) {
+    if (slice.sizes[d] != 1 && slice.buffer_strides[d] != expected) *contiguous = false;
+    expected *= slice.sizes[d];  // bounded by `elements` above
   }
   return absl::OkStatus();
 }
@@ -271,24 +283,113 @@ std::pair<uint64_t, uint64_t> SliceByteExtent(const TensorSlice& slice) {
   return {slice.buffer_offset, slice.buffer_offset + (span + 1) * DTypeSize(slice.dtype)};
 }
 
+namespace {
+
+struct Entry {
+  uint64_t begin;
+  uint64_t end;
+  size_t index;
+};
+
+bool EntryBefore(const Entry& a, const Entry& b) {
+  return a.begin != b.begin ? a.begin < b.begin : a.index < b.index;
+}
+
+// Sorts `entries` (in index order) by begin, then index: each entry joins the first of at most
+// kLanes lanes whose last begin is not past its own (each lane then ascends), and the lanes are
+// merged pairwise; with more lanes needed, std::sort.
+void SortEntries(std::vector<Entry>& entries) {
+  constexpr size_t kLanes = 4;
+  std::vector<Entry> lanes[kLanes];
+  size_t used = 0;
+  for (const Entry& e : entries) {
+    size_t lane = 0;
+    while (lane < used && lanes[lane].back().begin > e.begin) ++lane;
+    if (lane == kLanes) {
+      std::sort(entries.begin(), entries.end(), EntryBefore);
+      return;
+    }
+    if (lane == used) {
+      ++used;
+      lanes[lane].reserve(entries.size() / 2);
+    }
+    lanes[lane].push_back(e);
+  }
+  // Entries of one begin stay in index order: within a lane they are, and merge takes from the
+  // lane of the smaller index first.
+  while (used > 1) {
+    std::vector<Entry> merged(lanes[used - 2].size() + lanes[used - 1].size());
+    std::merge(lanes[used - 2].begin(), lanes[used - 2].end(), lanes[used - 1].begin(),
+               lanes[used - 1].end(), merged.begin(), EntryBefore);
+    lanes[used - 2].swap(merged);
+    --used;
+  }
+  entries.swap(lanes[0]);
+}
+
+// The scaled slices' checks NormalizeAndValidateScaledBuffer makes on the way.
+struct ScaledChecks {
+  bool allowed = false;
+  bool scaled = false;
+  absl::Status first_error;
+};
+
+absl::Status NormalizeAndValidate(std::vector<TensorSlice>& slices, uint64_t region_size,
+                                  ScaledChecks* checks);
+
+}  // namespace
+
 absl::Status NormalizeAndValidateBuffer(std::vector<TensorSlice>& slices, uint64_t region_size) {
-  for (size_t i = 0; i < slices.size(); ++i) {
-    if (absl::Status status = NormalizeOne(slices[i], i, region_size); !status.ok()) return status;
+  return NormalizeAndValidate(slices, region_size, nullptr);
+}
+
+absl::Status NormalizeAndValidateScaledBuffer(std::vector<TensorSlice>& slices,
+                                              uint64_t region_size, bool scales_allowed,
+                                              bool* scaled) {
+  ScaledChecks checks;
+  checks.allowed = scales_allowed;
+  if (absl::Status valid = NormalizeAndValidate(slices, region_size, &checks); !valid.ok()) {
+    return valid;
   }
-  struct Entry {
-    uint64_t begin;
-    uint64_t end;
-    size_t index;
-  };
-  std::vector<Entry> entries;
-  entries.reserve(slices.size());
+  if (!checks.first_error.ok()) return checks.first_error;
+  *scaled = checks.scaled;
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status NormalizeAndValidate(std::vector<TensorSlice>& slices, uint64_t region_size,
+                                  ScaledChecks* checks) {
+  // One pass normalizes, checks and measures each slice (its byte extent, contiguity), and,
+  // with `checks`, checks a scaled slice while its fields are in the cache.
+  std::vector<Entry> entries(slices.size());
+  std::vector<char> contiguous(slices.size());
+  bool sorted = true;
   for (size_t i = 0; i < slices.size(); ++i) {
-    const auto [begin, end] = SliceByteExtent(slices[i]);
-    entries.push_back({begin, end, i});
+    uint64_t end = 0;
+    bool flat = false;
+    if (absl::Status status = NormalizeOne(slices[i], i, region_size, &end, &flat); !status.ok()) {
+      return status;
+    }
+    entries[i] = {slices[i].buffer_offset, end, i};
+    contiguous[i] = flat;
+    if (checks && IsScaled(slices[i])) {
+      checks->scaled = true;
+      if (checks->first_error.ok()) {
+        checks->first_error =
+            checks->allowed ? CheckScaledSlice(slices[i])
+                            : absl::InvalidArgumentError(absl::StrCat(
+                                  "tensor ", slices[i].name,
+                                  ": scale_tensor and scale_block are for DESTINATION slices"));
+      }
+    }
+    sorted = sorted && (i == 0 || entries[i - 1].begin <= entries[i].begin);
   }
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.index < b.index;
-  });
+  // In buffer order already (by begin, then index): the common case needs no sort. Nearly so
+  // (an fp8 engine's weights in one part of its buffer and their scale tensors in another, the
+  // slices of each in order, one after the other: a few ascending lanes interleaved): the lanes
+  // merged, not sorted.
+  if (!sorted) SortEntries(entries);
   // Layouts are built lazily: most slices are contiguous and never need one (nor its 72 bytes
   // made and freed: 100,000 slices per registration).
   std::vector<std::unique_ptr<ByteLayout>> layouts(slices.size());
@@ -302,7 +403,7 @@ absl::Status NormalizeAndValidateBuffer(std::vector<TensorSlice>& slices, uint64
   };
   for (size_t i = 0; i < slices.size(); ++i) {
     const TensorSlice& slice = slices[i];
-    if (!slice.IsContiguous() && layout(i) == nullptr) {
+    if (!contiguous[i] && layout(i) == nullptr) {
       return Invalid(slice, i,
                      absl::StrCat("buffer_strides ", Join(slice.buffer_strides),
                                   " make the slice overlap itself or interleave its "
@@ -333,7 +434,7 @@ absl::Status NormalizeAndValidateBuffer(std::vector<TensorSlice>& slices, uint64
     if (count > kPairwiseCluster) {
       for (size_t e = first; e < last && runs <= kMaxSweepRuns; ++e) {
         const size_t index = entries[e].index;
-        runs += slices[index].IsContiguous() ? 1 : layout(index)->runs();
+        runs += contiguous[index] ? 1 : layout(index)->runs();
       }
     }
     if (count > kPairwiseCluster && runs <= kMaxSweepRuns) {
@@ -346,7 +447,7 @@ absl::Status NormalizeAndValidateBuffer(std::vector<TensorSlice>& slices, uint64
       all.reserve(runs);
       for (size_t e = first; e < last; ++e) {
         const size_t index = entries[e].index;
-        if (slices[index].IsContiguous()) {
+        if (contiguous[index]) {
           all.push_back({entries[e].begin, entries[e].end, index});
         } else {
           layout(index)->ForEachRun([&](uint64_t begin, uint64_t end) {
@@ -367,10 +468,8 @@ absl::Status NormalizeAndValidateBuffer(std::vector<TensorSlice>& slices, uint64
     } else {
       for (size_t a = first; a < last; ++a) {
         for (size_t b = a + 1; b < last && entries[b].begin < entries[a].end; ++b) {
-          const TensorSlice& one = slices[entries[a].index];
-          const TensorSlice& two = slices[entries[b].index];
           bool overlap = true;
-          if (!one.IsContiguous() || !two.IsContiguous()) {
+          if (!contiguous[entries[a].index] || !contiguous[entries[b].index]) {
             const ByteLayout* la = layout(entries[a].index);
             const ByteLayout* lb = layout(entries[b].index);
             overlap = la->runs() <= lb->runs() ? la->Intersects(*lb) : lb->Intersects(*la);
@@ -383,5 +482,7 @@ absl::Status NormalizeAndValidateBuffer(std::vector<TensorSlice>& slices, uint64
   }
   return absl::OkStatus();
 }
+
+}  // namespace
 
 }  // namespace refit::plan

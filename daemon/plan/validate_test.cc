@@ -294,5 +294,89 @@ TEST_CASE("scale shapes near INT64_MAX: no signed overflow", "[validate][hostile
   CHECK(NormalizeAndValidateBuffer(slices, 1 << 20).code() == absl::StatusCode::kInvalidArgument);
 }
 
+// fp8 weights [256, 256] with [128, 128] block scales, laid out as an engine does: the weights
+// in one part of the buffer, the scale tensors in another, each weight beside its scales in the
+// slice order (two ascending lanes of offsets, merged rather than sorted).
+std::vector<TensorSlice> ScaledBuffer(int tensors) {
+  std::vector<TensorSlice> slices;
+  for (int t = 0; t < tensors; ++t) {
+    TensorSlice scale = Slice("w" + std::to_string(t) + "_scale_inv", DType::kFP32, {2, 2});
+    scale.buffer_offset = static_cast<uint64_t>(tensors) * 65536 + static_cast<uint64_t>(t) * 16;
+    TensorSlice w = Slice("w" + std::to_string(t), DType::kFP8E4M3, {256, 256});
+    w.buffer_offset = static_cast<uint64_t>(t) * 65536;
+    w.scale_tensor = scale.name;
+    w.scale_block = {128, 128};
+    slices.push_back(scale);
+    slices.push_back(w);
+  }
+  return slices;
+}
+
+TEST_CASE("scaled slices are checked in the normalizing pass, after its own errors",
+          "[validate][scales]") {
+  const uint64_t region = 3 * (65536 + 16);
+  bool scaled = false;
+  std::vector<TensorSlice> ok = ScaledBuffer(3);
+  REQUIRE(NormalizeAndValidateScaledBuffer(ok, region, true, &scaled).ok());
+  CHECK(scaled);
+  CHECK(ok[1].sizes == std::vector<int64_t>{256, 256});
+  std::vector<TensorSlice> plain{Slice("w", DType::kBF16, {4})};
+  scaled = true;
+  REQUIRE(NormalizeAndValidateScaledBuffer(plain, 8, false, &scaled).ok());
+  CHECK_FALSE(scaled);
+
+  auto expect = [&](std::vector<TensorSlice> slices, bool allowed, const std::string& needle) {
+    bool unused = false;
+    const absl::Status status = NormalizeAndValidateScaledBuffer(slices, region, allowed, &unused);
+    INFO(status.ToString());
+    REQUIRE(status.code() == absl::StatusCode::kInvalidArgument);
+    CHECK(std::string(status.message()).find(needle) != std::string::npos);
+  };
+  // A SOURCE buffer (scales not allowed): the first scaled slice named (RegisterBuffer's check,
+  // moved here from the store).
+  expect(ScaledBuffer(3), false, "tensor w0: scale_tensor and scale_block are for DESTINATION");
+  // A DESTINATION: CheckScaledSlice's errors, the first slice's.
+  std::vector<TensorSlice> cut = ScaledBuffer(3);
+  cut[3].scale_block = {0, 128};
+  cut[5].scale_block = {128};  // a later slice's error is not the one told
+  expect(cut, true, "tensor w1: non-positive scale_block [0, 128]");
+  std::vector<TensorSlice> wrong_dtype = ScaledBuffer(3);
+  wrong_dtype[5].dtype = DType::kBF16;
+  wrong_dtype[5].global_shape = {128, 128};  // 32 KiB of bf16: inside its 64 KiB
+  wrong_dtype[5].scale_block = {128, 128};
+  expect(wrong_dtype, true, "tensor w2: scale_tensor and scale_block need dtype FP8_E4M3");
+  // An error of the normalization (here: two slices sharing bytes, found after every slice's
+  // own checks) wins over a scaled slice's, as when the store ran the two one after the other.
+  std::vector<TensorSlice> both = ScaledBuffer(3);
+  both[1].scale_block = {0, 128};
+  both[5].buffer_offset = 65536 + 100;
+  expect(both, true, "tensor w2: shares bytes of its buffer with tensor w1");
+  expect(both, false, "tensor w2: shares bytes of its buffer with tensor w1");
+}
+
+TEST_CASE("slices in a few interleaved ascending lanes, or in any order, validate the same",
+          "[validate]") {
+  // Lanes: weights and scales (2), then 5 lanes (more than are merged: sorted instead), then
+  // descending offsets; in each a shared byte is found and named the same.
+  for (int lanes : {2, 5, 0}) {
+    std::vector<TensorSlice> slices;
+    const int n = 40;
+    for (int i = 0; i < n; ++i) {
+      TensorSlice s = Slice("t" + std::to_string(i), DType::kBF16, {8});
+      if (lanes == 0) {
+        s.buffer_offset = static_cast<uint64_t>(n - 1 - i) * 16;
+      } else {
+        s.buffer_offset = static_cast<uint64_t>((i % lanes) * n + i / lanes) * 16;
+      }
+      slices.push_back(s);
+    }
+    std::vector<TensorSlice> copy = slices;
+    INFO("lanes " << lanes);
+    REQUIRE(NormalizeAndValidateBuffer(copy, 16 * 200).ok());
+    slices[7].buffer_offset = slices[30].buffer_offset + 8;  // t7 over half of t30
+    ExpectInvalid(slices, 16 * 200, "tensor t30: shares bytes of its buffer with tensor t7");
+  }
+}
+
 }  // namespace
 }  // namespace refit::plan

@@ -15,6 +15,7 @@
 #include "daemon/delta/delta.h"
 #include "daemon/memory/stream_copy.h"
 #include "daemon/pull/relay_read.h"
+#include "daemon/store/store_metrics.h"
 
 namespace refit::pull {
 namespace {
@@ -128,7 +129,8 @@ bool WholeChunks(const PullJob::Fetch& fetch, const std::vector<const Step*>& ch
 absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
                                               const std::shared_ptr<Region>& base,
                                               const std::vector<const Step*>& chain,
-                                              bool whole_chunks, bool in_place, Store* store) {
+                                              bool whole_chunks, bool in_place,
+                                              PullLanding* store) {
   std::shared_ptr<Region> slot = base;
   if (!in_place) {
     ASSIGN_OR_RETURN(slot, store->AcquireSlot(fetch.bytes));
@@ -339,8 +341,8 @@ std::string DeltaPieceId(const std::string& buffer_id, uint64_t base_version) {
   return absl::StrCat(buffer_id, "/delta-from-", base_version);
 }
 
-DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store, double threshold,
-                        Metrics* metrics, const DeltaRelays* relays) {
+DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, PullLanding* store,
+                        double threshold, Metrics* metrics, const DeltaRelays* relays) {
   DeltaResult result;
   result.from_relays.assign(job.fetches.size(), 0);
   result.staging.resize(job.fetches.size());

@@ -33,7 +33,7 @@
 #include "daemon/fleet/stripes.h"
 #include "daemon/memory/region.h"
 #include "daemon/pull/pull_metrics.h"
-#include "daemon/store/store.h"
+#include "daemon/store/pull_landing.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
 namespace refit::pull {
@@ -61,7 +61,7 @@ struct DeltaResult {
 
 // Brings the fetches of `job` that offer a base and deltas up to date (see above).
 // `relays` may be null (everything from the origin).
-DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, Store* store, double threshold,
-                        Metrics* metrics, const DeltaRelays* relays = nullptr);
+DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, PullLanding* store,
+                        double threshold, Metrics* metrics, const DeltaRelays* relays = nullptr);
 
 }  // namespace refit::pull

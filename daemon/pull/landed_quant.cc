@@ -30,7 +30,7 @@ void Merge(LandedQuantizer::Ranges& ranges) {
 
 }  // namespace
 
-LandedQuantizer::LandedQuantizer(Store* store, const PullJob& job)
+LandedQuantizer::LandedQuantizer(PullLanding* store, const PullJob& job)
     : store_(store), job_(job), active_(store->QuantizesWhilePulling(job.model)) {
   if (!active_) return;
   {

@@ -20,7 +20,7 @@
 
 #include "daemon/common/mutex.h"
 #include "daemon/memory/region.h"
-#include "daemon/store/store.h"
+#include "daemon/store/pull_landing.h"
 
 namespace refit::pull {
 
@@ -29,7 +29,7 @@ class LandedQuantizer {
   using Ranges = std::vector<std::pair<uint64_t, uint64_t>>;
 
   // Does nothing (active() false) unless `store` quantizes job.model while pulling it.
-  LandedQuantizer(Store* store, const PullJob& job);
+  LandedQuantizer(PullLanding* store, const PullJob& job);
   ~LandedQuantizer();  // stops the thread without a last call
   LandedQuantizer(const LandedQuantizer&) = delete;
   LandedQuantizer& operator=(const LandedQuantizer&) = delete;
@@ -51,7 +51,7 @@ class LandedQuantizer {
   // Hands what landed so far to the store (no lock held); true when it left runnable tasks.
   bool Quantize(const std::vector<Ranges>& refetched);
 
-  Store* const store_;
+  PullLanding* const store_;
   const PullJob job_;
   const bool active_;
   common::Mutex mu_;

@@ -60,7 +60,7 @@ struct Puller::Sources {
   std::vector<std::map<std::string, Ranges>> relayed;
 };
 
-Puller::Puller(PullerOptions options, Store* store, dataplane::DataPlane* data_plane,
+Puller::Puller(PullerOptions options, PullLanding* store, dataplane::DataPlane* data_plane,
                Metrics* metrics, PeerChannels* channels, fleet::RelayBoard* board,
                fleet::ReplicaTable* replicas)
     : options_(std::move(options)),

@@ -24,7 +24,7 @@
 #include "daemon/pull/landed_quant.h"
 #include "daemon/pull/pull_metrics.h"
 #include "daemon/rl/timeline.h"
-#include "daemon/store/store.h"
+#include "daemon/store/pull_landing.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
 namespace refit::pull {
@@ -66,8 +66,9 @@ struct PullOutcome {
 class Puller {
  public:
   // Nothing is owned; everything outlives the Puller.
-  Puller(PullerOptions options, Store* store, dataplane::DataPlane* data_plane, Metrics* metrics,
-         PeerChannels* channels, fleet::RelayBoard* board, fleet::ReplicaTable* replicas);
+  Puller(PullerOptions options, PullLanding* store, dataplane::DataPlane* data_plane,
+         Metrics* metrics, PeerChannels* channels, fleet::RelayBoard* board,
+         fleet::ReplicaTable* replicas);
 
   // Blocks until `job` is pulled and verified, or failed. The caller hands the outcome to
   // Store::FinishPull.
@@ -96,7 +97,7 @@ class Puller {
                       std::vector<std::vector<std::pair<uint64_t, uint64_t>>>* refetched);
 
   const PullerOptions options_;
-  Store* const store_;
+  PullLanding* const store_;
   dataplane::DataPlane* const data_plane_;
   Metrics* const metrics_;
   // The counters a pull adds to, resolved once (Metrics::Declare lists them at 0).

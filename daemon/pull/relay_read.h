@@ -20,7 +20,7 @@
 
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/stripes.h"
-#include "daemon/store/store.h"
+#include "daemon/store/pull_landing.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
 namespace refit::pull {

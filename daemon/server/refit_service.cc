@@ -127,8 +127,9 @@ grpc::Status RefitService::RegisterBuffer(grpc::ServerContext*,
     return Finish("RegisterBuffer",
                   absl::InvalidArgumentError("a buffer needs at least one tensor"));
   }
-  std::vector<TensorSlice> check = *slices;
-  if (absl::Status valid = plan::NormalizeAndValidateBuffer(check, UINT64_MAX); !valid.ok()) {
+  // Normalized in place (no copy of the request's slices): the store checks them against the
+  // region's size; normalizing them again there allocates nothing.
+  if (absl::Status valid = plan::NormalizeAndValidateBuffer(*slices, UINT64_MAX); !valid.ok()) {
     return Finish("RegisterBuffer", valid);
   }
   // A SOURCE whose tensors alone pass --max-slot-memory can never be published: refused before
@@ -136,7 +137,7 @@ grpc::Status RefitService::RegisterBuffer(grpc::ServerContext*,
   if (const uint64_t max = context_.store->max_slot_bytes();
       max != 0 && request->role() == v1::SOURCE) {
     uint64_t bytes = 0;
-    for (const TensorSlice& slice : check) {
+    for (const TensorSlice& slice : *slices) {
       uint64_t n = DTypeSize(slice.dtype);
       for (int64_t size : slice.sizes) {
         if (__builtin_mul_overflow(n, static_cast<uint64_t>(size), &n)) n = UINT64_MAX;

@@ -54,8 +54,13 @@ struct Header {
   uint64_t saved;  // kSparse: the bytes of records saved, from data_offset
   uint64_t parts;  // kSparseParts
 };
-constexpr uint64_t kDense = 0, kSparse = 1, kSparseParts = 2;
+// kFolded: after the targets' table, the number of restore ops and of marks, the ops (kOpWords
+// words each: piece, target, dst offset, dst stride, dst row stride, count, rows, dtype, offset
+// from data_offset, its row stride), then one mark byte per piece (padded to 8): a piece's saved
+// bytes are restored only when its mark is set (plan::ExecuteSaveAndVerifyOnHost).
+constexpr uint64_t kDense = 0, kSparse = 1, kSparseParts = 2, kFolded = 3;
 constexpr uint64_t kPartWords = 3;
+constexpr uint64_t kOpWords = 10;
 static_assert(sizeof(Header) == 64, "journal header is 64 bytes");
 
 uint64_t RoundUp(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
@@ -215,6 +220,7 @@ struct PendingTarget {
   UndoTarget target;              // data unset
   uint8_t* restored = nullptr;    // its word in the file
   std::vector<SavedBytes> saved;  // in the order they were saved (restored newest first)
+  std::vector<plan::CopyOp> ops;  // folded: the marked pieces' restore ops (from the file)
 };
 
 // A slot file a killed refitd left "writing".
@@ -240,6 +246,52 @@ struct ApplyJournal::Pending {
 };
 
 namespace {
+
+// A folded record's restore ops (the table from `at` to `end`) for `out`'s targets: those of
+// the marked pieces, reading the saved bytes at their file offsets. DATA_LOSS when one does not
+// lie inside its target or the saved bytes.
+absl::StatusOr<bool> ReadFolded(const std::string& path, const Header& header, const uint8_t* at,
+                                const uint8_t* end, std::vector<PendingTarget>* out) {
+  if (end - at < 16) return absl::DataLossError(absl::StrCat(path, ": bad folded table"));
+  const uint64_t ops = Get(at), marks = Get(at);
+  const uint64_t left = static_cast<uint64_t>(end - at);
+  if (ops > left / (8 * kOpWords) || marks > left - ops * 8 * kOpWords) {
+    return absl::DataLossError(absl::StrCat(path, ": bad folded table"));
+  }
+  const uint8_t* mark = at + ops * 8 * kOpWords;
+  constexpr uint64_t kMax = uint64_t{1} << 40;
+  for (uint64_t j = 0; j < ops; ++j) {
+    uint64_t w[kOpWords];
+    for (uint64_t& v : w) v = Get(at);
+    plan::CopyOp op;
+    const uint64_t piece = w[0], target = w[1];
+    op.dst_offset = w[2];
+    op.dst_stride = static_cast<int64_t>(w[3]);
+    op.dst_row_stride = static_cast<int64_t>(w[4]);
+    op.count = w[5];
+    op.rows = w[6];
+    op.dst_dtype = op.src_dtype = static_cast<DType>(w[7] < 16 ? w[7] : 0);
+    op.src_offset = header.data_offset + w[8];
+    op.src_row_stride = static_cast<int64_t>(w[9]);
+    const uint64_t elem = DTypeSize(op.dst_dtype);
+    bool ok = piece < marks && target < out->size() && elem != 0 && op.count != 0 && op.rows != 0 &&
+              w[3] != 0;
+    for (int k = 2; k < 10; ++k) ok = ok && (k == 7 || w[k] < kMax);
+    if (ok) {
+      using U = unsigned __int128;
+      const U dst_end =
+          U{op.dst_offset} + (U{op.rows - 1} * w[4] + U{op.count - 1} * w[3] + 1) * elem;
+      const U src_end = U{w[8]} + (U{op.rows - 1} * w[9] + op.count) * elem;
+      ok = dst_end <= (*out)[target].target.size && src_end <= header.data_bytes;
+    }
+    if (!ok) return absl::DataLossError(absl::StrCat(path, ": bad restore op ", j));
+    if (mark[piece] == 0) continue;  // not saved, so not written
+    op.src_location = 0;
+    op.dst_location = 0;
+    (*out)[target].ops.push_back(op);
+  }
+  return true;
+}
 
 // Reads a pending restore from `path` (a slot file left "writing"); null when it is not one.
 absl::StatusOr<bool> ReadPending(const std::string& path, uint8_t* base, uint64_t size,
@@ -292,6 +344,7 @@ absl::StatusOr<bool> ReadPending(const std::string& path, uint8_t* base, uint64_
     pending.target = std::move(t);
     out->push_back(std::move(pending));
   }
+  if (header.kind == kFolded) return ReadFolded(path, header, at, end, out);
   if (header.kind != kSparse && header.kind != kSparseParts) return true;
   // Sparse records: [offset | target << 40 | len << 48] then the bytes, padded to 8; one part
   // (kSparse) or several, read in order (restored newest first, the last part first).
@@ -454,6 +507,56 @@ absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::Begin(
   return std::unique_ptr<Entry>(new Entry(this, slot, std::move(targets), data));
 }
 
+absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::BeginFolded(
+    std::vector<UndoTarget> targets, const plan::Plan& plan) {
+  for (UndoTarget& t : targets) t.ranges.clear();
+  std::vector<uint32_t> pieces;
+  plan::Plan restore = plan::RestorePlan(plan, nullptr, &pieces);
+  const uint64_t marks = plan::SaveTasks(plan);
+  const uint64_t data = plan::SavedBytes(plan);
+  const uint64_t targets_table = TableBytes(targets);
+  const uint64_t table = targets_table + 16 + restore.ops.size() * kOpWords * 8 + RoundUp(marks, 8);
+  const uint64_t data_offset = RoundUp(sizeof(Header) + table, kPage);
+  ASSIGN_OR_RETURN(Slot * slot, SlotFor(data_offset + data));
+  uint8_t* base = slot->base;
+  SetState(base, kSaving);
+  Header header{};
+  std::memcpy(header.magic, kMagic, sizeof(kMagic));
+  header.state = kSaving;
+  header.targets = static_cast<uint32_t>(targets.size());
+  header.table_bytes = table;
+  header.data_offset = data_offset;
+  header.data_bytes = data;
+  header.kind = kFolded;
+  std::memcpy(base, &header, sizeof(header));
+  WriteTable(targets, base + sizeof(Header));
+  uint8_t* at = base + sizeof(Header) + targets_table;
+  Put(at, restore.ops.size());
+  Put(at, marks);
+  for (size_t j = 0; j < restore.ops.size(); ++j) {
+    const plan::CopyOp& op = restore.ops[j];
+    Put(at, pieces[j]);
+    Put(at, op.dst_location);
+    Put(at, op.dst_offset);
+    Put(at, static_cast<uint64_t>(op.dst_stride));
+    Put(at, static_cast<uint64_t>(op.dst_row_stride));
+    Put(at, op.count);
+    Put(at, op.rows);
+    Put(at, static_cast<uint64_t>(op.dst_dtype));
+    Put(at, op.src_offset);
+    Put(at, static_cast<uint64_t>(op.src_row_stride));
+  }
+  std::memset(at, 0, RoundUp(marks, 8));  // nothing saved yet
+  std::unique_ptr<Entry> entry(new Entry(this, slot, std::move(targets), data));
+  entry->marks_ = at;
+  entry->saved_ = base + data_offset;
+  entry->restore_ = std::move(restore);
+  entry->pieces_ = std::move(pieces);
+  // The Apply saves and marks each piece before writing it; a piece counts once marked.
+  SetState(base, kWriting);
+  return entry;
+}
+
 absl::StatusOr<ApplyJournal::Slot*> ApplyJournal::SlotFor(uint64_t bytes) {
   Slot* slot = nullptr;
   {
@@ -581,6 +684,18 @@ void ApplyJournal::Entry::Restore(const std::vector<bool>& skip) {
   if (done_) return;
   if (!parts_.empty()) {
     RestoreSparse(skip);
+  } else if (marks_ != nullptr) {
+    // Folded: the pieces marked saved (the others were not written), of targets not skipped.
+    plan::Plan back;
+    for (size_t j = 0; j < restore_.ops.size(); ++j) {
+      const plan::CopyOp& op = restore_.ops[j];
+      const bool skipped = op.dst_location < skip.size() && skip[op.dst_location];
+      if (skipped || __atomic_load_n(&marks_[pieces_[j]], __ATOMIC_SEQ_CST) == 0) continue;
+      back.ops.push_back(op);
+    }
+    std::vector<uint8_t*> dst;
+    for (const UndoTarget& t : targets_) dst.push_back(t.data);
+    if (!back.ops.empty()) plan::ExecuteOnHost(back, {saved_}, dst);
   } else {
     uint64_t data_offset = 0;
     std::memcpy(&data_offset, slot_->base + offsetof(Header, data_offset), 8);
@@ -612,6 +727,11 @@ std::optional<uint64_t> ApplyJournal::Recover(const std::string& identity, uint8
       // they were after that earlier write.
       for (auto r = t.saved.rbegin(); r != t.saved.rend(); ++r) {
         std::memcpy(data + r->offset, p.base + r->file_at, r->len);
+      }
+      if (!t.ops.empty()) {  // folded: the marked pieces (they do not overlap)
+        plan::Plan back;
+        back.ops = t.ops;
+        plan::ExecuteOnHost(back, {p.base}, {data});
       }
       std::atomic_thread_fence(std::memory_order_seq_cst);
       const uint64_t one = 1;

@@ -13,7 +13,8 @@
 // or memfd and the range), before that RegisterBuffer is answered: no call on the model sees the
 // mix. Without --state-dir the slots are anonymous memory: errors are undone, a kill is not.
 //
-// Cost: one extra read of the overwritten bytes and one write of them into the journal. The
+// Cost: one extra read of the overwritten bytes and one write of them into the journal (folded
+// into the verified copy, BeginFolded: the write alone). The
 // sparse Apply's undo is its changed elements; a full Apply's is the whole destination. Slots
 // stay mapped between Applies up to kKeepBytes (an engine node holds about 1x its destination
 // bytes of journal in /dev/shm): allocating and zeroing a model-sized slot per Apply made a
@@ -31,6 +32,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/common/mutex.h"
+#include "daemon/plan/plan.h"
 
 namespace refit {
 
@@ -131,6 +133,11 @@ class ApplyJournal {
     static constexpr uint64_t RecordBytes(uint64_t n) { return Part::RecordBytes(n); }
     static constexpr uint64_t kMaxRecordBytes = Part::kMaxRecordBytes;
 
+    // A folded record (BeginFolded): the save area and the marks that
+    // plan::ExecuteSaveAndVerifyOnHost(plan, src, dst, saved(), marks()) fills. Null otherwise.
+    uint8_t* saved() const { return saved_; }
+    uint8_t* marks() const { return marks_; }
+
    private:
     friend class ApplyJournal;
     Entry(ApplyJournal* journal, Slot* slot, std::vector<UndoTarget> targets, uint64_t undo_bytes)
@@ -142,6 +149,11 @@ class ApplyJournal {
     uint64_t undo_bytes_;  // dense records
     bool done_ = false;
     std::vector<Part> parts_;  // sparse records (empty: dense)
+    // Folded records: the restore plan of every piece (location 0: saved_), each op's piece.
+    uint8_t* saved_ = nullptr;
+    uint8_t* marks_ = nullptr;
+    plan::Plan restore_;
+    std::vector<uint32_t> pieces_;
   };
 
   // Saves the bytes of `targets`' ranges (on several cores when large) and marks the record
@@ -160,6 +172,18 @@ class ApplyJournal {
   // cover disjoint destination bytes: parts are restored in reverse order, each newest first).
   absl::StatusOr<std::unique_ptr<Entry>> BeginSparse(std::vector<UndoTarget> targets,
                                                      const std::vector<uint64_t>& capacities);
+
+  // A full Apply's undo record with the save folded into the copy: the slot holds the save area
+  // (Entry::saved(), plan::SavedBytes(plan) bytes), one mark per piece of work (Entry::marks(),
+  // plan::SaveTasks(plan) bytes, zero) and the plan that restores each piece, and is marked
+  // writing at once, with nothing saved yet: plan::ExecuteSaveAndVerifyOnHost(plan, src, dst,
+  // saved(), marks()) saves each piece and marks it before writing it (no separate save pass: the
+  // save reads each destination line the verified copy reads anyway). Restore, and a restart's
+  // Recover after a kill, put back only the marked pieces: the others were not written. The
+  // plan's destinations must not overlap (BuildPlan writes each element once). `targets`' ranges
+  // are unused. INTERNAL / RESOURCE_EXHAUSTED when the slot can't be made.
+  absl::StatusOr<std::unique_ptr<Entry>> BeginFolded(std::vector<UndoTarget> targets,
+                                                     const plan::Plan& plan);
 
   // A buffer registered with `identity` (its memory at `data`, `size` bytes): when a killed
   // refitd left an Apply into it unfinished, restores the bytes it held before that Apply and

@@ -334,5 +334,164 @@ TEST_CASE("a sparse record in parts, written by several threads: undone whole, o
   }
 }
 
+// A full Apply's plan for the folded tests: a long contiguous run (over 32 MiB: several threads),
+// a row-split bf16 tensor into every other half row, and an fp32 -> bf16 conversion into every
+// other element, into two buffers.
+plan::Plan FoldedPlan() {
+  plan::Plan p;
+  plan::CopyOp a;
+  a.count = 33 << 20;
+  a.dst_offset = 4096;
+  a.src_dtype = a.dst_dtype = DType::kUINT8;
+  p.ops.push_back(a);
+  plan::CopyOp b;
+  b.src_offset = 33 << 20;
+  b.dst_location = 1;
+  b.count = 2048;
+  b.rows = 256;
+  b.src_row_stride = 2048;
+  b.dst_row_stride = 4096;
+  b.src_dtype = b.dst_dtype = DType::kBF16;
+  p.ops.push_back(b);
+  plan::CopyOp c;
+  c.src_location = 1;
+  c.dst_location = 1;
+  c.dst_offset = 2 << 20;
+  c.count = 65536;
+  c.dst_stride = 2;
+  c.src_dtype = DType::kFP32;
+  c.dst_dtype = DType::kBF16;
+  p.ops.push_back(c);
+  for (const plan::CopyOp& op : p.ops) {
+    p.dst_bytes += op.rows * op.count * DTypeSize(op.dst_dtype);
+    p.src_bytes += op.rows * op.count * DTypeSize(op.src_dtype);
+  }
+  return p;
+}
+
+// Fill, 8 bytes a draw (the folded tests' buffers are tens of MiB).
+void FillWords(uint8_t* p, size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (size_t i = 0; i + 8 <= n; i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(p + i, &v, 8);
+  }
+  for (size_t i = n / 8 * 8; i < n; ++i) p[i] = static_cast<uint8_t>(rng());
+}
+
+// Sources for FoldedPlan: bytes, and fp32 values that bf16 holds exactly.
+struct FoldedSources {
+  FoldedSources() : bytes((33 << 20) + (1 << 20)), floats(65536) {
+    FillWords(bytes.data(), bytes.size(), 21);
+    for (size_t i = 0; i < floats.size(); ++i) floats[i] = static_cast<float>(i % 251) - 100.0f;
+  }
+  std::vector<const uint8_t*> src() const {
+    return {bytes.data(), reinterpret_cast<const uint8_t*>(floats.data())};
+  }
+  std::vector<uint8_t> bytes;
+  std::vector<float> floats;
+};
+
+TEST_CASE("a folded record: each piece saved as the verified copy goes; undone or committed whole",
+          "[journal]") {
+  TempDir dir;
+  auto journal = ApplyJournal::Open(dir.path);
+  REQUIRE(journal.ok());
+  const plan::Plan plan = FoldedPlan();
+  const FoldedSources sources;
+  constexpr size_t kA = 40 << 20, kB = 4 << 20;
+  Shared a(kA), b(kB);
+  FillWords(a.data, kA, 1);
+  FillWords(b.data, kB, 2);
+  const std::vector<uint8_t> a0(a.data, a.data + kA), b0(b.data, b.data + kB);
+  auto run = [&]() {
+    auto entry = (*journal)->BeginFolded(
+        {Target("a-mem", a.data, kA, {{0, kA}}), Target("b-mem", b.data, kB, {})}, plan);
+    REQUIRE(entry.ok());
+    REQUIRE((*entry)->saved() != nullptr);
+    REQUIRE((*entry)->marks() != nullptr);
+    CHECK((*entry)->undo_bytes() == plan::SavedBytes(plan));
+    const auto bad = plan::ExecuteSaveAndVerifyOnHost(plan, sources.src(), {a.data, b.data},
+                                                      (*entry)->saved(), (*entry)->marks());
+    CHECK(bad.empty());
+    for (uint64_t k = 0; k < plan::SaveTasks(plan); ++k) CHECK((*entry)->marks()[k] == 1);
+    CHECK(std::memcmp(a.data + 4096, sources.bytes.data(), 33 << 20) == 0);
+    return std::move(*entry);
+  };
+  SECTION("an error after the copy: Restore puts every byte back") {
+    auto entry = run();
+    entry->Restore();
+    CHECK(std::memcmp(a.data, a0.data(), kA) == 0);
+    CHECK(std::memcmp(b.data, b0.data(), kB) == 0);
+  }
+  SECTION("one buffer's memory gone: the others are put back, it is not touched") {
+    auto entry = run();
+    std::vector<uint8_t> b1(b.data, b.data + kB);
+    entry->Restore({false, true});
+    CHECK(std::memcmp(a.data, a0.data(), kA) == 0);
+    CHECK(std::memcmp(b.data, b1.data(), kB) == 0);
+  }
+  SECTION("committed: the new bytes stay, and the slot is used again") {
+    run()->Commit();
+    CHECK(std::memcmp(a.data + 4096, sources.bytes.data(), 33 << 20) == 0);
+    std::memcpy(a.data, a0.data(), kA);
+    std::memcpy(b.data, b0.data(), kB);
+    run()->Restore();
+    CHECK(std::memcmp(a.data, a0.data(), kA) == 0);
+    CHECK(std::memcmp(b.data, b0.data(), kB) == 0);
+  }
+  CHECK((*journal)->PendingRecoveries() == 0);
+}
+
+TEST_CASE("a process killed inside a folded Apply: the next journal restores the marked pieces",
+          "[journal]") {
+  TempDir dir;
+  const plan::Plan plan = FoldedPlan();
+  const FoldedSources sources;
+  constexpr size_t kA = 40 << 20, kB = 4 << 20;
+  Shared a(kA), b(kB);
+  FillWords(a.data, kA, 3);
+  FillWords(b.data, kB, 4);
+  const std::vector<uint8_t> a0(a.data, a.data + kA), b0(b.data, b.data + kB);
+
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    auto journal = ApplyJournal::Open(dir.path);
+    if (!journal.ok()) _exit(2);
+    auto entry = (*journal)->BeginFolded(
+        {Target("a-mem", a.data, kA, {}), Target("b-mem", b.data, kB, {})}, plan);
+    if (!entry.ok()) _exit(3);
+    // The copy's commit point (test hook): SIGKILL after half the pieces, the others of the
+    // threads part-way.
+    setenv("REFIT_TEST_KILL_AT", "apply", 1);
+    plan::ExecuteSaveAndVerifyOnHost(plan, sources.src(), {a.data, b.data}, (*entry)->saved(),
+                                     (*entry)->marks());
+    _exit(4);  // not reached: the hook kills
+  }
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  REQUIRE(WIFSIGNALED(status));
+  // Part of the new version landed, not all of it.
+  const uint64_t run = 33 << 20;
+  uint64_t landed = 0;
+  for (uint64_t at = 0; at < run; at += 4096) {
+    landed += std::memcmp(a.data + 4096 + at, sources.bytes.data() + at, 4096) == 0;
+  }
+  CHECK(landed > 0);
+  CHECK(landed < run / 4096);
+
+  auto journal = ApplyJournal::Open(dir.path);
+  REQUIRE(journal.ok());
+  CHECK((*journal)->PendingRecoveries() == 2);
+  auto held = (*journal)->Recover("a-mem", a.data, kA);
+  REQUIRE(held.has_value());
+  CHECK(*held == 6);
+  CHECK(std::memcmp(a.data, a0.data(), kA) == 0);
+  REQUIRE((*journal)->Recover("b-mem", b.data, kB).has_value());
+  CHECK(std::memcmp(b.data, b0.data(), kB) == 0);
+  CHECK((*journal)->PendingRecoveries() == 0);
+}
+
 }  // namespace
 }  // namespace refit

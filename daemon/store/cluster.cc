@@ -201,8 +201,9 @@ void Store::TryCompleteWithRemotes(Model& model) {
     return;
   }
   model.pulling = candidate;
-  model.pulling_sizes.clear();
-  for (const PullJob::Fetch& fetch : job.fetches) model.pulling_sizes.insert(fetch.bytes);
+  std::set<uint64_t> sizes;
+  for (const PullJob::Fetch& fetch : job.fetches) sizes.insert(fetch.bytes);
+  budget_.SetStaging(model.name, std::move(sizes));
   model.pulling_pieces = std::move(pieces);
   Logger("store")->info("model={} version={} pulling {} bytes from {} pieces", model.name,
                         candidate, job.Bytes(), job.fetches.size());
@@ -287,7 +288,7 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
   // A pull of a run the model left since (StartRun) is dropped.
   if (!model || model->pulling != job.version || model->run != job.run) return;
   model->pulling = 0;
-  model->pulling_sizes.clear();
+  budget_.EndStaging(model->name);
   std::vector<Piece> pieces = std::move(model->pulling_pieces);
   model->pulling_pieces.clear();
   if (!result.ok() || staging.size() != job.fetches.size()) {
@@ -308,7 +309,8 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
     for (Piece& piece : pieces) {
       if (piece.node == job.fetches[f].node && piece.buffer_id == job.fetches[f].buffer_id) {
         piece.slot = staging[f];
-        pool_->Adopt(piece.slot.get(), model->name);  // the staging slot becomes a held one
+        // The staging slot becomes a held one.
+        budget_.host()->Adopt(piece.slot.get(), model->name);
         piece.valid = std::make_shared<const ByteRanges>(job.fetches[f].ranges);
         // Diffed against the version that was newest then; Apply checks the destinations
         // hold that one.
@@ -418,7 +420,7 @@ void Store::ReserveStaging(const std::string& model_name) {
                         ? 1
                         : static_cast<int>(options_.retain) + 1;
   for (uint64_t size : sizes) {
-    (void)pool_->Reserve(size, count, model_name);
+    (void)budget_.host()->Reserve(size, count, model_name);
   }
 }
 
@@ -496,11 +498,6 @@ void Store::ForgetRemoteVersions(const std::string& node) {
   }
 }
 
-namespace {
-// A range no peer asked about during this many Publishes of its buffer is no longer hashed.
-constexpr uint64_t kHintPublishes = 4;
-}  // namespace
-
 void Store::NoteChecksumRanges(const std::string& buffer_id, uint64_t piece_bytes,
                                const std::vector<RangeRun>& runs) {
   std::shared_ptr<Buffer> buffer;
@@ -510,65 +507,7 @@ void Store::NoteChecksumRanges(const std::string& buffer_id, uint64_t piece_byte
     if (it == buffers_.end() || it->second->role != Role::kSource) return;
     buffer = it->second;
   }
-  ChecksumHints& hints = buffer->hints;
-  common::MutexLock lock(hints.mu);
-  const uint64_t max_bytes = 2 * piece_bytes;
-  for (const RangeRun& run : runs) {
-    if (run.count == 0 || run.length == 0 || run.length > kCopyBlockBytes) continue;
-    auto it = hints.runs.find(run.offset);
-    if (it != hints.runs.end()) {
-      const RangeRun& had = it->second.first;
-      // The same run, or its first ranges (a reader asking again about a few chunks that
-      // failed their checksum): keep the run.
-      const bool same_grid =
-          had.length == run.length && (run.count == 1 || had.stride == run.stride);
-      if (same_grid && run.count <= had.count) {
-        it->second.second = hints.publishes;  // asked again
-        continue;
-      }
-      hints.ranges -= had.count;
-      hints.bytes -= had.count * had.length;
-      hints.runs.erase(it);
-      hints.sorted.reset();
-    }
-    // Callers pass validated runs (count * length <= the piece's size); no overflow below.
-    const uint64_t bytes = run.count * run.length;
-    if (run.count > kMaxChecksumHints - std::min<uint64_t>(hints.ranges, kMaxChecksumHints) ||
-        bytes > max_bytes - std::min(hints.bytes, max_bytes)) {
-      continue;
-    }
-    hints.runs.emplace(run.offset, std::make_pair(run, hints.publishes));
-    hints.ranges += run.count;
-    hints.bytes += bytes;
-    hints.sorted.reset();
-  }
-}
-
-std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> Store::HintsForPublish(
-    Buffer& buffer, uint64_t size) {
-  ChecksumHints& hints = buffer.hints;
-  common::MutexLock lock(hints.mu);
-  ++hints.publishes;
-  for (auto it = hints.runs.begin(); it != hints.runs.end();) {
-    const auto& [run, asked] = it->second;
-    const uint64_t end = run.offset + (run.count - 1) * run.stride + run.length;
-    if (asked + kHintPublishes < hints.publishes || end > size) {
-      hints.ranges -= run.count;
-      hints.bytes -= run.count * run.length;
-      it = hints.runs.erase(it);
-      hints.sorted.reset();
-    } else {
-      ++it;
-    }
-  }
-  if (!hints.sorted) {
-    auto sorted = std::make_shared<std::vector<std::pair<uint64_t, uint64_t>>>();
-    sorted->reserve(hints.ranges);
-    for (const auto& [offset, entry] : hints.runs) AppendRanges(entry.first, sorted.get());
-    std::sort(sorted->begin(), sorted->end());
-    hints.sorted = std::move(sorted);
-  }
-  return hints.sorted;
+  buffer->hints.Note(piece_bytes, runs);  // its own lock; the store's is not held
 }
 
 }  // namespace refit

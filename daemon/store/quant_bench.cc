@@ -5,7 +5,7 @@
 //   3. the same with the model cut into many tensors beside one tensor of the same bytes;
 //   4. RegisterBuffer and plan building for many fp8 tensors with scales beside bf16 ones.
 // Usage: quant_bench [model MiB (1024)] [tensors for parts 3, 4 (100000)] [versions (5)]
-//                    [parts to run (123; 4 on request)]
+//                    [parts to run (123; 4 on request)] [part 4 only: bf16 or fp8 (for perf)]
 
 #include <algorithm>
 #include <chrono>
@@ -297,6 +297,8 @@ int main(int argc, char** argv) {
   const uint64_t many = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 100000;
   const int versions = argc > 3 ? std::atoi(argv[3]) : 5;
   const std::string parts = argc > 4 ? argv[4] : "123";  // which parts to run
+  // Part 4 with one side only (a profile of that side's registration: perf record -g).
+  const std::string only = argc > 5 ? argv[5] : "";
   SetLogLevel("warn");
   double load[3] = {0, 0, 0};
   if (getloadavg(load, 3) == 3) {
@@ -347,6 +349,7 @@ int main(int argc, char** argv) {
     std::vector<double> reg[2], reg_dst[2], plans[2], reg_cpu[2], reg_dst_cpu[2], apply_cpu[2];
     for (int i = 0; i < versions; ++i) {
       for (int q = 0; q < 2; ++q) {
+        if ((only == "bf16" && q == 1) || (only == "fp8" && q == 0)) continue;
         const Run r = Measure(many, 128, cols, q == 1, 1);
         reg[q].push_back(r.register_s);
         reg_dst[q].push_back(r.register_dst_s);
@@ -368,6 +371,10 @@ int main(int argc, char** argv) {
           label, Median(reg_cpu[q]), Median(reg[q]), Median(reg_dst_cpu[q]), Median(reg_dst[q]),
           Median(apply_cpu[q]), Median(plans[q]));
     };
+    if (!only.empty()) {
+      row(only.c_str(), only == "fp8" ? 1 : 0);
+      return 0;
+    }
     row("bf16 (reference)", 0);
     row("fp8 + [128,128] scales", 1);
     std::printf(

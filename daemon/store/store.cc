@@ -34,25 +34,14 @@ void Store::Probe() {
 
 Store::Store(StoreOptions options, Metrics* metrics)
     : options_(std::move(options)),
+      delta_base_(options_.delta_base, options_.delta_base_models),
       metrics_(metrics),
       counters_(metrics),
-      pool_(SlotPool::Create(
-          options_.max_spare_slot_bytes,
-          options_.host_slot_allocator ? options_.host_slot_allocator : cuda::AllocatePinnedHost,
-          options_.max_slot_bytes,
-          [slot_memory = metrics->Declare(kSlotMemoryBytes)](uint64_t held) {
-            slot_memory.Set(static_cast<double>(held));
-          })) {
-  metrics_->Declare(kSlotMemoryLimitBytes);
-  metrics_->Set(kSlotMemoryBytes, 0);
-  metrics_->Set(kSlotMemoryLimitBytes, static_cast<double>(options_.max_slot_bytes));
-  if (options_.slot_memory == MemoryKind::kCuda) {
-    const int device = options_.slot_device;
-    gpu_pool_ = SlotPool::Create(
-        options_.max_spare_slot_bytes,
-        [device](uint64_t size) { return cuda::AllocateDevice(size, device); },
-        options_.max_gpu_slot_bytes);
-  }
+      budget_(
+          SlotBudget::Options{options_.retain, options_.max_spare_slot_bytes, options_.slot_memory,
+                              options_.slot_device, options_.host_slot_allocator,
+                              options_.max_slot_bytes, options_.max_gpu_slot_bytes},
+          metrics) {
   auto journal = ApplyJournal::Open(options_.journal_dir);
   if (!journal.ok()) {
     Logger("store")->error("{}: Apply's undo journal is kept in memory (a kill is not undone)",
@@ -84,7 +73,7 @@ Store::Counters::Counters(Metrics* metrics)
 
 Store::~Store() {
   Shutdown();
-  if (quantizer_.joinable()) quantizer_.join();
+  quant_queue_.Stop();
 }
 
 Store::Model* Store::FindModel(const std::string& name) {
@@ -141,9 +130,10 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
     Piece piece;
     piece.buffer_id = buffer->id;
     piece.slices = buffer->snapshot_slices;
-    ASSIGN_OR_RETURN(piece.slot, (gpu_pool_ ? gpu_pool_ : pool_)->Acquire(size, buffer->model));
-    if (gpu_pool_) {
-      ASSIGN_OR_RETURN(piece.host, pool_->Acquire(size, buffer->model));
+    ASSIGN_OR_RETURN(
+        piece.slot, (budget_.gpu() ? budget_.gpu() : budget_.host())->Acquire(size, buffer->model));
+    if (budget_.gpu()) {
+      ASSIGN_OR_RETURN(piece.host, budget_.host()->Acquire(size, buffer->model));
     }
     {
       common::MutexLock io(buffer->io_mu);
@@ -152,7 +142,7 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
       // Host to host: copy and checksum in one pass over the cores, each block hashed while
       // it is still in cache. Otherwise hash what peers will read once it is there.
       if (from.kind() == MemoryKind::kHost && piece.slot->kind() == MemoryKind::kHost) {
-        const auto hints = HintsForPublish(*buffer, size);
+        const auto hints = buffer->hints.ForPublish(size);
         auto range_sums = std::make_shared<RangeSums>();
         piece.xxh3 = std::make_shared<const std::vector<uint64_t>>(CopyAndHash(
             piece.slot->data(), from.data() + buffer->span_begin, size, *hints, range_sums.get()));
@@ -321,9 +311,7 @@ void Store::CompleteVersion(Model& model, uint64_t number, std::vector<Piece> pi
   if (model.HasScales()) {
     // fp8 destinations with scales: quantize first, so that Apply stays a copy.
     model.finishing = number;
-    quant_queue_.emplace_back(model.name, std::move(version));
-    if (!quantizer_.joinable()) quantizer_ = std::thread([this] { RunQuantizer(); });
-    quant_wake_.NotifyOne();
+    quant_queue_.Push({model.name, std::move(version), /*early=*/false});
     return;
   }
   PublishVersion(model, std::move(version));
@@ -519,8 +507,7 @@ void Store::EraseIfEmpty(const std::string& name) {
   }
   Logger("store")->info("model={} forgotten: no buffers, versions or sources left", name);
   models_.erase(name);
-  pool_->SetBudget(name, 0);
-  if (gpu_pool_) gpu_pool_->SetBudget(name, 0);
+  budget_.Forget(name);
   changed_.NotifyAll();
 }
 
@@ -569,8 +556,7 @@ absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
     model->events.clear();
   } else {
     models_.erase(name);
-    pool_->SetBudget(name, 0);
-    if (gpu_pool_) gpu_pool_->SetBudget(name, 0);
+    budget_.Forget(name);
   }
   Logger("store")->info("model={} dropped: {} version(s) released", name,
                         result.released_versions.size());
@@ -587,7 +573,7 @@ void Store::Shutdown() {
   common::MutexLock lock(mu_);
   shutdown_ = true;
   changed_.NotifyAll();
-  quant_wake_.NotifyAll();
+  quant_queue_.Shutdown();
 }
 
 }  // namespace refit

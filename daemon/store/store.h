@@ -41,6 +41,11 @@
 #include "daemon/memory/checksum.h"
 #include "daemon/memory/region.h"
 #include "daemon/memory/slot_pool.h"
+#include "daemon/store/checksum_hints.h"
+#include "daemon/store/delta_base_mode.h"
+#include "daemon/store/pull_landing.h"
+#include "daemon/store/quant_queue.h"
+#include "daemon/store/slot_budget.h"
 #include "daemon/store/store_metrics.h"
 #include "daemon/store/store_types.h"
 
@@ -58,21 +63,6 @@ class SourceIndex;
 class DestinationIndex;
 class ApplyJournal;
 struct UndoTarget;
-
-// Where an engine node takes the base a delta is applied to (--delta-base): its held copy of
-// the newest version (kHeld), or its own DESTINATION buffers, which the last Apply filled with
-// that version (kDestination: the held copy is released once every destination holds it, so
-// the node keeps 1 x the model plus the deltas; store_delta_base.cc).
-enum class DeltaBase { kHeld, kDestination };
-
-// Parses --delta-base / the config key delta_base: comma-separated items, each "held" or
-// "destination" (every model not named) or MODEL=held|destination (that model), e.g.
-// "destination", "policy=destination", "destination,critic=held". Not given: held.
-// INVALID_ARGUMENT naming the item for an empty item, an unknown mode, two defaults or a model
-// named twice.
-absl::Status ParseDeltaBase(const std::string& text, DeltaBase* default_base,
-                            std::map<std::string, DeltaBase>* per_model);
-const char* DeltaBaseName(DeltaBase base);
 
 struct StoreOptions {
   uint32_t retain = 2;                         // complete versions kept per model (>= 1)
@@ -109,10 +99,10 @@ struct StoreOptions {
   unsigned sparse_threads = 0;
 };
 
-class Store {
+class Store : public PullLanding {
  public:
   Store(StoreOptions options, Metrics* metrics);
-  ~Store();
+  ~Store() override;
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
 
@@ -253,7 +243,7 @@ class Store {
   // kCopyBlockBytes each (longer ones are never hashed at Publish), and twice `piece_bytes` in all.
   void NoteChecksumRanges(const std::string& buffer_id, uint64_t piece_bytes,
                           const std::vector<RangeRun>& runs);
-  static constexpr size_t kMaxChecksumHints = 1u << 19;
+  static constexpr size_t kMaxChecksumHints = ChecksumHints::kMaxRanges;
 
   // Fills the slot pool with the staging slots pulls of `model` will need (--retain + 1 per
   // remote piece), once per remote layout, when this node has DESTINATION buffers for it.
@@ -291,16 +281,16 @@ class Store {
 
   // The data plane finished `job`: on success `staging[i]` holds job.fetches[i].ranges.
   void FinishPull(const PullJob& job, absl::Status result,
-                  std::vector<std::shared_ptr<Region>> staging);
+                  std::vector<std::shared_ptr<Region>> staging) override;
 
   // A slot of `size` bytes for staging pulled bytes. It counts against the budget of the
   // model being pulled with a piece of that size (ModelInfo::in_flight_bytes until FinishPull
   // makes it a held version's slot).
-  absl::StatusOr<std::shared_ptr<Region>> AcquireSlot(uint64_t size);
+  absl::StatusOr<std::shared_ptr<Region>> AcquireSlot(uint64_t size) override;
 
   // Quantizing a pulled version as its bytes land (fp8 destinations with block scales): true
   // when `model` has some and its sources are on other nodes.
-  bool QuantizesWhilePulling(const std::string& model) const;
+  bool QuantizesWhilePulling(const std::string& model) const override;
   // The pull of `job` (in progress: Model::pulling) has landed `landed[f]` of fetch f in
   // `staging[f]` (null: not staged yet): quantizes, on the calling thread, the blocks whose
   // source bytes are all there and not quantized yet, into the version's derived slot (it stays
@@ -313,7 +303,7 @@ class Store {
   bool QuantizeLanded(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,
                       const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& landed,
                       const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& refetched,
-                      size_t max_tasks = 1);
+                      size_t max_tasks = 1) override;
 
   // --delta-base=destination: `fetch.ranges` of the piece as version fetch.base_version held
   // them, rebuilt from this node's DESTINATION buffers (what its last Apply installed) into a
@@ -323,8 +313,8 @@ class Store {
   // version (written by someone else since, a failed Apply, a new buffer): pull in full then.
   // Takes each destination's io lock while it reads (never during an Apply); writes nothing
   // the engine sees.
-  absl::StatusOr<std::shared_ptr<Region>> BaseFromDestinations(const std::string& model,
-                                                               const PullJob::Fetch& fetch);
+  absl::StatusOr<std::shared_ptr<Region>> BaseFromDestinations(
+      const std::string& model, const PullJob::Fetch& fetch) override;
 
   // Wakes every waiter; they and all later waits return UNAVAILABLE.
   void Shutdown();
@@ -334,7 +324,6 @@ class Store {
 
  private:
   struct Buffer;
-  struct ChecksumHints;
   struct Piece;
   struct Version;
   struct Model;
@@ -413,10 +402,6 @@ class Store {
   void SeedHold(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The version Apply(0) and WaitForVersion answer: the hold, else the newest complete.
   static uint64_t TargetOf(const Model& model);
-  // For a Publish of `buffer`: the ranges NoteChecksumRanges kept (sorted), less those not
-  // asked about lately or past `size`.
-  static std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> HintsForPublish(
-      Buffer& buffer, uint64_t size);
   // FAILED_PRECONDITION for a buffer whose memory went away (Region::Broken), logged.
   static absl::Status MemoryWentAway(const Buffer& buffer, const std::string& more);
   // Publish's copies: a slot per buffer, filled and hashed (no store lock held).
@@ -428,7 +413,9 @@ class Store {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishVersion(Model& model, std::shared_ptr<const Version> version)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunQuantizer();
+  // One job of the quantizer's queue (quant_queue.h), on its thread: a version quantized before
+  // it completes, or a pending version's published pieces (QuantizeEarly).
+  void RunQuantJob(QuantQueue<Version>::Job job);
   // The derived slot of `plan`'s jobs for `version` (no store lock held): one region, or none
   // when the plan has no jobs.
   absl::StatusOr<std::vector<std::shared_ptr<Region>>> QuantizedSlots(const Version& version,
@@ -506,6 +493,7 @@ class Store {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const StoreOptions options_;
+  const DeltaBaseModes delta_base_;  // --delta-base per model (delta_base_mode.h; fixed)
   Metrics* const metrics_;
   // The store's counters and histograms, resolved once (Metrics::Declare lists them at 0).
   struct Counters {
@@ -516,8 +504,8 @@ class Store {
     HistogramHandle publish_seconds, apply_seconds, plan_seconds, quantize_seconds;
   };
   const Counters counters_;
-  std::shared_ptr<SlotPool> pool_;      // host slots: local snapshots, staging, mirrors
-  std::shared_ptr<SlotPool> gpu_pool_;  // GPU slots (--slot-memory=cuda); null otherwise
+  // The slot pools and each model's budget (slot_budget.h; its own lock, taken after mu_).
+  SlotBudget budget_;
 
   mutable common::Mutex mu_;
   common::CondVar changed_;  // a version completed, or Shutdown
@@ -531,14 +519,18 @@ class Store {
   std::map<std::string, std::string> by_memory_
       ABSL_GUARDED_BY(mu_);              // buffer ids by Region::Identity()
   std::vector<StoreEvents*> listeners_;  // in the order added
-  // Versions waiting for quantization (model, version); the thread starts with the first.
-  std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_queue_
-      ABSL_GUARDED_BY(mu_);
-  // Pending versions' pieces published so far (QuantizeEarly); after quant_queue_.
-  std::deque<std::pair<std::string, std::shared_ptr<const Version>>> quant_early_
-      ABSL_GUARDED_BY(mu_);
-  common::CondVar quant_wake_;
-  std::thread quantizer_;
+  // The quantizer's queue and thread (quant_queue.h: its own lock, taken after mu_); each job
+  // runs in RunQuantJob.
+  class QuantWorker : public QuantQueue<Version>::Worker {
+   public:
+    explicit QuantWorker(Store* store) : store_(store) {}
+    void Quantize(QuantQueue<Version>::Job job) override { store_->RunQuantJob(std::move(job)); }
+
+   private:
+    Store* const store_;
+  };
+  QuantWorker quant_worker_{this};
+  QuantQueue<Version> quant_queue_{&quant_worker_};
   std::unique_ptr<ApplyJournal> journal_;  // Apply's undo record (atomic Apply)
 };
 

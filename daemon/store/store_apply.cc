@@ -147,9 +147,16 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     }
   }
   if (all_host) {
-    // All or nothing: the bytes this Apply may overwrite are saved first (apply_journal.h);
-    // every error from here on puts them back.
-    ASSIGN_OR_RETURN(undo, journal_->Begin(UndoTargets(*cached, dests, source->number)));
+    // All or nothing: the bytes this Apply overwrites are saved in the undo journal
+    // (apply_journal.h), each piece just before it is written (folded into the verified copy;
+    // the plain copy below saves them all first); every error from here on puts them back.
+    static const bool unverified = TestSwitch("REFIT_TEST_APPLY_UNVERIFIED") != nullptr;
+    if (unverified) {
+      ASSIGN_OR_RETURN(undo, journal_->Begin(UndoTargets(*cached, dests, source->number)));
+    } else {
+      ASSIGN_OR_RETURN(
+          undo, journal_->BeginFolded(UndoTargets(*cached, dests, source->number), cached->plan));
+    }
     std::vector<const uint8_t*> src;
     for (const Piece& piece : source->pieces) {
       src.push_back(piece.slot ? piece.slot->data() : nullptr);
@@ -160,12 +167,11 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     // Verified install: each block checked against the version as it lands. Test build only,
     // REFIT_TEST_APPLY_UNVERIFIED: the plain copy, unchecked, for a benchmark that puts the
     // verified Apply beside it (an engine's refitd of each kind in one run).
-    static const bool unverified = TestSwitch("REFIT_TEST_APPLY_UNVERIFIED") != nullptr;
     std::vector<size_t> bad;
     if (unverified) {
       plan::ExecuteOnHost(cached->plan, src, dst);
     } else {
-      bad = plan::ExecuteAndVerifyOnHost(cached->plan, src, dst);
+      bad = plan::ExecuteSaveAndVerifyOnHost(cached->plan, src, dst, undo->saved(), undo->marks());
     }
     if (!bad.empty()) {
       undo->Restore();

@@ -66,17 +66,10 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   }
   if (!region) return absl::InvalidArgumentError("no memory region");
   if (slices.empty()) return absl::InvalidArgumentError("a buffer needs at least one tensor");
-  RETURN_IF_ERROR(plan::NormalizeAndValidateBuffer(slices, region->size()));
+  // One pass: the slices normalized and checked, scaled slices too (DESTINATION only).
   bool scaled = false;
-  for (const TensorSlice& s : slices) {
-    if (!plan::IsScaled(s)) continue;
-    if (role != Role::kDestination) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor ", s.name, ": scale_tensor and scale_block are for DESTINATION slices"));
-    }
-    RETURN_IF_ERROR(plan::CheckScaledSlice(s));
-    scaled = true;
-  }
+  RETURN_IF_ERROR(plan::NormalizeAndValidateScaledBuffer(slices, region->size(),
+                                                         role == Role::kDestination, &scaled));
 
   auto buffer = std::make_shared<Buffer>();
   buffer->scaled = scaled;
@@ -180,8 +173,8 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   if (role == Role::kSource) {
     // Warm the slot pool for the versions to come (retain + the one being published): a
     // failure here only means the first publishes fault their memory in.
-    (void)pool_->Reserve(buffer->span_end - buffer->span_begin,
-                         static_cast<int>(options_.retain) + 1, model_name);
+    (void)budget_.host()->Reserve(buffer->span_end - buffer->span_begin,
+                                  static_cast<int>(options_.retain) + 1, model_name);
   }
   return id;
 }

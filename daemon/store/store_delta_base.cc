@@ -35,17 +35,6 @@
 namespace refit {
 namespace {
 
-bool ParseMode(const std::string& text, DeltaBase* out) {
-  if (text == "held") {
-    *out = DeltaBase::kHeld;
-  } else if (text == "destination") {
-    *out = DeltaBase::kDestination;
-  } else {
-    return false;
-  }
-  return true;
-}
-
 // `valid` (sorted, merged) cut at the checksum grid and where the ops reading piece `index`
 // begin and end (so that a mismatch names the tensors it is in): what is hashed and compared.
 ByteRanges Segments(const ByteRanges& valid, const plan::Plan& plan, size_t index) {
@@ -131,46 +120,7 @@ std::vector<uint64_t> HashSegments(const uint8_t* data, const ByteRanges& segmen
 
 }  // namespace
 
-absl::Status ParseDeltaBase(const std::string& text, DeltaBase* default_base,
-                            std::map<std::string, DeltaBase>* per_model) {
-  DeltaBase fallback = DeltaBase::kHeld;
-  bool have_default = false;
-  std::map<std::string, DeltaBase> models;
-  const auto bad = [&](const std::string& item, const std::string& why) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--delta-base=", text, ": '", item, "' ", why,
-                     " (expected held, destination, or MODEL=held|destination, comma-separated)"));
-  };
-  for (absl::string_view part : absl::StrSplit(text, ',')) {
-    const std::string item(part);
-    if (item.empty()) return bad(item, "is empty");
-    const size_t eq = item.find('=');
-    DeltaBase mode;
-    if (eq == std::string::npos) {
-      if (!ParseMode(item, &mode)) return bad(item, "is not a mode");
-      if (have_default) return bad(item, "is a second mode for every model");
-      have_default = true;
-      fallback = mode;
-      continue;
-    }
-    const std::string model = item.substr(0, eq);
-    if (model.empty()) return bad(item, "names no model");
-    if (!ParseMode(item.substr(eq + 1), &mode)) return bad(item, "has no mode held|destination");
-    if (!models.emplace(model, mode).second) return bad(item, "names a model twice");
-  }
-  *default_base = fallback;
-  *per_model = std::move(models);
-  return absl::OkStatus();
-}
-
-const char* DeltaBaseName(DeltaBase base) {
-  return base == DeltaBase::kDestination ? "destination" : "held";
-}
-
-DeltaBase Store::DeltaBaseOf(const std::string& model) const {
-  auto it = options_.delta_base_models.find(model);
-  return it == options_.delta_base_models.end() ? options_.delta_base : it->second;
-}
+DeltaBase Store::DeltaBaseOf(const std::string& model) const { return delta_base_.Of(model); }
 
 void Store::ReleaseApplied(const std::string& model_name,
                            const std::shared_ptr<const Version>& version) {

@@ -45,17 +45,6 @@ struct ChangeList {
   }
 };
 
-// Runs of ranges peers asked checksums for, by offset: (the run, `publishes` when last asked
-// about).
-struct Store::ChecksumHints {
-  common::Mutex mu;
-  uint64_t publishes = 0;  // of the buffer so far
-  uint64_t ranges = 0;     // in `runs`
-  uint64_t bytes = 0;      // in `runs`
-  std::unordered_map<uint64_t, std::pair<RangeRun, uint64_t>> runs;
-  std::shared_ptr<const std::vector<std::pair<uint64_t, uint64_t>>> sorted;  // null: rebuild
-};
-
 struct Store::Buffer {
   std::string id;
   std::string model;
@@ -78,7 +67,7 @@ struct Store::Buffer {
   // DESTINATION buffers: the version the last Apply installed and verified here; 0: none, or
   // what landed is stale (a failed or unverified Apply). Written under io_mu.
   std::atomic<uint64_t> applied{0};
-  ChecksumHints hints;  // SOURCE buffers; guarded by hints.mu
+  ChecksumHints hints;  // SOURCE buffers (checksum_hints.h: its own lock)
 };
 
 struct Store::Piece {
@@ -194,8 +183,6 @@ struct Store::Model {
   std::map<uint64_t, std::shared_ptr<const LocalSnapshot>> snapshots;  // for other nodes
   uint64_t pulling = 0;               // version being pulled; 0: none
   std::vector<Piece> pulling_pieces;  // its pieces, remote ones not yet staged
-  std::set<uint64_t> pulling_sizes;   // of its staging slots (AcquireSlot's owner)
-  uint64_t share = 0;                 // UpdateBudget: one version's slot bytes here
   uint64_t failed = 0;                // newest version whose pull failed
   absl::Status failed_status;         // why (OK when it couldn't be planned)
   std::string staging_reserved;       // the remote layout staging slots were reserved for

@@ -227,7 +227,7 @@ absl::StatusOr<std::shared_ptr<Region>> Store::RunQuantBatch(
   // one device) are quantized there, by the GPU kernel, into a GPU slot; everything else (host
   // slots, pulled pieces, a mix) on the CPU from host memory, a GPU slot's host mirror included.
   int device = QuantCache::kOnHost;
-  if (gpu_pool_ && !landed) {
+  if (budget_.gpu() && !landed) {
     bool on_device = false;
     for (const Piece& piece : version.pieces) {
       if (!piece.slot) continue;
@@ -260,7 +260,7 @@ absl::StatusOr<std::shared_ptr<Region>> Store::RunQuantBatch(
   uint64_t nonfinite = 0;
   uint64_t values = 0;
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
-  SlotPool& pool = device != QuantCache::kOnHost ? *gpu_pool_ : *pool_;
+  SlotPool& pool = device != QuantCache::kOnHost ? *budget_.gpu() : *budget_.host();
   auto slot = version.quant->Run(batch, sources, pool, threads, partial, &nonfinite, &values,
                                  device, max_tasks, runnable_left);
   if (values > 0) {
@@ -311,9 +311,7 @@ void Store::QuantizeEarly(Model& model, uint64_t number) {
   std::shared_ptr<QuantCache>& early = model.early_quant[number];
   if (!early) early = std::make_shared<QuantCache>();
   version->quant = early;
-  quant_early_.emplace_back(model.name, std::move(version));
-  if (!quantizer_.joinable()) quantizer_ = std::thread([this] { RunQuantizer(); });
-  quant_wake_.NotifyOne();
+  quant_queue_.Push({model.name, std::move(version), /*early=*/true});
 }
 
 bool Store::QuantizesWhilePulling(const std::string& model_name) const {
@@ -381,73 +379,65 @@ bool Store::QuantizeLanded(const PullJob& job, const std::vector<std::shared_ptr
   return left > 0;
 }
 
-void Store::RunQuantizer() {
+void Store::RunQuantJob(QuantQueue<Version>::Job job) {
   common::UniqueLock lock(mu_);
-  while (true) {
-    quant_wake_.Wait(lock, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return shutdown_ || !quant_queue_.empty() || !quant_early_.empty();
-    });
-    if (shutdown_) return;
-    if (quant_queue_.empty()) {
-      // Part of a version still arriving: quantize what its published pieces hold.
-      auto [name, version] = std::move(quant_early_.front());
-      quant_early_.pop_front();
-      Model* model = FindModel(name);
-      if (!model || !model->pending.count(version->number) ||
-          !model->early_quant.count(version->number)) {
-        continue;  // completed, overtaken or dropped meanwhile
-      }
-      std::vector<const std::vector<TensorSlice>*> layout;
-      for (const Piece& piece : version->pieces) layout.push_back(piece.slices.get());
-      auto batch = QuantBatchFor(*model, version->layout_key, layout);
-      lock.unlock();
-      auto partial = RunQuantBatch(*version, batch, true);
-      if (!partial.ok()) {
-        Logger("store")->debug("model={} version={}: quantizing published pieces early: {}", name,
-                               version->number, partial.status().ToString());
-      }
-      lock.lock();
-      continue;
-    }
-    auto [name, version] = std::move(quant_queue_.front());
-    quant_queue_.pop_front();
+  if (shutdown_) return;
+  const std::string& name = job.model;
+  const std::shared_ptr<const Version>& version = job.version;
+  if (job.early) {
+    // Part of a version still arriving: quantize what its published pieces hold.
     Model* model = FindModel(name);
-    if (!model || model->finishing != version->number) continue;
+    if (!model || !model->pending.count(version->number) ||
+        !model->early_quant.count(version->number)) {
+      return;  // completed, overtaken or dropped meanwhile
+    }
     std::vector<const std::vector<TensorSlice>*> layout;
     for (const Piece& piece : version->pieces) layout.push_back(piece.slices.get());
     auto batch = QuantBatchFor(*model, version->layout_key, layout);
     lock.unlock();
-    const auto started = Clock::now();
-    auto slots = RunQuantBatch(*version, batch, false);
-    const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
-    lock.lock();
-    model = FindModel(name);
-    if (!model || model->finishing != version->number || model->run != version->run) continue;
-    model->finishing = 0;
-    if (!slots.ok()) {
-      Logger("store")->error("model={} version={} abandoned: quantizing for fp8 destinations: {}",
-                             name, version->number, slots.status().ToString());
-      model->failed = version->number;
-      model->failed_status = slots.status();
-      changed_.NotifyAll();
-    } else {
-      const uint64_t nonfinite = version->quant->nonfinite();
-      auto log = Logger("store");
-      if (nonfinite > 0) {
-        log->warn(
-            "model={} version={} holds {} inf/NaN values: their blocks' fp8 scales are "
-            "inf or NaN",
-            name, version->number, nonfinite);
-      }
-      log->info("model={} version={} quantized {} fp8 boxes in {:.3f} s", name, version->number,
-                batch->jobs().size(), seconds);
-      for (StoreEvents* listener : listeners_) {
-        listener->OnVersionQuantized(name, version->number, seconds);
-      }
-      PublishVersion(*model, version);
+    auto partial = RunQuantBatch(*version, batch, true);
+    if (!partial.ok()) {
+      Logger("store")->debug("model={} version={}: quantizing published pieces early: {}", name,
+                             version->number, partial.status().ToString());
     }
-    TryComplete(*model);
+    return;
   }
+  Model* model = FindModel(name);
+  if (!model || model->finishing != version->number) return;
+  std::vector<const std::vector<TensorSlice>*> layout;
+  for (const Piece& piece : version->pieces) layout.push_back(piece.slices.get());
+  auto batch = QuantBatchFor(*model, version->layout_key, layout);
+  lock.unlock();
+  const auto started = Clock::now();
+  auto slots = RunQuantBatch(*version, batch, false);
+  const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  lock.lock();
+  model = FindModel(name);
+  if (!model || model->finishing != version->number || model->run != version->run) return;
+  model->finishing = 0;
+  if (!slots.ok()) {
+    Logger("store")->error("model={} version={} abandoned: quantizing for fp8 destinations: {}",
+                           name, version->number, slots.status().ToString());
+    model->failed = version->number;
+    model->failed_status = slots.status();
+    changed_.NotifyAll();
+  } else {
+    const uint64_t nonfinite = version->quant->nonfinite();
+    auto log = Logger("store");
+    if (nonfinite > 0) {
+      log->warn(
+          "model={} version={} holds {} inf/NaN values: their blocks' fp8 scales are "
+          "inf or NaN",
+          name, version->number, nonfinite);
+    }
+    log->info("model={} version={} quantized {} fp8 boxes in {:.3f} s", name, version->number,
+              batch->jobs().size(), seconds);
+    for (StoreEvents* listener : listeners_) {
+      listener->OnVersionQuantized(name, version->number, seconds);
+    }
+    PublishVersion(*model, version);
+  }
+  TryComplete(*model);
 }
 
 }  // namespace refit

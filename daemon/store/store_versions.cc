@@ -58,7 +58,7 @@ void Store::StartRun(Model& model, const std::string& run, const std::string& wh
   model.latest_runs.clear();
   model.pulling = 0;  // FinishPull drops a pull of the old run (PullJob::run)
   model.pulling_pieces.clear();
-  model.pulling_sizes.clear();
+  budget_.EndStaging(model.name);
   model.finishing = 0;  // the quantizer drops a version of the old run (Version::run)
   model.destination_base.reset();
   model.hold = 0;  // a rollback names a version of the old run

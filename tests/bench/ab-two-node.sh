@@ -12,7 +12,7 @@ work=$(mktemp -d /tmp/refit-ab-XXXXXX)
 echo "ab: $(date -u '+%H:%M:%S UTC'), load $(cut -d' ' -f1-3 /proc/loadavg), work $work"
 run_one() {  # bin tls tag
   local bin=$1 tls=$2 tag=$3
-  local env=(UCX_TLS="${tls%+eh}" UCX_WARN_UNUSED_ENV_VARS=n UCX_TCP_TX_SEG_SIZE=64k)
+  local env=(UCX_TLS="${tls%+eh}" UCX_WARN_UNUSED_ENV_VARS=n UCX_TCP_TX_SEG_SIZE=2m UCX_TCP_RX_SEG_SIZE=2m)
   case "$tls" in *+eh) env+=(UCX_POSIX_ERROR_HANDLING=y UCX_SYSV_ERROR_HANDLING=y) ;; esac
   env "${env[@]}" "$bin/daemon/refitd" --socket="$work/$tag-t.sock" --listen=127.0.0.1:0 \
     --node=trainer-node >"$work/$tag-t.log" 2>&1 & local tp=$!

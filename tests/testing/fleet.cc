@@ -128,6 +128,16 @@ std::vector<std::string> Network::Env(int node) const {
   return {"UCX_TLS=tcp", "UCX_NET_DEVICES=eth0"};
 }
 
+std::unique_ptr<Network> RequireNetwork(const std::string& prefix, int nodes,
+                                        const std::string& rate, const NetworkSites* sites) {
+  auto network = Network::Create(prefix, nodes, rate, sites);
+  if (!network.ok()) {
+    FAIL("cannot create the network namespaces this test needs (root and iproute2): "
+         << network.status().message());
+  }
+  return std::move(network).value();
+}
+
 void Fill(SharedMemory& shm, uint64_t seed) {
   std::mt19937_64 rng(seed);
   auto* p = reinterpret_cast<uint64_t*>(shm.data());
@@ -312,6 +322,50 @@ void Fleet::CheckEngines(uint64_t version, const std::vector<size_t>& skip, mill
     const uint64_t offset = e.half ? ModelBytes() / 2 : 0;
     REQUIRE(std::memcmp(e.memory->data(), source->data() + offset, e.memory->size()) == 0);
   }
+}
+
+void Fleet::Touch(uint64_t seed, uint64_t stride) {
+  std::mt19937_64 rng(seed);
+  auto* p = reinterpret_cast<uint16_t*>(source->data());
+  for (uint64_t i = rng() % stride; i < ModelBytes() / 2; i += stride) {
+    p[i] = static_cast<uint16_t>(rng());
+  }
+}
+
+void Fleet::WaitMidVersion(size_t i, uint64_t version, double from, double to) {
+  bool mid = false;
+  for (int round = 0; round < 5000 && !mid; ++round) {
+    auto s = engines[i].client->Status();
+    REQUIRE(s.ok());
+    for (const auto& t : s->transfers()) {
+      const double total = static_cast<double>(t.bytes_total());
+      const double done = static_cast<double>(t.bytes_done());
+      mid = mid || (t.version() == version && done > from * total && done < to * total);
+    }
+    if (!mid) std::this_thread::sleep_for(milliseconds(2));
+  }
+  INFO("engine-" << i << ", version " << version << ": between " << from << " and " << to);
+  REQUIRE(mid);
+}
+
+Fleet::HalvesSent Fleet::PublishAndCheckHalves(uint64_t version) {
+  REQUIRE(options.trainers == 2);
+  const char* sent = "refit_data_bytes_sent_total";
+  const double first_before = Metric(*trainer, sent);
+  const double second_before = Metric(*second_trainer, sent);
+  const double relayed_before = RelaySent();
+  PublishAndCheck(version);
+  std::this_thread::sleep_for(milliseconds(500));  // the pins' releases count the bytes
+  const double half = static_cast<double>(ModelBytes()) / 2;
+  HalvesSent out;
+  out.first = (Metric(*trainer, sent) - first_before) / half;
+  out.second = (Metric(*second_trainer, sent) - second_before) / half;
+  out.relayed = (RelaySent() - relayed_before) / half;
+  std::printf(
+      "two trainer nodes, version %llu: each sent %.3f and %.3f of its half, the relays %.3f "
+      "halves\n",
+      static_cast<unsigned long long>(version), out.first, out.second, out.relayed);
+  return out;
 }
 
 double Fleet::Sum(const std::string& metric, const std::vector<size_t>& skip) {

@@ -61,6 +61,12 @@ class Network {
   bool switch_made_ = false;
 };
 
+// Network::Create, or the test FAILs saying why (root and iproute2 are needed): a netns test is
+// never silently green. The namespaces' prefix is `prefix`, after $REFIT_TEST_NETNS_PREFIX.
+std::unique_ptr<Network> RequireNetwork(const std::string& prefix, int nodes,
+                                        const std::string& rate,
+                                        const NetworkSites* sites = nullptr);
+
 // A bf16 value stream from `seed`, over all of `shm`.
 void Fill(client::SharedMemory& shm, uint64_t seed);
 
@@ -118,6 +124,22 @@ class Fleet {
   void PublishAndCheck(uint64_t version, const std::vector<size_t>& skip = {});
   void CheckEngines(uint64_t version, const std::vector<size_t>& skip = {},
                     std::chrono::milliseconds timeout = std::chrono::milliseconds(120000));
+
+  // Changes one bf16 element in every `stride` of `source` (from `seed`): a small delta of the
+  // last version.
+  void Touch(uint64_t seed, uint64_t stride);
+
+  // Waits until engine i's transfer of `version` holds more than `from` and less than `to` of
+  // the version's bytes (fractions), so that what happens next happens mid-version; REQUIREs
+  // that it got there within ~10 s.
+  void WaitMidVersion(size_t i, uint64_t version, double from = 0, double to = 1);
+
+  // Two trainer nodes: what each sent of its half (refit_data_bytes_sent_total) and what the
+  // relays sent, in halves of the model, while `version` was published and checked everywhere.
+  struct HalvesSent {
+    double first = 0, second = 0, relayed = 0;
+  };
+  HalvesSent PublishAndCheckHalves(uint64_t version);
 
   // Kills engine i (SIGKILL) and starts it again with the same flags and a fresh destination
   // buffer (it holds no version then).

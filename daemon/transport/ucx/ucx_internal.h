@@ -20,6 +20,10 @@ namespace refit::transport {
 bool HardwareRmaOnly(const char* tls);
 // Whether this host has RDMA devices (/sys/class/infiniband), where UCX prefers rc/dc to tcp.
 bool RdmaDevicesPresent();
+// Whether refit's filter of libuct's tcp pending purge is in place (ucx_tcp_purge.cc: UCX 1.13
+// aborts when a peer dies mid wire-up), and how many wire-up messages it kept from UCP.
+bool TcpPurgeWorkaroundActive();
+uint64_t TcpPurgeDroppedWireupMessages();
 
 // A memory registration; ops in flight share it, so it outlives its LocalMemory if need be.
 struct UcxTransport::MemHolder {

@@ -106,6 +106,10 @@ absl::Status UcxTransport::Init(const Options& options) {
         absl::StrCat("ucp_worker_create: ", ucs_status_string(s), " (check UCX_TLS)"));
   }
   worker_.reset(worker);
+  // UCX 1.13 aborts when a peer dies mid wire-up over tcp; ucx_tcp_purge.cc keeps it from that.
+  Logger("transport")
+      ->debug("tcp wire-up purge workaround: {}",
+              TcpPurgeWorkaroundActive() ? "active" : "not in place");
   RETURN_IF_ERROR(InitGathers());
   // The fd belongs to the worker (closed with it). Without it the caller keeps polling.
   if (ucp_worker_get_efd(worker_.get(), &wake_fd_) != UCS_OK) wake_fd_ = -1;

@@ -69,13 +69,19 @@ TEST_CASE("options apply UCX settings unless the environment sets them", "[trans
   CHECK(t.ok());
 }
 
-TEST_CASE("tcp's send segment is set only where tcp may run and the operator didn't",
+TEST_CASE("tcp's segments are set only where tcp may run and the operator didn't",
           "[transport][ucx]") {
+  // Both or neither, of one size (UCX refuses a send segment above the receive segment), big
+  // enough for a 1 MiB gather reply and its headers in one fragment.
   auto sets_segment = [] {
+    std::string tx, rx;
     for (const auto& [name, value] : UcxTransport::Options::DefaultConfig()) {
-      if (name == "TX_SEG_SIZE") return true;
+      if (name == "TX_SEG_SIZE") tx = value;
+      if (name == "RX_SEG_SIZE") rx = value;
     }
-    return false;
+    CHECK(tx == rx);
+    if (!tx.empty()) CHECK(tx == "2m");
+    return !tx.empty();
   };
   const char* had = std::getenv("UCX_TLS");
   const std::string saved = had ? had : "";
