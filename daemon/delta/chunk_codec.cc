@@ -30,7 +30,7 @@
 namespace refit::delta::internal {
 namespace {
 
-// Gaps are below 2^32 (kMaxChunkElements), so larger parameters never help.
+// Gaps are below 2^32 (kMaxChunkElements is 2^22), so larger parameters never help.
 constexpr unsigned kMaxGapK = 32;
 // The compare loop hashes what it has just compared in blocks of this many bytes, while they
 // are still in L2, instead of making another pass over memory.
@@ -382,9 +382,15 @@ absl::Status ChunkDecoder::ReadStream(const uint8_t*& cursor, const uint8_t* end
   if (stream_bytes > max_bytes) return Corrupt("stream longer than its changes can be");
   const uint64_t stored = header >> 1;
   if (stored > static_cast<uint64_t>(end - cursor)) return Corrupt("stream past end");
-  stream.assign(stream_bytes + kRicePadding, 0);
+  // Sizes checked against the bytes that are there before anything is allocated: a zstd frame
+  // says how long it decompresses to (the encoder's frames always do).
   if ((header & 1) == 0) {
     if (stored != stream_bytes) return Corrupt("stored stream has the wrong size");
+  } else if (ZSTD_getFrameContentSize(cursor, stored) != stream_bytes) {
+    return Corrupt("zstd frame of another size than its stream");
+  }
+  stream.assign(stream_bytes + kRicePadding, 0);
+  if ((header & 1) == 0) {
     if (stored != 0) std::memcpy(stream.data(), cursor, stored);
   } else {
     const size_t got =
@@ -443,6 +449,9 @@ absl::Status ChunkDecoder::DecodeSparse(const uint8_t* payload, uint64_t size,
   RETURN_IF_ERROR(ReadStream(cursor, end, max_bytes, gap_stream_, gap_bytes));
   RETURN_IF_ERROR(ReadStream(cursor, end, max_bytes, value_stream_, value_bytes));
   if (cursor != end) return Corrupt("trailing bytes");
+  // Every change takes at least one bit of each stream: checked before positions and values
+  // for n changes are allocated.
+  if (n > gap_bytes * 8 || n > value_bytes * 8) return Corrupt("streams too short for n changes");
   switch (expect.element_size) {
     case 1:
       return DecodeChanges<uint8_t>(expect, gap_k, value_k, gap_bytes, value_bytes);

@@ -127,7 +127,7 @@ absl::Status CheckEncodeArguments(const uint8_t* base, const uint8_t* target, ui
   }
   if (options.chunk_elements == 0 || options.chunk_elements > kMaxChunkElements) {
     return absl::InvalidArgumentError(
-        absl::StrCat("chunk_elements must be in [1, 2^32], not ", options.chunk_elements));
+        absl::StrCat("chunk_elements must be in [1, 2^22], not ", options.chunk_elements));
   }
   if (options.zstd_level < ZSTD_minCLevel() || options.zstd_level > ZSTD_maxCLevel()) {
     return absl::InvalidArgumentError(

@@ -63,8 +63,11 @@ inline constexpr uint8_t kMagic[4] = {'R', 'F', 'D', 'L'};
 inline constexpr uint16_t kFormatVersion = 1;
 // The fixed part of the header; it says how long the whole header is (HeaderSize()).
 inline constexpr uint64_t kFixedHeaderBytes = 32;
-// Chunks hold at most this many elements, so positions within a chunk fit 32 bits.
-inline constexpr uint64_t kMaxChunkElements = uint64_t{1} << 32;
+// Chunks hold at most this many elements (positions within a chunk fit 32 bits). It also bounds
+// what decoding one chunk of a peer's delta may allocate (its change streams, positions and
+// values: ~150 MiB at most per decoding thread), whatever the delta claims; refitd's own deltas
+// use 2^18 (delta_source.h).
+inline constexpr uint64_t kMaxChunkElements = uint64_t{1} << 22;
 
 struct EncodeOptions {
   uint64_t chunk_elements = uint64_t{1} << 20;  // 1 .. kMaxChunkElements

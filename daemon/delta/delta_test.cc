@@ -593,5 +593,80 @@ TEST_CASE("forged headers are rejected", "[delta][corrupt]") {
         StatusCode::kDataLoss);
 }
 
+// LEB128, as FORMAT.md writes the stream headers (read here without the library's reader).
+uint64_t ReadLeb(const uint8_t*& at, int* length) {
+  uint64_t value = 0;
+  *length = 0;
+  for (int shift = 0;; shift += 7) {
+    const uint8_t byte = *at++;
+    ++*length;
+    value |= uint64_t{byte & 0x7fu} << shift;
+    if ((byte & 0x80) == 0) return value;
+  }
+}
+
+TEST_CASE("a zstd change stream that claims another size is refused before it is allocated",
+          "[delta][corrupt]") {
+  // A peer's delta may claim a stream of up to the chunk's bound with a frame of a few bytes:
+  // the frame's own content size is checked first, so nothing of the claimed size is allocated.
+  // A run of changed elements (each +1) and the rest unchanged: gaps of 0 (Rice k = 0), a
+  // stream zstd shrinks.
+  const uint64_t elements = 32768;  // the gap stream past kMinZstdBytes (chunk_codec.cc)
+  Bytes base = RandomBytes(elements * 2, 51);
+  for (uint64_t i = 0; i < elements / 2; ++i) base[2 * i] &= 0xfe;
+  Bytes target = base;
+  for (uint64_t i = 0; i < elements / 2; ++i) target[2 * i] |= 1;
+  EncodeOptions options;
+  options.chunk_elements = elements;
+  const Bytes delta = MustEncode(base, target, DType::kBF16, options);
+  auto index = ParseIndex(delta.data(), delta.size());
+  REQUIRE(index.ok());
+  bool forged_one = false;
+  for (const ChunkInfo& info : index->chunks) {
+    const uint8_t* at = delta.data() + info.encoded_offset;
+    if (info.encoded_size < 4 || *at != 2) continue;  // kSparse
+    ++at;
+    int length = 0;
+    ReadLeb(at, &length);  // changes
+    at += 2;               // the Rice parameters
+    const uint64_t stream_at = at - delta.data();
+    int stream_length = 0;
+    const uint64_t stream_bytes = ReadLeb(at, &stream_length);
+    int header_length = 0;
+    const uint64_t header = ReadLeb(at, &header_length);
+    if ((header & 1) == 0 || stream_length != 2 || stream_bytes < 130) continue;
+    Bytes forged = delta;
+    const uint64_t claim = stream_bytes - 1;  // two LEB128 bytes still
+    forged[stream_at] = static_cast<uint8_t>(0x80 | (claim & 0x7f));
+    forged[stream_at + 1] = static_cast<uint8_t>(claim >> 7);
+    testing::Reseal(forged);
+    Bytes work = base;
+    const absl::Status status = Apply(forged.data(), forged.size(), work.data(), work.size());
+    INFO(status);
+    CHECK(status.code() == absl::StatusCode::kDataLoss);
+    CHECK(status.message().find("another size") != absl::string_view::npos);
+    CHECK((work == base));
+    forged_one = true;
+  }
+  REQUIRE(forged_one);
+}
+
+TEST_CASE("chunks of more than 2^22 elements are refused", "[delta][corrupt]") {
+  EncodeOptions options;
+  options.chunk_elements = kMaxChunkElements + 1;
+  const Bytes base(64, 0);
+  CHECK(Encode(base.data(), base.data(), base.size(), DType::kBF16, options).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(kMaxChunkElements == uint64_t{1} << 22);
+  const SmallDelta small;
+  Bytes forged = small.delta;
+  testing::StoreU64(&forged[16], kMaxChunkElements + 1);
+  testing::Reseal(forged);
+  Bytes work = small.base;
+  CHECK(Apply(forged.data(), forged.size(), work.data(), work.size()).code() ==
+        absl::StatusCode::kDataLoss);
+  CHECK((work == small.base));
+}
+
 }  // namespace
 }  // namespace refit::delta

@@ -361,3 +361,23 @@ TEST_CASE("SlotPool keeps an owner's spare slots only within its budget", "[memo
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+TEST_CASE("a host slot of a size that would wrap when rounded to pages is refused",
+          "[memory][hostile]") {
+  // A size can come from a peer's announcement: rounded up to whole pages, UINT64_MAX - 100
+  // would wrap to a one-page mapping that claims ~2^64 bytes.
+  for (uint64_t size : {UINT64_MAX, UINT64_MAX - 100, UINT64_MAX - 4095}) {
+    auto slot = AllocateHost(size);
+    INFO(size);
+    CHECK(slot.status().code() == absl::StatusCode::kResourceExhausted);
+  }
+  auto small = AllocateHost(100);
+  REQUIRE(small.ok());
+  CHECK((*small)->size() == 100);
+}
+
+}  // namespace
+}  // namespace refit

@@ -199,6 +199,10 @@ absl::StatusOr<std::unique_ptr<Region>> MapSealedMemfd(int fd, uint64_t offset, 
 }
 
 absl::StatusOr<std::unique_ptr<Region>> AllocateHost(uint64_t size) {
+  if (size > UINT64_MAX - PageSize()) {  // rounded up to pages below, it would wrap to 0
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate a ", size, "-byte version slot: too large"));
+  }
   const uint64_t length =
       std::max<uint64_t>(PageSize(), (size + PageSize() - 1) / PageSize() * PageSize());
   void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE,

@@ -14,8 +14,11 @@
 
 namespace refit::peer {
 
+namespace {
+constexpr uint64_t kMaxPieceBytes = uint64_t{1} << 44;  // 16 TiB: no GPU rank's buffer
+}  // namespace
+
 absl::Status PeerLayouts(const v1::PeerEvent& event, std::vector<SourceLayout>* layouts) {
-  constexpr uint64_t kMaxPieceBytes = uint64_t{1} << 44;  // 16 TiB: no GPU rank's buffer
   std::set<std::string> ids;
   for (const v1::SourcePiece& source : event.sources()) {
     if (!ids.insert(source.buffer_id()).second) {
@@ -39,6 +42,26 @@ absl::Status PeerLayouts(const v1::PeerEvent& event, std::vector<SourceLayout>* 
     layouts->push_back({source.buffer_id(),
                         std::make_shared<std::vector<TensorSlice>>(std::move(slices)),
                         source.bytes()});
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PeerDeltas(const v1::PeerEvent& event, std::vector<RemoteDeltaRef>* deltas,
+                        int* dropped) {
+  *dropped = 0;
+  if (event.deltas_size() > kMaxDeltasPerEvent) {
+    return absl::InvalidArgumentError(absl::StrCat("version ", event.version(), " comes with ",
+                                                   event.deltas_size(), " deltas (at most ",
+                                                   kMaxDeltasPerEvent, ")"));
+  }
+  deltas->reserve(event.deltas_size());
+  for (const v1::DeltaPiece& d : event.deltas()) {
+    if (d.base_version() >= d.version() || d.version() > event.version() ||
+        d.bytes() > kMaxPieceBytes) {
+      ++*dropped;
+      continue;
+    }
+    deltas->push_back({d.buffer_id(), d.base_version(), d.version(), d.remote_key(), d.bytes()});
   }
   return absl::OkStatus();
 }
@@ -70,8 +93,18 @@ absl::Status PeerEvents::Apply(const std::string& node, const v1::PeerEvent& eve
       pieces.push_back({p.buffer_id(), p.remote_key(), p.bytes()});
     }
     std::vector<RemoteDeltaRef> deltas;
-    for (const auto& d : event.deltas()) {
-      deltas.push_back({d.buffer_id(), d.base_version(), d.version(), d.remote_key(), d.bytes()});
+    int dropped = 0;
+    if (absl::Status valid = PeerDeltas(event, &deltas, &dropped); !valid.ok()) {
+      Logger("peer")->error("peer={} model={}: version {} refused, disconnecting: {}",
+                            Printable(node), Printable(event.model()), event.version(),
+                            Printable(valid.ToString(), 512));
+      return valid;
+    }
+    if (dropped > 0) {
+      Logger("peer")->warn(
+          "peer={} model={} version={}: {} of its deltas lead nowhere (not forward to this "
+          "version, or of impossible sizes): dropped",
+          Printable(node), Printable(event.model()), event.version(), dropped);
     }
     NoteAnnounced(node, event);
     store_->AnnounceRemoteVersion(node, event.model(), event.version(), std::move(pieces),

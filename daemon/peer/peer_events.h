@@ -45,4 +45,14 @@ class PeerEvents {
 // inside its piece's bytes, no two sharing a byte.
 absl::Status PeerLayouts(const v1::PeerEvent& event, std::vector<SourceLayout>* layouts);
 
+// A peer's deltas of the version it announces, checked before the store sees them. Only those
+// that go forward (base_version < version <= the event's version) and claim no more bytes than
+// a piece may have are kept; the others are dropped and counted in `*dropped` (the version is
+// then pulled in full where no good delta leads to it; a delta from a version to itself would
+// chain forever where the store looks for a path from its version to the new one). More than
+// kMaxDeltasPerEvent deltas in one event: INVALID_ARGUMENT, nothing kept.
+inline constexpr int kMaxDeltasPerEvent = 1 << 16;
+absl::Status PeerDeltas(const v1::PeerEvent& event, std::vector<RemoteDeltaRef>* deltas,
+                        int* dropped);
+
 }  // namespace refit::peer

@@ -153,6 +153,10 @@ absl::Status NormalizeOne(TensorSlice& slice, size_t index, uint64_t region_size
 // sorting their runs, when they have at most kMaxSweepRuns (24 bytes each) in all.
 constexpr size_t kPairwiseCluster = 16;
 constexpr uint64_t kMaxSweepRuns = uint64_t{1} << 22;
+// What one buffer's pair-by-pair checks may walk in all (runs of the smaller layout of each pair
+// compared). Past it, or past kMaxSweepRuns in a big cluster, the layout is refused rather than
+// checked for minutes: a caller's request must not buy hours of a core.
+constexpr uint64_t kMaxPairwiseRuns = uint64_t{1} << 26;
 
 class ByteLayout {
  public:
@@ -418,6 +422,14 @@ absl::Status NormalizeAndValidate(std::vector<TensorSlice>& slices, uint64_t reg
         absl::StrCat("shares bytes of its buffer with ", SliceLabel(slices[earlier], earlier), " ",
                      BoxString(slices[earlier].offsets, slices[earlier].sizes)));
   };
+  auto too_complex = [&](size_t x, uint64_t runs) {
+    return Invalid(
+        slices[x], x,
+        absl::StrCat("interleaves with the slices around it in more than ", runs,
+                     " runs of bytes: too many to check for overlaps (lay the tensors out "
+                     "contiguously, or register them in several buffers)"));
+  };
+  uint64_t pairwise_runs = 0;
   // Clusters: maximal runs of entries (in begin order) whose extents chain-overlap. Only slices
   // of one cluster can share a byte. A small cluster is checked pair by pair; a big one (many
   // interleaved slices, e.g. 8,000 strided columns of one matrix) by sorting all its runs and
@@ -437,7 +449,10 @@ absl::Status NormalizeAndValidate(std::vector<TensorSlice>& slices, uint64_t reg
         runs += contiguous[index] ? 1 : layout(index)->runs();
       }
     }
-    if (count > kPairwiseCluster && runs <= kMaxSweepRuns) {
+    if (count > kPairwiseCluster && runs > kMaxSweepRuns) {
+      return too_complex(entries[first].index, kMaxSweepRuns);
+    }
+    if (count > kPairwiseCluster) {
       struct Run {
         uint64_t begin;
         uint64_t end;
@@ -472,6 +487,10 @@ absl::Status NormalizeAndValidate(std::vector<TensorSlice>& slices, uint64_t reg
           if (!contiguous[entries[a].index] || !contiguous[entries[b].index]) {
             const ByteLayout* la = layout(entries[a].index);
             const ByteLayout* lb = layout(entries[b].index);
+            pairwise_runs += std::min(la->runs(), lb->runs());  // each at most 2^63: no wrap
+            if (pairwise_runs > kMaxPairwiseRuns) {
+              return too_complex(entries[b].index, kMaxPairwiseRuns);
+            }
             overlap = la->runs() <= lb->runs() ? la->Intersects(*lb) : lb->Intersects(*la);
           }
           if (overlap) return shared(entries[a].index, entries[b].index);

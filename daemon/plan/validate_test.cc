@@ -272,6 +272,36 @@ TEST_CASE("thousands of strided columns validate in O(n log n)", "[validate][hos
   ExpectInvalid(columns, region, "col4321");
 }
 
+TEST_CASE("interleavings too big to check are refused, not checked for hours",
+          "[validate][hostile]") {
+  // Columns of one matrix, each its own slice: 1,024 columns of 8,192 rows are 8 M runs, past
+  // what the sorting check takes (2^22); pair by pair it would be 2^19 pairs of 8,192 rows.
+  const int64_t rows = 8192, cols = 1024;
+  std::vector<TensorSlice> columns;
+  for (int64_t c = 0; c < cols; ++c) {
+    TensorSlice s = Slice("col" + std::to_string(c), DType::kBF16, {rows, 1});
+    s.buffer_offset = static_cast<uint64_t>(c) * 2;
+    s.buffer_strides = {cols, 1};
+    columns.push_back(s);
+  }
+  ExpectInvalid(columns, static_cast<uint64_t>(rows * cols * 2), "too many to check");
+  // A small cluster (16 columns, checked pair by pair) of 2^22 rows each: 120 pairs of 4 M runs,
+  // past what the pairwise checks may walk (2^26).
+  const int64_t tall = int64_t{1} << 22, narrow = 16;
+  std::vector<TensorSlice> tall_columns;
+  for (int64_t c = 0; c < narrow; ++c) {
+    TensorSlice s = Slice("tall" + std::to_string(c), DType::kBF16, {tall, 1});
+    s.buffer_offset = static_cast<uint64_t>(c) * 2;
+    s.buffer_strides = {narrow, 1};
+    tall_columns.push_back(s);
+  }
+  ExpectInvalid(tall_columns, static_cast<uint64_t>(tall * narrow * 2), "too many to check");
+  // Four such columns (6 pairs, 2^24 runs walked) are still checked, and pass.
+  tall_columns.resize(4);
+  for (auto& s : tall_columns) s.buffer_strides = {4, 1};
+  REQUIRE(NormalizeAndValidateBuffer(tall_columns, static_cast<uint64_t>(tall * 4 * 2)).ok());
+}
+
 TEST_CASE("scale shapes near INT64_MAX: no signed overflow", "[validate][hostile]") {
   // (x + block - 1) / block overflowed for x near INT64_MAX (undefined behaviour; issue 37).
   const int64_t huge = std::numeric_limits<int64_t>::max();

@@ -361,8 +361,9 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, PullLanding* 
     uint64_t total = 0;
     bool sane = true;
     for (const RemoteDeltaRef& ref : fetch.deltas) {
-      total += ref.bytes;
-      sane = sane && ref.bytes >= delta::kFixedHeaderBytes;
+      // Sizes are a peer's claims: a sum that wraps is no delta worth fetching.
+      sane = sane && ref.bytes >= delta::kFixedHeaderBytes &&
+             !__builtin_add_overflow(total, ref.bytes, &total);
     }
     if (!sane) continue;
     if (static_cast<double>(total) > threshold * static_cast<double>(fetch.bytes)) {

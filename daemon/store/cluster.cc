@@ -242,7 +242,10 @@ void Store::OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fet
   while (at < version) {
     const RemoteDeltaRef* next = nullptr;
     for (const RemoteDeltaRef& d : remote.deltas) {
-      if (d.buffer_id == fetch->buffer_id && d.base_version == at && d.version <= version) {
+      // Each step moves forward: a peer's delta from a version to itself (or back) would
+      // otherwise chain forever here, under the store's lock.
+      if (d.buffer_id == fetch->buffer_id && d.base_version == at && d.version > at &&
+          d.version <= version) {
         next = &d;
       }
     }

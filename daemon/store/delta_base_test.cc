@@ -271,3 +271,23 @@ TEST_CASE("without an Apply of the newest version the destinations are no base",
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+TEST_CASE("a peer's delta from a version to itself never chains: the pull is planned in full",
+          "[store][delta_base][hostile]") {
+  // The store looks for deltas leading from the version it holds to the announced one. A delta
+  // 1 -> 1 (a peer's, unchecked) made that search loop forever under the store's lock.
+  Engine e;
+  e.Announce(1, false);
+  e.Finish(1);
+  std::vector<RemoteDeltaRef> deltas = {{"trainer-1", 1, 1, "loop-key", 100}};
+  const size_t before = e.jobs.size();
+  e.store.AnnounceRemoteVersion("trainer", "m", 2, {{"trainer-1", "key", kShare}}, deltas);
+  REQUIRE(e.jobs.size() == before + 1);
+  CHECK(e.jobs.back().fetches.at(0).deltas.empty());
+}
+
+}  // namespace
+}  // namespace refit

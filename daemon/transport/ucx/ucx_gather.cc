@@ -29,7 +29,10 @@
 // kSpanBytes goes as a gather of its own, and a longer one in pieces of kSpanBytes (no digests
 // then: the caller hashes).
 
+#include <sys/random.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <utility>
 
@@ -250,7 +253,7 @@ absl::Status UcxTransport::PostGathers(const std::shared_ptr<EpState>& ep,
   group->span_xxh3.assign(all->size(), 0);
   for (size_t k = 0; k < count; ++k) {
     auto gather = std::make_unique<Gather>();
-    gather->id = next_gather_id_++;
+    gather->id = NextGatherId();
     gather->base = base;
     gather->remote_address = remote_address;
     gather->spans = all;
@@ -451,6 +454,31 @@ ucs_status_ptr_t UcxTransport::SendReply(ucp_ep_h reply_ep, Serve* serve, uint64
 
 void UcxTransport::OnUnknownAm() {
   WarnThrottled(&gathers_dropped_, "dropped an active message to an id refit doesn't use");
+}
+
+uint64_t UcxTransport::NextGatherId() {
+  for (;;) {
+    if (random_ids_.empty()) {
+      random_ids_.resize(512);
+      uint8_t* at = reinterpret_cast<uint8_t*>(random_ids_.data());
+      size_t left = random_ids_.size() * sizeof(uint64_t);
+      while (left > 0) {
+        const ssize_t got = getrandom(at, left, 0);
+        if (got < 0) {
+          if (errno == EINTR) continue;
+          // No kernel randomness (Linux < 3.17): ids unguessable no more, still unique.
+          static uint64_t fallback = 0;
+          for (uint64_t& id : random_ids_) id = ++fallback | (uint64_t{1} << 63);
+          break;
+        }
+        at += got;
+        left -= static_cast<size_t>(got);
+      }
+    }
+    const uint64_t id = random_ids_.back();
+    random_ids_.pop_back();
+    if (id != 0 && gathers_.count(id) == 0) return id;
+  }
 }
 
 void UcxTransport::OnServeDone(Serve* serve) {

@@ -433,6 +433,7 @@ class RawPeer {
       // Header: magic, count, id, base; data: (offset, length) pairs.
       uint64_t id = 0;
       std::memcpy(&id, static_cast<const uint8_t*>(header) + 8, 8);
+      self->ids_seen_.push_back(id);
       self->answer_.clear();
       for (size_t at = 0; at + 16 <= length; at += 16) {
         uint64_t span[2];
@@ -460,9 +461,12 @@ class RawPeer {
     REQUIRE(ucp_worker_set_am_recv_handler(worker_, &handler) == UCS_OK);
   }
   void Progress() { ucp_worker_progress(worker_); }
+  // The ids of the gather requests it answered, in order.
+  const std::vector<uint64_t>& ids_seen() const { return ids_seen_; }
 
  private:
   static constexpr uint64_t kIdentity = 0x5eed;
+  std::vector<uint64_t> ids_seen_;
   ucp_mem_h memh_ = nullptr;
   std::vector<uint8_t> pattern_;
   std::vector<uint8_t> answer_;
@@ -614,6 +618,15 @@ TEST_CASE("a target's malformed or busy replies fail the op, not the connection"
     for (uint64_t i = 0; i < span.length; ++i) {
       REQUIRE(sink[span.local_offset + i] == static_cast<uint8_t>((span.remote_offset + i) * 3));
     }
+  }
+  // Its gathers' ids were unguessable: another peer answering ids it made up (1, 2, 3 ...) would
+  // fail or divert this node's gathers to someone else (matched by id alone).
+  const std::vector<uint64_t>& ids = target.ids_seen();
+  REQUIRE(ids.size() == 6);
+  for (size_t a = 0; a < ids.size(); ++a) {
+    INFO("gather id " << ids[a]);
+    CHECK(ids[a] > (uint64_t{1} << 32));
+    for (size_t b = a + 1; b < ids.size(); ++b) CHECK(ids[a] != ids[b]);
   }
   remote->reset();
   endpoint->reset();

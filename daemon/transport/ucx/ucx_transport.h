@@ -309,7 +309,11 @@ class UcxTransport final : public Transport {
   // serves_: replies UCX is still sending.
   std::shared_ptr<Registry> registry_;
   bool serve_gathers_ = true;
-  uint64_t next_gather_id_ = 1;
+  // Gather ids come from the kernel's random bytes (getrandom, a batch at a time): a reply is
+  // matched to its gather by id alone, so ids a peer could guess would let it answer (fail, or
+  // turn to gets) another peer's gathers.
+  uint64_t NextGatherId();
+  std::vector<uint64_t> random_ids_;
   std::unordered_map<uint64_t, Gather*> gathers_;
   std::unordered_set<Serve*> serves_;
   std::unordered_set<Outgoing*> outgoings_;  // requests UCX is still sending
