@@ -52,9 +52,10 @@ TEST_CASE("a peer's deltas are taken when each leads forward to the version anno
   CHECK(Check(Announce(7)) == absl::StatusCode::kOk);  // none at all
 }
 
-TEST_CASE("a delta from a version to itself, backwards, past the announcement or too big is "
-          "dropped",
-          "[peer][hostile]") {
+TEST_CASE(
+    "a delta from a version to itself, backwards, past the announcement or too big is "
+    "dropped",
+    "[peer][hostile]") {
   // A self-loop (7 -> 7) made the store chain deltas forever under its lock.
   for (auto [base, version] : {std::pair<uint64_t, uint64_t>{7, 7}, {6, 5}, {6, 8}, {0, 0}}) {
     v1::PeerEvent event = Announce(7);
