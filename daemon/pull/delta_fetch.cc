@@ -267,8 +267,8 @@ PayloadReads ReadPayloads(const PullJob& job, const PullJob& delta_job,
         continue;
       }
       RelayReadRequest request{
-          relays->view.self, job.model, job.version,      piece, parent, ranges,
-          step.slot,         landed[s], relays->view.site};
+          relays->view.self, job.model, job.version,       piece,         parent, ranges,
+          step.slot,         landed[s], relays->view.site, StreamLimits{}};
       v1::Peer::Stub* stub = relays->stub(parent);
       parts.push_back({s, parent, std::async(std::launch::async, [request, stub, data_plane] {
                          return ReadFromRelay(request, stub, data_plane);

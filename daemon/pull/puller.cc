@@ -401,7 +401,8 @@ absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& 
   for (const Part& part : relay_parts) {
     RelayReadRequest request{options_.node,           job.model,          job.version,
                              job.fetches[part.fetch], part.relay,         part.ranges,
-                             (*staging)[part.fetch],  landed[part.fetch], options_.site};
+                             (*staging)[part.fetch],  landed[part.fetch], options_.site,
+                             options_.relay_limits};
     relayed.push_back(std::async(std::launch::async, [this, request] {
       return ReadFromRelay(request, channels_->StubFor(request.relay), data_plane_);
     }));

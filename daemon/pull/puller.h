@@ -23,6 +23,7 @@
 #include "daemon/fleet/stripes.h"
 #include "daemon/pull/landed_quant.h"
 #include "daemon/pull/pull_metrics.h"
+#include "daemon/pull/stream_watchdog.h"
 #include "daemon/rl/timeline.h"
 #include "daemon/store/pull_landing.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
@@ -54,6 +55,7 @@ struct PullerOptions {
   bool relay = false;              // read stripes from other pullers, and let them read here
   int fanout = fleet::kDefaultFanout;
   std::string site;  // --site: this node's site ("": none)
+  StreamLimits relay_limits;  // when a silent or stalled relay is given up on
   // Where each pull's stages are recorded ("pulled" from whom, "verified"); null: nowhere.
   rl::Timeline* timeline = nullptr;
 };

@@ -96,6 +96,39 @@ class DeadRelay final : public v1::Peer::Service {
   std::atomic<int> pins{0};
 };
 
+// Another puller of the version that answers its reader, says it plans to hold the whole piece,
+// and then never announces anything: with `heartbeat`, it keeps writing empty messages (no
+// progress); without, it writes nothing more while the connection stays up (a wedged or hostile
+// relay). Its stream ends only when the reader cancels it.
+class SilentRelay final : public v1::Peer::Service {
+ public:
+  SilentRelay(uint64_t bytes, bool heartbeat) : bytes_(bytes), heartbeat_(heartbeat) {}
+  grpc::Status Relay(grpc::ServerContext* context, const v1::RelayRequest*,
+                     grpc::ServerWriter<v1::RelayProgress>* writer) override {
+    streams++;
+    v1::RelayProgress first;
+    first.set_bytes(bytes_);
+    first.set_remote_key("never read");
+    v1::ByteRange* all = first.add_planned();
+    all->set_offset(0);
+    all->set_length(bytes_);
+    if (!writer->Write(first)) return grpc::Status::OK;
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+    while (!context->IsCancelled() && std::chrono::steady_clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      if (heartbeat_ && !writer->Write(v1::RelayProgress())) break;
+    }
+    if (context->IsCancelled()) cancelled++;
+    return grpc::Status::CANCELLED;
+  }
+  std::atomic<int> streams{0};
+  std::atomic<int> cancelled{0};
+
+ private:
+  const uint64_t bytes_;
+  const bool heartbeat_;
+};
+
 // The origin's channel and a relay's.
 class OriginAndRelay final : public PeerChannels {
  public:
@@ -198,10 +231,12 @@ struct TwoNodes {
   ~TwoNodes() { server->Shutdown(); }
 
   // `replicas` (may be null): the other pullers this node may read stripes from (relaying on).
-  PullOutcome Pull(PeerChannels* channels, fleet::ReplicaTable* replicas = nullptr) {
+  PullOutcome Pull(PeerChannels* channels, fleet::ReplicaTable* replicas = nullptr,
+                   StreamLimits relay_limits = {}) {
     PullerOptions options;
     options.node = kPuller;
     options.relay = replicas != nullptr;
+    options.relay_limits = relay_limits;
     Puller puller(options, &store, &puller_plane, &puller_metrics, channels, nullptr, replicas);
     return puller.Pull(job);
   }
@@ -340,6 +375,50 @@ TEST_CASE("reads completing out of order still make an exact pull") {
   CHECK(reversing->reversed_polls >= 1);
   CHECK(nodes.puller_metrics.Get(kChunksRefetched) == 0);
   CHECK(nodes.puller_metrics.Get(kDataBytesReceived) == static_cast<double>(kBytes));
+}
+
+}  // namespace
+}  // namespace refit::pull
+
+namespace refit::pull {
+namespace {
+
+// A relay that keeps its connection but never writes again (or writes only heartbeats that
+// announce nothing): the reader's watchdog cancels its stream after StreamLimits::silence (or
+// ::stall), and its stripes come from the origin. Without the watchdog the pull would wait for
+// the stream's 30-minute deadline (and this test for its timeout).
+void PullPastSilentRelay(bool heartbeat) {
+  std::vector<uint8_t> truth = Pattern(8 * kChecksumChunkBytes);
+  TwoNodes nodes(truth);
+  SilentRelay relay(truth.size(), heartbeat);
+  grpc::ServerBuilder builder;
+  builder.RegisterService(&relay);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  REQUIRE(server);
+  auto relay_stub = v1::Peer::NewStub(server->InProcessChannel(grpc::ChannelArguments()));
+  fleet::ReplicaTable replicas;
+  REQUIRE(replicas.Report(kRelay, /*relay=*/true, {{"m", 0, 0, false}}, "").ok());
+  OriginAndRelay channels(nodes.stub.get(), relay_stub.get());
+  StreamLimits limits;
+  limits.silence = std::chrono::milliseconds(heartbeat ? 60000 : 300);
+  limits.stall = std::chrono::milliseconds(heartbeat ? 500 : 60000);
+  PullOutcome outcome = nodes.Pull(&channels, &replicas, limits);
+  REQUIRE(outcome.status.ok());
+  CHECK(SameBytes(*outcome.staging[0], truth));
+  CHECK(relay.streams >= 1);
+  CHECK(relay.cancelled == relay.streams.load());
+  CHECK(nodes.puller_metrics.Get(kRelayFailovers) == relay.streams.load());
+  CHECK(nodes.puller_metrics.Get(kRelayBytesReceived) == 0);
+  CHECK(nodes.puller_metrics.Get(kDataBytesReceived) == static_cast<double>(truth.size()));
+  server->Shutdown();
+}
+
+TEST_CASE("a relay that goes silent with its connection up is given up on; the origin serves") {
+  PullPastSilentRelay(/*heartbeat=*/false);
+}
+
+TEST_CASE("a relay that only sends heartbeats, never progress, is given up on after the stall") {
+  PullPastSilentRelay(/*heartbeat=*/true);
 }
 
 }  // namespace

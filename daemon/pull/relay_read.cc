@@ -8,21 +8,21 @@
 #include "daemon/common/logging.h"
 #include "daemon/fleet/stripes.h"
 #include "daemon/memory/checksum.h"
+#include "daemon/pull/stream_watchdog.h"
 #include "grpcpp/grpcpp.h"
 
 namespace refit::pull {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-// A relay that announces nothing new for this long, while this side still waits on it, is
-// given up on for the rest of the version (its stripe then comes from the origin). A relay that
-// went away is noticed sooner, by its stream: a dead process's connection closes at once, a hung
-// host misses the channel's keepalive (1 s, answered within 2 s); and a live relay sends a
-// message at least every 500 ms. A live relay that is slow is slow because what it reads comes
-// slowly (another site's link, its own parent): reading from the origin instead would not be
-// faster, and across sites it would send the stripe over the slow link a second time.
-constexpr auto kStall = std::chrono::milliseconds(30000);
+// A relay that announces nothing new for StreamLimits::stall (30 s), while this side still waits
+// on it, is given up on for the rest of the version (its stripe then comes from the origin); one
+// that sends nothing at all for StreamLimits::silence (10 s; a live relay writes at least every
+// 500 ms) too: its connection may stay up (keepalive answered) while it never writes. A relay
+// that went away is noticed sooner, by its stream: a dead process's connection closes at once, a
+// hung host misses the channel's keepalive (1 s, answered within 2 s). A live relay that is slow
+// is slow because what it reads comes slowly (another site's link, its own parent): reading from
+// the origin instead would not be faster, and across sites it would send the stripe over the slow
+// link a second time.
 // The whole stream, however long the pull.
 constexpr auto kStreamDeadline = std::chrono::minutes(30);
 
@@ -133,6 +133,7 @@ RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* s
     range->set_length(end - begin);
   }
   auto stream = stub->Relay(&context, ask);
+  StreamWatchdog watchdog(&context, request.limits);
 
   Ranges pending;  // wanted, not yet asked of the data plane
   Ranges landed;   // what the relay says it has (merged)
@@ -162,6 +163,10 @@ RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* s
     result.failed = status.error_code() != grpc::StatusCode::NOT_FOUND &&
                     status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED;
     result.why = status.error_message().empty() ? "no answer" : status.error_message();
+    if (watchdog.Fired()) {
+      result.failed = true;
+      result.why = watchdog.Why();
+    }
     return result;
   }
   if (message.bytes() != request.fetch.bytes || message.remote_key().empty()) {
@@ -178,8 +183,8 @@ RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* s
   pending = Intersect(request.wanted, planned);
   result.leftover = Subtract(request.wanted, planned);
   if (!result.leftover.empty()) result.why = "it holds only part of what this node needs";
-  auto last_news = Clock::now();
   bool ended = false;
+  watchdog.Heard(/*news=*/true);
   while (true) {
     Ranges fresh = FromProto(message.landed(), request.fetch.bytes);
     if (message.complete()) fresh = planned;
@@ -187,20 +192,19 @@ RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* s
       const uint64_t before = Total(landed);
       landed.insert(landed.end(), fresh.begin(), fresh.end());
       Merge(&landed);
-      if (Total(landed) > before) last_news = Clock::now();
+      watchdog.Heard(/*news=*/Total(landed) > before);
       post_available();
+    } else {
+      watchdog.Heard(/*news=*/false);
     }
     if (pending.empty()) break;
-    if (Clock::now() - last_news > kStall) {
-      result.why = "it stalled";
-      result.failed = true;
-      break;
-    }
     if (!stream->Read(&message)) {
       ended = true;
       break;
     }
   }
+  // The stream is only kept open now, for the reads still in flight from the relay's slot.
+  watchdog.Stop();
   // Every read posted so far finishes (or fails) before the stream lets the relay's slot go.
   for (Posted& p : posted) {
     absl::Status status = p.done.get();
@@ -218,7 +222,9 @@ RelayReadResult ReadFromRelay(const RelayReadRequest& request, v1::Peer::Stub* s
   if (!pending.empty()) {
     result.leftover.insert(result.leftover.end(), pending.begin(), pending.end());
     result.failed = true;
-    if (result.why.empty() || result.why == "it holds only part of what this node needs") {
+    if (watchdog.Fired()) {
+      result.why = watchdog.Why();
+    } else if (result.why.empty() || result.why == "it holds only part of what this node needs") {
       result.why =
           ended ? absl::StrCat("its stream ended: ", finished.error_message()) : "it stopped short";
     }

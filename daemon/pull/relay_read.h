@@ -20,6 +20,7 @@
 
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/stripes.h"
+#include "daemon/pull/stream_watchdog.h"
 #include "daemon/store/pull_landing.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
@@ -47,6 +48,7 @@ struct RelayReadRequest {
   std::shared_ptr<Region> slot;         // this node's staging slot for the piece
   dataplane::DataPlane::Landed landed;  // told of each read that lands (may be null)
   std::string site;                     // this node's --site (said to the relay)
+  StreamLimits limits;                  // when a silent or stalled relay is given up on
 };
 
 // `stub`: the relay's control channel (null: everything is leftover).
