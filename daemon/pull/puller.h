@@ -54,7 +54,7 @@ struct PullerOptions {
   uint32_t pin_lease_ms = 120000;  // a pull's pins, renewed every quarter of it
   bool relay = false;              // read stripes from other pullers, and let them read here
   int fanout = fleet::kDefaultFanout;
-  std::string site;  // --site: this node's site ("": none)
+  std::string site;           // --site: this node's site ("": none)
   StreamLimits relay_limits;  // when a silent or stalled relay is given up on
   // Where each pull's stages are recorded ("pulled" from whom, "verified"); null: nowhere.
   rl::Timeline* timeline = nullptr;
