@@ -7,8 +7,8 @@
 
 namespace refit::bucket {
 
-BucketExport::BucketExport(std::string dir, uint32_t full_every, uint32_t retain, Store* store,
-                           peer::DeltaSource* deltas, Metrics* metrics)
+BucketExport::BucketExport(std::string dir, uint32_t full_every, uint32_t retain,
+                           LocalSnapshots* store, peer::DeltaSource* deltas, Metrics* metrics)
     : dir_(std::move(dir)),
       options_([&] {
         ExporterOptions o;
@@ -97,7 +97,7 @@ void BucketExport::Export(const std::string& model, uint64_t version) {
 
 // ---------------------------------------------------------------------------------------------
 
-BucketImport::BucketImport(std::string dir, Store* store, Metrics* metrics)
+BucketImport::BucketImport(std::string dir, VersionImports* store, Metrics* metrics)
     : dir_(dir), node_("bucket:" + dir), store_(store), metrics_(metrics), importer_(dir, [&] {
         ImporterOptions o;
         o.metrics = metrics;
@@ -108,7 +108,8 @@ BucketImport::BucketImport(std::string dir, Store* store, Metrics* metrics)
   }
 }
 
-absl::StatusOr<std::unique_ptr<BucketImport>> BucketImport::Start(std::string dir, Store* store,
+absl::StatusOr<std::unique_ptr<BucketImport>> BucketImport::Start(std::string dir,
+                                                                  VersionImports* store,
                                                                   Metrics* metrics) {
   std::error_code error;
   std::filesystem::create_directories(dir, error);

@@ -31,14 +31,16 @@
 #include "daemon/common/worker_loop.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/peer/delta_source.h"
-#include "daemon/store/store.h"
+#include "daemon/store/local_snapshots.h"
+#include "daemon/store/store_types.h"
+#include "daemon/store/version_imports.h"
 
 namespace refit::bucket {
 
 class BucketExport final : public StoreEvents {
  public:
   // `deltas` may be null (no delta sync: every version is written in full).
-  BucketExport(std::string dir, uint32_t full_every, uint32_t retain, Store* store,
+  BucketExport(std::string dir, uint32_t full_every, uint32_t retain, LocalSnapshots* store,
                peer::DeltaSource* deltas, Metrics* metrics);
   ~BucketExport() override;  // Stop()
   BucketExport(const BucketExport&) = delete;
@@ -57,7 +59,7 @@ class BucketExport final : public StoreEvents {
 
   const std::string dir_;
   const ExporterOptions options_;
-  Store* const store_;
+  LocalSnapshots* const store_;
   peer::DeltaSource* const deltas_;
   Metrics* const metrics_;
 
@@ -70,7 +72,7 @@ class BucketExport final : public StoreEvents {
 class BucketImport {
  public:
   // Creates DIR if missing and starts following it; errors when it can't.
-  static absl::StatusOr<std::unique_ptr<BucketImport>> Start(std::string dir, Store* store,
+  static absl::StatusOr<std::unique_ptr<BucketImport>> Start(std::string dir, VersionImports* store,
                                                              Metrics* metrics);
   ~BucketImport();  // Stop()
   BucketImport(const BucketImport&) = delete;
@@ -81,12 +83,12 @@ class BucketImport {
   const std::string& node() const { return node_; }
 
  private:
-  BucketImport(std::string dir, Store* store, Metrics* metrics);
+  BucketImport(std::string dir, VersionImports* store, Metrics* metrics);
   void ImportAll();
 
   const std::string dir_;
   const std::string node_;
-  Store* const store_;
+  VersionImports* const store_;
   Metrics* const metrics_;
   Importer importer_;
 

@@ -36,7 +36,7 @@ DType DeltaDType(const std::vector<TensorSlice>& slices, uint64_t bytes) {
   return dtype;
 }
 
-DeltaSource::DeltaSource(Store* store, DeltaSourceOptions options, Metrics* metrics,
+DeltaSource::DeltaSource(LocalSnapshots* store, DeltaSourceOptions options, Metrics* metrics,
                          std::function<void()> ready)
     : store_(store), options_(options), metrics_(metrics), ready_(std::move(ready)) {
   metrics_->Declare(kDeltaEncodedBytes);

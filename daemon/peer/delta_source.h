@@ -29,7 +29,8 @@
 #include "daemon/common/worker_loop.h"
 #include "daemon/memory/region.h"
 #include "daemon/peer/peer_metrics.h"
-#include "daemon/store/store.h"
+#include "daemon/store/local_snapshots.h"
+#include "daemon/store/store_types.h"
 
 namespace refit::peer {
 
@@ -57,7 +58,7 @@ DType DeltaDType(const std::vector<TensorSlice>& slices, uint64_t bytes);
 class DeltaSource final : public StoreEvents {
  public:
   // `ready` is called (from DeltaSource's thread) whenever a version became prepared.
-  DeltaSource(Store* store, DeltaSourceOptions options, Metrics* metrics,
+  DeltaSource(LocalSnapshots* store, DeltaSourceOptions options, Metrics* metrics,
               std::function<void()> ready);
   ~DeltaSource() override;  // Stop()
   DeltaSource(const DeltaSource&) = delete;
@@ -86,7 +87,7 @@ class DeltaSource final : public StoreEvents {
   void Step();
   void Prepare(const std::string& model, const std::vector<SourceLayout>& layouts);
 
-  Store* const store_;
+  LocalSnapshots* const store_;
   const DeltaSourceOptions options_;
   Metrics* const metrics_;
   const std::function<void()> ready_;

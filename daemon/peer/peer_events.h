@@ -13,7 +13,8 @@
 #include "absl/status/status.h"
 #include "daemon/fleet/replicas.h"
 #include "daemon/rl/parts.h"
-#include "daemon/store/store.h"
+#include "daemon/store/remote_sources.h"
+#include "daemon/store/store_types.h"
 #include "proto/refit/v1/peer.pb.h"
 
 namespace refit::peer {
@@ -21,7 +22,7 @@ namespace refit::peer {
 class PeerEvents {
  public:
   // Nothing is owned; `replicas` may be null.
-  PeerEvents(Store* store, rl::Parts rl, fleet::ReplicaTable* replicas)
+  PeerEvents(RemoteSources* store, rl::Parts rl, fleet::ReplicaTable* replicas)
       : store_(store), rl_(std::move(rl)), replicas_(replicas) {}
 
   // Applies `event` from `node`. An event about a model name no node can have is ignored (OK).
@@ -35,7 +36,7 @@ class PeerEvents {
   // An event from `node` announcing a version: its labels, budget and timeline (daemon/rl).
   void NoteAnnounced(const std::string& node, const v1::PeerEvent& event);
 
-  Store* const store_;
+  RemoteSources* const store_;
   const rl::Parts rl_;
   fleet::ReplicaTable* const replicas_;
 };

@@ -55,7 +55,7 @@ RelayChannelsOptions ChannelOptions(const PeerManagerOptions& options) {
 }  // namespace
 
 PeerManager::PeerManager(PeerManagerOptions options, std::vector<std::string> addresses,
-                         Store* store, DataPlane* data_plane, Metrics* metrics,
+                         PeerStore* store, DataPlane* data_plane, Metrics* metrics,
                          fleet::RelayBoard* board, fleet::ReplicaTable* replicas)
     : node_(options.node),
       dialer_(options.node, options.instance, options.tls),

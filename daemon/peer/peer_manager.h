@@ -37,7 +37,8 @@
 #include "daemon/peer/replica_reporter.h"
 #include "daemon/pull/puller.h"
 #include "daemon/rl/parts.h"
-#include "daemon/store/store.h"
+#include "daemon/store/peer_store.h"
+#include "daemon/store/store_types.h"
 #include "daemon/tls/peer_tls.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
@@ -68,7 +69,7 @@ struct PeerManagerOptions {
 class PeerManager final : public pull::PeerChannels, public StoreEvents {
  public:
   // Nothing is owned; `board` and `replicas` may be null (no relaying, no replica reports).
-  PeerManager(PeerManagerOptions options, std::vector<std::string> addresses, Store* store,
+  PeerManager(PeerManagerOptions options, std::vector<std::string> addresses, PeerStore* store,
               DataPlane* data_plane, Metrics* metrics, fleet::RelayBoard* board = nullptr,
               fleet::ReplicaTable* replicas = nullptr);
   ~PeerManager() override;  // Stop()

@@ -18,9 +18,9 @@
 
 namespace refit::peer {
 
-PeerService::PeerService(std::string node, Store* store, DataPlane* data_plane, DeltaSource* deltas,
-                         Metrics* metrics, fleet::RelayBoard* board, fleet::ReplicaTable* replicas,
-                         PeerServiceOptions options)
+PeerService::PeerService(std::string node, PeerStore* store, DataPlane* data_plane,
+                         DeltaSource* deltas, Metrics* metrics, fleet::RelayBoard* board,
+                         fleet::ReplicaTable* replicas, PeerServiceOptions options)
     : node_(std::move(node)),
       store_(store),
       data_plane_(data_plane),

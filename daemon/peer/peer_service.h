@@ -28,7 +28,8 @@
 #include "daemon/peer/peer_limits.h"
 #include "daemon/peer/peer_metrics.h"
 #include "daemon/rl/parts.h"
-#include "daemon/store/store.h"
+#include "daemon/store/peer_store.h"
+#include "daemon/store/store_types.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
 namespace refit::peer {
@@ -47,7 +48,7 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
   // deltas to offer with them.
   // `board` and `replicas` may be null (no relaying; replica reports refused). Without
   // `options.relay` (or a board), Relay answers FAILED_PRECONDITION.
-  PeerService(std::string node, Store* store, DataPlane* data_plane, DeltaSource* deltas,
+  PeerService(std::string node, PeerStore* store, DataPlane* data_plane, DeltaSource* deltas,
               Metrics* metrics, fleet::RelayBoard* board = nullptr,
               fleet::ReplicaTable* replicas = nullptr, PeerServiceOptions options = {});
 
@@ -121,7 +122,7 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
   // Fault injection (REFIT_FAULT_CHECKSUM_WITHOUT_RUNS): answer Checksum as a release before
   // RangeRun did, reading only plain ranges, so tests can check a newer reader falls back.
   bool checksum_without_runs_ = false;
-  Store* const store_;
+  PeerStore* const store_;
   DataPlane* const data_plane_;
   DeltaSource* const deltas_;
   Metrics* const metrics_;

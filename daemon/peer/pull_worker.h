@@ -3,8 +3,9 @@
 // The pull worker: runs the store's PullJobs one at a time, in the order they came, through a
 // pull::Puller, and hands each outcome to the store (Store::FinishPull). While a pull runs,
 // RelayChannels frees no stub (BeginPull / EndPull) and Transfers tells its progress. What it
-// needs of each is a narrow interface below (PeerManager adapts the Puller and the Store;
-// RelayChannels is a PullsInFlight), so that it is unit-tested alone (pull_worker_test).
+// needs of each is a narrow interface below (PeerManager adapts the Puller and the store's
+// PullLanding; RelayChannels is a PullsInFlight), so that it is unit-tested alone
+// (pull_worker_test).
 //
 // Thread-safety: every method may be called from any thread; Queue also under the store's lock
 // (it only queues).
@@ -19,7 +20,8 @@
 #include "daemon/common/mutex.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/pull/puller.h"
-#include "daemon/store/store.h"
+#include "daemon/store/pull_landing.h"
+#include "daemon/store/store_types.h"
 
 namespace refit::peer {
 
@@ -57,14 +59,14 @@ class PullerRunner final : public PullRunner {
 };
 class StoreFinisher final : public PullFinisher {
  public:
-  explicit StoreFinisher(Store* store) : store_(store) {}
+  explicit StoreFinisher(PullLanding* store) : store_(store) {}
   void Finish(const PullJob& job, absl::Status status,
               std::vector<std::shared_ptr<Region>> staging) override {
     store_->FinishPull(job, std::move(status), std::move(staging));
   }
 
  private:
-  Store* const store_;
+  PullLanding* const store_;
 };
 
 struct Transfer {

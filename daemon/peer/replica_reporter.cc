@@ -19,8 +19,9 @@ constexpr auto kReportDeadline = milliseconds(2000);
 
 }  // namespace
 
-ReplicaReporter::ReplicaReporter(ReplicaReporterOptions options, Store* store, PeerLinks* links,
-                                 RelayChannels* channels, fleet::ReplicaTable* replicas)
+ReplicaReporter::ReplicaReporter(ReplicaReporterOptions options, ModelCatalog* store,
+                                 PeerLinks* links, RelayChannels* channels,
+                                 fleet::ReplicaTable* replicas)
     : options_(std::move(options)),
       store_(store),
       links_(links),

@@ -15,7 +15,7 @@
 #include "daemon/fleet/replicas.h"
 #include "daemon/peer/peer_links.h"
 #include "daemon/peer/relay_channels.h"
-#include "daemon/store/store.h"
+#include "daemon/store/model_catalog.h"
 #include "proto/refit/v1/peer.pb.h"
 
 namespace refit::peer {
@@ -29,7 +29,7 @@ struct ReplicaReporterOptions {
 class ReplicaReporter {
  public:
   // Nothing is owned; `replicas` may be null.
-  ReplicaReporter(ReplicaReporterOptions options, Store* store, PeerLinks* links,
+  ReplicaReporter(ReplicaReporterOptions options, ModelCatalog* store, PeerLinks* links,
                   RelayChannels* channels, fleet::ReplicaTable* replicas);
 
   void Start();
@@ -44,7 +44,7 @@ class ReplicaReporter {
 
  private:
   const ReplicaReporterOptions options_;
-  Store* const store_;
+  ModelCatalog* const store_;
   PeerLinks* const links_;
   RelayChannels* const channels_;
   fleet::ReplicaTable* const replicas_;

@@ -43,11 +43,12 @@
 #include "daemon/memory/slot_pool.h"
 #include "daemon/store/checksum_hints.h"
 #include "daemon/store/delta_base_mode.h"
-#include "daemon/store/pull_landing.h"
+#include "daemon/store/peer_store.h"
 #include "daemon/store/quant_queue.h"
 #include "daemon/store/slot_budget.h"
 #include "daemon/store/store_metrics.h"
 #include "daemon/store/store_types.h"
+#include "daemon/store/version_imports.h"
 
 namespace refit::plan {
 struct Plan;
@@ -99,7 +100,11 @@ struct StoreOptions {
   unsigned sparse_threads = 0;
 };
 
-class Store : public PullLanding {
+// The narrow interfaces other packages are given instead of the store (issue 38): PeerStore
+// (peer_store.h: LocalSnapshots, RemoteSources, VersionHolds, ModelCatalog, PullLanding) for
+// daemon/peer and daemon/pull, VersionImports (version_imports.h) for daemon/bucket. Their
+// methods are documented there.
+class Store : public PeerStore, public VersionImports {
  public:
   Store(StoreOptions options, Metrics* metrics);
   ~Store() override;
@@ -138,28 +143,24 @@ class Store : public PullLanding {
                                         const std::string& run = "");
 
   // ---- Runs and rollback (store_versions.cc) ----
-  // The model's current run ("" when none was named).
-  std::string RunOf(const std::string& model) const;
+  // The model's current run ("" when none was named) (LocalSnapshots).
+  std::string RunOf(const std::string& model) const override;
   // Seeds the model's current run and the runs it left (refitd: from --state-dir at the
   // model's first Publish) without letting anything go.
   void SeedRun(const std::string& model, const std::string& run,
                const std::vector<std::string>& past_runs);
-  // Holds `model` back to `version` here: it must be a retained complete version (NOT_FOUND
-  // naming the oldest retained otherwise; NOT_FOUND for an unknown model). Watch delivers it
-  // as a rollback event, WaitForVersion and Apply(0) answer it, and newer versions complete
-  // (into retention) without being delivered until Resume. Another Rollback moves the target.
-  absl::StatusOr<uint64_t> Rollback(const std::string& model, uint64_t version);
+  // Holds `model` back to `version` here (VersionHolds: version_holds.h).
+  absl::StatusOr<uint64_t> Rollback(const std::string& model, uint64_t version) override;
   // What Rollback would answer, changing nothing: OK when `version` is retained here.
   absl::Status CheckRollback(const std::string& model, uint64_t version) const;
   // The other nodes with SOURCE buffers of `model` (where a Rollback asked here is forwarded).
   std::vector<std::string> SourceNodes(const std::string& model) const;
   // Waits until the model's hold is `version` (0: none), up to `deadline`; false past it.
   bool WaitForHold(const std::string& model, uint64_t version, Clock::time_point deadline);
-  // Ends the hold: the newest complete version is the target again (delivered by Watch when
-  // it differs). FAILED_PRECONDITION when the model is not held back here.
-  absl::Status Resume(const std::string& model);
-  // The version `model` is held back to here; 0: none.
-  uint64_t HoldOf(const std::string& model) const;
+  // Ends the hold (VersionHolds).
+  absl::Status Resume(const std::string& model) override;
+  // The version `model` is held back to here; 0: none (VersionHolds).
+  uint64_t HoldOf(const std::string& model) const override;
   // Models held back from the start (refitd: the holds --state-dir kept across a restart): each
   // is held back to its version as if Rollback had been called (Watch delivers it as a rollback
   // event; newer versions are held back until Resume), also when the model is made here later
@@ -207,7 +208,8 @@ class Store : public PullLanding {
   // Newest complete version of `model`, 0 if none (or no such model).
   uint64_t LatestVersion(const std::string& model) const;
 
-  std::vector<ModelInfo> Models() const;
+  // Every model this node knows (ModelCatalog).
+  std::vector<ModelInfo> Models() const override;
 
   // Releases every version of `model` held here and forgets it (a record of other nodes'
   // sources for it stays, so their next versions are taken again). FAILED_PRECONDITION naming
@@ -224,66 +226,38 @@ class Store : public PullLanding {
   // outlive the store's last event (refitd stops the store's callers first).
   void AddListener(StoreEvents* listener);
 
-  // Models with SOURCE buffers on this node, and their layouts.
-  std::map<std::string, std::vector<SourceLayout>> LocalSourceLayouts() const;
-  // The newest version every local SOURCE buffer of `model` has published (0: none held).
-  uint64_t LatestLocalSnapshot(const std::string& model) const;
-  // The local snapshot of `version`, kept alive as long as the caller holds it. NOT_FOUND when
-  // it is no longer held.
-  absl::StatusOr<std::shared_ptr<const LocalSnapshot>> GetLocalSnapshot(const std::string& model,
-                                                                        uint64_t version) const;
-
-  // A peer asked for the checksums of `ranges` ([begin, end) of a piece) of SOURCE buffer
-  // `buffer_id`, off the Publish-time grid. The next Publishes of the buffer hash these ranges
-  // too, while each block is in cache, so the next such request is answered from a table (a
-  // resharded pull asks for the same ranges every version). Runs are kept by offset (a later
-  // one replaces an earlier one there, unless it is only that run's first ranges, as a reader
-  // asking again about chunks that failed would send); a run not asked for again during 4
-  // Publishes is dropped. Kept per buffer: at most kMaxChecksumHints ranges, of at most
-  // kCopyBlockBytes each (longer ones are never hashed at Publish), and twice `piece_bytes` in all.
+  // ---- LocalSnapshots (local_snapshots.h): this node's SOURCE versions, for their readers ----
+  std::map<std::string, std::vector<SourceLayout>> LocalSourceLayouts() const override;
+  uint64_t LatestLocalSnapshot(const std::string& model) const override;
+  absl::StatusOr<std::shared_ptr<const LocalSnapshot>> GetLocalSnapshot(
+      const std::string& model, uint64_t version) const override;
   void NoteChecksumRanges(const std::string& buffer_id, uint64_t piece_bytes,
-                          const std::vector<RangeRun>& runs);
+                          const std::vector<RangeRun>& runs) override;
   static constexpr size_t kMaxChecksumHints = ChecksumHints::kMaxRanges;
 
-  // Fills the slot pool with the staging slots pulls of `model` will need (--retain + 1 per
-  // remote piece), once per remote layout, when this node has DESTINATION buffers for it.
-  // Faults memory in: call it outside any lock the caller holds dear.
-  void ReserveStaging(const std::string& model);
-
-  // `node` has these SOURCE buffers for `model` (replaces what it had before; empty: none).
+  // ---- RemoteSources (remote_sources.h): other nodes' sources and versions ----
+  void ReserveStaging(const std::string& model) override;
   void SetRemoteSources(const std::string& node, const std::string& model,
-                        std::vector<SourceLayout> sources);
-  // Every SOURCE buffer of `model` on `node` has published `version`, readable at `pieces`.
-  // `deltas` are the deltas `node` offers for the pieces (see RemoteDeltaRef).
-  // `run` names the announcing daemon's process (HelloResponse.instance): a version number not
-  // newer than the one held here, announced by another run of that node than the one it came
-  // from, is a reused number; it is skipped, logged and shown (ModelInfo.skipped_version).
-  // `trainer_run` (PeerEvent.trainer_run): the trainer's run of `version`; another run than the
-  // model's current one (and none it left) starts that run here (StartRun), so its versions are
-  // taken even below the ones held.
+                        std::vector<SourceLayout> sources) override;
   void AnnounceRemoteVersion(const std::string& node, const std::string& model, uint64_t version,
                              std::vector<RemotePieceRef> pieces,
                              std::vector<RemoteDeltaRef> deltas = {}, const std::string& run = "",
-                             const std::string& trainer_run = "");
-  // `node` (a node with SOURCE buffers of `model`) holds the model back to `version` (0: it
-  // resumed): this node follows (Rollback / Resume here).
-  void FollowHold(const std::string& node, const std::string& model, uint64_t version);
-  // `node` is gone: its sources stay expected (no version completes without them) and a pull
-  // from it fails.
-  void ForgetRemoteVersions(const std::string& node);
+                             const std::string& trainer_run = "") override;
+  void FollowHold(const std::string& node, const std::string& model, uint64_t version) override;
+  void ForgetRemoteVersions(const std::string& node) override;
 
-  // `node` (e.g. a storage bucket being followed) hands over `version` of `model` whole: its
-  // SOURCE layouts and, per layout, a slot holding every byte. The version completes here as
-  // if pulled from a peer (once any local sources published it too); `slots` are kept as the
-  // version's pieces.
+  // ---- VersionImports (version_imports.h): a version handed over whole (a bucket) ----
   void ImportVersion(const std::string& node, const std::string& model, uint64_t version,
-                     std::vector<SourceLayout> layouts, std::vector<std::shared_ptr<Region>> slots);
+                     std::vector<SourceLayout> layouts,
+                     std::vector<std::shared_ptr<Region>> slots) override;
 
+  // ---- PullLanding (pull_landing.h): where a pull lands ----
   // The data plane finished `job`: on success `staging[i]` holds job.fetches[i].ranges.
   void FinishPull(const PullJob& job, absl::Status result,
                   std::vector<std::shared_ptr<Region>> staging) override;
 
-  // A slot of `size` bytes for staging pulled bytes. It counts against the budget of the
+  // A slot of `size` bytes for staging pulled (or imported) bytes (PullLanding and
+  // VersionImports). It counts against the budget of the
   // model being pulled with a piece of that size (ModelInfo::in_flight_bytes until FinishPull
   // makes it a held version's slot).
   absl::StatusOr<std::shared_ptr<Region>> AcquireSlot(uint64_t size) override;

@@ -1,5 +1,7 @@
 // Verified install: what Apply wrote, checked against the version (Store::NotLanded, the
-// DATA_LOSS an Apply answers), and checked again later (Store::Verify, refitctl verify).
+// DATA_LOSS an Apply answers), and checked again later (Store::Verify, refitctl verify). The
+// comparisons themselves and the naming of stale tensors are the Verifier's (verify.h); here,
+// what the store gathers for them under its lock.
 
 #include <algorithm>
 #include <map>
@@ -12,49 +14,17 @@
 #include "daemon/store/quantize.h"
 #include "daemon/store/store.h"
 #include "daemon/store/store_internal.h"
+#include "daemon/store/verify.h"
 
 namespace refit {
-namespace {
-
-// True when the element at byte `offset` of a buffer belongs to `slice` (normalized: sizes and
-// element strides per dimension, outer dimensions first).
-bool SliceHolds(const TensorSlice& slice, uint64_t offset) {
-  if (offset < slice.buffer_offset) return false;
-  const uint64_t elem = DTypeSize(slice.dtype);
-  uint64_t rel = offset - slice.buffer_offset;
-  if (elem == 0 || rel % elem != 0) return false;
-  rel /= elem;
-  for (size_t d = 0; d < slice.sizes.size(); ++d) {
-    const uint64_t stride =
-        d < slice.buffer_strides.size() ? static_cast<uint64_t>(slice.buffer_strides[d]) : 1;
-    const uint64_t index = stride == 0 ? 0 : rel / stride;
-    if (index >= static_cast<uint64_t>(slice.sizes[d])) return false;
-    rel -= index * stride;
-  }
-  return rel == 0;
-}
-
-}  // namespace
 
 std::map<std::string, std::vector<std::string>> Store::TensorsOfOps(
     const plan::Plan& plan, const std::vector<size_t>& bad,
     const std::vector<std::shared_ptr<Buffer>>& dests) {
-  std::map<std::string, std::vector<std::string>> tensors;
-  for (size_t i : bad) {
-    const plan::CopyOp& op = plan.ops[i];
-    if (op.dst_location >= dests.size()) continue;
-    const Buffer& buffer = *dests[op.dst_location];
-    std::string name = absl::StrCat("bytes at offset ", op.dst_offset);
-    for (const TensorSlice& slice : buffer.slices) {
-      if (SliceHolds(slice, op.dst_offset)) {
-        name = slice.name;
-        break;
-      }
-    }
-    std::vector<std::string>& names = tensors[buffer.id];
-    if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
-  }
-  return tensors;
+  std::vector<VerifyTarget> targets;
+  targets.reserve(dests.size());
+  for (const auto& buffer : dests) targets.push_back({buffer->id, &buffer->slices});
+  return refit::TensorsOfOps(plan, bad, targets);
 }
 
 absl::Status Store::NotLanded(const Version& version, const plan::Plan& plan,
@@ -156,22 +126,13 @@ absl::StatusOr<std::vector<VerifyResult>> Store::Verify(const std::string& model
       results.push_back(std::move(result));
     }
   }
-  std::vector<std::string> failures;
+  Verifier verifier(model_name);
   for (const Job& job : jobs) {
     VerifyResult& result = results[job.result];
     if (absl::Status held = CheckHeld(*job.version, job.plan->Reads()); !held.ok()) {
       // --delta-base=destination released the held copy: the destinations are checked against
       // the digests taken of it before it went (the trainer's bytes, as pulled and verified).
-      absl::Status released = VerifyReleased(model_name, *job.version);
-      if (released.ok()) {
-        result.checked = true;
-      } else if (released.code() == absl::StatusCode::kDataLoss) {
-        result.checked = true;
-        result.stale_tensors.push_back(std::string(released.message()));
-        failures.push_back(std::string(released.message()));
-      } else {
-        result.note = std::string(held.message());
-      }
+      verifier.Released(held, VerifyReleased(model_name, *job.version), &result);
       continue;
     }
     std::vector<std::shared_ptr<Region>> derived;
@@ -202,24 +163,10 @@ absl::StatusOr<std::vector<VerifyResult>> Store::Verify(const std::string& model
       result.note = "its memory went away under refitd";
       continue;
     }
-    const std::vector<size_t> bad =
-        plan::VerifyOnHost(job.plan->plan, src, {job.buffer->region->data()});
-    result.checked = true;
-    if (bad.empty()) continue;
-    auto tensors = TensorsOfOps(job.plan->plan, bad, {job.buffer});
-    result.stale_tensors = tensors[job.buffer->id];
-    failures.push_back(absl::StrCat("buffer ", job.buffer->id, " (version ", result.version,
-                                    "): ", absl::StrJoin(result.stale_tensors, ", ")));
+    verifier.Compare(job.plan->plan, src, {job.buffer->id, &job.buffer->slices},
+                     job.buffer->region->data(), &result);
   }
-  if (!failures.empty()) {
-    const std::string message = absl::StrCat(
-        "model ", model_name,
-        ": destination bytes differ from the version they hold: ", absl::StrJoin(failures, "; "),
-        " (written by someone else since that Apply?)");
-    Logger("store")->warn("{}", message);
-    return absl::DataLossError(message);
-  }
-  return results;
+  return verifier.Finish(std::move(results));
 }
 
 }  // namespace refit
