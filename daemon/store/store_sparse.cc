@@ -539,8 +539,8 @@ void Store::DiffDerived(const Version& version, const Version& base,
   std::vector<std::shared_ptr<ChangeList>> lists;
   std::vector<uint64_t> compared;
   if (!DiffRegions(in, &lists, &compared)) return;
-  version.quant->SetChanges(batch.get(), DerivedChanges{std::move(lists[0]), base.number,
-                                                        compared[0]});
+  version.quant->SetChanges(batch.get(),
+                            DerivedChanges{std::move(lists[0]), base.number, compared[0]});
 }
 
 std::shared_ptr<const Store::Version> Store::DiffBaseFor(const Model& model) const {
