@@ -263,7 +263,8 @@ TEST_CASE_METHOD(Fixture,
   // The whole block went out again under its new scale: at least its elements that moved.
   int moved_in_block = 0;
   for (int r = 128; r < 256; ++r) {
-    for (int c = 128; c < 256; ++c) moved_in_block += before[r * 512 + c] != dst[0].data[r * 512 + c];
+    for (int c = 128; c < 256; ++c)
+      moved_in_block += before[r * 512 + c] != dst[0].data[r * 512 + c];
   }
   CHECK(moved_in_block > 128 * 128 / 4);
 
@@ -319,25 +320,32 @@ TEST_CASE_METHOD(Fixture, "an engine that wrote into its fp8 buffer since gets t
 }
 
 TEST_CASE_METHOD(Fixture,
-                 "a destination registered after N-1 was quantized: N takes the full copy, "
-                 "N+1 is sparse again",
+                 "a destination registered after N-1 was quantized: N-1 is quantized again "
+                 "with the new batch, N is sparse",
                  "[store][sparse][fp8]") {
   Publish(1);
   ApplyAndCompare(1);
   // Another engine's buffer (a new quantization batch for the model): N-1's derived slot is of
-  // the old batch, so N has no change list against it.
+  // the old batch; the quantizer quantizes N-1 again with the new one to diff N against it.
   Host extra(kD1);
   auto extra_id = store.RegisterBuffer("m", Role::kDestination, std::move(extra.owned),
                                        DestLayout(1), "engine2");
   REQUIRE(extra_id.ok());
+  const double quantized = Counter("refit_quantized_values_total");
   Step(src.data, src.size, 0.004, 21);
   Publish(2);
-  CHECK_FALSE(ApplyAndCompare(2).sparse);
+  CHECK(Counter("refit_quantized_values_total") - quantized ==
+        2 * static_cast<double>(kRows * kCols + kRRows * kRCols));
+  CHECK(ApplyAndCompare(2).sparse);
+  REQUIRE(store.Apply("m", 2, {*extra_id}).ok());  // holds nothing known: the full copy
+  CHECK(std::memcmp(extra.data, dst[1].data, kD1) == 0);
+  // No destination holds the newest version when the next arrives: nothing diffed.
+  REQUIRE(store.ReleaseBuffer(*extra_id).ok());
   Step(src.data, src.size, 0.004, 22);
   Publish(3);
-  CHECK(ApplyAndCompare(3).sparse);
-  REQUIRE(store.Apply("m", 3, {*extra_id}).ok());
-  CHECK(std::memcmp(extra.data, dst[1].data, kD1) == 0);
+  Step(src.data, src.size, 0.004, 23);
+  Publish(4);
+  CHECK_FALSE(ApplyAndCompare(4).sparse);
 }
 
 }  // namespace

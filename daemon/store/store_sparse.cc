@@ -526,10 +526,16 @@ void Store::DiffPieces(std::vector<Piece*> pieces, const Version& base) {
 
 void Store::DiffDerived(const Version& version, const Version& base,
                         const std::shared_ptr<const QuantBatch>& batch) {
-  // The same batch quantized both (a registration since makes a new one: no list, full copy),
-  // so the slots have one layout: fp8 bytes and scales of the same boxes at the same offsets.
+  // The same batch quantizes both, so the slots have one layout: fp8 bytes and scales of the
+  // same boxes at the same offsets. A registration or release since `base` was quantized made
+  // a new batch: `base` is quantized again with it (from its held pieces; where they are not
+  // held, no list: the full copy).
   const std::shared_ptr<Region> now = version.quant->Slot(batch.get());
-  const std::shared_ptr<Region> old = base.quant->Slot(batch.get());
+  std::shared_ptr<Region> old = base.quant->Slot(batch.get());
+  if (!old && now && now->kind() == MemoryKind::kHost) {
+    auto quantized = RunQuantBatch(base, batch, false);
+    if (quantized.ok()) old = *quantized;
+  }
   if (!now || !old || now->kind() != MemoryKind::kHost || old->kind() != MemoryKind::kHost ||
       now->size() != old->size() || batch->bytes() == 0) {
     return;
