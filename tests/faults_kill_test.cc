@@ -344,6 +344,11 @@ TEST_CASE("SIGKILL inside a sparse Apply into fp8 block-scaled destinations: N-1
     return *id;
   };
   auto fp8_bytes = [&] { return std::vector<uint8_t>(dst.data(), dst.data() + dst.size()); };
+  // Published, then complete once quantized (the quantizer thread).
+  auto publish = [&](const std::string& src_id, uint64_t version) {
+    REQUIRE(node.client().Publish("m", version, {src_id}).ok());
+    REQUIRE(node.client().WaitForVersion("m", version, milliseconds(10000)).ok());
+  };
   const int kills = testing::Iterations(3);
   int mixed = 0;
   uint64_t v = 1;
@@ -352,18 +357,18 @@ TEST_CASE("SIGKILL inside a sparse Apply into fp8 block-scaled destinations: N-1
     std::string dst_id = register_dst();
     // A (full Apply), B = A + a step (sparse Apply), C = B + a step (killed half-way).
     FillBf16(src, v);
-    REQUIRE(node.client().Publish("m", v, {src_id}).ok());
+    publish(src_id, v);
     REQUIRE(node.client().Apply("m", v, {dst_id}).ok());
     const std::vector<uint8_t> a = fp8_bytes();
     const double sparse_before = testing::Metric(node.client(), "refit_apply_sparse_total");
     Step(src, v);
-    REQUIRE(node.client().Publish("m", v + 1, {src_id}).ok());
+    publish(src_id, v + 1);
     REQUIRE(node.client().Apply("m", v + 1, {dst_id}).ok());
     REQUIRE(testing::Metric(node.client(), "refit_apply_sparse_total") == sparse_before + 1);
     const std::vector<uint8_t> b = fp8_bytes();
     REQUIRE(a != b);
     Step(src, v + 7);
-    REQUIRE(node.client().Publish("m", v + 2, {src_id}).ok());
+    publish(src_id, v + 2);
     node.Arm();
     CHECK_FALSE(node.client().Apply("m", v + 2, {dst_id}).ok());
     node.AwaitDeath();

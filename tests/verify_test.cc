@@ -230,12 +230,14 @@ TEST_CASE("a byte flipped under a sparse fp8 Apply: DATA_LOSS, the fp8 bytes and
   REQUIRE(src_id.ok());
   REQUIRE(dst_id.ok());
   REQUIRE(client.Publish("m", 1, {*src_id}).ok());
+  REQUIRE(client.WaitForVersion("m", 1, std::chrono::milliseconds(10000)).ok());  // quantized
   int full_tries = 0;
   while (!client.Apply("m", 1, {*dst_id}).ok() && full_tries <= kFlips) ++full_tries;
   REQUIRE(full_tries == kFlips);
   const std::vector<uint8_t> v1_bytes(dst.data(), dst.data() + dst.size());
   for (uint64_t e = 0; e < static_cast<uint64_t>(kN * kN); e += 50) src.data()[2 * e] ^= 0x10;
   REQUIRE(client.Publish("m", 2, {*src_id}).ok());
+  REQUIRE(client.WaitForVersion("m", 2, std::chrono::milliseconds(10000)).ok());
   const double sparse_before = Metric(client, "refit_apply_sparse_total");
   int mixed = 0, refused = 0;
   for (int i = 0; i < kFlips; ++i) {
