@@ -19,17 +19,19 @@ namespace {
 
 using std::chrono::milliseconds;
 
-// Source: bf16 w [512, 1024] ([128, 128] blocks: a [4, 8] scale grid) and r [64, 256] (per-row
-// scales, [64, 1]), back to back.
-constexpr int64_t kRows = 512, kCols = 1024, kRRows = 64, kRCols = 256;
-constexpr uint64_t kWBytes = kRows * kCols * 2, kRBytes = kRRows * kRCols * 2;
+// Source: bf16 w [512, 1024] ([128, 128] blocks: a [4, 8] scale grid), r [64, 256] (per-row
+// scales, [64, 1]) and n [1000] (a bf16 tensor the engine keeps in bf16), back to back.
+constexpr int64_t kRows = 512, kCols = 1024, kRRows = 64, kRCols = 256, kN = 1000;
+constexpr uint64_t kWBytes = kRows * kCols * 2, kRBytes = kRRows * kRCols * 2, kNBytes = kN * 2;
 // Destination k (TP2 column shards): w columns [512k, 512k + 512) in fp8, its columns [4k, 4k+4)
-// of the scale grid; destination 0 also r in fp8 and its per-row scales.
+// of the scale grid; destination 0 also r in fp8 and its per-row scales, and n in bf16 (its plan
+// reads the version's piece beside the derived slot).
 constexpr uint64_t kShard = kRows * kCols / 2;  // fp8 bytes of a w shard
 constexpr uint64_t kShardScales = 4 * 4 * 4;
 constexpr uint64_t kROffset = kShard + kShardScales;
 constexpr uint64_t kRScalesOffset = kROffset + kRRows * kRCols;
-constexpr uint64_t kD0 = kRScalesOffset + kRRows * 4, kD1 = kShard + kShardScales;
+constexpr uint64_t kNOffset = kRScalesOffset + kRRows * 4;
+constexpr uint64_t kD0 = kNOffset + kNBytes, kD1 = kShard + kShardScales;
 
 TensorSlice Box(const std::string& name, DType dtype, std::vector<int64_t> shape,
                 std::vector<int64_t> offsets, std::vector<int64_t> sizes, uint64_t at) {
@@ -51,7 +53,8 @@ TensorSlice Scaled(TensorSlice s, std::string scale, std::vector<int64_t> block)
 
 std::vector<TensorSlice> SourceLayout() {
   return {Box("w", DType::kBF16, {kRows, kCols}, {}, {}, 0),
-          Box("r", DType::kBF16, {kRRows, kRCols}, {}, {}, kWBytes)};
+          Box("r", DType::kBF16, {kRRows, kRCols}, {}, {}, kWBytes),
+          Box("n", DType::kBF16, {kN}, {}, {}, kWBytes + kRBytes)};
 }
 
 std::vector<TensorSlice> DestLayout(int k) {
@@ -63,6 +66,7 @@ std::vector<TensorSlice> DestLayout(int k) {
     out.push_back(
         Scaled(Box("r", DType::kFP8E4M3, {kRRows, kRCols}, {}, {}, kROffset), "r_s", {1, kRCols}));
     out.push_back(Box("r_s", DType::kFP32, {kRRows, 1}, {}, {}, kRScalesOffset));
+    out.push_back(Box("n", DType::kBF16, {kN}, {}, {}, kNOffset));
   }
   return out;
 }
@@ -125,7 +129,7 @@ struct Fixture {
   Fixture() {
     Randomize(src.data, src.size, 1);
     src_id = Register(store, std::move(src.owned));
-    Host ref_src(kWBytes + kRBytes);
+    Host ref_src(kWBytes + kRBytes + kNBytes);
     ref_data = ref_src.data;
     ref_src_id = Register(ref, std::move(ref_src.owned));
     for (int k = 0; k < 2; ++k) {
@@ -180,7 +184,7 @@ struct Fixture {
   Metrics metrics, ref_metrics;
   Store store{Options(true), &metrics};
   Store ref{Options(false), &ref_metrics};
-  Host src{kWBytes + kRBytes};
+  Host src{kWBytes + kRBytes + kNBytes};
   uint8_t* ref_data = nullptr;
   std::string src_id, ref_src_id;
   Host dst[2] = {Host(kD0), Host(kD1)};
