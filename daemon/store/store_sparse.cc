@@ -532,7 +532,9 @@ void Store::DiffDerived(const Version& version, const Version& base,
   // held, no list: the full copy).
   const std::shared_ptr<Region> now = version.quant->Slot(batch.get());
   std::shared_ptr<Region> old = base.quant->Slot(batch.get());
-  if (!old && now && now->kind() == MemoryKind::kHost) {
+  bool held = true;  // every piece of `base` is still here to quantize from
+  for (const Piece& piece : base.pieces) held = held && piece.slot && !piece.released;
+  if (!old && held && now && now->kind() == MemoryKind::kHost) {
     auto quantized = RunQuantBatch(base, batch, false);
     if (quantized.ok()) old = *quantized;
   }
