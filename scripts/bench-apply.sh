@@ -7,11 +7,13 @@
 #     elements moves by one unit in the last place);
 #   the real successive versions of ../shared/data/deltas/tiny-llama-lr1e-6 (0.41-0.47 % changed
 #     per step), tiled over the model's bytes.
+#   --fp8: the engine's buffers FP8_E4M3 with [128, 128] block scales (quantized on its node):
+#     sparse fp8 Apply beside full fp8 Apply beside memcpy of the fp8 bytes, per step kind.
 #   --plain-too: each step kind again with the engine's full Apply plain (REFIT_TEST_APPLY_UNVERIFIED:
 #     the unchecked streaming copy, its undo saved in a pass first), and the verified full Apply's
 #     speed against it (each run's time over its own memcpy; refitd CPU seconds).
 # Usage: scripts/bench-apply.sh [--mib 1024] [--versions 6] [--density "0.004 0.01"] [--no-build]
-#        [--plain-too]
+#        [--plain-too] [--fp8]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mib=1024
@@ -19,6 +21,7 @@ versions=6
 densities="0.004 0.01"
 build=1
 plain_too=0
+fp8_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --mib) mib="$2"; shift 2 ;;
@@ -26,6 +29,7 @@ while [ $# -gt 0 ]; do
     --density) densities="$2"; shift 2 ;;
     --no-build) build=0; shift ;;
     --plain-too) plain_too=1; shift ;;
+    --fp8) fp8_args=(--fp8); shift ;;
     *) echo "bench-apply: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -74,7 +78,7 @@ run() {
   pids+=("$engine")
   wait_serving "$work/$tag-e.sock"
   "$bin/tests/bench/apply_bench" --trainer-socket="$work/$tag-t.sock" \
-    --engine-socket="$work/$tag-e.sock" --engine-pid="$engine" --mib="$mib" "$@" |
+    --engine-socket="$work/$tag-e.sock" --engine-pid="$engine" --mib="$mib" ${fp8_args[@]+"${fp8_args[@]}"} "$@" |
     tee "$work/$tag.out"
   kill -TERM "$trainer" "$engine"
   wait "$trainer" "$engine" 2>/dev/null || true

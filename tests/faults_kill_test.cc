@@ -297,6 +297,98 @@ TEST_CASE("SIGKILL inside a sparse Apply: after the restart the engine holds N-1
   CHECK(mixed == 0);
 }
 
+// fp8 destinations with [128, 128] block scales: "a" and "b" in FP8_E4M3, each followed by its
+// FP32 scales ([4, 16]), quantized on this node from the bf16 source.
+constexpr uint64_t kFp8Bytes = kRows * kCols, kScaleBytes = (kRows / 128) * (kCols / 128) * 4;
+std::vector<v1::TensorSlice> Fp8Layout() {
+  std::vector<v1::TensorSlice> out;
+  uint64_t at = 0;
+  for (const std::string name : {"a", "b"}) {
+    v1::TensorSlice q = Slice(name, v1::FP8_E4M3, {kRows, kCols}, at);
+    q.set_scale_tensor(name + "_scale_inv");
+    q.add_scale_block(128);
+    q.add_scale_block(128);
+    out.push_back(q);
+    out.push_back(Slice(name + "_scale_inv", v1::FP32, {kRows / 128, kCols / 128}, at + kFp8Bytes));
+    at += kFp8Bytes + kScaleBytes;
+  }
+  return out;
+}
+
+// Finite bf16 values of a few binades (their blocks' amaxes differ), from `seed`.
+void FillBf16(SharedMemory& src, uint64_t seed) {
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  for (uint64_t e = 0; e < src.size() / 2; ++e) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    const uint16_t v = static_cast<uint16_t>(0x3c00 | (x & 0x3ff) | ((x >> 20) & 1) << 15);
+    std::memcpy(src.data() + 2 * e, &v, 2);
+  }
+}
+
+TEST_CASE("SIGKILL inside a sparse Apply into fp8 block-scaled destinations: N-1 entirely",
+          "[integration][faults][kill]") {
+  // As above, the engine's buffer FP8_E4M3 with block scales: the sparse Apply writes what N's
+  // quantization changed (Store::DiffDerived), undo-journaled the same way.
+  Victim node("apply", {"--node=one", "--retain=3"},
+              {"REFIT_TEST_SPARSE_ALWAYS=1", "REFIT_TEST_SPARSE_THREADS=4"});
+  SharedMemory src = MakeShm("fkill-src");
+  auto dst_or =
+      SharedMemory::Create(testing::UniqueShmName("fkill-dst"), 2 * (kFp8Bytes + kScaleBytes));
+  REQUIRE(dst_or.ok());
+  SharedMemory dst = std::move(dst_or).value();
+  auto register_dst = [&] {
+    auto id = node.client().RegisterBuffer("m", v1::DESTINATION, dst.name(), Fp8Layout(), "e");
+    REQUIRE(id.ok());
+    return *id;
+  };
+  auto fp8_bytes = [&] { return std::vector<uint8_t>(dst.data(), dst.data() + dst.size()); };
+  // Published, then complete once quantized (the quantizer thread).
+  auto publish = [&](const std::string& src_id, uint64_t version) {
+    REQUIRE(node.client().Publish("m", version, {src_id}).ok());
+    REQUIRE(node.client().WaitForVersion("m", version, milliseconds(10000)).ok());
+  };
+  const int kills = testing::Iterations(3);
+  int mixed = 0;
+  uint64_t v = 1;
+  for (int i = 0; i < kills; ++i) {
+    std::string src_id = Register(node.client(), v1::SOURCE, src);
+    std::string dst_id = register_dst();
+    // A (full Apply), B = A + a step (sparse Apply), C = B + a step (killed half-way).
+    FillBf16(src, v);
+    publish(src_id, v);
+    REQUIRE(node.client().Apply("m", v, {dst_id}).ok());
+    const std::vector<uint8_t> a = fp8_bytes();
+    const double sparse_before = testing::Metric(node.client(), "refit_apply_sparse_total");
+    Step(src, v);
+    publish(src_id, v + 1);
+    REQUIRE(node.client().Apply("m", v + 1, {dst_id}).ok());
+    REQUIRE(testing::Metric(node.client(), "refit_apply_sparse_total") == sparse_before + 1);
+    const std::vector<uint8_t> b = fp8_bytes();
+    REQUIRE(a != b);
+    Step(src, v + 7);
+    publish(src_id, v + 2);
+    node.Arm();
+    CHECK_FALSE(node.client().Apply("m", v + 2, {dst_id}).ok());
+    node.AwaitDeath();
+    node.Disarm();
+    CHECK_FALSE(Holds(dst, b));  // part of C landed before the kill
+    node.Restart();
+    src_id = Register(node.client(), v1::SOURCE, src);
+    dst_id = register_dst();
+    mixed += !Holds(dst, b);
+    CHECK(Holds(dst, b));
+    CHECK(AppliedVersion(node.client(), dst_id) == v + 1);
+    REQUIRE(node.client().ReleaseBuffer(src_id).ok());
+    REQUIRE(node.client().ReleaseBuffer(dst_id).ok());
+    v += 3;  // the ledger holds v + 2
+  }
+  testing::PrintFigureText("kill_sparse_fp8_apply_destination_not_n_minus_1_after_kill",
+                           std::to_string(mixed) + "/" + std::to_string(kills));
+  CHECK(mixed == 0);
+}
+
 TEST_CASE("SIGKILL at pull completion: the engine holds N-1 exactly, then pulls N exactly",
           "[integration][faults][kill]") {
   auto trainer_node = DaemonProcess::Start(

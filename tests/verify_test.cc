@@ -196,4 +196,68 @@ TEST_CASE("a flipped byte caught by the verified sparse Apply leaves the buffer 
   CHECK(client.Verify("m").ok());
 }
 
+TEST_CASE("a byte flipped under a sparse fp8 Apply: DATA_LOSS, the fp8 bytes and scales of N-1",
+          "[integration][verify][faults]") {
+  // As above, into an FP8_E4M3 destination with [128, 128] block scales: the sparse Apply
+  // writes what version 2's quantization changed; each of the first kFlips is caught and
+  // undone whole; then one lands, byte for byte a full Apply's (a second buffer, registered
+  // afresh).
+  const int kFlips = 200;
+  auto daemon = DaemonProcess::Start(
+      {"--retain=2"}, "",
+      {"REFIT_FAULT_APPLY_FLIP=" + std::to_string(kFlips), "REFIT_TEST_SPARSE_ALWAYS=1"});
+  REQUIRE(daemon.ok());
+  auto c = (*daemon)->Connect();
+  REQUIRE(c.ok());
+  auto& client = **c;
+  constexpr int64_t kN = 512;  // bf16 "w" [512, 512]; fp8 256 KiB + [4, 4] scales
+  constexpr uint64_t kFp8 = kN * kN, kDst = kFp8 + 16 * 4;
+  auto src = Make("fflip-src", kN * kN * 2, 0);
+  for (uint64_t e = 0; e < static_cast<uint64_t>(kN * kN); ++e) {
+    const uint16_t v = static_cast<uint16_t>(0x3c00 | ((e * 2654435761u) >> 7 & 0x3ff));
+    std::memcpy(src.data() + 2 * e, &v, 2);
+  }
+  auto dst = Make("fflip-dst", kDst, 0x11);
+  auto ref = Make("fflip-ref", kDst, 0x22);
+  v1::TensorSlice q = Slice("w", v1::FP8_E4M3, {kN, kN}, 0);
+  q.set_scale_tensor("w_scale_inv");
+  q.add_scale_block(128);
+  q.add_scale_block(128);
+  const std::vector<v1::TensorSlice> fp8 = {q, Slice("w_scale_inv", v1::FP32, {4, 4}, kFp8)};
+  auto src_id = client.RegisterBuffer("m", v1::SOURCE, src.name(),
+                                      {Slice("w", v1::BF16, {kN, kN}, 0)}, "trainer");
+  auto dst_id = client.RegisterBuffer("m", v1::DESTINATION, dst.name(), fp8, "engine");
+  REQUIRE(src_id.ok());
+  REQUIRE(dst_id.ok());
+  REQUIRE(client.Publish("m", 1, {*src_id}).ok());
+  REQUIRE(client.WaitForVersion("m", 1, std::chrono::milliseconds(10000)).ok());  // quantized
+  int full_tries = 0;
+  while (!client.Apply("m", 1, {*dst_id}).ok() && full_tries <= kFlips) ++full_tries;
+  REQUIRE(full_tries == kFlips);
+  const std::vector<uint8_t> v1_bytes(dst.data(), dst.data() + dst.size());
+  for (uint64_t e = 0; e < static_cast<uint64_t>(kN * kN); e += 50) src.data()[2 * e] ^= 0x10;
+  REQUIRE(client.Publish("m", 2, {*src_id}).ok());
+  REQUIRE(client.WaitForVersion("m", 2, std::chrono::milliseconds(10000)).ok());
+  const double sparse_before = Metric(client, "refit_apply_sparse_total");
+  int mixed = 0, refused = 0;
+  for (int i = 0; i < kFlips; ++i) {
+    auto applied = client.Apply("m", 2, {*dst_id});
+    refused += applied.status().code() == absl::StatusCode::kDataLoss;
+    mixed += std::memcmp(dst.data(), v1_bytes.data(), v1_bytes.size()) != 0;
+  }
+  testing::PrintFigureText("verified_sparse_fp8_apply_flip_mixed",
+                           std::to_string(mixed) + "/" + std::to_string(kFlips));
+  CHECK(refused == kFlips);
+  CHECK(mixed == 0);
+  auto landed = client.Apply("m", 2, {*dst_id});
+  REQUIRE(landed.ok());
+  CHECK(Metric(client, "refit_apply_sparse_total") == sparse_before + 1);
+  CHECK(std::memcmp(dst.data(), v1_bytes.data(), v1_bytes.size()) != 0);
+  auto ref_id = client.RegisterBuffer("m", v1::DESTINATION, ref.name(), fp8, "reference");
+  REQUIRE(ref_id.ok());
+  REQUIRE(client.Apply("m", 2, {*ref_id}).ok());
+  CHECK(std::memcmp(dst.data(), ref.data(), kDst) == 0);
+  CHECK(client.Verify("m").ok());
+}
+
 }  // namespace refit

@@ -470,6 +470,30 @@ bool Landed(const QuantBatch::Task& task, const std::vector<QuantSource>& source
 
 }  // namespace
 
+std::shared_ptr<Region> QuantCache::Slot(const QuantBatch* batch) {
+  std::shared_ptr<Entry> entry;
+  {
+    common::MutexLock lock(mu_);
+    auto it = entries_.find(batch);
+    if (it == entries_.end()) return nullptr;
+    entry = it->second;
+  }
+  common::MutexLock run(entry->run_mu);
+  return entry->finished && entry->status.ok() ? entry->slot : nullptr;
+}
+
+void QuantCache::SetChanges(const QuantBatch* batch, DerivedChanges changes) {
+  common::MutexLock lock(mu_);
+  auto it = entries_.find(batch);
+  if (it != entries_.end()) it->second->changes = std::move(changes);
+}
+
+DerivedChanges QuantCache::Changes(const QuantBatch* batch) {
+  common::MutexLock lock(mu_);
+  auto it = entries_.find(batch);
+  return it == entries_.end() ? DerivedChanges{} : it->second->changes;
+}
+
 void QuantCache::Forget(const QuantBatch& batch, uint32_t piece,
                         const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
   std::shared_ptr<Entry> entry;

@@ -25,6 +25,16 @@
 
 namespace refit {
 
+struct ChangeList;  // store_internal.h
+
+// Sparse Apply into fp8 destinations (store_sparse.cc, Store::DiffDerived): what a version's
+// derived slot of one batch changed against another version's slot of the same batch.
+struct DerivedChanges {
+  std::shared_ptr<const ChangeList> list;  // null: not diffed
+  uint64_t base = 0;                       // the version diffed against
+  uint64_t compared = 0;                   // bytes of the slot compared
+};
+
 // One box of one scaled destination tensor, as the plan sees it: `fp8` at byte 0 of a derived
 // slot and `scales` after it, both row-major, named as the planner's renamed destinations are
 // (QuantPlanName), so that the plan copies them into the fp8 slices and the scale tensor.
@@ -168,6 +178,12 @@ class QuantCache {
   // Inf and NaN source values in the blocks quantized so far.
   uint64_t nonfinite() const { return nonfinite_.load(); }
 
+  // The slot of `batch` once every task ran without error; null otherwise (nothing runs).
+  std::shared_ptr<Region> Slot(const QuantBatch* batch);
+  // Sparse Apply: the change list of `batch`'s slot (set once it is finished; Slot).
+  void SetChanges(const QuantBatch* batch, DerivedChanges changes);
+  DerivedChanges Changes(const QuantBatch* batch);
+
  private:
   struct Entry {
     std::shared_ptr<const QuantBatch> batch;  // keeps the key alive
@@ -178,6 +194,7 @@ class QuantCache {
     std::vector<uint64_t> nonfinite;  // per task run, what it counted
     size_t left = 0;
     bool finished = false;
+    DerivedChanges changes;  // guarded by QuantCache::mu_
   };
   common::Mutex mu_;
   std::map<const QuantBatch*, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);

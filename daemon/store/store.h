@@ -431,6 +431,13 @@ class Store : public PeerStore, public VersionImports {
   // Fills `pieces[i].changes` (against `base`'s piece of the same node and buffer, where its
   // bytes over `pieces[i]`'s valid ranges are held) on up to 8 cores; no store lock held.
   static void DiffPieces(std::vector<Piece*> pieces, const Version& base);
+  // fp8 destinations with scales: once the quantizer finished `version`'s derived slot of
+  // `batch`, its change list against `base`'s slot of the same batch (quantized again with
+  // `batch` where a registration made a new batch since), in host memory, kept in
+  // version.quant (QuantCache::Changes); no store lock held. A block whose scale did not change
+  // gives only its changed fp8 bytes; one whose amax changed, its block and its scale.
+  void DiffDerived(const Version& version, const Version& base,
+                   const std::shared_ptr<const QuantBatch>& batch);
   // Sparse Apply of `version` into `dests`, which hold its change map's base entirely: writes
   // only the destination elements whose source bytes changed, undo-journaled and verified.
   // nullopt when the sparse path does not apply (then the full Apply runs); an error after the
@@ -440,7 +447,8 @@ class Store : public PeerStore, public VersionImports {
   // gets the full copy.
   std::optional<absl::StatusOr<ApplyResult>> ApplySparse(
       const Version& version, const std::shared_ptr<const Version>& base, const CachedPlan& cached,
-      const std::vector<std::shared_ptr<Buffer>>& dests);
+      const std::vector<std::shared_ptr<Buffer>>& dests,
+      const std::vector<std::shared_ptr<Region>>& derived);
   // Verify of a version whose held copy --delta-base=destination released: the destinations
   // against the digests taken of it (BaseFromDestinations per released piece). DATA_LOSS naming
   // the buffers and tensors that differ; FAILED_PRECONDITION where there is nothing to compare.

@@ -141,7 +141,7 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
   std::unique_ptr<ApplyJournal::Entry> undo;
   if (all_host) {
     // The destinations hold the version this one was diffed against: write what changed.
-    if (auto sparse = ApplySparse(*source, applied_base, *cached, dests)) {
+    if (auto sparse = ApplySparse(*source, applied_base, *cached, dests, derived)) {
       if (!sparse->ok()) return sparse->status();
       return Applied(model_name, source, dests, **sparse, started);
     }

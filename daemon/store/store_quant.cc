@@ -407,10 +407,21 @@ void Store::RunQuantJob(QuantQueue<Version>::Job job) {
   std::vector<const std::vector<TensorSlice>*> layout;
   for (const Piece& piece : version->pieces) layout.push_back(piece.slices.get());
   auto batch = QuantBatchFor(*model, version->layout_key, layout);
+  // Engines on this node that hold the newest complete version: the derived slot diffed
+  // against that version's, for a sparse Apply into fp8 destinations (store_sparse.cc).
+  std::shared_ptr<const Version> diff_base = DiffBaseFor(*model);
+  if (diff_base) {
+    bool held = false;
+    for (const std::string& id : model->destinations) {
+      held = held || buffers_.at(id)->applied == diff_base->number;
+    }
+    if (!held || diff_base->layout_key != version->layout_key) diff_base.reset();
+  }
   lock.unlock();
   const auto started = Clock::now();
   auto slots = RunQuantBatch(*version, batch, false);
   const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  if (slots.ok() && diff_base) DiffDerived(*version, *diff_base, batch);
   lock.lock();
   model = FindModel(name);
   if (!model || model->finishing != version->number || model->run != version->run) return;

@@ -397,62 +397,56 @@ struct SparseWriter {
 
 }  // namespace
 
-void Store::DiffPieces(std::vector<Piece*> pieces, const Version& base) {
+namespace {
+
+// One region diffed against the bytes an earlier version held there.
+struct DiffInput {
+  const uint8_t* now = nullptr;
+  uint64_t size = 0;  // of `now`
+  const uint8_t* old = nullptr;
+  ByteRanges ranges;  // the bytes compared
+};
+
+// The change list of each input and the bytes compared of each, on up to 8 cores. False (no
+// lists) when the version changed more than ApplySparse would ever write sparsely (a full
+// version, not an RL step): it is not diffed to its end nor its new bytes carried: once the
+// bytes found changed pass that share of everything compared, every task stops (ApplySparse
+// then takes the full copy, as it would have).
+bool DiffRegions(const std::vector<DiffInput>& in, std::vector<std::shared_ptr<ChangeList>>* lists,
+                 std::vector<uint64_t>* compared_of) {
   struct Task {
-    size_t piece;
-    const uint8_t* old_bytes;
+    size_t input;
     uint64_t begin, end;
   };
   std::vector<Task> tasks;
-  std::vector<size_t> first_task(pieces.size() + 1, 0);
-  std::vector<bool> diffed(pieces.size(), false);
-  for (size_t i = 0; i < pieces.size(); ++i) {
+  std::vector<size_t> first_task(in.size() + 1, 0);
+  for (size_t i = 0; i < in.size(); ++i) {
     first_task[i] = tasks.size();
-    Piece& piece = *pieces[i];
-    piece.changes.reset();
-    const Piece* old = nullptr;
-    for (const Piece& b : base.pieces) {
-      if (b.node == piece.node && b.buffer_id == piece.buffer_id) old = &b;
-    }
-    if (!old || !old->slot || old->released || !piece.slot ||
-        piece.slot->kind() != MemoryKind::kHost || old->slot->kind() != MemoryKind::kHost ||
-        old->slot->size() != piece.slot->size()) {
-      continue;
-    }
-    ByteRanges whole{{0, piece.slot->size()}};
-    const ByteRanges& ranges = piece.valid ? *piece.valid : whole;
-    // Every byte compared must be held of the old piece.
-    if (old->valid && *old->valid != ranges) continue;
-    diffed[i] = true;
-    for (const auto& [b, e] : ranges) {
+    for (const auto& [b, e] : in[i].ranges) {
       for (uint64_t at = b; at < e; at += kDiffTaskBytes) {
-        tasks.push_back({i, old->slot->data(), at, std::min(e, at + kDiffTaskBytes)});
+        tasks.push_back({i, at, std::min(e, at + kDiffTaskBytes)});
       }
     }
   }
-  first_task[pieces.size()] = tasks.size();
+  first_task[in.size()] = tasks.size();
   std::vector<Found> found(tasks.size());
   uint64_t total = 0;
   for (const Task& t : tasks) total += t.end - t.begin;
-  // A version that changed more than ApplySparse would ever write sparsely (a full version,
-  // not an RL step) is not diffed to its end nor its new bytes carried: once the bytes found
-  // changed pass that share of everything compared, every task stops and no piece gets a
-  // change list (ApplySparse then takes the full copy, as it would have).
   std::atomic<uint64_t> changed_total{0};
   std::atomic<bool> dense{false};
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t t = next++; t < tasks.size() && !dense; t = next++) {
       const Task& task = tasks[t];
-      const Region& slot = *pieces[task.piece]->slot;
-      DiffRange(slot.data(), task.old_bytes, task.begin, task.end, &found[t].runs);
+      const DiffInput& input = in[task.input];
+      DiffRange(input.now, input.old, task.begin, task.end, &found[t].runs);
       uint64_t changed = 0;
       for (const auto& [b, e] : found[t].runs) changed += e - b;
       if ((changed_total += changed) * kDenseShareInverse > total) {
         dense = true;
         break;
       }
-      GatherValues(slot.data(), slot.size(), &found[t]);
+      GatherValues(input.now, input.size, &found[t]);
     }
   };
   const unsigned threads =
@@ -463,9 +457,10 @@ void Store::DiffPieces(std::vector<Piece*> pieces, const Version& base) {
   for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
   work();
   for (std::thread& t : pool) t.join();
-  if (dense) return;
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    if (!diffed[i]) continue;
+  if (dense) return false;
+  lists->assign(in.size(), nullptr);
+  compared_of->assign(in.size(), 0);
+  for (size_t i = 0; i < in.size(); ++i) {
     // The tasks' runs in order (touching runs of neighbouring tasks are left apart: each
     // carries its own words).
     auto list = std::make_shared<ChangeList>();
@@ -489,10 +484,71 @@ void Store::DiffPieces(std::vector<Piece*> pieces, const Version& base) {
       compared += tasks[t].end - tasks[t].begin;
     }
     list->values_at.push_back(list->values.size());
-    pieces[i]->changes = std::move(list);
-    pieces[i]->changes_base = base.number;
-    pieces[i]->compared_bytes = compared;
+    (*lists)[i] = std::move(list);
+    (*compared_of)[i] = compared;
   }
+  return true;
+}
+
+}  // namespace
+
+void Store::DiffPieces(std::vector<Piece*> pieces, const Version& base) {
+  std::vector<DiffInput> in;
+  std::vector<Piece*> diffed;
+  for (Piece* piece_ptr : pieces) {
+    Piece& piece = *piece_ptr;
+    piece.changes.reset();
+    const Piece* old = nullptr;
+    for (const Piece& b : base.pieces) {
+      if (b.node == piece.node && b.buffer_id == piece.buffer_id) old = &b;
+    }
+    if (!old || !old->slot || old->released || !piece.slot ||
+        piece.slot->kind() != MemoryKind::kHost || old->slot->kind() != MemoryKind::kHost ||
+        old->slot->size() != piece.slot->size()) {
+      continue;
+    }
+    ByteRanges whole{{0, piece.slot->size()}};
+    const ByteRanges& ranges = piece.valid ? *piece.valid : whole;
+    // Every byte compared must be held of the old piece.
+    if (old->valid && *old->valid != ranges) continue;
+    in.push_back({piece.slot->data(), piece.slot->size(), old->slot->data(), ranges});
+    diffed.push_back(&piece);
+  }
+  std::vector<std::shared_ptr<ChangeList>> lists;
+  std::vector<uint64_t> compared;
+  if (!DiffRegions(in, &lists, &compared)) return;
+  for (size_t i = 0; i < diffed.size(); ++i) {
+    diffed[i]->changes = std::move(lists[i]);
+    diffed[i]->changes_base = base.number;
+    diffed[i]->compared_bytes = compared[i];
+  }
+}
+
+void Store::DiffDerived(const Version& version, const Version& base,
+                        const std::shared_ptr<const QuantBatch>& batch) {
+  // The same batch quantizes both, so the slots have one layout: fp8 bytes and scales of the
+  // same boxes at the same offsets. A registration or release since `base` was quantized made
+  // a new batch: `base` is quantized again with it (from its held pieces; where they are not
+  // held, no list: the full copy).
+  const std::shared_ptr<Region> now = version.quant->Slot(batch.get());
+  std::shared_ptr<Region> old = base.quant->Slot(batch.get());
+  bool held = true;  // every piece of `base` is still here to quantize from
+  for (const Piece& piece : base.pieces) held = held && piece.slot && !piece.released;
+  if (!old && held && now && now->kind() == MemoryKind::kHost) {
+    auto quantized = RunQuantBatch(base, batch, false);
+    if (quantized.ok()) old = *quantized;
+  }
+  if (!now || !old || now->kind() != MemoryKind::kHost || old->kind() != MemoryKind::kHost ||
+      now->size() != old->size() || batch->bytes() == 0) {
+    return;
+  }
+  std::vector<DiffInput> in = {
+      {now->data(), now->size(), old->data(), {{0, std::min(batch->bytes(), now->size())}}}};
+  std::vector<std::shared_ptr<ChangeList>> lists;
+  std::vector<uint64_t> compared;
+  if (!DiffRegions(in, &lists, &compared)) return;
+  version.quant->SetChanges(batch.get(),
+                            DerivedChanges{std::move(lists[0]), base.number, compared[0]});
 }
 
 std::shared_ptr<const Store::Version> Store::DiffBaseFor(const Model& model) const {
@@ -503,27 +559,67 @@ std::shared_ptr<const Store::Version> Store::DiffBaseFor(const Model& model) con
 
 std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
     const Version& version, const std::shared_ptr<const Version>& held, const CachedPlan& cached,
-    const std::vector<std::shared_ptr<Buffer>>& dests) {
-  if (!cached.jobs.empty() || version.pieces.empty() || !held) return std::nullopt;
+    const std::vector<std::shared_ptr<Buffer>>& dests,
+    const std::vector<std::shared_ptr<Region>>& derived) {
+  if (version.pieces.empty() || !held) return std::nullopt;
   if (held->layout_key != version.layout_key || held->pieces.size() != version.pieces.size()) {
     return std::nullopt;
   }
-  // Every piece diffed against the version every destination holds entirely.
-  const uint64_t base = version.pieces[0].changes_base;
-  uint64_t changed = 0, compared = 0;
-  for (const Piece& piece : version.pieces) {
-    if (!piece.changes || piece.changes_base != base || !piece.slot) return std::nullopt;
-    changed += piece.changes->changed_bytes;
-    compared += piece.compared_bytes;
-  }
-  if (held->number != base) return std::nullopt;
-  for (size_t i = 0; i < held->pieces.size(); ++i) {
+  const plan::Plan& plan = cached.plan;
+  // Per source location of the plan (the pieces, then the derived slot of fp8 destinations with
+  // scales): its change list, its new bytes and the held version's bytes, where it has them.
+  const size_t pieces = version.pieces.size();
+  const size_t locations = pieces + (cached.jobs.empty() ? 0 : 1);
+  std::vector<const ChangeList*> changes(locations, nullptr);
+  std::vector<const uint8_t*> old_bytes(locations, nullptr), src(locations, nullptr);
+  std::vector<uint64_t> base_of(locations, 0), compared_of(locations, 0);
+  for (size_t i = 0; i < pieces; ++i) {
     const Piece& p = held->pieces[i];
     const Piece& n = version.pieces[i];
-    if (!p.slot || p.released || p.slot->kind() != MemoryKind::kHost ||
+    if (!n.changes || !n.slot || !p.slot || p.released || p.slot->kind() != MemoryKind::kHost ||
         p.slot->size() != n.slot->size() || (p.valid && (!n.valid || *p.valid != *n.valid))) {
+      continue;
+    }
+    changes[i] = n.changes.get();
+    src[i] = n.slot->data();
+    old_bytes[i] = p.slot->data();
+    base_of[i] = n.changes_base;
+    compared_of[i] = n.compared_bytes;
+  }
+  // fp8 destinations with scales: the change list of the derived slot, diffed against the held
+  // version's slot of the same batch as the quantizer finished it (DiffDerived). Both slots are
+  // kept by their versions' QuantCache while this Apply holds the versions.
+  DerivedChanges derived_changes;
+  std::shared_ptr<Region> held_derived;
+  if (!cached.jobs.empty()) {
+    if (derived.size() != 1 || !derived[0] || derived[0]->kind() != MemoryKind::kHost) {
       return std::nullopt;
     }
+    derived_changes = version.quant->Changes(cached.batch.get());
+    held_derived = held->quant->Slot(cached.batch.get());
+    if (derived_changes.list && held_derived && held_derived->kind() == MemoryKind::kHost &&
+        held_derived->size() == derived[0]->size()) {
+      changes[pieces] = derived_changes.list.get();
+      src[pieces] = derived[0]->data();
+      old_bytes[pieces] = held_derived->data();
+      base_of[pieces] = derived_changes.base;
+      compared_of[pieces] = derived_changes.compared;
+    }
+  }
+  // Every location the plan reads diffed against the version every destination holds entirely.
+  std::vector<bool> read(locations, false);
+  for (const plan::CopyOp& op : plan.ops) {
+    if (op.src_location >= locations || op.dst_location >= dests.size()) return std::nullopt;
+    read[op.src_location] = true;
+  }
+  const uint64_t base = held->number;
+  uint64_t changed = 0, compared = 0, runs = 0;
+  for (size_t l = 0; l < locations; ++l) {
+    if (!read[l]) continue;
+    if (!changes[l] || base_of[l] != base) return std::nullopt;
+    changed += changes[l]->changed_bytes;
+    compared += compared_of[l];
+    runs += changes[l]->runs.size();
   }
   for (const auto& d : dests) {
     if (d->applied != base || d->region->kind() != MemoryKind::kHost) return std::nullopt;
@@ -531,26 +627,11 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
   if (changed * kDenseShareInverse > compared) return std::nullopt;  // dense: a copy is cheaper
   // Fewer changed runs than the cost model allows, or the full copy is cheaper.
   static const bool always = TestSwitch("REFIT_TEST_SPARSE_ALWAYS") != nullptr;
-  uint64_t runs = 0;
-  for (const Piece& piece : version.pieces) runs += piece.changes->runs.size();
   if (!always && options_.sparse_bytes_per_run > 0 &&
       runs * options_.sparse_bytes_per_run >= cached.plan.dst_bytes) {
     return std::nullopt;
   }
-  const plan::Plan& plan = cached.plan;
   const auto t_start = Clock::now();
-  std::vector<const ChangeList*> changes;
-  std::vector<const uint8_t*> old_bytes, src;
-  for (size_t i = 0; i < version.pieces.size(); ++i) {
-    changes.push_back(version.pieces[i].changes.get());
-    src.push_back(version.pieces[i].slot->data());
-    old_bytes.push_back(held->pieces[i].slot->data());
-  }
-  for (const plan::CopyOp& op : plan.ops) {
-    if (op.src_location >= version.pieces.size() || op.dst_location >= dests.size()) {
-      return std::nullopt;
-    }
-  }
   // The work cut into items of rows, sized (pass one) and written (pass two) on several cores
   // when there are enough runs: each worker takes a contiguous share of the items, with a part
   // of the undo record of its own.

@@ -11,9 +11,12 @@
 // ../shared/data/deltas/<model>, tiled over the model's bytes (their own change pattern). Every
 // Apply is checked byte for byte. Per version: the changed share, Apply seconds and bytes
 // written (refit_apply_bytes_total) of both, undo bytes, and memcpy of the model in this run.
+// --fp8: the engine's buffers are FP8_E4M3 with [128, 128] block scales (each weight's FP32
+// `weight_scale_inv` beside it), quantized on the engine's node; the sparse buffer is checked
+// against the full one byte for byte, and memcpy is of the fp8 buffer's bytes.
 //
 //   apply_bench --trainer-socket=A.sock --engine-socket=B.sock [--mib=1024] [--versions=6]
-//               [--density=0.004] [--real=DIR]
+//               [--density=0.004] [--real=DIR] [--fp8]
 
 #include <unistd.h>
 
@@ -69,6 +72,7 @@ int main(int argc, char** argv) {
   int versions = 6;
   double density = 0.004;
   int engine_pid = 0;
+  bool fp8 = false;
   app.add_option("--trainer-socket", trainer_socket)->required();
   app.add_option("--engine-socket", engine_socket)->required();
   app.add_option("--mib", mib);
@@ -76,6 +80,7 @@ int main(int argc, char** argv) {
   app.add_option("--density", density);
   app.add_option("--real", real, "a folder of ../shared/data/deltas (v000.bin ...)");
   app.add_option("--engine-pid", engine_pid, "the engine node's refitd: its CPU time per Apply");
+  app.add_flag("--fp8", fp8, "fp8 destinations with [128, 128] block scales");
   CLI11_PARSE(app, argc, argv);
 
   auto trainer = Client::Connect(trainer_socket);
@@ -94,13 +99,32 @@ int main(int argc, char** argv) {
     layout.push_back(Slice("layers." + std::to_string(t) + ".weight", v1::BF16, {rows, cols},
                            static_cast<uint64_t>(t) * tensor_bytes));
   }
-  auto make = [&](const std::string& tag) {
+  // The engine's layout: the same, or with --fp8 each weight in fp8 and its scales after it.
+  const int64_t grid = rows / 128;
+  const uint64_t fp8_stride = rows * cols + grid * grid * 4;
+  const uint64_t total_dst = fp8 ? fp8_stride * static_cast<uint64_t>(tensors) : total;
+  std::vector<v1::TensorSlice> dst_layout = layout;
+  if (fp8) {
+    dst_layout.clear();
+    for (int t = 0; t < tensors; ++t) {
+      const std::string name = "layers." + std::to_string(t) + ".weight";
+      v1::TensorSlice q =
+          Slice(name, v1::FP8_E4M3, {rows, cols}, static_cast<uint64_t>(t) * fp8_stride);
+      q.set_scale_tensor(name + "_scale_inv");
+      q.add_scale_block(128);
+      q.add_scale_block(128);
+      dst_layout.push_back(q);
+      dst_layout.push_back(Slice(name + "_scale_inv", v1::FP32, {grid, grid},
+                                 static_cast<uint64_t>(t) * fp8_stride + rows * cols));
+    }
+  }
+  auto make = [&](const std::string& tag, uint64_t bytes) {
     return SharedMemory::Create("/refit-apply-bench-" + tag + "-" + std::to_string(getpid()),
-                                total);
+                                bytes);
   };
-  auto src_or = make("src");
-  auto sparse_or = make("sparse");
-  auto full_or = make("full");
+  auto src_or = make("src", total);
+  auto sparse_or = make("sparse", total_dst);
+  auto full_or = make("full", total_dst);
   for (auto* m : {&src_or, &sparse_or, &full_or}) {
     if (!m->ok()) return Fail("shared memory", m->status());
   }
@@ -110,9 +134,9 @@ int main(int argc, char** argv) {
   const std::string model = "apply-bench";
   auto src_id = (*trainer)->RegisterBuffer(model, v1::SOURCE, *src, layout, "trainer");
   if (!src_id.ok()) return Fail("register source", src_id.status());
-  std::memset(sparse->data(), 0, total);
-  std::memset(full->data(), 0, total);
-  auto sparse_id = (*engine)->RegisterBuffer(model, v1::DESTINATION, *sparse, layout, "engine");
+  std::memset(sparse->data(), 0, total_dst);
+  std::memset(full->data(), 0, total_dst);
+  auto sparse_id = (*engine)->RegisterBuffer(model, v1::DESTINATION, *sparse, dst_layout, "engine");
   if (!sparse_id.ok()) return Fail("register destination", sparse_id.status());
   std::string full_id;
 
@@ -132,8 +156,11 @@ int main(int argc, char** argv) {
   auto undo_bytes = [&] { return Metric(**engine, "refit_apply_undo_bytes_total").value_or(0); };
 
   std::cout << absl::StrFormat(
-      "model: %d bf16 tensors [%d, %d], %.3f GiB; engine: 2 DESTINATION buffers, same layout\n",
-      tensors, rows, cols, static_cast<double>(total) / (1 << 30));
+      "model: %d bf16 tensors [%d, %d], %.3f GiB; engine: 2 DESTINATION buffers, %s\n", tensors,
+      rows, cols, static_cast<double>(total) / (1 << 30),
+      fp8 ? absl::StrFormat("fp8 + [128, 128] block scales, %.3f GiB",
+                            static_cast<double>(total_dst) / (1 << 30))
+          : std::string("same layout"));
   std::cout << absl::StrFormat("%-4s %9s %12s %10s %14s %12s %10s %14s %12s %8s %8s %5s\n", "ver",
                                "changed", "on the wire", "sparse s", "sparse bytes", "undo bytes",
                                "full s", "full bytes", "undo bytes", "sp/full", "full/cpy",
@@ -169,13 +196,14 @@ int main(int argc, char** argv) {
     }
     // The full buffer: memcpy of the model into it (the reference, this run), then registered
     // afresh, so that it holds no known version.
+    // (--fp8: of the fp8 buffer's bytes, from the sparse buffer.)
     auto m0 = Clock::now();
-    std::memcpy(full->data(), src->data(), total);
+    std::memcpy(full->data(), fp8 ? sparse->data() : src->data(), total_dst);
     const double copy_s = Seconds(m0, Clock::now());
     copy.push_back(copy_s);
-    std::memset(full->data(), 0, total);
+    std::memset(full->data(), 0, total_dst);
     if (!full_id.empty()) (void)(*engine)->ReleaseBuffer(full_id);
-    auto fid = (*engine)->RegisterBuffer(model, v1::DESTINATION, *full, layout, "engine-full");
+    auto fid = (*engine)->RegisterBuffer(model, v1::DESTINATION, *full, dst_layout, "engine-full");
     if (!fid.ok()) return Fail("register destination", fid.status());
     full_id = *fid;
     const double wire_before = received();
@@ -206,8 +234,9 @@ int main(int argc, char** argv) {
     const double c3 = CpuSeconds(engine_pid);
     if (!b.ok()) return Fail("full apply", b.status());
     const double ab2 = apply_bytes(), ub2 = undo_bytes();
-    const bool ok = std::memcmp(sparse->data(), src->data(), total) == 0 &&
-                    std::memcmp(full->data(), src->data(), total) == 0;
+    const bool ok = fp8 ? std::memcmp(sparse->data(), full->data(), total_dst) == 0
+                        : std::memcmp(sparse->data(), src->data(), total) == 0 &&
+                              std::memcmp(full->data(), src->data(), total) == 0;
     const double s = Seconds(t0, t1), f = Seconds(t2, t3);
     std::cout << absl::StrFormat(
         "%-4d %8.3f%% %12.0f %10.4f %14.0f %12.0f %10.4f %14.0f %12.0f %8.3f %8.2f %5s\n", version,
@@ -232,15 +261,15 @@ int main(int argc, char** argv) {
   }
   if (!ratio.empty()) {
     std::cout << absl::StrFormat(
-        "\nmedians over versions 3..%d of %.3f GB:\n"
+        "\nmedians over versions 3..%d of %.3f GB (engine's buffer):\n"
         "  memcpy of the model   %.4f s (reference, same run)\n"
         "  full Apply            %.4f s = %.2fx memcpy\n"
         "  sparse Apply          %.4f s = %.3fx full Apply, %.3fx memcpy; %.0f bytes written "
         "(%.4f%% of the model)\n",
-        versions, static_cast<double>(total) / 1e9, Median(copy), Median(full_s),
+        versions, static_cast<double>(total_dst) / 1e9, Median(copy), Median(full_s),
         Median(full_s) / Median(copy), Median(sparse_s), Median(ratio),
         Median(sparse_s) / Median(copy), Median(sparse_written),
-        100.0 * Median(sparse_written) / static_cast<double>(total));
+        100.0 * Median(sparse_written) / static_cast<double>(total_dst));
     if (engine_pid > 0) {
       std::cout << absl::StrFormat(
           "  refitd CPU seconds    sparse %.3f, full %.3f: sparse = %.3fx full (10 ms ticks)\n",
