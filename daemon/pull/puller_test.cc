@@ -405,12 +405,12 @@ void PullPastSilentRelay(bool heartbeat) {
   PullOutcome outcome = nodes.Pull(&channels, &replicas, limits);
   REQUIRE(outcome.status.ok());
   CHECK(SameBytes(*outcome.staging[0], truth));
+  CHECK(nodes.puller_metrics.Get(kRelayBytesReceived) == 0);
+  CHECK(nodes.puller_metrics.Get(kDataBytesReceived) == static_cast<double>(truth.size()));
+  server->Shutdown();  // waits for the relay's handlers to see their streams end
   CHECK(relay.streams >= 1);
   CHECK(relay.cancelled == relay.streams.load());
   CHECK(nodes.puller_metrics.Get(kRelayFailovers) == relay.streams.load());
-  CHECK(nodes.puller_metrics.Get(kRelayBytesReceived) == 0);
-  CHECK(nodes.puller_metrics.Get(kDataBytesReceived) == static_cast<double>(truth.size()));
-  server->Shutdown();
 }
 
 TEST_CASE("a relay that goes silent with its connection up is given up on; the origin serves") {
