@@ -55,9 +55,10 @@ std::string SharedDirOrSkip(const std::string& what) {
   if (const char* env = EnvDir()) {
     FAIL("REFIT_SHARED_DIR=" << env << " has no data/deltas: cannot run " << what);
   }
-  WARN("shared data directory not found (set REFIT_SHARED_DIR, or clone next to shared/): "
-       "SKIPPING "
-       << what);
+  WARN(
+      "shared data directory not found (set REFIT_SHARED_DIR, or clone next to shared/): "
+      "SKIPPING "
+      << what);
   return "";
 }
 
