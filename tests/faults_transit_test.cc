@@ -34,20 +34,11 @@ SharedMemory MakeShm() {
 
 TEST_CASE("bytes flipped in transit are all detected, refetched and never applied",
           "[integration][faults][transit]") {
-  auto trainer_node = DaemonProcess::Start({"--node=trainer-node"}, "", {"UCX_TLS=tcp"});
-  REQUIRE(trainer_node.ok());
-  auto tc = (*trainer_node)->Connect();
-  REQUIRE(tc.ok());
-  auto& trainer = **tc;
-  auto status = trainer.Status();
-  REQUIRE(status.ok());
-  auto engine_node = DaemonProcess::Start(
-      {"--node=engine-node", "--peers=127.0.0.1:" + std::to_string(status->listen_port())}, "",
-      {"UCX_TLS=tcp", "REFIT_FAULT_TRANSIT_FLIP=1/2"});
-  REQUIRE(engine_node.ok());
-  auto ec = (*engine_node)->Connect();
-  REQUIRE(ec.ok());
-  auto& engine = **ec;
+  auto nodes = testing::StartPair({"--node=trainer-node"}, {"--node=engine-node"}, {"UCX_TLS=tcp"},
+                                  {"UCX_TLS=tcp", "REFIT_FAULT_TRANSIT_FLIP=1/2"});
+  REQUIRE(nodes.ok());
+  auto& trainer = *nodes->trainer_client;
+  auto& engine = *nodes->engine_client;
 
   SharedMemory src = MakeShm(), dst = MakeShm();
   const std::vector<v1::TensorSlice> layout = {Slice("w", v1::BF16, {kBytes / 2})};

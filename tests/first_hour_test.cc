@@ -201,11 +201,10 @@ TEST_CASE("an engine's node skips reused numbers from a restarted trainer's node
 
 TEST_CASE("waiting on a model no node has sources for says so and names the nearest",
           "[integration][first_hour]") {
-  auto trainer_node = StartDaemon({"--node=trainer"});
-  auto engine_node = StartDaemon(
-      {"--node=engine", "--peers=127.0.0.1:" + std::to_string(ListenPort(*trainer_node))});
-  auto trainer = ClientOf(*trainer_node);
-  auto engine = ClientOf(*engine_node);
+  auto nodes = testing::StartPair({"--node=trainer"}, {"--node=engine"});
+  REQUIRE(nodes.ok());
+  std::unique_ptr<client::Client>& trainer = nodes->trainer_client;
+  std::unique_ptr<client::Client>& engine = nodes->engine_client;
   SharedMemory src = MakeShm(4096);
   SharedMemory dst = MakeShm(4096);
   auto s = trainer->RegisterBuffer("llama", v1::SOURCE, src.name(), {Slice("w", v1::FP32, {1024})},
@@ -289,11 +288,10 @@ TEST_CASE("refitctl drop releases a model's versions once no buffer of it is lef
 
 TEST_CASE("the sources' layout wins over a destination that registered first",
           "[integration][first_hour]") {
-  auto trainer_node = StartDaemon({"--node=trainer"});
-  auto engine_node = StartDaemon(
-      {"--node=engine", "--peers=127.0.0.1:" + std::to_string(ListenPort(*trainer_node))});
-  auto trainer = ClientOf(*trainer_node);
-  auto engine = ClientOf(*engine_node);
+  auto nodes = testing::StartPair({"--node=trainer"}, {"--node=engine"});
+  REQUIRE(nodes.ok());
+  std::unique_ptr<client::Client>& trainer = nodes->trainer_client;
+  std::unique_ptr<client::Client>& engine = nodes->engine_client;
   SharedMemory src = MakeShm(4096);
   SharedMemory wrong = MakeShm(8192);
   SharedMemory right = MakeShm(4096);
