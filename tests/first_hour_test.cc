@@ -226,12 +226,12 @@ TEST_CASE("waiting on a model no node has sources for says so and names the near
   CHECK(Contains(message, "did you mean 'llama'?"));
   // refitctl watch and versions both refuse an unknown name, with the nearest one.
   auto watch = testing::RunCommand({testing::RunfilePath("client/refitctl"),
-                                    "--socket=" + engine_node->socket(), "watch", "llma"});
+                                    "--socket=" + nodes->engine->socket(), "watch", "llma"});
   CHECK(watch.exit_code == 1);
   CHECK(Contains(watch.err, "model llma is not known"));
   CHECK(Contains(watch.err, "did you mean"));
   auto versions = testing::RunCommand({testing::RunfilePath("client/refitctl"),
-                                       "--socket=" + engine_node->socket(), "versions", "llma"});
+                                       "--socket=" + nodes->engine->socket(), "versions", "llma"});
   CHECK(versions.exit_code == 1);
   CHECK(Contains(versions.err, "model llma is not known"));
   // Once the engine lets go of its buffer, the misspelled model is gone from Status.
