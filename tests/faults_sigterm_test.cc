@@ -14,6 +14,7 @@
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/faults.h"
+#include "tests/testing/required.h"
 
 namespace refit {
 namespace {
@@ -22,14 +23,9 @@ using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
 using testing::DaemonProcess;
+using testing::MakeShm;
 
 constexpr uint64_t kBytes = 64ull << 20;
-
-SharedMemory MakeShm() {
-  auto shm = SharedMemory::Create(testing::UniqueShmName("sigterm"), kBytes);
-  REQUIRE(shm.ok());
-  return std::move(shm).value();
-}
 
 }  // namespace
 
@@ -45,7 +41,7 @@ TEST_CASE("SIGTERM with publishes and pulls in flight drains within 10 s and exi
     DaemonProcess& engine_node = *nodes->engine;
     client::Client& tc = *nodes->trainer_client;
     client::Client& ec = *nodes->engine_client;
-    SharedMemory src = MakeShm(), dst = MakeShm();
+    SharedMemory src = MakeShm("sigterm", kBytes), dst = MakeShm("sigterm", kBytes);
     const std::vector<v1::TensorSlice> layout = {Slice("w", v1::BF16, {kBytes / 2})};
     auto s = tc.RegisterBuffer("m", v1::SOURCE, src.name(), layout, "trainer");
     auto d = ec.RegisterBuffer("m", v1::DESTINATION, dst.name(), layout, "engine");

@@ -13,6 +13,7 @@
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/faults.h"
+#include "tests/testing/required.h"
 
 namespace refit {
 namespace {
@@ -21,14 +22,9 @@ using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
 using testing::DaemonProcess;
+using testing::MakeShm;
 
 constexpr uint64_t kBytes = 4 << 20;
-
-SharedMemory MakeShm() {
-  auto shm = SharedMemory::Create(testing::UniqueShmName("transit"), kBytes);
-  REQUIRE(shm.ok());
-  return std::move(shm).value();
-}
 
 }  // namespace
 
@@ -40,7 +36,7 @@ TEST_CASE("bytes flipped in transit are all detected, refetched and never applie
   auto& trainer = *nodes->trainer_client;
   auto& engine = *nodes->engine_client;
 
-  SharedMemory src = MakeShm(), dst = MakeShm();
+  SharedMemory src = MakeShm("transit", kBytes), dst = MakeShm("transit", kBytes);
   const std::vector<v1::TensorSlice> layout = {Slice("w", v1::BF16, {kBytes / 2})};
   auto s = trainer.RegisterBuffer("m", v1::SOURCE, src.name(), layout, "trainer");
   auto d = engine.RegisterBuffer("m", v1::DESTINATION, dst.name(), layout, "engine");
