@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "cuda/byte_run.h"
 #include "daemon/memory/region.h"
+#include "tests/testing/shared_data.h"
 
 namespace refit::cuda::testing {
 
@@ -90,32 +91,14 @@ inline Bytes ReadFile(const std::string& path) {
   return Bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
-// The shared data directory (holding data/deltas/): $REFIT_SHARED_DIR if set, else shared/
-// beside the source tree (found through this package's kernels.h runfile, a symlink into the
-// source tree), else /work/shared. Empty if none exists.
-inline std::string FindSharedDir() {
-  if (const char* env = std::getenv("REFIT_SHARED_DIR"); env != nullptr && *env != '\0') {
-    return IsDirectory(env) ? env : "";
-  }
-  std::vector<std::string> candidates;
-  char resolved[PATH_MAX];
-  if (realpath("cuda/kernels.h", resolved) != nullptr) {
-    std::string path = resolved;  // <source tree>/cuda/kernels.h
-    for (int up = 0; up < 2; ++up) path = path.substr(0, path.rfind('/'));
-    candidates.push_back(path + "/../shared");
-  }
-  candidates.push_back("/work/shared");
-  for (const auto& candidate : candidates) {
-    if (IsDirectory(candidate + "/data/deltas")) return candidate;
-  }
-  return "";
-}
+using ::refit::testing::FindSharedDir;
 
-// v000.bin .. v003.bin of a data/deltas folder ("tiny-llama-lr1e-6"); empty when the shared
-// directory is missing. A present directory with missing files gives short/empty entries,
-// which the caller's size checks catch.
+// v000.bin .. v003.bin of a data/deltas folder ("tiny-llama-lr1e-6"); empty (after a WARN)
+// when the shared directory is missing and REFIT_SHARED_DIR unset, a test failure when it is set
+// (SharedDirOrSkip). A present directory with missing files gives short/empty entries, which
+// the caller's size checks catch.
 inline std::vector<Bytes> LoadDeltaVersions(const std::string& folder) {
-  const std::string shared = FindSharedDir();
+  const std::string shared = ::refit::testing::SharedDirOrSkip("the real-data kernel checks");
   if (shared.empty()) return {};
   std::vector<Bytes> versions;
   for (int i = 0; i < 4; ++i) {
@@ -123,9 +106,6 @@ inline std::vector<Bytes> LoadDeltaVersions(const std::string& folder) {
   }
   return versions;
 }
-
-inline constexpr const char* kNoSharedData =
-    "shared data directory not found (set REFIT_SHARED_DIR); SKIPPING the real-data checks";
 
 // Host memory that says it is `kind` memory on `device`: lets the transfer logic be tested
 // with "devices" the CPU can read.

@@ -11,6 +11,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Real weight versions for the delta tests live in ../shared/data/deltas next to the checkout
+# (REFIT_SHARED_DIR overrides). They are required here: a run without them fails now, and the
+# tests, given REFIT_SHARED_DIR, fail rather than skip when they cannot read the data.
+shared_dir="${REFIT_SHARED_DIR:-$(cd .. && pwd)/shared}"
+if [ ! -d "$shared_dir/data/deltas" ]; then
+  echo "tests: $shared_dir/data/deltas is missing (the real bf16 versions the delta, bucket and" \
+    "kernel tests read; set REFIT_SHARED_DIR to where data/deltas is)" >&2
+  exit 1
+fi
+shared_dir="$(cd "$shared_dir" && pwd)"  # absolute: the tests run elsewhere
+
 ./scripts/install-deps.sh
 # The Python test environment (torch 2.x, transformers, ...: client/python/requirements-test.txt)
 # in a venv outside the checkout, made once per set of pins (a cold install: about 3 minutes).
@@ -28,12 +39,7 @@ checks_rc=0
 ./scripts/check-format.sh || checks_rc=1
 ./scripts/check-thread-safety.sh || checks_rc=1
 
-# Real weight versions for the delta tests live in ../shared/data/deltas next to the checkout.
-shared_dir="$(cd .. && pwd)/shared"
-test_env=(--test_env=REFIT_PYTHON="$python_env")
-if [ -d "$shared_dir/data/deltas" ]; then
-  test_env+=(--test_env=REFIT_SHARED_DIR="$shared_dir")
-fi
+test_env=(--test_env=REFIT_PYTHON="$python_env" --test_env=REFIT_SHARED_DIR="$shared_dir")
 
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT

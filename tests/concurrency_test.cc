@@ -8,6 +8,7 @@
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/required.h"
 
 namespace refit {
 namespace {
@@ -15,12 +16,7 @@ namespace {
 using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
-
-SharedMemory MakeShm(uint64_t size) {
-  auto shm = SharedMemory::Create(testing::UniqueShmName("c"), size);
-  REQUIRE(shm.ok());
-  return std::move(shm).value();
-}
+using testing::MakeShm;
 
 TEST_CASE("no reader sees a torn version", "[integration][concurrency]") {
   auto daemon = testing::DaemonProcess::Start({"--retain=3"});
@@ -31,7 +27,7 @@ TEST_CASE("no reader sees a torn version", "[integration][concurrency]") {
   // Two trainer ranks, each holding half of one tensor; a version is complete only when both
   // halves are in, so a torn read would show two patterns.
   constexpr int64_t kRows = 512, kCols = 1024;  // 1 MiB of uint8 per rank
-  SharedMemory rank0 = MakeShm(kRows * kCols), rank1 = MakeShm(kRows * kCols);
+  SharedMemory rank0 = MakeShm("c", kRows * kCols), rank1 = MakeShm("c", kRows * kCols);
   auto r0 = (*trainer)->RegisterBuffer(
       "m", v1::SOURCE, rank0.name(),
       {Slice("w", v1::UINT8, {2 * kRows, kCols}, 0, {0, 0}, {kRows, kCols})});
@@ -51,7 +47,7 @@ TEST_CASE("no reader sees a torn version", "[integration][concurrency]") {
     readers.emplace_back([&] {
       auto engine = (*daemon)->Connect();
       REQUIRE(engine.ok());
-      SharedMemory dst = MakeShm(2 * kRows * kCols);
+      SharedMemory dst = MakeShm("c", 2 * kRows * kCols);
       auto d = (*engine)->RegisterBuffer("m", v1::DESTINATION, dst.name(),
                                          {Slice("w", v1::UINT8, {2 * kRows, kCols})});
       REQUIRE(d.ok());
@@ -114,7 +110,7 @@ TEST_CASE("four clients register, publish and apply at once while refitctl polls
       REQUIRE(client.ok());
       const std::string model = "model-" + std::to_string(c);
       const uint64_t bytes = 256 * 1024 * (c + 1);
-      SharedMemory src = MakeShm(bytes), dst = MakeShm(bytes);
+      SharedMemory src = MakeShm("c", bytes), dst = MakeShm("c", bytes);
       auto s = (*client)->RegisterBuffer(model, v1::SOURCE, src.name(),
                                          {Slice("w", v1::BF16, {int64_t(bytes / 2)})});
       auto d = (*client)->RegisterBuffer(model, v1::DESTINATION, dst.name(),

@@ -13,6 +13,7 @@
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/required.h"
 
 namespace refit {
 namespace {
@@ -20,14 +21,9 @@ namespace {
 using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
+using testing::MakeShm;
 
 constexpr uint64_t kShare = 4 << 20;  // tensor "w", bf16, as two DESTINATION halves
-
-SharedMemory MakeShm(uint64_t size) {
-  auto shm = SharedMemory::Create(testing::UniqueShmName("r20dbase"), size);
-  REQUIRE(shm.ok());
-  return std::move(shm).value();
-}
 
 double Metric(client::Client& client, const std::string& name) {
   auto status = client.Status();
@@ -48,9 +44,9 @@ TEST_CASE(
   client::Client& engine = *pair->engine_client;
 
   const int64_t elements = kShare / 2;
-  SharedMemory src = MakeShm(kShare);
-  SharedMemory lo = MakeShm(kShare / 2);
-  SharedMemory hi = MakeShm(kShare / 2);
+  SharedMemory src = MakeShm("r20dbase", kShare);
+  SharedMemory lo = MakeShm("r20dbase", kShare / 2);
+  SharedMemory hi = MakeShm("r20dbase", kShare / 2);
   auto s = trainer.RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::BF16, {elements})},
                                   "trainer");
   REQUIRE(s.ok());
@@ -136,9 +132,9 @@ TEST_CASE(
   client::Client& trainer = *pair->trainer_client;
   client::Client& engine = *pair->engine_client;
   const int64_t elements = kShare / 2;
-  SharedMemory src = MakeShm(kShare);
-  SharedMemory lo = MakeShm(kShare / 2);
-  SharedMemory hi = MakeShm(kShare / 2);
+  SharedMemory src = MakeShm("r20dbase", kShare);
+  SharedMemory lo = MakeShm("r20dbase", kShare / 2);
+  SharedMemory hi = MakeShm("r20dbase", kShare / 2);
   auto s = trainer.RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::BF16, {elements})},
                                   "trainer");
   REQUIRE(s.ok());

@@ -12,6 +12,7 @@
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/faults.h"
+#include "tests/testing/required.h"
 
 namespace refit {
 namespace {
@@ -19,12 +20,7 @@ namespace {
 using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
-
-SharedMemory MakeShm(uint64_t bytes) {
-  auto shm = SharedMemory::Create(testing::UniqueShmName("deadline"), bytes);
-  REQUIRE(shm.ok());
-  return std::move(shm).value();
-}
+using testing::MakeShm;
 
 // Relative error of `elapsed` against `deadline`, after checking the call ended by its deadline
 // within a generous bound.
@@ -46,7 +42,7 @@ TEST_CASE("WaitForVersion, WaitForReplicas and Apply honour the client's deadlin
   REQUIRE(c.ok());
   auto& client = **c;
   constexpr uint64_t kBytes = 128ull << 20;
-  SharedMemory src = MakeShm(kBytes), dst = MakeShm(kBytes);
+  SharedMemory src = MakeShm("deadline", kBytes), dst = MakeShm("deadline", kBytes);
   const std::vector<v1::TensorSlice> layout = {Slice("w", v1::BF16, {kBytes / 2})};
   auto s = client.RegisterBuffer("m", v1::SOURCE, src.name(), layout, "trainer");
   auto d = client.RegisterBuffer("m", v1::DESTINATION, dst.name(), layout, "engine");

@@ -13,6 +13,7 @@
 #include <iostream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "catch2/catch.hpp"
 #include "tests/testing/daemon_process.h"
@@ -64,11 +65,12 @@ TEST_CASE("full-size hostile local callers: refitd survives and serves", "[fault
 
   std::vector<std::unique_ptr<testing::ChildProcess>> stalls;
   for (uid_t uid : {kNobody, kStranger}) {
-    auto child = testing::ChildProcess::Spawn(
-        {"/bin/sh", "-c",
-         "ulimit -n 8192 && exec /usr/bin/setpriv --reuid=" + std::to_string(uid) +
-             " --regid=" + std::to_string(uid) + " --clear-groups " + hostile.binary() + " " +
-             socket + " stall 2000 1"});
+    // setpriv ... under a shell that first raises the fd limit (2000 connections).
+    std::vector<std::string> argv = {"/bin/sh", "-c", "ulimit -n 8192 && exec \"$0\" \"$@\""};
+    for (std::string& arg : hostile.hostile_client().Argv(uid, socket, {"stall", "2000", "1"})) {
+      argv.push_back(std::move(arg));
+    }
+    auto child = testing::ChildProcess::Spawn(argv);
     REQUIRE(child.ok());
     stalls.push_back(std::move(child).value());
   }

@@ -22,6 +22,7 @@
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/faults.h"
+#include "tests/testing/required.h"
 
 namespace refit {
 namespace {
@@ -30,19 +31,15 @@ using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
 using testing::DaemonProcess;
+using testing::MakeShm;
 
 constexpr int64_t kRows = 512, kCols = 2048;  // bf16 "a" and "b": 2 MiB each
 constexpr uint64_t kTensorBytes = kRows * kCols * 2;
+constexpr uint64_t kShmBytes = 2 * kTensorBytes;  // each test buffer
 
 std::vector<v1::TensorSlice> Layout() {
   return {Slice("a", v1::BF16, {kRows, kCols}, 0),
           Slice("b", v1::BF16, {kRows, kCols}, kTensorBytes)};
-}
-
-SharedMemory MakeShm(const std::string& tag) {
-  auto shm = SharedMemory::Create(testing::UniqueShmName(tag), 2 * kTensorBytes);
-  REQUIRE(shm.ok());
-  return std::move(shm).value();
 }
 
 // A refitd that the test kills and restarts: same socket, same --state-dir, same arguments;
@@ -148,7 +145,7 @@ void Report(const std::string& point, const std::vector<double>& restarts, int k
 TEST_CASE("SIGKILL inside Publish: versions N-1 or N, nothing torn, /dev/shm clean",
           "[integration][faults][kill]") {
   Victim node("publish", {"--node=one"});
-  SharedMemory src = MakeShm("kill-src"), dst = MakeShm("kill-dst");
+  SharedMemory src = MakeShm("kill-src", kShmBytes), dst = MakeShm("kill-dst", kShmBytes);
   std::string src_id = Register(node.client(), v1::SOURCE, src);
   std::string dst_id = Register(node.client(), v1::DESTINATION, dst);
   const int kills = testing::Iterations(3);
@@ -196,7 +193,7 @@ uint64_t AppliedVersion(client::Client& c, const std::string& id) {
 TEST_CASE("SIGKILL inside Apply: after the restart the engine holds N-1 entirely, 0 mixed",
           "[integration][faults][kill]") {
   Victim node("apply", {"--node=one"});
-  SharedMemory src = MakeShm("kill-src"), dst = MakeShm("kill-dst");
+  SharedMemory src = MakeShm("kill-src", kShmBytes), dst = MakeShm("kill-dst", kShmBytes);
   std::string src_id = Register(node.client(), v1::SOURCE, src);
   std::string dst_id = Register(node.client(), v1::DESTINATION, dst);
   const int kills = testing::Iterations(3);
@@ -256,7 +253,7 @@ TEST_CASE("SIGKILL inside a sparse Apply: after the restart the engine holds N-1
   // while they all write.
   Victim node("apply", {"--node=one", "--retain=3"},
               {"REFIT_TEST_SPARSE_ALWAYS=1", "REFIT_TEST_SPARSE_THREADS=4"});
-  SharedMemory src = MakeShm("skill-src"), dst = MakeShm("skill-dst");
+  SharedMemory src = MakeShm("skill-src", kShmBytes), dst = MakeShm("skill-dst", kShmBytes);
   const int kills = testing::Iterations(3);
   int mixed = 0;
   uint64_t v = 1;
@@ -402,7 +399,7 @@ TEST_CASE("SIGKILL at pull completion: the engine holds N-1 exactly, then pulls 
   REQUIRE(status.ok());
   Victim engine("pull_complete", {"--node=engine-node",
                                   "--peers=127.0.0.1:" + std::to_string(status->listen_port())});
-  SharedMemory src = MakeShm("kill-src"), dst = MakeShm("kill-dst");
+  SharedMemory src = MakeShm("kill-src", kShmBytes), dst = MakeShm("kill-dst", kShmBytes);
   const std::string src_id = Register(trainer, v1::SOURCE, src);
   std::string dst_id = Register(engine.client(), v1::DESTINATION, dst);
   const int kills = testing::Iterations(3);

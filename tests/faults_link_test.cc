@@ -45,21 +45,9 @@ TEST_CASE("a link down mid-pull is reported within 3 s; the next version is exac
   // The trainer's side sends the bytes: slow it so the pull is still under way.
   REQUIRE(Sh("ip netns exec " + hosts.a + " tc qdisc add dev " + hosts.device_a +
              " root tbf rate 40mbit burst 64kb latency 500ms") == 0);
-  auto source = testing::DaemonProcess::Start(
-      {"--node=host-a", "--listen=192.0.2.1:7070", "--allow-plaintext-peers"}, "",
-      {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_a}, hosts.In(hosts.a));
-  REQUIRE(source.ok());
-  auto engine_node = testing::DaemonProcess::Start(
-      {"--node=host-b", "--listen=192.0.2.2:7070", "--peers=192.0.2.1:7070",
-       "--allow-plaintext-peers"},
-      "", {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_b}, hosts.In(hosts.b));
-  REQUIRE(engine_node.ok());
-  auto tc = (*source)->Connect();
-  auto ec = (*engine_node)->Connect();
-  REQUIRE(tc.ok());
-  REQUIRE(ec.ok());
-  auto& trainer = **tc;
-  auto& engine = **ec;
+  const testing::HostNodes nodes = testing::StartHostNodes(hosts);
+  client::Client& trainer = *nodes.trainer;
+  client::Client& engine = *nodes.engine;
   constexpr uint64_t kBytes = 32 << 20;  // about 7 s at 40 Mbit/s
   auto src = SharedMemory::Create(testing::UniqueShmName("link"), kBytes);
   auto dst = SharedMemory::Create(testing::UniqueShmName("link"), kBytes);
@@ -83,7 +71,7 @@ TEST_CASE("a link down mid-pull is reported within 3 s; the next version is exac
   REQUIRE(trainer.Publish("m", 2, {*s}).ok());
   std::atomic<double> waiter_done{-1};
   absl::StatusOr<uint64_t> waited = absl::UnknownError("not answered");
-  auto waiter_client = (*engine_node)->Connect();
+  auto waiter_client = nodes.engine_node->Connect();
   REQUIRE(waiter_client.ok());
   std::thread waiter([&] {
     waited = (*waiter_client)->WaitForVersion("m", 2, milliseconds(120000));

@@ -14,6 +14,7 @@
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/faults.h"
+#include "tests/testing/required.h"
 
 namespace refit {
 namespace {
@@ -22,14 +23,9 @@ using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
 using testing::DaemonProcess;
+using testing::MakeShm;
 
 constexpr uint64_t kBytes = 64ull << 20;
-
-SharedMemory MakeShm() {
-  auto shm = SharedMemory::Create(testing::UniqueShmName("sigterm"), kBytes);
-  REQUIRE(shm.ok());
-  return std::move(shm).value();
-}
 
 }  // namespace
 
@@ -38,22 +34,17 @@ TEST_CASE("SIGTERM with publishes and pulls in flight drains within 10 s and exi
   std::vector<double> trainer_exit, engine_exit;
   const int rounds = testing::Iterations(1);
   for (int round = 0; round < rounds; ++round) {
-    auto trainer_node = DaemonProcess::Start({"--node=trainer-node"}, "", {"UCX_TLS=tcp"});
-    REQUIRE(trainer_node.ok());
-    auto tc = (*trainer_node)->Connect();
-    REQUIRE(tc.ok());
-    auto status = (*tc)->Status();
-    REQUIRE(status.ok());
-    auto engine_node = DaemonProcess::Start(
-        {"--node=engine-node", "--peers=127.0.0.1:" + std::to_string(status->listen_port())}, "",
-        {"UCX_TLS=tcp"});
-    REQUIRE(engine_node.ok());
-    auto ec = (*engine_node)->Connect();
-    REQUIRE(ec.ok());
-    SharedMemory src = MakeShm(), dst = MakeShm();
+    auto nodes = testing::StartPair({"--node=trainer-node"}, {"--node=engine-node"},
+                                    {"UCX_TLS=tcp"}, {"UCX_TLS=tcp"});
+    REQUIRE(nodes.ok());
+    DaemonProcess& trainer_node = *nodes->trainer;
+    DaemonProcess& engine_node = *nodes->engine;
+    client::Client& tc = *nodes->trainer_client;
+    client::Client& ec = *nodes->engine_client;
+    SharedMemory src = MakeShm("sigterm", kBytes), dst = MakeShm("sigterm", kBytes);
     const std::vector<v1::TensorSlice> layout = {Slice("w", v1::BF16, {kBytes / 2})};
-    auto s = (*tc)->RegisterBuffer("m", v1::SOURCE, src.name(), layout, "trainer");
-    auto d = (*ec)->RegisterBuffer("m", v1::DESTINATION, dst.name(), layout, "engine");
+    auto s = tc.RegisterBuffer("m", v1::SOURCE, src.name(), layout, "trainer");
+    auto d = ec.RegisterBuffer("m", v1::DESTINATION, dst.name(), layout, "engine");
     REQUIRE(s.ok());
     REQUIRE(d.ok());
 
@@ -62,19 +53,19 @@ TEST_CASE("SIGTERM with publishes and pulls in flight drains within 10 s and exi
     std::thread trainer([&] {
       for (uint64_t v = 1; !stop.load(); ++v) {
         testing::FillPattern(src, v);
-        if (!(*tc)->Publish("m", v, {*s}).ok()) return;
+        if (!tc.Publish("m", v, {*s}).ok()) return;
         published = v;
       }
     });
     std::thread engine([&] {
       uint64_t next = 1;
       while (!stop.load()) {
-        auto got = (*ec)->WaitForVersion("m", next, milliseconds(2000));
+        auto got = ec.WaitForVersion("m", next, milliseconds(2000));
         if (!got.ok()) {
           if (got.status().code() == absl::StatusCode::kDeadlineExceeded) continue;
           return;
         }
-        if (!(*ec)->Apply("m", *got, {*d}).ok()) return;
+        if (!ec.Apply("m", *got, {*d}).ok()) return;
         applied = *got;
         next = *got + 1;
       }
@@ -84,11 +75,11 @@ TEST_CASE("SIGTERM with publishes and pulls in flight drains within 10 s and exi
       std::this_thread::sleep_for(milliseconds(50));
     CHECK(applied.load() >= 3);
     const double started = testing::Now();
-    kill((*engine_node)->pid(), SIGTERM);
-    kill((*trainer_node)->pid(), SIGTERM);
-    const int engine_code = (*engine_node)->Stop(SIGTERM, 20);
+    kill(engine_node.pid(), SIGTERM);
+    kill(trainer_node.pid(), SIGTERM);
+    const int engine_code = engine_node.Stop(SIGTERM, 20);
     engine_exit.push_back(testing::Now() - started);
-    const int trainer_code = (*trainer_node)->Stop(SIGTERM, 20);
+    const int trainer_code = trainer_node.Stop(SIGTERM, 20);
     trainer_exit.push_back(testing::Now() - started);
     stop = true;
     trainer.join();

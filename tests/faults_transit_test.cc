@@ -13,6 +13,7 @@
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/faults.h"
+#include "tests/testing/required.h"
 
 namespace refit {
 namespace {
@@ -21,35 +22,21 @@ using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
 using testing::DaemonProcess;
+using testing::MakeShm;
 
 constexpr uint64_t kBytes = 4 << 20;
-
-SharedMemory MakeShm() {
-  auto shm = SharedMemory::Create(testing::UniqueShmName("transit"), kBytes);
-  REQUIRE(shm.ok());
-  return std::move(shm).value();
-}
 
 }  // namespace
 
 TEST_CASE("bytes flipped in transit are all detected, refetched and never applied",
           "[integration][faults][transit]") {
-  auto trainer_node = DaemonProcess::Start({"--node=trainer-node"}, "", {"UCX_TLS=tcp"});
-  REQUIRE(trainer_node.ok());
-  auto tc = (*trainer_node)->Connect();
-  REQUIRE(tc.ok());
-  auto& trainer = **tc;
-  auto status = trainer.Status();
-  REQUIRE(status.ok());
-  auto engine_node = DaemonProcess::Start(
-      {"--node=engine-node", "--peers=127.0.0.1:" + std::to_string(status->listen_port())}, "",
-      {"UCX_TLS=tcp", "REFIT_FAULT_TRANSIT_FLIP=1/2"});
-  REQUIRE(engine_node.ok());
-  auto ec = (*engine_node)->Connect();
-  REQUIRE(ec.ok());
-  auto& engine = **ec;
+  auto nodes = testing::StartPair({"--node=trainer-node"}, {"--node=engine-node"}, {"UCX_TLS=tcp"},
+                                  {"UCX_TLS=tcp", "REFIT_FAULT_TRANSIT_FLIP=1/2"});
+  REQUIRE(nodes.ok());
+  auto& trainer = *nodes->trainer_client;
+  auto& engine = *nodes->engine_client;
 
-  SharedMemory src = MakeShm(), dst = MakeShm();
+  SharedMemory src = MakeShm("transit", kBytes), dst = MakeShm("transit", kBytes);
   const std::vector<v1::TensorSlice> layout = {Slice("w", v1::BF16, {kBytes / 2})};
   auto s = trainer.RegisterBuffer("m", v1::SOURCE, src.name(), layout, "trainer");
   auto d = engine.RegisterBuffer("m", v1::DESTINATION, dst.name(), layout, "engine");

@@ -19,6 +19,7 @@
 #include "client/refit_client.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/required.h"
 
 namespace refit {
 namespace {
@@ -26,7 +27,9 @@ namespace {
 using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
+using testing::ClientOf;
 using testing::DaemonProcess;
+using testing::StartDaemon;
 
 bool Contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
@@ -36,19 +39,6 @@ std::string TempDir() {
   char dir_template[] = "/tmp/refit-cli-XXXXXX";
   REQUIRE(mkdtemp(dir_template) != nullptr);
   return dir_template;
-}
-
-std::unique_ptr<DaemonProcess> StartDaemon(const std::vector<std::string>& args,
-                                           const std::vector<std::string>& wrapper = {}) {
-  auto d = DaemonProcess::Start(args, "", {}, wrapper);
-  REQUIRE(d.ok());
-  return std::move(d).value();
-}
-
-std::unique_ptr<client::Client> ClientOf(const DaemonProcess& d) {
-  auto c = d.Connect();
-  REQUIRE(c.ok());
-  return std::move(c).value();
 }
 
 double Seconds(std::chrono::steady_clock::time_point since) {
@@ -204,11 +194,11 @@ struct OneHost {
       wrapper.insert(wrapper.end(), {"/bin/sh", "-c", "exec \"$0\" \"$@\" 2>>" + log});
       return wrapper;
     };
-    trainer_node = StartDaemon({"--node=trainer"}, logged(dir + "/trainer.log"));
+    trainer_node = StartDaemon({"--node=trainer"}, {}, logged(dir + "/trainer.log"));
     auto trainer_status = ClientOf(*trainer_node)->Status();
     REQUIRE(trainer_status.ok());
     engine_node = StartDaemon(
-        {"--node=engine", "--peers=127.0.0.1:" + std::to_string(trainer_status->listen_port())},
+        {"--node=engine", "--peers=127.0.0.1:" + std::to_string(trainer_status->listen_port())}, {},
         logged(dir + "/engine.log"));
     trainer = ClientOf(*trainer_node);
     engine = ClientOf(*engine_node);

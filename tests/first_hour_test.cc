@@ -16,6 +16,7 @@
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/ports.h"
+#include "tests/testing/required.h"
 
 namespace refit {
 namespace {
@@ -23,26 +24,11 @@ namespace {
 using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
+using testing::ClientOf;
 using testing::DaemonProcess;
 using testing::FreePort;
-
-SharedMemory MakeShm(uint64_t size) {
-  auto shm = SharedMemory::Create(testing::UniqueShmName("fh"), size);
-  REQUIRE(shm.ok());
-  return std::move(shm).value();
-}
-
-std::unique_ptr<DaemonProcess> StartDaemon(const std::vector<std::string>& args) {
-  auto d = DaemonProcess::Start(args);
-  REQUIRE(d.ok());
-  return std::move(d).value();
-}
-
-std::unique_ptr<client::Client> ClientOf(const DaemonProcess& d) {
-  auto c = d.Connect();
-  REQUIRE(c.ok());
-  return std::move(c).value();
-}
+using testing::MakeShm;
+using testing::StartDaemon;
 
 int ListenPort(const DaemonProcess& d) {
   auto s = ClientOf(d)->Status();
@@ -117,7 +103,7 @@ TEST_CASE("with --state-dir a restarted trainer's node refuses version numbers a
   char dir_template[] = "/tmp/refit-state-XXXXXX";
   REQUIRE(mkdtemp(dir_template) != nullptr);
   const std::string state = dir_template;
-  SharedMemory src = MakeShm(4096);
+  SharedMemory src = MakeShm("fh", 4096);
   auto run = [&](uint64_t from, uint64_t to) {
     auto node = StartDaemon({"--node=trainer", "--state-dir=" + state});
     auto trainer = ClientOf(*node);
@@ -155,8 +141,8 @@ TEST_CASE("an engine's node skips reused numbers from a restarted trainer's node
           "[integration][first_hour]") {
   const int port = FreePort();
   const std::string trainer_listen = "--listen=127.0.0.1:" + std::to_string(port);
-  SharedMemory src = MakeShm(4096);
-  SharedMemory dst = MakeShm(4096);
+  SharedMemory src = MakeShm("fh", 4096);
+  SharedMemory dst = MakeShm("fh", 4096);
   auto trainer_node = StartDaemon({"--node=trainer", trainer_listen});
   auto engine_node = StartDaemon({"--node=engine", "--peers=127.0.0.1:" + std::to_string(port)});
   auto engine = ClientOf(*engine_node);
@@ -201,13 +187,12 @@ TEST_CASE("an engine's node skips reused numbers from a restarted trainer's node
 
 TEST_CASE("waiting on a model no node has sources for says so and names the nearest",
           "[integration][first_hour]") {
-  auto trainer_node = StartDaemon({"--node=trainer"});
-  auto engine_node = StartDaemon(
-      {"--node=engine", "--peers=127.0.0.1:" + std::to_string(ListenPort(*trainer_node))});
-  auto trainer = ClientOf(*trainer_node);
-  auto engine = ClientOf(*engine_node);
-  SharedMemory src = MakeShm(4096);
-  SharedMemory dst = MakeShm(4096);
+  auto nodes = testing::StartPair({"--node=trainer"}, {"--node=engine"});
+  REQUIRE(nodes.ok());
+  std::unique_ptr<client::Client>& trainer = nodes->trainer_client;
+  std::unique_ptr<client::Client>& engine = nodes->engine_client;
+  SharedMemory src = MakeShm("fh", 4096);
+  SharedMemory dst = MakeShm("fh", 4096);
   auto s = trainer->RegisterBuffer("llama", v1::SOURCE, src.name(), {Slice("w", v1::FP32, {1024})},
                                    "trainer");
   REQUIRE(s.ok());
@@ -227,12 +212,12 @@ TEST_CASE("waiting on a model no node has sources for says so and names the near
   CHECK(Contains(message, "did you mean 'llama'?"));
   // refitctl watch and versions both refuse an unknown name, with the nearest one.
   auto watch = testing::RunCommand({testing::RunfilePath("client/refitctl"),
-                                    "--socket=" + engine_node->socket(), "watch", "llma"});
+                                    "--socket=" + nodes->engine->socket(), "watch", "llma"});
   CHECK(watch.exit_code == 1);
   CHECK(Contains(watch.err, "model llma is not known"));
   CHECK(Contains(watch.err, "did you mean"));
   auto versions = testing::RunCommand({testing::RunfilePath("client/refitctl"),
-                                       "--socket=" + engine_node->socket(), "versions", "llma"});
+                                       "--socket=" + nodes->engine->socket(), "versions", "llma"});
   CHECK(versions.exit_code == 1);
   CHECK(Contains(versions.err, "model llma is not known"));
   // Once the engine lets go of its buffer, the misspelled model is gone from Status.
@@ -249,7 +234,7 @@ TEST_CASE("refitctl drop releases a model's versions once no buffer of it is lef
   REQUIRE(mkdtemp(dir_template) != nullptr);
   auto node = StartDaemon({"--node=trainer", std::string("--state-dir=") + dir_template});
   auto trainer = ClientOf(*node);
-  SharedMemory src = MakeShm(4096);
+  SharedMemory src = MakeShm("fh", 4096);
   auto s = trainer->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::FP32, {1024})},
                                    "trainer-rank0");
   REQUIRE(s.ok());
@@ -289,14 +274,13 @@ TEST_CASE("refitctl drop releases a model's versions once no buffer of it is lef
 
 TEST_CASE("the sources' layout wins over a destination that registered first",
           "[integration][first_hour]") {
-  auto trainer_node = StartDaemon({"--node=trainer"});
-  auto engine_node = StartDaemon(
-      {"--node=engine", "--peers=127.0.0.1:" + std::to_string(ListenPort(*trainer_node))});
-  auto trainer = ClientOf(*trainer_node);
-  auto engine = ClientOf(*engine_node);
-  SharedMemory src = MakeShm(4096);
-  SharedMemory wrong = MakeShm(8192);
-  SharedMemory right = MakeShm(4096);
+  auto nodes = testing::StartPair({"--node=trainer"}, {"--node=engine"});
+  REQUIRE(nodes.ok());
+  std::unique_ptr<client::Client>& trainer = nodes->trainer_client;
+  std::unique_ptr<client::Client>& engine = nodes->engine_client;
+  SharedMemory src = MakeShm("fh", 4096);
+  SharedMemory wrong = MakeShm("fh", 8192);
+  SharedMemory right = MakeShm("fh", 4096);
   // The engine comes first, with a wrong shape; the trainer's registration still succeeds.
   auto bad = engine->RegisterBuffer("m", v1::DESTINATION, wrong.name(),
                                     {Slice("w", v1::FP32, {2048})}, "engine-wrong");
@@ -340,9 +324,9 @@ TEST_CASE("a source disagreeing with another names the buffer and client that ca
           "[integration][first_hour]") {
   auto node = StartDaemon({"--node=one"});
   auto c = ClientOf(*node);
-  SharedMemory a = MakeShm(4096);
-  SharedMemory b = MakeShm(8192);
-  SharedMemory d = MakeShm(8192);
+  SharedMemory a = MakeShm("fh", 4096);
+  SharedMemory b = MakeShm("fh", 8192);
+  SharedMemory d = MakeShm("fh", 8192);
   auto dst =
       c->RegisterBuffer("m", v1::DESTINATION, d.name(), {Slice("w", v1::FP32, {2048})}, "engine");
   REQUIRE(dst.ok());

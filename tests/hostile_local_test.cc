@@ -163,11 +163,7 @@ TEST_CASE("stalled local connections are capped per uid and time out; early fds 
   // preface and a stall; in the background.
   std::vector<std::unique_ptr<testing::ChildProcess>> stalls;
   for (uid_t uid : {kNobody, kStranger}) {
-    auto child = testing::ChildProcess::Spawn({"/usr/bin/setpriv", "--reuid=" + std::to_string(uid),
-                                               "--regid=" + std::to_string(uid), "--clear-groups",
-                                               hostile.binary(), socket, "stall", "200", "1"});
-    REQUIRE(child.ok());
-    stalls.push_back(std::move(child).value());
+    stalls.push_back(hostile.hostile_client().Spawn(uid, socket, {"stall", "200", "1"}));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(1000));
   // refitd holds at most 8 of each uid's (plus what it had).
@@ -254,15 +250,8 @@ TEST_CASE("sparse memory is not populated; Status shows a caller its own buffers
 
   // Status: root (refitd's uid here) sees every buffer; another uid only its own.
   Hostile hostile;
-  std::unique_ptr<testing::ChildProcess> theirs;
-  {
-    auto child = testing::ChildProcess::Spawn(
-        {"/usr/bin/setpriv", "--reuid=" + std::to_string(kNobody),
-         "--regid=" + std::to_string(kNobody), "--clear-groups", hostile.as_client(), socket,
-         "hold", "SOURCE", "theirs", "0"});
-    REQUIRE(child.ok());
-    theirs = std::move(child).value();
-  }
+  std::unique_ptr<testing::ChildProcess> theirs =
+      hostile.as_client().Spawn(kNobody, socket, {"hold", "SOURCE", "theirs", "0"});
   auto line = theirs->ReadLine();
   REQUIRE(line.ok());
   REQUIRE(line->rfind("OK ", 0) == 0);
@@ -275,11 +264,8 @@ TEST_CASE("sparse memory is not populated; Status shows a caller its own buffers
   }
   CHECK(seen.find(*id) != std::string::npos);
   CHECK(seen.find(their_id) != std::string::npos);
-  auto mine = testing::RunCommand({"/usr/bin/setpriv", "--reuid=" + std::to_string(kNobody),
-                                   "--regid=" + std::to_string(kNobody), "--clear-groups",
-                                   hostile.as_client(), socket, "buffers"});
-  INFO(mine.out << mine.err);
-  CHECK(mine.out == "OK " + their_id + "\n");  // its own, not root's
+  CHECK(hostile.as_client().Run(kNobody, socket, {"buffers"}) ==
+        "OK " + their_id + "\n");  // its own, not root's
   REQUIRE((*daemon)->running());
 }
 

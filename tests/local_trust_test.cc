@@ -11,6 +11,7 @@
 
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
+#include "tests/testing/as_uid.h"
 #include "tests/testing/daemon_process.h"
 
 namespace refit {
@@ -19,53 +20,9 @@ namespace {
 using client::SharedMemory;
 using client::Slice;
 using testing::DaemonProcess;
-using testing::RunCommand;
 
 constexpr uid_t kNobody = 65534;    // allowed by the daemon below
 constexpr uid_t kStranger = 65533;  // not allowed
-
-// as_client copied where other uids can run it (Bazel's output tree is root's alone).
-struct AsClient {
-  AsClient() {
-    char dir_template[] = "/tmp/refit-as-client-XXXXXX";
-    REQUIRE(mkdtemp(dir_template));
-    dir = dir_template;
-    chmod(dir.c_str(), 0755);
-    binary = dir + "/as_client";
-    std::filesystem::copy_file(testing::RunfilePath("tests/testing/as_client"), binary);
-    chmod(binary.c_str(), 0755);
-  }
-  ~AsClient() { std::filesystem::remove_all(dir); }
-  // Runs one operation as `uid`; returns its stdout line.
-  std::string Run(uid_t uid, const std::string& socket, std::vector<std::string> args) const {
-    std::vector<std::string> argv = {"/usr/bin/setpriv",
-                                     "--reuid=" + std::to_string(uid),
-                                     "--regid=" + std::to_string(uid),
-                                     "--clear-groups",
-                                     binary,
-                                     socket};
-    argv.insert(argv.end(), args.begin(), args.end());
-    auto result = RunCommand(argv);
-    INFO("as uid " << uid << ": " << result.out << result.err);
-    REQUIRE(result.exit_code == 0);
-    return result.out;
-  }
-  // Starts one operation as `uid` and leaves it running (e.g. "hold").
-  std::unique_ptr<testing::ChildProcess> Hold(uid_t uid, const std::string& socket,
-                                              std::vector<std::string> args) const {
-    std::vector<std::string> argv = {"/usr/bin/setpriv",
-                                     "--reuid=" + std::to_string(uid),
-                                     "--regid=" + std::to_string(uid),
-                                     "--clear-groups",
-                                     binary,
-                                     socket};
-    argv.insert(argv.end(), args.begin(), args.end());
-    auto child = testing::ChildProcess::Spawn(argv);
-    REQUIRE(child.ok());
-    return std::move(child).value();
-  }
-  std::string dir, binary;
-};
 
 bool Starts(const std::string& line, const std::string& prefix) {
   return line.rfind(prefix, 0) == 0;
@@ -79,12 +36,8 @@ TEST_CASE("local callers: allow lists, memory the caller can open, buffer owners
   REQUIRE(daemon.ok());
   // The filesystem must let the other uids reach the socket; refitd's own policy decides.
   const std::string socket = (*daemon)->socket();
-  for (auto p = std::filesystem::path(socket).parent_path();
-       p.string().size() > 1 && p.string().rfind("/tmp/", 0) == 0; p = p.parent_path()) {
-    chmod(p.c_str(), 0755);
-  }
-  chmod(socket.c_str(), 0666);
-  AsClient as;
+  testing::OpenSocketToAll(socket);
+  const testing::AsUid as("tests/testing/as_client");
   auto c = (*daemon)->Connect();
   REQUIRE(c.ok());
   auto& root = **c;
@@ -116,7 +69,7 @@ TEST_CASE("local callers: allow lists, memory the caller can open, buffer owners
   // Its own buffer is its own: root (refitd's uid) may not publish it either, but may release
   // it (an operator cleaning up).
   // (It lives as long as the process that registered it: that one stays until released.)
-  auto holder = as.Hold(kNobody, socket, {"hold", "SOURCE", "theirs", "0"});
+  auto holder = as.Spawn(kNobody, socket, {"hold", "SOURCE", "theirs", "0"});
   auto own = holder->ReadLine();
   REQUIRE(own.ok());
   REQUIRE(Starts(*own, "OK "));

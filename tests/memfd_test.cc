@@ -18,6 +18,7 @@
 
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
+#include "tests/testing/as_uid.h"
 #include "tests/testing/daemon_process.h"
 
 namespace refit {
@@ -26,7 +27,6 @@ namespace {
 using client::SharedMemory;
 using client::Slice;
 using testing::DaemonProcess;
-using testing::RunCommand;
 
 constexpr int64_t kRows = 256, kCols = 1024;  // bf16: 512 KiB, as as_client's buffers
 constexpr uint64_t kBytes = kRows * kCols * 2;
@@ -248,31 +248,12 @@ TEST_CASE("a memfd token is its uid's alone", "[integration][memfd][trust]") {
   auto daemon = DaemonProcess::Start({"--allow-uids=" + std::to_string(kNobody)});
   REQUIRE(daemon.ok());
   const std::string socket = (*daemon)->socket();
-  for (auto p = std::filesystem::path(socket).parent_path();
-       p.string().size() > 1 && p.string().rfind("/tmp/", 0) == 0; p = p.parent_path()) {
-    chmod(p.c_str(), 0755);
-  }
-  chmod(socket.c_str(), 0666);
-  // as_client copied where other uids can run it (Bazel's output tree is root's alone).
-  char dir_template[] = "/tmp/refit-as-client-XXXXXX";
-  REQUIRE(mkdtemp(dir_template));
-  const std::string dir = dir_template;
-  chmod(dir.c_str(), 0755);
-  const std::string binary = dir + "/as_client";
-  std::filesystem::copy_file(testing::RunfilePath("tests/testing/as_client"), binary);
-  chmod(binary.c_str(), 0755);
-  auto as = [&](uid_t uid, std::vector<std::string> args) {
-    std::vector<std::string> argv = {"/usr/bin/setpriv",
-                                     "--reuid=" + std::to_string(uid),
-                                     "--regid=" + std::to_string(uid),
-                                     "--clear-groups",
-                                     binary,
-                                     socket};
-    argv.insert(argv.end(), args.begin(), args.end());
-    auto result = RunCommand(argv);
-    INFO("as uid " << uid << ": " << result.out << result.err);
-    REQUIRE(result.exit_code == 0);
-    return result.out.substr(0, result.out.find('\n'));
+  testing::OpenSocketToAll(socket);
+  const testing::AsUid as_client("tests/testing/as_client");
+  // One operation as `uid`: the first line it printed.
+  auto as = [&](uid_t uid, const std::vector<std::string>& args) {
+    const std::string out = as_client.Run(uid, socket, args);
+    return out.substr(0, out.find('\n'));
   };
   auto c = (*daemon)->Connect();
   REQUIRE(c.ok());
@@ -297,7 +278,6 @@ TEST_CASE("a memfd token is its uid's alone", "[integration][memfd][trust]") {
   // A uid the policy refuses may not even pass an fd.
   REQUIRE(Starts(as(kStranger, {"pass-memfd"}), "PERMISSION_DENIED"));
   REQUIRE((*daemon)->running());
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace refit

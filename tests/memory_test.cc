@@ -11,6 +11,7 @@
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/required.h"
 
 namespace refit {
 namespace {
@@ -18,14 +19,9 @@ namespace {
 using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
+using testing::MakeShm;
 
 constexpr uint64_t kMiB = 1 << 20;
-
-SharedMemory MakeShm(uint64_t size) {
-  auto shm = SharedMemory::Create(testing::UniqueShmName("mem"), size);
-  REQUIRE(shm.ok());
-  return std::move(shm).value();
-}
 
 v1::ModelStatus ModelOf(client::Client& client, const std::string& model) {
   auto m = testing::ModelStatusOf(client, model);
@@ -62,8 +58,8 @@ TEST_CASE("each node's slots stay within (retain + 1) x its share; too big is re
   client::Client& engine = *pair->engine_client;
 
   const uint64_t share = 2 * kMiB;
-  SharedMemory src = MakeShm(share);
-  SharedMemory dst = MakeShm(share);
+  SharedMemory src = MakeShm("mem", share);
+  SharedMemory dst = MakeShm("mem", share);
   auto s = trainer.RegisterBuffer("m", v1::SOURCE, src.name(),
                                   {Slice("w", v1::BF16, {int64_t{share / 2}})}, "trainer");
   REQUIRE(s.ok());
@@ -72,7 +68,7 @@ TEST_CASE("each node's slots stay within (retain + 1) x its share; too big is re
   REQUIRE(d.ok());
   // A second model, 4 MiB: its destinations come first; the engine's 5 MiB of slots hold m's
   // version and could take one of big's alone, but not both.
-  SharedMemory big_dst = MakeShm(4 * kMiB);
+  SharedMemory big_dst = MakeShm("mem", 4 * kMiB);
   auto bd = engine.RegisterBuffer("big", v1::DESTINATION, big_dst.name(),
                                   {Slice("w", v1::BF16, {int64_t{2 * kMiB}})}, "engine");
   REQUIRE(bd.ok());
@@ -114,7 +110,7 @@ TEST_CASE("each node's slots stay within (retain + 1) x its share; too big is re
 
   // big: one version (4 MiB) beside m's held 2 MiB passes the engine's 5 MiB. Said in Status as
   // soon as the trainer's layout is known, and refused before the pull, with the numbers.
-  SharedMemory big_src = MakeShm(4 * kMiB);
+  SharedMemory big_src = MakeShm("mem", 4 * kMiB);
   auto bs = trainer.RegisterBuffer("big", v1::SOURCE, big_src.name(),
                                    {Slice("w", v1::BF16, {int64_t{2 * kMiB}})}, "trainer");
   REQUIRE(bs.ok());
@@ -140,8 +136,8 @@ TEST_CASE("each node's slots stay within (retain + 1) x its share; too big is re
   // A third engine buffer for big, registered now that its layout is known and too big for the
   // slots left: RESOURCE_EXHAUSTED at RegisterBuffer. Nothing else changed: m's next version
   // still arrives and applies.
-  SharedMemory huge_dst = MakeShm(8 * kMiB);
-  auto huge_src = MakeShm(8 * kMiB);
+  SharedMemory huge_dst = MakeShm("mem", 8 * kMiB);
+  auto huge_src = MakeShm("mem", 8 * kMiB);
   auto hs = trainer.RegisterBuffer("huge", v1::SOURCE, huge_src.name(),
                                    {Slice("w", v1::BF16, {int64_t{4 * kMiB}})}, "trainer");
   REQUIRE(hs.ok());

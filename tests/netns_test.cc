@@ -29,40 +29,29 @@ TEST_CASE("two daemons in two network namespaces sync over veth", "[integration]
         "cannot create network namespaces refit-* here (needs root and iproute2): the "
         "cross-namespace transfer was NOT tested");
   }
-  auto source = testing::DaemonProcess::Start(
-      {"--node=host-a", "--listen=192.0.2.1:7070", "--allow-plaintext-peers"}, "",
-      {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_a}, hosts.In(hosts.a));
-  REQUIRE(source.ok());
-  auto engine_node = testing::DaemonProcess::Start(
-      {"--node=host-b", "--listen=192.0.2.2:7070", "--peers=192.0.2.1:7070",
-       "--allow-plaintext-peers"},
-      "", {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_b}, hosts.In(hosts.b));
-  REQUIRE(engine_node.ok());
-
-  auto trainer = (*source)->Connect();
-  auto engine = (*engine_node)->Connect();
-  REQUIRE(trainer.ok());
-  REQUIRE(engine.ok());
+  const testing::HostNodes nodes = testing::StartHostNodes(hosts);
+  client::Client& trainer = *nodes.trainer;
+  client::Client& engine = *nodes.engine;
   constexpr int64_t kBytes = 8 << 20;
   auto src = SharedMemory::Create(testing::UniqueShmName("ns"), kBytes);
   auto dst = SharedMemory::Create(testing::UniqueShmName("ns"), kBytes);
   REQUIRE(src.ok());
   REQUIRE(dst.ok());
-  auto s = (*trainer)->RegisterBuffer("m", v1::SOURCE, src->name(),
-                                      {Slice("w", v1::BF16, {kBytes / 2})});
-  auto d = (*engine)->RegisterBuffer("m", v1::DESTINATION, dst->name(),
-                                     {Slice("w", v1::BF16, {kBytes / 2})});
+  auto s =
+      trainer.RegisterBuffer("m", v1::SOURCE, src->name(), {Slice("w", v1::BF16, {kBytes / 2})});
+  auto d = engine.RegisterBuffer("m", v1::DESTINATION, dst->name(),
+                                 {Slice("w", v1::BF16, {kBytes / 2})});
   REQUIRE(s.ok());
   REQUIRE(d.ok());
   std::mt19937 rng(5);
   for (uint64_t v = 1; v <= 2; ++v) {
     for (int64_t i = 0; i < kBytes; ++i) src->data()[i] = static_cast<uint8_t>(rng());
-    REQUIRE((*trainer)->Publish("m", v, {*s}).ok());
-    REQUIRE((*engine)->WaitForVersion("m", v, milliseconds(30000)).ok());
-    REQUIRE((*engine)->Apply("m", v, {*d}).ok());
+    REQUIRE(trainer.Publish("m", v, {*s}).ok());
+    REQUIRE(engine.WaitForVersion("m", v, milliseconds(30000)).ok());
+    REQUIRE(engine.Apply("m", v, {*d}).ok());
     CHECK(std::memcmp(src->data(), dst->data(), kBytes) == 0);
   }
-  auto status = (*engine)->Status();
+  auto status = engine.Status();
   REQUIRE(status.ok());
   REQUIRE(status->peers_size() == 1);
   CHECK(status->peers(0).node() == "host-a");

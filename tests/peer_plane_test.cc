@@ -31,6 +31,7 @@
 #include "proto/refit/v1/peer.grpc.pb.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/peer_probe.h"
+#include "tests/testing/required.h"
 
 namespace refit {
 namespace {
@@ -40,15 +41,10 @@ using client::Slice;
 using grpc::StatusCode;
 using std::chrono::milliseconds;
 using testing::DaemonProcess;
+using testing::MakeShm;
 using testing::PeerProbe;
 
 constexpr uint64_t kBytes = 1 << 20;
-
-SharedMemory MakeShm(const std::string& tag, uint64_t size = kBytes) {
-  auto shm = SharedMemory::Create(testing::UniqueShmName(tag), size);
-  REQUIRE(shm.ok());
-  return std::move(shm).value();
-}
 
 void Fill(SharedMemory& shm, uint32_t seed) {
   for (uint64_t i = 0; i < shm.size(); ++i) shm.data()[i] = static_cast<uint8_t>(i * 31 + seed);
@@ -153,7 +149,7 @@ TEST_CASE("Checksum answers only inside a grant; one-byte digests recover nothin
           "[integration][peer]") {
   auto pair = testing::StartPair({"--node=trainer"}, {"--node=engine"});
   REQUIRE(pair.ok());
-  SharedMemory src = MakeShm("plane-src"), dst = MakeShm("plane-dst");
+  SharedMemory src = MakeShm("plane-src", kBytes), dst = MakeShm("plane-dst", kBytes);
   Fill(src, 1);
   auto s = pair->trainer_client->RegisterBuffer("m", v1::SOURCE, src.name(),
                                                 {Slice("w", v1::UINT8, {int64_t{kBytes}})});
@@ -216,7 +212,7 @@ TEST_CASE("peer names are bounded, fake reports count no replica, Hello leaves n
   REQUIRE(daemon.ok());
   auto c = (*daemon)->Connect();
   REQUIRE(c.ok());
-  SharedMemory src = MakeShm("plane-names");
+  SharedMemory src = MakeShm("plane-names", kBytes);
   Fill(src, 3);
   auto s =
       (*c)->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {int64_t{kBytes}})});
@@ -332,7 +328,7 @@ TEST_CASE("Subscribe streams are bounded per peer; the daemon answers on", "[int
   REQUIRE(daemon.ok());
   auto c = (*daemon)->Connect();
   REQUIRE(c.ok());
-  SharedMemory src = MakeShm("plane-streams");
+  SharedMemory src = MakeShm("plane-streams", kBytes);
   Fill(src, 5);
   auto s =
       (*c)->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {int64_t{kBytes}})});
@@ -378,7 +374,7 @@ TEST_CASE("pins hold at most two versions of a model per source: Publish keeps f
   REQUIRE(daemon.ok());
   auto c = (*daemon)->Connect();
   REQUIRE(c.ok());
-  SharedMemory src = MakeShm("plane-pins");
+  SharedMemory src = MakeShm("plane-pins", kBytes);
   auto s =
       (*c)->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {int64_t{kBytes}})});
   REQUIRE(s.ok());
@@ -408,7 +404,7 @@ TEST_CASE("with --tls-*, one certificate's idle streams don't lock out another n
   REQUIRE(trainer.ok());
   auto c = (*trainer)->Connect();
   REQUIRE(c.ok());
-  SharedMemory src = MakeShm("plane-tls-src"), dst = MakeShm("plane-tls-dst");
+  SharedMemory src = MakeShm("plane-tls-src", kBytes), dst = MakeShm("plane-tls-dst", kBytes);
   Fill(src, 7);
   auto s =
       (*c)->RegisterBuffer("m", v1::SOURCE, src.name(), {Slice("w", v1::UINT8, {int64_t{kBytes}})});

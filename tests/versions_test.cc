@@ -24,6 +24,7 @@
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/required.h"
 #include "tests/testing/two_nodes.h"
 
 namespace refit {
@@ -34,15 +35,10 @@ using client::Slice;
 using std::chrono::milliseconds;
 using testing::DaemonProcess;
 using testing::ListenPort;
+using testing::MakeShm;
 
 constexpr int64_t kRows = 256, kCols = 512;  // bf16 [256, 512]: 256 KiB
 constexpr uint64_t kBytes = kRows * kCols * 2;
-
-SharedMemory MakeShm(const std::string& tag) {
-  auto shm = SharedMemory::Create(testing::UniqueShmName(tag), kBytes);
-  REQUIRE(shm.ok());
-  return std::move(shm).value();
-}
 
 std::vector<uint8_t> Fill(SharedMemory& shm, uint32_t seed) {
   std::mt19937_64 rng(seed);
@@ -104,13 +100,13 @@ TEST_CASE("a rollback asked on one engine's node takes the fleet back, until Res
   REQUIRE(ea.ok());
   REQUIRE(eb.ok());
 
-  SharedMemory src = MakeShm("rb-src");
+  SharedMemory src = MakeShm("rb-src", kBytes);
   auto s = (*trainer)->RegisterBuffer("m", v1::SOURCE, src, {Slice("w", v1::BF16, {kRows, kCols})},
                                       "trainer");
   REQUIRE(s.ok());
   REQUIRE(Eventually([&] { return KnowsModel(**ea, "m") && KnowsModel(**eb, "m"); }));
-  SharedMemory dst_a = MakeShm("rb-a");
-  SharedMemory dst_b = MakeShm("rb-b");
+  SharedMemory dst_a = MakeShm("rb-a", kBytes);
+  SharedMemory dst_b = MakeShm("rb-b", kBytes);
   auto da = (*ea)->RegisterBuffer("m", v1::DESTINATION, dst_a,
                                   {Slice("w", v1::BF16, {kRows, kCols})}, "engine-a");
   auto db = (*eb)->RegisterBuffer("m", v1::DESTINATION, dst_b,
@@ -248,8 +244,8 @@ TEST_CASE("Apply racing a Rollback: every Apply is whole, and after it Apply(0) 
   REQUIRE(node.ok());
   auto c = (*node)->Connect();
   REQUIRE(c.ok());
-  SharedMemory src = MakeShm("race-src");
-  SharedMemory dst = MakeShm("race-dst");
+  SharedMemory src = MakeShm("race-src", kBytes);
+  SharedMemory dst = MakeShm("race-dst", kBytes);
   auto s =
       (*c)->RegisterBuffer("m", v1::SOURCE, src, {Slice("w", v1::BF16, {kRows, kCols})}, "trainer");
   auto d = (*c)->RegisterBuffer("m", v1::DESTINATION, dst, {Slice("w", v1::BF16, {kRows, kCols})},
@@ -313,8 +309,8 @@ TEST_CASE("a trainer resumed from an older step under a new run, on a restarted 
   auto engine = (*engine_node)->Connect();
   REQUIRE(engine.ok());
 
-  SharedMemory src = MakeShm("run-src");
-  SharedMemory dst = MakeShm("run-dst");
+  SharedMemory src = MakeShm("run-src", kBytes);
+  SharedMemory dst = MakeShm("run-dst", kBytes);
   std::string d;
   {
     auto trainer = (*first)->Connect();
@@ -414,8 +410,8 @@ TEST_CASE("a rollback outlives a restarted refitd (--state-dir) until Resume",
   auto first = DaemonProcess::Start({"--node=one", "--state-dir=" + state, "--retain=3"});
   REQUIRE(first.ok());
   const std::string socket = (*first)->socket();
-  SharedMemory src = MakeShm("hold-src");
-  SharedMemory dst = MakeShm("hold-dst");
+  SharedMemory src = MakeShm("hold-src", kBytes);
+  SharedMemory dst = MakeShm("hold-dst", kBytes);
   const std::vector<v1::TensorSlice> layout = {Slice("w", v1::BF16, {kRows, kCols})};
   std::vector<uint8_t> v2;
   {

@@ -31,6 +31,7 @@
 #include "daemon/delta/delta.h"
 #include "daemon/memory/region.h"
 #include "nlohmann/json.hpp"
+#include "tests/testing/shared_data.h"
 
 namespace refit::bucket::testing {
 
@@ -151,40 +152,15 @@ inline TestModel RandomModel(const std::string& name, size_t versions, uint64_t 
   return model;
 }
 
-// The shared data directory (holding data/deltas/...): $REFIT_SHARED_DIR; else shared/ beside
-// the source tree, found through daemon/delta/FORMAT.md's runfile symlink; else /work/shared.
-// Empty when none exists.
-inline std::string FindSharedDir() {
-  auto is_dir = [](const std::string& path) {
-    struct stat st;
-    return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-  };
-  if (const char* env = std::getenv("REFIT_SHARED_DIR"); env != nullptr && *env != '\0') {
-    return is_dir(std::string(env) + "/data/deltas") ? env : "";
-  }
-  std::vector<std::string> candidates;
-  char resolved[PATH_MAX];
-  if (realpath("daemon/delta/FORMAT.md", resolved) != nullptr) {
-    std::string path = resolved;
-    for (int up = 0; up < 3; ++up) path = path.substr(0, path.rfind('/'));
-    candidates.push_back(path + "/../shared");
-  }
-  candidates.push_back("/work/shared");
-  for (const auto& candidate : candidates) {
-    if (is_dir(candidate + "/data/deltas")) return candidate;
-  }
-  return "";
-}
+using ::refit::testing::FindSharedDir;
 
 // The real bf16 versions v000..v003 of shared/data/deltas/<folder>, split into two buffers
 // (the first `split` tensors and the rest), as versions 1..4. nullopt (with a WARN) when the
-// shared directory is absent; a test failure when it is present but damaged.
+// shared directory is absent and REFIT_SHARED_DIR unset (SharedDirOrSkip); a test failure when
+// it is present but damaged, or REFIT_SHARED_DIR names a directory without the data.
 inline std::optional<TestModel> RealModel(const std::string& folder, size_t split = 20) {
-  const std::string shared = FindSharedDir();
-  if (shared.empty()) {
-    WARN("shared data directory not found (set REFIT_SHARED_DIR); SKIPPING real-data checks");
-    return std::nullopt;
-  }
+  const std::string shared = ::refit::testing::SharedDirOrSkip("the real-data bucket checks");
+  if (shared.empty()) return std::nullopt;
   const std::string root = shared + "/data/deltas/" + folder;
   auto text = ReadFile(root + "/manifest.json");
   REQUIRE(text.has_value());

@@ -1,6 +1,6 @@
 // Delta sync over real successive bf16 weight versions (shared/data/deltas, see its README):
 // exact round trips along the version chain, partial application, and the compactness the
-// daemon counts on. Needs the shared directory; see FindSharedDir() for how it is located.
+// daemon counts on. Needs the shared directory; tests/testing/shared_data.h says how it is found.
 
 #include <cstdio>
 #include <string>
@@ -21,15 +21,11 @@ struct Versions {
 };
 
 // Loads one folder's versions; fails the test when the shared directory exists but the data is
-// missing or damaged (only a missing shared directory is skipped, loudly).
+// missing or damaged, or REFIT_SHARED_DIR names a directory without it (only a missing shared
+// directory without REFIT_SHARED_DIR is skipped, loudly).
 bool LoadVersions(const std::string& folder, Versions& out) {
-  const std::string shared = testing::FindSharedDir();
-  if (shared.empty()) {
-    WARN(
-        "shared data directory not found (set REFIT_SHARED_DIR, or clone next to shared/); "
-        "SKIPPING the real-data delta tests");
-    return false;
-  }
+  const std::string shared = testing::SharedDirOrSkip("the real-data delta tests");
+  if (shared.empty()) return false;
   out.folder = folder;
   for (int i = 0; i < 4; ++i) {
     const std::string path =

@@ -1,9 +1,9 @@
 #pragma once
 
 // Helpers for the delta tests: random buffers with controlled changes, a writer for forged
-// deltas (recomputes the checksums after a test edits bytes, following FORMAT.md), and a
-// finder for the shared real-data directory. Test-only; not thread-safe (shared RNG state is
-// per call).
+// deltas (recomputes the checksums after a test edits bytes, following FORMAT.md), and the
+// shared real-data directory (tests/testing/shared_data.h). Test-only; not thread-safe
+// (shared RNG state is per call).
 
 #include <limits.h>
 #include <stdlib.h>
@@ -19,6 +19,8 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include "tests/testing/shared_data.h"
 
 namespace refit::delta::testing {
 
@@ -119,31 +121,7 @@ inline std::optional<Bytes> ReadFile(const std::string& path) {
   return Bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
-// The shared data directory (holding data/deltas/...): $REFIT_SHARED_DIR if set; else the
-// shared/ folder beside the source tree, found by resolving this package's FORMAT.md runfile
-// (a symlink into the source tree under `bazel test`); else /work/shared. Empty if none exists.
-inline std::string FindSharedDir() {
-  if (const char* env = std::getenv("REFIT_SHARED_DIR"); env != nullptr && *env != '\0') {
-    return IsDirectory(env) ? env : "";
-  }
-  std::vector<std::string> candidates;
-  char resolved[PATH_MAX];
-  for (const char* runfile : {"daemon/delta/FORMAT.md", "refit/daemon/delta/FORMAT.md"}) {
-    if (realpath(runfile, resolved) != nullptr) {
-      std::string path = resolved;  // <workspace>/daemon/delta/FORMAT.md
-      for (int up = 0; up < 3; ++up) path = path.substr(0, path.rfind('/'));
-      candidates.push_back(path + "/../shared");
-    }
-  }
-  if (const char* ws = std::getenv("BUILD_WORKSPACE_DIRECTORY")) {
-    candidates.push_back(std::string(ws) + "/../shared");
-  }
-  candidates.push_back("../shared");
-  candidates.push_back("/work/shared");
-  for (const auto& candidate : candidates) {
-    if (IsDirectory(candidate + "/data/deltas")) return candidate;
-  }
-  return "";
-}
+using ::refit::testing::FindSharedDir;
+using ::refit::testing::SharedDirOrSkip;
 
 }  // namespace refit::delta::testing

@@ -253,9 +253,11 @@ int ChildProcess::Stop(int signal) {
 }
 
 absl::StatusOr<DaemonPair> StartPair(const std::vector<std::string>& trainer_args,
-                                     std::vector<std::string> engine_args) {
+                                     std::vector<std::string> engine_args,
+                                     const std::vector<std::string>& trainer_env,
+                                     const std::vector<std::string>& engine_env) {
   DaemonPair pair;
-  auto trainer = DaemonProcess::Start(trainer_args);
+  auto trainer = DaemonProcess::Start(trainer_args, "", trainer_env);
   if (!trainer.ok()) return trainer.status();
   pair.trainer = std::move(trainer).value();
   auto trainer_client = pair.trainer->Connect();
@@ -264,7 +266,7 @@ absl::StatusOr<DaemonPair> StartPair(const std::vector<std::string>& trainer_arg
   auto status = pair.trainer_client->Status();
   if (!status.ok()) return status.status();
   engine_args.push_back(absl::StrCat("--peers=127.0.0.1:", status->listen_port()));
-  auto engine = DaemonProcess::Start(engine_args);
+  auto engine = DaemonProcess::Start(engine_args, "", engine_env);
   if (!engine.ok()) return engine.status();
   pair.engine = std::move(engine).value();
   auto engine_client = pair.engine->Connect();

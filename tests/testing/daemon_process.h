@@ -66,7 +66,7 @@ struct CommandResult {
 CommandResult RunCommand(const std::vector<std::string>& argv);
 
 // Two refitd: a trainer's node and an engine's node peered with it (--peers), each started
-// with its `args` and connected.
+// with its `args` (and `env`, as DaemonProcess::Start takes it) and connected.
 struct DaemonPair {
   std::unique_ptr<DaemonProcess> trainer;
   std::unique_ptr<DaemonProcess> engine;
@@ -74,7 +74,9 @@ struct DaemonPair {
   std::unique_ptr<client::Client> engine_client;
 };
 absl::StatusOr<DaemonPair> StartPair(const std::vector<std::string>& trainer_args,
-                                     std::vector<std::string> engine_args);
+                                     std::vector<std::string> engine_args,
+                                     const std::vector<std::string>& trainer_env = {},
+                                     const std::vector<std::string>& engine_env = {});
 
 // The Status entry of `model` on the daemon `client` talks to; NOT_FOUND when it lists none.
 absl::StatusOr<v1::ModelStatus> ModelStatusOf(client::Client& client, const std::string& model);

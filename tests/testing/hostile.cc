@@ -12,52 +12,26 @@
 
 namespace refit::testing {
 
-Hostile::Hostile() {
-  char dir_template[] = "/tmp/refit-hostile-XXXXXX";
-  REQUIRE(mkdtemp(dir_template));
-  dir_ = dir_template;
-  chmod(dir_.c_str(), 0755);
-  binary_ = dir_ + "/hostile_client";
-  std::filesystem::copy_file(RunfilePath("tests/testing/hostile_client"), binary_);
-  chmod(binary_.c_str(), 0755);
-  as_client_ = dir_ + "/as_client";
-  std::filesystem::copy_file(RunfilePath("tests/testing/as_client"), as_client_);
-  chmod(as_client_.c_str(), 0755);
-}
-
-Hostile::~Hostile() { std::filesystem::remove_all(dir_); }
-
-std::vector<std::string> Hostile::Argv(uid_t uid, const std::string& socket,
-                                       const std::vector<std::string>& args) const {
-  std::vector<std::string> argv = {"/usr/bin/setpriv",
-                                   "--reuid=" + std::to_string(uid),
-                                   "--regid=" + std::to_string(uid),
-                                   "--clear-groups",
-                                   binary_,
-                                   socket};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return argv;
-}
+Hostile::Hostile()
+    : hostile_client_("tests/testing/hostile_client"), as_client_("tests/testing/as_client") {}
 
 Hostile::Held Hostile::Hold(uid_t uid, const std::string& socket,
                             const std::vector<std::string>& args) const {
-  auto child = ChildProcess::Spawn(Argv(uid, socket, args));
-  REQUIRE(child.ok());
-  auto line = (*child)->ReadLine(60);
+  std::unique_ptr<ChildProcess> child = hostile_client_.Spawn(uid, socket, args);
+  auto line = child->ReadLine(60);
   INFO("hostile_client as uid " << uid);
   REQUIRE(line.ok());
   INFO(*line);
   REQUIRE(line->rfind("OK", 0) == 0);
-  return Held{std::move(child).value(), *line};
+  return Held{std::move(child), *line};
 }
 
 std::string Hostile::Run(uid_t uid, const std::string& socket,
                          const std::vector<std::string>& args) const {
-  auto result = RunCommand(Argv(uid, socket, args));
-  INFO("hostile_client as uid " << uid << ": " << result.out << result.err);
-  REQUIRE(result.exit_code == 0);
-  REQUIRE(result.out.rfind("OK", 0) == 0);
-  return result.out;
+  std::string out = hostile_client_.Run(uid, socket, args);
+  INFO("hostile_client as uid " << uid << ": " << out);
+  REQUIRE(out.rfind("OK", 0) == 0);
+  return out;
 }
 
 std::map<std::string, int> ParseCounts(const std::string& line) {
@@ -76,14 +50,6 @@ int ParseCounts(const std::string& line, const std::string& key) {
   auto counts = ParseCounts(line);
   auto it = counts.find(key);
   return it == counts.end() ? -1 : it->second;
-}
-
-void OpenSocketToAll(const std::string& socket) {
-  for (auto p = std::filesystem::path(socket).parent_path();
-       p.string().size() > 1 && p.string().rfind("/tmp/", 0) == 0; p = p.parent_path()) {
-    chmod(p.c_str(), 0755);
-  }
-  chmod(socket.c_str(), 0666);
 }
 
 namespace {

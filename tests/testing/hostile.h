@@ -12,16 +12,15 @@
 #include <string>
 #include <vector>
 
+#include "tests/testing/as_uid.h"
 #include "tests/testing/daemon_process.h"
 
 namespace refit::testing {
 
-// hostile_client (and as_client) copied where other uids can run them (Bazel's output tree is
-// root's alone).
+// hostile_client (and as_client) copied where other uids can run them (AsUid).
 class Hostile {
  public:
   Hostile();
-  ~Hostile();
 
   // A hostile_client left running as `uid` (it holds what it opened until `child` goes), with
   // the line it printed.
@@ -32,22 +31,17 @@ class Hostile {
   Held Hold(uid_t uid, const std::string& socket, const std::vector<std::string>& args) const;
   // Runs one as `uid` to completion; returns its line.
   std::string Run(uid_t uid, const std::string& socket, const std::vector<std::string>& args) const;
-  const std::string& binary() const { return binary_; }
-  const std::string& as_client() const { return as_client_; }  // tests/testing/as_client
+  const AsUid& hostile_client() const { return hostile_client_; }
+  const AsUid& as_client() const { return as_client_; }  // tests/testing/as_client
 
  private:
-  std::vector<std::string> Argv(uid_t uid, const std::string& socket,
-                                const std::vector<std::string>& args) const;
-  std::string dir_, binary_, as_client_;
+  AsUid hostile_client_, as_client_;
 };
 
 // "OK open=3 exhausted=2" -> {"open": 3, "exhausted": 2}.
 std::map<std::string, int> ParseCounts(const std::string& line);
 // One value of such a line (-1 if missing).
 int ParseCounts(const std::string& line, const std::string& key);
-
-// Lets every uid reach `socket` through /tmp (refitd's own policy decides who may use it).
-void OpenSocketToAll(const std::string& socket);
 
 // Threads, open descriptors and resident kilobytes of process `pid` (-1 if unknown).
 long ThreadsOf(pid_t pid);

@@ -1,12 +1,12 @@
 #include "tests/testing/real_model.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iterator>
 
 #include "nlohmann/json.hpp"
+#include "tests/testing/shared_data.h"
 
 namespace refit::testing {
 namespace {
@@ -28,11 +28,11 @@ int Split(const Tensor& t) {
 }  // namespace
 
 Data Load() {
-  const char* env = std::getenv("REFIT_SHARED_DIR");
-  const std::string dir =
-      std::string(env && *env ? env : "/work/shared") + "/data/deltas/tiny-llama-lr1e-6/";
-  std::ifstream manifest(dir + "manifest.json");
   Data data;
+  const std::string shared = FindSharedDir();
+  if (shared.empty()) return data;
+  const std::string dir = shared + "/data/deltas/tiny-llama-lr1e-6/";
+  std::ifstream manifest(dir + "manifest.json");
   if (!manifest) return data;
   const nlohmann::json m = nlohmann::json::parse(manifest);
   for (const auto& t : m["tensors"]) {

@@ -28,7 +28,8 @@ struct Data {
   std::vector<std::vector<uint8_t>> versions;  // v000 .. v003
 };
 
-// Loads tiny-llama-lr1e-6 from $REFIT_SHARED_DIR (else /work/shared); empty when missing.
+// Loads tiny-llama-lr1e-6 from the shared data directory (FindSharedDir, shared_data.h); empty
+// when missing.
 Data Load();
 
 // SOURCE slices of the whole model, tensors at their file offsets.

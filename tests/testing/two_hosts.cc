@@ -3,6 +3,9 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <utility>
+
+#include "catch2/catch.hpp"
 
 namespace refit::testing {
 
@@ -32,6 +35,24 @@ TwoHosts::~TwoHosts() {
 
 std::vector<std::string> TwoHosts::In(const std::string& ns) const {
   return {"/usr/sbin/ip", "netns", "exec", ns};
+}
+
+HostNodes StartHostNodes(const TwoHosts& hosts) {
+  auto source = DaemonProcess::Start(
+      {"--node=host-a", "--listen=192.0.2.1:7070", "--allow-plaintext-peers"}, "",
+      {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_a}, hosts.In(hosts.a));
+  REQUIRE(source.ok());
+  auto engine_node = DaemonProcess::Start({"--node=host-b", "--listen=192.0.2.2:7070",
+                                           "--peers=192.0.2.1:7070", "--allow-plaintext-peers"},
+                                          "", {"UCX_TLS=tcp", "UCX_NET_DEVICES=" + hosts.device_b},
+                                          hosts.In(hosts.b));
+  REQUIRE(engine_node.ok());
+  auto trainer = (*source)->Connect();
+  auto engine = (*engine_node)->Connect();
+  REQUIRE(trainer.ok());
+  REQUIRE(engine.ok());
+  return HostNodes{std::move(source).value(), std::move(engine_node).value(),
+                   std::move(trainer).value(), std::move(engine).value()};
 }
 
 }  // namespace refit::testing

@@ -4,8 +4,12 @@
 // what tests/netns_test and tests/faults_link_test share. Needs root and iproute2; `ok` says
 // whether they could be made (a test that finds it false says so loudly).
 
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "client/refit_client.h"
+#include "tests/testing/daemon_process.h"
 
 namespace refit::testing {
 
@@ -27,5 +31,14 @@ struct TwoHosts {
   bool ok = false;
   std::string a, b, device_a, device_b;
 };
+
+// A refitd in each namespace, plaintext peers over tcp on the veth: `source` (node host-a,
+// listening on 192.0.2.1:7070) and `engine_node` (host-b, 192.0.2.2:7070, --peers the source),
+// with a client to each. Fails the test if either does not start.
+struct HostNodes {
+  std::unique_ptr<DaemonProcess> source, engine_node;
+  std::unique_ptr<client::Client> trainer, engine;
+};
+HostNodes StartHostNodes(const TwoHosts& hosts);
 
 }  // namespace refit::testing

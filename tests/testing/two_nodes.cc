@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "catch2/catch.hpp"
+#include "tests/testing/required.h"
 
 namespace refit::testing {
 
@@ -19,11 +20,7 @@ using client::SharedMemory;
 using client::Slice;
 using std::chrono::milliseconds;
 
-SharedMemory MakeShm(uint64_t size) {
-  auto shm = SharedMemory::Create(UniqueShmName("2n"), size);
-  REQUIRE(shm.ok());
-  return std::move(shm).value();
-}
+SharedMemory MakeShm(uint64_t size) { return MakeShm("2n", size); }
 
 void FillRandom(SharedMemory& shm, uint32_t seed) {
   std::mt19937_64 rng(seed);
