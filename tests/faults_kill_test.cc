@@ -330,7 +330,7 @@ TEST_CASE("SIGKILL inside a sparse Apply into fp8 block-scaled destinations: N-1
   // quantization changed (Store::DiffDerived), undo-journaled the same way.
   Victim node("apply", {"--node=one", "--retain=3"},
               {"REFIT_TEST_SPARSE_ALWAYS=1", "REFIT_TEST_SPARSE_THREADS=4"});
-  SharedMemory src = MakeShm("fkill-src");
+  SharedMemory src = MakeShm("fkill-src", kShmBytes);
   auto dst_or =
       SharedMemory::Create(testing::UniqueShmName("fkill-dst"), 2 * (kFp8Bytes + kScaleBytes));
   REQUIRE(dst_or.ok());
