@@ -13,8 +13,10 @@
 #     runtime.log   cuda/cuda_runtime_test: IPC import, slots, copies, plans on the GPU
 #     e2e.log       tests/gpu_e2e_test: two refitd with CUDA slots, a GPU source and destination
 #     bench.txt     cuda/gpu_bench
-#     engines.log   client/python/tests/test_vllm_gpu.py, with REFIT_PYTHON=<a Python with torch
-#                   and vllm==0.33.0 for CUDA>: vLLM's own models on the GPU receiving versions
+#     engines.log   client/python/tests/test_torch_gpu.py with REFIT_PYTHON (default python3)
+#                   when it has torch: torch's CUDA parameters as refit sources and
+#                   destinations, bit for bit the CPU reference; then test_vllm_gpu.py when it
+#                   also has vllm==0.33.0: vLLM's own models on the GPU receiving versions
 #                   zero-copy through refit's CUDA path, bit for bit vLLM's load_weights
 #
 # Exit status: 0 when every step passed, 77 when no GPU is visible (nothing else was run), 1
@@ -132,17 +134,32 @@ append=1 step store-quantize 40 "$OUT/quantize.log" daemon/store/quant_gpu_test 
 step runtime 100 "$OUT/runtime.log" cuda/cuda_runtime_test "${catch_args[@]}"
 step e2e 100 "$OUT/e2e.log" tests/gpu_e2e_test "${catch_args[@]}"
 step bench 100 "$OUT/bench.txt" cuda/gpu_bench --reps=5
-# refit.vllm's CUDA zero-copy path in vLLM 0.33's own models (the bundle holds the Python client
-# and the test, not torch or vLLM: REFIT_PYTHON names a Python that has them). It fails, never
-# skips, without a GPU.
-if [ -n "${REFIT_PYTHON:-}" ]; then
-  step engines 200 "$OUT/engines.log" env REFITD="$B/daemon/refitd" \
-    PYTHONPATH="$B/client/python:$B/client/python/tests" "$REFIT_PYTHON" \
-    "$B/client/python/tests/test_vllm_gpu.py"
-  grep -E '^(Ran|OK|FAILED)' "$OUT/engines.log" | sed 's/^/        /' >>"$summary"
+# The Python client's CUDA paths (the bundle holds the client and the tests, not torch or vLLM):
+# REFIT_PYTHON names a Python with torch for CUDA (default: python3, where it has torch).
+#   torch-gpu  client/python/tests/test_torch_gpu.py: a torch trainer's CUDA parameters
+#              registered in place, a vLLM-shaped torch engine's CUDA parameters as
+#              destinations (refit.vllm's adapter; the vllm package is not needed)
+#   engines    client/python/tests/test_vllm_gpu.py: vLLM 0.33's own models (needs vllm)
+# Both go into engines.log (the 8-file limit). Each fails, never skips, without a GPU.
+python=${REFIT_PYTHON:-python3}
+python_env=(env REFITD="$B/daemon/refitd" PYTHONUNBUFFERED=1
+  PYTHONPATH="$B/client/python:$B/client/python/tests" "$python")
+: >"$OUT/engines.log"
+if "$python" -c 'import torch, grpc, google.protobuf' >/dev/null 2>&1; then
+  append=1 step torch-gpu 150 "$OUT/engines.log" "${python_env[@]}" \
+    "$B/client/python/tests/test_torch_gpu.py" -v
+  grep -E '^(Ran|OK|FAILED)|^torch-gpu:' "$OUT/engines.log" | sed 's/^/        /' >>"$summary"
+  if "$python" -c 'import vllm' >/dev/null 2>&1; then
+    append=1 step engines 200 "$OUT/engines.log" "${python_env[@]}" \
+      "$B/client/python/tests/test_vllm_gpu.py" -v
+    grep -E '^(Ran|OK|FAILED)' "$OUT/engines.log" | tail -n 1 | sed 's/^/        /' >>"$summary"
+  else
+    note "NOT RUN engines: $python has no vllm; set REFIT_PYTHON to a Python with torch and" \
+      "vllm==0.33.0 (CUDA) for the vLLM CUDA zero-copy check (client/python/tests/test_vllm_gpu.py)"
+  fi
 else
-  note "NOT RUN engines: set REFIT_PYTHON to a Python with torch and vllm==0.33.0 (CUDA) for" \
-    "the vLLM CUDA zero-copy check (client/python/tests/test_vllm_gpu.py)"
+  note "NOT RUN torch-gpu, engines: $python lacks torch, grpcio or protobuf; set REFIT_PYTHON" \
+    "to a Python with them (and vllm==0.33.0 for engines)"
 fi
 
 # ---- the figures against the issue's goals ----

@@ -173,7 +173,8 @@ cp client/python/refit/*.py "$dir/client/python/refit/"
 cp "$bin"/client/python/refit/v1/*.py "$dir/client/python/refit/v1/"
 cp client/python/pyproject.toml "$dir/client/python/"
 cp VERSION "$dir/VERSION"
-for f in test_vllm_gpu.py test_vllm.py test_fp8.py daemons.py vllm_models.py; do
+for f in test_torch_gpu.py test_zero_copy.py test_vllm_gpu.py test_vllm.py test_fp8.py daemons.py \
+  vllm_models.py; do
   cp "client/python/tests/$f" "$dir/client/python/tests/"
 done
 
