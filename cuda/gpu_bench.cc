@@ -4,6 +4,9 @@
 //   change detect  gpu::FindChanges (compare + compaction) of two bf16 versions
 //                  ÷  a plain kernel that reads both and writes their XOR
 //   conversion     gpu::Convert bf16 -> fp8 e4m3  ÷  the same read/write kernel
+//   fp8 blocks     cuda::QuantizeFp8BlocksOnDevice (what GPU slots run: amax, scales, codes in
+//                  [128, 128] blocks)  ÷  the same read/write kernel, and ÷ the CPU kernel
+//                  (cpu::QuantizeFp8Blocks, one core) on the same bytes
 //   IPC import     cuda::OpenIpc per buffer exported by another process (and the close)
 // Medians of several runs. Usage: gpu_bench [--bytes=N] [--reps=N]
 //   bazel run --config=cuda //cuda:gpu_bench
@@ -163,6 +166,46 @@ void BenchKernels(uint64_t bytes, int reps) {
   // The conversion reads 2 bytes and writes 1 per element: half the reference's traffic per
   // input byte, so the reference time is halved to compare like with like.
   Row("Convert bf16 -> fp8 e4m3", bytes, convert, reference / 2, "read 2 + write 1, scaled");
+
+  // fp8 [128, 128] block quantization as a GPU slot runs it: a [rows, 8192] bf16 matrix into
+  // e4m3 codes and fp32 scales (one call: map upload, three kernels, the inf/NaN count back).
+  const uint64_t cols = 8192, rows = n / cols;
+  std::vector<uint32_t> map(rows);
+  for (uint64_t r = 0; r < rows; ++r) map[r] = static_cast<uint32_t>(r / 128);
+  cpu::Fp8BlockRun run;
+  run.src = b.get();
+  run.src_dtype = DType::kBF16;
+  run.rows = rows;
+  run.cols = cols;
+  run.src_row_stride = static_cast<int64_t>(cols);
+  run.block_cols = 128;
+  run.scale_row_of = map.data();
+  run.scale_rows = (rows + 127) / 128;
+  run.dst = out.get();
+  run.dst_row_stride = static_cast<int64_t>(cols);
+  run.scales = reinterpret_cast<float*>(out.get() + rows * cols);
+  run.scale_row_stride = static_cast<int64_t>(cols / 128);
+  const double quantize = Median(
+      [&] { CheckOk(QuantizeFp8BlocksOnDevice({run}, 0).status(), "QuantizeFp8BlocksOnDevice"); },
+      reps);
+  Row("fp8 blocks [128,128] on the GPU", rows * cols * 2, quantize, reference / 2,
+      "read 2 + write 1, scaled");
+  // The CPU kernel on the same bytes (one core; host copies), the path host slots take.
+  std::vector<uint8_t> host_src = base, host_dst(rows * cols + run.scale_rows * (cols / 128) * 4);
+  cpu::Fp8BlockRun host = run;
+  host.src = host_src.data();
+  host.dst = host_dst.data();
+  host.scales = reinterpret_cast<float*>(host_dst.data() + rows * cols);
+  const double cpu_seconds =
+      Median([&] { CheckOk(cpu::QuantizeFp8Blocks(host).status(), "cpu::QuantizeFp8Blocks"); },
+             std::min(reps, 3));
+  Row("fp8 blocks [128,128] on the GPU", rows * cols * 2, quantize, cpu_seconds,
+      "cpu::QuantizeFp8Blocks, 1 core");
+  std::vector<uint8_t> from_gpu(host_dst.size());
+  CheckCuda(cudaMemcpy(from_gpu.data(), out.get(), from_gpu.size(), cudaMemcpyDeviceToHost),
+            "download");
+  std::printf("    (GPU codes and scales %s the CPU kernel's)\n",
+              from_gpu == host_dst ? "bit for bit equal to" : "DIFFER from");
 }
 
 void BenchIpcImport(const std::string& exporter_path) {

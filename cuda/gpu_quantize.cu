@@ -37,6 +37,30 @@ __device__ const uint8_t* Row(const Fp8BlockRun& run, uint64_t r) {
   return run.src + static_cast<int64_t>(r) * run.src_row_stride * kSize;
 }
 
+// A scale tensor may sit at any byte offset of a slot (the destination's layout places it), and
+// a misaligned float access on the GPU is a sticky error that loses the process's CUDA context:
+// whole floats where aligned, bytes otherwise (the GPU bundle's store-quantize step found it).
+__device__ void StoreScale(float* at, float value) {
+  if ((reinterpret_cast<uintptr_t>(at) & 3) == 0) {
+    *at = value;
+    return;
+  }
+  const uint32_t b = __float_as_uint(value);
+  uint8_t* bytes = reinterpret_cast<uint8_t*>(at);
+  bytes[0] = static_cast<uint8_t>(b);
+  bytes[1] = static_cast<uint8_t>(b >> 8);
+  bytes[2] = static_cast<uint8_t>(b >> 16);
+  bytes[3] = static_cast<uint8_t>(b >> 24);
+}
+
+__device__ float LoadScale(const float* at) {
+  if ((reinterpret_cast<uintptr_t>(at) & 3) == 0) return *at;
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(at);
+  return __uint_as_float(static_cast<uint32_t>(bytes[0]) | static_cast<uint32_t>(bytes[1]) << 8 |
+                         static_cast<uint32_t>(bytes[2]) << 16 |
+                         static_cast<uint32_t>(bytes[3]) << 24);
+}
+
 template <int kCode>
 __global__ void AmaxKernel(Fp8BlockRun run, uint64_t col_blocks, uint32_t* amax,
                            unsigned long long* nonfinite) {
@@ -55,7 +79,7 @@ __global__ void ScaleKernel(Fp8BlockRun run, uint64_t col_blocks, const uint32_t
   for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < total;
        i += uint64_t{gridDim.x} * blockDim.x) {
     const uint64_t sr = i / col_blocks, j = i % col_blocks;
-    run.scales[sr * run.scale_row_stride + j] = fp8::ScaleFromAmaxBits(amax[i]);
+    StoreScale(run.scales + sr * run.scale_row_stride + j, fp8::ScaleFromAmaxBits(amax[i]));
   }
 }
 
@@ -65,7 +89,8 @@ __global__ void QuantizeKernel(Fp8BlockRun run) {
   for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < total;
        i += uint64_t{gridDim.x} * blockDim.x) {
     const uint64_t r = i / run.cols, c = i % run.cols;
-    const float s = run.scales[run.scale_row_of[r] * run.scale_row_stride + c / run.block_cols];
+    const float s =
+        LoadScale(run.scales + run.scale_row_of[r] * run.scale_row_stride + c / run.block_cols);
     const float x = fp8::FloatOf(LoadBits<kCode>(Row<kCode>(run, r), c));
     run.dst[static_cast<int64_t>(r) * run.dst_row_stride + c] = fp8::QuantizeOne(x, s);
   }

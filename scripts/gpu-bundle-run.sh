@@ -12,7 +12,8 @@
 #                   GPU, bit for bit what host slots get from the CPU kernel
 #     runtime.log   cuda/cuda_runtime_test: IPC import, slots, copies, plans on the GPU
 #     e2e.log       tests/gpu_e2e_test: two refitd with CUDA slots, a GPU source and destination
-#     bench.txt     cuda/gpu_bench
+#     bench.txt     cuda/gpu_bench, then client/python/tests/bench_zero_copy.py --device=cuda
+#                   (with REFIT_PYTHON's torch): the engine's update beside torch's D2D copy
 #     engines.log   client/python/tests/test_torch_gpu.py with REFIT_PYTHON (default python3)
 #                   when it has torch: torch's CUDA parameters as refit sources and
 #                   destinations, bit for bit the CPU reference; then test_vllm_gpu.py when it
@@ -149,6 +150,12 @@ if "$python" -c 'import torch, grpc, google.protobuf' >/dev/null 2>&1; then
   append=1 step torch-gpu 150 "$OUT/engines.log" "${python_env[@]}" \
     "$B/client/python/tests/test_torch_gpu.py" -v
   grep -E '^(Ran|OK|FAILED)|^torch-gpu:' "$OUT/engines.log" | sed 's/^/        /' >>"$summary"
+  # The engine's update on the GPU, zero copy and load_weights, beside torch's own D2D copy of
+  # the same bytes (client/python/tests/bench_zero_copy.py --device=cuda), into bench.txt.
+  append=1 step engine-bench 150 "$OUT/bench.txt" "${python_env[@]}" \
+    "$B/client/python/tests/bench_zero_copy.py" --device=cuda --mib=1024 --reps=3
+  grep -E '^[0-9]+ MiB bf16|^  (torch D2D|publish|update)' "$OUT/bench.txt" |
+    sed 's/^ */figure  engine update: /' >>"$summary"
   if "$python" -c 'import vllm' >/dev/null 2>&1; then
     append=1 step engines 200 "$OUT/engines.log" "${python_env[@]}" \
       "$B/client/python/tests/test_vllm_gpu.py" -v

@@ -2,7 +2,7 @@
 # Checks the GPU bundle the way a GPU machine will meet it: copied out of the checkout, run with
 # a bare environment. Builds it first (scripts/gpu-bundle.sh, needs the CUDA toolkit; a few
 # minutes) unless given one. Without a GPU, run.sh must exit 77; with one, 0. Either way: at
-# most 64 MiB, at most 8 result files with summary.txt first, nothing that points back into the
+# most 80 MiB, at most 8 result files with summary.txt first, nothing that points back into the
 # checkout, and every library a bundled binary loads (but glibc and the driver) from the bundle.
 # Not part of `bazel test //...` (it needs --config=cuda); run it after changing the bundle.
 #
@@ -36,19 +36,19 @@ copy="$work/bundle"
 cp -a "$src" "$copy" || exit 1
 
 size=$(du -sb "$copy" | cut -f1)
-expect "size $size bytes <= 64 MiB" "size $size bytes > 64 MiB" [ "$size" -le $((64 << 20)) ]
+expect "size $size bytes <= 80 MiB" "size $size bytes > 80 MiB" [ "$size" -le $((80 << 20)) ]
 if grep -rlI -- "$root" "$copy" --exclude=MANIFEST.txt >/dev/null 2>&1; then
   fail "files in the bundle name the checkout ($root): $(grep -rlI -- "$root" "$copy" --exclude=MANIFEST.txt | head -n 3)"
 else
   ok "nothing in the bundle names the checkout"
 fi
 outside=""
-for binary in "$copy"/libexec/*/*; do
+while read -r binary; do
   outside+=$(LD_LIBRARY_PATH="$copy/lib" ldd "$binary" |
     awk -v c="$copy/" '$2 == "=>" && index($3, c) != 1 { print $1, $3 }' |
     grep -Ev '^(libc|libm|libpthread|libdl|librt|libresolv)\.so' |
     sed "s|^|$(basename "$binary"): |; s|\$|; |")
-done
+done < <(find "$copy/libexec" -type f)
 expect "every non-glibc library comes from the bundle" \
   "libraries from outside the bundle: $outside" [ -z "$outside" ]
 
@@ -84,6 +84,10 @@ if [ "$want" -eq 77 ]; then
     "$copy/run.sh" >"$work/dry.log" 2>&1
   rc=$?
   expect "dry run exited 1" "dry run exited $rc, want 1: $(cat "$work/dry.log")" [ "$rc" -eq 1 ]
+  # A wrapper that cannot find its binary or launcher exits 126/127: every step must start.
+  expect "dry run: every bundle binary started" \
+    "dry run: a step could not start its binary: $(grep -E 'exit 12[67]' "$dry/summary.txt")" \
+    bash -c "! grep -qE 'exit 12[67]' '$dry/summary.txt'"
   expect "dry run: quantize.log holds both quantize tests" "dry run: quantize.log: $(head -c 2000 "$dry/quantize.log")" \
     [ "$(grep -c 'test cases:' "$dry/quantize.log")" -ge 2 ]
   for log in kernels.log quantize.log runtime.log e2e.log; do

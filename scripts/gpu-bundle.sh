@@ -5,18 +5,21 @@
 # driver's libcuda), the Python client with the vLLM engine check (client/python/tests/
 # test_vllm_gpu.py; run.sh runs it when given a Python with torch and vLLM), and
 # the real bf16 deltas that fit into DIR (default gpu-bundle/ in the
-# checkout; a relative DIR is taken from the current directory), at most 64 MiB in all.
+# checkout; a relative DIR is taken from the current directory), at most 80 MiB in all, and
+# packs it into DIR.tar.xz (about 25 MiB: what travels to a GPU machine; unpack it there with
+# `tar -xJf` and run DIR/run.sh).
 # DIR/run.sh then runs the checks on a machine with a GPU and nothing else.
 #
 # Usage: scripts/gpu-bundle.sh [DIR]
 #   REFIT_SHARED_DIR=DIR   where data/deltas is (default ../shared beside the checkout)
-#   GPU_BUNDLE_MAX_BYTES=N the size limit (default 64 MiB)
+#   GPU_BUNDLE_MAX_BYTES=N the size limit (default 80 MiB: the tools, their libraries and one
+#                          folder of real deltas, for the kernels' real-data checks)
 set -euo pipefail
 caller=$PWD
 cd "$(dirname "$0")/.."
 root=$PWD
 dir="${1:-$root/gpu-bundle}"
-max_bytes=${GPU_BUNDLE_MAX_BYTES:-$((64 << 20))}
+max_bytes=${GPU_BUNDLE_MAX_BYTES:-$((80 << 20))}
 cuda="${CUDA_PATH:-/usr/local/cuda}"
 say() { echo "gpu-bundle: $*"; }
 die() { echo "gpu-bundle: $*" >&2; exit 1; }
@@ -56,10 +59,11 @@ echo "refit GPU bundle, being built" >"$dir/MANIFEST.txt"  # marks it as one fro
 for path in "${!targets[@]}"; do
   mkdir -p "$dir/libexec/$(dirname "$path")" "$dir/$(dirname "$path")"
   strip -o "$dir/libexec/$path" "$bin/$path"
+  up=$(dirname "$path" | sed 's|[^/][^/]*|..|g')  # daemon/store -> ../..
   cat >"$dir/$path" <<EOF
 #!/bin/sh
 # The bundle's $path (libexec/$path), with the bundle's libraries.
-exec "\$(dirname "\$0")/../lib/launch.sh" "\$(dirname "\$0")/../libexec/$path" "\$@"
+exec "\$(dirname "\$0")/$up/lib/launch.sh" "\$(dirname "\$0")/$up/libexec/$path" "\$@"
 EOF
   chmod 755 "$dir/$path"
 done
@@ -85,7 +89,7 @@ glibc_libs='^(ld-linux-x86-64\.so\.2|libc\.so\.6|libm\.so\.6|libpthread\.so\.0|l
 cache=$(ldconfig -p)
 ucx_modules=$(dirname "$(sed -n 's/.*libucs\.so\.0 (.*) => //p' <<<"$cache" | sed -n 1p)")/ucx
 # Only the modules that shared memory and tcp need (cma); ib and rdmacm would pull in verbs.
-objects=("$dir"/libexec/*/*)
+mapfile -t objects < <(find "$dir/libexec" -type f)
 if [ -e "$ucx_modules/libuct_cma.so.0" ]; then
   cp -L "$ucx_modules/libuct_cma.so.0" "$dir/lib/ucx/"
   objects+=("$dir/lib/ucx/libuct_cma.so.0")
@@ -113,14 +117,14 @@ done
 chmod 755 "$dir/lib/glibc/ld-linux-x86-64.so.2"
 
 # Every library a bundled object needs must be in the bundle now.
-missing=$(for object in "$dir"/libexec/*/* "$dir"/lib/*.so* "$dir"/lib/ucx/*; do
+missing=$(for object in "${objects[@]}" "$dir"/lib/*.so* "$dir"/lib/ucx/*; do
   LD_LIBRARY_PATH="$dir/lib" ldd "$object" 2>/dev/null | grep 'not found' || true
 done | sort -u)
 [ -z "$missing" ] || die "libraries not found for the bundle: $missing"
 
 # The newest glibc symbol version the non-glibc objects need: hosts with an older glibc use
 # the bundle's own (run.sh finds that out by trying).
-glibc_needed=$(for object in "$dir"/libexec/*/* "$dir"/lib/*.so* "$dir"/lib/ucx/*; do
+glibc_needed=$(for object in "${objects[@]}" "$dir"/lib/*.so* "$dir"/lib/ucx/*; do
   objdump -T "$object" 2>/dev/null | grep -o 'GLIBC_[0-9.]*'
 done | sort -uV | tail -n 1)
 
@@ -173,8 +177,8 @@ cp client/python/refit/*.py "$dir/client/python/refit/"
 cp "$bin"/client/python/refit/v1/*.py "$dir/client/python/refit/v1/"
 cp client/python/pyproject.toml "$dir/client/python/"
 cp VERSION "$dir/VERSION"
-for f in test_torch_gpu.py test_zero_copy.py test_vllm_gpu.py test_vllm.py test_fp8.py daemons.py \
-  vllm_models.py; do
+for f in test_torch_gpu.py test_zero_copy.py bench_zero_copy.py test_vllm_gpu.py test_vllm.py \
+  test_fp8.py daemons.py vllm_models.py; do
   cp "client/python/tests/$f" "$dir/client/python/tests/"
 done
 
@@ -193,5 +197,9 @@ total=$(du -sb "$dir" | cut -f1)
 } >"$dir/MANIFEST.txt"
 total=$(du -sb "$dir" | cut -f1)
 [ "$total" -le "$max_bytes" ] || die "the bundle is $total bytes, over the $max_bytes limit"
+rm -f "$dir.tar.xz"
+tar -C "$(dirname "$dir")" -cf - "$(basename "$dir")" | xz -T0 -6 >"$dir.tar.xz.part"
+mv "$dir.tar.xz.part" "$dir.tar.xz"
+say "packed $dir.tar.xz: $(stat -c %s "$dir.tar.xz") bytes"
 say "wrote $dir: $total bytes ($(awk -v t="$total" 'BEGIN { printf "%.1f", t / 1048576 }') MiB); real deltas:${data_note}"
 say "run it on a GPU machine: OUT=/some/dir $dir/run.sh (exits 0 / 77 no GPU / 1)"

@@ -163,6 +163,10 @@ TEST_CASE("cuda::QuantizeFp8BlocksOnDevice writes what cpu::QuantizeFp8Blocks wr
   };
   const std::vector<Shape> shapes = {
       {350, 128, 3, &by_block}, {cols, cols, rows, &per_row}, {cols, cols, 1, &one}};
+  // The first run's scales follow its 257 x 350 codes: at byte 89950, not 4-byte aligned (a
+  // destination's layout may place a scale tensor anywhere). The GPU kernel once wrote them as
+  // whole floats: a misaligned-address error that lost refitd's CUDA context.
+  REQUIRE((rows * 350) % 4 != 0);
   cuda::testing::DeviceBuffer d_src(x.size() * 2);
   d_src.Upload(x.data(), x.size() * 2);
   std::vector<std::unique_ptr<cuda::testing::DeviceBuffer>> d_out;

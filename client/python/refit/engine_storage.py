@@ -296,15 +296,6 @@ def rehome_cpu(model: str, params_of_module: Dict[str, torch.Tensor],
     return region, layouts
 
 
-def _torch_cuda_block(param) -> Tuple[int, bytes, int]:
-    """(device, cudaIpcMemHandle_t, address of the cudaMalloc block) of a CUDA parameter."""
-    storage = memory._untyped_storage(param)
-    shared = storage._share_cuda_()
-    # (device, handle, storage_size_bytes, storage_offset_bytes, ...): the storage starts
-    # storage_offset_bytes into the block the handle names.
-    return int(shared[0]), bytes(shared[1]), storage.data_ptr() - int(shared[3])
-
-
 class EngineCudaRegion(memory.CudaIpcBlock):
     """Part of a cudaMalloc block the engine owns, holding parameters refit writes in place.
     Nothing is allocated or freed here: the engine's allocator owns the memory."""
@@ -323,12 +314,13 @@ class EngineCudaRegion(memory.CudaIpcBlock):
 
 
 def cuda_regions(params_of_module: Dict[str, torch.Tensor], placed: Dict[str, List[Part]],
-                 block_of: Callable = _torch_cuda_block,
+                 block_of: Optional[Callable] = None,
                  uuid_of: Optional[Callable[[int], str]] = None
                  ) -> List[Tuple[EngineCudaRegion, List[SliceLayout]]]:
     """One region per cudaMalloc block holding placed CUDA parameters, spanning them, with the
     checkpoint tensors' layouts relative to it. `block_of(param)` -> (device, handle, block
-    address); the default asks torch (`_share_cuda_`), tests pass fakes."""
+    address); the default asks torch (memory.torch_cuda_block), tests pass fakes."""
+    block_of = block_of or memory.torch_cuda_block  # looked up now: tests patch it
     if uuid_of is None:
         def uuid_of(device: int) -> str:
             return memory.gpu_uuid(torch.cuda.get_device_properties(device))

@@ -186,6 +186,36 @@ def _untyped_storage(tensor: torch.Tensor):
     return tensor.storage().untyped()  # torch 1.13
 
 
+def cuda_ipc_handle(shared: bytes) -> bytes:
+    """The 64-byte cudaIpcMemHandle_t inside the handle torch's `_share_cuda_()` gives. Older
+    torch gives the handle itself; newer torch (its caching allocator's shareable handle)
+    prefixes a version byte and a type byte: 'c' (a cudaMalloc block, the handle follows) or
+    'e' (an expandable segment, which has no cudaIpcMemHandle_t: RuntimeError naming the fix).
+    Anything else: RuntimeError."""
+    shared = bytes(shared)
+    if len(shared) == CUDA_IPC_HANDLE_BYTES:
+        return shared
+    if len(shared) >= 2 and shared[1:2] == b"e":
+        raise RuntimeError(
+            "refit: torch gave an expandable-segment handle (no cudaIpcMemHandle_t): set "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False before torch allocates")
+    if len(shared) == CUDA_IPC_HANDLE_BYTES + 2 and shared[1:2] == b"c":
+        return shared[2:]
+    raise RuntimeError(
+        f"refit: a {len(shared)}-byte CUDA IPC handle from torch, neither a "
+        f"{CUDA_IPC_HANDLE_BYTES}-byte cudaIpcMemHandle_t nor one behind torch's version and "
+        "type bytes (expandable segments? set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False)")
+
+
+def torch_cuda_block(tensor: torch.Tensor):
+    """(device, cudaIpcMemHandle_t, address of the cudaMalloc block) of a CUDA tensor."""
+    storage = _untyped_storage(tensor)
+    shared = storage._share_cuda_()
+    # (device, handle, storage_size_bytes, storage_offset_bytes, ...): the storage starts
+    # storage_offset_bytes into the block the handle names.
+    return int(shared[0]), cuda_ipc_handle(shared[1]), storage.data_ptr() - int(shared[3])
+
+
 class CudaIpcBlock:
     """[offset, offset + size) of a cudaMalloc block named by its CUDA IPC handle: what refitd
     is given for CUDA memory (CudaRegion, and the engine parameters of engine_storage)."""

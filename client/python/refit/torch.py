@@ -221,13 +221,6 @@ def _agree(entries: List[Entry], errors: List[str], rank: int, group) -> List[st
     return check_boxes([unique[r] for r in sorted(unique)], ranks=sorted(unique))
 
 
-def _cuda_block(tensor: torch.Tensor) -> Tuple[int, bytes, int]:
-    """(device, cudaIpcMemHandle_t, address of the cudaMalloc block) of a CUDA tensor."""
-    storage = tensor.untyped_storage()
-    shared = storage._share_cuda_()
-    return int(shared[0]), bytes(shared[1]), storage.data_ptr() - int(shared[3])
-
-
 class CudaSourceRegion(memory.CudaIpcBlock):
     """Part of a cudaMalloc block holding the trainer's CUDA parameters, registered in place;
     the trainer's allocator owns it."""
@@ -245,12 +238,13 @@ class CudaSourceRegion(memory.CudaIpcBlock):
                 f"{self.offset} of an IPC block)")
 
 
-def cuda_regions(entries: Sequence[Entry], block_of: Callable = _cuda_block,
+def cuda_regions(entries: Sequence[Entry], block_of: Optional[Callable] = None,
                  uuid_of: Optional[Callable[[int], str]] = None
                  ) -> List[Tuple[CudaSourceRegion, List[buffer_lib.SliceLayout]]]:
     """One region per cudaMalloc block holding the entries' local data, spanning them, with
     each entry's layout relative to it. `block_of(tensor)` -> (device, handle, block address);
-    tests pass fakes."""
+    the default asks torch (memory.torch_cuda_block), tests pass fakes."""
+    block_of = block_of or memory.torch_cuda_block  # looked up now: tests patch it
     if uuid_of is None:
         def uuid_of(device: int) -> str:
             return memory.gpu_uuid(torch.cuda.get_device_properties(device))

@@ -1,25 +1,45 @@
 """Update time of the engine adapters, zero copy against load_weights, in one run, beside a
-memcpy of the same bytes: a bf16 model of N MiB (fused qkv_proj / gate_up_proj layers) on the
-CPU, a real refitd, versions published from a SOURCE buffer; the median of `--reps` updates
-each. By hand (not a Bazel test; figures, no assertions):
+memcpy of the same bytes: a bf16 model of N MiB (fused qkv_proj / gate_up_proj layers), a real
+refitd, the median of `--reps` updates each. By hand (not a Bazel test; figures, no assertions):
 
     REFITD=bazel-bin/daemon/refitd PYTHONPATH=client/python:client/python/tests \\
         /usr/bin/python3 client/python/tests/bench_zero_copy.py --mib=256 --reps=5
+
+`--device=cpu` (default): the engine's model on the CPU, versions published from a SOURCE
+buffer, the reference a CPU memcpy. `--device=cuda` (a refitd built with --config=cuda, a GPU;
+the GPU bundle's run.sh runs it): the trainer's checkpoint tensors are CUDA parameters
+registered in place (refit.torch.publisher), the engine's model is on the GPU, the reference is
+torch's device-to-device copy of the same bytes, and the publish (the snapshot into refitd's
+slot) is timed too.
 """
 
 import argparse
+import os
 import statistics
 import time
 
-import torch
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
 
-import refit
-import refit.testing
-from refit import vllm as refit_vllm
-from refit.mapping import FusedMapping
+import torch  # noqa: E402
+
+import refit  # noqa: E402
+import refit.testing  # noqa: E402
+import refit.torch  # noqa: E402
+from refit import vllm as refit_vllm  # noqa: E402
+from refit.mapping import FusedMapping  # noqa: E402
 
 MAPPING = FusedMapping(stacked=[("qkv_proj", ["q_proj", "k_proj", "v_proj"]),
                                 ("gate_up_proj", ["gate_proj", "up_proj"])])
+
+
+def set_param(module, name, value):
+    """`value` as the parameter `name` (dotted) of `module`, making the submodules on the way."""
+    *path, attr = name.split(".")
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, torch.nn.Module())
+        module = getattr(module, part)
+    module.register_parameter(attr, torch.nn.Parameter(value, requires_grad=False))
 
 
 class Model(torch.nn.Module):
@@ -31,14 +51,7 @@ class Model(torch.nn.Module):
             self.shapes[p + "self_attn.qkv_proj.weight"] = (3 * h, h)
             self.shapes[p + "mlp.gate_up_proj.weight"] = (2 * h, h)
         for name, shape in self.shapes.items():
-            owner = self
-            *path, attr = name.split(".")
-            for part in path:
-                if not hasattr(owner, part):
-                    owner.add_module(part, torch.nn.Module())
-                owner = getattr(owner, part)
-            owner.register_parameter(attr, torch.nn.Parameter(
-                torch.zeros(shape, dtype=torch.bfloat16), requires_grad=False))
+            set_param(self, name, torch.zeros(shape, dtype=torch.bfloat16))
 
     @torch.no_grad()
     def load_weights(self, weights):
@@ -52,11 +65,26 @@ class Model(torch.nn.Module):
                         target[i * t.shape[0]:(i + 1) * t.shape[0]].copy_(t)
 
 
+class Trainer(torch.nn.Module):
+    """The checkpoint's tensors as a trainer's CUDA parameters (published in place)."""
+
+    def __init__(self, ckpt):
+        super().__init__()
+        for name, value in ckpt.items():
+            set_param(self, name, value.cuda())
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
+    cuda = args.device == "cuda"
+
+    def sync_device():
+        if cuda:
+            torch.cuda.synchronize()
     h = 1024
     layers = max(1, args.mib * 2**20 // (5 * h * h * 2))
     ckpt = {}
@@ -68,10 +96,14 @@ def main():
     nbytes = sum(t.numel() * 2 for t in ckpt.values())
     with refit.testing.Daemon() as daemon:
         client = daemon.client()
-        src = client.register("bench", refit.SOURCE, ckpt)
+        if cuda:
+            trainer = Trainer(ckpt)
+            src = refit.torch.publisher(client, "bench", trainer)
+        else:
+            src = client.register("bench", refit.SOURCE, ckpt)
         engines = {}
         for storage in ("zero_copy", "load_weights"):
-            model = Model(layers, h)
+            model = Model(layers, h).to(args.device)
             engine = refit_vllm.RefitWeightTransferEngine(model=model)
             engine.init_transfer_engine(engine.parse_init_info({
                 "model": "bench", "socket": daemon.socket, "mapping": MAPPING.to_dict(),
@@ -79,32 +111,54 @@ def main():
                 "params": {n: [list(t.shape), "bfloat16"] for n, t in ckpt.items()}}))
             engines[storage] = engine
         times = {s: [] for s in engines}
+        publish = []
         for version in range(1, 2 * args.reps + 1):
-            client.publish("bench", version, [src])
+            # Every element changes each version (a full update, not an empty delta).
+            with torch.no_grad():
+                if cuda:
+                    for param in trainer.parameters():
+                        param.add_(1)
+                    sync_device()
+                else:
+                    for t in ckpt.values():
+                        t.add_(1)
+                    src.copy_from(ckpt)
+            t0 = time.perf_counter()
+            if cuda:
+                src.publish(version)
+            else:
+                client.publish("bench", version, [src])
             client.wait_for_version("bench", version, timeout=60)
+            publish.append(time.perf_counter() - t0)
             order = list(engines) if version % 2 else list(reversed(engines))
             for storage in order:
                 t0 = time.perf_counter()
                 refit_vllm.sync(engines[storage], version)
+                sync_device()
                 times[storage].append(time.perf_counter() - t0)
-        a = torch.empty(nbytes, dtype=torch.uint8)
-        b = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+        a = torch.empty(nbytes, dtype=torch.uint8, device=args.device)
+        b = torch.empty(nbytes, dtype=torch.uint8, device=args.device).fill_(1)
         memcpy = []
         for _ in range(2 * args.reps):
+            sync_device()
             t0 = time.perf_counter()
             a.copy_(b)
+            sync_device()
             memcpy.append(time.perf_counter() - t0)
         for e in engines.values():
             e.shutdown()
         src.release()
         client.close()
     ref = statistics.median(memcpy)
-    print(f"{nbytes / 2**20:.0f} MiB bf16, {len(ckpt)} checkpoint tensors, median of "
-          f"{2 * args.reps}")
-    print(f"  memcpy of the same bytes      {ref * 1e3:8.1f} ms  (reference)")
+    print(f"{nbytes / 2**20:.0f} MiB bf16, {len(ckpt)} checkpoint tensors, on {args.device}, "
+          f"median of {2 * args.reps}")
+    what = "torch D2D copy" if cuda else "memcpy"
+    print(f"  {what} of the same bytes{' ' * (14 - len(what))}{ref * 1e3:8.1f} ms  (reference)")
+    m = statistics.median(publish)
+    print(f"  publish (snapshot, complete)  {m * 1e3:8.1f} ms  = {m / ref:.2f}x {what}")
     for storage, ts in times.items():
         m = statistics.median(ts)
-        print(f"  update, storage={storage:<12} {m * 1e3:8.1f} ms  = {m / ref:.2f}x memcpy")
+        print(f"  update, storage={storage:<12} {m * 1e3:8.1f} ms  = {m / ref:.2f}x {what}")
 
 
 if __name__ == "__main__":

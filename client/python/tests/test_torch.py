@@ -332,6 +332,22 @@ class SingleProcessTest(unittest.TestCase):
         self.assertIn("rank 0 has torch.float32 [4, 2], rank 1 has torch.float32 [5, 2]",
                       shape[0])
 
+    def test_cuda_ipc_handle_from_every_torch_form(self):
+        """torch's `_share_cuda_()` handle: the bare 64-byte cudaIpcMemHandle_t (older torch),
+        or behind a version byte and the type byte 'c' (torch 2.11 on an H200 gave 66 bytes,
+        version 2; the GPU bundle's torch-gpu step found it); an expandable segment ('e') and
+        anything else refused, naming the fix."""
+        handle = bytes(range(64))
+        decode = refit.memory.cuda_ipc_handle
+        self.assertEqual(decode(handle), handle)
+        for version in (1, 2, 3):
+            self.assertEqual(decode(bytes([version]) + b"c" + handle), handle)
+        with self.assertRaisesRegex(RuntimeError, "expandable_segments:False"):
+            decode(b"\x02e" + b"\x00" * 40)
+        for bad in (b"", b"\x02c" + handle[:10], b"\x02x" + handle, handle + b"\x00"):
+            with self.assertRaisesRegex(RuntimeError, "CUDA IPC handle"):
+                decode(bad)
+
     def test_cuda_regions_with_fake_blocks(self):
         """The CUDA path's handle building (no GPU here): two parameters in one fake cudaMalloc
         block, one in another, become two regions with the right offsets."""

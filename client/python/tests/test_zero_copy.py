@@ -409,7 +409,7 @@ class CudaHandleTest(unittest.TestCase):
         self.assertEqual({p.scale_tensor for p in weights}, {p.name for p in scales})
         self.assertEqual({p.refit_dtype for p in weights}, {refit_pb2.FP8_E4M3})
         # A CPU model never takes the CUDA path: its plan is re-homed into a memfd.
-        with mock.patch.object(engine_storage, "_torch_cuda_block",
+        with mock.patch.object(engine_storage.memory, "torch_cuda_block",
                                side_effect=AssertionError("CUDA path")):
             region, layouts = engine_storage.rehome_cpu("m", params, result.placed)
         self.assertEqual(region.kind, "memfd")
