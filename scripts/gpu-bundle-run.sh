@@ -154,6 +154,9 @@ if "$python" -c 'import torch, grpc, google.protobuf' >/dev/null 2>&1; then
   # the same bytes (client/python/tests/bench_zero_copy.py --device=cuda), into bench.txt.
   append=1 step engine-bench 150 "$OUT/bench.txt" "${python_env[@]}" \
     "$B/client/python/tests/bench_zero_copy.py" --device=cuda --mib=1024 --reps=3
+  append=1 step engine-bench-gpu-slots 150 "$OUT/bench.txt" "${python_env[@]}" \
+    "$B/client/python/tests/bench_zero_copy.py" --device=cuda --mib=1024 --reps=3 \
+    --daemon-arg=--slot-memory=cuda
   grep -E '^[0-9]+ MiB bf16|^  (torch D2D|publish|update)' "$OUT/bench.txt" |
     sed 's/^ */figure  engine update: /' >>"$summary"
   if "$python" -c 'import vllm' >/dev/null 2>&1; then

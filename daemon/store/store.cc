@@ -124,23 +124,30 @@ absl::Status Store::MemoryWentAway(const Buffer& buffer, const std::string& more
 }
 
 absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& buffers,
-                                    std::vector<Piece>* pieces, uint64_t* bytes) {
+                                    std::vector<Piece>* pieces, uint64_t* bytes,
+                                    PublishTimes* times) {
+  auto since = [](Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  };
   for (const auto& buffer : buffers) {
     const uint64_t size = buffer->span_end - buffer->span_begin;
     Piece piece;
     piece.buffer_id = buffer->id;
     piece.slices = buffer->snapshot_slices;
+    auto phase = Clock::now();
     ASSIGN_OR_RETURN(
         piece.slot, (budget_.gpu() ? budget_.gpu() : budget_.host())->Acquire(size, buffer->model));
     if (budget_.gpu()) {
       ASSIGN_OR_RETURN(piece.host, budget_.host()->Acquire(size, buffer->model));
     }
+    times->acquire += since(phase);
     {
       common::MutexLock io(buffer->io_mu);
       const Region& from = *buffer->region;
       if (from.Broken()) return MemoryWentAway(*buffer, "");
       // Host to host: copy and checksum in one pass over the cores, each block hashed while
       // it is still in cache. Otherwise hash what peers will read once it is there.
+      phase = Clock::now();
       if (from.kind() == MemoryKind::kHost && piece.slot->kind() == MemoryKind::kHost) {
         const auto hints = buffer->hints.ForPublish(size);
         auto range_sums = std::make_shared<RangeSums>();
@@ -150,9 +157,13 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
       } else {
         RETURN_IF_ERROR(cuda::Copy(*piece.slot, 0, from, buffer->span_begin, size));
       }
+      times->copy += since(phase);
+      phase = Clock::now();
       // The mirror comes from the slot, not the client's buffer: the buffer may change as
       // soon as Publish returns.
       if (piece.host) RETURN_IF_ERROR(cuda::Copy(*piece.host, 0, *piece.slot, 0, size));
+      times->mirror += since(phase);
+      phase = Clock::now();
       // A client that shrank its memory while it was copied: the slot holds zeros from there
       // on, not the client's bytes. Nothing of it is kept.
       if (from.Broken()) return MemoryWentAway(*buffer, "");
@@ -163,6 +174,7 @@ absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& 
               std::make_shared<const std::vector<uint64_t>>(HashChunks(served.data(), size));
         }
       }
+      times->hash += since(phase);
     }
     pieces->push_back(std::move(piece));
     *bytes += size;
@@ -218,7 +230,8 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
   const auto started = Clock::now();
   std::vector<Piece> pieces;
   uint64_t bytes = 0;
-  absl::Status snapped = SnapshotBuffers(buffers, &pieces, &bytes);
+  PublishTimes times;
+  absl::Status snapped = SnapshotBuffers(buffers, &pieces, &bytes, &times);
   if (!snapped.ok()) {
     // A refused Publish changes nothing: the buffers may publish this version again.
     common::MutexLock lock(mu_);
@@ -229,13 +242,21 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
   }
   TestHookKillAt("publish");  // test build only: the fault suite's commit point
   if (diff_base) {
+    const auto diff_started = Clock::now();
     std::vector<Piece*> diffed;
     for (Piece& piece : pieces) diffed.push_back(&piece);
     DiffPieces(std::move(diffed), *diff_base);
+    times.diff = std::chrono::duration<double>(Clock::now() - diff_started).count();
   }
+  const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
   counters_.publish_bytes.Add(static_cast<double>(bytes));
   counters_.publishes.Add(1);
-  counters_.publish_seconds.Observe(std::chrono::duration<double>(Clock::now() - started).count());
+  counters_.publish_seconds.Observe(seconds);
+  Logger("store")->debug(
+      "model={} version={} published {} bytes from {} buffer(s) in {:.4f} s: slots {:.4f}, copy "
+      "{:.4f}, mirror {:.4f}, hash {:.4f}, diff {:.4f}",
+      model_name, version, bytes, buffers.size(), seconds, times.acquire, times.copy, times.mirror,
+      times.hash, times.diff);
 
   common::MutexLock lock(mu_);
   Model* model = FindModel(model_name);

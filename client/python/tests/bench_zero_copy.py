@@ -79,6 +79,8 @@ def main():
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--daemon-arg", action="append", default=[],
+                        help="a refitd flag, e.g. --daemon-arg=--slot-memory=cuda (repeatable)")
     args = parser.parse_args()
     cuda = args.device == "cuda"
 
@@ -94,7 +96,7 @@ def main():
                   "mlp.up_proj"):
             ckpt[p + n + ".weight"] = torch.randn(h, h).to(torch.bfloat16)
     nbytes = sum(t.numel() * 2 for t in ckpt.values())
-    with refit.testing.Daemon() as daemon:
+    with refit.testing.Daemon(args=args.daemon_arg) as daemon:
         client = daemon.client()
         if cuda:
             trainer = Trainer(ckpt)
@@ -145,13 +147,16 @@ def main():
             a.copy_(b)
             sync_device()
             memcpy.append(time.perf_counter() - t0)
+        last = 2 * args.reps
+        log = [line for line in daemon.log().splitlines()
+               if f"version={last} " in line and "[delta]" not in line]
         for e in engines.values():
             e.shutdown()
         src.release()
         client.close()
     ref = statistics.median(memcpy)
     print(f"{nbytes / 2**20:.0f} MiB bf16, {len(ckpt)} checkpoint tensors, on {args.device}, "
-          f"median of {2 * args.reps}")
+          f"refitd {' '.join(args.daemon_arg) or '(defaults)'}, median of {2 * args.reps}")
     what = "torch D2D copy" if cuda else "memcpy"
     print(f"  {what} of the same bytes{' ' * (14 - len(what))}{ref * 1e3:8.1f} ms  (reference)")
     m = statistics.median(publish)
@@ -159,6 +164,9 @@ def main():
     for storage, ts in times.items():
         m = statistics.median(ts)
         print(f"  update, storage={storage:<12} {m * 1e3:8.1f} ms  = {m / ref:.2f}x {what}")
+    print(f"  refitd's log of version {last}:")
+    for line in log[-12:]:
+        print(f"    {line}")
 
 
 if __name__ == "__main__":
