@@ -220,6 +220,45 @@ TEST_CASE("the cost model keeps scattered steps on the full copy", "[store][spar
   CHECK(applied->bytes_written <= 2);
 }
 
+TEST_CASE("a version that changed everything is found dense from a sample of it",
+          "[store][sparse]") {
+  // 256 MiB, one bf16 tensor; every word changes from version 1 to 2. The certain rule alone
+  // (changes past 1/8 of everything) would compare 32 MiB or more before it stops; the strided
+  // sample stops after 8 MiB (+ a task per thread). Then a few changed words: sparse again,
+  // the whole version compared, bit-exact with the source.
+  Fixture f;
+  constexpr uint64_t kBytes = uint64_t{256} << 20;
+  Host src(kBytes), dst(kBytes);
+  Randomize(src.data, kBytes, 5);
+  const std::vector<TensorSlice> layout = {
+      Slice("big", DType::kBF16, {static_cast<int64_t>(kBytes / 2)}, 0)};
+  auto src_id = f.store.RegisterBuffer("m", Role::kSource, std::move(src.owned), layout, "t");
+  auto dst_id = f.store.RegisterBuffer("m", Role::kDestination, std::move(dst.owned), layout, "e");
+  REQUIRE(src_id.ok());
+  REQUIRE(dst_id.ok());
+  REQUIRE(f.store.Publish("m", 1, {*src_id}).ok());
+  REQUIRE(f.store.Apply("m", 1, {*dst_id}).ok());
+  const double before = f.Counter("refit_diff_bytes_total");
+  for (uint64_t i = 0; i < kBytes; i += 2) src.data[i] = static_cast<uint8_t>(src.data[i] ^ 1);
+  REQUIRE(f.store.Publish("m", 2, {*src_id}).ok());
+  const double dense_diffed = f.Counter("refit_diff_bytes_total") - before;
+  CHECK(dense_diffed >= 8.0 * (1 << 20));
+  CHECK(dense_diffed <= 16.0 * (1 << 20));
+  auto applied = f.store.Apply("m", 2, {*dst_id});
+  REQUIRE(applied.ok());
+  CHECK_FALSE(applied->sparse);
+  CHECK(std::memcmp(dst.data, src.data, kBytes) == 0);
+  // A few words change: compared in full, applied sparsely.
+  for (uint64_t i = 0; i < 64; ++i) src.data[i * (kBytes / 64)] ^= 2;
+  const double sparse_before = f.Counter("refit_diff_bytes_total");
+  REQUIRE(f.store.Publish("m", 3, {*src_id}).ok());
+  CHECK(f.Counter("refit_diff_bytes_total") - sparse_before == static_cast<double>(kBytes));
+  applied = f.store.Apply("m", 3, {*dst_id});
+  REQUIRE(applied.ok());
+  CHECK(applied->sparse);
+  CHECK(std::memcmp(dst.data, src.data, kBytes) == 0);
+}
+
 TEST_CASE("a sparse Apply on several threads is bit-exact with a full Apply", "[store][sparse]") {
   // Three workers, each with its own part of the undo record, over row items of a row shard
   // and a column shard of one [512, 512] bf16 weight; then an engine write caught by one worker

@@ -56,6 +56,7 @@ Store::Counters::Counters(Metrics* metrics)
       apply_bytes(metrics->Declare(kApplyBytes)),
       apply_undo_bytes(metrics->Declare(kApplyUndoBytes)),
       apply_sparse(metrics->Declare(kApplySparse)),
+      diff_bytes(metrics->Declare(kDiffBytes)),
       publish_bytes(metrics->Declare(kPublishBytes)),
       publishes(metrics->Declare(kPublishes)),
       applies(metrics->Declare(kApplies)),

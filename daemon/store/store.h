@@ -438,7 +438,8 @@ class Store : public PeerStore, public VersionImports {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fills `pieces[i].changes` (against `base`'s piece of the same node and buffer, where its
   // bytes over `pieces[i]`'s valid ranges are held) on up to 8 cores; no store lock held.
-  static void DiffPieces(std::vector<Piece*> pieces, const Version& base);
+  // Counts the bytes compared (refit_diff_bytes_total).
+  void DiffPieces(std::vector<Piece*> pieces, const Version& base);
   // fp8 destinations with scales: once the quantizer finished `version`'s derived slot of
   // `batch`, its change list against `base`'s slot of the same batch (quantized again with
   // `batch` where a registration made a new batch since), in host memory, kept in
@@ -488,9 +489,10 @@ class Store : public PeerStore, public VersionImports {
   // The store's counters and histograms, resolved once (Metrics::Declare lists them at 0).
   struct Counters {
     explicit Counters(Metrics* metrics);
-    CounterHandle versions_completed, apply_bytes, apply_undo_bytes, apply_sparse, publish_bytes,
-        publishes, applies, versions_dropped, versions_abandoned, apply_verify_failures,
-        delta_base_fallbacks, quantized_values, quantized_gpu_values, nonfinite_values;
+    CounterHandle versions_completed, apply_bytes, apply_undo_bytes, apply_sparse, diff_bytes,
+        publish_bytes, publishes, applies, versions_dropped, versions_abandoned,
+        apply_verify_failures, delta_base_fallbacks, quantized_values, quantized_gpu_values,
+        nonfinite_values;
     HistogramHandle publish_seconds, apply_seconds, plan_seconds, quantize_seconds;
   };
   const Counters counters_;

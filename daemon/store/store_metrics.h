@@ -16,6 +16,10 @@ inline constexpr Counter kApplyUndoBytes{
 inline constexpr Counter kApplySparse{
     "refit_apply_sparse_total",
     "Applies that wrote only the elements changed since the version the destinations held."};
+inline constexpr Counter kDiffBytes{
+    "refit_diff_bytes_total",
+    "Bytes of new versions compared against the version this node's engines hold, for a sparse "
+    "Apply (a version that changed too much to apply sparsely stops early)."};
 inline constexpr Counter kPublishBytes{"refit_publish_bytes_total",
                                        "Bytes snapshotted by Publish."};
 inline constexpr Counter kPublishes{"refit_publish_total", "Publish calls that succeeded."};

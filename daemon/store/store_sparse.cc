@@ -407,13 +407,17 @@ struct DiffInput {
   ByteRanges ranges;  // the bytes compared
 };
 
-// The change list of each input and the bytes compared of each, on up to 8 cores. False (no
-// lists) when the version changed more than ApplySparse would ever write sparsely (a full
-// version, not an RL step): it is not diffed to its end nor its new bytes carried: once the
-// bytes found changed pass that share of everything compared, every task stops (ApplySparse
-// then takes the full copy, as it would have).
+// The change list of each input and the bytes compared of each, on up to 8 cores; `*diffed`
+// gets the bytes compared in all. False (no lists) when the version changed more than
+// ApplySparse would ever write sparsely (a full version, not an RL step): it is not diffed to
+// its end nor its new bytes carried. Every task stops once the bytes found changed pass that
+// share of everything (certain), or, after a sample of at least 1/64 of it (8 MiB or more),
+// twice that share of what was compared (an estimate: the tasks are taken in a strided order,
+// so the first ones sample the whole input evenly). A dense verdict only costs the full copy,
+// which ApplySparse would have taken anyway; on an H200 host a fully changed 1 GiB version
+// spent 0.10 s of its 0.19 s publish diffing before it stopped at the certain rule alone.
 bool DiffRegions(const std::vector<DiffInput>& in, std::vector<std::shared_ptr<ChangeList>>* lists,
-                 std::vector<uint64_t>* compared_of) {
+                 std::vector<uint64_t>* compared_of, uint64_t* diffed) {
   struct Task {
     size_t input;
     uint64_t begin, end;
@@ -432,17 +436,29 @@ bool DiffRegions(const std::vector<DiffInput>& in, std::vector<std::shared_ptr<C
   std::vector<Found> found(tasks.size());
   uint64_t total = 0;
   for (const Task& t : tasks) total += t.end - t.begin;
-  std::atomic<uint64_t> changed_total{0};
+  // Strided: tasks 0, s, 2s, ... first (about 64 of them across everything), then 1, s + 1, ...
+  std::vector<size_t> order;
+  order.reserve(tasks.size());
+  const size_t stride = std::max<size_t>(1, (tasks.size() + 63) / 64);
+  for (size_t phase = 0; phase < stride; ++phase) {
+    for (size_t t = phase; t < tasks.size(); t += stride) order.push_back(t);
+  }
+  const uint64_t sample = std::max<uint64_t>(total / 64, 8 * kDiffTaskBytes);
+  std::atomic<uint64_t> changed_total{0}, compared_total{0};
   std::atomic<bool> dense{false};
   std::atomic<size_t> next{0};
   auto work = [&] {
-    for (size_t t = next++; t < tasks.size() && !dense; t = next++) {
+    for (size_t k = next++; k < order.size() && !dense; k = next++) {
+      const size_t t = order[k];
       const Task& task = tasks[t];
       const DiffInput& input = in[task.input];
       DiffRange(input.now, input.old, task.begin, task.end, &found[t].runs);
       uint64_t changed = 0;
       for (const auto& [b, e] : found[t].runs) changed += e - b;
-      if ((changed_total += changed) * kDenseShareInverse > total) {
+      const uint64_t changed_now = changed_total += changed;
+      const uint64_t compared_now = compared_total += task.end - task.begin;
+      if (changed_now * kDenseShareInverse > total ||
+          (compared_now >= sample && changed_now * kDenseShareInverse > 2 * compared_now)) {
         dense = true;
         break;
       }
@@ -457,6 +473,7 @@ bool DiffRegions(const std::vector<DiffInput>& in, std::vector<std::shared_ptr<C
   for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
   work();
   for (std::thread& t : pool) t.join();
+  *diffed = compared_total;
   if (dense) return false;
   lists->assign(in.size(), nullptr);
   compared_of->assign(in.size(), 0);
@@ -516,7 +533,10 @@ void Store::DiffPieces(std::vector<Piece*> pieces, const Version& base) {
   }
   std::vector<std::shared_ptr<ChangeList>> lists;
   std::vector<uint64_t> compared;
-  if (!DiffRegions(in, &lists, &compared)) return;
+  uint64_t diffed_bytes = 0;
+  const bool sparse = DiffRegions(in, &lists, &compared, &diffed_bytes);
+  counters_.diff_bytes.Add(static_cast<double>(diffed_bytes));
+  if (!sparse) return;
   for (size_t i = 0; i < diffed.size(); ++i) {
     diffed[i]->changes = std::move(lists[i]);
     diffed[i]->changes_base = base.number;
@@ -546,7 +566,10 @@ void Store::DiffDerived(const Version& version, const Version& base,
       {now->data(), now->size(), old->data(), {{0, std::min(batch->bytes(), now->size())}}}};
   std::vector<std::shared_ptr<ChangeList>> lists;
   std::vector<uint64_t> compared;
-  if (!DiffRegions(in, &lists, &compared)) return;
+  uint64_t diffed_bytes = 0;
+  const bool sparse = DiffRegions(in, &lists, &compared, &diffed_bytes);
+  counters_.diff_bytes.Add(static_cast<double>(diffed_bytes));
+  if (!sparse) return;
   version.quant->SetChanges(batch.get(),
                             DerivedChanges{std::move(lists[0]), base.number, compared[0]});
 }
