@@ -78,6 +78,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="versions first published and applied untimed: refitd allocates "
+                             "its version slots (--retain + 1 of them) in the first ones")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--daemon-arg", action="append", default=[],
                         help="a refitd flag, e.g. --daemon-arg=--slot-memory=cuda (repeatable)")
@@ -114,7 +117,7 @@ def main():
             engines[storage] = engine
         times = {s: [] for s in engines}
         publish = []
-        for version in range(1, 2 * args.reps + 1):
+        for version in range(1, args.warmup + 2 * args.reps + 1):
             # Every element changes each version (a full update, not an empty delta).
             with torch.no_grad():
                 if cuda:
@@ -131,13 +134,15 @@ def main():
             else:
                 client.publish("bench", version, [src])
             client.wait_for_version("bench", version, timeout=60)
-            publish.append(time.perf_counter() - t0)
+            if version > args.warmup:
+                publish.append(time.perf_counter() - t0)
             order = list(engines) if version % 2 else list(reversed(engines))
             for storage in order:
                 t0 = time.perf_counter()
                 refit_vllm.sync(engines[storage], version)
                 sync_device()
-                times[storage].append(time.perf_counter() - t0)
+                if version > args.warmup:
+                    times[storage].append(time.perf_counter() - t0)
         a = torch.empty(nbytes, dtype=torch.uint8, device=args.device)
         b = torch.empty(nbytes, dtype=torch.uint8, device=args.device).fill_(1)
         memcpy = []
@@ -147,7 +152,7 @@ def main():
             a.copy_(b)
             sync_device()
             memcpy.append(time.perf_counter() - t0)
-        last = 2 * args.reps
+        last = args.warmup + 2 * args.reps
         log = [line for line in daemon.log().splitlines()
                if f"version={last} " in line and "[delta]" not in line]
         for e in engines.values():
@@ -156,7 +161,8 @@ def main():
         client.close()
     ref = statistics.median(memcpy)
     print(f"{nbytes / 2**20:.0f} MiB bf16, {len(ckpt)} checkpoint tensors, on {args.device}, "
-          f"refitd {' '.join(args.daemon_arg) or '(defaults)'}, median of {2 * args.reps}")
+          f"refitd {' '.join(args.daemon_arg) or '(defaults)'}, median of {2 * args.reps} after "
+          f"{args.warmup} warm-up versions")
     what = "torch D2D copy" if cuda else "memcpy"
     print(f"  {what} of the same bytes{' ' * (14 - len(what))}{ref * 1e3:8.1f} ms  (reference)")
     m = statistics.median(publish)
