@@ -4,36 +4,23 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 
+#include "daemon/common/parallel.h"
 #include "daemon/common/xxh3.h"
 #include "daemon/memory/stream_copy.h"
 
 namespace refit {
 namespace {
 
-// Below this much work the calling thread does it alone: starting threads would cost more.
-constexpr uint64_t kParallelBytes = 32ull << 20;
 // CopyAndHash hashes and copies in blocks of this size, so the copy reads from L2.
 constexpr uint64_t kBlockBytes = kCopyBlockBytes;
 
-// Runs task(i) for i in [0, count) on up to 8 threads.
-template <typename Task>
-void ParallelFor(size_t count, uint64_t total_bytes, const Task& task) {
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const unsigned threads =
-      total_bytes < kParallelBytes
-          ? 1u
-          : static_cast<unsigned>(std::min<uint64_t>({cores, 8u, std::max<size_t>(1, count)}));
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i = next++; i < count; i = next++) task(i);
-  };
-  std::vector<std::thread> pool;
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
+// Runs task(i) for i in [0, count) on the threads `total_bytes` of work is worth.
+void ParallelFor(size_t count, uint64_t total_bytes, const std::function<void(size_t)>& task) {
+  common::ParallelFor(count, common::ThreadsFor(total_bytes, count), task);
 }
 
 size_t ChunkCount(uint64_t size, uint64_t chunk_bytes) {

@@ -11,6 +11,7 @@
 #include "cuda/cuda.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/names.h"
+#include "daemon/common/parallel.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/test_hooks.h"
 #include "daemon/plan/convert.h"
@@ -124,61 +125,91 @@ absl::Status Store::MemoryWentAway(const Buffer& buffer, const std::string& more
                    more, "; nothing else changed: release the buffer and register it again"));
 }
 
-absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& buffers,
-                                    std::vector<Piece>* pieces, uint64_t* bytes,
-                                    PublishTimes* times) {
+absl::Status Store::SnapshotBuffer(Buffer& buffer, Piece* piece, PublishTimes* times) {
   auto since = [](Clock::time_point t) {
     return std::chrono::duration<double>(Clock::now() - t).count();
   };
-  for (const auto& buffer : buffers) {
-    const uint64_t size = buffer->span_end - buffer->span_begin;
-    Piece piece;
-    piece.buffer_id = buffer->id;
-    piece.slices = buffer->snapshot_slices;
-    auto phase = Clock::now();
-    ASSIGN_OR_RETURN(
-        piece.slot, (budget_.gpu() ? budget_.gpu() : budget_.host())->Acquire(size, buffer->model));
-    if (budget_.gpu()) {
-      ASSIGN_OR_RETURN(piece.host, budget_.host()->Acquire(size, buffer->model));
+  const uint64_t size = buffer.span_end - buffer.span_begin;
+  piece->buffer_id = buffer.id;
+  piece->slices = buffer.snapshot_slices;
+  auto phase = Clock::now();
+  ASSIGN_OR_RETURN(piece->slot,
+                   (budget_.gpu() ? budget_.gpu() : budget_.host())->Acquire(size, buffer.model));
+  if (budget_.gpu()) {
+    ASSIGN_OR_RETURN(piece->host, budget_.host()->Acquire(size, buffer.model));
+  }
+  times->acquire += since(phase);
+  common::MutexLock io(buffer.io_mu);
+  const Region& from = *buffer.region;
+  if (from.Broken()) return MemoryWentAway(buffer, "");
+  // Host to host: copy and checksum in one pass over the cores, each block hashed while it is
+  // still in cache. Otherwise hash what peers will read once it is there.
+  phase = Clock::now();
+  if (from.kind() == MemoryKind::kHost && piece->slot->kind() == MemoryKind::kHost) {
+    const auto hints = buffer.hints.ForPublish(size);
+    auto range_sums = std::make_shared<RangeSums>();
+    piece->xxh3 = std::make_shared<const std::vector<uint64_t>>(CopyAndHash(
+        piece->slot->data(), from.data() + buffer.span_begin, size, *hints, range_sums.get()));
+    if (range_sums->size() > 0) piece->range_xxh3 = std::move(range_sums);
+  } else {
+    RETURN_IF_ERROR(cuda::Copy(*piece->slot, 0, from, buffer.span_begin, size));
+  }
+  times->copy += since(phase);
+  phase = Clock::now();
+  // The mirror comes from the slot, not the client's buffer: the buffer may change as soon as
+  // Publish returns.
+  if (piece->host) RETURN_IF_ERROR(cuda::Copy(*piece->host, 0, *piece->slot, 0, size));
+  times->mirror += since(phase);
+  phase = Clock::now();
+  // A client that shrank its memory while it was copied: the slot holds zeros from there on,
+  // not the client's bytes. Nothing of it is kept.
+  if (from.Broken()) return MemoryWentAway(buffer, "");
+  if (!piece->xxh3) {
+    const Region& served = piece->host ? *piece->host : *piece->slot;
+    if (served.kind() == MemoryKind::kHost) {
+      piece->xxh3 = std::make_shared<const std::vector<uint64_t>>(HashChunks(served.data(), size));
     }
-    times->acquire += since(phase);
-    {
-      common::MutexLock io(buffer->io_mu);
-      const Region& from = *buffer->region;
-      if (from.Broken()) return MemoryWentAway(*buffer, "");
-      // Host to host: copy and checksum in one pass over the cores, each block hashed while
-      // it is still in cache. Otherwise hash what peers will read once it is there.
-      phase = Clock::now();
-      if (from.kind() == MemoryKind::kHost && piece.slot->kind() == MemoryKind::kHost) {
-        const auto hints = buffer->hints.ForPublish(size);
-        auto range_sums = std::make_shared<RangeSums>();
-        piece.xxh3 = std::make_shared<const std::vector<uint64_t>>(CopyAndHash(
-            piece.slot->data(), from.data() + buffer->span_begin, size, *hints, range_sums.get()));
-        if (range_sums->size() > 0) piece.range_xxh3 = std::move(range_sums);
-      } else {
-        RETURN_IF_ERROR(cuda::Copy(*piece.slot, 0, from, buffer->span_begin, size));
-      }
-      times->copy += since(phase);
-      phase = Clock::now();
-      // The mirror comes from the slot, not the client's buffer: the buffer may change as
-      // soon as Publish returns.
-      if (piece.host) RETURN_IF_ERROR(cuda::Copy(*piece.host, 0, *piece.slot, 0, size));
-      times->mirror += since(phase);
-      phase = Clock::now();
-      // A client that shrank its memory while it was copied: the slot holds zeros from there
-      // on, not the client's bytes. Nothing of it is kept.
-      if (from.Broken()) return MemoryWentAway(*buffer, "");
-      if (!piece.xxh3) {
-        const Region& served = piece.host ? *piece.host : *piece.slot;
-        if (served.kind() == MemoryKind::kHost) {
-          piece.xxh3 =
-              std::make_shared<const std::vector<uint64_t>>(HashChunks(served.data(), size));
-        }
-      }
-      times->hash += since(phase);
+  }
+  times->hash += since(phase);
+  return absl::OkStatus();
+}
+
+absl::Status Store::SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& buffers,
+                                    std::vector<Piece>* pieces, uint64_t* bytes,
+                                    PublishTimes* times) {
+  // A buffer under common::kParallelBytes is copied and hashed on one core (more threads would
+  // cost more than they give), so a trainer whose memory is many such buffers (torch's caching
+  // allocator hands out 20 MiB blocks: 51 of them for a 1 GiB model on an H200, hashed one
+  // after another in 0.072 s) gets several of them snapshotted at once; larger ones go one
+  // after another, each spread over the cores.
+  const size_t n = buffers.size();
+  std::vector<Piece> made(n);
+  std::vector<absl::Status> status(n);
+  std::vector<PublishTimes> part(n);
+  std::vector<size_t> small, large;
+  uint64_t small_bytes = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t size = buffers[i]->span_end - buffers[i]->span_begin;
+    if (size < common::kParallelBytes) {
+      small.push_back(i);
+      small_bytes += size;
+    } else {
+      large.push_back(i);
     }
-    pieces->push_back(std::move(piece));
-    *bytes += size;
+  }
+  common::ParallelFor(small.size(), common::ThreadsFor(small_bytes, small.size()), [&](size_t k) {
+    const size_t i = small[k];
+    status[i] = SnapshotBuffer(*buffers[i], &made[i], &part[i]);
+  });
+  for (size_t i : large) status[i] = SnapshotBuffer(*buffers[i], &made[i], &part[i]);
+  for (const absl::Status& s : status) RETURN_IF_ERROR(s);
+  for (size_t i = 0; i < n; ++i) {
+    *bytes += buffers[i]->span_end - buffers[i]->span_begin;
+    pieces->push_back(std::move(made[i]));
+    times->acquire += part[i].acquire;
+    times->copy += part[i].copy;
+    times->mirror += part[i].mirror;
+    times->hash += part[i].hash;
   }
   return absl::OkStatus();
 }

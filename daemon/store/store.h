@@ -378,7 +378,8 @@ class Store : public PeerStore, public VersionImports {
   static uint64_t TargetOf(const Model& model);
   // FAILED_PRECONDITION for a buffer whose memory went away (Region::Broken), logged.
   static absl::Status MemoryWentAway(const Buffer& buffer, const std::string& more);
-  // Seconds spent in each part of one Publish (its debug log line: where the time goes).
+  // Seconds spent in each part of one Publish (its debug log line: where the time goes),
+  // summed over its buffers (several may be snapshotted at once).
   struct PublishTimes {
     double acquire = 0;  // slots from the pool (a new one is an allocation)
     double copy = 0;     // the client's bytes into the slots (hashed too, host to host)
@@ -386,9 +387,12 @@ class Store : public PeerStore, public VersionImports {
     double hash = 0;     // chunk checksums of what peers read, where not hashed while copied
     double diff = 0;     // the change list against the engines' version (sparse Apply)
   };
-  // Publish's copies: a slot per buffer, filled and hashed (no store lock held).
+  // Publish's copies: a slot per buffer, filled and hashed (no store lock held); small buffers
+  // several at once. The first buffer's error in their order, after all were tried.
   absl::Status SnapshotBuffers(const std::vector<std::shared_ptr<Buffer>>& buffers,
                                std::vector<Piece>* pieces, uint64_t* bytes, PublishTimes* times);
+  // One buffer's slot(s), copy and chunk checksums into `piece`.
+  absl::Status SnapshotBuffer(Buffer& buffer, Piece* piece, PublishTimes* times);
   // A version whose pieces are all here: it completes now, or once the quantizer thread has
   // quantized it for the model's fp8 destinations (Model::finishing meanwhile).
   void CompleteVersion(Model& model, uint64_t version, std::vector<Piece> pieces)

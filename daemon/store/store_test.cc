@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
@@ -88,6 +89,43 @@ TEST_CASE_METHOD(Fixture, "publish then apply copies a version bit-exact", "[sto
   CHECK(std::memcmp(dst.data + 64, src.data, 256) == 0);
   CHECK(metrics.Get(kVersionsCompleted) == 1);
   CHECK(metrics.Get(kApplyBytes) == 320);
+}
+
+TEST_CASE_METHOD(Fixture, "Publish snapshots many small buffers at once, each hashed as itself",
+                 "[store]") {
+  // 40 buffers of 1 MiB: under common::kParallelBytes each, 40 MiB in all, so several go at
+  // once. Every buffer's piece holds its own bytes and their chunk sums.
+  store.AddListener(&snapshot_reader);
+  constexpr uint64_t kSize = 1 << 20;
+  constexpr int kBuffers = 40;
+  std::vector<std::unique_ptr<TestBuffer>> srcs;
+  std::vector<std::string> ids;
+  for (int b = 0; b < kBuffers; ++b) {
+    srcs.push_back(std::make_unique<TestBuffer>(kSize));
+    for (uint64_t i = 0; i < kSize; ++i) srcs[b]->data[i] = static_cast<uint8_t>(i * 31 + b * 7);
+    auto id = store.RegisterBuffer(
+        "m", Role::kSource, srcs[b]->Lend(),
+        {Whole("w" + std::to_string(b), DType::kUINT8, {static_cast<int64_t>(kSize)}, 0)}, "");
+    REQUIRE(id.ok());
+    ids.push_back(*id);
+  }
+  auto published = store.Publish("m", 1, ids);
+  REQUIRE(published.ok());
+  CHECK(published->bytes == kBuffers * kSize);
+  auto snapshot = store.GetLocalSnapshot("m", 1);
+  REQUIRE(snapshot.ok());
+  REQUIRE((*snapshot)->pieces.size() == static_cast<size_t>(kBuffers));
+  for (int b = 0; b < kBuffers; ++b) {
+    INFO("buffer " << b);
+    const auto& pieces = (*snapshot)->pieces;
+    auto it = std::find_if(pieces.begin(), pieces.end(),
+                           [&](const LocalSnapshot::Piece& p) { return p.buffer_id == ids[b]; });
+    REQUIRE(it != pieces.end());
+    const LocalSnapshot::Piece& piece = *it;
+    REQUIRE(piece.xxh3 != nullptr);
+    CHECK(*piece.xxh3 == HashChunks(srcs[b]->data, kSize));
+    CHECK(std::memcmp(piece.slot->data(), srcs[b]->data, kSize) == 0);
+  }
 }
 
 TEST_CASE_METHOD(Fixture, "Publish hashes the ranges peers asked checksums for", "[store]") {
