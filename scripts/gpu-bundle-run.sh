@@ -157,7 +157,14 @@ if "$python" -c 'import torch, grpc, google.protobuf' >/dev/null 2>&1; then
   append=1 step engine-bench-gpu-slots 150 "$OUT/bench.txt" "${python_env[@]}" \
     "$B/client/python/tests/bench_zero_copy.py" --device=cuda --mib=1024 --reps=3 \
     --daemon-arg=--slot-memory=cuda
-  grep -E '^[0-9]+ MiB bf16|^  (torch D2D|publish|update)' "$OUT/bench.txt" |
+  # Two refitd on this host as the trainer's and the engine's node (UCX over loopback, UCX_TLS
+  # as above): each version is also pulled.
+  append=1 step engine-bench-two-nodes 150 "$OUT/bench.txt" "${python_env[@]}" \
+    "$B/client/python/tests/bench_zero_copy.py" --device=cuda --mib=1024 --reps=3 --nodes=2
+  append=1 step engine-bench-two-nodes-gpu-slots 150 "$OUT/bench.txt" "${python_env[@]}" \
+    "$B/client/python/tests/bench_zero_copy.py" --device=cuda --mib=1024 --reps=3 --nodes=2 \
+    --daemon-arg=--slot-memory=cuda
+  grep -E '^[0-9]+ MiB bf16|^  (torch D2D|publish|pull|update)' "$OUT/bench.txt" |
     sed 's/^ */figure  engine update: /' >>"$summary"
   if "$python" -c 'import vllm' >/dev/null 2>&1; then
     append=1 step engines 200 "$OUT/engines.log" "${python_env[@]}" \

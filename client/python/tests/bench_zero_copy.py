@@ -14,6 +14,7 @@ slot) is timed too.
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -65,6 +66,23 @@ class Model(torch.nn.Module):
                         target[i * t.shape[0]:(i + 1) * t.shape[0]].copy_(t)
 
 
+def start_nodes(stack, nodes, daemon_args):
+    """(the trainer's refitd, the engine's refitd): the same one for nodes=1; for nodes=2 a
+    second refitd peering with the first over loopback, connected before this returns."""
+    trainer = stack.enter_context(refit.testing.Daemon(args=[*daemon_args, "--node=trainer"]))
+    if nodes == 1:
+        return trainer, trainer
+    port = trainer.client().status().listen_port
+    engine = stack.enter_context(refit.testing.Daemon(
+        args=[*daemon_args, "--node=engine", f"--peers=127.0.0.1:{port}"]))
+    deadline = time.monotonic() + 30
+    while not all(p.connected for p in engine.client().status().peers):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the two refitd did not connect")
+        time.sleep(0.05)
+    return trainer, engine
+
+
 class Trainer(torch.nn.Module):
     """The checkpoint's tensors as a trainer's CUDA parameters (published in place)."""
 
@@ -82,6 +100,9 @@ def main():
                         help="versions first published and applied untimed: refitd allocates "
                              "its version slots (--retain + 1 of them) in the first ones")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                        help="2: the trainer's refitd and the engine's refitd (peering over "
+                             "loopback, UCX_TLS as set): each version is also pulled")
     parser.add_argument("--daemon-arg", action="append", default=[],
                         help="a refitd flag, e.g. --daemon-arg=--slot-memory=cuda (repeatable)")
     args = parser.parse_args()
@@ -99,8 +120,9 @@ def main():
                   "mlp.up_proj"):
             ckpt[p + n + ".weight"] = torch.randn(h, h).to(torch.bfloat16)
     nbytes = sum(t.numel() * 2 for t in ckpt.values())
-    with refit.testing.Daemon(args=args.daemon_arg) as daemon:
-        client = daemon.client()
+    with contextlib.ExitStack() as stack:
+        daemon, engine_daemon = start_nodes(stack, args.nodes, args.daemon_arg)
+        client, engine_client = daemon.client(), engine_daemon.client()
         if cuda:
             trainer = Trainer(ckpt)
             src = refit.torch.publisher(client, "bench", trainer)
@@ -111,12 +133,12 @@ def main():
             model = Model(layers, h).to(args.device)
             engine = refit_vllm.RefitWeightTransferEngine(model=model)
             engine.init_transfer_engine(engine.parse_init_info({
-                "model": "bench", "socket": daemon.socket, "mapping": MAPPING.to_dict(),
+                "model": "bench", "socket": engine_daemon.socket, "mapping": MAPPING.to_dict(),
                 "storage": storage,
                 "params": {n: [list(t.shape), "bfloat16"] for n, t in ckpt.items()}}))
             engines[storage] = engine
         times = {s: [] for s in engines}
-        publish = []
+        publish, pull = [], []
         for version in range(1, args.warmup + 2 * args.reps + 1):
             # Every element changes each version (a full update, not an empty delta).
             with torch.no_grad():
@@ -134,8 +156,12 @@ def main():
             else:
                 client.publish("bench", version, [src])
             client.wait_for_version("bench", version, timeout=60)
+            t1 = time.perf_counter()
+            if args.nodes == 2:  # pulled onto the engine's node
+                engine_client.wait_for_version("bench", version, timeout=120)
             if version > args.warmup:
-                publish.append(time.perf_counter() - t0)
+                publish.append(t1 - t0)
+                pull.append(time.perf_counter() - t1)
             order = list(engines) if version % 2 else list(reversed(engines))
             for storage in order:
                 t0 = time.perf_counter()
@@ -153,20 +179,26 @@ def main():
             sync_device()
             memcpy.append(time.perf_counter() - t0)
         last = args.warmup + 2 * args.reps
-        log = [line for line in daemon.log().splitlines()
+        log = [line for d in {id(daemon): daemon, id(engine_daemon): engine_daemon}.values()
+               for line in d.log().splitlines()
                if f"version={last} " in line and "[delta]" not in line]
         for e in engines.values():
             e.shutdown()
         src.release()
         client.close()
+        engine_client.close()
     ref = statistics.median(memcpy)
     print(f"{nbytes / 2**20:.0f} MiB bf16, {len(ckpt)} checkpoint tensors, on {args.device}, "
-          f"refitd {' '.join(args.daemon_arg) or '(defaults)'}, median of {2 * args.reps} after "
-          f"{args.warmup} warm-up versions")
+          f"{args.nodes} node(s), refitd {' '.join(args.daemon_arg) or '(defaults)'}, median of "
+          f"{2 * args.reps} after {args.warmup} warm-up versions")
     what = "torch D2D copy" if cuda else "memcpy"
     print(f"  {what} of the same bytes{' ' * (14 - len(what))}{ref * 1e3:8.1f} ms  (reference)")
     m = statistics.median(publish)
     print(f"  publish (snapshot, complete)  {m * 1e3:8.1f} ms  = {m / ref:.2f}x {what}")
+    if args.nodes == 2:
+        m = statistics.median(pull)
+        print(f"  pull to the engine's node     {m * 1e3:8.1f} ms  = {m / ref:.2f}x {what}  "
+              f"({nbytes / m / 1e9:.2f} GB/s)")
     for storage, ts in times.items():
         m = statistics.median(ts)
         print(f"  update, storage={storage:<12} {m * 1e3:8.1f} ms  = {m / ref:.2f}x {what}")
