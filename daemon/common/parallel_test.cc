@@ -28,8 +28,7 @@ TEST_CASE("ParallelFor runs every task once, on at most the threads asked", "[pa
   }
 }
 
-TEST_CASE("ThreadsFor: one thread for small work, never more than 8 or the parts",
-          "[parallel]") {
+TEST_CASE("ThreadsFor: one thread for small work, never more than 8 or the parts", "[parallel]") {
   CHECK(ThreadsFor(kParallelBytes - 1, 100) == 1);
   CHECK(ThreadsFor(uint64_t{1} << 40, 1) == 1);
   CHECK(ThreadsFor(uint64_t{1} << 40, 100) <= 8);

@@ -580,6 +580,30 @@ absl::Status ChunkDecoder::Apply(const uint8_t* payload, uint64_t size,
       "chunk not applied");
 }
 
+void ChunkDecoder::AppendChanged(const uint8_t* payload, uint64_t first_byte, uint64_t num_elements,
+                                 size_t element_size,
+                                 std::vector<std::pair<uint64_t, uint64_t>>* out) const {
+  switch (static_cast<ChunkMode>(payload[0])) {
+    case ChunkMode::kUnchanged:
+      return;
+    case ChunkMode::kRaw:
+      if (num_elements > 0) out->emplace_back(first_byte, first_byte + num_elements * element_size);
+      return;
+    case ChunkMode::kSparse:
+      break;
+    default:
+      return;
+  }
+  for (const uint32_t position : positions_) {
+    const uint64_t begin = first_byte + uint64_t{position} * element_size;
+    if (!out->empty() && out->back().second >= begin) {
+      out->back().second = std::max(out->back().second, begin + element_size);
+    } else {
+      out->emplace_back(begin, begin + element_size);
+    }
+  }
+}
+
 template <typename T>
 void ChunkDecoder::AddChangesWithin(
     uint8_t* base, const std::vector<std::pair<uint64_t, uint64_t>>& ranges) const {

@@ -120,6 +120,14 @@ class ChunkDecoder {
   absl::Status ApplyWithin(const uint8_t* payload, uint64_t size, const ChunkExpectation& expect,
                            uint8_t* base, const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
 
+  // After a successful Apply or ApplyWithin of `payload`: the bytes it changes, appended to
+  // `out` as ranges [first_byte + begin, first_byte + end) (sorted; neighbouring elements
+  // merged): a sparse payload's changed elements, a raw chunk's `num_elements * element_size`
+  // bytes, nothing for an unchanged one. A superset of the bytes that differ from the base (a
+  // change may restore a byte's value). For a sparse payload, valid until the next call.
+  void AppendChanged(const uint8_t* payload, uint64_t first_byte, uint64_t num_elements,
+                     size_t element_size, std::vector<std::pair<uint64_t, uint64_t>>* out) const;
+
   // Undoes a successful Apply of the same sparse payload to the same memory (decoding it again
   // rather than keeping the changes around). For an unchanged chunk it does nothing; a raw
   // chunk cannot be undone (INTERNAL), so callers apply raw chunks last.

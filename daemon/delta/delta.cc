@@ -360,38 +360,48 @@ static absl::Status CheckChunkArguments(const DeltaIndex& index, size_t chunk,
 
 // Applies checked chunk `chunk` to its elements at `elements`.
 static absl::Status ApplyChecked(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
-                                 uint64_t chunk_size, uint8_t* elements) {
-  const ChunkExpectation expect = ExpectationFor(index, index.chunks[chunk]);
+                                 uint64_t chunk_size, uint8_t* elements,
+                                 std::vector<std::pair<uint64_t, uint64_t>>* changed) {
+  const ChunkInfo& info = index.chunks[chunk];
+  const ChunkExpectation expect = ExpectationFor(index, info);
   RETURN_IF_ERROR(
       WithChunk(ChunkDecoder::Verify(chunk_bytes, chunk_size, expect, elements), chunk));
   // One decoder per thread: its zstd context and scratch are reused across chunks.
   thread_local ChunkDecoder decoder;
-  return WithChunk(decoder.Apply(chunk_bytes, chunk_size, expect, elements), chunk);
+  RETURN_IF_ERROR(WithChunk(decoder.Apply(chunk_bytes, chunk_size, expect, elements), chunk));
+  if (changed) {
+    decoder.AppendChanged(chunk_bytes, info.first_element * index.element_size, info.num_elements,
+                          index.element_size, changed);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ApplyChunk(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
-                        uint64_t chunk_size, uint8_t* base_inout, uint64_t base_bytes) {
+                        uint64_t chunk_size, uint8_t* base_inout, uint64_t base_bytes,
+                        std::vector<std::pair<uint64_t, uint64_t>>* changed) {
   RETURN_IF_ERROR(CheckChunkArguments(index, chunk, chunk_bytes, chunk_size, base_bytes));
   const ChunkInfo& info = index.chunks[chunk];
   return ApplyChecked(index, chunk, chunk_bytes, chunk_size,
-                      base_inout + info.first_element * index.element_size);
+                      base_inout + info.first_element * index.element_size, changed);
 }
 
 absl::Status ApplyChunkTo(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
-                          uint64_t chunk_size, uint8_t* chunk_inout, uint64_t chunk_inout_bytes) {
+                          uint64_t chunk_size, uint8_t* chunk_inout, uint64_t chunk_inout_bytes,
+                          std::vector<std::pair<uint64_t, uint64_t>>* changed) {
   RETURN_IF_ERROR(CheckChunkArguments(index, chunk, chunk_bytes, chunk_size, index.buffer_bytes()));
   const uint64_t want = index.chunks[chunk].num_elements * index.element_size;
   if (chunk_inout_bytes != want || (chunk_inout == nullptr && want != 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk ", chunk, " has ", want, " bytes; given ", chunk_inout_bytes));
   }
-  return ApplyChecked(index, chunk, chunk_bytes, chunk_size, chunk_inout);
+  return ApplyChecked(index, chunk, chunk_bytes, chunk_size, chunk_inout, changed);
 }
 
 absl::Status ApplyChunkWithin(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
                               uint64_t chunk_size,
                               const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
-                              uint8_t* base_inout, uint64_t base_bytes) {
+                              uint8_t* base_inout, uint64_t base_bytes,
+                              std::vector<std::pair<uint64_t, uint64_t>>* changed) {
   RETURN_IF_ERROR(CheckChunkArguments(index, chunk, chunk_bytes, chunk_size, base_bytes));
   const ChunkInfo& info = index.chunks[chunk];
   // The ranges, clipped to the chunk and made relative to its first byte.
@@ -410,9 +420,14 @@ absl::Status ApplyChunkWithin(const DeltaIndex& index, size_t chunk, const uint8
   if (within.empty()) return absl::OkStatus();
   // One decoder per thread: its zstd context and scratch are reused across chunks.
   thread_local ChunkDecoder decoder;
-  return WithChunk(decoder.ApplyWithin(chunk_bytes, chunk_size, ExpectationFor(index, info),
-                                       base_inout + first, within),
-                   chunk);
+  RETURN_IF_ERROR(
+      WithChunk(decoder.ApplyWithin(chunk_bytes, chunk_size, ExpectationFor(index, info),
+                                    base_inout + first, within),
+                chunk));
+  if (changed) {
+    decoder.AppendChanged(chunk_bytes, first, info.num_elements, index.element_size, changed);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Apply(const uint8_t* delta, uint64_t size, uint8_t* base_inout, uint64_t base_bytes) {

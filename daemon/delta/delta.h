@@ -145,14 +145,20 @@ std::vector<size_t> ChunksOverlapping(const DeltaIndex& index, uint64_t first_el
 // (`chunk_size` bytes, e.g. fetched on its own), to the whole base buffer `base_inout` of
 // `base_bytes` bytes (index.buffer_bytes()). Writes only that chunk's elements; on any error
 // they hold what they held before. Nothing is retained: the caller owns every buffer.
+// `changed` (optional): on success, the bytes of the buffer the chunk changed are appended as
+// sorted ranges (ChunkDecoder::AppendChanged: a superset of the bytes that differ from the
+// base; what a receiver's sparse Apply then compares instead of the whole version). The same
+// for ApplyChunkTo and ApplyChunkWithin (the buffer's offsets, not the chunk's).
 absl::Status ApplyChunk(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
-                        uint64_t chunk_size, uint8_t* base_inout, uint64_t base_bytes);
+                        uint64_t chunk_size, uint8_t* base_inout, uint64_t base_bytes,
+                        std::vector<std::pair<uint64_t, uint64_t>>* changed = nullptr);
 
 // ApplyChunk on a buffer holding only that chunk's elements: `chunk_inout` is
 // index.chunks[chunk].num_elements * index.element_size bytes (`chunk_inout_bytes`), e.g. a
 // copy in cache that the caller streams into place afterwards. Same checks and guarantees.
 absl::Status ApplyChunkTo(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
-                          uint64_t chunk_size, uint8_t* chunk_inout, uint64_t chunk_inout_bytes);
+                          uint64_t chunk_size, uint8_t* chunk_inout, uint64_t chunk_inout_bytes,
+                          std::vector<std::pair<uint64_t, uint64_t>>* changed = nullptr);
 
 // Like ApplyChunk for a receiver that holds only some bytes of the base (a resharded
 // destination needs only part of each source buffer): applies the chunk's changes to the
@@ -163,7 +169,8 @@ absl::Status ApplyChunkTo(const DeltaIndex& index, size_t chunk, const uint8_t* 
 absl::Status ApplyChunkWithin(const DeltaIndex& index, size_t chunk, const uint8_t* chunk_bytes,
                               uint64_t chunk_size,
                               const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
-                              uint8_t* base_inout, uint64_t base_bytes);
+                              uint8_t* base_inout, uint64_t base_bytes,
+                              std::vector<std::pair<uint64_t, uint64_t>>* changed = nullptr);
 
 // Applies a whole delta, all or nothing: payload checksums and everything else that needs no
 // writes are checked first, and if a chunk's result then fails its checksum (wrong base) the

@@ -121,16 +121,68 @@ bool WholeChunks(const PullJob::Fetch& fetch, const std::vector<const Step*>& ch
   return true;
 }
 
+// One chunk's part of a change list: `runs` (the elements its steps wrote; each step's in
+// order, so sorted here when there were several) merged where they touch, and the new bytes of
+// their 8-byte words, read from `data` (the piece's bytes at their offsets; the chunk was just
+// written, so they are in cache), at most `size` bytes of the piece.
+void GatherChunk(ChangeRuns* runs, bool several_steps, const uint8_t* data, uint64_t size,
+                 ChangeList* part) {
+  if (several_steps) std::sort(runs->begin(), runs->end());
+  for (const auto& [b, e] : *runs) {
+    if (!part->runs.empty() && part->runs.back().second >= b) {
+      part->runs.back().second = std::max(part->runs.back().second, e);
+    } else {
+      part->runs.emplace_back(b, e);
+    }
+  }
+  runs->clear();
+  part->values_at.reserve(part->runs.size() + 1);
+  for (const auto& [b, e] : part->runs) {
+    const uint64_t lo = b & ~uint64_t{7}, hi = std::min(size, (e + 7) & ~uint64_t{7});
+    part->values_at.push_back(part->values.size());
+    part->values.insert(part->values.end(), data + lo, data + hi);
+    part->changed_bytes += e - b;
+  }
+  part->values_at.push_back(part->values.size());
+}
+
+// The chunks' parts, in chunk order, as one change list (runs that touch across a chunk's edge
+// are left apart: each carries its own words).
+std::shared_ptr<const ChangeList> JoinChunks(std::vector<ChangeList> parts) {
+  auto list = std::make_shared<ChangeList>();
+  uint64_t runs = 0, values = 0;
+  for (const ChangeList& part : parts) {
+    runs += part.runs.size();
+    values += part.values.size();
+  }
+  list->runs.reserve(runs);
+  list->values_at.reserve(runs + 1);
+  list->values.reserve(values);
+  for (const ChangeList& part : parts) {
+    if (part.runs.empty()) continue;
+    const uint64_t at = list->values.size();
+    list->runs.insert(list->runs.end(), part.runs.begin(), part.runs.end());
+    for (size_t k = 0; k < part.runs.size(); ++k) list->values_at.push_back(at + part.values_at[k]);
+    list->values.insert(list->values.end(), part.values.begin(), part.values.end());
+    list->changed_bytes += part.changed_bytes;
+  }
+  list->values_at.push_back(list->values.size());
+  return list;
+}
+
 // Copies the base's needed ranges into a fresh slot and applies the fetch's steps in order; a
 // base rebuilt from the destinations (`in_place`) is a staging slot already, patched where it is.
 // With whole chunks each chunk's result is checked against the source's checksum of it. The
 // work is split by chunk (every delta of a piece has the same chunk geometry) over the cores:
 // each chunk is copied and patched while it is in cache.
+// `changes`: with whole chunks of 8-byte multiples, what the chain changed — the elements its
+// steps wrote, as runs, and the new bytes of their words, gathered while each chunk is in
+// cache — for the store's sparse Apply (ChangeList); left null otherwise.
 absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
                                               const std::shared_ptr<Region>& base,
                                               const std::vector<const Step*>& chain,
-                                              bool whole_chunks, bool in_place,
-                                              PullLanding* store) {
+                                              bool whole_chunks, bool in_place, PullLanding* store,
+                                              std::shared_ptr<const ChangeList>* changes) {
   std::shared_ptr<Region> slot = base;
   if (!in_place) {
     ASSIGN_OR_RETURN(slot, store->AcquireSlot(fetch.bytes));
@@ -149,6 +201,10 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
   for (const Step* step : chain) {
     for (size_t c : step->chunks) work[c].emplace_back(step, c);
   }
+  // Per chunk: the bytes its steps changed, then its part of the change list.
+  const bool gather = whole_chunks && chunk_bytes % 8 == 0;
+  std::vector<ChangeRuns> changed_in(num_chunks);
+  std::vector<ChangeList> parts(gather ? num_chunks : 0);
   std::atomic<uint64_t> next{0};
   std::mutex mu;
   absl::Status failed;
@@ -178,8 +234,11 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
           }
           absl::Status status =
               delta::ApplyChunkTo(step->index, chunk, step->slot->data() + info.encoded_offset,
-                                  info.encoded_size, bounce.data(), bounce.size());
+                                  info.encoded_size, bounce.data(), bounce.size(), &changed_in[c]);
           if (!status.ok()) return fail(std::move(status));
+        }
+        if (gather) {
+          GatherChunk(&changed_in[c], chain.size() > 1, bounce.data() - lo, fetch.bytes, &parts[c]);
         }
         StreamCopy(slot->data() + lo, bounce.data(), hi - lo);
         continue;
@@ -201,11 +260,15 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
         const delta::ChunkInfo& info = step->index.chunks[chunk];
         const uint8_t* payload = step->slot->data() + info.encoded_offset;
         absl::Status status =
-            whole_chunks ? delta::ApplyChunk(step->index, chunk, payload, info.encoded_size,
-                                             slot->data(), slot->size())
-                         : delta::ApplyChunkWithin(step->index, chunk, payload, info.encoded_size,
-                                                   fetch.ranges, slot->data(), slot->size());
+            whole_chunks
+                ? delta::ApplyChunk(step->index, chunk, payload, info.encoded_size, slot->data(),
+                                    slot->size(), &changed_in[c])
+                : delta::ApplyChunkWithin(step->index, chunk, payload, info.encoded_size,
+                                          fetch.ranges, slot->data(), slot->size(), &changed_in[c]);
         if (!status.ok()) return fail(std::move(status));
+      }
+      if (gather && !work[c].empty()) {
+        GatherChunk(&changed_in[c], chain.size() > 1, slot->data(), fetch.bytes, &parts[c]);
       }
     }
   };
@@ -221,6 +284,7 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
   fenced();
   for (std::thread& t : pool) t.join();
   RETURN_IF_ERROR(failed);
+  if (gather) *changes = JoinChunks(std::move(parts));
   return slot;
 }
 
@@ -346,6 +410,7 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, PullLanding* 
   DeltaResult result;
   result.from_relays.assign(job.fetches.size(), 0);
   result.staging.resize(job.fetches.size());
+  result.changes.resize(job.fetches.size());
   result.wire.assign(job.fetches.size(), 0);
   result.verified.assign(job.fetches.size(), false);
   std::vector<Step> steps;
@@ -399,6 +464,7 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, PullLanding* 
     metrics->Add(kDeltaFallbacks, 1);
     DeltaResult none;
     none.staging.resize(job.fetches.size());
+    none.changes.resize(job.fetches.size());
     none.wire.assign(job.fetches.size(), 0);
     none.verified.assign(job.fetches.size(), false);
     none.from_relays.assign(job.fetches.size(), 0);
@@ -449,15 +515,17 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, PullLanding* 
       if (status.ok()) status = reads.status[s];
     }
     const bool whole = WholeChunks(job.fetches[f], chain);
+    std::shared_ptr<const ChangeList> changes;
     absl::StatusOr<std::shared_ptr<Region>> built =
-        status.ok()
-            ? Build(job.fetches[f], bases[f], chain, whole, job.fetches[f].destination_base, store)
-            : absl::StatusOr<std::shared_ptr<Region>>(status);
+        status.ok() ? Build(job.fetches[f], bases[f], chain, whole, job.fetches[f].destination_base,
+                            store, &changes)
+                    : absl::StatusOr<std::shared_ptr<Region>>(status);
     // Relayed chunks that failed are read again from the origin and the delta rebuilt — not
     // over a destination base, which an in-place build has already changed (a full pull then).
     if (!built.ok() && status.ok() && !job.fetches[f].destination_base &&
         RefetchRelayed(job, delta_job, steps, reads, f, data_plane, metrics).ok()) {
-      built = Build(job.fetches[f], bases[f], chain, whole, false, store);
+      changes = nullptr;
+      built = Build(job.fetches[f], bases[f], chain, whole, false, store, &changes);
     }
     if (!built.ok()) {
       Logger("delta")->warn(
@@ -479,6 +547,7 @@ DeltaResult FetchDeltas(const PullJob& job, DataPlane* data_plane, PullLanding* 
         job.model, job.version, job.fetches[f].buffer_id, wire, chain.size(),
         job.fetches[f].base_version, ms(t0, t1), ms(t1, t2), ms(t2, Clock::now()));
     result.staging[f] = std::move(built).value();
+    result.changes[f] = std::move(changes);
     result.wire[f] = wire;
     result.verified[f] = whole;
   }

@@ -26,6 +26,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "daemon/dataplane/data_plane.h"
@@ -51,7 +52,11 @@ struct DeltaRelays {
 
 struct DeltaResult {
   std::vector<std::shared_ptr<Region>> staging;  // per fetch: built from deltas, or null
-  std::vector<uint64_t> wire;                    // per fetch: delta bytes read for it
+  // Per fetch built from whole delta chunks: what they changed (the elements they wrote, with
+  // the new words, gathered while each chunk was in cache), so that the store's sparse Apply
+  // needs no diff of the piece; null otherwise.
+  std::vector<std::shared_ptr<const ChangeList>> changes;
+  std::vector<uint64_t> wire;  // per fetch: delta bytes read for it
   // Per fetch: every needed byte lies in whole delta chunks, so applying them checked each
   // chunk's target checksum and the source need not hash anything for it.
   std::vector<bool> verified;

@@ -211,6 +211,9 @@ PullOutcome Puller::Pull(const PullJob& job) {
                                    board_ ? &relays : nullptr);
   const double deltas_ms = ms_since(pinned);
   staging = std::move(deltas.staging);
+  for (size_t f = 0; f < job.fetches.size(); ++f) {
+    if (staging[f] && deltas.changes[f]) store_->NoteDeltaChanges(job, f, deltas.changes[f]);
+  }
   // fp8 engines: blocks are quantized as their bytes land, while the rest arrives.
   LandedQuantizer quantizer(store_, job);
   for (size_t f = 0; f < job.fetches.size(); ++f) {

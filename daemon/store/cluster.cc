@@ -4,6 +4,7 @@
 // node has DESTINATION buffers) the data plane pulled every byte those destinations need.
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
@@ -201,6 +202,7 @@ void Store::TryCompleteWithRemotes(Model& model) {
     return;
   }
   model.pulling = candidate;
+  model.pulling_changed.clear();
   std::set<uint64_t> sizes;
   for (const PullJob::Fetch& fetch : job.fetches) sizes.insert(fetch.bytes);
   budget_.SetStaging(model.name, std::move(sizes));
@@ -260,30 +262,58 @@ void Store::OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fet
   fetch->deltas = std::move(chain);
 }
 
+void Store::NoteDeltaChanges(const PullJob& job, size_t fetch,
+                             std::shared_ptr<const ChangeList> changes) {
+  if (fetch >= job.fetches.size() || !changes) return;
+  common::MutexLock lock(mu_);
+  Model* model = FindModel(job.model);
+  if (!model || model->pulling != job.version || model->run != job.run) return;
+  model->pulling_changed[fetch] = {job.fetches[fetch].base_version, std::move(changes)};
+}
+
 void Store::FinishPull(const PullJob& job, absl::Status result,
                        std::vector<std::shared_ptr<Region>> staging) {
   // Sparse Apply: what changed since the version this node's destinations were given, found
-  // before the version completes, outside the store lock (store_sparse.cc).
+  // before the version completes, outside the store lock (store_sparse.cc). A piece that
+  // deltas from that very version built takes the change list they gathered (no diff).
   std::vector<Piece> diffed(staging.size());
   std::shared_ptr<const Version> diff_base;
+  std::vector<std::shared_ptr<const ChangeList>> gathered(staging.size());
   if (result.ok() && staging.size() == job.fetches.size()) {
     {
       common::MutexLock lock(mu_);
       const Model* model = FindModel(job.model);
       if (model && model->pulling == job.version && model->run == job.run) {
         diff_base = DiffBaseFor(*model);
+        for (const auto& [f, changes] : model->pulling_changed) {
+          if (diff_base && f < gathered.size() && changes.first == diff_base->number) {
+            gathered[f] = changes.second;
+          }
+        }
       }
     }
     if (diff_base) {
+      const auto started = std::chrono::steady_clock::now();
       std::vector<Piece*> pieces;
+      size_t taken = 0;
       for (size_t f = 0; f < staging.size(); ++f) {
         diffed[f].node = job.fetches[f].node;
         diffed[f].buffer_id = job.fetches[f].buffer_id;
         diffed[f].slot = staging[f];
         diffed[f].valid = std::make_shared<const ByteRanges>(job.fetches[f].ranges);
-        pieces.push_back(&diffed[f]);
+        if (gathered[f] && TakeGatheredChanges(&diffed[f], gathered[f], *diff_base)) {
+          ++taken;
+        } else {
+          pieces.push_back(&diffed[f]);
+        }
       }
       DiffPieces(pieces, *diff_base);
+      Logger("store")->debug(
+          "model={} version={}: changes since version {} for a sparse Apply in {:.4f} s ({} of "
+          "{} piece(s) from their deltas, the rest diffed)",
+          job.model, job.version, diff_base->number,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(), taken,
+          staging.size());
     }
   }
   common::MutexLock lock(mu_);
@@ -291,6 +321,7 @@ void Store::FinishPull(const PullJob& job, absl::Status result,
   // A pull of a run the model left since (StartRun) is dropped.
   if (!model || model->pulling != job.version || model->run != job.run) return;
   model->pulling = 0;
+  model->pulling_changed.clear();
   budget_.EndStaging(model->name);
   std::vector<Piece> pieces = std::move(model->pulling_pieces);
   model->pulling_pieces.clear();

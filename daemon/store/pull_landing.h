@@ -41,6 +41,15 @@ class PullLanding {
   virtual absl::StatusOr<std::shared_ptr<Region>> BaseFromDestinations(
       const std::string& model, const PullJob::Fetch& fetch) = 0;
 
+  // The staging of job.fetches[fetch] was built from deltas from fetch.base_version, and
+  // `changes` is what they changed (runs of the elements they wrote, with the new words,
+  // gathered as the deltas were applied): the store's sparse Apply then needs no diff of the
+  // piece (Store::NoteDeltaChanges). Before FinishPull; a landing that does not diff ignores it.
+  virtual void NoteDeltaChanges(const PullJob& job, size_t fetch,
+                                std::shared_ptr<const ChangeList> changes) {
+    (void)job, (void)fetch, (void)changes;
+  }
+
   // The pull of `job` ended: on success `staging[i]` holds job.fetches[i].ranges
   // (Store::FinishPull).
   virtual void FinishPull(const PullJob& job, absl::Status result,

@@ -255,6 +255,10 @@ class Store : public PeerStore, public VersionImports {
   // The data plane finished `job`: on success `staging[i]` holds job.fetches[i].ranges.
   void FinishPull(const PullJob& job, absl::Status result,
                   std::vector<std::shared_ptr<Region>> staging) override;
+  // A fetch of the pull of `job` built from deltas, and their change list: FinishPull takes it
+  // for the sparse Apply instead of diffing the piece.
+  void NoteDeltaChanges(const PullJob& job, size_t fetch,
+                        std::shared_ptr<const ChangeList> changes) override;
 
   // A slot of `size` bytes for staging pulled (or imported) bytes (PullLanding and
   // VersionImports). It counts against the budget of the
@@ -444,6 +448,11 @@ class Store : public PeerStore, public VersionImports {
   // bytes over `pieces[i]`'s valid ranges are held) on up to 8 cores; no store lock held.
   // Counts the bytes compared (refit_diff_bytes_total).
   void DiffPieces(std::vector<Piece*> pieces, const Version& base);
+  // A pulled piece built by deltas from `base`, with the change list they gathered
+  // (NoteDeltaChanges): taken as its changes when DiffPieces would have diffed it and every run
+  // lies in its valid ranges; false otherwise (then it is diffed).
+  static bool TakeGatheredChanges(Piece* piece, const std::shared_ptr<const ChangeList>& changes,
+                                  const Version& base);
   // fp8 destinations with scales: once the quantizer finished `version`'s derived slot of
   // `batch`, its change list against `base`'s slot of the same batch (quantized again with
   // `batch` where a registration made a new batch since), in host memory, kept in

@@ -21,29 +21,6 @@
 #include "daemon/store/tensor_index.h"
 
 namespace refit {
-// Sparse Apply: byte runs [begin, end) of a piece that differ from the same piece of an earlier
-// version, sorted and disjoint, each from the first to the last differing byte of an 8-byte
-// word (runs of neighbouring words merged).
-using ChangeRuns = std::vector<std::pair<uint64_t, uint64_t>>;
-
-// A piece's change list: its ChangeRuns and, carried with them, the new version's bytes of each
-// run's 8-byte words ([run begin rounded down to 8, run end rounded up to 8, at most the piece's
-// size)), back to back in run order, so that a sparse Apply reads the new values sequentially
-// and only the destination is scattered (store_sparse.cc).
-struct ChangeList {
-  ChangeRuns runs;
-  std::vector<uint64_t> values_at;  // runs.size() + 1 entries: where each run's words start
-  std::vector<uint8_t> values;
-  uint64_t changed_bytes = 0;  // sum of the runs' lengths
-
-  // The new bytes [at, at + n) of the piece, when they lie in run `run`'s words; else null.
-  const uint8_t* Values(size_t run, uint64_t at, uint64_t n) const {
-    const uint64_t lo = runs[run].first & ~uint64_t{7};
-    if (at < lo) return nullptr;
-    const uint64_t from = values_at[run] + (at - lo);
-    return from + n <= values_at[run + 1] ? values.data() + from : nullptr;
-  }
-};
 
 struct Store::Buffer {
   std::string id;
@@ -183,9 +160,12 @@ struct Store::Model {
   std::map<uint64_t, std::shared_ptr<const LocalSnapshot>> snapshots;  // for other nodes
   uint64_t pulling = 0;               // version being pulled; 0: none
   std::vector<Piece> pulling_pieces;  // its pieces, remote ones not yet staged
-  uint64_t failed = 0;                // newest version whose pull failed
-  absl::Status failed_status;         // why (OK when it couldn't be planned)
-  std::string staging_reserved;       // the remote layout staging slots were reserved for
+  // Per fetch of that pull built from deltas: the version they were applied to and what they
+  // changed, as a change list (NoteDeltaChanges).
+  std::map<size_t, std::pair<uint64_t, std::shared_ptr<const ChangeList>>> pulling_changed;
+  uint64_t failed = 0;           // newest version whose pull failed
+  absl::Status failed_status;    // why (OK when it couldn't be planned)
+  std::string staging_reserved;  // the remote layout staging slots were reserved for
   // The run of each other node whose pieces the newest complete version came from.
   std::map<std::string, std::string> latest_runs;
   uint64_t skipped = 0;  // newest announced version not taken

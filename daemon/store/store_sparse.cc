@@ -544,6 +544,35 @@ void Store::DiffPieces(std::vector<Piece*> pieces, const Version& base) {
   }
 }
 
+bool Store::TakeGatheredChanges(Piece* piece, const std::shared_ptr<const ChangeList>& changes,
+                                const Version& base) {
+  const Piece* old = nullptr;
+  for (const Piece& b : base.pieces) {
+    if (b.node == piece->node && b.buffer_id == piece->buffer_id) old = &b;
+  }
+  // What DiffPieces requires of a piece it diffs.
+  if (!old || !old->slot || old->released || !piece->slot ||
+      piece->slot->kind() != MemoryKind::kHost || old->slot->kind() != MemoryKind::kHost ||
+      old->slot->size() != piece->slot->size()) {
+    return false;
+  }
+  const ByteRanges whole{{0, piece->slot->size()}};
+  const ByteRanges& ranges = piece->valid ? *piece->valid : whole;
+  if (old->valid && *old->valid != ranges) return false;
+  if (changes->values_at.size() != changes->runs.size() + 1) return false;
+  uint64_t valid = 0;
+  for (const auto& [b, e] : ranges) valid += e - b;
+  size_t r = 0;
+  for (const auto& [b, e] : changes->runs) {
+    while (r < ranges.size() && ranges[r].second < e) ++r;
+    if (r == ranges.size() || b < ranges[r].first) return false;  // outside what is held
+  }
+  piece->changes = changes;
+  piece->changes_base = base.number;
+  piece->compared_bytes = valid;
+  return true;
+}
+
 void Store::DiffDerived(const Version& version, const Version& base,
                         const std::shared_ptr<const QuantBatch>& batch) {
   // The same batch quantizes both, so the slots have one layout: fp8 bytes and scales of the

@@ -120,6 +120,30 @@ struct SourceLayout {
   uint64_t bytes = 0;
 };
 
+// Sparse Apply: byte runs [begin, end) of a piece that differ from the same piece of an earlier
+// version, sorted and disjoint, each from the first to the last differing byte of an 8-byte
+// word (runs of neighbouring words merged).
+using ChangeRuns = std::vector<std::pair<uint64_t, uint64_t>>;
+
+// A piece's change list: its ChangeRuns and, carried with them, the new version's bytes of each
+// run's 8-byte words ([run begin rounded down to 8, run end rounded up to 8, at most the piece's
+// size)), back to back in run order, so that a sparse Apply reads the new values sequentially
+// and only the destination is scattered (store_sparse.cc).
+struct ChangeList {
+  ChangeRuns runs;
+  std::vector<uint64_t> values_at;  // runs.size() + 1 entries: where each run's words start
+  std::vector<uint8_t> values;
+  uint64_t changed_bytes = 0;  // sum of the runs' lengths
+
+  // The new bytes [at, at + n) of the piece, when they lie in run `run`'s words; else null.
+  const uint8_t* Values(size_t run, uint64_t at, uint64_t n) const {
+    const uint64_t lo = runs[run].first & ~uint64_t{7};
+    if (at < lo) return nullptr;
+    const uint64_t from = values_at[run] + (at - lo);
+    return from + n <= values_at[run + 1] ? values.data() + from : nullptr;
+  }
+};
+
 // A version's snapshot of this node's SOURCE buffers: what other nodes read.
 struct LocalSnapshot {
   std::string model;

@@ -57,6 +57,7 @@ void Store::StartRun(Model& model, const std::string& run, const std::string& wh
   model.skipped_reason.clear();
   model.latest_runs.clear();
   model.pulling = 0;  // FinishPull drops a pull of the old run (PullJob::run)
+  model.pulling_changed.clear();
   model.pulling_pieces.clear();
   budget_.EndStaging(model.name);
   model.finishing = 0;  // the quantizer drops a version of the old run (Version::run)
