@@ -199,6 +199,10 @@ namespace refit {
 
 using ByteRanges = std::vector<std::pair<uint64_t, uint64_t>>;
 
+// Past this share of changed bytes a sparse Apply is not worth it: the full copy runs (and a
+// diff that finds more stops: store_diff.cc).
+inline constexpr uint64_t kDenseShareInverse = 8;  // 12.5 %
+
 // The source byte runs `op` reads, one per row: [begin, end).
 void AppendSourceRuns(const plan::CopyOp& op, ByteRanges* out);
 // Sorts and merges overlapping or touching ranges.
