@@ -88,7 +88,6 @@ void GatherValues(const uint8_t* data, uint64_t size, Found* found) {
   }
 }
 
-
 }  // namespace
 
 namespace {
@@ -201,6 +200,16 @@ bool DiffRegions(const std::vector<DiffInput>& in, std::vector<std::shared_ptr<C
   return true;
 }
 
+// DiffRegions, its bytes compared added to `diffed` (refit_diff_bytes_total).
+bool DiffCounted(const std::vector<DiffInput>& in, const CounterHandle& diffed,
+                 std::vector<std::shared_ptr<ChangeList>>* lists,
+                 std::vector<uint64_t>* compared_of) {
+  uint64_t bytes = 0;
+  const bool sparse = DiffRegions(in, lists, compared_of, &bytes);
+  diffed.Add(static_cast<double>(bytes));
+  return sparse;
+}
+
 }  // namespace
 
 void Store::DiffPieces(std::vector<Piece*> pieces, const Version& base) {
@@ -227,10 +236,7 @@ void Store::DiffPieces(std::vector<Piece*> pieces, const Version& base) {
   }
   std::vector<std::shared_ptr<ChangeList>> lists;
   std::vector<uint64_t> compared;
-  uint64_t diffed_bytes = 0;
-  const bool sparse = DiffRegions(in, &lists, &compared, &diffed_bytes);
-  counters_.diff_bytes.Add(static_cast<double>(diffed_bytes));
-  if (!sparse) return;
+  if (!DiffCounted(in, counters_.diff_bytes, &lists, &compared)) return;
   for (size_t i = 0; i < diffed.size(); ++i) {
     diffed[i]->changes = std::move(lists[i]);
     diffed[i]->changes_base = base.number;
@@ -289,10 +295,7 @@ void Store::DiffDerived(const Version& version, const Version& base,
       {now->data(), now->size(), old->data(), {{0, std::min(batch->bytes(), now->size())}}}};
   std::vector<std::shared_ptr<ChangeList>> lists;
   std::vector<uint64_t> compared;
-  uint64_t diffed_bytes = 0;
-  const bool sparse = DiffRegions(in, &lists, &compared, &diffed_bytes);
-  counters_.diff_bytes.Add(static_cast<double>(diffed_bytes));
-  if (!sparse) return;
+  if (!DiffCounted(in, counters_.diff_bytes, &lists, &compared)) return;
   version.quant->SetChanges(batch.get(),
                             DerivedChanges{std::move(lists[0]), base.number, compared[0]});
 }
