@@ -331,6 +331,7 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
   auto serve = std::make_unique<Serve>();
   serve->owner = this;
   ucs_status_t status = UCS_OK;
+  uint64_t serving = 0;  // the reply's bytes, counted in bytes_served_ once it is sent
   if (request.magic != kRequestMagic) {
     status = UCS_ERR_INVALID_PARAM;
   } else if (!serve_gathers_) {
@@ -376,6 +377,7 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
       if (serve->mem == nullptr) status = UCS_ERR_INVALID_PARAM;
     }
     lock.unlock();
+    if (status == UCS_OK) serving = total;
     if (status == UCS_OK && owned) {
       // Memory UCX allocated: the registration (serve->mem) keeps the bytes, so UCX may send
       // straight from them however long the reply takes.
@@ -416,8 +418,10 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
     serve->iov.clear();
     serve->packed.clear();
     serve->mem.reset();
+    serving = 0;
     sent = SendReply(param->reply_ep, serve.get(), request.id, UCS_ERR_BUSY);
   }
+  if (!UCS_PTR_IS_ERR(sent)) bytes_served_ += serving;
   if (UCS_PTR_IS_ERR(sent)) {
     // The requester is gone or going; its side fails the op.
     Logger("transport")

@@ -174,6 +174,9 @@ class UcxTransport final : public Transport {
   size_t Poll(std::vector<Completion>* out) override;
   uint64_t outstanding() const override { return outstanding_; }
   uint64_t activity() const override { return activity_; }
+  // The bytes of the gather replies it sent (or is sending) with data; gets of peers that
+  // mapped its memory, and hardware gets (Options::rma), are not seen here.
+  uint64_t bytes_served() const override { return bytes_served_; }
   bool PrepareToSleep() override;
   Armed ArmWhileBusy() override;
   int WakeFd() const override { return wake_fd_; }
@@ -319,6 +322,7 @@ class UcxTransport final : public Transport {
   std::unordered_set<Outgoing*> outgoings_;  // requests UCX is still sending
   uint64_t gathers_sent_ = 0;
   uint64_t gathers_served_ = 0;
+  uint64_t bytes_served_ = 0;  // bytes_served(): data of the replies sent to peers' gathers
   uint64_t gathers_refused_ = 0;
   uint64_t gathers_dropped_ = 0;
   uint64_t replies_dropped_ = 0;
