@@ -121,13 +121,13 @@ struct DataPlane::Transfer {
 };
 
 DataPlane::DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneOptions options,
-                     Metrics* metrics)
+                     Metrics* metrics, ProgressOptions progress)
     : transport_(std::move(transport)),
       token_key_(::refit::transport::RandomBytes(32)),
       options_(options),
       metrics_(metrics),
       data_bytes_received_(metrics->Declare(kDataBytesReceived)),
-      progress_(options_.progress) {
+      progress_(progress) {
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) {
     Logger("transport")->critical("eventfd: {}", std::strerror(errno));

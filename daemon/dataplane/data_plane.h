@@ -47,15 +47,15 @@ struct DataPlaneOptions {
   // Told of each turn of the data plane's loop (null: nobody watches it): the watchdog's view
   // of this thread (daemon/common/liveness.h).
   Liveness::Worker* liveness = nullptr;
-  // When the loop polls on and when it blocks while bytes are in flight (progress_policy.h).
-  ProgressOptions progress;
 };
 
 class DataPlane {
  public:
-  // Takes ownership of `transport` (null: no data plane; pulls fail UNAVAILABLE).
+  // Takes ownership of `transport` (null: no data plane; pulls fail UNAVAILABLE). `progress`:
+  // when the loop polls on and when it blocks while bytes are in flight (progress_policy.h;
+  // tests change it).
   DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneOptions options,
-            Metrics* metrics);
+            Metrics* metrics, ProgressOptions progress = {});
   ~DataPlane();  // stops the thread; outstanding pulls fail CANCELLED
 
   // The address peers connect to ("" without a transport).

@@ -233,11 +233,12 @@ absl::Status ScriptedEndpoint::PostGetSpans(const LocalMemory& local, const Remo
 // A source node (its own data plane over the plain in-process transport) exposing a slot that
 // holds `truth`, and a puller node whose data plane reads it through a ScriptedTransport.
 struct TwoPlanes {
-  explicit TwoPlanes(Script script, uint64_t bytes = kBytes, DataPlaneOptions options = Options())
+  explicit TwoPlanes(Script script, uint64_t bytes = kBytes, ProgressOptions progress = {})
       : truth(Pattern(bytes, 7)),
         source_plane(transport::InprocTransport::Create(), {}, &source_metrics),
         scripted(new ScriptedTransport(script)),
-        puller_plane(std::unique_ptr<transport::Transport>(scripted), options, &puller_metrics) {
+        puller_plane(std::unique_ptr<transport::Transport>(scripted), Options(), &puller_metrics,
+                     progress) {
     auto slot_or = source_plane.AllocateSlot(truth.size());
     REQUIRE(slot_or.ok());
     slot = std::shared_ptr<Region>(std::move(*slot_or));
@@ -487,12 +488,12 @@ TEST_CASE(
     "[dataplane]") {
   Script script;
   script.armable = true;
-  DataPlaneOptions options = TwoPlanes::Options();
-  options.progress.window = std::chrono::milliseconds(1);
-  options.progress.poll_rate = 1e18;  // past the first window: always block
+  ProgressOptions progress;
+  progress.window = std::chrono::milliseconds(1);
+  progress.poll_rate = 1e18;  // past the first window: always block
   const auto moderation = std::chrono::milliseconds(5);
-  options.progress.moderation = moderation;
-  TwoPlanes planes(script, kBytes, options);
+  progress.moderation = moderation;
+  TwoPlanes planes(script, kBytes, progress);
   planes.scripted->Hold();
   const uint64_t arms_before = planes.scripted->arms.load();
   const auto start = std::chrono::steady_clock::now();
