@@ -79,6 +79,29 @@ absl::StatusOr<std::vector<double>> SettledMetric(const std::vector<Client*>& cl
   return last;
 }
 
+// Until every one of `engines` lists `replicas` nodes with DESTINATION buffers for `model` in
+// its Status; false after `timeout`.
+bool WaitReplicasKnown(const std::vector<Client*>& engines, const std::string& model, int replicas,
+                       std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    bool all = true;
+    for (Client* engine : engines) {
+      auto status = engine->Status();
+      int known = 0;
+      if (status.ok()) {
+        for (const auto& m : status->models()) {
+          if (m.model() == model) known = m.replicas_size();
+        }
+      }
+      all = all && known >= replicas;
+    }
+    if (all) return true;
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+  return false;
+}
+
 // CPU seconds the daemons `pids` used so far, summed (a pid that can't be read counts 0).
 double DaemonsCpuSeconds(const std::vector<int>& pids) {
   double total = 0;
@@ -181,6 +204,12 @@ int main(int argc, char** argv) {
                                          absl::StrFormat("fanout-engine%d", i + 1));
     if (!id.ok()) return Fail("RegisterBuffer DESTINATION", id.status());
     dst_ids.push_back(*id);
+  }
+  // Engines learn of each other's DESTINATION buffers from reports sent every second; a version
+  // published before that is pulled by each engine alone, from the trainer (no relays).
+  if (!WaitReplicasKnown(engine_clients, model, k, std::chrono::seconds(10))) {
+    std::cout << "fanout_bench: after 10 s not every engine knew all " << k
+              << " replicas; the first version may be pulled without relays\n";
   }
 
   uint64_t base = 0;
