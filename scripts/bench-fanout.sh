@@ -28,7 +28,10 @@
 # with 1 GiB each must fit in 24 GiB); nothing crosses the root namespace.
 # Where the time goes: the machine's CPU busy fraction while each K runs (from /proc/stat) and
 # the daemons' CPU seconds per version (utime + stime; the kernel's softirq work for their
-# sockets is in the busy fraction, not always in their times) are printed beside T(K).
+# sockets is in the busy fraction, not always in their times) are printed beside T(K): the
+# median of the versions after the warm-up ones, from Publish until the byte counters settled
+# (fanout_bench's cpu_s, Apply not included), and the mean over the whole run (all versions,
+# the warm-up ones and Apply included).
 # Everything is removed on exit (trap), also after a failure; a run first removes what a killed
 # run left (namespaces fleet-fan-*, their processes, /dev/shm/refit-fanout-*). One run at a time
 # (flock on /run/lock/refit-bench-fanout.lock). Needs root and iproute2.
@@ -405,9 +408,9 @@ for line in open(sys.argv[1]):
     by_k.setdefault(int(fields["k"]), {}).update(fields)
 one = float(by_k.get(1, {}).get("t_s", 0) or 0)
 print(f"{'K':>3} {'T(K) s':>8} {'1st s':>7} {'T(K)/T(1)':>9} {'trainer':>8} {'engines':>8} "
-      f"{'trainer':>8} {'gloo':>7} {'refit/':>6} {'cpu':>5} {'daemons':>8}")
+      f"{'trainer':>8} {'gloo':>7} {'refit/':>6} {'cpu':>5} {'daemons':>8} {'daemons':>8}")
 print(f"{'':>3} {'':>8} {'':>7} {'':>9} {'models':>8} {'models':>8} {'link':>8} {'T(K) s':>7} "
-      f"{'gloo':>6} {'busy':>5} {'cpu s/v':>8}")
+      f"{'gloo':>6} {'busy':>5} {'cpu s/v':>8} {'all v':>8}")
 for k in sorted(by_k):
     r = by_k[k]
     if r.get("refit_failed"):
@@ -424,10 +427,12 @@ for k in sorted(by_k):
         gloo = f"{g:>7.3f} {t / g if t else 0:>6.2f}"
     else:
         gloo = f"{'FAILED' if r.get('gloo_failed') else '-':>7} {'':>6}"
-    cpu = f"{r.get('busy', '-'):>5} {r.get('daemon_cpu_s', '-'):>8}"
+    cpu = f"{r.get('busy', '-'):>5} {r.get('cpu_s', '-'):>8} {r.get('daemon_cpu_s', '-'):>8}"
     print(f"{k:>3} {refit} {gloo} {cpu}")
 print("trainer/engines models: refit_data_bytes_sent_total per version / model bytes "
-      "(engines: summed); trainer link: eth0 tx bytes per version / model bytes")
+      "(engines: summed); trainer link: eth0 tx bytes per version / model bytes; daemons cpu "
+      "s/v: the K+1 daemons' CPU s per version, median after the warm-up (Publish to settled "
+      "counters), and over all versions (Apply included)")
 for k in sorted(by_k):
     r = by_k[k]
     if r.get("trainer_mean_models") and float(r["wire_models"]) > 0:

@@ -48,23 +48,19 @@ constexpr size_t kSpansPerBatch = 256;
 // plane is busy (kLinger after it last got anything done), seldom when idle.
 constexpr auto kSweepEvery = std::chrono::milliseconds(5);
 constexpr auto kIdleSweepEvery = std::chrono::milliseconds(100);
-// After the loop last got anything done it naps briefly (kNap) instead of sleeping whenever the
-// transport has something in flight, as while serving a peer's pull; later, kIdleNap.
+// While the transport has something in flight (serving a peer's pull) and can't be armed, or
+// progress_ says to poll on, the loop naps briefly (kNap) for kLinger after it last got
+// anything done; later, kIdleNap.
 constexpr auto kLinger = std::chrono::milliseconds(100);
 constexpr auto kNap = std::chrono::microseconds(20);
 constexpr auto kIdleNap = std::chrono::milliseconds(1);
-// With its own reads in flight and nothing done in a turn, the loop blocks on the transport's
-// wake fd (armed while busy: Transport::ArmWhileBusy) for at most kBusyWait, or naps kBusyNap
-// where the transport can't arm. Spinning instead (Poll, yield, Poll) kept a core busy per
-// pulling daemon for the whole pull: at K = 4 on two cores most of the daemons' CPU time, taken
-// from the kernel's TCP work that moves the bytes.
+// With something in flight and nothing done in a turn, when progress_ says to block, the loop
+// blocks on the transport's wake fd (armed while busy: Transport::ArmWhileBusy) for at most
+// kBusyWait, or naps kBusyNap where the transport can't arm. Spinning instead (Poll, yield,
+// Poll) kept a core busy per pulling daemon for the whole pull: at K = 4 on two cores most of
+// the daemons' CPU time, taken from the kernel's TCP work that moves the bytes.
 constexpr auto kBusyWait = std::chrono::milliseconds(2);
 constexpr auto kBusyNap = std::chrono::microseconds(50);
-// While bytes flow (something completed or was served within this long), the loop polls on
-// (yields, or naps kNap) instead of blocking: a loopback or fast link completes reads every few
-// microseconds, and a wake-up through the armed fd per event halved a 1 GiB pull over tcp;
-// 100 us keeps a 1 Gbit/s link's pull blocking between its completions.
-constexpr auto kFlowing = std::chrono::microseconds(100);
 // A watched loop (DataPlaneOptions::liveness) turns at least this often, asleep or not, so
 // that a wedge shows within a stall bound even when no work comes.
 constexpr auto kLivenessTurn = std::chrono::milliseconds(500);
@@ -125,12 +121,13 @@ struct DataPlane::Transfer {
 };
 
 DataPlane::DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneOptions options,
-                     Metrics* metrics)
+                     Metrics* metrics, ProgressOptions progress)
     : transport_(std::move(transport)),
       token_key_(::refit::transport::RandomBytes(32)),
       options_(options),
       metrics_(metrics),
-      data_bytes_received_(metrics->Declare(kDataBytesReceived)) {
+      data_bytes_received_(metrics->Declare(kDataBytesReceived)),
+      progress_(progress) {
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) {
     Logger("transport")->critical("eventfd: {}", std::strerror(errno));
@@ -171,67 +168,89 @@ void DataPlane::Wake() {
   [[maybe_unused]] const ssize_t written = write(wake_fd_, &one, sizeof(one));
 }
 
+ProgressPolicy::Sample DataPlane::Progress(Clock::time_point now,
+                                           Clock::time_point active_at) const {
+  return {now, bytes_read_, transport_ ? transport_->bytes_served() : 0, active_at};
+}
+
+bool DataPlane::Wait(int transport_fd, Clock::time_point until) {
+  pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {transport_fd, POLLIN, 0}};  // -1: poll(2) ignores it
+  timespec timeout{};
+  const timespec* wait = nullptr;  // no deadline: until woken
+  if (until != Clock::time_point::max()) {
+    const auto ns = std::max<int64_t>(
+        0, std::chrono::duration_cast<std::chrono::nanoseconds>(until - Clock::now()).count());
+    timeout.tv_sec = static_cast<time_t>(ns / 1000000000);
+    timeout.tv_nsec = static_cast<long>(ns % 1000000000);
+    wait = &timeout;
+  }
+  if (options_.liveness) options_.liveness->Idle();
+  if (ppoll(fds, 2, wait, nullptr) > 0 && (fds[0].revents & POLLIN)) {
+    uint64_t count = 0;
+    [[maybe_unused]] const ssize_t got = read(wake_fd_, &count, sizeof(count));
+    return true;
+  }
+  return false;
+}
+
 void DataPlane::Sleep(Clock::time_point active_at) {
   const auto now = Clock::now();
   auto until = Clock::time_point::max();
   if (!registrations_.empty()) until = std::min(until, next_sweep_);
   if (!imported_.empty()) until = std::min(until, last_eviction_ + kRemoteIdle / 8);
   if (options_.liveness) until = std::min(until, now + kLivenessTurn);
-  pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {-1, POLLIN, 0}};
+  int transport_fd = -1;
   if (transport_ && !transport_->PrepareToSleep()) {
-    // Something in flight (serving a peer's reads, a closing endpoint): block until the
-    // transport's next event where it can say when that is, briefly; else nap.
-    const transport::Transport::Armed armed = now - active_at < kFlowing
-                                                  ? transport::Transport::Armed::kCannot
-                                                  : transport_->ArmWhileBusy();
+    // Something in flight (serving a peer's reads, a closing endpoint): nap briefly while bytes
+    // flow fast; otherwise block until the transport's next event where it can say when that
+    // is (armed no sooner than progress_ allows: events gather meanwhile), briefly; else nap.
+    const ProgressPolicy::Turn turn = progress_.Next(Progress(now, active_at));
+    transport::Transport::Armed armed = transport::Transport::Armed::kCannot;
+    if (turn.action == ProgressPolicy::Action::kBlock) {
+      if (turn.arm_at > now) {
+        if (until <= turn.arm_at) {  // a deadline of the loop's comes first
+          if (until > now) Wait(-1, until);
+          return;
+        }
+        if (Wait(-1, turn.arm_at)) return;  // posted work
+      }
+      armed = transport_->ArmWhileBusy();
+    }
     if (armed == transport::Transport::Armed::kPending) return;
     if (armed == transport::Transport::Armed::kArmed) {
-      fds[1].fd = transport_->WakeFd();
-      until = std::min(until, now + kBusyWait);
+      transport_fd = transport_->WakeFd();
+      until = std::min(until, Clock::now() + kBusyWait);
     } else {
       const Clock::duration nap = now - active_at < kLinger ? Clock::duration(kNap) : kIdleNap;
-      until = std::min(until, now + nap);
+      until = std::min(until, Clock::now() + nap);
     }
   } else if (transport_) {
-    fds[1].fd = transport_->WakeFd();  // may be -1: poll(2) ignores it
+    progress_.Idle(now);
+    transport_fd = transport_->WakeFd();  // may be -1
   }
   if (until <= now) return;
-  if (options_.liveness) options_.liveness->Idle();
-  timespec timeout{};
-  const timespec* wait = nullptr;  // no deadline: until woken
-  if (until != Clock::time_point::max()) {
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(until - now).count();
-    timeout.tv_sec = static_cast<time_t>(ns / 1000000000);
-    timeout.tv_nsec = static_cast<long>(ns % 1000000000);
-    wait = &timeout;
-  }
-  if (ppoll(fds, 2, wait, nullptr) > 0 && (fds[0].revents & POLLIN)) {
-    uint64_t count = 0;
-    [[maybe_unused]] const ssize_t got = read(wake_fd_, &count, sizeof(count));
-  }
+  Wait(transport_fd, until);
 }
 
-void DataPlane::WaitInFlight() {
-  pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {-1, POLLIN, 0}};
-  Clock::duration wait = kBusyNap;
-  if (transport_) {
-    switch (transport_->ArmWhileBusy()) {
-      case transport::Transport::Armed::kPending:
-        return;  // Poll again at once
-      case transport::Transport::Armed::kArmed:
-        fds[1].fd = transport_->WakeFd();
-        wait = kBusyWait;
-        break;
-      case transport::Transport::Armed::kCannot:
-        break;
-    }
+void DataPlane::WaitInFlight(Clock::time_point active_at) {
+  const auto now = Clock::now();
+  const ProgressPolicy::Turn turn = progress_.Next(Progress(now, active_at));
+  if (turn.action == ProgressPolicy::Action::kPollOn) {
+    std::this_thread::yield();  // bytes are flowing fast: poll on
+    return;
   }
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(wait).count();
-  const timespec timeout{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
-  if (options_.liveness) options_.liveness->Idle();
-  if (ppoll(fds, 2, &timeout, nullptr) > 0 && (fds[0].revents & POLLIN)) {
-    uint64_t count = 0;
-    [[maybe_unused]] const ssize_t got = read(wake_fd_, &count, sizeof(count));
+  // Interrupt moderation: the transport's events gather until arm_at; posted work still wakes
+  // the loop.
+  if (turn.arm_at > now && Wait(-1, turn.arm_at)) return;
+  switch (transport_->ArmWhileBusy()) {
+    case transport::Transport::Armed::kPending:
+      return;  // Poll again at once
+    case transport::Transport::Armed::kArmed:
+      Wait(transport_->WakeFd(), Clock::now() + kBusyWait);
+      return;
+    case transport::Transport::Armed::kCannot:
+      Wait(-1, Clock::now() + kBusyNap);
+      return;
   }
 }
 
@@ -277,6 +296,7 @@ void DataPlane::Run() {
         done.transfer->bytes_inflight -= done.length;
         if (c.status.ok()) {
           data_bytes_received_.Add(static_cast<double>(done.length));
+          bytes_read_ += done.length;
           Transfer& t = *done.transfer;
           const bool flipped = t.status.ok() && TransitFlip();
           if (flipped) {
@@ -301,16 +321,12 @@ void DataPlane::Run() {
       active_at = Clock::now();
       next_sweep_ = std::min(next_sweep_, active_at + kSweepEvery);
     }
-    // Our own reads in flight: poll on, blocking between events (WaitInFlight) when a turn
-    // completed nothing. Otherwise sleep until there is something to do.
+    // Our own reads in flight: poll on, or block between events (WaitInFlight, as progress_
+    // says) when a turn completed nothing. Otherwise sleep until there is something to do.
     if (by_cookie_.empty()) {
       Sleep(active_at);
     } else if (!completed && work.empty()) {
-      if (Clock::now() - active_at < kFlowing) {
-        std::this_thread::yield();  // bytes are flowing: poll on
-      } else {
-        WaitInFlight();
-      }
+      WaitInFlight(active_at);
     }
   }
   // Shutting down: fail what is left, then release UCX objects before the transport.

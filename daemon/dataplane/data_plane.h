@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/common/liveness.h"
 #include "daemon/common/mutex.h"
+#include "daemon/dataplane/progress_policy.h"
 #include "daemon/memory/region.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/store/store_types.h"
@@ -50,9 +51,11 @@ struct DataPlaneOptions {
 
 class DataPlane {
  public:
-  // Takes ownership of `transport` (null: no data plane; pulls fail UNAVAILABLE).
+  // Takes ownership of `transport` (null: no data plane; pulls fail UNAVAILABLE). `progress`:
+  // when the loop polls on and when it blocks while bytes are in flight (progress_policy.h;
+  // tests change it).
   DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneOptions options,
-            Metrics* metrics);
+            Metrics* metrics, ProgressOptions progress = {});
   ~DataPlane();  // stops the thread; outstanding pulls fail CANCELLED
 
   // The address peers connect to ("" without a transport).
@@ -138,11 +141,18 @@ class DataPlane {
   void Wake();
   // After a turn with nothing in flight of its own: blocks until work is posted, the
   // transport has events, or the loop's next deadline (a sweep, an eviction, a liveness turn);
-  // only naps while the transport has something in flight (Transport::PrepareToSleep).
+  // while the transport has something in flight (Transport::PrepareToSleep), as progress_
+  // says: naps briefly, or blocks until its next event, briefly.
   void Sleep(Clock::time_point active_at);
-  // With own reads in flight after a turn that completed nothing: blocks until the transport's
-  // next event or posted work, briefly (kBusyWait; kBusyNap where the transport can't arm).
-  void WaitInFlight();
+  // With own reads in flight after a turn that completed nothing, as progress_ says: yields,
+  // or blocks until the transport's next event or posted work, briefly (kBusyWait; kBusyNap
+  // where the transport can't arm).
+  void WaitInFlight(Clock::time_point active_at);
+  // Blocks in ppoll until posted work (true), `transport_fd` (-1: none) turns readable, or
+  // `until` (max: no deadline).
+  bool Wait(int transport_fd, Clock::time_point until);
+  // progress_'s view of this turn: the bytes moved so far, own reads and served.
+  ProgressPolicy::Sample Progress(Clock::time_point now, Clock::time_point active_at) const;
   int wake_fd_ = -1;
 
   common::Mutex mu_;
@@ -195,6 +205,8 @@ class DataPlane {
 
   std::unordered_map<uint64_t, InFlight> by_cookie_;
   uint64_t next_cookie_ = 1;
+  ProgressPolicy progress_;
+  uint64_t bytes_read_ = 0;  // own reads completed OK, for progress_
   std::thread thread_;
 };
 

@@ -2,8 +2,9 @@
 // node's data plane exposes a slot, a puller's data plane reads it. The puller's transport is
 // the in-process one behind a ScriptedTransport that the test steers: it can hand completions
 // back in reverse, fail one read, flip a byte of one read as it lands (a byte corrupted on the
-// wire), hold every read until the test lets go, and tell the plane that it may block on a wake
-// fd of its own (as UCX's armed worker fd does), so the plane's blocking paths are exercised.
+// wire), hold every read until the test lets go (or let them through a few at a time, as a slow
+// link's would arrive), and tell the plane that it may block on a wake fd of its own (as UCX's
+// armed worker fd does), so the plane's blocking paths are exercised.
 
 #include "daemon/dataplane/data_plane.h"
 
@@ -121,7 +122,7 @@ class ScriptedTransport final : public transport::Transport {
     ++polls;
     uint64_t count = 0;
     [[maybe_unused]] const ssize_t got = read(wake_fd_, &count, sizeof(count));
-    if (held_.load()) return 0;  // nothing moves until the test lets go
+    if (held_.load() && allowance_.load() == 0) return 0;  // nothing moves until the test lets go
     std::vector<Completion> fresh;
     inner_->Poll(&fresh);
     for (Completion& c : fresh) {
@@ -147,13 +148,18 @@ class ScriptedTransport final : public transport::Transport {
       std::reverse(pending_.begin(), pending_.end());
       ++reversed_batches;
     }
-    const size_t n = pending_.size();
-    for (Completion& c : pending_) out->push_back(std::move(c));
-    pending_.clear();
+    size_t n = pending_.size();
+    if (held_.load()) {  // trickling: only as many as the test allowed so far
+      n = std::min<size_t>(n, static_cast<size_t>(allowance_.load()));
+      allowance_ -= static_cast<int>(n);
+    }
+    for (size_t i = 0; i < n; ++i) out->push_back(std::move(pending_[i]));
+    pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(n));
     return n;
   }
   uint64_t outstanding() const override { return inner_->outstanding() + pending_.size(); }
   uint64_t activity() const override { return inner_->activity(); }
+  uint64_t bytes_served() const override { return inner_->bytes_served(); }
 
   bool PrepareToSleep() override {
     if (!script_.armable || held_.load() || outstanding() > 0) return false;
@@ -162,7 +168,9 @@ class ScriptedTransport final : public transport::Transport {
   }
   Armed ArmWhileBusy() override {
     if (!script_.armable) return Armed::kCannot;
-    if (!held_.load() && outstanding() > 0) return Armed::kPending;  // Poll completes them
+    if ((!held_.load() || allowance_.load() > 0) && outstanding() > 0) {
+      return Armed::kPending;  // Poll completes them
+    }
     ++arms;
     return Armed::kArmed;
   }
@@ -173,6 +181,12 @@ class ScriptedTransport final : public transport::Transport {
   void Hold() { held_ = true; }
   void Release() {
     held_ = false;
+    const uint64_t one = 1;
+    [[maybe_unused]] const ssize_t written = write(wake_fd_, &one, sizeof(one));
+  }
+  // While held: lets `n` more completions through, and wakes the plane as their arrival would.
+  void Trickle(int n) {
+    allowance_ += n;
     const uint64_t one = 1;
     [[maybe_unused]] const ssize_t written = write(wake_fd_, &one, sizeof(one));
   }
@@ -193,6 +207,7 @@ class ScriptedTransport final : public transport::Transport {
   const Script script_;
   int wake_fd_ = -1;
   std::atomic<bool> held_{false};
+  std::atomic<int> allowance_{0};  // completions Poll may still hand back while held
   int ok_completions_ = 0;
   std::map<uint64_t, uint8_t*> landing_;  // cookie -> first byte the read writes
   std::vector<Completion> pending_;
@@ -218,11 +233,12 @@ absl::Status ScriptedEndpoint::PostGetSpans(const LocalMemory& local, const Remo
 // A source node (its own data plane over the plain in-process transport) exposing a slot that
 // holds `truth`, and a puller node whose data plane reads it through a ScriptedTransport.
 struct TwoPlanes {
-  explicit TwoPlanes(Script script, uint64_t bytes = kBytes)
+  explicit TwoPlanes(Script script, uint64_t bytes = kBytes, ProgressOptions progress = {})
       : truth(Pattern(bytes, 7)),
         source_plane(transport::InprocTransport::Create(), {}, &source_metrics),
         scripted(new ScriptedTransport(script)),
-        puller_plane(std::unique_ptr<transport::Transport>(scripted), Options(), &puller_metrics) {
+        puller_plane(std::unique_ptr<transport::Transport>(scripted), Options(), &puller_metrics,
+                     progress) {
     auto slot_or = source_plane.AllocateSlot(truth.size());
     REQUIRE(slot_or.ok());
     slot = std::shared_ptr<Region>(std::move(*slot_or));
@@ -464,6 +480,39 @@ TEST_CASE(
   auto slots = Wait(pulled);
   REQUIRE(slots.ok());
   CHECK(planes.Matches(*(*slots)[0]));
+}
+
+TEST_CASE(
+    "a pull whose reads trickle in completes under a progress policy that blocks, armed at most "
+    "once per moderation",
+    "[dataplane]") {
+  Script script;
+  script.armable = true;
+  ProgressOptions progress;
+  progress.window = std::chrono::milliseconds(1);
+  progress.poll_rate = 1e18;  // past the first window: always block
+  const auto moderation = std::chrono::milliseconds(5);
+  progress.moderation = moderation;
+  TwoPlanes planes(script, kBytes, progress);
+  planes.scripted->Hold();
+  const uint64_t arms_before = planes.scripted->arms.load();
+  const auto start = std::chrono::steady_clock::now();
+  auto pulled = planes.puller_plane.Pull(planes.job, planes.Acquire());
+  // One read comes back every millisecond, each with a network event on the transport's fd.
+  while (pulled.wait_for(std::chrono::milliseconds(1)) == std::future_status::timeout) {
+    planes.scripted->Trickle(1);
+    REQUIRE(std::chrono::steady_clock::now() - start < kWait);
+  }
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  auto slots = pulled.get();
+  REQUIRE(slots.ok());
+  CHECK(planes.Matches(*(*slots)[0]));
+  // The plane blocked on the armed fd, but armed it no more often than once per moderation
+  // (after the first window, which arms at every wait): events were taken a batch at a time.
+  const uint64_t arms = planes.scripted->arms.load() - arms_before;
+  INFO("arms " << arms << " in " << std::chrono::duration<double>(elapsed).count() << " s");
+  CHECK(arms >= 1);
+  CHECK(arms <= static_cast<uint64_t>(elapsed / moderation) + 3);
 }
 
 TEST_CASE("a plane stopped with a pull in flight fails it CANCELLED", "[dataplane]") {

@@ -314,6 +314,13 @@ class Transport {
   // while this stands still, so a peer's pull isn't served one nap at a time.
   virtual uint64_t activity() const { return 0; }
 
+  // Bytes of this transport's memory it has served to peers' reads since it was created (the
+  // replies it sent them), so that a caller judging how fast bytes flow through it counts a
+  // relay's serving too, not only its own reads. Reads it takes no part in are not counted: a
+  // peer's memcpy from memory it mapped, a hardware RDMA get (UCX Options::rma). 0: a backend
+  // that can't tell. Same thread rules as Poll.
+  virtual uint64_t bytes_served() const { return 0; }
+
   // See "Sleeping" above. Call on the polling thread right after a Poll, just before blocking:
   // true when the caller may block until WakeFd() is readable (or until it has work of its own);
   // false when it must Poll again soon. A backend that can't tell (the default) answers false.

@@ -7,7 +7,11 @@
 //            engine's node (WaitForVersion, in place on every engine before Publish);
 //   trainer  the trainer node's refit_data_bytes_sent_total over the version, in models;
 //   engines  the same counter summed over the engines' nodes (bytes they served to each
-//            other: zero without relays), in models.
+//            other: zero without relays), in models;
+//   cpu      the CPU seconds all K+1 daemons used (utime + stime, found by their sockets'
+//            SO_PEERCRED) from just before Publish until the counters above settled, Apply
+//            not included: what a version costs the daemons, reported as the median of the
+//            versions after the warm-up ones (cpu_s in RESULT).
 // Then every engine Applies the version and its bytes are compared with the source, so a
 // broken transfer fails the run instead of looking fast.
 //
@@ -37,9 +41,11 @@ namespace {
 
 namespace v1 = refit::v1;
 using refit::bench::Clock;
+using refit::bench::CpuSeconds;
 using refit::bench::Median;
 using refit::bench::Metric;
 using refit::bench::Seconds;
+using refit::bench::SocketPeerPid;
 using refit::bench::WaitConnected;
 using refit::client::Client;
 using refit::client::SharedMemory;
@@ -71,6 +77,36 @@ absl::StatusOr<std::vector<double>> SettledMetric(const std::vector<Client*>& cl
     std::this_thread::sleep_for(milliseconds(100));
   }
   return last;
+}
+
+// Until every one of `engines` lists `replicas` nodes with DESTINATION buffers for `model` in
+// its Status; false after `timeout`.
+bool WaitReplicasKnown(const std::vector<Client*>& engines, const std::string& model, int replicas,
+                       std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    bool all = true;
+    for (Client* engine : engines) {
+      auto status = engine->Status();
+      int known = 0;
+      if (status.ok()) {
+        for (const auto& m : status->models()) {
+          if (m.model() == model) known = m.replicas_size();
+        }
+      }
+      all = all && known >= replicas;
+    }
+    if (all) return true;
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+  return false;
+}
+
+// CPU seconds the daemons `pids` used so far, summed (a pid that can't be read counts 0).
+double DaemonsCpuSeconds(const std::vector<int>& pids) {
+  double total = 0;
+  for (int pid : pids) total += std::max(0.0, CpuSeconds(pid));
+  return total;
 }
 
 // The next full version in place: each word XORed with a random word whose bytes are all odd,
@@ -130,6 +166,8 @@ int main(int argc, char** argv) {
     (*engine)->set_call_timeout(timeout);
     engines.push_back(std::move(*engine));
   }
+  std::vector<int> daemon_pids = {SocketPeerPid(trainer_socket)};
+  for (const auto& socket : engine_sockets) daemon_pids.push_back(SocketPeerPid(socket));
   std::vector<Client*> all = {trainer->get()}, engine_clients;
   for (auto& e : engines) {
     all.push_back(e.get());
@@ -167,6 +205,12 @@ int main(int argc, char** argv) {
     if (!id.ok()) return Fail("RegisterBuffer DESTINATION", id.status());
     dst_ids.push_back(*id);
   }
+  // Engines learn of each other's DESTINATION buffers from reports sent every second; a version
+  // published before that is pulled by each engine alone, from the trainer (no relays).
+  if (!WaitReplicasKnown(engine_clients, model, k, std::chrono::seconds(10))) {
+    std::cout << "fanout_bench: after 10 s not every engine knew all " << k
+              << " replicas; the first version may be pulled without relays\n";
+  }
 
   uint64_t base = 0;
   for (Client* c : all) {
@@ -181,11 +225,12 @@ int main(int argc, char** argv) {
   std::cout << absl::StrFormat(
       "model %s: one bf16 tensor of %d bytes (%.0f MiB); 1 trainer node -> %d engine node(s)\n",
       model, total, model_bytes / (1 << 20), k);
-  std::cout << absl::StrFormat("%-8s %9s %9s %9s %12s %12s %6s\n", "version", "publish s",
-                               "first s", "T(K) s", "trainer sent", "engines sent", "check");
-  std::cout << absl::StrFormat("%-8s %9s %9s %9s %12s %12s\n", "", "", "engine", "last engine",
-                               "models", "models");
-  std::vector<double> t_last, trainer_models, engine_models;
+  std::cout << absl::StrFormat("%-8s %9s %9s %9s %12s %12s %8s %6s\n", "version", "publish s",
+                               "first s", "T(K) s", "trainer sent", "engines sent", "cpu s",
+                               "check");
+  std::cout << absl::StrFormat("%-8s %9s %9s %9s %12s %12s %8s\n", "", "", "engine", "last engine",
+                               "models", "models", "daemons");
+  std::vector<double> t_last, trainer_models, engine_models, cpu_versions;
   double first_t = 0, first_trainer = 0, first_engines = 0, trainer_all = 0;
   for (int i = 1; i <= versions; ++i) {
     const uint64_t version = base + static_cast<uint64_t>(i);
@@ -204,6 +249,7 @@ int main(int argc, char** argv) {
       });
     }
     std::this_thread::sleep_for(milliseconds(50));  // let the waits be in place
+    const double cpu0 = DaemonsCpuSeconds(daemon_pids);
     const auto t0 = Clock::now();
     auto published = (*trainer)->Publish(model, version, {*src_id});
     const auto t1 = Clock::now();
@@ -220,6 +266,7 @@ int main(int argc, char** argv) {
 
     auto after = SettledMetric(all, kSent);
     if (!after.ok()) return Fail("Status", after.status());
+    const double cpu = DaemonsCpuSeconds(daemon_pids) - cpu0;
     const double trainer_sent = ((*after)[0] - (*before)[0]) / model_bytes;
     double engines_sent = 0;
     for (int e = 1; e <= k; ++e) engines_sent += (*after)[e] - (*before)[e];
@@ -232,9 +279,10 @@ int main(int argc, char** argv) {
       ok = ok && std::memcmp(dst[e].data(), src->data(), total) == 0;
     }
     const double t = Seconds(t1, last);
-    std::cout << absl::StrFormat(
-        "%-8s %9.3f %9.3f %9.3f %12.3f %12.3f %6s\n", absl::StrCat(version, i == 1 ? " (1st)" : ""),
-        Seconds(t0, t1), Seconds(t1, first), t, trainer_sent, engines_sent, ok ? "ok" : "WRONG");
+    std::cout << absl::StrFormat("%-8s %9.3f %9.3f %9.3f %12.3f %12.3f %8.2f %6s\n",
+                                 absl::StrCat(version, i == 1 ? " (1st)" : ""), Seconds(t0, t1),
+                                 Seconds(t1, first), t, trainer_sent, engines_sent, cpu,
+                                 ok ? "ok" : "WRONG");
     std::cout.flush();
     if (!ok) {
       std::cerr << "fanout_bench: version " << version
@@ -248,6 +296,7 @@ int main(int argc, char** argv) {
       first_engines = engines_sent;
     } else if (i > warmup || versions <= warmup) {
       t_last.push_back(t);
+      cpu_versions.push_back(cpu);
       trainer_models.push_back(trainer_sent);
       engine_models.push_back(engines_sent);
     }
@@ -257,15 +306,17 @@ int main(int argc, char** argv) {
   for (double t : t_last) times.push_back(absl::StrFormat("%.6f", t));
   std::cout << absl::StrFormat(
       "K=%d: T(K) median of versions %d-%d %.3f s (first version %.3f s); trainer sent %.3f "
-      "models per version, engines %.3f; every engine's bytes checked after Apply\n",
+      "models per version, engines %.3f; the %d daemons used %.2f CPU s per version (median); "
+      "every engine's bytes checked after Apply\n",
       k, versions <= warmup ? 2 : warmup + 1, versions, Median(t_last), first_t,
-      Median(trainer_models), Median(engine_models));
+      Median(trainer_models), Median(engine_models), k + 1, Median(cpu_versions));
   std::cout << absl::StrFormat(
       "RESULT k=%d bytes=%d versions=%d t_s=%.6f first_s=%.6f trainer_models=%.4f "
       "engines_models=%.4f first_trainer_models=%.4f first_engines_models=%.4f "
-      "trainer_mean_models=%.4f times=%s\n",
+      "trainer_mean_models=%.4f cpu_s=%.3f times=%s\n",
       k, total, versions, Median(t_last), first_t, Median(trainer_models), Median(engine_models),
-      first_trainer, first_engines, trainer_all / versions, absl::StrJoin(times, ","));
+      first_trainer, first_engines, trainer_all / versions, Median(cpu_versions),
+      absl::StrJoin(times, ","));
   for (int e = 0; e < k; ++e) (void)engines[e]->ReleaseBuffer(dst_ids[e]);
   (void)(*trainer)->ReleaseBuffer(*src_id);
   return 0;

@@ -22,6 +22,9 @@ struct InprocTransport::Node {
   common::Mutex mu;
   bool alive ABSL_GUARDED_BY(mu) = true;
   std::unordered_map<uint64_t, Region> regions ABSL_GUARDED_BY(mu);
+  // Bytes peers' gets copied out of `regions` (bytes_served): the reader does the copy here,
+  // under this lock, so it counts them for the node it reads.
+  uint64_t served ABSL_GUARDED_BY(mu) = 0;
 };
 
 struct InprocTransport::EpState {
@@ -350,15 +353,22 @@ absl::Status InprocTransport::Execute(const Op& op) {
   if (op.spans) {
     for (const Span& s : *op.spans) {
       std::memcpy(op.local + s.local_offset, remote + s.remote_offset, s.length);
+      peer.served += s.length;
     }
   } else if (op.length != 0) {
     if (op.get) {
       std::memcpy(op.local, remote, op.length);
+      peer.served += op.length;
     } else {
       std::memcpy(remote, op.local, op.length);
     }
   }
   return absl::OkStatus();
+}
+
+uint64_t InprocTransport::bytes_served() const {
+  common::MutexLock lock(node_->mu);
+  return node_->served;
 }
 
 size_t InprocTransport::Poll(std::vector<Completion>* out) {

@@ -51,6 +51,8 @@ class InprocTransport final : public Transport {
   absl::StatusOr<std::unique_ptr<Endpoint>> Connect(std::string_view peer_address) override;
   size_t Poll(std::vector<Completion>* out) override;
   uint64_t outstanding() const override { return queue_.size(); }
+  // What peers' gets copied out of this transport's memory (they copy it, on their threads).
+  uint64_t bytes_served() const override;
 
   // Fault injection. `endpoint` must have been created by this transport.
   void FailEndpoint(Endpoint& endpoint);

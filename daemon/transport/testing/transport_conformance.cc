@@ -123,6 +123,22 @@ TEST_CASE("get copies remote bytes exactly, many ops in flight", "[transport][co
   CHECK(p.endpoint->status().ok());
 }
 
+TEST_CASE("the target counts the bytes a peer's gets read from it", "[transport][conformance]") {
+  // Memory registered by its owner is never mapped by a peer: every backend serves these reads
+  // itself (a data plane judges how fast a relay moves bytes by this count).
+  const uint64_t size = 3 * kMiB + 7;
+  Pair p(size);
+  const uint64_t a_served = p.a->bytes_served();
+  const uint64_t b_served = p.b->bytes_served();
+  absl::Status s = Transfer(true, *p.a, {p.b.get()}, *p.endpoint, *p.a_memory, 0, *p.remote, 0,
+                            size, 256 * 1024, 8);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  Settle({p.a.get(), p.b.get()});  // a backend may count a reply once its send completes
+  CHECK(p.b->bytes_served() - b_served == size);
+  CHECK(p.a->bytes_served() == a_served);  // the reader served nothing
+}
+
 TEST_CASE("PostGetSpans moves many short ranges as one op", "[transport][conformance]") {
   Pair p(4 * kMiB, 11);
   CheckColumnSpans(*p.a, {p.b.get()}, *p.endpoint, *p.a_memory, p.a_buffer, *p.remote, 11);

@@ -101,9 +101,9 @@ void WarnThrottled(uint64_t* count, const std::string& what) {
   }
 }
 
-void ServeDone(void* request, ucs_status_t /*status*/, void* user_data) {
+void ServeDone(void* request, ucs_status_t status, void* user_data) {
   auto* serve = static_cast<UcxTransport::Serve*>(user_data);
-  serve->owner->OnServeDone(serve);
+  serve->owner->OnServeDone(serve, status);
   ucp_request_free(request);
 }
 
@@ -376,6 +376,7 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
       if (serve->mem == nullptr) status = UCS_ERR_INVALID_PARAM;
     }
     lock.unlock();
+    if (status == UCS_OK) serve->bytes = total;
     if (status == UCS_OK && owned) {
       // Memory UCX allocated: the registration (serve->mem) keeps the bytes, so UCX may send
       // straight from them however long the reply takes.
@@ -416,6 +417,7 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
     serve->iov.clear();
     serve->packed.clear();
     serve->mem.reset();
+    serve->bytes = 0;
     sent = SendReply(param->reply_ep, serve.get(), request.id, UCS_ERR_BUSY);
   }
   if (UCS_PTR_IS_ERR(sent)) {
@@ -423,7 +425,9 @@ ucs_status_t UcxTransport::OnGatherRequest(const void* header, size_t header_len
     Logger("transport")
         ->debug("gather reply not sent: {}", ucs_status_string(UCS_PTR_STATUS(sent)));
   } else if (sent != nullptr) {
-    serves_.insert(serve.release());  // ServeDone frees it
+    serves_.insert(serve.release());  // ServeDone frees it (and counts its bytes)
+  } else {
+    bytes_served_ += serve->bytes;  // sent already
   }
   return UCS_OK;
 }
@@ -481,7 +485,10 @@ uint64_t UcxTransport::NextGatherId() {
   }
 }
 
-void UcxTransport::OnServeDone(Serve* serve) {
+void UcxTransport::OnServeDone(Serve* serve, ucs_status_t status) {
+  // Counted as the reply goes rather than as the request arrives: readers ask for many MiB at
+  // once, and a rate taken from the requests would show a burst where the link is slow.
+  if (status == UCS_OK) bytes_served_ += serve->bytes;
   serves_.erase(serve);
   delete serve;
 }

@@ -99,6 +99,7 @@ struct UcxTransport::Serve {
   std::vector<uint8_t> packed;
   std::vector<ucp_dt_iov_t> iov;
   std::string header;
+  uint64_t bytes = 0;  // the data it carries (bytes_served once sent; 0 for a refusal)
 };
 
 // This transport's registered memory, by address, and the grants on it: what a peer's gather

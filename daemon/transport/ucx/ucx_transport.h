@@ -174,6 +174,9 @@ class UcxTransport final : public Transport {
   size_t Poll(std::vector<Completion>* out) override;
   uint64_t outstanding() const override { return outstanding_; }
   uint64_t activity() const override { return activity_; }
+  // The data of the gather replies it has sent (counted as each send completes); gets of peers
+  // that mapped its memory, and hardware gets (Options::rma), are not seen here.
+  uint64_t bytes_served() const override { return bytes_served_; }
   bool PrepareToSleep() override;
   Armed ArmWhileBusy() override;
   int WakeFd() const override { return wake_fd_; }
@@ -208,7 +211,7 @@ class UcxTransport final : public Transport {
   void OnUnknownAm();
   ucs_status_t OnGatherReply(const void* header, size_t header_length, const void* data,
                              size_t length, const ucp_am_recv_param_t* param);
-  void OnServeDone(Serve* serve);
+  void OnServeDone(Serve* serve, ucs_status_t status);
   void OnOutgoingDone(Outgoing* outgoing, ucs_status_t status);
   static void DeleteOutgoing(Outgoing* outgoing);
 
@@ -319,6 +322,7 @@ class UcxTransport final : public Transport {
   std::unordered_set<Outgoing*> outgoings_;  // requests UCX is still sending
   uint64_t gathers_sent_ = 0;
   uint64_t gathers_served_ = 0;
+  uint64_t bytes_served_ = 0;  // bytes_served(): data of the gather replies sent
   uint64_t gathers_refused_ = 0;
   uint64_t gathers_dropped_ = 0;
   uint64_t replies_dropped_ = 0;
