@@ -203,7 +203,7 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
   }
   // Per chunk: the bytes its steps changed, then its part of the change list.
   const bool gather = whole_chunks && chunk_bytes % 8 == 0;
-  std::vector<ChangeRuns> changed_in(num_chunks);
+  std::vector<ChangeRuns> changed_in(gather ? num_chunks : 0);
   std::vector<ChangeList> parts(gather ? num_chunks : 0);
   std::atomic<uint64_t> next{0};
   std::mutex mu;
@@ -224,6 +224,8 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
     std::vector<uint8_t> bounce;
     for (uint64_t c = next++; c < num_chunks; c = next++) {
       const uint64_t lo = c * chunk_bytes, hi = std::min(fetch.bytes, lo + chunk_bytes);
+      // Where the chunk's steps report what they changed: only when a change list is gathered.
+      ChangeRuns* record = gather ? &changed_in[c] : nullptr;
       if (bounce_chunks && !work[c].empty()) {
         bounce.resize(hi - lo);
         std::memcpy(bounce.data(), base->data() + lo, hi - lo);
@@ -234,7 +236,7 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
           }
           absl::Status status =
               delta::ApplyChunkTo(step->index, chunk, step->slot->data() + info.encoded_offset,
-                                  info.encoded_size, bounce.data(), bounce.size(), &changed_in[c]);
+                                  info.encoded_size, bounce.data(), bounce.size(), record);
           if (!status.ok()) return fail(std::move(status));
         }
         if (gather) {
@@ -262,9 +264,9 @@ absl::StatusOr<std::shared_ptr<Region>> Build(const PullJob::Fetch& fetch,
         absl::Status status =
             whole_chunks
                 ? delta::ApplyChunk(step->index, chunk, payload, info.encoded_size, slot->data(),
-                                    slot->size(), &changed_in[c])
+                                    slot->size(), record)
                 : delta::ApplyChunkWithin(step->index, chunk, payload, info.encoded_size,
-                                          fetch.ranges, slot->data(), slot->size(), &changed_in[c]);
+                                          fetch.ranges, slot->data(), slot->size(), record);
         if (!status.ok()) return fail(std::move(status));
       }
       if (gather && !work[c].empty()) {
