@@ -7,7 +7,7 @@ namespace refit::server {
 
 using Clock = std::chrono::steady_clock;
 
-Leases::Leases(Store* store, std::shared_ptr<Owners> owners, Metrics* metrics,
+Leases::Leases(BufferRegistry* store, std::shared_ptr<Owners> owners, Metrics* metrics,
                std::chrono::milliseconds length)
     : store_(store), owners_(std::move(owners)), metrics_(metrics), length_(length) {
   metrics_->Declare(kOwnerExitReleases);

@@ -20,7 +20,7 @@
 #include "daemon/common/mutex.h"
 #include "daemon/server/owners.h"
 #include "daemon/server/server_metrics.h"
-#include "daemon/store/store.h"
+#include "daemon/store/buffer_registry.h"
 
 namespace refit::server {
 
@@ -30,7 +30,7 @@ inline constexpr std::chrono::milliseconds kClientLease{10000};
 class Leases {
  public:
   // Not owned: `store` and `metrics` outlive this.
-  Leases(Store* store, std::shared_ptr<Owners> owners, Metrics* metrics,
+  Leases(BufferRegistry* store, std::shared_ptr<Owners> owners, Metrics* metrics,
          std::chrono::milliseconds length);
   ~Leases();  // stops the thread; leases left are not released
   Leases(const Leases&) = delete;
@@ -51,7 +51,7 @@ class Leases {
   };
   void Run();
 
-  Store* const store_;
+  BufferRegistry* const store_;
   const std::shared_ptr<Owners> owners_;
   Metrics* const metrics_;
   const std::chrono::milliseconds length_;

@@ -10,14 +10,14 @@
 #include "daemon/callers/local_listener.h"
 #include "daemon/server/owners.h"
 #include "daemon/server/server_metrics.h"
-#include "daemon/store/store.h"
+#include "daemon/store/buffer_registry.h"
 
 namespace refit::server {
 
 class OwnerExit final : public callers::ClientExitListener {
  public:
   // Not owned: `store` and `metrics` outlive this.
-  OwnerExit(Store* store, std::shared_ptr<Owners> owners, Metrics* metrics)
+  OwnerExit(BufferRegistry* store, std::shared_ptr<Owners> owners, Metrics* metrics)
       : store_(store), owners_(std::move(owners)), metrics_(metrics) {
     metrics_->Declare(kOwnerExitReleases);
   }
@@ -25,7 +25,7 @@ class OwnerExit final : public callers::ClientExitListener {
   void OnClientExit(const callers::Caller& caller) override;
 
  private:
-  Store* const store_;
+  BufferRegistry* const store_;
   const std::shared_ptr<Owners> owners_;
   Metrics* const metrics_;
 };

@@ -22,7 +22,7 @@
 #include "daemon/server/owners.h"
 #include "daemon/server/server_metrics.h"
 #include "daemon/state/version_ledger.h"
-#include "daemon/store/store.h"
+#include "daemon/store/client_store.h"
 #include "proto/refit/v1/refit.grpc.pb.h"
 
 namespace refit::server {
@@ -54,8 +54,8 @@ class NodeView {
 
 struct ServiceContext {
   std::string node;
-  Store* store = nullptr;      // not owned
-  Metrics* metrics = nullptr;  // not owned
+  ClientStore* store = nullptr;  // not owned
+  Metrics* metrics = nullptr;    // not owned
   // The local caller this instance serves (daemon/callers routes each connection to the
   // instance of its uid); empty: no checks (in-process use).
   std::optional<callers::Caller> caller;

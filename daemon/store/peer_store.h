@@ -18,8 +18,8 @@ namespace refit {
 
 class PeerStore : public LocalSnapshots,
                   public RemoteSources,
-                  public VersionHolds,
-                  public ModelCatalog,
+                  public virtual VersionHolds,
+                  public virtual ModelCatalog,
                   public PullLanding {
  public:
   ~PeerStore() override = default;

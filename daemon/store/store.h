@@ -42,6 +42,7 @@
 #include "daemon/memory/region.h"
 #include "daemon/memory/slot_pool.h"
 #include "daemon/store/checksum_hints.h"
+#include "daemon/store/client_store.h"
 #include "daemon/store/delta_base_mode.h"
 #include "daemon/store/peer_store.h"
 #include "daemon/store/quant_queue.h"
@@ -102,9 +103,11 @@ struct StoreOptions {
 
 // The narrow interfaces other packages are given instead of the store (issue 38): PeerStore
 // (peer_store.h: LocalSnapshots, RemoteSources, VersionHolds, ModelCatalog, PullLanding) for
-// daemon/peer and daemon/pull, VersionImports (version_imports.h) for daemon/bucket. Their
+// daemon/peer and daemon/pull, VersionImports (version_imports.h) for daemon/bucket,
+// ClientStore (client_store.h: BufferRegistry, VersionPublishing, VersionWaits, Installer,
+// FleetControl, VersionHolds, ModelCatalog) for daemon/server. Their
 // methods are documented there.
-class Store : public PeerStore, public VersionImports {
+class Store : public PeerStore, public ClientStore, public VersionImports {
  public:
   Store(StoreOptions options, Metrics* metrics);
   ~Store() override;
@@ -113,7 +116,7 @@ class Store : public PeerStore, public VersionImports {
 
   // --max-slot-memory (0: none): RegisterBuffer's caller checks a SOURCE against it before it
   // maps the client's memory.
-  uint64_t max_slot_bytes() const { return options_.max_slot_bytes; }
+  uint64_t max_slot_bytes() const override { return options_.max_slot_bytes; }
 
   // Lends the store `region` holding `slices` of `model`'s tensors. Slices are normalized and
   // validated against the region and against the model's other buffers (INVALID_ARGUMENT).
@@ -126,13 +129,13 @@ class Store : public PeerStore, public VersionImports {
                                              std::unique_ptr<Region> region,
                                              std::vector<TensorSlice> slices,
                                              const std::string& client,
-                                             const std::string& owner = "");
+                                             const std::string& owner = "") override;
 
   // Stops using a buffer. In-flight Publish/Apply calls on it finish first (they hold it).
   // Releasing a SOURCE buffer abandons the versions in flight that other sources published but
   // it did not (they can't be whole); its published versions stay. `why` says why it goes
   // (e.g. "its process exited"), for logs and the abandoned version's message.
-  absl::Status ReleaseBuffer(const std::string& buffer_id, const std::string& why = "");
+  absl::Status ReleaseBuffer(const std::string& buffer_id, const std::string& why = "") override;
 
   // Snapshots the listed SOURCE buffers as `version` of `model`. `run`: the trainer's run
   // (empty: the model's current one); another run than the current one starts it here
@@ -140,7 +143,7 @@ class Store : public PeerStore, public VersionImports {
   // the model left before.
   absl::StatusOr<PublishResult> Publish(const std::string& model, uint64_t version,
                                         const std::vector<std::string>& buffer_ids,
-                                        const std::string& run = "");
+                                        const std::string& run = "") override;
 
   // ---- Runs and rollback (store_versions.cc) ----
   // The model's current run ("" when none was named) (LocalSnapshots).
@@ -148,15 +151,15 @@ class Store : public PeerStore, public VersionImports {
   // Seeds the model's current run and the runs it left (refitd: from --state-dir at the
   // model's first Publish) without letting anything go.
   void SeedRun(const std::string& model, const std::string& run,
-               const std::vector<std::string>& past_runs);
+               const std::vector<std::string>& past_runs) override;
   // Holds `model` back to `version` here (VersionHolds: version_holds.h).
   absl::StatusOr<uint64_t> Rollback(const std::string& model, uint64_t version) override;
   // What Rollback would answer, changing nothing: OK when `version` is retained here.
-  absl::Status CheckRollback(const std::string& model, uint64_t version) const;
+  absl::Status CheckRollback(const std::string& model, uint64_t version) const override;
   // The other nodes with SOURCE buffers of `model` (where a Rollback asked here is forwarded).
-  std::vector<std::string> SourceNodes(const std::string& model) const;
+  std::vector<std::string> SourceNodes(const std::string& model) const override;
   // Waits until the model's hold is `version` (0: none), up to `deadline`; false past it.
-  bool WaitForHold(const std::string& model, uint64_t version, Clock::time_point deadline);
+  bool WaitForHold(const std::string& model, uint64_t version, Clock::time_point deadline) override;
   // Ends the hold (VersionHolds).
   absl::Status Resume(const std::string& model) override;
   // The version `model` is held back to here; 0: none (VersionHolds).
@@ -172,16 +175,17 @@ class Store : public PeerStore, public VersionImports {
   // or the model is held back to another version than `applied` (non-zero); returns it.
   absl::StatusOr<VersionTarget> WaitForTarget(const std::string& model, uint64_t min_version,
                                               const std::string& run, Clock::time_point deadline,
-                                              const CancelledFn& cancelled, uint64_t applied = 0);
+                                              const CancelledFn& cancelled,
+                                              uint64_t applied = 0) override;
   // Watch: where a watch of `model` starts. after_version 0: live events only (a hold in force
   // is delivered first); otherwise the retained complete versions of the current run newer than
   // after_version are replayed first.
-  uint64_t WatchCursor(const std::string& model, uint64_t after_version) const;
+  uint64_t WatchCursor(const std::string& model, uint64_t after_version) const override;
   // Blocks until events after `*cursor` exist, returns them and moves the cursor past them.
   absl::StatusOr<std::vector<VersionTarget>> WaitForEvents(const std::string& model,
                                                            uint64_t* cursor,
                                                            Clock::time_point deadline,
-                                                           const CancelledFn& cancelled);
+                                                           const CancelledFn& cancelled) override;
 
   // Blocks until a version >= min_version of `model` is complete, then returns the newest.
   // DEADLINE_EXCEEDED past `deadline`; CANCELLED when `cancelled()`; UNAVAILABLE at Shutdown.
@@ -190,12 +194,12 @@ class Store : public PeerStore, public VersionImports {
 
   // Writes `version` (0: newest complete) into the listed DESTINATION buffers.
   absl::StatusOr<ApplyResult> Apply(const std::string& model, uint64_t version,
-                                    const std::vector<std::string>& buffer_ids);
+                                    const std::vector<std::string>& buffer_ids) override;
 
   // Verified install, after the fact: compares the bytes of each DESTINATION buffer of `model`
   // with the version its last Apply installed (what that Apply would write now). DATA_LOSS
   // naming the buffers and tensors that differ; NOT_FOUND for an unknown model.
-  absl::StatusOr<std::vector<VerifyResult>> Verify(const std::string& model);
+  absl::StatusOr<std::vector<VerifyResult>> Verify(const std::string& model) override;
 
   // Blocks until versions newer than `after_version` have completed, and returns them in
   // order (versions completed before the call are included while they are still remembered).
@@ -206,7 +210,7 @@ class Store : public PeerStore, public VersionImports {
                                                            const CancelledFn& cancelled);
 
   // Newest complete version of `model`, 0 if none (or no such model).
-  uint64_t LatestVersion(const std::string& model) const;
+  uint64_t LatestVersion(const std::string& model) const override;
 
   // Every model this node knows (ModelCatalog).
   std::vector<ModelInfo> Models() const override;
@@ -215,7 +219,7 @@ class Store : public PeerStore, public VersionImports {
   // sources for it stays, so their next versions are taken again). FAILED_PRECONDITION naming
   // the buffers while any buffer of it is registered here; NOT_FOUND for a model this node
   // does not know.
-  absl::StatusOr<DropResult> DropModel(const std::string& model);
+  absl::StatusOr<DropResult> DropModel(const std::string& model) override;
 
   // Every model this node knows (for messages about a name it does not).
   std::vector<std::string> ModelNames() const;
