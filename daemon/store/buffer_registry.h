@@ -11,8 +11,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "daemon/store/store_types.h"
 #include "daemon/memory/region.h"
+#include "daemon/store/store_types.h"
 
 namespace refit {
 

@@ -47,6 +47,8 @@ bool RangesCover(const ByteRanges& valid, const plan::CopyOp& op) {
   return true;
 }
 
+bool Store::HasRemoteSources(const Model& model) const { return remotes_.HasSources(model.name); }
+
 void Store::NoteLocalReady(Model& model) {
   if (model.sources.empty()) return;
   uint64_t newest = 0;
@@ -83,15 +85,7 @@ void Store::NoteLocalReady(Model& model) {
 
 void Store::TryCompleteWithRemotes(Model& model) {
   if (model.pulling != 0) return;  // one pull per model at a time; the newest goes next
-  uint64_t candidate = 0;
-  for (const auto& [node, remote] : model.remotes) {
-    if (remote.sources.empty()) continue;
-    if (remote.announced == 0) return;
-    if (candidate != 0 && remote.announced != candidate) return;  // wait for the laggard
-    // A node still on a run the model left: wait for it to announce the current run.
-    if (!remote.trainer_run.empty() && remote.trainer_run != model.run) return;
-    candidate = remote.announced;
-  }
+  const uint64_t candidate = remotes_.Agreed(model.name, model.run);
   if (candidate <= model.latest || candidate <= model.failed) return;
   std::vector<Piece> pieces;
   if (!model.sources.empty()) {
@@ -102,7 +96,8 @@ void Store::TryCompleteWithRemotes(Model& model) {
     }
     for (const auto& [id, piece] : it->second) pieces.push_back(piece);
   }
-  for (const auto& [node, remote] : model.remotes) {
+  const RemoteView::Nodes remotes = remotes_.Of(model.name);
+  for (const auto& [node, remote] : remotes) {
     for (const SourceLayout& layout : remote.sources) {
       Piece piece;
       piece.node = node;
@@ -174,7 +169,7 @@ void Store::TryCompleteWithRemotes(Model& model) {
   for (size_t i = 0; i < pieces.size(); ++i) {
     if (pieces[i].node.empty() || pieces[i].slot) continue;
     MergeRanges(&needed[i]);
-    const auto& layout = model.remotes.at(pieces[i].node).sources;
+    const auto& layout = remotes.at(pieces[i].node).sources;
     uint64_t bytes = 0;
     for (const SourceLayout& l : layout) {
       if (l.buffer_id == pieces[i].buffer_id) bytes = l.bytes;
@@ -213,8 +208,7 @@ void Store::TryCompleteWithRemotes(Model& model) {
 }
 
 void Store::OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fetch) const {
-  const Model::RemoteNode& remote = model.remotes.at(fetch->node);
-  if (remote.deltas.empty() || model.latest == 0) return;
+  if (model.latest == 0) return;
   auto held = model.complete.find(model.latest);
   if (held == model.complete.end()) return;
   // Deltas chain versions of one run; numbers of another run name other bytes.
@@ -239,23 +233,9 @@ void Store::OfferDelta(const Model& model, uint64_t version, PullJob::Fetch* fet
     }
   }
   // A chain of deltas from that version to `version`.
-  std::vector<RemoteDeltaRef> chain;
-  uint64_t at = model.latest;
-  while (at < version) {
-    const RemoteDeltaRef* next = nullptr;
-    for (const RemoteDeltaRef& d : remote.deltas) {
-      // Each step moves forward: a peer's delta from a version to itself (or back) would
-      // otherwise chain forever here, under the store's lock.
-      if (d.buffer_id == fetch->buffer_id && d.base_version == at && d.version > at &&
-          d.version <= version) {
-        next = &d;
-      }
-    }
-    if (!next) return;  // more versions behind than the sender keeps deltas for
-    chain.push_back(*next);
-    at = next->version;
-  }
-  if (at != version) return;
+  std::vector<RemoteDeltaRef> chain =
+      remotes_.DeltaChain(model.name, fetch->node, fetch->buffer_id, model.latest, version);
+  if (chain.empty()) return;
   fetch->destination_base = base->released;
   fetch->base = base->slot;
   fetch->base_version = model.latest;
@@ -399,21 +379,9 @@ void Store::ImportVersion(const std::string& node, const std::string& model_name
     model->name = model_name;
     SeedHold(*model);
   }
-  auto& remote = model->remotes[node];
-  bool same_layout = remote.sources.size() == layouts.size();
-  for (size_t i = 0; same_layout && i < layouts.size(); ++i) {
-    same_layout = remote.sources[i].buffer_id == layouts[i].buffer_id &&
-                  remote.sources[i].bytes == layouts[i].bytes;
+  if (!remotes_.Import(model_name, node, version, std::move(layouts), std::move(slots))) {
+    model->plans.clear();
   }
-  if (!same_layout) model->plans.clear();
-  remote.imported.clear();
-  for (size_t i = 0; i < layouts.size() && i < slots.size(); ++i) {
-    remote.imported[layouts[i].buffer_id] = slots[i];
-  }
-  remote.sources = std::move(layouts);
-  remote.pieces.clear();
-  remote.deltas.clear();
-  remote.announced = version;
   RecheckDestinations(*model);
   UpdateBudget(*model);
   TryComplete(*model);
@@ -426,7 +394,7 @@ void Store::ReserveStaging(const std::string& model_name) {
     Model* model = FindModel(model_name);
     if (!model || model->destinations.empty()) return;
     std::string key;
-    for (const auto& [node, remote] : model->remotes) {
+    for (const auto& [node, remote] : remotes_.Of(model_name)) {
       for (const SourceLayout& l : remote.sources) {
         if (remote.imported.count(l.buffer_id)) continue;  // a bucket hands over its own slots
         // Reserved ahead only for what the layout's slices can fill: a peer's layout may claim
@@ -467,8 +435,7 @@ void Store::SetRemoteSources(const std::string& node, const std::string& model_n
     model->name = model_name;
     SeedHold(*model);
   }
-  auto& remote = model->remotes[node];
-  remote.sources = std::move(sources);
+  remotes_.SetSources(model_name, node, std::move(sources));
   model->plans.clear();
   RecheckDestinations(*model);
   UpdateBudget(*model);
@@ -483,7 +450,6 @@ void Store::AnnounceRemoteVersion(const std::string& node, const std::string& mo
   common::MutexLock lock(mu_);
   Model* model = FindModel(model_name);
   if (!model) return;
-  auto& remote = model->remotes[node];
   if (!trainer_run.empty() && trainer_run != model->run &&
       std::find(model->past_runs.begin(), model->past_runs.end(), trainer_run) ==
           model->past_runs.end()) {
@@ -491,8 +457,9 @@ void Store::AnnounceRemoteVersion(const std::string& node, const std::string& mo
     // version held here.
     StartRun(*model, trainer_run, absl::StrCat("node ", node, " announced it"));
   }
-  remote.trainer_run = trainer_run;
-  if (remote.announced == 0 && version >= model->failed) model->failed = 0;  // a fresh start
+  const uint64_t before = remotes_.Announce(model_name, node, version, std::move(pieces),
+                                            std::move(deltas), run, trainer_run);
+  if (before == 0 && version >= model->failed) model->failed = 0;  // a fresh start
   // A number this node already has from another run of that node: the numbers were reused
   // (its refitd restarted without --state-dir, or its model was dropped). Never silently.
   auto held_run = model->latest_runs.find(node);
@@ -513,23 +480,11 @@ void Store::AnnounceRemoteVersion(const std::string& node, const std::string& mo
     Logger("store")->warn("model={} version={} skipped: {}", model_name, version,
                           model->skipped_reason);
   }
-  remote.run = run;
-  remote.announced = version;
-  remote.pieces = std::move(pieces);
-  remote.deltas = std::move(deltas);
   TryComplete(*model);
 }
 
 void Store::ForgetRemoteVersions(const std::string& node) {
-  common::MutexLock lock(mu_);
-  for (auto& [name, model] : models_) {
-    auto it = model->remotes.find(node);
-    if (it != model->remotes.end()) {
-      it->second.announced = 0;
-      it->second.pieces.clear();
-      it->second.deltas.clear();
-    }
-  }
+  remotes_.Forget(node);  // the view's lock alone
 }
 
 void Store::NoteChecksumRanges(const std::string& buffer_id, uint64_t piece_bytes,

@@ -52,7 +52,8 @@ const SourceIndex& Store::SourcesOf(const Model& model) const {
   bool same = index.valid();
   size_t at = 0;
   const auto& remote = index.remote();
-  for (auto it = model.remotes.begin(); same && it != model.remotes.end(); ++it) {
+  const RemoteView::Nodes remotes = remotes_.Of(model.name);
+  for (auto it = remotes.begin(); same && it != remotes.end(); ++it) {
     for (const SourceLayout& layout : it->second.sources) {
       same = same && at < remote.size() && remote[at] == layout.slices;
       ++at;
@@ -64,7 +65,7 @@ const SourceIndex& Store::SourcesOf(const Model& model) const {
     const Buffer& buffer = *buffers_.at(id);
     index.AddLocal(buffer.id, buffer.client, buffer.slices);
   }
-  for (const auto& [node, r] : model.remotes) {
+  for (const auto& [node, r] : remotes) {
     for (const SourceLayout& layout : r.sources)
       index.AddRemote(node, layout.buffer_id, layout.slices);
   }

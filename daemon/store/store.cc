@@ -325,7 +325,7 @@ absl::StatusOr<PublishResult> Store::Publish(const std::string& model_name, uint
 void Store::TryComplete(Model& model) {
   NoteLocalReady(model);
   if (model.finishing != 0) return;  // the quantizer calls again when it is done
-  if (model.HasRemoteSources()) {
+  if (HasRemoteSources(model)) {
     TryCompleteWithRemotes(model);
     return;
   }
@@ -375,10 +375,11 @@ void Store::PublishVersion(Model& model, std::shared_ptr<const Version> version)
   model.complete[number] = version;
   model.latest = number;
   model.latest_runs.clear();
+  const RemoteView::Nodes remotes = remotes_.Of(model.name);
   for (const Piece& piece : version->pieces) {
     if (piece.node.empty()) continue;
-    auto remote = model.remotes.find(piece.node);
-    if (remote != model.remotes.end()) model.latest_runs[piece.node] = remote->second.run;
+    auto remote = remotes.find(piece.node);
+    if (remote != remotes.end()) model.latest_runs[piece.node] = remote->second.run;
   }
   model.history.push_back(number);
   if (model.history.size() > kHistoryLength) model.history.pop_front();
@@ -500,7 +501,7 @@ absl::StatusOr<VersionTarget> Store::WaitForTarget(const std::string& model_name
       });
   if (status.code() == absl::StatusCode::kDeadlineExceeded) {
     const Model* model = FindModel(model_name);
-    if (!model || (model->sources.empty() && !model->HasRemoteSources() && latest == 0)) {
+    if (!model || (model->sources.empty() && !HasRemoteSources(*model) && latest == 0)) {
       std::vector<std::string> known;
       for (const auto& [name, m] : models_) known.push_back(name);
       return absl::DeadlineExceededError(absl::StrCat(
@@ -555,11 +556,12 @@ void Store::EraseIfEmpty(const std::string& name) {
   const Model* model = FindModel(name);
   if (!model || !model->sources.empty() || !model->destinations.empty() ||
       !model->complete.empty() || !model->pending.empty() || model->pulling != 0 ||
-      model->HasRemoteSources()) {
+      HasRemoteSources(*model)) {
     return;
   }
   Logger("store")->info("model={} forgotten: no buffers, versions or sources left", name);
   models_.erase(name);
+  remotes_.Erase(name);
   budget_.Forget(name);
   changed_.NotifyAll();
 }
@@ -590,7 +592,7 @@ absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
   DropResult result;
   for (const auto& [v, version] : model->complete) result.released_versions.push_back(v);
   counters_.versions_dropped.Add(static_cast<double>(model->complete.size()));
-  if (model->HasRemoteSources()) {
+  if (HasRemoteSources(*model)) {
     // Other nodes still have sources: keep what they told, forget every version. Their next
     // announcement (or the one they made) completes here again for an engine that registers.
     model->complete.clear();
@@ -609,6 +611,7 @@ absl::StatusOr<DropResult> Store::DropModel(const std::string& name) {
     model->events.clear();
   } else {
     models_.erase(name);
+    remotes_.Erase(name);
     budget_.Forget(name);
   }
   Logger("store")->info("model={} dropped: {} version(s) released", name,

@@ -46,6 +46,7 @@
 #include "daemon/store/delta_base_mode.h"
 #include "daemon/store/peer_store.h"
 #include "daemon/store/quant_queue.h"
+#include "daemon/store/remote_view.h"
 #include "daemon/store/slot_budget.h"
 #include "daemon/store/store_metrics.h"
 #include "daemon/store/store_types.h"
@@ -333,6 +334,8 @@ class Store : public PeerStore, public ClientStore, public VersionImports {
   // Drops `model` from models_ when nothing is left of it: no buffers, versions, pulls or other
   // nodes' sources.
   void EraseIfEmpty(const std::string& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether another node has SOURCE buffers of the model (remotes_).
+  bool HasRemoteSources(const Model& model) const;
   absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> LookUpBuffers(
       const std::string& model, Role role, const std::vector<std::string>& ids) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -515,6 +518,8 @@ class Store : public PeerStore, public ClientStore, public VersionImports {
   const Counters counters_;
   // The slot pools and each model's budget (slot_budget.h; its own lock, taken after mu_).
   SlotBudget budget_;
+  // What other nodes told of each model (remote_view.h; its own lock, taken after mu_ or alone).
+  RemoteView remotes_;
 
   mutable common::Mutex mu_;
   common::CondVar changed_;  // a version completed, or Shutdown

@@ -122,7 +122,10 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
     }
   }
   if (!consistent.ok()) {
-    if (created) models_.erase(model_name);
+    if (created) {
+      models_.erase(model_name);
+      remotes_.Erase(model_name);
+    }
     return consistent;
   }
   // A random part makes ids unguessable: another local caller can't name a buffer it wasn't
@@ -155,7 +158,7 @@ absl::StatusOr<std::string> Store::RegisterBuffer(const std::string& model_name,
   Logger("store")->info("model={} buffer={} registered: {} {} tensors, {} client={}", model_name,
                         buffer->id, RoleName(role), buffer->slices.size(),
                         buffer->region->Describe(), client);
-  if (role == Role::kDestination && model->HasRemoteSources()) {
+  if (role == Role::kDestination && HasRemoteSources(*model)) {
     TryComplete(*model);  // an engine that just arrived wants the newest announced version
   }
   const std::string id = buffer->id;

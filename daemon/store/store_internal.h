@@ -143,20 +143,8 @@ struct Store::Model {
   // their derived slots, handed to the version when it completes.
   std::map<uint64_t, std::shared_ptr<QuantCache>> early_quant;
 
-  // Several nodes.
-  struct RemoteNode {
-    std::vector<SourceLayout> sources;
-    std::string run;          // the run (daemon instance) that announced `announced`
-    std::string trainer_run;  // the trainer's run of `announced` (PeerEvent.trainer_run)
-    uint64_t hold = 0;        // the rollback target it announced last (PeerEvent.rollback_version)
-    uint64_t announced = 0;   // newest version all its sources published; 0: none known
-    std::vector<RemotePieceRef> pieces;
-    std::vector<RemoteDeltaRef> deltas;
-    // Imported whole (ImportVersion): the slots of version `announced`, by buffer id.
-    std::map<std::string, std::shared_ptr<Region>> imported;
-  };
-  std::map<std::string, RemoteNode> remotes;  // by node name
-  uint64_t local_ready = 0;                   // newest version all local sources published
+  // Several nodes (what they told of the model: Store::remotes_, remote_view.h).
+  uint64_t local_ready = 0;  // newest version all local sources published
   std::map<uint64_t, std::shared_ptr<const LocalSnapshot>> snapshots;  // for other nodes
   uint64_t pulling = 0;               // version being pulled; 0: none
   std::vector<Piece> pulling_pieces;  // its pieces, remote ones not yet staged
@@ -184,13 +172,6 @@ struct Store::Model {
     VersionTarget target;
   };
   std::deque<Event> events;  // what Watch delivers, oldest first (bounded)
-
-  bool HasRemoteSources() const {
-    for (const auto& [node, remote] : remotes) {
-      if (!remote.sources.empty()) return true;
-    }
-    return false;
-  }
 };
 
 }  // namespace refit

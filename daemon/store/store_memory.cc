@@ -21,7 +21,7 @@ uint64_t Store::ShareOf(const Model& model, uint64_t more_source, bool destinati
   // Other nodes' pieces are staged here (whole, even when only some ranges are needed) when
   // this node has destinations for them, or were imported whole.
   const bool staged = destination || !model.destinations.empty();
-  for (const auto& [node, remote] : model.remotes) {
+  for (const auto& [node, remote] : remotes_.Of(model.name)) {
     for (const SourceLayout& l : remote.sources) {
       if (staged || remote.imported.count(l.buffer_id)) share += l.bytes;
     }

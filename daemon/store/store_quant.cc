@@ -285,7 +285,7 @@ absl::StatusOr<std::vector<std::shared_ptr<Region>>> Store::QuantizedSlots(const
 }
 
 void Store::QuantizeEarly(Model& model, uint64_t number) {
-  if (!model.HasScales() || model.HasRemoteSources()) return;
+  if (!model.HasScales() || HasRemoteSources(model)) return;
   auto pending = model.pending.find(number);
   if (pending == model.pending.end()) return;
   std::vector<std::string> ids;
@@ -317,7 +317,7 @@ void Store::QuantizeEarly(Model& model, uint64_t number) {
 bool Store::QuantizesWhilePulling(const std::string& model_name) const {
   common::MutexLock lock(mu_);
   const Model* model = FindModel(model_name);
-  return model && model->HasScales() && model->HasRemoteSources();
+  return model && model->HasScales() && HasRemoteSources(*model);
 }
 
 bool Store::QuantizeLanded(const PullJob& job, const std::vector<std::shared_ptr<Region>>& staging,

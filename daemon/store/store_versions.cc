@@ -139,14 +139,7 @@ absl::Status Store::RetainedForRollback(const Model& model, uint64_t version) co
 }
 
 std::vector<std::string> Store::SourceNodes(const std::string& model_name) const {
-  common::MutexLock lock(mu_);
-  std::vector<std::string> out;
-  const Model* model = FindModel(model_name);
-  if (!model) return out;
-  for (const auto& [node, remote] : model->remotes) {
-    if (!remote.sources.empty()) out.push_back(node);
-  }
-  return out;
+  return remotes_.SourceNodes(model_name);  // the view's lock alone
 }
 
 bool Store::WaitForHold(const std::string& model_name, uint64_t version,
@@ -214,9 +207,7 @@ void Store::FollowHold(const std::string& node, const std::string& model_name, u
     common::MutexLock lock(mu_);
     Model* model = FindModel(model_name);
     if (!model) return;
-    auto remote = model->remotes.find(node);
-    if (remote == model->remotes.end() || remote->second.hold == version) return;
-    remote->second.hold = version;
+    if (!remotes_.SetHold(model_name, node, version)) return;
     if (model->destinations.empty() && model->sources.empty()) return;
   }
   if (version == 0) {

@@ -26,10 +26,9 @@ class VersionWaits {
   // Where a Watch of `model` starts (0: live events only).
   virtual uint64_t WatchCursor(const std::string& model, uint64_t after_version) const = 0;
   // Blocks until events after `*cursor` exist, returns them and moves the cursor past them.
-  virtual absl::StatusOr<std::vector<VersionTarget>> WaitForEvents(const std::string& model,
-                                                                   uint64_t* cursor,
-                                                                   Clock::time_point deadline,
-                                                                   const CancelledFn& cancelled) = 0;
+  virtual absl::StatusOr<std::vector<VersionTarget>> WaitForEvents(
+      const std::string& model, uint64_t* cursor, Clock::time_point deadline,
+      const CancelledFn& cancelled) = 0;
   // Newest complete version of `model`, 0 if none (or no such model).
   virtual uint64_t LatestVersion(const std::string& model) const = 0;
 };
