@@ -103,8 +103,8 @@ inline void CopyBytes(uint8_t* to, const uint8_t* from, uint64_t n) {
 }
 
 // True when what `w` wrote at `dst` is what the plan says (the source converted).
-inline bool Landed(const plan::CopyOp& op, const SparseWrite& w, const uint8_t* src, const uint8_t* dst,
-            std::vector<uint8_t>* scratch) {
+inline bool Landed(const plan::CopyOp& op, const SparseWrite& w, const uint8_t* src,
+                   const uint8_t* dst, std::vector<uint8_t>* scratch) {
   const uint64_t n = w.last - w.first;
   const uint64_t de = DTypeSize(op.dst_dtype);
   scratch->resize(n * de);
@@ -136,7 +136,7 @@ struct WorkItem {
 constexpr uint64_t kRowParts = 8;
 constexpr uint64_t kElemParts = 32;
 inline std::vector<WorkItem> SplitOps(const plan::Plan& plan,
-                               const std::vector<const ChangeList*>& changes) {
+                                      const std::vector<const ChangeList*>& changes) {
   std::vector<WorkItem> items;
   for (uint32_t k = 0; k < plan.ops.size(); ++k) {
     const plan::CopyOp& op = plan.ops[k];

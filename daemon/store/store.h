@@ -108,12 +108,13 @@ struct StoreOptions {
   unsigned sparse_threads = 0;
   // The same cost model for the run-list sparse Apply (GPU destinations): one changed run costs
   // about as much as a full Apply's copy of this many bytes over the bus. A run costs its
-  // collection on the host (about 20 ns of CPU on 2 cores at 0.4 % of 1 GiB: docs/architecture.md,
-  // "Sparse Apply") plus its ByteRun (24 bytes) and values (up, saved, read back: 3 x a few
-  // bytes) over the bus; a full copy moves every destination byte at about 50 GB/s (the H200's
-  // 21.7 ms per GiB from host slots), so a run costs about 1 KB of full copy; not yet measured
-  // on a GPU (gpu_bench's "sparse Apply" rows will). 0: whenever it applies.
-  uint64_t gpu_sparse_bytes_per_run = 1024;
+  // collection on the host (measured 50-90 ns of CPU per run at 0.4 % of 1 GiB, 2.1 M runs, on
+  // a loaded 2-core dev machine: sparse_apply_bench) plus its ByteRun (24 bytes) and values (up,
+  // saved, read back) over the bus; a full copy moves the destination's bytes at about 50 GB/s
+  // (the H200's 21.7 ms per GiB from host slots), so a run costs about 3.5-4.5 KB of full copy.
+  // Not yet measured on a GPU (sparse_apply_bench --destination=gpu, the GPU bundle's
+  // sparse-bench step, will). 0: whenever it applies.
+  uint64_t gpu_sparse_bytes_per_run = 4096;
   // Test seam: when set, host DESTINATION buffers take the run-list sparse Apply (GPU ones'),
   // with writers opened here instead of cuda::OpenRunWriter, so that it runs without a GPU.
   cuda::RunWriters* sparse_run_writers = nullptr;

@@ -45,12 +45,13 @@ using sparse::SplitOps;
 using sparse::SrcAt;
 using sparse::WorkItem;
 
-// One destination's writes: byte runs, their new bytes (packed in run order), the op of each
-// run (NotLanded names its tensors), and the writes checked against the base: [offset, offset +
-// bytes) of `values`, with the base's bytes there back to back in `expected`.
+// One destination's writes: byte runs, their new bytes (packed in run order), which op's runs
+// start where (the first run of each stretch of one op's runs, with the op: NotLanded names its
+// tensors), and the writes checked against the base: [offset, offset + bytes) of `values`, with
+// the base's bytes there back to back in `expected`.
 struct RunList {
   std::vector<cuda::ByteRun> runs;
-  std::vector<uint32_t> op_of;
+  std::vector<std::pair<uint64_t, uint32_t>> ops;
   std::vector<uint8_t> values;
   std::vector<std::pair<uint64_t, uint64_t>> checks;
   std::vector<uint8_t> expected;
@@ -63,8 +64,15 @@ struct RunList {
 // bytes there (what the destination must hold: else the full copy runs).
 class RunCollector {
  public:
-  RunCollector(const plan::Plan& plan, const sparse::Sources& sources, std::vector<RunList>* lists)
-      : plan_(plan), sources_(sources), lists_(*lists) {}
+  RunCollector(const plan::Plan& plan, const sparse::Sources& sources, std::vector<RunList>* lists,
+               uint64_t runs_hint)
+      : plan_(plan), sources_(sources), lists_(*lists) {
+    // Room for about the runs expected (a strided destination has more: the vectors grow).
+    for (RunList& list : lists_) {
+      list.runs.reserve(runs_hint);
+      list.values.reserve(runs_hint * 4);
+    }
+  }
 
   void Ahead(const plan::CopyOp& op, uint64_t row, uint64_t element, uint64_t run) {
     if (element >= op.count) return;
@@ -92,22 +100,29 @@ class RunCollector {
       plan::ConvertRun(sources_.src[op.src_location] + from, op.src_dtype, op.src_stride, value,
                        op.dst_dtype, 1, n);
     }
+    if (list.ops.empty() || list.ops.back().second != w.op) {
+      list.ops.emplace_back(list.runs.size(), w.op);
+    } else if (op.dst_stride == 1 && !list.runs.empty() &&
+               list.runs.back().dst_offset + list.runs.back().bytes == at &&
+               list.runs.back().value_offset + list.runs.back().bytes == value_at) {
+      list.runs.back().bytes += bytes;  // continues the previous run (the next row of a shard)
+      return Checked(op, w, list, value_at, from, n);
+    }
     if (op.dst_stride == 1) {
-      cuda::ByteRun* last = list.runs.empty() ? nullptr : &list.runs.back();
-      if (last && list.op_of.back() == w.op && last->dst_offset + last->bytes == at &&
-          last->value_offset + last->bytes == value_at) {
-        last->bytes += bytes;  // continues the previous run (the next row of a dense shard)
-      } else {
-        list.runs.push_back({at, value_at, bytes});
-        list.op_of.push_back(w.op);
-      }
+      list.runs.push_back({at, value_at, bytes});
     } else {
       const uint64_t stride = static_cast<uint64_t>(op.dst_stride) * de;
-      for (uint64_t e = 0; e < n; ++e) {
+      for (uint64_t e = 0; e < n; ++e)
         list.runs.push_back({at + e * stride, value_at + e * de, de});
-        list.op_of.push_back(w.op);
-      }
     }
+    return Checked(op, w, list, value_at, from, n);
+  }
+
+ private:
+  // Every kCheckEvery-th change run's write and each op's first: the base's bytes there kept.
+  bool Checked(const plan::CopyOp& op, const SparseWrite& w, RunList& list, uint64_t value_at,
+               uint64_t from, uint64_t n) {
+    const uint64_t bytes = n * DTypeSize(op.dst_dtype);
     if (w.run % kCheckEvery == 0 || w.op != last_op_) {
       list.checks.emplace_back(value_at, bytes);
       const uint64_t expected_at = list.expected.size();
@@ -119,7 +134,6 @@ class RunCollector {
     return true;
   }
 
- private:
   const plan::Plan& plan_;
   const sparse::Sources& sources_;
   std::vector<RunList>& lists_;
@@ -127,16 +141,12 @@ class RunCollector {
 };
 
 // Appends `part` to `into`, its offsets into the values moved past what `into` holds.
-void Append(RunList& into, RunList& part) {
-  if (into.runs.empty() && into.checks.empty()) {
-    into = std::move(part);
-    return;
-  }
+void Append(RunList& into, const RunList& part) {
   const uint64_t shift = into.values.size();
   const size_t first = into.runs.size();
   into.runs.insert(into.runs.end(), part.runs.begin(), part.runs.end());
   for (size_t r = first; r < into.runs.size(); ++r) into.runs[r].value_offset += shift;
-  into.op_of.insert(into.op_of.end(), part.op_of.begin(), part.op_of.end());
+  for (const auto& [run, op] : part.ops) into.ops.emplace_back(run + first, op);
   into.values.insert(into.values.end(), part.values.begin(), part.values.end());
   for (const auto& [at, bytes] : part.checks) into.checks.emplace_back(at + shift, bytes);
   into.expected.insert(into.expected.end(), part.expected.begin(), part.expected.end());
@@ -152,16 +162,27 @@ std::vector<RunList> CollectRuns(const plan::Plan& plan, const sparse::Sources& 
   std::atomic<size_t> next{0};
   ParallelFor(std::min<unsigned>(threads, static_cast<unsigned>(chunks)), [&](unsigned) {
     for (size_t c = next++; c < chunks; c = next++) {
-      RunCollector collector(plan, sources, &parts[c]);
+      RunCollector collector(plan, sources, &parts[c], sources.runs / chunks + 16);
       ForEachWrite(plan, sources.changes, items.data() + items.size() * c / chunks,
                    items.data() + items.size() * (c + 1) / chunks, collector);
     }
   });
+  if (chunks == 1) return std::move(parts[0]);
   std::vector<RunList> lists(dests);
   // One thread per destination would leave most idle (an engine has one or two buffers); the
   // appends are memcpy-bound and a small share of the collection.
-  for (std::vector<RunList>& part : parts) {
-    for (size_t j = 0; j < dests; ++j) Append(lists[j], part[j]);
+  for (size_t j = 0; j < dests; ++j) {
+    size_t runs = 0, values = 0;
+    for (const std::vector<RunList>& part : parts) {
+      runs += part[j].runs.size();
+      values += part[j].values.size();
+    }
+    lists[j].runs.reserve(runs);
+    lists[j].values.reserve(values);
+    for (std::vector<RunList>& part : parts) {
+      Append(lists[j], part[j]);
+      part[j] = RunList();  // freed as it goes
+    }
   }
   return lists;
 }
@@ -270,17 +291,21 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparseRuns(
     absl::Status status = writes[j].writer->ReadBack(landed.data());
     if (!status.ok()) {
       absl::Status restored = RestoreAll(writes, {});
-      return absl::StatusOr<ApplyResult>(absl::InternalError(absl::StrCat(
-          "Apply of version ", version.number, " into ", dests[j]->id,
-          ": reading back what was written: ", status.ToString(),
-          restored.ok() ? " (every destination buffer was put back as it was)" : "")));
+      return absl::StatusOr<ApplyResult>(absl::InternalError(
+          absl::StrCat("Apply of version ", version.number, " into ", dests[j]->id,
+                       ": reading back what was written: ", status.ToString(),
+                       restored.ok() ? " (every destination buffer was put back as it was)" : "")));
     }
     if (std::memcmp(landed.data(), list.values.data(), landed.size()) == 0) continue;
-    for (size_t r = 0; r < list.runs.size(); ++r) {
-      const cuda::ByteRun& run = list.runs[r];
-      if (std::memcmp(landed.data() + run.value_offset, list.values.data() + run.value_offset,
-                      run.bytes) != 0) {
-        bad.push_back(list.op_of[r]);
+    for (size_t k = 0; k < list.ops.size(); ++k) {
+      const uint64_t end = k + 1 < list.ops.size() ? list.ops[k + 1].first : list.runs.size();
+      for (uint64_t r = list.ops[k].first; r < end; ++r) {
+        const cuda::ByteRun& run = list.runs[r];
+        if (std::memcmp(landed.data() + run.value_offset, list.values.data() + run.value_offset,
+                        run.bytes) != 0) {
+          bad.push_back(list.ops[k].second);
+          break;
+        }
       }
     }
   }
