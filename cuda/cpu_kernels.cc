@@ -162,5 +162,11 @@ void ScatterRuns(uint8_t* dst, const ByteRun* runs, uint64_t n, const uint8_t* v
   }
 }
 
+void GatherRuns(uint8_t* values, const ByteRun* runs, uint64_t n, const uint8_t* src) {
+  for (uint64_t i = 0; i < n; ++i) {
+    std::memcpy(values + runs[i].value_offset, src + runs[i].dst_offset, runs[i].bytes);
+  }
+}
+
 }  // namespace cpu
 }  // namespace refit::cuda

@@ -2,6 +2,7 @@
 // random buffers and on the shared real weight versions; there, change detection must also
 // agree with the delta codec's count, and diffs scattered onto the base must give the target.
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -259,6 +260,36 @@ TEST_CASE("ScatterRuns writes each run's new bytes and nothing else", "[changes]
   CHECK((patched == target));
   cpu::ScatterRuns(patched.data(), runs.data(), 0, values.data());  // no runs: nothing
   CHECK((patched == target));
+}
+
+TEST_CASE("GatherRuns reads each run's bytes into its place and nothing else", "[changes]") {
+  for (const uint64_t seed : {4, 5}) {
+    const uint64_t n = (3 << 20) + 7;
+    const testing::ChangeRunsForTest c = testing::RandomRuns(n, seed);
+    REQUIRE(c.runs.size() > 10);
+    const Bytes src = testing::RandomBytes(n, seed + 10);
+    const Bytes before = testing::RandomBytes(c.values.size(), seed + 20);
+    Bytes want = before;
+    for (const ByteRun& r : c.runs) {
+      for (uint64_t k = 0; k < r.bytes; ++k) want[r.value_offset + k] = src[r.dst_offset + k];
+    }
+    Bytes got = before;
+    cpu::GatherRuns(got.data(), c.runs.data(), c.runs.size(), src.data());
+    CHECK((got == want));
+    // Gathered from where they were scattered, the values come back.
+    Bytes dst = src;
+    cpu::ScatterRuns(dst.data(), c.runs.data(), c.runs.size(), c.values.data());
+    Bytes back = c.values;
+    std::fill(back.begin(), back.end(), 0);
+    cpu::GatherRuns(back.data(), c.runs.data(), c.runs.size(), dst.data());
+    bool same = true;
+    for (const ByteRun& r : c.runs) {
+      same =
+          same && std::equal(back.begin() + r.value_offset, back.begin() + r.value_offset + r.bytes,
+                             c.values.begin() + r.value_offset);
+    }
+    CHECK(same);
+  }
 }
 
 }  // namespace

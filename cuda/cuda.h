@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "cuda/quantize_kernels.h"
+#include "cuda/run_writer.h"
 #include "daemon/memory/region.h"
 #include "daemon/plan/plan.h"
 
@@ -99,5 +100,11 @@ absl::Status ExecutePlan(const plan::Plan& plan, const std::vector<const Region*
 // partly written).
 absl::StatusOr<uint64_t> QuantizeFp8BlocksOnDevice(const std::vector<cpu::Fp8BlockRun>& runs,
                                                    int device);
+
+// A sparse Apply's writer for the destination region `dst` (run_writer.h): for CUDA memory, runs
+// and values uploaded to device scratch, gpu::ScatterRuns / gpu::GatherRuns on the device's
+// stream (the device's context locked for each call, as Copy does); for host memory, the host
+// writer (the CPU twins). FAILED_PRECONDITION for CUDA memory without CUDA support.
+absl::StatusOr<std::unique_ptr<RunWriter>> OpenRunWriter(const Region& dst);
 
 }  // namespace refit::cuda

@@ -75,4 +75,11 @@ absl::StatusOr<uint64_t> QuantizeFp8BlocksOnDevice(const std::vector<cpu::Fp8Blo
       absl::StrCat("fp8 quantization of ", runs.size(), " run(s) on cuda device ", device));
 }
 
+absl::StatusOr<std::unique_ptr<RunWriter>> OpenRunWriter(const Region& dst) {
+  if (dst.kind() == MemoryKind::kCuda) {
+    return NeedsCuda(absl::StrCat("a sparse Apply into ", dst.Describe()));
+  }
+  return OpenHostRunWriter(dst);
+}
+
 }  // namespace refit::cuda

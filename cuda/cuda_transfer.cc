@@ -367,4 +367,109 @@ absl::StatusOr<uint64_t> QuantizeFp8BlocksOnDevice(const std::vector<cpu::Fp8Blo
   return result;
 }
 
+namespace {
+
+// The CUDA RunWriter (run_writer.h): the runs, their new bytes and a scratch of the same size
+// in one device allocation of the destination's device; each call locks the device's context
+// and runs on its stream, synchronized before it returns.
+class CudaRunWriter final : public RunWriter {
+ public:
+  explicit CudaRunWriter(const Region& dst) : dst_(dst), context_(ContextOf(dst.device())) {}
+  ~CudaRunWriter() override {
+    if (device_ != nullptr) {
+      std::lock_guard<std::mutex> lock(context_.mutex);
+      (void)cudaSetDevice(dst_.device());
+      (void)CudaStatus(cudaFree(device_), "cudaFree (sparse Apply scratch)");
+    }
+  }
+
+  absl::Status Upload(const std::vector<ByteRun>& runs,
+                      const std::vector<uint8_t>& values) override {
+    RETURN_IF_ERROR(CheckRuns(runs, dst_.size(), values.size()));
+    std::lock_guard<std::mutex> lock(context_.mutex);
+    RETURN_IF_ERROR(Prepare(context_));
+    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(dst_.device()), "cudaSetDevice"));
+    const uint64_t runs_bytes = runs.size() * sizeof(ByteRun);
+    values_at_ = (runs_bytes + 255) / 256 * 256;
+    scratch_at_ = values_at_ + (values.size() + 255) / 256 * 256;
+    const uint64_t bytes = scratch_at_ + values.size();
+    if (device_ != nullptr) {
+      RETURN_IF_ERROR(CudaStatus(cudaFree(device_), "cudaFree (sparse Apply scratch)"));
+      device_ = nullptr;
+    }
+    void* raw = nullptr;
+    RETURN_IF_ERROR(
+        CudaStatus(cudaMalloc(&raw, std::max<uint64_t>(bytes, 1)), "cudaMalloc (sparse Apply)"));
+    device_ = static_cast<uint8_t*>(raw);
+    n_ = runs.size();
+    values_bytes_ = values.size();
+    RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(device_, runs.data(), runs_bytes, cudaMemcpyHostToDevice, context_.stream),
+        "cudaMemcpyAsync (byte runs)"));
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(device_ + values_at_, values.data(), values.size(),
+                                               cudaMemcpyHostToDevice, context_.stream),
+                               "cudaMemcpyAsync (new bytes)"));
+    return Sync();
+  }
+  absl::Status SaveOld(uint8_t* old) override { return Gather(old); }
+  absl::Status Scatter() override { return ScatterFrom(nullptr); }
+  absl::Status ReadBack(uint8_t* landed) override { return Gather(landed); }
+  absl::Status Restore(const uint8_t* old) override { return ScatterFrom(old); }
+
+ private:
+  const ByteRun* Runs() const { return reinterpret_cast<const ByteRun*>(device_); }
+  absl::Status NotUploaded() const {
+    return absl::FailedPreconditionError("RunWriter: nothing uploaded");
+  }
+  absl::Status Sync() {
+    return CudaStatus(cudaStreamSynchronize(context_.stream), "cudaStreamSynchronize");
+  }
+  // The destination's bytes at the runs into the scratch, then into `to` (host memory).
+  absl::Status Gather(uint8_t* to) {
+    if (device_ == nullptr) return NotUploaded();
+    std::lock_guard<std::mutex> lock(context_.mutex);
+    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(dst_.device()), "cudaSetDevice"));
+    RETURN_IF_ERROR(
+        CudaStatus(gpu::GatherRuns(device_ + scratch_at_, Runs(), n_, dst_.data(), context_.stream),
+                   "GatherRuns"));
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(to, device_ + scratch_at_, values_bytes_,
+                                               cudaMemcpyDeviceToHost, context_.stream),
+                               "cudaMemcpyAsync (gathered bytes)"));
+    return Sync();
+  }
+  // The uploaded values (`from` null), or `from` (host memory, uploaded into the scratch first),
+  // written at the runs.
+  absl::Status ScatterFrom(const uint8_t* from) {
+    if (device_ == nullptr) return NotUploaded();
+    std::lock_guard<std::mutex> lock(context_.mutex);
+    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(dst_.device()), "cudaSetDevice"));
+    const uint8_t* values = device_ + values_at_;
+    if (from != nullptr) {
+      RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(device_ + scratch_at_, from, values_bytes_,
+                                                 cudaMemcpyHostToDevice, context_.stream),
+                                 "cudaMemcpyAsync (saved bytes)"));
+      values = device_ + scratch_at_;
+    }
+    RETURN_IF_ERROR(CudaStatus(gpu::ScatterRuns(dst_.data(), Runs(), n_, values, context_.stream),
+                               "ScatterRuns"));
+    return Sync();
+  }
+
+  const Region& dst_;
+  PlaceContext& context_;
+  uint8_t* device_ = nullptr;  // [runs | values | scratch], each 256-byte aligned
+  uint64_t values_at_ = 0;
+  uint64_t scratch_at_ = 0;
+  uint64_t n_ = 0;
+  uint64_t values_bytes_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<RunWriter>> OpenRunWriter(const Region& dst) {
+  if (dst.kind() != MemoryKind::kCuda) return OpenHostRunWriter(dst);
+  RETURN_IF_ERROR(internal::CheckDevice(dst.device()));
+  return std::unique_ptr<RunWriter>(new CudaRunWriter(dst));
+}
+
 }  // namespace refit::cuda

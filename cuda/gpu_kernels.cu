@@ -590,13 +590,15 @@ namespace {
 
 // One block per run at a time (grid-stride over runs): the block's threads copy the run's bytes,
 // in 8-byte words between its first and last aligned word where the destination and the values
-// share their alignment, bytes around them (and throughout otherwise).
+// share their alignment, bytes around them (and throughout otherwise). Scatter (kGather false):
+// `from` is the values, `to` the destination; gather: `from` the destination, `to` the values.
+template <bool kGather>
 __global__ void __launch_bounds__(kThreads)
-    ScatterRunsKernel(uint8_t* dst, const ByteRun* runs, uint64_t n, const uint8_t* values) {
+    MoveRunsKernel(uint8_t* to_base, const ByteRun* runs, uint64_t n, const uint8_t* from_base) {
   for (uint64_t i = blockIdx.x; i < n; i += gridDim.x) {
     const ByteRun run = runs[i];
-    uint8_t* to = dst + run.dst_offset;
-    const uint8_t* from = values + run.value_offset;
+    uint8_t* to = to_base + (kGather ? run.value_offset : run.dst_offset);
+    const uint8_t* from = from_base + (kGather ? run.dst_offset : run.value_offset);
     uint64_t head = run.bytes;  // bytes copied one by one from the start
     uint64_t words = 0;
     const uintptr_t to_at = reinterpret_cast<uintptr_t>(to);
@@ -621,7 +623,15 @@ cudaError_t ScatterRuns(uint8_t* dst, const ByteRun* runs, uint64_t n, const uin
                         cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>(std::min(n, kMaxBlocks));
-  ScatterRunsKernel<<<blocks, kThreads, 0, stream>>>(dst, runs, n, values);
+  MoveRunsKernel<false><<<blocks, kThreads, 0, stream>>>(dst, runs, n, values);
+  return LaunchError();
+}
+
+cudaError_t GatherRuns(uint8_t* values, const ByteRun* runs, uint64_t n, const uint8_t* src,
+                       cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>(std::min(n, kMaxBlocks));
+  MoveRunsKernel<true><<<blocks, kThreads, 0, stream>>>(values, runs, n, src);
   return LaunchError();
 }
 

@@ -62,6 +62,11 @@ cudaError_t Copy2D(uint8_t* dst, uint64_t dst_pitch, const uint8_t* src, uint64_
 cudaError_t ScatterRuns(uint8_t* dst, const ByteRun* runs, uint64_t n, const uint8_t* values,
                         cudaStream_t stream);
 
+// cpu::GatherRuns on the device (ScatterRuns' inverse: the bytes `src` holds at the runs, packed
+// into `values` at each run's value_offset); the same kernel with the two sides swapped.
+cudaError_t GatherRuns(uint8_t* values, const ByteRun* runs, uint64_t n, const uint8_t* src,
+                       cudaStream_t stream);
+
 // Benchmark references (gpu_bench): the plain device traffic the kernels above are compared
 // with. ReadWriteReference reads `bytes` from each of a and b and writes their XOR to out.
 cudaError_t ReadWriteReference(const uint8_t* a, const uint8_t* b, uint8_t* out, uint64_t bytes,

@@ -299,5 +299,47 @@ TEST_CASE("GPU ScatterRuns equals the CPU's", "[gpu][changes]") {
   }
 }
 
+TEST_CASE("GPU GatherRuns equals the CPU's", "[gpu][changes]") {
+  REQUIRE_GPU();
+  // The inverse of ScatterRuns: a destination's bytes at the runs, packed at each run's value
+  // offset (the bytes between them untouched), from aligned and unaligned destinations; the
+  // bytes gathered after a scatter are the scattered values.
+  for (const uint64_t seed : {21, 22, 23}) {
+    for (const uint64_t offset : {0, 5}) {
+      INFO("seed " << seed << " offset " << offset);
+      const uint64_t n = (5 << 20) + 29;
+      const testing::ChangeRunsForTest c = testing::RandomRuns(n, seed);
+      REQUIRE(c.runs.size() > 10);
+      const Bytes src = testing::RandomBytes(n + offset, seed + 200);
+      const Bytes before = testing::RandomBytes(c.values.size(), seed + 300);
+      Bytes want = before;
+      cpu::GatherRuns(want.data(), c.runs.data(), c.runs.size(), src.data() + offset);
+      REQUIRE(want != before);
+      DeviceBuffer d_src(n + offset), runs(c.runs.size() * sizeof(ByteRun) + 1),
+          values(c.values.size() + 1);
+      d_src.Upload(src.data(), src.size());
+      runs.Upload(c.runs.data(), c.runs.size() * sizeof(ByteRun));
+      values.Upload(before.data(), before.size());
+      const auto* d_runs = reinterpret_cast<const ByteRun*>(runs.get());
+      CheckCuda(gpu::GatherRuns(values.get(), d_runs, c.runs.size(), d_src.get() + offset, nullptr),
+                "GatherRuns");
+      CHECK((Sync(values, c.values.size()) == want));
+      CHECK((Sync(d_src, n + offset) == src));  // the source is only read
+      // Scatter then gather: the values come back.
+      values.Upload(c.values.data(), c.values.size());
+      CheckCuda(
+          gpu::ScatterRuns(d_src.get() + offset, d_runs, c.runs.size(), values.get(), nullptr),
+          "ScatterRuns");
+      DeviceBuffer back(c.values.size() + 1);
+      back.Upload(c.values.data(), c.values.size());
+      CheckCuda(gpu::GatherRuns(back.get(), d_runs, c.runs.size(), d_src.get() + offset, nullptr),
+                "GatherRuns back");
+      CHECK((Sync(back, c.values.size()) == c.values));
+      // No runs: nothing written, no error.
+      CheckCuda(gpu::GatherRuns(values.get(), nullptr, 0, d_src.get(), nullptr), "GatherRuns 0");
+    }
+  }
+}
+
 }  // namespace
 }  // namespace refit::cuda

@@ -14,7 +14,8 @@
 //                     semantics of plan::ConvertRun (round to nearest even, fp8 saturating);
 //   reshard copies    Copy2D: rows x row_bytes between pitched buffers;
 //   sparse apply      ScatterRuns: a change list's runs of new bytes written into a
-//                     destination (byte_run.h).
+//                     destination (byte_run.h); GatherRuns, its inverse: the bytes a
+//                     destination holds at the runs (the undo record, the verify).
 //
 // Element sizes for the change and scatter kernels: 1, 2, 4 or 8 bytes; positions are element
 // indices. Pointers need no particular alignment. Every function is thread-safe; the caller
@@ -85,6 +86,10 @@ void Copy2D(uint8_t* dst, uint64_t dst_pitch, const uint8_t* src, uint64_t src_p
 // Writes each of runs[0 .. n): dst[run.dst_offset + k] = values[run.value_offset + k] for
 // k < run.bytes. Runs must not overlap in dst (the GPU writes them in no particular order).
 void ScatterRuns(uint8_t* dst, const ByteRun* runs, uint64_t n, const uint8_t* values);
+
+// ScatterRuns' inverse: values[run.value_offset + k] = src[run.dst_offset + k] for k < run.bytes,
+// for each of runs[0 .. n). Runs must not overlap in values.
+void GatherRuns(uint8_t* values, const ByteRun* runs, uint64_t n, const uint8_t* src);
 
 }  // namespace cpu
 }  // namespace refit::cuda

@@ -10,9 +10,13 @@
 #     quantize.log  cuda/gpu_quantize_test: fp8 block quantization on the GPU against the CPU's,
 #                   then daemon/store/quant_gpu_test: the store with GPU slots quantizing on the
 #                   GPU, bit for bit what host slots get from the CPU kernel
-#     runtime.log   cuda/cuda_runtime_test: IPC import, slots, copies, plans on the GPU
+#     runtime.log   cuda/cuda_runtime_test: IPC import, slots, copies, plans on the GPU, then
+#                   daemon/store/sparse_gpu_test: the sparse Apply into GPU destinations (byte
+#                   runs through the CUDA RunWriter), bit for bit the host destinations'
 #     e2e.log       tests/gpu_e2e_test: two refitd with CUDA slots, a GPU source and destination
-#     bench.txt     cuda/gpu_bench, then client/python/tests/bench_zero_copy.py --device=cuda
+#     bench.txt     cuda/gpu_bench, daemon/store/sparse_apply_bench --destination=gpu (sparse vs
+#                   full Apply into a GPU destination, 1 GiB, 0.4 % and 1 %, from host slots),
+#                   then client/python/tests/bench_zero_copy.py --device=cuda
 #                   (with REFIT_PYTHON's torch): the engine's update beside torch's D2D copy
 #     engines.log   client/python/tests/test_torch_gpu.py with REFIT_PYTHON (default python3)
 #                   when it has torch: torch's CUDA parameters as refit sources and
@@ -133,8 +137,11 @@ grep -E 'real-data checks|SKIPPING' "$OUT/kernels.log" | sort -u | sed 's/^ */  
 step quantize 40 "$OUT/quantize.log" cuda/gpu_quantize_test "${catch_args[@]}"
 append=1 step store-quantize 40 "$OUT/quantize.log" daemon/store/quant_gpu_test "${catch_args[@]}"
 step runtime 100 "$OUT/runtime.log" cuda/cuda_runtime_test "${catch_args[@]}"
+append=1 step store-sparse 40 "$OUT/runtime.log" daemon/store/sparse_gpu_test "${catch_args[@]}"
 step e2e 100 "$OUT/e2e.log" tests/gpu_e2e_test "${catch_args[@]}"
 step bench 100 "$OUT/bench.txt" cuda/gpu_bench --reps=5
+append=1 step sparse-bench 90 "$OUT/bench.txt" daemon/store/sparse_apply_bench --destination=gpu \
+  --mib=1024 --shares=0.004,0.01 --reps=3
 # The Python client's CUDA paths (the bundle holds the client and the tests, not torch or vLLM):
 # REFIT_PYTHON names a Python with torch for CUDA (default: python3, where it has torch).
 #   torch-gpu  client/python/tests/test_torch_gpu.py: a torch trainer's CUDA parameters

@@ -90,6 +90,11 @@ if [ "$want" -eq 77 ]; then
     bash -c "! grep -qE 'exit 12[67]' '$dry/summary.txt'"
   expect "dry run: quantize.log holds both quantize tests" "dry run: quantize.log: $(head -c 2000 "$dry/quantize.log")" \
     [ "$(grep -c 'test cases:' "$dry/quantize.log")" -ge 2 ]
+  expect "dry run: runtime.log holds the runtime and the store's sparse GPU test" \
+    "dry run: runtime.log: $(head -c 2000 "$dry/runtime.log")" \
+    [ "$(grep -c 'test cases:' "$dry/runtime.log")" -ge 2 ]
+  expect "dry run: sparse_apply_bench said why" "dry run: bench.txt: $(head -c 2000 "$dry/bench.txt")" \
+    grep -q 'sparse Apply bench: gpu' "$dry/bench.txt"
   for log in kernels.log quantize.log runtime.log e2e.log; do
     expect "dry run: $log reached the GPU check" "dry run: $log did not: $(head -c 2000 "$dry/$log")" \
       grep -q 'HaveGpu\|DeviceCount() >= 1' "$dry/$log"

@@ -52,6 +52,14 @@
 #include "daemon/store/store_types.h"
 #include "daemon/store/version_imports.h"
 
+namespace refit::cuda {
+class RunWriters;
+}  // namespace refit::cuda
+
+namespace refit::sparse {
+struct Sources;
+}  // namespace refit::sparse
+
 namespace refit::plan {
 struct Plan;
 struct PlacedSlice;
@@ -100,6 +108,18 @@ struct StoreOptions {
   // N > 0 takes N whenever the work cuts into as many items (tests: the undo record in parts;
   // the test build's REFIT_TEST_SPARSE_THREADS sets it in refitd).
   unsigned sparse_threads = 0;
+  // The same cost model for the run-list sparse Apply (GPU destinations): one changed run costs
+  // about as much as a full Apply's copy of this many bytes over the bus. A run costs its
+  // collection on the host (measured 50-90 ns of CPU per run at 0.4 % of 1 GiB, 2.1 M runs, on
+  // a loaded 2-core dev machine: sparse_apply_bench) plus its ByteRun (24 bytes) and values (up,
+  // saved, read back) over the bus; a full copy moves the destination's bytes at about 50 GB/s
+  // (the H200's 21.7 ms per GiB from host slots), so a run costs about 3.5-4.5 KB of full copy.
+  // Not yet measured on a GPU (sparse_apply_bench --destination=gpu, the GPU bundle's
+  // sparse-bench step, will). 0: whenever it applies.
+  uint64_t gpu_sparse_bytes_per_run = 4096;
+  // Test seam: when set, host DESTINATION buffers take the run-list sparse Apply (GPU ones'),
+  // with writers opened here instead of cuda::OpenRunWriter, so that it runs without a GPU.
+  cuda::RunWriters* sparse_run_writers = nullptr;
 };
 
 // The narrow interfaces other packages are given instead of the store (issue 38): PeerStore
@@ -478,6 +498,15 @@ class Store : public PeerStore, public ClientStore, public VersionImports {
       const Version& version, const std::shared_ptr<const Version>& base, const CachedPlan& cached,
       const std::vector<std::shared_ptr<Buffer>>& dests,
       const std::vector<std::shared_ptr<Region>>& derived);
+  // The sparse Apply for GPU destinations (store_sparse_runs.cc; host ones too with
+  // StoreOptions::sparse_run_writers): the writes collected per destination as byte runs with
+  // their new bytes, then through a cuda::RunWriter each: upload, the old bytes saved (the undo
+  // record, kept in memory) and checked against `base`, scatter, read back and compared. nullopt
+  // before anything is written when it does not apply (then the full copy runs); an error after
+  // the saved bytes were scattered back.
+  std::optional<absl::StatusOr<ApplyResult>> ApplySparseRuns(
+      const Version& version, uint64_t base, const plan::Plan& plan, const sparse::Sources& sources,
+      const std::vector<std::shared_ptr<Buffer>>& dests);
   // Verify of a version whose held copy --delta-base=destination released: the destinations
   // against the digests taken of it (BaseFromDestinations per released piece). DATA_LOSS naming
   // the buffers and tensors that differ; FAILED_PRECONDITION where there is nothing to compare.

@@ -133,14 +133,16 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     if (d->region->Broken()) return MemoryWentAway(*d, "");
   }
 
-  bool all_host = true;
+  bool host_sources = true;
   for (const Piece& piece : source->pieces) {
-    all_host = all_host && (!piece.slot || piece.slot->kind() == MemoryKind::kHost);
+    host_sources = host_sources && (!piece.slot || piece.slot->kind() == MemoryKind::kHost);
   }
+  bool all_host = host_sources;
   for (const auto& d : dests) all_host = all_host && d->region->kind() == MemoryKind::kHost;
   std::unique_ptr<ApplyJournal::Entry> undo;
-  if (all_host) {
-    // The destinations hold the version this one was diffed against: write what changed.
+  if (host_sources) {
+    // The destinations hold the version this one was diffed against: write what changed (into
+    // host destinations here, into GPU ones as byte runs: store_sparse_runs.cc).
     if (auto sparse = ApplySparse(*source, applied_base, *cached, dests, derived)) {
       if (!sparse->ok()) return sparse->status();
       return Applied(model_name, source, dests, **sparse, started);

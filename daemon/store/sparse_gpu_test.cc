@@ -1,0 +1,165 @@
+// The run-list sparse Apply into GPU DESTINATION buffers (needs a GPU, --config=cuda, tags gpu
+// + manual: the GPU bundle runs it, CI does not): a GPU destination and a host destination of
+// the same layouts (a row shard with fp32 -> bf16, a fused buffer with a row stride, a
+// column-major one with fp32 -> fp16) take the same delta versions from host slots; every
+// sparse Apply into the GPU ones goes through the CUDA RunWriter (gpu::ScatterRuns and
+// gpu::GatherRuns) and leaves them bit for bit what the host ones hold after the host sparse
+// Apply, with the same bytes written. Without a GPU every case fails on its first line.
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "catch2/catch.hpp"
+#include "cuda/cuda.h"
+#include "cuda/gpu_testing.h"
+#include "daemon/store/store.h"
+
+namespace refit {
+namespace {
+
+using std::chrono::milliseconds;
+
+TensorSlice Slice(const std::string& name, DType dtype, std::vector<int64_t> shape,
+                  uint64_t buffer_offset, std::vector<int64_t> offsets = {},
+                  std::vector<int64_t> sizes = {}, std::vector<int64_t> strides = {}) {
+  TensorSlice s;
+  s.name = name;
+  s.dtype = dtype;
+  s.global_shape = std::move(shape);
+  s.buffer_offset = buffer_offset;
+  s.offsets = std::move(offsets);
+  s.sizes = std::move(sizes);
+  s.buffer_strides = std::move(strides);
+  return s;
+}
+
+struct Host {
+  explicit Host(uint64_t size) {
+    auto region = AllocateHost(size);
+    REQUIRE(region.ok());
+    owned = std::move(region).value();
+    data = owned->data();
+    this->size = size;
+  }
+  std::unique_ptr<Region> owned;
+  uint8_t* data;
+  uint64_t size;
+};
+
+// Source: w bf16 [64, 256] (32 KiB), f fp32 [1000], q bf16 [96, 64].
+constexpr uint64_t kW = 64 * 256 * 2, kF = 1000 * 4, kQ = 96 * 64 * 2;
+std::vector<TensorSlice> SourceLayout() {
+  return {Slice("w", DType::kBF16, {64, 256}, 0), Slice("f", DType::kFP32, {1000}, kW),
+          Slice("q", DType::kBF16, {96, 64}, kW + kF)};
+}
+// Destination 1: rows [32, 64) of w (row-parallel shard), f converted to bf16.
+constexpr uint64_t kD1 = 32 * 256 * 2 + 1000 * 2;
+std::vector<TensorSlice> Dest1() {
+  return {Slice("w", DType::kBF16, {64, 256}, 0, {32, 0}, {32, 256}),
+          Slice("f", DType::kBF16, {1000}, 32 * 256 * 2)};
+}
+// Destination 2: columns [128, 256) of w (column shard), q strided into a fused buffer: row
+// stride 128 elements, q in the second half of each row (the first half is another tensor's).
+constexpr uint64_t kD2 = 64 * 128 * 2 + 96 * 128 * 2;
+std::vector<TensorSlice> Dest2() {
+  return {Slice("w", DType::kBF16, {64, 256}, 0, {0, 128}, {64, 128}),
+          Slice("q", DType::kBF16, {96, 64}, 64 * 128 * 2 + 64 * 2, {}, {}, {128, 1})};
+}
+
+void Randomize(uint8_t* p, uint64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  for (uint64_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(rng() % 200);  // no NaNs
+}
+
+// An RL-like step: `share` of the 2-byte words change by one in their low byte.
+void Step(uint8_t* p, uint64_t n, double share, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (uint64_t i = 0; i + 1 < n; i += 2) {
+    if (u(rng) < share) p[i] = static_cast<uint8_t>(p[i] ^ 1);
+  }
+}
+
+// Destination 3: q column-major (element stride 96: one byte run per element written) and f
+// converted to fp32 -> fp16 behind it.
+constexpr uint64_t kD3 = 96 * 64 * 2 + 1000 * 2;
+std::vector<TensorSlice> Dest3() {
+  return {Slice("q", DType::kBF16, {96, 64}, 0, {}, {}, {1, 96}),
+          Slice("f", DType::kFP16, {1000}, 96 * 64 * 2)};
+}
+
+std::vector<uint8_t> Read(const Region& region) {
+  auto host = AllocateHost(region.size());
+  REQUIRE(host.ok());
+  REQUIRE(cuda::Copy(**host, 0, region, 0, region.size()).ok());
+  return std::vector<uint8_t>((*host)->data(), (*host)->data() + region.size());
+}
+
+TEST_CASE("a sparse Apply into GPU destinations is bit for bit the host destinations'",
+          "[gpu][store][sparse]") {
+  REQUIRE(cuda::testing::HaveGpu());
+  Metrics metrics;
+  StoreOptions o;
+  o.retain = 2;
+  o.node = "n";
+  o.sparse_bytes_per_run = 0;
+  o.gpu_sparse_bytes_per_run = 0;
+  Store store(o, &metrics);
+  Host src(kW + kF + kQ);
+  Randomize(src.data, src.size, 1);
+  auto src_id = store.RegisterBuffer("m", Role::kSource, std::move(src.owned), SourceLayout(), "t");
+  REQUIRE(src_id.ok());
+  const std::vector<std::vector<TensorSlice>> layouts = {Dest1(), Dest2(), Dest3()};
+  const std::vector<uint64_t> sizes = {kD1, kD2, kD3};
+  std::vector<std::string> gpu_ids, host_ids;
+  std::vector<const Region*> gpu_regions;
+  std::vector<uint8_t*> host_data;
+  for (size_t k = 0; k < layouts.size(); ++k) {
+    auto g = cuda::AllocateDevice(sizes[k], 0);
+    REQUIRE(g.ok());
+    Host fill(sizes[k]);
+    std::memset(fill.data, 0x33, sizes[k]);  // the fused buffer's other tensor: never written
+    REQUIRE(cuda::Copy(**g, 0, *fill.owned, 0, sizes[k]).ok());
+    gpu_regions.push_back(g->get());
+    auto gid = store.RegisterBuffer("m", Role::kDestination, std::move(g).value(), layouts[k], "g");
+    Host h(sizes[k]);
+    std::memset(h.data, 0x33, sizes[k]);
+    host_data.push_back(h.data);
+    auto hid = store.RegisterBuffer("m", Role::kDestination, std::move(h.owned), layouts[k], "h");
+    REQUIRE(gid.ok());
+    REQUIRE(hid.ok());
+    gpu_ids.push_back(*gid);
+    host_ids.push_back(*hid);
+  }
+  const std::vector<double> shares = {1, 0.004, 0.01, 0, 0.05, 0.004};
+  for (size_t v = 0; v < shares.size(); ++v) {
+    const uint64_t version = v + 1;
+    INFO("version " << version);
+    if (shares[v] >= 1) {
+      Randomize(src.data, src.size, 100);
+    } else {
+      Step(src.data, src.size, shares[v], static_cast<uint32_t>(version));
+    }
+    REQUIRE(store.Publish("m", version, {*src_id}).ok());
+    REQUIRE(store.WaitForVersion("m", version, Clock::now() + milliseconds(5000), nullptr).ok());
+    auto on_gpu = store.Apply("m", version, gpu_ids);
+    INFO(on_gpu.status().ToString());
+    REQUIRE(on_gpu.ok());
+    auto on_host = store.Apply("m", version, host_ids);
+    REQUIRE(on_host.ok());
+    CHECK(on_gpu->sparse == (version > 1));
+    CHECK(on_host->sparse == (version > 1));
+    CHECK(on_gpu->bytes_written == on_host->bytes_written);
+    for (size_t k = 0; k < layouts.size(); ++k) {
+      INFO("destination " << k);
+      const std::vector<uint8_t> got = Read(*gpu_regions[k]);
+      CHECK(std::memcmp(got.data(), host_data[k], sizes[k]) == 0);
+    }
+  }
+  CHECK(metrics.Get("refit_apply_sparse_total") == 2 * (shares.size() - 1));
+}
+
+}  // namespace
+}  // namespace refit
