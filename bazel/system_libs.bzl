@@ -34,7 +34,7 @@ def _flags(ctx, modules):
     cflags = ctx.execute(["pkg-config", "--cflags"] + modules)
     libs = ctx.execute(["pkg-config", "--libs"] + modules)
     if cflags.return_code != 0 or libs.return_code != 0:
-        fail("pkg-config failed for %s: %s%s (run scripts/install-deps.sh)" %
+        fail("pkg-config failed for %s: %s%s (run scripts/install/install-deps.sh)" %
              (modules, cflags.stderr, libs.stderr))
     defines = [f[2:] for f in _words(cflags.stdout) if f.startswith("-D")]
     linkopts = [f for f in _words(libs.stdout) if f.startswith("-l") or f.startswith("-L") or f == "-pthread"]

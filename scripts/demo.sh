@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-./scripts/install-deps.sh
+./scripts/install/install-deps.sh
 bazel build //daemon:refitd //client:refitctl //client/demo:refit_demo
 bin="$(bazel info bazel-bin 2>/dev/null)"
 export UCX_TLS="${UCX_TLS:-tcp}"

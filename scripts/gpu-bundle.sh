@@ -84,7 +84,7 @@ fi
 LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$@"
 EOF
 chmod 755 "$dir/lib/launch.sh"
-install -m 755 scripts/gpu-bundle-run.sh "$dir/run.sh"
+install -m 755 scripts/gpu/gpu-bundle-run.sh "$dir/run.sh"
 
 # ---- shared libraries: whatever the binaries and UCX's transport modules load ----
 glibc_libs='^(ld-linux-x86-64\.so\.2|libc\.so\.6|libm\.so\.6|libpthread\.so\.0|libdl\.so\.2|librt\.so\.1|libresolv\.so\.2)$'

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Runs every refit test: installs what is missing (Debian 12, as root), makes the Python test
-# environment (scripts/install-python-env.sh: a pinned venv outside the checkout, once per set of
+# environment (scripts/install/install-python-env.sh: a pinned venv outside the checkout, once per set of
 # pins), the source checks (doc links, clang-format, clang's lock analysis), then
-# `bazel test //...` (Python tests in that venv), then scripts/test-packages.sh (the .deb, the
+# `bazel test //...` (Python tests in that venv), then scripts/ship/test-packages.sh (the .deb, the
 # image and the pip package installed and checked).
 # Usage: scripts/test.sh [extra bazel test arguments]
-#   REFIT_TEST_GPU_BUNDLE=1   then also scripts/gpu-bundle-test.sh: builds the GPU bundle with
+#   REFIT_TEST_GPU_BUNDLE=1   then also scripts/gpu/gpu-bundle-test.sh: builds the GPU bundle with
 #                             the CUDA toolkit (a few minutes more) and checks a copy of it
 #                             outside the checkout (run.sh exits 77 without a GPU)
 set -euo pipefail
@@ -22,22 +22,22 @@ if [ ! -d "$shared_dir/data/deltas" ]; then
 fi
 shared_dir="$(cd "$shared_dir" && pwd)"  # absolute: the tests run elsewhere
 
-./scripts/install-deps.sh
+./scripts/install/install-deps.sh
 # The Python test environment (torch 2.x, transformers, ...: client/python/requirements-test.txt)
 # in a venv outside the checkout, made once per set of pins (a cold install: about 3 minutes).
 # (Its output is printed once it is done, not through tee /dev/stderr: reopening a stderr that
 # is a file would write over the start of the log.)
-python_env_out="$(./scripts/install-python-env.sh)"
+python_env_out="$(./scripts/install/install-python-env.sh)"
 echo "$python_env_out"
 python_env="$(tail -n 1 <<< "$python_env_out")"
 
 # Every link in README.md and docs/ resolves inside the repository (a second or so).
-./scripts/check-doc-links.sh
+./scripts/check/check-doc-links.sh
 # Source checks (docs/building.md, "Checks beyond the compiler"); a failure fails the run after
 # the tests have run too, so one CI run reports everything.
 checks_rc=0
-./scripts/check-format.sh || checks_rc=1
-./scripts/check-thread-safety.sh || checks_rc=1
+./scripts/check/check-format.sh || checks_rc=1
+./scripts/check/check-thread-safety.sh || checks_rc=1
 
 test_env=(--test_env=REFIT_PYTHON="$python_env" --test_env=REFIT_SHARED_DIR="$shared_dir")
 
@@ -54,12 +54,12 @@ echo "tests: ${passed} passed, ${failed} failed"
 # What an operator installs, built and installed as they would: the .deb, the container image,
 # the pip package (root; about 1.5 minutes; it installs and purges the package refit here).
 packages_rc=0
-./scripts/test-packages.sh || packages_rc=$?
+./scripts/ship/test-packages.sh || packages_rc=$?
 if [ "$packages_rc" -ne 0 ]; then
-  echo "tests: scripts/test-packages.sh FAILED"
+  echo "tests: scripts/ship/test-packages.sh FAILED"
 fi
 if [ "${REFIT_TEST_GPU_BUNDLE:-0}" = 1 ]; then
-  ./scripts/gpu-bundle-test.sh || rc=1
+  ./scripts/gpu/gpu-bundle-test.sh || rc=1
 fi
 if [ "$checks_rc" -ne 0 ]; then
   echo "tests: a source check FAILED (check-format.sh or check-thread-safety.sh, above)"

@@ -7,7 +7,7 @@
 // within 10 % of where it started (plus 16 MiB of allocator slack), the engine caught up.
 //
 // Prints one "FIGURE hostile-peer" line per attack, after a reference row with no attack (the
-// same ordinary calls, same run). scripts/bench-hostile-peer.sh and scripts/faults.sh run it;
+// same ordinary calls, same run). scripts/bench/bench-hostile-peer.sh and scripts/faults.sh run it;
 // tagged manual (minutes of load).
 
 #include <dirent.h>

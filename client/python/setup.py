@@ -1,6 +1,6 @@
 """Build of the refit Python client (pyproject.toml holds the metadata). Two things need code:
 
-* the version: the top-level VERSION, as PEP 440 (scripts/version.sh --python: 0.2.0, or
+* the version: the top-level VERSION, as PEP 440 (scripts/ship/version.sh --python: 0.2.0, or
   0.2.0+dirty from a git tree with uncommitted changes), also written to refit/_version.py;
 * the gRPC stubs refit/v1/refit_pb2{,_grpc}.py, generated into the build from
   proto/refit/v1/refit.proto with protoc and grpc_python_plugin (Debian: protobuf-compiler,
@@ -38,7 +38,7 @@ def version():
     out = subprocess.run(["bash", checkout_file(VERSION_SCRIPT), "--python"],
                          capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        fail(f"scripts/version.sh failed: {out.stderr.strip()}")
+        fail(f"scripts/ship/version.sh failed: {out.stderr.strip()}")
     return out.stdout.strip()
 
 

@@ -1,4 +1,4 @@
-// Mutexes whose locking clang can check (-Wthread-safety, scripts/check-thread-safety.sh).
+// Mutexes whose locking clang can check (-Wthread-safety, scripts/check/check-thread-safety.sh).
 //
 // libstdc++'s std::mutex carries no capability attribute, so ABSL_GUARDED_BY(mu_) on a std::mutex
 // is a comment the compiler cannot read. These thin wrappers keep std::mutex and

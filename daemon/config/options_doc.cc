@@ -1,6 +1,6 @@
 // Prints refitd's flag reference (Markdown) from the option table, for docs/api.md
-// (scripts/options-doc.sh); with --keys, one line per option: "KEY --FLAG TYPE" (TYPE: string,
-// bool, integer, number, size, strings or ids), for the deployment tests (deploy/tests).
+// (scripts/check/options-doc.sh); with --keys, one line per option: "KEY --FLAG TYPE" (TYPE:
+// string, bool, integer, number, size, strings or ids), for the deployment tests (deploy/tests).
 #include <cstring>
 #include <iostream>
 #include <variant>

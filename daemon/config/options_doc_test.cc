@@ -1,5 +1,5 @@
 // The option table is the one declaration of refitd's options: docs/api.md's flag reference
-// is generated from it (scripts/options-doc.sh), the sample config names every key, and the
+// is generated from it (scripts/check/options-doc.sh), the sample config names every key, and the
 // config file and the command line take the same values.
 #include <fstream>
 #include <sstream>
@@ -27,7 +27,7 @@ TEST_CASE("docs/api.md holds the flag reference the table renders", "[config]") 
   const size_t a = api.find(begin), b = api.find(end);
   REQUIRE(a != std::string::npos);
   REQUIRE(b != std::string::npos);
-  INFO("docs/api.md is out of date: run scripts/options-doc.sh");
+  INFO("docs/api.md is out of date: run scripts/check/options-doc.sh");
   CHECK(api.substr(a + begin.size(), b - a - begin.size()) == RenderMarkdown());
 }
 

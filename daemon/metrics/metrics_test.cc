@@ -85,7 +85,8 @@ TEST_CASE("the Prometheus text has HELP and TYPE for every metric", "[metrics]")
   CHECK(text.find("# TYPE test_errors_total") == text.rfind("# TYPE test_errors_total"));
 }
 
-// promtool (Debian's prometheus package, installed by scripts/install-deps.sh) lints the text.
+// promtool (Debian's prometheus package, installed by scripts/install/install-deps.sh) lints the
+// text.
 TEST_CASE("promtool check metrics accepts the text", "[metrics]") {
   Metrics m;
   m.Declare(kBytes);
@@ -94,7 +95,7 @@ TEST_CASE("promtool check metrics accepts the text", "[metrics]") {
   m.Set(kLevel, 1);
   m.Observe(kSeconds, 0.5);
   const std::string text = RenderPrometheus(m);
-  INFO("promtool is /usr/bin/promtool (apt install prometheus; scripts/install-deps.sh)");
+  INFO("promtool is /usr/bin/promtool (apt install prometheus; scripts/install/install-deps.sh)");
   REQUIRE(access("/usr/bin/promtool", X_OK) == 0);
   FILE* lint = popen("/usr/bin/promtool check metrics > promtool.out 2>&1", "w");
   REQUIRE(lint != nullptr);

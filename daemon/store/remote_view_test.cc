@@ -56,8 +56,7 @@ TEST_CASE("Agreed is the version every node with sources announced", "[remote_vi
 TEST_CASE("DeltaChain leads forward from one version to exactly another", "[remote_view]") {
   RemoteView view;
   view.SetSources("m", "a", {Layout("a/1", 64)});
-  view.Announce("m", "a", 4,
-                {{"a/1", "k", 64}},
+  view.Announce("m", "a", 4, {{"a/1", "k", 64}},
                 {Delta("a/1", 1, 2), Delta("a/1", 2, 3), Delta("a/1", 3, 4), Delta("a/2", 1, 4),
                  Delta("a/1", 2, 2) /* to itself: never followed */,
                  Delta("a/1", 3, 1) /* backwards: never followed */},
@@ -76,19 +75,17 @@ TEST_CASE("DeltaChain leads forward from one version to exactly another", "[remo
   CHECK(view.DeltaChain("m", "b", "a/1", 1, 4).empty());  // another node
   CHECK(view.DeltaChain("x", "a", "a/1", 1, 4).empty());  // another model
   // A chain that would overshoot is none.
-  view.Announce("m", "a", 5, {{"a/1", "k", 64}}, {Delta("a/1", 1, 3), Delta("a/1", 3, 5)}, "",
-                "");
+  view.Announce("m", "a", 5, {{"a/1", "k", 64}}, {Delta("a/1", 1, 3), Delta("a/1", 3, 5)}, "", "");
   CHECK(view.DeltaChain("m", "a", "a/1", 1, 4).empty());
   CHECK(view.DeltaChain("m", "a", "a/1", 1, 5).size() == 2);
 }
 
-TEST_CASE("Import hands a version over whole and says whether the layout stayed",
-          "[remote_view]") {
+TEST_CASE("Import hands a version over whole and says whether the layout stayed", "[remote_view]") {
   RemoteView view;
   auto slot = std::shared_ptr<Region>();
   CHECK_FALSE(view.Import("m", "bucket", 3, {Layout("x", 64)}, {slot}));  // new layout
   CHECK(view.Agreed("m", "") == 3);
-  CHECK(view.Import("m", "bucket", 4, {Layout("x", 64)}, {slot}));        // the same
+  CHECK(view.Import("m", "bucket", 4, {Layout("x", 64)}, {slot}));         // the same
   CHECK_FALSE(view.Import("m", "bucket", 5, {Layout("x", 128)}, {slot}));  // resized
   RemoteView::Nodes nodes = view.Of("m");
   CHECK(nodes["bucket"].imported.count("x") == 1);

@@ -65,12 +65,12 @@ def workspace_root():
 
 
 def version():
-    """The VERSION file at the workspace root (the image tag; scripts/version.sh)."""
+    """The VERSION file at the workspace root (the image tag; scripts/ship/version.sh)."""
     with open(os.path.join(workspace_root(), "VERSION"), encoding="utf-8") as f:
         return f.read().strip()
 
 
-# The image the manifests run: scripts/build-image.sh builds it, tagged with VERSION.
+# The image the manifests run: scripts/ship/build-image.sh builds it, tagged with VERSION.
 IMAGE = "refit/refitd:" + version()
 
 

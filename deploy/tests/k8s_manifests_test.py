@@ -351,7 +351,7 @@ class K8sManifestsTest(unittest.TestCase):
         return self.daemonsets()["engine"]
 
     def test_daemonset_version_label_is_the_image_tag(self):
-        # Both say which release runs: VERSION, what scripts/build-image.sh tags the image with.
+        # Both say which release runs: VERSION, what scripts/ship/build-image.sh tags the image with.
         for ds in self.daemonsets().values():
             labels = ds["metadata"]["labels"]
             self.assertEqual(labels.get("app.kubernetes.io/version"), dt.version())

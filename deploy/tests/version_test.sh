@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # //deploy:version_test: refitd --version and refitctl --version print the top-level VERSION
 # (plus "~dirty" where Bazel built from an unclean git tree, and nothing else), the version
-# scripts/package-deb.sh, scripts/build-image.sh and client/python ship under.
+# scripts/ship/package-deb.sh, scripts/ship/build-image.sh and client/python ship under.
 #   version_test.sh VERSION REFITD REFITCTL
 set -euo pipefail
 base="$(tr -d '[:space:]' < "$1")"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference for scripts/bench-two-node.sh and scripts/bench-fanout.sh: torch.distributed (gloo)
+"""Reference for scripts/bench/bench-two-node.sh and scripts/bench/bench-fanout.sh: torch.distributed (gloo)
 broadcast of the same bytes from one sender to one or more receivers.
 
 gloo in Debian's torch 1.13 refuses bf16, so the bytes travel as a uint8 tensor. Prints one row

@@ -7,7 +7,7 @@
 // after --seconds of nothing, holding the buffers registered. It prints each daemon's share of
 // one core over that window, and beside it, as a reference from the same run, what this
 // process's own idle thread cost (a sleeping thread: the floor a daemon is measured against).
-// The last line is machine-readable (RESULT key=value ...). scripts/bench-idle.sh starts the
+// The last line is machine-readable (RESULT key=value ...). scripts/bench/bench-idle.sh starts the
 // daemons and runs it.
 //
 //   idle_bench --trainer-socket=A.sock --engine-socket=B.sock [--seconds=60] [--settle=5]

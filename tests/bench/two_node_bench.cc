@@ -20,7 +20,7 @@
 // buffers mapped into the daemon (shared with the client, not memory refit adds), refit's own
 // (the rest: version slots, deltas, the process), its peak while the versions ran (sampled
 // every 10 ms), and each daemon's slot figures per model from Status; all beside the model.
-// scripts/bench-memory.sh runs it for full and delta versions at --retain 1 and 2.
+// scripts/bench/bench-memory.sh runs it for full and delta versions at --retain 1 and 2.
 //
 // --engine-shard=rows|cols makes the model one [N/8192, 8192] tensor of which the engine's node
 // holds half: the first half of the rows (a contiguous range of the source: the same bytes,
@@ -33,7 +33,7 @@
 // completes. Each version is checked after Apply against the same quantization computed here
 // (cuda::cpu::QuantizeFp8Blocks, bit-exact with the scalar reference: quantize_kernels_test).
 // --matrix gives a bf16 engine the same 2-D tensors, for fp8 ÷ bf16 on the same layout
-// (scripts/bench-two-node.sh --engine "bf16 fp8" runs both and prints the ratios).
+// (scripts/bench/bench-two-node.sh --engine "bf16 fp8" runs both and prints the ratios).
 
 #include <unistd.h>
 

@@ -1,5 +1,5 @@
 // What a careless or malicious local process can do to refitd's Unix socket, as one command
-// (tests/hostile_local_test, scripts/bench-hostile.sh). Prints one line, "OK k=v ...", then,
+// (tests/hostile_local_test, scripts/bench/bench-hostile.sh). Prints one line, "OK k=v ...", then,
 // for the operations that hold something, keeps it until its standard input closes.
 //
 // SOCKET is refitd's Unix socket, or HOST:PORT for hold against a TCP port (--health-listen).

@@ -15,7 +15,7 @@ changes every A and B (an RL step of the adapter); per path the median over the 
 the first.
 
     REFITD=bazel-bin/daemon/refitd PYTHONPATH=client/python \\
-        $(scripts/install-python-env.sh --print) client/python/tests/bench_lora.py [VERSIONS]
+        $(scripts/install/install-python-env.sh --print) client/python/tests/bench_lora.py [VERSIONS]
 """
 
 import os

@@ -4,7 +4,7 @@ as vLLM's weight-transfer backend `refit`) vs vLLM's own load_weights of the sam
 (its tensors already in the engine process's memory) vs a memcpy of the rank's parameter bytes.
 
     REFITD=bazel-bin/daemon/refitd PYTHONPATH=client/python \\
-        $(scripts/install-python-env.sh --print) client/python/tests/bench_vllm.py [VERSIONS]
+        $(scripts/install/install-python-env.sh --print) client/python/tests/bench_vllm.py [VERSIONS]
 
 Per TP size: the median over versions (the first is left out) of the slowest rank's time."""
 

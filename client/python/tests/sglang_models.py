@@ -1,6 +1,6 @@
 """SGLang's own model classes built on the CPU from small Hugging Face configs (no weights, no
 GPU), for test_sglang.py. Runs in the SGLang overlay environment (requirements-sglang.txt,
-scripts/install-python-env.sh): SGLang 0.5.23's distributed state on gloo (its
+scripts/install/install-python-env.sh): SGLang 0.5.23's distributed state on gloo (its
 `init_distributed_environment` / `initialize_model_parallel`, the topology published from a
 ServerArgs as its own layer tests do) and its ModelRegistry's class for each architecture,
 constructed as its model loader constructs it (`cls(config, quant_config)`), with its

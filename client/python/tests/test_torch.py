@@ -11,7 +11,7 @@ Then the bad input of the issue, each raised before anything is registered or pu
 the daemon still serving; and single-process checks (plain modules, rename, re-allocated
 parameters, the CUDA path's handle building with fakes).
 
-Run by Bazel (//client/python:torch_test) in the test environment (scripts/install-python-env.sh).
+Run by Bazel (//client/python:torch_test) in the test environment (scripts/install/install-python-env.sh).
 """
 
 import os

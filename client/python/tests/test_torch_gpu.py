@@ -1,5 +1,5 @@
 """refit's CUDA paths with torch alone, on a GPU machine (the GPU bundle's `torch-gpu` step,
-scripts/gpu-bundle-run.sh; not a Bazel test: this project's CI machine has no GPU, and
+scripts/gpu/gpu-bundle-run.sh; not a Bazel test: this project's CI machine has no GPU, and
 test_torch.py / test_zero_copy.py there build the CUDA handles from fake parameters only).
 
 A trainer's torch module on the GPU registered where it is (refit.torch.publisher: cudaIpc

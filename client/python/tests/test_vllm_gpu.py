@@ -1,5 +1,5 @@
 """refit.vllm's CUDA zero-copy path on a GPU machine (the GPU bundle's `engines` step,
-scripts/gpu-bundle-run.sh; not a Bazel test: this project's CI machine has no GPU). vLLM 0.33's
+scripts/gpu/gpu-bundle-run.sh; not a Bazel test: this project's CI machine has no GPU). vLLM 0.33's
 own LlamaForCausalLM and fp8 Llama built on the GPU, refit created by vLLM's
 WeightTransferEngineFactory as the backend `refit`, the parameters registered where they are
 (cudaIpc handles of the blocks that hold them) with a CUDA refitd, versions applied by refitd

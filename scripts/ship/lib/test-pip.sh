@@ -1,5 +1,5 @@
 # shellcheck shell=bash disable=SC2154  # its variables are test-packages.sh's
-# Part of scripts/test-packages.sh (sourced from lib/test-deb.sh while the installed refitd
+# Part of scripts/ship/test-packages.sh (sourced from lib/test-deb.sh while the installed refitd
 # serves $sock): the Python client pip-installed into a fresh venv, used from outside the
 # checkout.
 

@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
 # Builds what an operator installs and installs it as they would, checking each works:
 #
-#   deb    scripts/package-deb.sh: lintian (no error or warning), dpkg -i, the versions, the
+#   deb    scripts/ship/package-deb.sh: lintian (no error or warning), dpkg -i, the versions, the
 #          refit user, the unit (systemd-analyze verify) and its enablement, the installed refitd
 #          with the installed config answering refitctl and the Python client, an upgrade that
 #          keeps an edited conffile, remove (only the conffile stays), purge (nothing stays but
 #          the refit user, which owns nothing).
-#   image  scripts/build-image.sh: the OCI archive's name, tag, user and entrypoint (skopeo),
+#   image  scripts/ship/build-image.sh: the OCI archive's name, tag, user and entrypoint (skopeo),
 #          unpacked with umoci, refitd --version and a Status round trip run from its root
 #          file system with chroot, as its non-root user.
 #   pip    pip install ./client/python into a fresh venv (system site packages, no network),
 #          `import refit` from outside the checkout, its version.
-#   and    scripts/version.sh's dirty marks; the build scripts stopping with the Debian package
+#   and    scripts/ship/version.sh's dirty marks; the build scripts stopping with the Debian package
 #          to install when a tool is missing; the checkout left as clean as it was.
 #
 # Run as root on Debian 12 (scripts/test.sh runs it after bazel test). It installs the package
 # `refit` on this machine and purges it at the end, so it refuses to run where refit is
 # installed already (REFIT_TEST_PACKAGES_REPLACE=1: purge that first). Takes about a minute.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# shellcheck source=scripts/lib/ship.sh
-. "$root/scripts/lib/ship.sh"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# shellcheck source=scripts/ship/lib/ship.sh
+. "$root/scripts/ship/lib/ship.sh"
 
 fail() { echo "test-packages: FAIL: $*" >&2; exit 1; }
 ok() { echo "test-packages: ok: $* (${SECONDS} s)"; }
@@ -98,16 +98,16 @@ stop_daemon() {
 }
 
 tree_before="$(git -C "$root" status --porcelain --untracked-files=normal 2> /dev/null || true)"
-version="$("$root/scripts/version.sh")"
-tag="$("$root/scripts/version.sh" --image-tag)"
-pyversion="$("$root/scripts/version.sh" --python)"
+version="$("$root/scripts/ship/version.sh")"
+tag="$("$root/scripts/ship/version.sh" --image-tag)"
+pyversion="$("$root/scripts/ship/version.sh" --python)"
 base="$(tr -d '[:space:]' < "$root/VERSION")"
 dist="$work/dist"
 
 # ---- the version and its marks, in a clone of the checkout ------------------------------------
 if git -C "$root" rev-parse --verify -q HEAD > /dev/null; then
   git clone -q --no-hardlinks "$root" "$work/clone"
-  cv="$work/clone/scripts/version.sh"
+  cv="$work/clone/scripts/ship/version.sh"
   same "version of a clean clone" "$("$cv")" "$base"
   touch "$work/clone/untracked-file"
   same "version of a dirty clone" "$("$cv")" "$base~dirty"
@@ -116,9 +116,9 @@ if git -C "$root" rev-parse --verify -q HEAD > /dev/null; then
   echo "0.2" > "$work/clone/VERSION"
   if "$cv" > /dev/null 2>&1; then fail "VERSION '0.2' was accepted"; fi
   rm -rf "$work/clone"
-  ok "scripts/version.sh: $base clean, ~dirty/-dirty/+dirty marks, a malformed VERSION refused"
+  ok "scripts/ship/version.sh: $base clean, ~dirty/-dirty/+dirty marks, a malformed VERSION refused"
 else
-  echo "test-packages: NOT CHECKED: the dirty marks of scripts/version.sh (not a git checkout)"
+  echo "test-packages: NOT CHECKED: the dirty marks of scripts/ship/version.sh (not a git checkout)"
 fi
 
 # ---- a build script without its tools names the package and stops ----------------------------
@@ -126,7 +126,7 @@ mkdir "$work/bin"
 for t in dirname basename; do ln -s "$(command -v "$t")" "$work/bin/$t"; done
 expect_missing() {  # expect_missing SCRIPT DEBIAN_PACKAGE
   local rc=0 err
-  err="$(PATH="$work/bin" /bin/bash "$root/scripts/$1" "$work/none" 2>&1 > /dev/null)" || rc=$?
+  err="$(PATH="$work/bin" /bin/bash "$root/scripts/ship/$1" "$work/none" 2>&1 > /dev/null)" || rc=$?
   [ "$rc" -ne 0 ] || fail "$1 without its tools exited 0"
   [[ "$err" == *"install the Debian package $2"* ]] || fail "$1 did not name $2: $err"
   [ ! -e "$work/none" ] || fail "$1 without its tools wrote $work/none"
@@ -137,19 +137,19 @@ ln -s "$(command -v bazel)" "$work/bin/bazel"
 expect_missing package-deb.sh dpkg
 expect_missing build-image.sh buildah
 for s in package-deb.sh build-image.sh; do
-  "$root/scripts/$s" --help | grep -q "DIR" || fail "$s --help does not describe DIR"
+  "$root/scripts/ship/$s" --help | grep -q "DIR" || fail "$s --help does not describe DIR"
   rc=0
-  "$root/scripts/$s" --bogus 2> /dev/null || rc=$?
+  "$root/scripts/ship/$s" --bogus 2> /dev/null || rc=$?
   same "$s --bogus exit status" "$rc" 2
 done
 ok "without their tools, package-deb.sh and build-image.sh name the Debian package and stop;" \
   "--help describes them, an unknown option is refused"
 
 # ---- build ------------------------------------------------------------------------------------
-"$root/scripts/package-deb.sh" "$dist" > "$work/package-deb.log" 2>&1 ||
-  { tail -20 "$work/package-deb.log" >&2; fail "scripts/package-deb.sh"; }
-"$root/scripts/build-image.sh" "$dist" > "$work/build-image.log" 2>&1 ||
-  { tail -20 "$work/build-image.log" >&2; fail "scripts/build-image.sh"; }
+"$root/scripts/ship/package-deb.sh" "$dist" > "$work/package-deb.log" 2>&1 ||
+  { tail -20 "$work/package-deb.log" >&2; fail "scripts/ship/package-deb.sh"; }
+"$root/scripts/ship/build-image.sh" "$dist" > "$work/build-image.log" 2>&1 ||
+  { tail -20 "$work/build-image.log" >&2; fail "scripts/ship/build-image.sh"; }
 deb="$dist/refit_${version}_amd64.deb"
 archive="$dist/refitd-$tag.oci.tar"
 [ -f "$deb" ] || fail "no $deb"
@@ -164,13 +164,13 @@ lintian_pid=$!
 
 # Built again from the same commit: the same image (manifest digest), and from a clean tree the
 # same .deb, byte for byte (a dirty tree's changelog entry is dated at build time).
-"$root/scripts/build-image.sh" "$work/again" > "$work/build-image-again.log" 2>&1 ||
-  { tail -20 "$work/build-image-again.log" >&2; fail "scripts/build-image.sh, again"; }
+"$root/scripts/ship/build-image.sh" "$work/again" > "$work/build-image-again.log" 2>&1 ||
+  { tail -20 "$work/build-image-again.log" >&2; fail "scripts/ship/build-image.sh, again"; }
 again_index="$(tar -xOf "$work/again/$(basename "$archive")" index.json)"
 same "the image's manifest, built again" "$again_index" "$(tar -xOf "$archive" index.json)"
 if [ "$version" = "$base" ]; then
-  "$root/scripts/package-deb.sh" "$work/again" > "$work/package-deb-again.log" 2>&1 ||
-    { tail -20 "$work/package-deb-again.log" >&2; fail "scripts/package-deb.sh, again"; }
+  "$root/scripts/ship/package-deb.sh" "$work/again" > "$work/package-deb-again.log" 2>&1 ||
+    { tail -20 "$work/package-deb-again.log" >&2; fail "scripts/ship/package-deb.sh, again"; }
   same "the .deb's sha256, built again" \
     "$(sha256sum < "$work/again/$(basename "$deb")")" "$(sha256sum < "$deb")"
   ok "built again: the same image manifest and the same .deb"
@@ -179,8 +179,8 @@ else
 fi
 rm -rf "$work/again"
 
-. "$root/scripts/lib/test-deb.sh"
-. "$root/scripts/lib/test-image.sh"
+. "$root/scripts/ship/lib/test-deb.sh"
+. "$root/scripts/ship/lib/test-image.sh"
 
 now="$(git -C "$root" status --porcelain --untracked-files=normal 2> /dev/null || true)"
 same "git status after the test (the builds must leave the checkout as it was)" "$now" \

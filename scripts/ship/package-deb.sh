@@ -9,12 +9,12 @@
 #   /usr/share/doc/refit/                         copyright, changelog (from CHANGELOG.md), docs
 #
 # Depends comes from the binaries (dpkg-shlibdeps); the maintainer scripts are deploy/debian/.
-# VERSION is `refitd --version` (scripts/version.sh: ~dirty for an unclean tree). Offline: it
+# VERSION is `refitd --version` (scripts/ship/version.sh: ~dirty for an unclean tree). Offline: it
 # needs only Debian packages (bazel-bootstrap, dpkg-dev, binutils). See docs/deploy.md.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# shellcheck source=scripts/lib/ship.sh
-. "$root/scripts/lib/ship.sh"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# shellcheck source=scripts/ship/lib/ship.sh
+. "$root/scripts/ship/lib/ship.sh"
 
 ship_args "$@"
 out_dir="${1:-$root/dist}"
@@ -65,7 +65,7 @@ man_page "$pkg/usr/bin/refitctl" 1 "look at and follow the node's refitd" \
 doc="$pkg/usr/share/doc/refit"
 install -d -m 0755 "$doc"
 install -m 0644 "$root/deploy/debian/copyright" "$doc/copyright"
-/usr/bin/python3 "$root/scripts/lib/debian_changelog.py" "$root/CHANGELOG.md" "$version" \
+/usr/bin/python3 "$root/scripts/ship/lib/debian_changelog.py" "$root/CHANGELOG.md" "$version" \
   "$maintainer" | gzip -9n > "$doc/changelog.gz"
 for f in README.md docs/deploy.md docs/operator-guide.md docs/api.md; do
   gzip -9n < "$root/$f" > "$doc/$(basename "$f").gz"

@@ -9,13 +9,13 @@
 #   naming the user it runs as, 65532:65532 (non-root, as the manifests' securityContext).
 #
 # TAG is `refitd --version` with '~' written as '-' (OCI tags allow no '~'):
-# scripts/version.sh --image-tag. Load it into a registry with
+# scripts/ship/version.sh --image-tag. Load it into a registry with
 #   skopeo copy oci-archive:dist/refitd-TAG.oci.tar docker://REGISTRY/refit/refitd:TAG
 # (docs/deploy.md, "The image").
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# shellcheck source=scripts/lib/ship.sh
-. "$root/scripts/lib/ship.sh"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# shellcheck source=scripts/ship/lib/ship.sh
+. "$root/scripts/ship/lib/ship.sh"
 
 ship_args "$@"
 out_dir="${1:-$root/dist}"
@@ -38,7 +38,7 @@ rootfs="$work/rootfs"
 umask 022
 
 ship_build_binaries "$root" "$rootfs"
-tag="$("$root/scripts/version.sh" --image-tag)"
+tag="$("$root/scripts/ship/version.sh" --image-tag)"
 if [ "${REFIT_VERSION/\~/-}" != "$tag" ]; then
   echo "build-image.sh: refitd says $REFIT_VERSION, the tag would be $tag" >&2
   exit 1

@@ -1,4 +1,4 @@
-# Shared by scripts/package-deb.sh and scripts/build-image.sh (sourced, not run): checking for
+# Shared by scripts/ship/package-deb.sh and scripts/ship/build-image.sh (sourced, not run): checking for
 # tools, building the two binaries and staging them stripped, the version they carry.
 
 # ship_args "$@": the one argument a build script takes is DIR; -h/--help prints the script's
@@ -24,7 +24,7 @@ ship_args() {
 ship_need() {
   if ! command -v "$1" > /dev/null 2>&1; then
     echo "$(basename "$0"): '$1' not found: install the Debian package $2" \
-      "(apt-get install $2, or scripts/install-deps.sh as root)" >&2
+      "(apt-get install $2, or scripts/install/install-deps.sh as root)" >&2
     exit 1
   fi
 }
@@ -45,7 +45,7 @@ ship_need_cuda() {
 # them, stripped, in DEST/usr/bin. refitd is the CUDA build (--config=cuda: nvcc, the static
 # CUDA runtime, which loads the driver's libcuda.so.1 at run time), so one binary serves GPU
 # nodes and nodes without a GPU or driver ("cuda: 13.x, 0 device(s)"). Sets REFIT_VERSION to
-# what `refitd --version` says, after checking it equals scripts/version.sh (so the binaries
+# what `refitd --version` says, after checking it equals scripts/ship/version.sh (so the binaries
 # and the thing shipped agree) and that CUDA is compiled in.
 ship_build_binaries() {
   local root="$1" dest="$2" bin
@@ -73,11 +73,11 @@ ship_build_binaries() {
     exit 1
   fi
   local expected ctl
-  expected="$("$root/scripts/version.sh")"
+  expected="$("$root/scripts/ship/version.sh")"
   ctl="$("$dest/usr/bin/refitctl" --version | awk '{print $2}')"
   if [ "$REFIT_VERSION" != "$expected" ] || [ "$ctl" != "$expected" ]; then
     echo "$(basename "$0"): refitd says version '$REFIT_VERSION', refitctl '$ctl'," \
-      "scripts/version.sh '$expected' (the tree changed during the build?)" >&2
+      "scripts/ship/version.sh '$expected' (the tree changed during the build?)" >&2
     exit 1
   fi
 }

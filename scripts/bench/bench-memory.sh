@@ -19,12 +19,12 @@
 # node between them; it skips to the newest), and memory is read 2 s after the last arrived:
 # what a trainer faster than its readers and its delta encoder leaves behind.
 #
-# Usage: scripts/bench-memory.sh [--mib 1024] [--versions 5] [--retain "1 2"]
+# Usage: scripts/bench/bench-memory.sh [--mib 1024] [--versions 5] [--retain "1 2"]
 #                                [--density "0 0.01"] [--bins "new=$(bazel info bazel-bin)"]
 #                                [--burst 0] [--rounds 1] [--no-build]
 #                                [--delta-base "held"]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 mib=1024
 versions=5

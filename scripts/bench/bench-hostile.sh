@@ -14,11 +14,11 @@
 #                  of the HTTP/2 preface, then silence
 #   fd-preface     256 connections sending refit's fd preface a byte a message, 4 memfds each
 #
-# Usage: scripts/bench-hostile.sh [--no-build] [--hold SECONDS] [--refitd PATH]
+# Usage: scripts/bench/bench-hostile.sh [--no-build] [--hold SECONDS] [--refitd PATH]
 #   --refitd PATH  attack that refitd binary instead of this checkout's (e.g. an older build,
 #                  for a before/after); one that dies is started again for the next attack.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 build=1
 hold=4

@@ -3,16 +3,16 @@
 # written without its mutex, every ABSL_EXCLUSIVE_LOCKS_REQUIRED function called without it, is an
 # error. GCC (the build's compiler) ignores the annotations, so this is where they are checked.
 #
-#   scripts/check-thread-safety.sh            # every daemon source
-#   scripts/check-thread-safety.sh FILE.cc…   # just these
+#   scripts/check/check-thread-safety.sh            # every daemon source
+#   scripts/check/check-thread-safety.sh FILE.cc…   # just these
 #
 # Syntax only (no code generated): ~2 s a file. Needs clang (install-deps.sh) and the generated
 # protobuf headers, which it builds with Bazel first.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 CLANG=${CLANG:-clang++}
-command -v "$CLANG" >/dev/null || { echo "check-thread-safety: $CLANG not found (scripts/install-deps.sh installs clang)" >&2; exit 1; }
+command -v "$CLANG" >/dev/null || { echo "check-thread-safety: $CLANG not found (scripts/install/install-deps.sh installs clang)" >&2; exit 1; }
 
 bazel build ${BAZEL_FLAGS:-} //proto/... >/dev/null 2>&1 || bazel build ${BAZEL_FLAGS:-} //proto/...
 GEN=$(bazel info bazel-bin 2>/dev/null)

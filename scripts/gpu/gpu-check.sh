@@ -5,13 +5,13 @@
 # under $OUT (default ./gpu-out): run.sh's files (summary.txt first) and bundle-build.log.
 # Exits as run.sh does: 0 all passed, 77 no GPU visible, 1 otherwise (a failed build too).
 #
-# Usage: scripts/gpu-check.sh
+# Usage: scripts/gpu/gpu-check.sh
 #   OUT=DIR                where the results go (default ./gpu-out)
 #   GPU_CHECK_BUNDLE=DIR   where the bundle is built (default a fresh directory under /tmp)
 #   GPU_CHECK_FULL=1       then also every test with the CUDA build (bazel test --config=cuda
 #                          //...), its log in $OUT/full-test.log
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 
 OUT="${OUT:-./gpu-out}"
 mkdir -p "$OUT" || exit 1

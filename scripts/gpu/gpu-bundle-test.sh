@@ -6,9 +6,9 @@
 # checkout, and every library a bundled binary loads (but glibc and the driver) from the bundle.
 # Not part of `bazel test //...` (it needs --config=cuda); run it after changing the bundle.
 #
-# Usage: scripts/gpu-bundle-test.sh [BUNDLE_DIR]
+# Usage: scripts/gpu/gpu-bundle-test.sh [BUNDLE_DIR]
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 root=$PWD
 work=$(mktemp -d /tmp/bundle-test.XXXXXX)
 trap 'rm -rf "$work"' EXIT

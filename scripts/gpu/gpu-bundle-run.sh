@@ -30,7 +30,7 @@
 # summary.txt ("BELOW GOAL") but are not failures.
 #
 # REFIT_BUNDLE_DRY_RUN=1 runs every step even without a GPU (they then fail, and it exits 1):
-# scripts/gpu-bundle-test.sh uses it to see every binary start from a copied bundle.
+# scripts/gpu/gpu-bundle-test.sh uses it to see every binary start from a copied bundle.
 set -uo pipefail
 
 B="$(cd "$(dirname "$0")" && pwd)"

@@ -3,14 +3,14 @@
 # git tree with uncommitted or untracked changes says so with a "dirty" mark, written in the
 # grammar of where the version goes:
 #
-#   scripts/version.sh              0.2.0  or 0.2.0~dirty  refitd --version, the .deb (sorts
+#   scripts/ship/version.sh              0.2.0  or 0.2.0~dirty  refitd --version, the .deb (sorts
 #                                                          before 0.2.0, so the release upgrades it)
-#   scripts/version.sh --image-tag  0.2.0  or 0.2.0-dirty  OCI tags allow no '~' or '+'
-#   scripts/version.sh --python     0.2.0  or 0.2.0+dirty  a PEP 440 local version
+#   scripts/ship/version.sh --image-tag  0.2.0  or 0.2.0-dirty  OCI tags allow no '~' or '+'
+#   scripts/ship/version.sh --python     0.2.0  or 0.2.0+dirty  a PEP 440 local version
 #
 # Bazel reads the same through bazel/workspace_status.sh, so refitd --version prints the first.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 base="$(tr -d '[:space:]' < "$root/VERSION")"
 if ! [[ "$base" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
@@ -31,7 +31,7 @@ case "${1:-}" in
   --image-tag) echo "$base${dirty:+-dirty}" ;;
   --python) echo "$base${dirty:++dirty}" ;;
   *)
-    echo "usage: scripts/version.sh [--deb|--image-tag|--python]" >&2
+    echo "usage: scripts/ship/version.sh [--deb|--image-tag|--python]" >&2
     exit 2
     ;;
 esac

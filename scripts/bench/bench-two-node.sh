@@ -39,7 +39,7 @@
 # --density F makes every version after the first an RL-like step (F of the elements move by one
 # unit in the last place) so that deltas carry them; the default 0 changes every byte.
 #
-# Usage: scripts/bench-two-node.sh [--tls "tcp sm,tcp sm,tcp+eh"] [--tensors "1 20000"]
+# Usage: scripts/bench/bench-two-node.sh [--tls "tcp sm,tcp sm,tcp+eh"] [--tensors "1 20000"]
 #                                  [--versions 5] [--warmup 3] [--mib 1024] [--density 0]
 #                                  [--engine-shard none|rows|cols] [--engine "bf16 fp8"]
 #                                  [--no-build] [--keep]
@@ -52,7 +52,7 @@
 # Environment: BAZEL_OUTPUT_BASE=<dir> builds in that Bazel output base, without convenience
 # symlinks (for machines where other builds share the checkout).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 tls_list="tcp sm,tcp sm,tcp+eh"
 tensor_list="1 20000"
@@ -102,7 +102,7 @@ if [ -n "${BAZEL_OUTPUT_BASE:-}" ]; then
   build_flags+=(--experimental_convenience_symlinks=ignore)
 fi
 if [ "$build" = 1 ]; then
-  ./scripts/install-deps.sh
+  ./scripts/install/install-deps.sh
   "${bazel_cmd[@]}" build "${build_flags[@]}" //daemon:refitd //client:refitctl \
     //tests/bench:two_node_bench
 fi

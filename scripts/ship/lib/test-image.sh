@@ -1,5 +1,5 @@
 # shellcheck shell=bash disable=SC2154  # its variables are test-packages.sh's
-# Part of scripts/test-packages.sh (sourced; uses its variables and helpers): the OCI archive
+# Part of scripts/ship/test-packages.sh (sourced; uses its variables and helpers): the OCI archive
 # inspected with skopeo, unpacked with umoci and run from its root file system with chroot.
 
 ref="$(tar -xOf "$archive" index.json | /usr/bin/python3 -c 'import json, sys

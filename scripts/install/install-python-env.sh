@@ -8,7 +8,7 @@
 #
 # so fresh clones on one machine share it and it is rebuilt only when the pins change. (Not
 # /var/cache/refit: that is refitd's CacheDirectory, which purging the refit .deb removes, as
-# scripts/test-packages.sh does.)
+# scripts/ship/test-packages.sh does.)
 # Idempotent: with the stamp file `.refit-complete` in place (written last, after
 # `pip check`), it does nothing but print the path. A half-made venv (no stamp) is removed and
 # made again. Concurrent runs wait for each other (flock). Without write access to
@@ -31,7 +31,7 @@
 # 300 MB, made in seconds; its stamp is `.refit-complete` too. `--print-sglang` prints its
 # python (exit 1 when not made). client/python/run_python_test.sh --sglang finds it.
 set -euo pipefail
-root_dir="$(cd "$(dirname "$0")/.." && pwd)"
+root_dir="$(cd "$(dirname "$0")/../.." && pwd)"
 req="$root_dir/client/python/requirements-test.txt"
 python=/usr/bin/python3
 
@@ -108,7 +108,7 @@ fi
 
 if ! "$python" -c 'import venv, ensurepip' 2> /dev/null; then
   echo "install-python-env: $python has no venv/ensurepip: apt-get install python3-venv" \
-    "(scripts/install-deps.sh)" >&2
+    "(scripts/install/install-deps.sh)" >&2
   exit 1
 fi
 

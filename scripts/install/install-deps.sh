@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(
   # build
   bazel-bootstrap bazel-rules-java g++ pkg-config git ca-certificates
-  # source checks (scripts/check-format.sh, scripts/check-thread-safety.sh)
+  # source checks (scripts/check/check-format.sh, scripts/check/check-thread-safety.sh)
   clang clang-format
   # API and control plane
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
@@ -19,7 +19,7 @@ packages=(
   python3 python3-grpcio python3-protobuf python3-torch python3-yaml
   # multi-node tests and operations tooling (prometheus: promtool lints /metrics in the tests)
   iproute2 procps systemd prometheus
-  # shipping (scripts/package-deb.sh, build-image.sh, test-packages.sh, client/python for pip)
+  # shipping (scripts/ship/package-deb.sh, build-image.sh, test-packages.sh, client/python for pip)
   binutils dpkg-dev lintian buildah skopeo umoci python3-venv python3-setuptools python3-wheel
   util-linux mount
 )

@@ -1,5 +1,5 @@
 # shellcheck shell=bash disable=SC2154,SC2034  # its variables are test-packages.sh's
-# Part of scripts/test-packages.sh (sourced; uses its variables and helpers): the Debian
+# Part of scripts/ship/test-packages.sh (sourced; uses its variables and helpers): the Debian
 # package installed, run, upgraded, removed and purged on this machine.
 
 # What lies where a package could leave something, by name (contents that change anyway —
@@ -85,7 +85,7 @@ status="$(refitctl --socket="$sock" status)" || fail "refitctl status against th
 [[ "$status" == *"refitd $version"* ]] || fail "refitctl status names no refitd $version: $status"
 grep -q "cuda: 13\.[0-9]*, [0-9]* device(s)" "$work/refitd-deb.log" ||
   fail "the installed refitd logged no CUDA line at start: $(tail -5 "$work/refitd-deb.log")"
-. "$root/scripts/lib/test-pip.sh"
+. "$root/scripts/ship/lib/test-pip.sh"
 stop_daemon
 rm -rf "$rundir"
 ok "the installed refitd runs as refit with /etc/refit/refitd.toml; refitctl status answers"

@@ -5,7 +5,7 @@
 # one core over that window (utime + stime from /proc/PID/stat), beside its own sleeping
 # process as the floor. Goal: < 0.5 % of a core each (docs/benchmarks.md, "Idle").
 #
-# Usage: scripts/bench-idle.sh [--seconds 60] [--tls "tcp sm,tcp+eh"] [--bin DIR]... [--no-build]
+# Usage: scripts/bench/bench-idle.sh [--seconds 60] [--tls "tcp sm,tcp+eh"] [--bin DIR]... [--no-build]
 #                             [--mib 4]
 #   --mib N     the model's size; 0 registers nothing (only the connected peers).
 #   --bin DIR   a bazel-bin directory holding daemon/refitd, client/refitctl and
@@ -13,9 +13,9 @@
 #               more, the builds run in turn for each UCX_TLS (a before/after in one session).
 #   --tls       UCX_TLS values, one run each; "+eh" turns on shared-memory peer-failure
 #               handling (UCX_POSIX_ERROR_HANDLING / UCX_SYSV_ERROR_HANDLING) as in
-#               scripts/bench-two-node.sh.
+#               scripts/bench/bench-two-node.sh.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 seconds=60
 mib=4

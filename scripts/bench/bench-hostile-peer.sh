@@ -6,9 +6,9 @@
 # the same ordinary calls with no attack, same run. Goals: 100 % alive, >= 95 % served, memory
 # back within 10 % (tests/faults_peer_test.cc).
 #
-# Usage: scripts/bench-hostile-peer.sh     (bazel --jobs=2; exit 1 when a goal is missed)
+# Usage: scripts/bench/bench-hostile-peer.sh     (bazel --jobs=2; exit 1 when a goal is missed)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 rc=0
 bazel test --jobs=2 --test_output=errors --cache_test_results=no --test_timeout=1800 \
   //tests:faults_peer_test >&2 || rc=1

@@ -3,7 +3,7 @@
 # "<!-- options:end -->") from refitd's option table (daemon/config/option_table.cc).
 # daemon/config:options_doc_test fails until this has been run after a change to the table.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 bazel build //daemon/config:options_doc >/dev/null
 generated=$(bazel-bin/daemon/config/options_doc)
 python3 - "$generated" <<'PY'

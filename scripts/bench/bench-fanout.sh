@@ -36,7 +36,7 @@
 # run left (namespaces fleet-fan-*, their processes, /dev/shm/refit-fanout-*). One run at a time
 # (flock on /run/lock/refit-bench-fanout.lock). Needs root and iproute2.
 #
-# Usage: scripts/bench-fanout.sh [--engines "1 2 4"] [--mib 256 | --gib | --sizes "256 1024"]
+# Usage: scripts/bench/bench-fanout.sh [--engines "1 2 4"] [--mib 256 | --gib | --sizes "256 1024"]
 #                                [--versions 5] [--warmup 2] [--gloo-rounds 5] [--rate 1gbit]
 #                                [--no-gloo | --gloo-sizes "256"] [--no-build]
 #                                [--refitd-args "--relay=false"] [--keep] [--extras]
@@ -46,7 +46,7 @@
 # is paid per second of transfer): 10-12 CPU-s for nine daemons, plus the kernel's veth/tbf/TCP
 # work; a K = 8 version at line rate has 2 x 2.4 CPU-s at 1 Gbit/s, 2 x 4.8 at 500 Mbit/s,
 # 2 x 9.5 at 250 Mbit/s). About 17 minutes on a quiet machine:
-#   scripts/bench-fanout.sh --engines "1 2 4 8" --sizes "256 1024" --versions 4 --warmup 1 \
+#   scripts/bench/bench-fanout.sh --engines "1 2 4 8" --sizes "256 1024" --versions 4 --warmup 1 \
 #     --gloo-rounds 1 --gloo-warmup 0 --gloo-sizes 256 --rate 250mbit
 # --gloo-sizes: the sizes the gloo reference runs at (default: every size; gloo's K = 8 round
 # at 1 GiB and 250 Mbit/s alone takes ~4.5 min).
@@ -67,7 +67,7 @@
 # Environment: BAZEL_OUTPUT_BASE=<dir> builds in that Bazel output base, without convenience
 # symlinks.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 engines_list="1 2 4"
 mib=256
@@ -147,7 +147,7 @@ if [ -n "${BAZEL_OUTPUT_BASE:-}" ]; then
   build_flags+=(--experimental_convenience_symlinks=ignore)
 fi
 if [ "$build" = 1 ]; then
-  ./scripts/install-deps.sh
+  ./scripts/install/install-deps.sh
   "${bazel_cmd[@]}" build "${build_flags[@]}" //daemon:refitd //client:refitctl \
     //tests/bench:fanout_bench //daemon/fleet:fanout_sim
   if [ "$extras" = 1 ]; then

@@ -12,10 +12,10 @@
 #   --plain-too: each step kind again with the engine's full Apply plain (REFIT_TEST_APPLY_UNVERIFIED:
 #     the unchecked streaming copy, its undo saved in a pass first), and the verified full Apply's
 #     speed against it (each run's time over its own memcpy; refitd CPU seconds).
-# Usage: scripts/bench-apply.sh [--mib 1024] [--versions 6] [--density "0.004 0.01"] [--no-build]
+# Usage: scripts/bench/bench-apply.sh [--mib 1024] [--versions 6] [--density "0.004 0.01"] [--no-build]
 #        [--plain-too] [--fp8]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 mib=1024
 versions=6
 densities="0.004 0.01"

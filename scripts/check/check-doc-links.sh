@@ -2,9 +2,9 @@
 # Checks that every relative link in README.md, CHANGELOG.md and docs/*.md names a file or
 # folder inside this repository (anchors are not checked; http(s) and mailto links are
 # skipped), and so does every "../....md" path they mention. Prints each broken link as FILE: TARGET and exits 1 if there is any.
-# Usage: scripts/check-doc-links.sh
+# Usage: scripts/check/check-doc-links.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 root=$(pwd -P)
 
 broken=0
