@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 PROTO_ROOT = os.path.join(ROOT, "proto")
 PROTO = os.path.join(PROTO_ROOT, "refit", "v1", "refit.proto")
-VERSION_SCRIPT = os.path.join(ROOT, "scripts", "version.sh")
+VERSION_SCRIPT = os.path.join(ROOT, "scripts", "ship", "version.sh")
 
 
 def fail(message):
