@@ -5,7 +5,7 @@
 #include "cuda/float_bits.h"
 #include "cuda/kernels.h"
 #include "daemon/common/status_macros.h"
-#include "daemon/plan/convert.h"
+#include "daemon/plan/dtype_convert.h"
 
 namespace refit::cuda {
 

@@ -11,7 +11,7 @@
 #include "cuda/kernels.h"
 #include "cuda/kernels_testing.h"
 #include "daemon/delta/delta.h"
-#include "daemon/plan/convert.h"
+#include "daemon/plan/dtype_convert.h"
 
 namespace refit::cuda {
 namespace {

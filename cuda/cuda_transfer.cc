@@ -26,7 +26,7 @@
 #include "cuda/kernels.h"
 #include "cuda/transfer.h"
 #include "daemon/common/status_macros.h"
-#include "daemon/plan/convert.h"
+#include "daemon/plan/dtype_convert.h"
 
 namespace refit::cuda {
 namespace {

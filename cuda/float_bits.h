@@ -1,8 +1,8 @@
 #pragma once
 
 // Float format conversions on raw bit patterns, compiled both by g++ (host) and by nvcc (device
-// kernels in gpu_kernels.cu). They give exactly what daemon/plan/convert.cc gives, bit for bit
-// (cpu_kernels_test checks every 8- and 16-bit input and millions of fp32 ones against it):
+// kernels in gpu_kernels.cu). They give exactly what daemon/plan/dtype_convert.cc gives, bit for
+// bit (cpu_kernels_test checks every 8- and 16-bit input and millions of fp32 ones against it):
 //   - widening (to fp32) is exact; NaN payloads survive fp16/e5m2 -> fp32, e4m3's NaN becomes
 //     the canonical quiet NaN;
 //   - narrowing rounds once, to nearest with ties to even;

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
-#include "daemon/plan/convert.h"
+#include "daemon/plan/dtype_convert.h"
 
 namespace refit::cuda {
 namespace {

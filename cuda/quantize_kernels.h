@@ -2,10 +2,10 @@
 
 // fp8 block quantization on host memory (the rule: fp8_block.h, docs/api.md "Engines"): a 2-D
 // run of `rows` x `cols` float elements becomes e4m3fn bytes plus one fp32 scale per block.
-// The caller (daemon/store/quantize.cc) reduces any tensor rank and block shape to this form:
-// blocks span `block_cols` columns, and row r belongs to scale row scale_row_of[r], so a block
-// is every row sharing a scale row times one column block ([128, 128] blocks of a matrix band:
-// 128 rows mapped to scale row 0; a per-expert block of a fused [E, N, K] tensor: rows of one
+// The caller (daemon/store/quantized_slots.cc) reduces any tensor rank and block shape to this
+// form: blocks span `block_cols` columns, and row r belongs to scale row scale_row_of[r], so a
+// block is every row sharing a scale row times one column block ([128, 128] blocks of a matrix
+// band: 128 rows mapped to scale row 0; a per-expert block of a fused [E, N, K] tensor: rows of one
 // expert mapped to r / 128; a per-tensor scale: every row mapped to 0).
 //
 // Three versions that write the same bytes (quantize_kernels_test holds them to each other and

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "daemon/common/types.h"
-#include "daemon/plan/convert.h"
+#include "daemon/plan/dtype_convert.h"
 
 namespace refit::cuda::testing {
 

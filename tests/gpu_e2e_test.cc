@@ -18,7 +18,7 @@
 #include "client/refit_client.h"
 #include "cuda/gpu_testing.h"
 #include "daemon/common/types.h"
-#include "daemon/plan/convert.h"
+#include "daemon/plan/dtype_convert.h"
 #include "tests/testing/daemon_process.h"
 
 namespace refit {

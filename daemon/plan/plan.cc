@@ -16,7 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "daemon/common/types.h"
-#include "daemon/plan/convert.h"
+#include "daemon/plan/dtype_convert.h"
 
 namespace refit::plan {
 

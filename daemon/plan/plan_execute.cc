@@ -15,7 +15,7 @@
 #include "daemon/common/test_hooks.h"
 #include "daemon/common/types.h"
 #include "daemon/memory/stream_copy.h"
-#include "daemon/plan/convert.h"
+#include "daemon/plan/dtype_convert.h"
 #include "daemon/plan/plan.h"
 
 namespace refit::plan {

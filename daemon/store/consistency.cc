@@ -10,7 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
-#include "daemon/plan/convert.h"
+#include "daemon/plan/dtype_convert.h"
 #include "daemon/plan/scales.h"
 #include "daemon/store/store.h"
 #include "daemon/store/store_internal.h"

@@ -12,7 +12,7 @@
 
 #include "catch2/catch.hpp"
 #include "cuda/quantize_testing.h"
-#include "daemon/store/quantize.h"
+#include "daemon/store/quantized_slots.h"
 #include "daemon/store/store.h"
 #include "daemon/store/store_testing.h"
 

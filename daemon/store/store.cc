@@ -14,7 +14,7 @@
 #include "daemon/common/parallel.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/test_hooks.h"
-#include "daemon/plan/convert.h"
+#include "daemon/plan/dtype_convert.h"
 #include "daemon/plan/plan.h"
 #include "daemon/plan/scales.h"
 #include "daemon/store/apply_journal.h"

@@ -16,7 +16,7 @@
 
 #include "daemon/common/mutex.h"
 #include "daemon/plan/plan.h"
-#include "daemon/store/quantize.h"
+#include "daemon/store/quantized_slots.h"
 #include "daemon/store/store.h"
 #include "daemon/store/tensor_index.h"
 

@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/test_hooks.h"
-#include "daemon/plan/convert.h"
+#include "daemon/plan/dtype_convert.h"
 #include "daemon/plan/plan.h"
 #include "daemon/store/apply_journal.h"
 #include "daemon/store/sparse_walk.h"

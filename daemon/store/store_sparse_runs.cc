@@ -23,7 +23,7 @@
 #include "cuda/run_writer.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/test_hooks.h"
-#include "daemon/plan/convert.h"
+#include "daemon/plan/dtype_convert.h"
 #include "daemon/plan/plan.h"
 #include "daemon/store/sparse_walk.h"
 #include "daemon/store/store.h"

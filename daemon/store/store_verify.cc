@@ -11,7 +11,7 @@
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/plan/plan.h"
-#include "daemon/store/quantize.h"
+#include "daemon/store/quantized_slots.h"
 #include "daemon/store/store.h"
 #include "daemon/store/store_internal.h"
 #include "daemon/store/verify.h"

@@ -1,6 +1,6 @@
 // QuantBatch and QuantCache: a version's fp8 destinations quantized into one derived slot,
 // task by task.
-#include "daemon/store/quantize.h"
+#include "daemon/store/quantized_slots.h"
 
 #include <algorithm>
 #include <set>

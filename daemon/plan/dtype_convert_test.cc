@@ -3,7 +3,7 @@
 // Exhaustive over all 16-bit and 8-bit inputs; fp32 inputs random plus ties, neighbours of ties,
 // subnormals, overflow, inf and NaN.
 
-#include "daemon/plan/convert.h"
+#include "daemon/plan/dtype_convert.h"
 
 #include <algorithm>
 #include <cmath>

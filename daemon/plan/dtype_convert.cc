@@ -1,7 +1,7 @@
 // Float conversions through fp32: every bf16, fp16 and fp8 value is exact in fp32, so widening is
 // exact and narrowing rounds once (round to nearest, ties to even).
 
-#include "daemon/plan/convert.h"
+#include "daemon/plan/dtype_convert.h"
 
 #include <cstdint>
 #include <cstring>
