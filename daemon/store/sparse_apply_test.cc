@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
+#include "daemon/store/sparse_testing.h"
 #include "daemon/store/store.h"
 
 namespace refit {
@@ -16,66 +17,7 @@ namespace {
 
 using std::chrono::milliseconds;
 
-TensorSlice Slice(const std::string& name, DType dtype, std::vector<int64_t> shape,
-                  uint64_t buffer_offset, std::vector<int64_t> offsets = {},
-                  std::vector<int64_t> sizes = {}, std::vector<int64_t> strides = {}) {
-  TensorSlice s;
-  s.name = name;
-  s.dtype = dtype;
-  s.global_shape = std::move(shape);
-  s.buffer_offset = buffer_offset;
-  s.offsets = std::move(offsets);
-  s.sizes = std::move(sizes);
-  s.buffer_strides = std::move(strides);
-  return s;
-}
-
-struct Host {
-  explicit Host(uint64_t size) {
-    auto region = AllocateHost(size);
-    REQUIRE(region.ok());
-    owned = std::move(region).value();
-    data = owned->data();
-    this->size = size;
-  }
-  std::unique_ptr<Region> owned;
-  uint8_t* data;
-  uint64_t size;
-};
-
-// Source: w bf16 [64, 256] (32 KiB), f fp32 [1000], q bf16 [96, 64].
-constexpr uint64_t kW = 64 * 256 * 2, kF = 1000 * 4, kQ = 96 * 64 * 2;
-std::vector<TensorSlice> SourceLayout() {
-  return {Slice("w", DType::kBF16, {64, 256}, 0), Slice("f", DType::kFP32, {1000}, kW),
-          Slice("q", DType::kBF16, {96, 64}, kW + kF)};
-}
-// Destination 1: rows [32, 64) of w (row-parallel shard), f converted to bf16.
-constexpr uint64_t kD1 = 32 * 256 * 2 + 1000 * 2;
-std::vector<TensorSlice> Dest1() {
-  return {Slice("w", DType::kBF16, {64, 256}, 0, {32, 0}, {32, 256}),
-          Slice("f", DType::kBF16, {1000}, 32 * 256 * 2)};
-}
-// Destination 2: columns [128, 256) of w (column shard), q strided into a fused buffer: row
-// stride 128 elements, q in the second half of each row (the first half is another tensor's).
-constexpr uint64_t kD2 = 64 * 128 * 2 + 96 * 128 * 2;
-std::vector<TensorSlice> Dest2() {
-  return {Slice("w", DType::kBF16, {64, 256}, 0, {0, 128}, {64, 128}),
-          Slice("q", DType::kBF16, {96, 64}, 64 * 128 * 2 + 64 * 2, {}, {}, {128, 1})};
-}
-
-void Randomize(uint8_t* p, uint64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  for (uint64_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(rng() % 200);  // no NaNs
-}
-
-// An RL-like step: `share` of the 2-byte words change by one in their low byte.
-void Step(uint8_t* p, uint64_t n, double share, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<double> u(0, 1);
-  for (uint64_t i = 0; i + 1 < n; i += 2) {
-    if (u(rng) < share) p[i] = static_cast<uint8_t>(p[i] ^ 1);
-  }
-}
+using namespace sparse_testing;  // NOLINT: the shared layouts and helpers
 
 struct Fixture {
   Fixture() : store(Options(), &metrics) {}
@@ -96,7 +38,7 @@ TEST_CASE_METHOD(Fixture, "a sparse Apply writes only what changed, bit-exact wi
   Host src(kW + kF + kQ), d1(kD1), d2(kD2);
   Randomize(src.data, src.size, 1);
   std::memset(d2.data, 0x33, kD2);  // the fused buffer's other tensor: never written
-  auto src_id = store.RegisterBuffer("m", Role::kSource, std::move(src.owned), SourceLayout(), "t");
+  auto src_id = store.RegisterBuffer("m", Role::kSource, std::move(src.owned), SourceSlices(), "t");
   REQUIRE(src_id.ok());
   auto d1_id = store.RegisterBuffer("m", Role::kDestination, std::move(d1.owned), Dest1(), "e");
   auto d2_id = store.RegisterBuffer("m", Role::kDestination, std::move(d2.owned), Dest2(), "e");
@@ -152,7 +94,7 @@ TEST_CASE_METHOD(Fixture, "a destination that does not hold N-1 gets the full co
                  "[store][sparse]") {
   Host src(kW + kF + kQ), d1(kD1), d2(kD1);
   Randomize(src.data, src.size, 5);
-  auto src_id = store.RegisterBuffer("m", Role::kSource, std::move(src.owned), SourceLayout(), "t");
+  auto src_id = store.RegisterBuffer("m", Role::kSource, std::move(src.owned), SourceSlices(), "t");
   auto d1_id = store.RegisterBuffer("m", Role::kDestination, std::move(d1.owned), Dest1(), "e");
   auto d2_id = store.RegisterBuffer("m", Role::kDestination, std::move(d2.owned), Dest1(), "e");
   REQUIRE(src_id.ok());
@@ -173,7 +115,7 @@ TEST_CASE_METHOD(Fixture, "an engine that wrote into its buffer since gets the f
                  "[store][sparse]") {
   Host src(kW + kF + kQ), d1(kD1), ref(kD1);
   Randomize(src.data, src.size, 11);
-  auto src_id = store.RegisterBuffer("m", Role::kSource, std::move(src.owned), SourceLayout(), "t");
+  auto src_id = store.RegisterBuffer("m", Role::kSource, std::move(src.owned), SourceSlices(), "t");
   auto d1_id = store.RegisterBuffer("m", Role::kDestination, std::move(d1.owned), Dest1(), "e");
   REQUIRE(src_id.ok());
   REQUIRE(d1_id.ok());
@@ -199,7 +141,7 @@ TEST_CASE("the cost model keeps scattered steps on the full copy", "[store][spar
   Store store(o, &metrics);
   Host src(kW + kF + kQ), d1(kD1);
   Randomize(src.data, src.size, 21);
-  auto src_id = store.RegisterBuffer("m", Role::kSource, std::move(src.owned), SourceLayout(), "t");
+  auto src_id = store.RegisterBuffer("m", Role::kSource, std::move(src.owned), SourceSlices(), "t");
   auto d1_id = store.RegisterBuffer("m", Role::kDestination, std::move(d1.owned), Dest1(), "e");
   REQUIRE(src_id.ok());
   REQUIRE(d1_id.ok());
