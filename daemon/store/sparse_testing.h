@@ -18,8 +18,8 @@
 namespace refit::sparse_testing {
 
 inline TensorSlice Slice(const std::string& name, DType dtype, std::vector<int64_t> shape,
-                  uint64_t buffer_offset, std::vector<int64_t> offsets = {},
-                  std::vector<int64_t> sizes = {}, std::vector<int64_t> strides = {}) {
+                         uint64_t buffer_offset, std::vector<int64_t> offsets = {},
+                         std::vector<int64_t> sizes = {}, std::vector<int64_t> strides = {}) {
   TensorSlice s;
   s.name = name;
   s.dtype = dtype;
