@@ -113,25 +113,7 @@ TEST_CASE_METHOD(Fixture, "a destination that does not hold N-1 gets the full co
 
 TEST_CASE_METHOD(Fixture, "an engine that wrote into its buffer since gets the full copy",
                  "[store][sparse]") {
-  Host src(kW + kF + kQ), d1(kD1), ref(kD1);
-  Randomize(src.data, src.size, 11);
-  auto src_id = store.RegisterBuffer("m", Role::kSource, std::move(src.owned), SourceSlices(), "t");
-  auto d1_id = store.RegisterBuffer("m", Role::kDestination, std::move(d1.owned), Dest1(), "e");
-  REQUIRE(src_id.ok());
-  REQUIRE(d1_id.ok());
-  REQUIRE(store.Publish("m", 1, {*src_id}).ok());
-  REQUIRE(store.Apply("m", 1, {*d1_id}).ok());
-  Step(src.data, src.size, 0.004, 12);
-  REQUIRE(store.Publish("m", 2, {*src_id}).ok());
-  REQUIRE(store.WaitForVersion("m", 2, Clock::now() + milliseconds(5000), nullptr).ok());
-  std::memset(d1.data, 0xab, kD1);  // the engine overwrote its weights
-  auto applied = store.Apply("m", 2, {*d1_id});
-  REQUIRE(applied.ok());
-  CHECK_FALSE(applied->sparse);
-  auto ref_id = store.RegisterBuffer("m", Role::kDestination, std::move(ref.owned), Dest1(), "r");
-  REQUIRE(ref_id.ok());
-  REQUIRE(store.Apply("m", 2, {*ref_id}).ok());
-  CHECK(std::memcmp(d1.data, ref.data, kD1) == 0);
+  CheckOverwrittenGetsFullCopy(store, 11);
 }
 
 TEST_CASE("the cost model keeps scattered steps on the full copy", "[store][sparse]") {

@@ -24,14 +24,6 @@ using std::chrono::milliseconds;
 
 using namespace sparse_testing;  // NOLINT: the shared layouts and helpers
 
-// Destination 3: q column-major (element stride 96: one byte run per element written) and f
-// converted to fp32 -> fp16 behind it.
-constexpr uint64_t kD3 = 96 * 64 * 2 + 1000 * 2;
-std::vector<TensorSlice> Dest3() {
-  return {Slice("q", DType::kBF16, {96, 64}, 0, {}, {}, {1, 96}),
-          Slice("f", DType::kFP16, {1000}, 96 * 64 * 2)};
-}
-
 std::vector<uint8_t> Read(const Region& region) {
   auto host = AllocateHost(region.size());
   REQUIRE(host.ok());

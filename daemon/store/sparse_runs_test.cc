@@ -23,14 +23,6 @@ using std::chrono::milliseconds;
 
 using namespace sparse_testing;  // NOLINT: the shared layouts and helpers
 
-// Destination 3: q column-major (element stride 96: one byte run per element written) and f
-// converted to fp32 -> fp16 behind it.
-constexpr uint64_t kD3 = 96 * 64 * 2 + 1000 * 2;
-std::vector<TensorSlice> Dest3() {
-  return {Slice("q", DType::kBF16, {96, 64}, 0, {}, {}, {1, 96}),
-          Slice("f", DType::kFP16, {1000}, 96 * 64 * 2)};
-}
-
 class Writers;
 
 // The host RunWriter, counting what it is given; flips a destination byte after its Scatter
@@ -201,25 +193,7 @@ TEST_CASE_METHOD(Fixture, "a byte flipped under a run-list write is DATA_LOSS, a
 
 TEST_CASE_METHOD(Fixture, "a run-list Apply into a buffer the engine wrote since is a full copy",
                  "[store][sparse][runs]") {
-  Host src(kW + kF + kQ), d1(kD1), ref(kD1);
-  Randomize(src.data, src.size, 51);
-  auto src_id = store.RegisterBuffer("m", Role::kSource, std::move(src.owned), SourceSlices(), "t");
-  auto d1_id = store.RegisterBuffer("m", Role::kDestination, std::move(d1.owned), Dest1(), "e");
-  REQUIRE(src_id.ok());
-  REQUIRE(d1_id.ok());
-  REQUIRE(store.Publish("m", 1, {*src_id}).ok());
-  REQUIRE(store.Apply("m", 1, {*d1_id}).ok());
-  Step(src.data, src.size, 0.004, 52);
-  REQUIRE(store.Publish("m", 2, {*src_id}).ok());
-  REQUIRE(store.WaitForVersion("m", 2, Clock::now() + milliseconds(5000), nullptr).ok());
-  std::memset(d1.data, 0xab, kD1);  // the engine overwrote its weights
-  auto applied = store.Apply("m", 2, {*d1_id});
-  REQUIRE(applied.ok());
-  CHECK_FALSE(applied->sparse);
-  auto ref_id = store.RegisterBuffer("m", Role::kDestination, std::move(ref.owned), Dest1(), "r");
-  REQUIRE(ref_id.ok());
-  REQUIRE(store.Apply("m", 2, {*ref_id}).ok());
-  CHECK(std::memcmp(d1.data, ref.data, kD1) == 0);
+  CheckOverwrittenGetsFullCopy(store, 51);
 }
 
 TEST_CASE("a run-list sparse Apply on several threads is bit-exact with a full Apply",

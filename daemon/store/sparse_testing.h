@@ -3,9 +3,11 @@
 // What the sparse Apply tests share (sparse_apply_test, sparse_runs_test, sparse_gpu_test): a
 // source layout of three tensors and two destination layouts that reshard it (row and column TP
 // shards, a strided fused destination, fp32 -> bf16), host buffers, random bytes and RL-like
-// steps. Test-only.
+// steps; a third, column-major destination; the overwritten-destination check. Test-only.
 
+#include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -14,6 +16,7 @@
 #include "catch2/catch.hpp"
 #include "daemon/common/types.h"
 #include "daemon/memory/region.h"
+#include "daemon/store/store.h"
 
 namespace refit::sparse_testing {
 
@@ -76,6 +79,40 @@ inline void Step(uint8_t* p, uint64_t n, double share, uint32_t seed) {
   for (uint64_t i = 0; i + 1 < n; i += 2) {
     if (u(rng) < share) p[i] = static_cast<uint8_t>(p[i] ^ 1);
   }
+}
+
+// Destination 3: q column-major (element stride 96: one byte run per element written) and f
+// converted to fp32 -> fp16 behind it.
+constexpr uint64_t kD3 = 96 * 64 * 2 + 1000 * 2;
+inline std::vector<TensorSlice> Dest3() {
+  return {Slice("q", DType::kBF16, {96, 64}, 0, {}, {}, {1, 96}),
+          Slice("f", DType::kFP16, {1000}, 96 * 64 * 2)};
+}
+
+// An engine that overwrote its destination between versions: `store`'s Apply of version 2 is a
+// full copy (not sparse) and leaves the buffer exactly as a fresh buffer's full Apply of 2.
+// `seed` seeds the source's bytes and the step.
+inline void CheckOverwrittenGetsFullCopy(Store& store, uint32_t seed) {
+  Host src(kW + kF + kQ), d1(kD1), ref(kD1);
+  Randomize(src.data, src.size, seed);
+  auto src_id = store.RegisterBuffer("m", Role::kSource, std::move(src.owned), SourceSlices(), "t");
+  auto d1_id = store.RegisterBuffer("m", Role::kDestination, std::move(d1.owned), Dest1(), "e");
+  REQUIRE(src_id.ok());
+  REQUIRE(d1_id.ok());
+  REQUIRE(store.Publish("m", 1, {*src_id}).ok());
+  REQUIRE(store.Apply("m", 1, {*d1_id}).ok());
+  Step(src.data, src.size, 0.004, seed + 1);
+  REQUIRE(store.Publish("m", 2, {*src_id}).ok());
+  REQUIRE(
+      store.WaitForVersion("m", 2, Clock::now() + std::chrono::milliseconds(5000), nullptr).ok());
+  std::memset(d1.data, 0xab, kD1);  // the engine overwrote its weights
+  auto applied = store.Apply("m", 2, {*d1_id});
+  REQUIRE(applied.ok());
+  CHECK_FALSE(applied->sparse);
+  auto ref_id = store.RegisterBuffer("m", Role::kDestination, std::move(ref.owned), Dest1(), "r");
+  REQUIRE(ref_id.ok());
+  REQUIRE(store.Apply("m", 2, {*ref_id}).ok());
+  CHECK(std::memcmp(d1.data, ref.data, kD1) == 0);
 }
 
 }  // namespace refit::sparse_testing
