@@ -114,7 +114,7 @@ absl::Status Daemon::Impl::MakeDataPlane(StoreOptions* store_options) {
   data_plane = std::make_unique<dataplane::DataPlane>(
       std::move(ucx),
       dataplane::DataPlaneOptions{options.chunk_bytes, static_cast<int>(options.inflight),
-                                  liveness.Register("data plane")},
+                                  options.relay_chunk_bytes, liveness.Register("data plane")},
       &metrics);
   // Host slots: pinned where a GPU copies into them; otherwise the transport's own memory, which
   // a peer daemon on this host maps and copies with memcpy (UCX shared memory). The store

@@ -19,6 +19,8 @@ struct DaemonOptions {
   std::string health_listen;          // HOST:PORT for grpc.health.v1 alone (probes); empty: off
   uint64_t chunk_bytes = 4ull << 20;  // largest single RMA read of a pull
   uint32_t inflight = 16;             // RMA reads in flight per pull
+  // Largest single read of what this node reads from a stripe's origin to relay to others.
+  uint64_t relay_chunk_bytes = 256ull << 10;
   // Delta sync: a delta bigger than this fraction of the full bytes is not used (0: deltas
   // off); a source keeps the newest `delta_chain` deltas of each piece.
   double delta_threshold = 0.5;

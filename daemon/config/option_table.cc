@@ -58,6 +58,16 @@ std::vector<OptionSpec> MakeTable() {
                4096,
                double(uint64_t{1} << 30)});
   t.push_back({"inflight", "N", &O::inflight, "UCX reads in flight per pull", {}, 1, 1024});
+  t.push_back({"relay-chunk-bytes",
+               "N",
+               &O::relay_chunk_bytes,
+               "largest single UCX read of a stripe this node reads from its origin to relay to "
+               "other nodes (at most `--chunk-bytes`): they read each such read from here as it "
+               "lands, so a smaller one shortens the wait at a version's start and end (fan-out "
+               "over slow links) for a few more reads",
+               {},
+               64 << 10,
+               double(uint64_t{1} << 30)});
   t.push_back({"max-peer-connections",
                "N",
                &O::max_peer_connections,

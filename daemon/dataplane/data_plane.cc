@@ -708,7 +708,7 @@ std::future<absl::StatusOr<std::vector<std::shared_ptr<Region>>>> DataPlane::Pul
 std::future<absl::Status> DataPlane::Read(const PullJob::Fetch& from,
                                           std::vector<std::pair<uint64_t, uint64_t>> ranges,
                                           std::shared_ptr<Region> slot, Landed landed,
-                                          std::shared_ptr<ReadHashes> hashes) {
+                                          std::shared_ptr<ReadHashes> hashes, ReadGrain grain) {
   auto promise = std::make_shared<std::promise<absl::Status>>();
   auto future = promise->get_future();
   if (!transport_) {
@@ -716,7 +716,11 @@ std::future<absl::Status> DataPlane::Read(const PullJob::Fetch& from,
     return future;
   }
   if (hashes) hashes->assign(1, {});
-  Post([this, from, ranges = std::move(ranges), slot, promise, landed = std::move(landed), hashes] {
+  const uint64_t step = grain == ReadGrain::kRelayed && options_.relay_chunk_bytes > 0
+                            ? std::min(options_.chunk_bytes, options_.relay_chunk_bytes)
+                            : options_.chunk_bytes;
+  Post([this, from, ranges = std::move(ranges), slot, promise, landed = std::move(landed), hashes,
+        step] {
     auto t = std::make_shared<Transfer>();
     absl::Status ready = Prepare(*t, from, slot);
     if (!ready.ok()) {
@@ -724,8 +728,8 @@ std::future<absl::Status> DataPlane::Read(const PullJob::Fetch& from,
       return;
     }
     for (const auto& [begin, end] : ranges) {
-      for (uint64_t off = begin; off < end; off += options_.chunk_bytes) {
-        t->ops.push_back({0, off, std::min(options_.chunk_bytes, end - off)});
+      for (uint64_t off = begin; off < end; off += step) {
+        t->ops.push_back({0, off, std::min(step, end - off)});
       }
     }
     t->landed = landed;

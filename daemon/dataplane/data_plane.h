@@ -44,6 +44,10 @@ struct DataPlaneOptions {
   // Gets in flight per pull, in chunk-sized units: at most inflight x chunk_bytes bytes are in
   // flight, so shorter gets (resharded ranges) may be more of them.
   int inflight = 16;
+  // Largest single get of a stripe this node relays to others (Read with ReadGrain::kRelayed):
+  // what lands here is served on at that grain, so readers downstream start a relayed read's
+  // time after the bytes left the origin, not a --chunk-bytes read's (--relay-chunk-bytes).
+  uint64_t relay_chunk_bytes = 256ull << 10;
   // Told of each turn of the data plane's loop (null: nobody watches it): the watchdog's view
   // of this thread (daemon/common/liveness.h).
   Liveness::Worker* liveness = nullptr;
@@ -102,11 +106,16 @@ class DataPlane {
   // Reads `ranges` of the piece `from` names (node, remote key, size) into `slot`, at the same
   // offsets, --inflight chunks at a time; `landed` (optional) hears of each read as it
   // completes. The future says OK once every range is in, or the first error.
-  // `hashes` (optional, one entry) gets each read's digest as Pull's do.
+  // `hashes` (optional, one entry) gets each read's digest as Pull's do. `grain`: kRelayed reads
+  // in --relay-chunk-bytes steps instead (bytes other nodes wait to read from here: they are
+  // served as each read lands); their digests then miss the checksum grid, and Verify hashes
+  // those chunks once more.
+  enum class ReadGrain { kChunk, kRelayed };
   std::future<absl::Status> Read(const PullJob::Fetch& from,
                                  std::vector<std::pair<uint64_t, uint64_t>> ranges,
                                  std::shared_ptr<Region> slot, Landed landed = nullptr,
-                                 std::shared_ptr<ReadHashes> hashes = nullptr);
+                                 std::shared_ptr<ReadHashes> hashes = nullptr,
+                                 ReadGrain grain = ReadGrain::kChunk);
 
   // Refetches `ranges` of fetch `fetch` of `job` into `slot` (after a checksum mismatch).
   std::future<absl::Status> Refetch(const PullJob& job, size_t fetch,

@@ -261,6 +261,7 @@ struct TwoPlanes {
     DataPlaneOptions options;
     options.chunk_bytes = kChunk;
     options.inflight = 4;
+    options.relay_chunk_bytes = kChunk / 4;
     return options;
   }
 
@@ -362,6 +363,37 @@ TEST_CASE("ranges are read at their offsets, and Read tells of each read as it l
     told += length;
   }
   CHECK(told == covered);
+}
+
+TEST_CASE("a relayed read lands in --relay-chunk-bytes steps, a plain one in --chunk-bytes",
+          "[dataplane]") {
+  TwoPlanes planes(Script{});
+  for (const auto grain : {DataPlane::ReadGrain::kChunk, DataPlane::ReadGrain::kRelayed}) {
+    auto staging = AllocateHost(kBytes);
+    REQUIRE(staging.ok());
+    std::shared_ptr<Region> slot(std::move(*staging));
+    std::memset(slot->data(), 0, slot->size());
+    const std::vector<std::pair<uint64_t, uint64_t>> ranges = {{0, 2 * kChunk + 100}};
+    std::vector<std::pair<uint64_t, uint64_t>> landed;
+    auto hashes = std::make_shared<DataPlane::ReadHashes>();
+    auto read = planes.puller_plane.Read(
+        planes.fetch, ranges, slot,
+        [&landed](uint64_t offset, uint64_t length) { landed.emplace_back(offset, length); },
+        hashes, grain);
+    REQUIRE(Wait(read).ok());
+    CHECK(planes.Matches(*slot, 0, 2 * kChunk + 100));
+    const uint64_t step = grain == DataPlane::ReadGrain::kRelayed ? kChunk / 4 : kChunk;
+    std::sort(landed.begin(), landed.end());
+    REQUIRE(landed.size() == (2 * kChunk + 100 + step - 1) / step);
+    for (size_t i = 0; i < landed.size(); ++i) {
+      CHECK(landed[i].first == i * step);
+      CHECK(landed[i].second == std::min<uint64_t>(step, 2 * kChunk + 100 - i * step));
+    }
+    // One digest per read, at the read's offset.
+    REQUIRE(hashes->size() == 1);
+    CHECK((*hashes)[0].size() == landed.size());
+    CHECK((*hashes)[0].count(step) == 1);
+  }
 }
 
 TEST_CASE("completions out of the order the reads were posted in", "[dataplane]") {

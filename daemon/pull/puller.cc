@@ -390,9 +390,13 @@ absl::Status Puller::PullStriped(const PullJob& job, const std::vector<size_t>& 
     }
     for (auto& [parent, ranges] : ByParent(fetch, view)) {
       if (parent == fetch.node) {
+        // What this node reads from the origin here is the stripe (or the site's entry) other
+        // nodes read from it: in --relay-chunk-bytes reads, which it serves on as each lands.
         auto hashes = std::make_shared<dataplane::DataPlane::ReadHashes>();
-        origin_reads.push_back(
-            {f, data_plane_->Read(fetch, ranges, *slot, landed[f], hashes), hashes});
+        origin_reads.push_back({f,
+                                data_plane_->Read(fetch, ranges, *slot, landed[f], hashes,
+                                                  dataplane::DataPlane::ReadGrain::kRelayed),
+                                hashes});
       } else {
         relay_parts.push_back({f, parent, std::move(ranges)});
       }

@@ -17,8 +17,10 @@
 
 #include "catch2/catch.hpp"
 #include "daemon/dataplane/data_plane.h"
+#include "daemon/fleet/stripes.h"
 #include "daemon/memory/checksum.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/pull/relay_read.h"
 #include "daemon/store/store.h"
 #include "daemon/transport/inproc/inproc_transport.h"
 #include "grpcpp/grpcpp.h"
@@ -173,6 +175,7 @@ class ReversingTransport final : public transport::Transport {
     const size_t n = inner_->Poll(out);
     std::reverse(out->begin() + static_cast<std::ptrdiff_t>(before), out->end());
     if (n > 1) reversed_polls++;
+    completions += static_cast<int>(n);
     return n;
   }
   uint64_t outstanding() const override { return inner_->outstanding(); }
@@ -186,6 +189,7 @@ class ReversingTransport final : public transport::Transport {
 
   // Polls that handed back more than one completion (reordered); read after the pull.
   std::atomic<int> reversed_polls{0};
+  std::atomic<int> completions{0};  // reads completed (each PostGet or gather is one)
 
  private:
   std::unique_ptr<transport::InprocTransport> inner_;
@@ -360,6 +364,45 @@ TEST_CASE("a dead relay's stripes are read from the origin (a failover, counted)
 
 namespace refit::pull {
 namespace {
+
+TEST_CASE(
+    "the stripes this node relays are read from the origin in --relay-chunk-bytes reads, the "
+    "rest in --chunk-bytes; off-grid digests are hashed again and the pull verifies") {
+  std::vector<uint8_t> truth = Pattern(8 * kChecksumChunkBytes);
+  auto transport = std::make_unique<ReversingTransport>();
+  ReversingTransport* counting = transport.get();
+  dataplane::DataPlaneOptions options;
+  options.chunk_bytes = kChecksumChunkBytes;
+  options.relay_chunk_bytes = kChecksumChunkBytes / 8;
+  TwoNodes nodes(truth, std::move(transport), options);
+  DeadRelay relay;
+  grpc::ServerBuilder builder;
+  builder.RegisterService(&relay);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  REQUIRE(server);
+  auto relay_stub = v1::Peer::NewStub(server->InProcessChannel(grpc::ChannelArguments()));
+  fleet::ReplicaTable replicas;
+  REQUIRE(replicas.Report(kRelay, /*relay=*/true, {{"m", 0, 0, false}}, "").ok());
+  OriginAndRelay channels(nodes.stub.get(), relay_stub.get());
+  PullOutcome outcome = nodes.Pull(&channels, &replicas);
+  REQUIRE(outcome.status.ok());
+  CHECK(SameBytes(*outcome.staging[0], truth));
+  CHECK(nodes.puller_metrics.Get(kChunksRefetched) == 0);
+  // The stripes dealt to this node (it relays them) in eighth-chunk reads; the dead relay's,
+  // read from the origin after it failed, in whole chunks.
+  fleet::SiteView view;
+  view.self = kPuller;
+  view.local = {kPuller, kRelay};
+  const auto by_parent = ByParent(nodes.job.fetches[0], view);
+  REQUIRE(by_parent.count(kOrigin) == 1);
+  REQUIRE(by_parent.count(kRelay) == 1);
+  const uint64_t own = Total(by_parent.at(kOrigin));
+  const uint64_t dealt = Total(by_parent.at(kRelay));
+  CHECK(own + dealt == truth.size());
+  CHECK(static_cast<uint64_t>(counting->completions.load()) ==
+        own / options.relay_chunk_bytes + dealt / options.chunk_bytes);
+  server->Shutdown();
+}
 
 TEST_CASE("reads completing out of order still make an exact pull") {
   std::vector<uint8_t> truth = Pattern(kBytes);
