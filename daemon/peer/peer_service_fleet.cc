@@ -10,6 +10,7 @@
 #include "daemon/common/logging.h"
 #include "daemon/peer/peer_limits.h"
 #include "daemon/peer/peer_service.h"
+#include "daemon/pull/relay_read.h"
 #include "daemon/rl/timeline.h"
 
 namespace refit::peer {
@@ -30,6 +31,29 @@ constexpr size_t kMaxName = 1024;
 // A replica report: what one node may say (its models, and their names' bytes in all).
 constexpr int kMaxReportModels = 4096;
 constexpr size_t kMaxReportNameBytes = 256 << 10;
+
+// The ranges a RelayRequest says it wants, sorted and merged; empty when it says none (an
+// older reader) or more than kMaxWantedRanges: then it is told of everything that lands.
+fleet::Ranges WantedRanges(const v1::RelayRequest& request) {
+  fleet::Ranges wanted;
+  if (request.wanted_size() > kMaxWantedRanges) return wanted;
+  for (const v1::ByteRange& r : request.wanted()) {
+    if (r.length() == 0 || r.offset() + r.length() < r.offset()) continue;
+    wanted.emplace_back(r.offset(), r.offset() + r.length());
+  }
+  pull::Merge(&wanted);
+  return wanted;
+}
+
+// What of `landed` (ranges in the order they landed) a reader that wants `wanted` (sorted,
+// disjoint; empty: everything) is told of. Every node relaying a piece lands all of it, most
+// from other relays; without this each of its readers would hear of (and wake for) every read
+// this node makes, not only of the stripes it reads here.
+fleet::Ranges ForReader(fleet::Ranges landed, const fleet::Ranges& wanted) {
+  pull::Merge(&landed);
+  if (wanted.empty()) return landed;
+  return pull::Intersect(landed, wanted);
+}
 
 void AddRanges(const fleet::Ranges& ranges,
                google::protobuf::RepeatedPtrField<v1::ByteRange>* out) {
@@ -90,20 +114,7 @@ void PeerService::NoteEntry(const fleet::RelayKey& key, const v1::RelayRequest& 
       request.wanted_size() > kMaxWantedRanges || request.site().size() > kMaxNodeName) {
     return;
   }
-  fleet::Ranges wanted;
-  for (const v1::ByteRange& r : request.wanted()) {
-    if (r.length() == 0 || r.offset() + r.length() < r.offset()) continue;
-    wanted.emplace_back(r.offset(), r.offset() + r.length());
-  }
-  std::sort(wanted.begin(), wanted.end());
-  fleet::Ranges merged;
-  for (const auto& r : wanted) {
-    if (!merged.empty() && r.first <= merged.back().second) {
-      merged.back().second = std::max(merged.back().second, r.second);
-    } else {
-      merged.push_back(r);
-    }
-  }
+  const fleet::Ranges merged = WantedRanges(request);
   const fleet::EntryClaims::Conflict conflict =
       entry_claims_.Claim(key, request.site(), request.node(), merged);
   if (conflict.other.empty()) return;
@@ -174,29 +185,41 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
                        absl::StrCat("to ", request->node(), " (piece ", request->buffer_id(),
                                     " of ", request->origin(), ")"));
   }
+  const fleet::Ranges wanted = WantedRanges(*request);
   v1::RelayProgress progress;
   progress.set_remote_key(remote_key->descriptor);
   progress.set_bytes(view->bytes);
   AddRanges(view->planned, progress.mutable_planned());
   bool complete = false;
+  bool first = true;
   size_t cursor = 0;
+  auto written = std::chrono::steady_clock::now();
   while (true) {
     if (view->state == fleet::RelayState::kFailed) {
       return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                           absl::StrCat("node ", node_, "'s own pull of that version failed"));
     }
-    for (const auto& [begin, end] : view->landed) {
+    const fleet::Ranges news = ForReader(view->landed, wanted);
+    for (const auto& [begin, end] : news) {
       if (relay_flips_.load() > 0 && relay_flips_.fetch_sub(1) > 0 && end > begin) {
         slot->data()[begin] +=
             1;  // a relay serving wrong bytes (tests only; adds up, never undoes)
       }
     }
-    AddRanges(view->landed, progress.mutable_landed());
-    complete = complete || view->state == fleet::RelayState::kComplete;
-    progress.set_complete(complete);
+    const bool now_complete = complete || view->state == fleet::RelayState::kComplete;
     cursor = view->cursor;
-    if (!writer->Write(progress)) return grpc::Status::OK;
-    progress.Clear();
+    // Written: the first message, news for this reader, completion, and a heartbeat at least
+    // every kRelayHeartbeat; landings of stripes this reader reads elsewhere are not.
+    if (first || !news.empty() || now_complete != complete ||
+        std::chrono::steady_clock::now() - written >= kRelayHeartbeat) {
+      AddRanges(news, progress.mutable_landed());
+      progress.set_complete(now_complete);
+      if (!writer->Write(progress)) return grpc::Status::OK;
+      written = std::chrono::steady_clock::now();
+      progress.Clear();
+      first = false;
+    }
+    complete = now_complete;
     if (context->IsCancelled()) return grpc::Status::CANCELLED;
     {
       common::MutexLock lock(mu_);
@@ -222,7 +245,7 @@ grpc::Status PeerService::Relay(grpc::ServerContext* context, const v1::RelayReq
       view->cursor = cursor;
       continue;
     }
-    view = board_->Wait(key, cursor, std::chrono::steady_clock::now() + kRelayHeartbeat);
+    view = board_->Wait(key, cursor, written + kRelayHeartbeat);
     if (!view.ok()) {
       // Its entry went: a newer version's pull began here. Once complete was sent the reader
       // only finishes its reads, from the slot this stream still holds.
