@@ -39,11 +39,14 @@ inline constexpr Counter kDataBytesReceived{
 
 namespace refit::dataplane {
 
+// chunk_bytes and inflight are refitd's --chunk-bytes and --inflight, set from DaemonOptions
+// (daemon/component_options.h), where their defaults live; unset (0) they abort DataPlane's
+// constructor. Tests take theirs from TestDataPlaneOptions (data_plane_testing.h).
 struct DataPlaneOptions {
-  uint64_t chunk_bytes = 4ull << 20;  // largest single get
+  uint64_t chunk_bytes = 0;  // largest single get, > 0
   // Gets in flight per pull, in chunk-sized units: at most inflight x chunk_bytes bytes are in
-  // flight, so shorter gets (resharded ranges) may be more of them.
-  int inflight = 16;
+  // flight, so shorter gets (resharded ranges) may be more of them. >= 1.
+  int inflight = 0;
   // Told of each turn of the data plane's loop (null: nobody watches it): the watchdog's view
   // of this thread (daemon/common/liveness.h).
   Liveness::Worker* liveness = nullptr;
