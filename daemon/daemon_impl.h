@@ -13,6 +13,7 @@
 #include "daemon/callers/local_listener.h"
 #include "daemon/common/liveness.h"
 #include "daemon/common/mutex.h"
+#include "daemon/component_options.h"
 #include "daemon/daemon.h"
 #include "daemon/dataplane/data_plane.h"
 #include "daemon/fleet/relay_board.h"
@@ -40,10 +41,8 @@
 namespace refit {
 
 // Checks what no part checks itself (--retain, --node, the peer plane's exposure) and that the
-// --socket path can be served.
+// --socket path can be served. The parts' options come from component_options.h.
 absl::Status CheckDaemonOptions(const DaemonOptions& options);
-// The store's options from the flags (--retain, --slot-memory, --delta-base, ...).
-absl::StatusOr<StoreOptions> StoreOptionsFrom(const DaemonOptions& options);
 
 struct Daemon::Impl {
   explicit Impl(const DaemonOptions& options);

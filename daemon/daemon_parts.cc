@@ -1,11 +1,11 @@
 // Daemon::Impl's parts, made by Daemon::Start (daemon.cc) in this order: the state restored,
 // the data plane, the store, the delta and bucket exchange, the peer plane, the store's
-// listeners, the local services and health. The listeners are in daemon_listeners.cc.
+// listeners, the local services and health. The listeners are in daemon_listeners.cc; what each
+// part is given from refitd's options, in component_options.cc.
 
 #include <cstdlib>
 #include <set>
 
-#include "absl/strings/str_cat.h"
 #include "cuda/cuda.h"
 #include "daemon/common/logging.h"
 #include "daemon/daemon_impl.h"
@@ -55,32 +55,6 @@ std::vector<server::PeerInfo> ToPeerInfo(const std::vector<peer::PeerState>& sta
 
 }  // namespace
 
-absl::StatusOr<StoreOptions> StoreOptionsFrom(const DaemonOptions& options) {
-  StoreOptions store_options;
-  store_options.retain = options.retain;
-  store_options.node = options.node;
-  store_options.max_slot_bytes = options.max_slot_memory;
-  store_options.max_gpu_slot_bytes = options.max_gpu_slot_memory;
-  store_options.journal_dir = options.state_dir;  // Apply's undo journal outlives a kill
-  if (absl::Status parsed = ParseDeltaBase(options.delta_base, &store_options.delta_base,
-                                           &store_options.delta_base_models);
-      !parsed.ok()) {
-    return parsed;
-  }
-  if (options.slot_memory == "cuda") {
-    if (options.slot_device < 0 || options.slot_device >= cuda::DeviceCount()) {
-      return absl::FailedPreconditionError(absl::StrCat("--slot-memory=cuda needs CUDA device ",
-                                                        options.slot_device, "; this refitd has ",
-                                                        cuda::Describe()));
-    }
-    store_options.slot_memory = MemoryKind::kCuda;
-    store_options.slot_device = options.slot_device;
-  } else if (options.slot_memory != "host") {
-    return absl::InvalidArgumentError("--slot-memory must be host or cuda");
-  }
-  return store_options;
-}
-
 absl::Status Daemon::Impl::RestoreState() {
   auto opened = state::VersionLedger::Open(options.state_dir);
   if (!opened.ok()) return opened.status();
@@ -111,11 +85,9 @@ absl::Status Daemon::Impl::MakeDataPlane(StoreOptions* store_options) {
   } else {
     Logger("transport")->error("no data plane: {}", created.status().ToString());
   }
-  data_plane = std::make_unique<dataplane::DataPlane>(
-      std::move(ucx),
-      dataplane::DataPlaneOptions{options.chunk_bytes, static_cast<int>(options.inflight),
-                                  options.relay_chunk_bytes, liveness.Register("data plane")},
-      &metrics);
+  dataplane::DataPlaneOptions data_plane_options = DataPlaneOptionsFrom(options);
+  data_plane_options.liveness = liveness.Register("data plane");
+  data_plane = std::make_unique<dataplane::DataPlane>(std::move(ucx), data_plane_options, &metrics);
   // Host slots: pinned where a GPU copies into them; otherwise the transport's own memory, which
   // a peer daemon on this host maps and copies with memcpy (UCX shared memory). The store
   // outlives the data plane (member order), but nothing allocates a slot once the data plane is
@@ -136,18 +108,14 @@ void Daemon::Impl::MakeStore(const StoreOptions& store_options) {
 }
 
 absl::Status Daemon::Impl::MakeExchange() {
-  peer::DeltaSourceOptions delta_options;
-  delta_options.threshold = options.delta_threshold;
-  delta_options.chain = options.delta_chain;
   // Called from DeltaSource's thread, which starts here and is stopped before the peer service
   // and the exporter go (~Impl).
-  deltas = std::make_unique<peer::DeltaSource>(store.get(), delta_options, &metrics,
-                                               DeltasPrepared(&wiring));
+  deltas = std::make_unique<peer::DeltaSource>(store.get(), DeltaSourceOptionsFrom(options),
+                                               &metrics, DeltasPrepared(&wiring));
   wiring.deltas = deltas.get();
   if (!options.bucket_export.empty()) {
-    bucket_export =
-        std::make_unique<bucket::BucketExport>(options.bucket_export, options.bucket_full_every,
-                                               options.retain, store.get(), deltas.get(), &metrics);
+    bucket_export = std::make_unique<bucket::BucketExport>(
+        options.bucket_export, ExporterOptionsFrom(options), store.get(), deltas.get(), &metrics);
     wiring.bucket_export = bucket_export.get();
   }
   if (!options.bucket_import.empty()) {
@@ -183,26 +151,18 @@ absl::Status Daemon::Impl::CheckPeerTls() {
 }
 
 void Daemon::Impl::MakePeerPlane() {
-  peer::PeerServiceOptions service_options;
-  service_options.relay = options.relay;
-  service_options.tls = tls.enabled();
-  peer_service =
-      std::make_unique<peer::PeerService>(options.node, store.get(), data_plane.get(), deltas.get(),
-                                          &metrics, &relay_board, &replicas, service_options);
+  peer_service = std::make_unique<peer::PeerService>(
+      options.node, store.get(), data_plane.get(), deltas.get(), &metrics, &relay_board, &replicas,
+      PeerServiceOptionsFrom(options, tls.enabled()));
   wiring.peer_service = peer_service.get();
   staleness = std::make_unique<rl::Staleness>(options.node, &replicas, &metrics,
                                               std::chrono::milliseconds(100),
                                               StoreLatestVersion(store.get()));
   const rl::Parts rl_parts{&timeline, &labels, staleness.get()};
   peer_service->SetRl(rl_parts);
-  peer::PeerManagerOptions peer_options;
-  peer_options.node = options.node;
+  peer::PeerManagerOptions peer_options = PeerManagerOptionsFrom(options);
   peer_options.instance = instance;
-  peer_options.delta_threshold = options.delta_threshold;
-  peer_options.relay = options.relay;
   peer_options.tls = tls;
-  peer_options.max_peer_connections = options.max_peer_connections;
-  peer_options.site = options.site;
   peer_options.rl = rl_parts;
   peers = std::make_unique<peer::PeerManager>(peer_options, options.peers, store.get(),
                                               data_plane.get(), &metrics, &relay_board, &replicas);
@@ -212,7 +172,6 @@ void Daemon::Impl::MakePeerPlane() {
   listen = options.listen.substr(0, colon == std::string::npos ? 0 : colon) + ":?";
   peer_service->SetIdentity(instance, listen);
   peer_service->SetSite(options.site);
-  peer_service->SetMaxRelayReaders(options.max_peer_connections);
 }
 
 void Daemon::Impl::ConnectEvents() {

@@ -7,15 +7,12 @@
 
 namespace refit::bucket {
 
-BucketExport::BucketExport(std::string dir, uint32_t full_every, uint32_t retain,
-                           LocalSnapshots* store, peer::DeltaSource* deltas, Metrics* metrics)
+BucketExport::BucketExport(std::string dir, ExporterOptions options, LocalSnapshots* store,
+                           peer::DeltaSource* deltas, Metrics* metrics)
     : dir_(std::move(dir)),
       options_([&] {
-        ExporterOptions o;
-        o.full_every = std::max<uint32_t>(1, full_every);
-        o.retain = std::max<uint32_t>(1, retain);
-        o.metrics = metrics;
-        return o;
+        options.metrics = metrics;
+        return options;
       }()),
       store_(store),
       deltas_(deltas),

@@ -39,8 +39,10 @@ namespace refit::bucket {
 
 class BucketExport final : public StoreEvents {
  public:
-  // `deltas` may be null (no delta sync: every version is written in full).
-  BucketExport(std::string dir, uint32_t full_every, uint32_t retain, LocalSnapshots* store,
+  // `deltas` may be null (no delta sync: every version is written in full). `options`: what
+  // each model's Exporter writes with (full_every and retain >= 1, or every Write fails
+  // INVALID_ARGUMENT; its metrics are `metrics`).
+  BucketExport(std::string dir, ExporterOptions options, LocalSnapshots* store,
                peer::DeltaSource* deltas, Metrics* metrics);
   ~BucketExport() override;  // Stop()
   BucketExport(const BucketExport&) = delete;

@@ -61,9 +61,11 @@ inline constexpr Counter kBucketFilesPruned{"refit_bucket_files_pruned_total",
 inline constexpr Counter kBucketExportErrors{"refit_bucket_export_errors_total",
                                              "--bucket-export: failed writes."};
 
+// full_every and retain have no default here: refitd sets them from --bucket-full-every and
+// --retain (DaemonOptions, where their defaults live); Write refuses them unset (0).
 struct ExporterOptions {
-  uint32_t full_every = 8;  // K >= 1: at most K - 1 deltas between two all-full versions
-  uint32_t retain = 2;      // >= 1: the newest versions kept reconstructible
+  uint32_t full_every = 0;  // K >= 1: at most K - 1 deltas between two all-full versions
+  uint32_t retain = 0;      // >= 1: the newest versions kept reconstructible
   int zstd_level = 1;       // full files; negative values are zstd's fast levels
   int zstd_workers = 0;     // zstd's own threads for large pieces (0: compress on the caller)
   bool fsync = true;        // fsync files and the directory (off only in tests)

@@ -128,6 +128,14 @@ DataPlane::DataPlane(std::unique_ptr<transport::Transport> transport, DataPlaneO
       metrics_(metrics),
       data_bytes_received_(metrics->Declare(kDataBytesReceived)),
       progress_(progress) {
+  if (options_.chunk_bytes == 0 || options_.inflight < 1) {
+    Logger("transport")
+        ->critical(
+            "DataPlane: chunk_bytes {} and inflight {}: set them from --chunk-bytes and "
+            "--inflight (DaemonOptions; > 0)",
+            options_.chunk_bytes, options_.inflight);
+    std::abort();
+  }
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd_ < 0) {
     Logger("transport")->critical("eventfd: {}", std::strerror(errno));

@@ -39,15 +39,19 @@ inline constexpr Counter kDataBytesReceived{
 
 namespace refit::dataplane {
 
+// chunk_bytes and inflight are refitd's --chunk-bytes and --inflight, set from DaemonOptions
+// (daemon/component_options.h), where their defaults live; unset (0) they abort DataPlane's
+// constructor. Tests take theirs from TestDataPlaneOptions (data_plane_testing.h).
 struct DataPlaneOptions {
-  uint64_t chunk_bytes = 4ull << 20;  // largest single get
+  uint64_t chunk_bytes = 0;  // largest single get, > 0
   // Gets in flight per pull, in chunk-sized units: at most inflight x chunk_bytes bytes are in
-  // flight, so shorter gets (resharded ranges) may be more of them.
-  int inflight = 16;
-  // Largest single get of a stripe this node relays to others (Read with ReadGrain::kRelayed):
-  // what lands here is served on at that grain, so readers downstream start a relayed read's
-  // time after the bytes left the origin, not a --chunk-bytes read's (--relay-chunk-bytes).
-  uint64_t relay_chunk_bytes = 256ull << 10;
+  // flight, so shorter gets (resharded ranges) may be more of them. >= 1.
+  int inflight = 0;
+  // Largest single get of a stripe this node relays to others (Read with ReadGrain::kRelayed;
+  // refitd's --relay-chunk-bytes): what lands here is served on at that grain, so readers
+  // downstream start a relayed read's time after the bytes left the origin, not a
+  // --chunk-bytes read's. 0: --chunk-bytes.
+  uint64_t relay_chunk_bytes = 0;
   // Told of each turn of the data plane's loop (null: nobody watches it): the watchdog's view
   // of this thread (daemon/common/liveness.h).
   Liveness::Worker* liveness = nullptr;

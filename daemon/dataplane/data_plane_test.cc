@@ -25,6 +25,7 @@
 
 #include "catch2/catch.hpp"
 #include "daemon/common/xxh3.h"
+#include "daemon/dataplane/data_plane_testing.h"
 #include "daemon/memory/region.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/transport/inproc/inproc_transport.h"
@@ -235,7 +236,7 @@ absl::Status ScriptedEndpoint::PostGetSpans(const LocalMemory& local, const Remo
 struct TwoPlanes {
   explicit TwoPlanes(Script script, uint64_t bytes = kBytes, ProgressOptions progress = {})
       : truth(Pattern(bytes, 7)),
-        source_plane(transport::InprocTransport::Create(), {}, &source_metrics),
+        source_plane(transport::InprocTransport::Create(), TestDataPlaneOptions(), &source_metrics),
         scripted(new ScriptedTransport(script)),
         puller_plane(std::unique_ptr<transport::Transport>(scripted), Options(), &puller_metrics,
                      progress) {

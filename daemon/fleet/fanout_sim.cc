@@ -16,6 +16,7 @@
 
 #include "daemon/fleet/fanout_model.h"
 #include "daemon/fleet/stripes.h"
+#include "daemon/options.h"
 
 namespace refit::fleet {
 namespace {
@@ -24,7 +25,8 @@ constexpr double kMiB = 1024.0 * 1024.0;
 
 struct Options {
   uint64_t model_bytes = uint64_t{256} << 20;
-  uint64_t chunk_bytes = uint64_t{4} << 20;
+  // The simulated refitd's --chunk-bytes, --inflight and --relay: refitd's defaults.
+  uint64_t chunk_bytes = DaemonOptions{}.chunk_bytes;
   double link_gbit = 1;
   // Goodput: the fraction of line rate a link delivers (TCP/IP headers, tbf, CPU). 0: 1 in the
   // tables; --calibrate-measured then fits it on its first figure.
@@ -34,8 +36,8 @@ struct Options {
   int pieces_per_trainer = 1;
   std::string k_list = "1,2,4,8,16,32,64,128,256";
   int fanout = kDefaultFanout;
-  int inflight = 16;
-  bool relay = true;
+  int inflight = static_cast<int>(DaemonOptions{}.inflight);
+  bool relay = DaemonOptions{}.relay;
   double kill_fraction = 0.5;
   double kill_time_s = -1;
   double detect_delay_s = 0.2;

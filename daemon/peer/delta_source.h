@@ -34,11 +34,13 @@
 
 namespace refit::peer {
 
+// threshold and chain are refitd's --delta-threshold and --delta-chain, set from DaemonOptions
+// (daemon/component_options.h), where their defaults live; unset, no delta is encoded.
 struct DeltaSourceOptions {
   // A delta bigger than this fraction of its piece is dropped (receivers pull full bytes);
   // 0 turns delta encoding off.
-  double threshold = 0.5;
-  uint32_t chain = 4;                           // deltas kept per piece, newest first
+  double threshold = 0;
+  uint32_t chain = 0;                           // deltas kept per piece, newest first (0: 1)
   uint64_t chunk_elements = uint64_t{1} << 18;  // a receiver fetches whole chunks
   int threads = 0;                              // encoder threads; 0: one per core
 };

@@ -33,7 +33,9 @@ milliseconds RelayIdle() {
   return milliseconds(60000);
 }
 
-pull::PullerOptions PullOptions(const PeerManagerOptions& options) {
+}  // namespace
+
+pull::PullerOptions PullerOptionsFor(const PeerManagerOptions& options) {
   pull::PullerOptions pull;
   pull.node = options.node;
   pull.delta_threshold = options.delta_threshold;
@@ -44,7 +46,7 @@ pull::PullerOptions PullOptions(const PeerManagerOptions& options) {
   return pull;
 }
 
-RelayChannelsOptions ChannelOptions(const PeerManagerOptions& options) {
+RelayChannelsOptions RelayChannelsOptionsFor(const PeerManagerOptions& options) {
   RelayChannelsOptions channels;
   channels.relay = options.relay;
   channels.max_channels = std::max<uint32_t>(1, options.max_peer_connections);
@@ -52,7 +54,9 @@ RelayChannelsOptions ChannelOptions(const PeerManagerOptions& options) {
   return channels;
 }
 
-}  // namespace
+ReplicaReporterOptions ReplicaReporterOptionsFor(const PeerManagerOptions& options) {
+  return ReplicaReporterOptions{options.node, options.relay, options.site};
+}
 
 PeerManager::PeerManager(PeerManagerOptions options, std::vector<std::string> addresses,
                          PeerStore* store, DataPlane* data_plane, Metrics* metrics,
@@ -62,13 +66,12 @@ PeerManager::PeerManager(PeerManagerOptions options, std::vector<std::string> ad
       events_(store, options.rl, replicas),
       links_(&dialer_, &events_, data_plane, metrics),
       resolver_(std::move(addresses), &links_),
-      channels_(ChannelOptions(options), &dialer_, &links_, data_plane, metrics),
-      puller_(PullOptions(options), store, data_plane, metrics, &channels_, board, replicas),
+      channels_(RelayChannelsOptionsFor(options), &dialer_, &links_, data_plane, metrics),
+      puller_(PullerOptionsFor(options), store, data_plane, metrics, &channels_, board, replicas),
       runner_(&puller_),
       finisher_(store),
       pulls_(&runner_, &finisher_, &channels_, metrics),
-      reporter_(ReplicaReporterOptions{options.node, options.relay, options.site}, store, &links_,
-                &channels_, replicas) {}
+      reporter_(ReplicaReporterOptionsFor(options), store, &links_, &channels_, replicas) {}
 
 PeerManager::~PeerManager() { Stop(); }
 

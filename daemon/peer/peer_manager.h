@@ -46,25 +46,33 @@ namespace refit::peer {
 
 using dataplane::DataPlane;
 
+// The fields named after a refitd flag are set from DaemonOptions (PeerManagerOptionsFrom,
+// daemon/component_options.h), where their defaults live (daemon/config's option table prints
+// them); here they hold neutral values: deltas, relaying and relay channels off.
 struct PeerManagerOptions {
-  std::string node;  // this node
+  std::string node;  // --node: this node
   // This daemon's random per-process id (PeerService's too): a Hello answered with this node's
   // name and this id reached this very daemon.
   std::string instance;
-  // Use a source's deltas when they are at most this fraction of the bytes a pull needs (0:
-  // always pull full bytes). Its default, and --relay's and --max-peer-connections', are in
-  // daemon/config's option table (DaemonOptions) only: refitd sets each of them here.
+  // --delta-threshold: use a source's deltas when they are at most this fraction of the bytes
+  // a pull needs (0: always pull full bytes).
   double delta_threshold = 0;
   bool relay = false;     // --relay
   tls::PeerTlsFiles tls;  // mutual TLS on every channel to a peer (none: plaintext)
   // --max-peer-connections: --peers are always connected; relay channels open on demand only
-  // while fewer than this many channels are open.
+  // while fewer than this many channels are open (0: as 1).
   uint32_t max_peer_connections = 0;
   std::string site;  // --site ("": none)
   // Labels, staleness budgets and the timeline heard from other nodes (daemon/rl); may be
   // null members.
   rl::Parts rl;
 };
+
+// What PeerManager gives its parts, from its options (refitd's mapping test checks that
+// DaemonOptions' defaults reach them).
+pull::PullerOptions PullerOptionsFor(const PeerManagerOptions& options);
+RelayChannelsOptions RelayChannelsOptionsFor(const PeerManagerOptions& options);
+ReplicaReporterOptions ReplicaReporterOptionsFor(const PeerManagerOptions& options);
 
 class PeerManager final : public pull::PeerChannels, public StoreEvents {
  public:

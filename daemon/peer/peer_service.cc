@@ -29,7 +29,8 @@ PeerService::PeerService(std::string node, PeerStore* store, DataPlane* data_pla
       board_(board),
       replicas_(replicas),
       relay_(options.relay && board != nullptr),
-      tls_(options.tls) {
+      tls_(options.tls),
+      max_relay_readers_(std::max<uint32_t>(1, options.max_relay_readers)) {
   metrics_->Declare(kDataBytesSent);
   metrics_->Declare(kRelayBytesSent);
   metrics_->Declare(kChecksumBytesHashed);
@@ -120,11 +121,6 @@ void PeerService::SetIdentity(const std::string& instance, const std::string& li
   common::MutexLock lock(mu_);
   instance_ = instance;
   listen_ = listen;
-}
-
-void PeerService::SetMaxRelayReaders(uint32_t readers) {
-  common::MutexLock lock(mu_);
-  max_relay_readers_ = std::max<uint32_t>(1, readers);
 }
 
 void PeerService::SetSite(const std::string& site) {

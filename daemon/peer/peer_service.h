@@ -36,10 +36,15 @@ namespace refit::peer {
 
 using dataplane::DataPlane;
 
-// How a PeerService serves (from refitd's flags).
+// How a PeerService serves, from refitd's flags (set from DaemonOptions,
+// daemon/component_options.h, where their defaults live; unset: no relaying, no TLS).
 struct PeerServiceOptions {
   bool relay = false;  // --relay: other pullers may read what this node pulled (Relay)
   bool tls = false;    // --tls-*: callers are authenticated by their certificates
+  // --max-peer-connections: Relay streams are served to at most this many other nodes at once
+  // (incoming relay readers, as outgoing channels); a further node is refused
+  // RESOURCE_EXHAUSTED and reads those stripes from the origin. 0: one.
+  uint32_t max_relay_readers = 0;
 };
 
 class PeerService final : public v1::Peer::Service, public StoreEvents {
@@ -57,10 +62,6 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
   void SetIdentity(const std::string& instance, const std::string& listen);
   // This daemon's --site, said in Hello (before serving).
   void SetSite(const std::string& site);
-  // Incoming relay readers: Relay streams are served to at most this many other nodes at once
-  // (--max-peer-connections, as outgoing channels); a further node is refused
-  // RESOURCE_EXHAUSTED and reads those stripes from the origin. Before serving.
-  void SetMaxRelayReaders(uint32_t readers);
 
   // A daemon subscribed to this one (it pulls from here), or one whose Hello was refused.
   struct Subscriber {
@@ -131,6 +132,7 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
   const bool relay_;
   rl::Parts rl_;    // set before serving
   const bool tls_;  // callers are authenticated: a claimed node name must be the certificate's
+  const uint32_t max_relay_readers_;  // PeerServiceOptions::max_relay_readers, at least 1
   // PERMISSION_DENIED when TLS is on and `node` is not the caller's certificate's name.
   absl::Status Authenticate(const grpc::ServerContext& context, const std::string& node) const;
   // Who a call comes from, for the per-peer bounds (peer_limits.h): the authenticated node with
@@ -146,7 +148,6 @@ class PeerService final : public v1::Peer::Service, public StoreEvents {
   std::string instance_ ABSL_GUARDED_BY(mu_);
   std::string listen_ ABSL_GUARDED_BY(mu_);
   std::string site_ ABSL_GUARDED_BY(mu_);
-  uint32_t max_relay_readers_ ABSL_GUARDED_BY(mu_) = 16;
   // Node -> its Relay streams open here.
   std::map<std::string, int> relay_readers_ ABSL_GUARDED_BY(mu_);
   // Records which bytes of `key` a reader of another site asked for; warns (once per version

@@ -26,11 +26,13 @@
 
 namespace refit::peer {
 
+// relay and max_channels are refitd's --relay and --max-peer-connections (PeerManager passes
+// them on; their defaults live in DaemonOptions alone): unset, no relay channel opens.
 struct RelayChannelsOptions {
-  bool relay = true;  // --relay: off, only --peers nodes are reached
+  bool relay = false;  // --relay: off, only --peers nodes are reached
   // --max-peer-connections: relay channels open only while fewer channels than this are open
   // (--peers connections count, and are always made).
-  uint32_t max_channels = 16;
+  uint32_t max_channels = 0;
   // A relay channel unused this long is closed.
   std::chrono::milliseconds idle{60000};
 };

@@ -12,6 +12,7 @@
 
 #include "catch2/catch.hpp"
 #include "daemon/dataplane/data_plane.h"
+#include "daemon/dataplane/data_plane_testing.h"
 #include "daemon/fleet/replicas.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/peer/peer_dial.h"
@@ -20,6 +21,7 @@
 #include "daemon/peer/peer_metrics.h"
 #include "daemon/peer/replica_reporter.h"
 #include "daemon/store/store.h"
+#include "daemon/store/store_testing.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
 
@@ -61,8 +63,8 @@ class FakeDaemon final : public v1::Peer::Service {
 struct Node {
   explicit Node(RelayChannelsOptions options)
       : dialer("self", "instance-1", tls::PeerTlsFiles{}),
-        data_plane(nullptr, {}, &metrics),
-        store(StoreOptions{}, &metrics),
+        data_plane(nullptr, dataplane::TestDataPlaneOptions(), &metrics),
+        store(refit::testing::TestStoreOptions(), &metrics),
         events(&store, rl::Parts{}, &replicas),
         links(&dialer, &events, &data_plane, &metrics),
         channels(options, &dialer, &links, &data_plane, &metrics) {}

@@ -20,10 +20,11 @@
 
 namespace refit::peer {
 
+// From refitd's flags, through PeerManager (the defaults live in DaemonOptions alone).
 struct ReplicaReporterOptions {
-  std::string node;   // this node
-  bool relay = true;  // --relay: other nodes may read relayed stripes here
-  std::string site;   // --site
+  std::string node;    // this node
+  bool relay = false;  // --relay: other nodes may read relayed stripes here
+  std::string site;    // --site
 };
 
 class ReplicaReporter {

@@ -49,7 +49,8 @@ class PeerChannels {
 struct PullerOptions {
   std::string node;  // this node
   // Use a source's deltas when they are at most this fraction of the bytes a pull needs
-  // (--delta-threshold; its default and --relay's: daemon/config's option table only).
+  // (--delta-threshold, 0: full bytes only). It and --relay come through PeerManager
+  // (PullerOptionsFor); their defaults live in DaemonOptions alone.
   double delta_threshold = 0;
   uint32_t pin_lease_ms = 120000;  // a pull's pins, renewed every quarter of it
   bool relay = false;              // read stripes from other pullers, and let them read here

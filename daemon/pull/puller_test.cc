@@ -17,11 +17,13 @@
 
 #include "catch2/catch.hpp"
 #include "daemon/dataplane/data_plane.h"
+#include "daemon/dataplane/data_plane_testing.h"
 #include "daemon/fleet/stripes.h"
 #include "daemon/memory/checksum.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/pull/relay_read.h"
 #include "daemon/store/store.h"
+#include "daemon/store/store_testing.h"
 #include "daemon/transport/inproc/inproc_transport.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/refit/v1/peer.grpc.pb.h"
@@ -201,13 +203,14 @@ struct TwoNodes {
   // `puller_transport` (null: the in-process one) and `options`: the puller's data plane.
   explicit TwoNodes(std::vector<uint8_t> truth_bytes,
                     std::unique_ptr<transport::Transport> puller_transport = nullptr,
-                    dataplane::DataPlaneOptions options = {})
+                    dataplane::DataPlaneOptions options = dataplane::TestDataPlaneOptions())
       : truth(std::move(truth_bytes)),
-        origin_plane(transport::InprocTransport::Create(), {}, &origin_metrics),
+        origin_plane(transport::InprocTransport::Create(), dataplane::TestDataPlaneOptions(),
+                     &origin_metrics),
         puller_plane(
             puller_transport ? std::move(puller_transport) : transport::InprocTransport::Create(),
             options, &puller_metrics),
-        store(StoreOptions{}, &puller_metrics),
+        store(refit::testing::TestStoreOptions(), &puller_metrics),
         service(truth) {
     auto slot_or = origin_plane.AllocateSlot(truth.size());
     REQUIRE(slot_or.ok());
@@ -239,6 +242,7 @@ struct TwoNodes {
                    StreamLimits relay_limits = {}) {
     PullerOptions options;
     options.node = kPuller;
+    options.delta_threshold = 0;  // full bytes only: these jobs carry no deltas
     options.relay = replicas != nullptr;
     options.relay_limits = relay_limits;
     Puller puller(options, &store, &puller_plane, &puller_metrics, channels, nullptr, replicas);
@@ -371,7 +375,7 @@ TEST_CASE(
   std::vector<uint8_t> truth = Pattern(8 * kChecksumChunkBytes);
   auto transport = std::make_unique<ReversingTransport>();
   ReversingTransport* counting = transport.get();
-  dataplane::DataPlaneOptions options;
+  dataplane::DataPlaneOptions options = dataplane::TestDataPlaneOptions();
   options.chunk_bytes = kChecksumChunkBytes;
   options.relay_chunk_bytes = kChecksumChunkBytes / 8;
   TwoNodes nodes(truth, std::move(transport), options);
@@ -408,7 +412,7 @@ TEST_CASE("reads completing out of order still make an exact pull") {
   std::vector<uint8_t> truth = Pattern(kBytes);
   auto transport = std::make_unique<ReversingTransport>();
   ReversingTransport* reversing = transport.get();
-  dataplane::DataPlaneOptions options;
+  dataplane::DataPlaneOptions options = dataplane::TestDataPlaneOptions();  // 16 in flight
   options.chunk_bytes = 1 << 20;  // 10 reads, up to 16 in flight: one Poll completes several
   TwoNodes nodes(truth, std::move(transport), options);
   OneChannel channels(nodes.stub.get());

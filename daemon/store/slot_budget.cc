@@ -1,10 +1,12 @@
 #include "daemon/store/slot_budget.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda.h"
+#include "daemon/common/logging.h"
 #include "daemon/store/store_metrics.h"
 
 namespace refit {
@@ -18,6 +20,10 @@ SlotBudget::SlotBudget(Options options, Metrics* metrics)
           [slot_memory = metrics->Declare(kSlotMemoryBytes)](uint64_t held) {
             slot_memory.Set(static_cast<double>(held));
           })) {
+  if (options_.retain < 1) {
+    Logger("store")->critical("SlotBudget: retain is 0: set it from --retain (>= 1)");
+    std::abort();
+  }
   metrics->Declare(kSlotMemoryLimitBytes);
   metrics->Set(kSlotMemoryBytes, 0);
   metrics->Set(kSlotMemoryLimitBytes, static_cast<double>(options_.max_slot_bytes));

@@ -32,8 +32,9 @@ namespace refit {
 
 class SlotBudget {
  public:
+  // The store's StoreOptions, passed on (refitd's values; their defaults are in DaemonOptions).
   struct Options {
-    uint32_t retain = 2;
+    uint32_t retain = 0;  // --retain, >= 1 (0 aborts the constructor: never set)
     uint64_t max_spare_slot_bytes = 0;
     MemoryKind slot_memory = MemoryKind::kHost;
     int slot_device = 0;

@@ -119,6 +119,7 @@ TEST_CASE_METHOD(Fixture, "an engine that wrote into its buffer since gets the f
 TEST_CASE("the cost model keeps scattered steps on the full copy", "[store][sparse]") {
   Metrics metrics;
   StoreOptions o;
+  o.retain = 2;
   o.node = "n";  // the default sparse_bytes_per_run
   Store store(o, &metrics);
   Host src(kW + kF + kQ), d1(kD1);

@@ -1,6 +1,7 @@
 #include "daemon/store/store.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <random>
@@ -26,7 +27,28 @@ namespace {
 constexpr size_t kHistoryLength = 4096;  // completed versions remembered for Watch
 constexpr auto kWaitSlice = std::chrono::milliseconds(50);  // re-check of `cancelled`
 
+// `options`, or an abort naming what is missing (CheckStoreOptions).
+StoreOptions Checked(StoreOptions options) {
+  if (absl::Status checked = CheckStoreOptions(options); !checked.ok()) {
+    Logger("store")->critical("Store: {}", std::string(checked.message()));
+    std::abort();
+  }
+  return options;
+}
+
 }  // namespace
+
+absl::Status CheckStoreOptions(const StoreOptions& options) {
+  if (options.retain < 1) {
+    return absl::InvalidArgumentError(
+        "StoreOptions::retain is 0: set it from --retain (DaemonOptions::retain, >= 1)");
+  }
+  if (options.node.empty()) {
+    return absl::InvalidArgumentError(
+        "StoreOptions::node is empty: set it from --node (DaemonOptions::node)");
+  }
+  return absl::OkStatus();
+}
 
 void Store::Probe() {
   common::MutexLock lock(mu_);
@@ -34,7 +56,7 @@ void Store::Probe() {
 }
 
 Store::Store(StoreOptions options, Metrics* metrics)
-    : options_(std::move(options)),
+    : options_(Checked(std::move(options))),
       delta_base_(options_.delta_base, options_.delta_base_models),
       metrics_(metrics),
       counters_(metrics),

@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "daemon/common/mutex.h"
 #include "daemon/common/types.h"
@@ -75,28 +76,34 @@ class DestinationIndex;
 class ApplyJournal;
 struct UndoTarget;
 
+// The fields named after a refitd flag are set by refitd from DaemonOptions (StoreOptionsFrom,
+// daemon/component_options.h), where their defaults live (daemon/config's option table prints
+// them). Here they hold neutral values, never a second default: 0 or "off", the plain mode of
+// an enum, and a retain and node that the Store refuses (CheckStoreOptions). Tests start from
+// testing::TestStoreOptions (store_testing.h).
 struct StoreOptions {
-  uint32_t retain = 2;                         // complete versions kept per model (>= 1)
+  uint32_t retain = 0;                         // --retain: complete versions kept per model, >= 1
   uint64_t max_spare_slot_bytes = 4ull << 30;  // released slots kept for reuse
-  std::string node = "node";                   // used in buffer ids
-  // Where version slots live: host memory (pinned when CUDA is compiled in and a GPU is seen,
-  // so GPU buffers copy at PCIe speed) or GPU memory on `slot_device`. GPU slots keep a pinned
-  // host mirror, made at Publish, for what other nodes read (UCX here has no CUDA support).
+  std::string node;                            // --node: used in buffer ids; not empty
+  // --slot-memory, --slot-device: where version slots live: host memory (pinned when CUDA is
+  // compiled in and a GPU is seen, so GPU buffers copy at PCIe speed) or GPU memory on
+  // `slot_device`. GPU slots keep a pinned host mirror, made at Publish, for what other nodes
+  // read (UCX here has no CUDA support).
   MemoryKind slot_memory = MemoryKind::kHost;
   int slot_device = 0;
   // Makes host slots; null means pinned memory (cuda::AllocatePinnedHost). refitd passes the
   // data plane's allocator when no GPU is seen, so that peers on this host map its slots.
   SlotPool::Allocator host_slot_allocator;
-  // Most bytes of host slots held (in use and spare); 0: no limit.
+  // --max-slot-memory: most bytes of host slots held (in use and spare); 0: no limit.
   uint64_t max_slot_bytes = 0;
-  // The same for GPU slots (slot_memory kCuda), counted apart from host slots.
+  // --max-gpu-slot-memory: the same for GPU slots (slot_memory kCuda), counted apart.
   uint64_t max_gpu_slot_bytes = 0;
-  // --delta-base: for every model, and per model (ParseDeltaBase).
+  // --delta-base: for every model, and per model (ParseDeltaBase); kHeld: the held copy.
   DeltaBase delta_base = DeltaBase::kHeld;
   std::map<std::string, DeltaBase> delta_base_models;
-  // Where Apply keeps its undo journal (apply_journal.h): refitd's --state-dir, so that an
-  // Apply cut short by a kill is undone after the restart; empty: memory (errors are undone,
-  // a kill is not).
+  // --state-dir: where Apply keeps its undo journal (apply_journal.h), so that an Apply cut
+  // short by a kill is undone after the restart; empty: memory (errors are undone, a kill is
+  // not).
   std::string journal_dir;
   // Sparse Apply's cost model: one changed run costs about as much as copying this many bytes in
   // a full Apply (scattered runs are bound by memory latency; fitted on bench-apply.sh, where
@@ -121,6 +128,10 @@ struct StoreOptions {
   // with writers opened here instead of cuda::OpenRunWriter, so that it runs without a GPU.
   cuda::RunWriters* sparse_run_writers = nullptr;
 };
+
+// INVALID_ARGUMENT naming the field when `options` lacks what refitd always sets: retain >= 1
+// and a node name. The Store's constructor aborts with this message (a caller's bug, not input).
+absl::Status CheckStoreOptions(const StoreOptions& options);
 
 // The narrow interfaces other packages are given instead of the store (issue 38): PeerStore
 // (peer_store.h: LocalSnapshots, RemoteSources, VersionHolds, ModelCatalog, PullLanding) for
