@@ -338,20 +338,35 @@ TEST_CASE("a pull from an origin with no channel fails UNAVAILABLE and reads not
 namespace refit::pull {
 namespace {
 
+// A relay that answers every Relay call with an ended stream (DeadRelay), the replica table that
+// names it, and the channels to it and to `nodes`' origin: this node is dealt stripes it relays
+// and reads the relay's from the origin after each failed stream.
+struct DeadRelayNode {
+  explicit DeadRelayNode(TwoNodes& nodes) {
+    grpc::ServerBuilder builder;
+    builder.RegisterService(&relay);
+    server = builder.BuildAndStart();
+    REQUIRE(server);
+    stub = v1::Peer::NewStub(server->InProcessChannel(grpc::ChannelArguments()));
+    REQUIRE(replicas.Report(kRelay, /*relay=*/true, {{"m", 0, 0, false}}, "").ok());
+    channels = std::make_unique<OriginAndRelay>(nodes.stub.get(), stub.get());
+  }
+  ~DeadRelayNode() { server->Shutdown(); }
+
+  DeadRelay relay;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<v1::Peer::Stub> stub;
+  fleet::ReplicaTable replicas;
+  std::unique_ptr<OriginAndRelay> channels;
+};
+
 TEST_CASE("a dead relay's stripes are read from the origin (a failover, counted), byte-equal") {
   // Enough chunks that the relay is dealt some of them.
   std::vector<uint8_t> truth = Pattern(8 * kChecksumChunkBytes);
   TwoNodes nodes(truth);
-  DeadRelay relay;
-  grpc::ServerBuilder builder;
-  builder.RegisterService(&relay);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  REQUIRE(server);
-  auto relay_stub = v1::Peer::NewStub(server->InProcessChannel(grpc::ChannelArguments()));
-  fleet::ReplicaTable replicas;
-  REQUIRE(replicas.Report(kRelay, /*relay=*/true, {{"m", 0, 0, false}}, "").ok());
-  OriginAndRelay channels(nodes.stub.get(), relay_stub.get());
-  PullOutcome outcome = nodes.Pull(&channels, &replicas);
+  DeadRelayNode dead(nodes);
+  DeadRelay& relay = dead.relay;
+  PullOutcome outcome = nodes.Pull(dead.channels.get(), &dead.replicas);
   REQUIRE(outcome.status.ok());
   CHECK(SameBytes(*outcome.staging[0], truth));
   CHECK(relay.streams >= 1);
@@ -360,7 +375,6 @@ TEST_CASE("a dead relay's stripes are read from the origin (a failover, counted)
   // Every byte came from the origin, once: nothing refetched.
   CHECK(nodes.puller_metrics.Get(kDataBytesReceived) == static_cast<double>(truth.size()));
   CHECK(nodes.puller_metrics.Get(kChunksRefetched) == 0);
-  server->Shutdown();
 }
 
 }  // namespace
@@ -379,16 +393,8 @@ TEST_CASE(
   options.chunk_bytes = kChecksumChunkBytes;
   options.relay_chunk_bytes = kChecksumChunkBytes / 8;
   TwoNodes nodes(truth, std::move(transport), options);
-  DeadRelay relay;
-  grpc::ServerBuilder builder;
-  builder.RegisterService(&relay);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  REQUIRE(server);
-  auto relay_stub = v1::Peer::NewStub(server->InProcessChannel(grpc::ChannelArguments()));
-  fleet::ReplicaTable replicas;
-  REQUIRE(replicas.Report(kRelay, /*relay=*/true, {{"m", 0, 0, false}}, "").ok());
-  OriginAndRelay channels(nodes.stub.get(), relay_stub.get());
-  PullOutcome outcome = nodes.Pull(&channels, &replicas);
+  DeadRelayNode dead(nodes);
+  PullOutcome outcome = nodes.Pull(dead.channels.get(), &dead.replicas);
   REQUIRE(outcome.status.ok());
   CHECK(SameBytes(*outcome.staging[0], truth));
   CHECK(nodes.puller_metrics.Get(kChunksRefetched) == 0);
@@ -405,7 +411,6 @@ TEST_CASE(
   CHECK(own + dealt == truth.size());
   CHECK(static_cast<uint64_t>(counting->completions.load()) ==
         own / options.relay_chunk_bytes + dealt / options.chunk_bytes);
-  server->Shutdown();
 }
 
 TEST_CASE("reads completing out of order still make an exact pull") {

@@ -211,9 +211,11 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 # Memory: the clients' buffers (the trainer's SOURCE and one DESTINATION per engine, in
-# /dev/shm), the trainer's retain+1 = 2 version slots and one slot per engine node
-# (--delta-base=destination); gloo holds one copy per rank plus torch. Each size is shrunk (in
-# 64 MiB steps) until the largest K leaves 2 GiB available.
+# /dev/shm), the trainer's retain+1 = 2 version slots, and per engine node one version slot
+# (--delta-base=destination) and the Apply's undo-journal slot, which it keeps for the next
+# Apply (atomic Apply; a model's size each); gloo holds one copy per rank plus torch. Each size
+# is shrunk (in 64 MiB steps) until the largest K leaves 2 GiB available. (Counting one slot per
+# engine, 1 GiB at K = 8 passed this check and the kernel killed an engine's refitd.)
 avail_mib=$(awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo)
 max_k=0
 runs=()
@@ -229,16 +231,16 @@ for size in $sizes; do
     *) echo "bench-fanout: --sizes takes MiB (1-99999), not '$size'" >&2; exit 2 ;;
   esac
   fit=$size
-  while [ $(( (2 * max_k + 3) * fit + 2048 )) -gt "$avail_mib" ] && [ "$fit" -gt 64 ]; do
+  while [ $(( (3 * max_k + 3) * fit + 2048 )) -gt "$avail_mib" ] && [ "$fit" -gt 64 ]; do
     fit=$(( (fit - 1) / 64 * 64 ))
   done
-  if [ $(( (2 * max_k + 3) * fit + 2048 )) -gt "$avail_mib" ]; then
+  if [ $(( (3 * max_k + 3) * fit + 2048 )) -gt "$avail_mib" ]; then
     echo "bench-fanout: not even 64 MiB fits K=$max_k (${avail_mib} MiB available)" >&2
     exit 1
   fi
   if [ "$fit" != "$size" ]; then
     echo "bench-fanout: ${size} MiB does not fit K=$max_k: $(( max_k + 1 )) daemons need" \
-      "~$(( (2 * max_k + 3) * size + 2048 )) MiB, ${avail_mib} MiB available;" \
+      "~$(( (3 * max_k + 3) * size + 2048 )) MiB, ${avail_mib} MiB available;" \
       "running ${fit} MiB instead (the largest that fits)"
   fi
   fitted+=("$fit")
