@@ -9,6 +9,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -159,6 +161,63 @@ TEST_CASE("--relay=false: every byte comes from the trainer's node", "[integrati
   std::this_thread::sleep_for(milliseconds(300));
   REQUIRE(Metric(*fleet.trainer, "refit_data_bytes_sent_total") >= 1.9 * model);
   REQUIRE(fleet.RelaySent() == 0);
+}
+
+// The ranges a Relay stream announced (merged) until it said complete.
+std::vector<std::pair<uint64_t, uint64_t>> Announced(v1::Peer::Stub* stub,
+                                                     const v1::RelayRequest& request) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto reader = stub->Relay(&context, request);
+  std::vector<std::pair<uint64_t, uint64_t>> told;
+  v1::RelayProgress progress;
+  bool complete = false;
+  while (!complete && reader->Read(&progress)) {
+    for (const auto& r : progress.landed()) told.emplace_back(r.offset(), r.offset() + r.length());
+    complete = progress.complete();
+  }
+  context.TryCancel();
+  (void)reader->Finish();
+  REQUIRE(complete);
+  std::sort(told.begin(), told.end());
+  std::vector<std::pair<uint64_t, uint64_t>> merged;
+  for (const auto& r : told) {
+    if (!merged.empty() && r.first <= merged.back().second) {
+      merged.back().second = std::max(merged.back().second, r.second);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  return merged;
+}
+
+TEST_CASE("a Relay stream tells its reader only of the ranges it asked for",
+          "[integration][fanout]") {
+  Fleet fleet(Loopback(2, 1024));
+  fleet.PublishAndCheck(1);
+  auto status = fleet.engines[0].client->Status();
+  REQUIRE(status.ok());
+  auto stub = v1::Peer::NewStub(
+      grpc::CreateChannel(At(status->listen_port()), grpc::InsecureChannelCredentials()));
+  v1::RelayRequest request;
+  request.set_model("m");
+  request.set_version(1);
+  request.set_node("reader");
+  request.set_origin("trainer");
+  request.set_buffer_id(fleet.source_id);
+  const uint64_t bytes = fleet.ModelBytes();
+  using Ranges = std::vector<std::pair<uint64_t, uint64_t>>;
+  // Asked for nothing (an older reader): told of the whole piece.
+  REQUIRE(Announced(stub.get(), request) == Ranges{{0, bytes}});
+  // Asked for two ranges, plus an empty one and one that wraps around: told of those two only.
+  for (const auto& [offset, length] : std::vector<std::pair<uint64_t, uint64_t>>{
+           {4096, 4096}, {1 << 20, 100}, {777, 0}, {~uint64_t{0} - 10, 100}}) {
+    v1::ByteRange* range = request.add_wanted();
+    range->set_offset(offset);
+    range->set_length(length);
+  }
+  REQUIRE(Announced(stub.get(), request) == Ranges{{4096, 8192}, {1 << 20, (1 << 20) + 100}});
+  fleet.PublishAndCheck(2);  // still serving
 }
 
 TEST_CASE("bad relay and replica requests get clear codes and change nothing",
