@@ -39,13 +39,8 @@ fi
 bin="$(bazel info bazel-bin 2>/dev/null)"
 work=$(mktemp -d /tmp/refit-apply-bench-XXXXXX)
 pids=()
-cleanup() {
-  for pid in "${pids[@]:-}"; do
-    [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
-  done
-  rm -rf "$work"
-}
-trap cleanup EXIT
+. scripts/bench/lib/daemons.sh  # (from the repository root)
+trap bench_cleanup EXIT
 export UCX_TLS=sm,tcp UCX_POSIX_ERROR_HANDLING=y UCX_SYSV_ERROR_HANDLING=y
 wait_serving() {
   for _ in $(seq 200); do

@@ -273,15 +273,8 @@ echo "bench-fanout: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r
 echo "  models ${fitted[*]} MiB (one bf16 tensor), ${versions} versions per K (the first ${warmup} apart), engines: ${runs[*]}; links: tbf rate $rate burst $burst latency $latency on both ends of each veth"
 echo "  refitd --retain=1 ${refitd_args:+$refitd_args }(full mesh of --peers), UCX_TLS=tcp, UCX_NET_DEVICES=eth0; $(ucx_info -v | head -1 | sed 's/# //')"
 
-wait_healthy() {
-  for _ in $(seq 100); do
-    "$bin/client/refitctl" --socket="$1" --timeout=0.2 health >/dev/null 2>&1 && return 0
-    sleep 0.1
-  done
-  echo "bench-fanout: refitd at $1 did not come up:" >&2
-  cat "$2" >&2
-  return 1
-}
+. scripts/bench/lib/daemons.sh  # (from the repository root)
+wait_healthy() { bench_wait_healthy "$bin/client/refitctl" "$@"; }
 
 # All cores' jiffies since boot: "total idle+iowait".
 cpu_ticks() { awk '/^cpu / { t = 0; for (i = 2; i <= NF; i++) t += $i; print t, $5 + $6 }' /proc/stat; }

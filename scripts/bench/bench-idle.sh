@@ -46,24 +46,10 @@ fi
 
 work=$(mktemp -d /tmp/refit-idle-XXXXXX)
 pids=()
-cleanup() {
-  for pid in "${pids[@]:-}"; do
-    [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
-  done
-  rm -rf "$work"
-}
-trap cleanup EXIT
+. scripts/bench/lib/daemons.sh  # (from the repository root)
+trap bench_cleanup EXIT
 trap 'exit 130' INT TERM
 
-wait_healthy() {  # bin socket log
-  for _ in $(seq 100); do
-    "$1/client/refitctl" --socket="$2" --timeout=0.2 health >/dev/null 2>&1 && return 0
-    sleep 0.1
-  done
-  echo "bench-idle: refitd at $2 did not come up:" >&2
-  cat "$3" >&2
-  return 1
-}
 
 echo "bench-idle: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), ${seconds} s per run"
 n=0
@@ -77,7 +63,7 @@ for tls in $tls_list; do
       --listen=127.0.0.1:0 --node=trainer-node >"$work/$tag-trainer.log" 2>&1 &
     trainer=$!
     pids=("$trainer")
-    wait_healthy "$bin" "$work/$tag-trainer.sock" "$work/$tag-trainer.log"
+    bench_wait_healthy "$bin/client/refitctl" "$work/$tag-trainer.sock" "$work/$tag-trainer.log"
     port=$("$bin/client/refitctl" --socket="$work/$tag-trainer.sock" status --json |
            python3 -c 'import json,sys; d=json.load(sys.stdin); print(d.get("listen_port") or d.get("listenPort"))')
     env "${env_tls[@]}" "$bin/daemon/refitd" --socket="$work/$tag-engine.sock" \
@@ -85,7 +71,7 @@ for tls in $tls_list; do
       >"$work/$tag-engine.log" 2>&1 &
     engine=$!
     pids+=("$engine")
-    wait_healthy "$bin" "$work/$tag-engine.sock" "$work/$tag-engine.log"
+    bench_wait_healthy "$bin/client/refitctl" "$work/$tag-engine.sock" "$work/$tag-engine.log"
     echo "=== UCX_TLS=$tls, $bin"
     "$bin/tests/bench/idle_bench" --trainer-socket="$work/$tag-trainer.sock" \
       --engine-socket="$work/$tag-engine.sock" --seconds="$seconds" --mib="$mib" ||

@@ -61,24 +61,11 @@ refitctl="$here/client/refitctl"
 
 work=$(mktemp -d /tmp/refit-membench-XXXXXX)
 pids=()
-cleanup() {
-  for pid in "${pids[@]:-}"; do
-    [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
-  done
-  rm -rf "$work"
-}
-trap cleanup EXIT
+. scripts/bench/lib/daemons.sh  # (from the repository root)
+trap bench_cleanup EXIT
 trap 'exit 130' INT TERM
 
-wait_healthy() {
-  for _ in $(seq 100); do
-    "$refitctl" --socket="$1" --timeout=0.2 health >/dev/null 2>&1 && return 0
-    sleep 0.1
-  done
-  echo "bench-memory: refitd at $1 did not come up:" >&2
-  cat "$2" >&2
-  return 1
-}
+wait_healthy() { bench_wait_healthy "$refitctl" "$@"; }
 
 # $1: refitd binary, $2: --retain, $3: tag, $4: the engine's --delta-base.
 start_daemons() {

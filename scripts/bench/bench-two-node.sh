@@ -112,10 +112,9 @@ chunk=$((4 << 20))  # the data plane's chunk (daemon/peer/data_plane.h, DataPlan
 
 work=$(mktemp -d /tmp/refit-bench-XXXXXX)
 pids=()
+. scripts/bench/lib/daemons.sh  # (from the repository root)
 cleanup() {
-  for pid in "${pids[@]:-}"; do
-    [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
-  done
+  bench_stop_pids
   if [ "$keep" = 1 ]; then echo "logs kept in $work"; else rm -rf "$work"; fi
 }
 trap cleanup EXIT
@@ -167,15 +166,7 @@ perftest() {
   echo "${lanes:-none}"
 }
 
-wait_healthy() {
-  for _ in $(seq 100); do
-    "$bin/client/refitctl" --socket="$1" --timeout=0.2 health >/dev/null 2>&1 && return 0
-    sleep 0.1
-  done
-  echo "bench-two-node: refitd at $1 did not come up:" >&2
-  cat "$2" >&2
-  return 1
-}
+wait_healthy() { bench_wait_healthy "$bin/client/refitctl" "$@"; }
 
 # A CA and a certificate for each node (CN = its --node), for --mtls on.
 make_certificates() {
