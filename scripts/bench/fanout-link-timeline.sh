@@ -4,13 +4,22 @@
 # link, pN = engine N's; rx = the node's upload, tx = its download) about every 0.15 s, then
 # prints, per second of the run, the trainer's upload and the engines' mean download as shares
 # of --rate (docs/benchmarks.md, "Where T(8)/T(1) goes"). Needs root.
-# Usage: scripts/bench/fanout-link-timeline.sh --rate 100mbit [bench-fanout.sh arguments]
+# --flows (taken here, not passed on; one K per run): also samples every engine namespace's TCP
+# connections (`ss -tin`, bytes_received per peer address, about every 0.3 s) and prints, for
+# the last version, what each relay had received of its stripe from the trainer beside what
+# the other engines had read of it from that relay (tests/bench/fanout_flows.py): where the
+# readers lag their relays, and whether the stripes arrive evenly.
+# Usage: scripts/bench/fanout-link-timeline.sh --rate 100mbit [--flows] [bench-fanout.sh arguments]
 #   e.g. scripts/bench/fanout-link-timeline.sh --rate 100mbit --engines 8 --sizes 128 --no-gloo
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 rate_bits=100000000
-args=("$@")
-for ((i = 0; i < ${#args[@]}; i++)); do
+flows=0
+args=()
+for a in "$@"; do
+  if [ "$a" = --flows ]; then flows=1; else args+=("$a"); fi
+done
+for ((i = 0; i < ${#args[@]}; i++)); do  # --rate: the shares' denominator
   if [ "${args[$i]}" = --rate ]; then
     r="${args[$((i + 1))]}"
     case "$r" in
@@ -37,10 +46,35 @@ samples=$(mktemp /tmp/fanout-links-XXXXXX)
     done' > "$samples" 2> /dev/null
 ) &
 sampler=$!
-scripts/bench/bench-fanout.sh "$@"
+flow_samples=$(mktemp /tmp/fanout-flows-XXXXXX)
+if [ "$flows" = 1 ]; then
+  (
+    while ! ip netns list | awk '{print $1}' | grep -qx "$prefix-e1"; do sleep 0.05; done
+    sleep 0.3
+    while ip netns list | awk '{print $1}' | grep -qx "$prefix-e1"; do
+      now=$(date +%s.%N)
+      for ns in $(ip netns list | awk '{print $1}' | grep "^$prefix-e[0-9]*$"); do
+        ip netns exec "$ns" ss -tinH state established 2> /dev/null |
+          awk -v t="$now" -v me="${ns##*-e}" '
+            $1 ~ /^[0-9]+$/ { peer = $4 }
+            /bytes_received:/ { for (k = 1; k <= NF; k++) if ($k ~ /^bytes_received:/) {
+              split($k, a, ":"); print t, me, peer, a[2] } }'
+      done
+      sleep 0.2
+    done > "$flow_samples"
+  ) &
+  flow_sampler=$!
+fi
+scripts/bench/bench-fanout.sh "${args[@]}"
 rc=$?
 kill -- "-$sampler" 2> /dev/null || pkill -P "$sampler" 2> /dev/null || true
 kill "$sampler" 2> /dev/null || true
+if [ "$flows" = 1 ]; then
+  kill "$flow_sampler" 2> /dev/null || true
+  wait "$flow_sampler" 2> /dev/null
+  /usr/bin/python3 tests/bench/fanout_flows.py "$flow_samples" || rc=1
+fi
+rm -f "$flow_samples"
 /usr/bin/python3 - "$samples" "$rate_bits" <<'PY'
 import sys
 rows = []
