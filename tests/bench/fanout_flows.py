@@ -55,6 +55,29 @@ def main():
     starts = version_starts(times, from_trainer)
     if not starts:
         sys.exit("fanout_flows: no version found in the samples")
+    bounds = starts + [len(times) - 1]
+    print("per version: from the trainer's first byte, each stripe's landing at its relay (s; "
+          "first / last) and the readers' last byte (s), the relay read last from")
+    for v in range(len(starts)):
+        a, b = bounds[v], bounds[v + 1]
+        landed_at, done_at = {}, {}
+        for k in range(a + 1, b + 1):
+            t = times[k] - times[a]
+            for e in engines:
+                for p in [0] + engines:
+                    if (samples[times[k]].get((e, p), 0) >
+                            samples[times[k - 1]].get((e, p), 0) + 65536):  # not control traffic
+                        if p == 0:
+                            landed_at[e] = t
+                        else:
+                            done_at[(e, p)] = t
+        if not done_at:
+            continue
+        last = max(done_at, key=done_at.get)
+        print(f"  version {v + 1}: stripes landed {min(landed_at.values()):5.1f} / "
+              f"{max(landed_at.values()):5.1f} s, readers done {max(done_at.values()):5.1f} s, "
+              f"last bytes: engine {last[0]} from relay {last[1]} (its stripe landed "
+              f"{landed_at.get(last[1], 0):5.1f} s)")
     s = starts[-1]
 
     def since(k, engine, peer):
