@@ -74,6 +74,10 @@ struct SparseWriter {
   std::atomic<bool>& stopped;  // another worker stopped: stop too
   uint64_t kill_at = 0;
   bool from_slot = false;  // REFIT_TEST_SPARSE_FROM_SLOT (test build): the new bytes not carried
+  // REFIT_TEST_APPLY_UNVERIFIED (test build): what was written is not compared with the version
+  // (the base check stays: it decides whether the sparse path may run at all), for a benchmark
+  // that puts the verified sparse Apply beside the plain one.
+  bool unverified = false;
   uint64_t done = 0;
   uint32_t last_op = UINT32_MAX;
   bool flip = false;          // REFIT_FAULT_APPLY_FLIP (test build): the first write's byte changes
@@ -114,7 +118,7 @@ struct SparseWriter {
       if (!undo.Save(op.dst_location, at, to, bytes)) return Full();
       CopyBytes(to, value, bytes);
       if (flip && done == 0) *to ^= 0x5a;  // test build: a byte changes under the write
-      if (!SameBytes(to, value, bytes)) bad.push_back(w.op);
+      if (!unverified && !SameBytes(to, value, bytes)) bad.push_back(w.op);
     } else {
       if (check && !Landed(op, w, base[op.src_location], dst[op.dst_location], &scratch)) {
         return Stop(w.op);
@@ -130,7 +134,7 @@ struct SparseWriter {
       }
       plan::ConvertRun(src[op.src_location] + SrcAt(op, w.row, w.first), op.src_dtype,
                        op.src_stride, to, op.dst_dtype, op.dst_stride, n);
-      if (!Landed(op, w, src[op.src_location], dst[op.dst_location], &scratch)) {
+      if (!unverified && !Landed(op, w, src[op.src_location], dst[op.dst_location], &scratch)) {
         bad.push_back(w.op);
       }
     }
@@ -303,7 +307,11 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
     writers.push_back(SparseWriter{plan, old_bytes, src, changes, dst, (*undo)->part(w), stopped});
   }
   static const bool from_slot = TestSwitch("REFIT_TEST_SPARSE_FROM_SLOT") != nullptr;
-  for (SparseWriter& w : writers) w.from_slot = from_slot;
+  static const bool unverified = TestSwitch("REFIT_TEST_APPLY_UNVERIFIED") != nullptr;
+  for (SparseWriter& w : writers) {
+    w.from_slot = from_slot;
+    w.unverified = unverified;
+  }
   // Test build: killed half-way through the busiest worker's writes (the others mid-way too).
   const unsigned busiest =
       static_cast<unsigned>(std::max_element(writes.begin(), writes.end()) - writes.begin());

@@ -9,9 +9,10 @@
 #     per step), tiled over the model's bytes.
 #   --fp8: the engine's buffers FP8_E4M3 with [128, 128] block scales (quantized on its node):
 #     sparse fp8 Apply beside full fp8 Apply beside memcpy of the fp8 bytes, per step kind.
-#   --plain-too: each step kind again with the engine's full Apply plain (REFIT_TEST_APPLY_UNVERIFIED:
-#     the unchecked streaming copy, its undo saved in a pass first), and the verified full Apply's
-#     speed against it (each run's time over its own memcpy; refitd CPU seconds).
+#   --plain-too: each step kind again with the engine's Apply plain (REFIT_TEST_APPLY_UNVERIFIED:
+#     the full Apply an unchecked streaming copy, its undo saved in a pass first; the sparse Apply
+#     without comparing what it wrote), and the verified full and sparse Applies' speed against
+#     the plain ones (each run's time over its own memcpy; refitd CPU seconds).
 # Usage: scripts/bench/bench-apply.sh [--mib 1024] [--versions 6] [--density "0.004 0.01"] [--no-build]
 #        [--plain-too] [--fp8]
 set -euo pipefail
@@ -89,16 +90,18 @@ for d in $densities; do
     plain=1 run "p$d" --versions="$versions" --density="$d"
     /usr/bin/python3 - "$work/d$d.out" "$work/p$d.out" <<'PY'
 import re, sys
-def figures(path):
+def figures(path, kind):
     text = open(path).read()
-    ratio = float(re.search(r"full_over_memcpy=([0-9.]+)", text).group(1))
-    cpu = re.search(r"refitd CPU seconds +sparse [0-9.]+, full ([0-9.]+)", text)
-    return ratio, float(cpu.group(1)) if cpu else None
-(v, vc), (p, pc) = figures(sys.argv[1]), figures(sys.argv[2])
-line = f"verified full Apply / plain full Apply: {p / v:.2f}x the speed (time over each run's memcpy: {v:.2f}x verified, {p:.2f}x plain)"
-if vc and pc:
-    line += f"; refitd CPU s {vc:.3f} verified, {pc:.3f} plain: {pc / vc:.2f}x"
-print(line)
+    ratio = float(re.search(kind + r"_over_memcpy=([0-9.]+)", text).group(1))
+    cpu = re.search(r"refitd CPU seconds +sparse ([0-9.]+), full ([0-9.]+)", text)
+    return ratio, float(cpu.group(2 if kind == "full" else 1)) if cpu else None
+for kind in ("full", "sparse"):
+    (v, vc), (p, pc) = figures(sys.argv[1], kind), figures(sys.argv[2], kind)
+    line = (f"verified {kind} Apply / plain {kind} Apply: {p / v:.2f}x the speed (time over "
+            f"each run's memcpy: {v:.3f}x verified, {p:.3f}x plain)")
+    if vc and pc:
+        line += f"; refitd CPU s {vc:.3f} verified, {pc:.3f} plain: {pc / vc:.2f}x"
+    print(line)
 PY
   fi
 done

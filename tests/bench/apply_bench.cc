@@ -278,8 +278,9 @@ int main(int argc, char** argv) {
     std::cout << absl::StrFormat(
         "  publish -> complete   %.4f s on the engine's node (pull, verify, diff)\n",
         Median(complete));
-    std::cout << absl::StrFormat("RESULT sparse_over_full=%.4f full_over_memcpy=%.3f\n",
-                                 Median(ratio), Median(full_s) / Median(copy));
+    std::cout << absl::StrFormat(
+        "RESULT sparse_over_full=%.4f full_over_memcpy=%.3f sparse_over_memcpy=%.4f\n",
+        Median(ratio), Median(full_s) / Median(copy), Median(sparse_s) / Median(copy));
   }
   (void)(*trainer)->ReleaseBuffer(*src_id);
   (void)(*engine)->ReleaseBuffer(*sparse_id);
