@@ -5,9 +5,10 @@
 # prints, per second of the run, the trainer's upload and the engines' mean download as shares
 # of --rate (docs/benchmarks.md, "Where T(8)/T(1) goes"). Needs root.
 # --flows (taken here, not passed on; one K per run): also samples every engine namespace's TCP
-# connections (`ss -tin`, bytes_received per peer address, about every 0.3 s) and prints, for
-# the last version, what each relay had received of its stripe from the trainer beside what
-# the other engines had read of it from that relay (tests/bench/fanout_flows.py): where the
+# connections (`ss -tin`, bytes_received per peer address, about every 0.3 s) and prints, per
+# version, when the stripes landed at their relays and which relay the last bytes came from,
+# then, for the last version, what each relay had received of its stripe from the trainer beside
+# what the other engines had read of it from that relay (tests/bench/fanout_flows.py): where the
 # readers lag their relays, and whether the stripes arrive evenly.
 # Usage: scripts/bench/fanout-link-timeline.sh --rate 100mbit [--flows] [bench-fanout.sh arguments]
 #   e.g. scripts/bench/fanout-link-timeline.sh --rate 100mbit --engines 8 --sizes 128 --no-gloo
@@ -70,6 +71,9 @@ rc=$?
 kill -- "-$sampler" 2> /dev/null || pkill -P "$sampler" 2> /dev/null || true
 kill "$sampler" 2> /dev/null || true
 if [ "$flows" = 1 ]; then
+  # It stops once the namespaces are gone (bench-fanout removes them on exit): let it finish
+  # writing, within 5 s.
+  for _ in $(seq 50); do kill -0 "$flow_sampler" 2> /dev/null || break; sleep 0.1; done
   kill "$flow_sampler" 2> /dev/null || true
   wait "$flow_sampler" 2> /dev/null
   /usr/bin/python3 tests/bench/fanout_flows.py "$flow_samples" || rc=1
