@@ -157,7 +157,7 @@ void PrintAssumptions(const Options& o) {
   }
   std::printf(
       "fan-out simulator (daemon/fleet/fanout_model.h; routing from daemon/fleet/stripes.h)\n"
-      "  model %.0f MiB in %d piece(s) on %d trainer node(s); chunks %.0f MiB; every node's\n"
+      "  model %.0f MiB in %d piece(s) on %d trainer node(s); chunks %.3g MiB; every node's\n"
       "  uplink and downlink %.3g Gbit/s at goodput %.3f; one-way latency %.0f us; fanout %d;\n"
       "  %d reads in\n"
       "  flight per (child, parent), %s; relay %s;\n"
@@ -335,7 +335,7 @@ bool PrintCalibration(const Options& o) {
   if (!ParseInts(o.calibrate_k, &ks)) return false;
   const std::vector<std::string> measured = Split(o.calibrate_measured);
   std::printf(
-      "Calibration against the real run (%.0f MiB, %.3g Gbit/s, %.0f us, %.0f MiB "
+      "Calibration against the real run (%.0f MiB, %.3g Gbit/s, %.0f us, %.3g MiB "
       "chunks, relay %s):\n",
       o.model_bytes / kMiB, o.link_gbit, o.latency_us, o.chunk_bytes / kMiB,
       o.relay ? "on" : "off");

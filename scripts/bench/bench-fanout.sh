@@ -19,8 +19,16 @@
 # Network: namespaces fleet-fan-sw (the bridge br0 and the switch ends p0..pK of the veth
 # pairs), fleet-fan-t (the trainer, 198.18.0.1) and fleet-fan-e1..fleet-fan-eK (198.18.0.2..;
 # RFC 2544 benchmark
-# addresses), each node's end named eth0. A tbf qdisc on both ends of each veth: on eth0 it
-# caps the node's upload, on pN (the bridge side) its download. burst 256 KiB (~2 ms at
+# addresses), each node's end named eth0. Each node's upload is capped on eth0, its download on
+# pN (the bridge side), by a tbf qdisc, except that with --host-queue fair (the default) a
+# node's eth0 is an HTB of the same rate with one class per peer (u32 on the destination
+# address; each class's share 1/K of the rate, borrowing up to all of it, a 20 ms bfifo each):
+# the node's upload is shared fairly between the peers it sends to, as a Linux host's default
+# fq_codel shares it between flows (this VM's kernel has no fq_codel, fq or sfq; the switch
+# ports stay one FIFO each, as a switch's are). --host-queue fifo: a tbf on eth0 too (one FIFO
+# for every flow of the node, what runs before 2026-12-04 late used; the trainer's link is then
+# shared between the stripes as their TCP flows happen to split it: docs/benchmarks.md, "What
+# is left at K = 8"). The switch side: burst 256 KiB (~2 ms at
 # 1 Gbit/s: above a 64 KiB GSO packet, so tbf never has to split one, and a negligible lead
 # over a 2 s transfer), latency 20 ms (a ~2.5 MiB queue at 1 Gbit/s: TCP is not dropped into
 # retransmits by a short queue). The daemons run with UCX_TLS=tcp UCX_NET_DEVICES=eth0 and
@@ -40,6 +48,7 @@
 #                                [--versions 5] [--warmup 2] [--gloo-rounds 5] [--rate 1gbit]
 #                                [--no-gloo | --gloo-sizes "256"] [--no-build]
 #                                [--refitd-args "--relay=false"] [--keep] [--extras]
+#                                [--host-queue fair | fifo]
 # The issue-36 table (K = 1 2 4 8 at 256 MiB and at 1 GiB, gloo beside the 256 MiB table),
 # at 250 Mbit/s: the rate at which the daemons' CPU is not the limit at K = 8 on 2 cores (they
 # use ~1.1-1.5 CPU-s per engine node per 256 MiB version, a little more at lower rates (part
@@ -86,6 +95,7 @@ build=1
 keep=0
 extras=0
 refitd_args=""
+host_queue=fair
 while [ $# -gt 0 ]; do
   case "$1" in
     --engines) engines_list="$2"; shift 2 ;;
@@ -112,6 +122,8 @@ while [ $# -gt 0 ]; do
     --gloo-sizes=*) gloo_sizes="${1#*=}"; shift ;;
     --refitd-args) refitd_args="$2"; shift 2 ;;
     --refitd-args=*) refitd_args="${1#*=}"; shift ;;
+    --host-queue) host_queue="$2"; shift 2 ;;
+    --host-queue=*) host_queue="${1#*=}"; shift ;;
     --no-build) build=0; shift ;;
     --keep) keep=1; shift ;;
     --extras) extras=1; shift ;;
@@ -133,6 +145,10 @@ if [ -z "$rate_mbit" ] || [ "$rate_mbit" -lt 1 ]; then
   echo "bench-fanout: --rate takes tc's kbit / mbit / gbit of at least 1mbit, not '$rate'" >&2
   exit 2
 fi
+case "$host_queue" in
+  fair|fifo) ;;
+  *) echo "bench-fanout: --host-queue takes fair or fifo, not '$host_queue'" >&2; exit 2 ;;
+esac
 # Seconds a transfer of $1 MiB at the link rate takes, at least 1.
 line_s() { echo $(( ($1 * 8 * 1049 / 1000 + rate_mbit - 1) / rate_mbit + 1 )); }
 if [ "$(id -u)" -ne 0 ]; then
@@ -246,6 +262,29 @@ for size in $sizes; do
   fitted+=("$fit")
 done
 
+# Node $2's upload on eth0 of namespace $1, shared fairly between its peers (--host-queue fair):
+# an HTB at the link rate, one class per peer address (guaranteed 1/max_k of the rate, borrowing
+# up to all of it; quantum 64 KiB), each with a bfifo of 20 ms at the full rate; what goes to no
+# peer (ARP) in a small default class.
+host_egress_fair() {
+  local ns="$1" me="$2" j share_kbit queue
+  share_kbit=$(( rate_mbit * 1000 / max_k ))
+  queue=$(( rate_mbit * 1000000 / 8 * ${latency%ms} / 1000 ))
+  ip netns exec "$ns" tc qdisc replace dev eth0 root handle 1: htb default 99
+  ip netns exec "$ns" tc class add dev eth0 parent 1: classid 1:1 htb rate "$rate" ceil "$rate" \
+    burst "$burst" cburst "$burst" quantum 65536
+  ip netns exec "$ns" tc class add dev eth0 parent 1:1 classid 1:99 htb rate 1mbit ceil "$rate" \
+    burst "$burst" cburst "$burst" quantum 65536
+  for j in $(seq 0 "$max_k"); do
+    [ "$j" = "$me" ] && continue
+    ip netns exec "$ns" tc class add dev eth0 parent 1:1 classid "1:$((j + 10))" htb \
+      rate "${share_kbit}kbit" ceil "$rate" burst "$burst" cburst "$burst" quantum 65536
+    ip netns exec "$ns" tc qdisc add dev eth0 parent "1:$((j + 10))" bfifo limit "$queue"
+    ip netns exec "$ns" tc filter add dev eth0 parent 1: protocol ip prio 1 u32 \
+      match ip dst "$(node_ip "$j")/32" flowid "1:$((j + 10))"
+  done
+}
+
 remove_network  # what a killed run left
 ip netns add "$switch"
 ip -n "$switch" link set lo up
@@ -262,15 +301,19 @@ for i in $(seq 0 "$max_k"); do
   ip -n "$ns" link set eth0 up
   ip -n "$switch" link set "p$i" master br0
   ip -n "$switch" link set "p$i" up
-  ip netns exec "$ns" tc qdisc replace dev eth0 root tbf rate "$rate" burst "$burst" \
-    latency "$latency"
+  if [ "$host_queue" = fair ]; then
+    host_egress_fair "$ns" "$i"
+  else
+    ip netns exec "$ns" tc qdisc replace dev eth0 root tbf rate "$rate" burst "$burst" \
+      latency "$latency"
+  fi
   ip netns exec "$switch" tc qdisc replace dev "p$i" root tbf rate "$rate" burst "$burst" \
     latency "$latency"
 done
 
 started=$(date +%s)
 echo "bench-fanout: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r), load $(cut -d' ' -f1-3 /proc/loadavg), ${avail_mib} MiB available"
-echo "  models ${fitted[*]} MiB (one bf16 tensor), ${versions} versions per K (the first ${warmup} apart), engines: ${runs[*]}; links: tbf rate $rate burst $burst latency $latency on both ends of each veth"
+echo "  models ${fitted[*]} MiB (one bf16 tensor), ${versions} versions per K (the first ${warmup} apart), engines: ${runs[*]}; links: tbf rate $rate burst $burst latency $latency on each switch port, the nodes' uploads $( [ "$host_queue" = fair ] && echo "an HTB of that rate shared fairly between peers (--host-queue fair)" || echo "the same tbf (--host-queue fifo)")"
 echo "  refitd --retain=1 ${refitd_args:+$refitd_args }(full mesh of --peers), UCX_TLS=tcp, UCX_NET_DEVICES=eth0; $(ucx_info -v | head -1 | sed 's/# //')"
 
 . scripts/bench/lib/daemons.sh  # (from the repository root)
@@ -453,7 +496,8 @@ for k in sorted(by_k):
           + (f" ({met(t / float(r['gloo_s']) <= 0.35)})" if r.get("gloo_s") and k == 4 else ""))
 EOF
 # The simulator (daemon/fleet/fanout_sim) beside the real table: the same K, model and link,
-# every link at the goodput fitted once (docs/fanout-simulator.md), not refitted per run.
+# chunks of the relays' grain, every link at the goodput fitted once (docs/fanout-simulator.md),
+# not refitted per run.
 sim="$bin/daemon/fleet/fanout_sim"
 rate_gbit=$(echo "$rate" | awk '/gbit$/ { sub(/gbit$/, ""); print; next }
                                 /mbit$/ { sub(/mbit$/, ""); print $0 / 1000; next }')
@@ -463,7 +507,11 @@ if [ -x "$sim" ] && [ -n "$rate_gbit" ]; then
                     cut -d= -f2 || true)
                 printf '%s,' "${t:--}"
               done | sed 's/,$//')
+  # At the grain relays forward in (refitd's --relay-chunk-bytes, 256 KiB unless given).
+  relay_chunk=$(echo " $refitd_args " | grep -o -- ' --relay-chunk-bytes=[0-9]*' | cut -d= -f2 |
+                tail -1 || true)
   "$sim" --model-bytes "${mib}MiB" --link-gbit "$rate_gbit" --k 1 --kimi=false \
+    --chunk-bytes "${relay_chunk:-262144}" \
     --goodput "$sim_goodput" --calibrate-measured "$measured" \
     --calibrate-k "$(echo "${runs[*]}" | tr ' ' ',')" | sed -n '/^Calibration/,/^$/p' || true
 fi
