@@ -21,6 +21,7 @@
 #include "proto/refit/v1/peer.grpc.pb.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/fleet.h"
+#include "tests/testing/real_model.h"
 
 namespace refit {
 namespace {
@@ -179,16 +180,7 @@ std::vector<std::pair<uint64_t, uint64_t>> Announced(v1::Peer::Stub* stub,
   context.TryCancel();
   (void)reader->Finish();
   REQUIRE(complete);
-  std::sort(told.begin(), told.end());
-  std::vector<std::pair<uint64_t, uint64_t>> merged;
-  for (const auto& r : told) {
-    if (!merged.empty() && r.first <= merged.back().second) {
-      merged.back().second = std::max(merged.back().second, r.second);
-    } else {
-      merged.push_back(r);
-    }
-  }
-  return merged;
+  return testing::Merged(std::move(told));
 }
 
 TEST_CASE("a Relay stream tells its reader only of the ranges it asked for",

@@ -43,14 +43,6 @@ pids=()
 . scripts/bench/lib/daemons.sh  # (from the repository root)
 trap bench_cleanup EXIT
 export UCX_TLS=sm,tcp UCX_POSIX_ERROR_HANDLING=y UCX_SYSV_ERROR_HANDLING=y
-wait_serving() {
-  for _ in $(seq 200); do
-    "$bin/client/refitctl" --socket="$1" status >/dev/null 2>&1 && return 0
-    sleep 0.05
-  done
-  echo "bench-apply: $1 did not serve" >&2
-  exit 1
-}
 run() {
   local tag="$1"
   shift
@@ -58,7 +50,7 @@ run() {
     >"$work/$tag-t.log" 2>&1 &
   local trainer=$!
   pids+=("$trainer")
-  wait_serving "$work/$tag-t.sock"
+  bench_wait_healthy "$bin/client/refitctl" "$work/$tag-t.sock" "$work/$tag-t.log" || exit 1
   local port
   port=$("$bin/client/refitctl" --socket="$work/$tag-t.sock" status --json |
          /usr/bin/python3 -c 'import json,sys; d=json.load(sys.stdin); print(d.get("listen_port") or d.get("listenPort"))')
@@ -72,7 +64,7 @@ run() {
     --peers="127.0.0.1:$port" --state-dir="$work/$tag-state" >"$work/$tag-e.log" 2>&1 &
   local engine=$!
   pids+=("$engine")
-  wait_serving "$work/$tag-e.sock"
+  bench_wait_healthy "$bin/client/refitctl" "$work/$tag-e.sock" "$work/$tag-e.log" || exit 1
   "$bin/tests/bench/apply_bench" --trainer-socket="$work/$tag-t.sock" \
     --engine-socket="$work/$tag-e.sock" --engine-pid="$engine" --mib="$mib" ${fp8_args[@]+"${fp8_args[@]}"} "$@" |
     tee "$work/$tag.out"
