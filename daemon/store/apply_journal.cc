@@ -49,7 +49,9 @@ struct Header {
   uint64_t data_bytes;
   // kDense: ranges in the table, their bytes in order; kSparse: records from data_offset;
   // kSparseParts: `parts` parts of records, each described after the targets' table by three
-  // words (its start from data_offset, its capacity, the bytes of its records saved).
+  // words (its start from data_offset, its capacity, the bytes of its records saved);
+  // kSparsePartsPadded (what BeginSparse writes): the same three words of each part 64 bytes
+  // apart, so that the threads saving into different parts never share a cache line.
   uint64_t kind;
   uint64_t saved;  // kSparse: the bytes of records saved, from data_offset
   uint64_t parts;  // kSparseParts
@@ -58,8 +60,9 @@ struct Header {
 // words each: piece, target, dst offset, dst stride, dst row stride, count, rows, dtype, offset
 // from data_offset, its row stride), then one mark byte per piece (padded to 8): a piece's saved
 // bytes are restored only when its mark is set (plan::ExecuteSaveAndVerifyOnHost).
-constexpr uint64_t kDense = 0, kSparse = 1, kSparseParts = 2, kFolded = 3;
-constexpr uint64_t kPartWords = 3;
+constexpr uint64_t kDense = 0, kSparse = 1, kSparseParts = 2, kFolded = 3, kSparsePartsPadded = 4;
+constexpr uint64_t kPartWords = 3;        // kSparseParts: words per part in the table
+constexpr uint64_t kPaddedPartWords = 8;  // kSparsePartsPadded
 constexpr uint64_t kOpWords = 10;
 static_assert(sizeof(Header) == 64, "journal header is 64 bytes");
 
@@ -345,7 +348,9 @@ absl::StatusOr<bool> ReadPending(const std::string& path, uint8_t* base, uint64_
     out->push_back(std::move(pending));
   }
   if (header.kind == kFolded) return ReadFolded(path, header, at, end, out);
-  if (header.kind != kSparse && header.kind != kSparseParts) return true;
+  if (header.kind != kSparse && header.kind != kSparseParts && header.kind != kSparsePartsPadded) {
+    return true;
+  }
   // Sparse records: [offset | target << 40 | len << 48] then the bytes, padded to 8; one part
   // (kSparse) or several, read in order (restored newest first, the last part first).
   std::vector<std::pair<uint64_t, uint64_t>> parts;  // [begin, end) in the file
@@ -355,11 +360,14 @@ absl::StatusOr<bool> ReadPending(const std::string& path, uint8_t* base, uint64_
     }
     parts.emplace_back(header.data_offset, header.data_offset + header.saved);
   } else {
-    if (header.parts > static_cast<uint64_t>(end - at) / (8 * kPartWords)) {
+    const uint64_t stride = header.kind == kSparseParts ? kPartWords : kPaddedPartWords;
+    if (header.parts > static_cast<uint64_t>(end - at) / (8 * stride)) {
       return absl::DataLossError(absl::StrCat(path, ": bad parts table"));
     }
     for (uint64_t k = 0; k < header.parts; ++k) {
+      const uint8_t* part = at;
       const uint64_t begin = Get(at), capacity = Get(at), saved = Get(at);
+      at = part + 8 * stride;
       if (begin > header.data_bytes || capacity > header.data_bytes - begin || saved > capacity) {
         return absl::DataLossError(absl::StrCat(path, ": bad part"));
       }
@@ -601,7 +609,7 @@ absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::BeginSparse(
     t.ranges.clear();
   }
   const uint64_t targets_table = TableBytes(targets);
-  const uint64_t table = targets_table + capacities.size() * kPartWords * 8;
+  const uint64_t table = targets_table + capacities.size() * kPaddedPartWords * 8;
   const uint64_t data_offset = RoundUp(sizeof(Header) + table, kPage);
   // Each part on cache lines of its own (threads append to them at once).
   std::vector<uint64_t> begins;
@@ -620,7 +628,7 @@ absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::BeginSparse(
   header.table_bytes = table;
   header.data_offset = data_offset;
   header.data_bytes = data;
-  header.kind = kSparseParts;
+  header.kind = kSparsePartsPadded;
   header.saved = 0;
   header.parts = capacities.size();
   std::memcpy(base, &header, sizeof(header));
@@ -628,7 +636,7 @@ absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::BeginSparse(
   uint8_t* words = base + sizeof(Header) + targets_table;
   std::unique_ptr<Entry> entry(new Entry(this, slot, std::move(targets), 0));
   for (size_t k = 0; k < capacities.size(); ++k) {
-    uint8_t* at = words + k * kPartWords * 8;
+    uint8_t* at = words + k * kPaddedPartWords * 8;
     Put(at, begins[k]);
     Put(at, capacities[k]);
     Put(at, 0);  // saved
@@ -636,7 +644,7 @@ absl::StatusOr<std::unique_ptr<ApplyJournal::Entry>> ApplyJournal::BeginSparse(
     part.data_ = base + data_offset + begins[k];
     part.cursor_ = part.data_;
     part.end_ = part.data_ + capacities[k];
-    part.saved_ = reinterpret_cast<std::atomic<uint64_t>*>(words + k * kPartWords * 8 + 16);
+    part.saved_ = reinterpret_cast<std::atomic<uint64_t>*>(words + k * kPaddedPartWords * 8 + 16);
     entry->parts_.push_back(part);
   }
   // Records are appended as the Apply goes; each counts once its part's `saved` covers it.

@@ -63,8 +63,9 @@ class ApplyJournal {
 
   class Slot;
 
-  // One part of a sparse undo record (BeginSparse): appended to by one thread.
-  class Part {
+  // One part of a sparse undo record (BeginSparse): appended to by one thread. A cache line of
+  // its own: the threads of one Apply save into their parts at once.
+  class alignas(64) Part {
    public:
     // Saves `n` bytes of target `target` at `offset`, which the Apply is about to overwrite;
     // call it before writing there. False when the part's capacity is used up (nothing saved:

@@ -1,6 +1,6 @@
 // Sparse vs full Apply through the store, RL-like delta steps (docs/benchmarks.md):
 //   bazel run -c opt //daemon/store:sparse_apply_bench -- [--mib=1024] [--shares=0.004,0.01]
-//       [--reps=3] [--destination=host-runs|host|gpu]
+//       [--reps=3] [--destination=host-runs|host|gpu] [--prepare=1|0]
 // host-runs (default): host destinations through the run-list sparse Apply (what GPU
 // destinations take) with the host RunWriter, the collection's wall and CPU time printed by the
 // store's debug line ("collected ... ms (... ms CPU)"); host: the host sparse Apply; gpu: GPU
@@ -8,7 +8,10 @@
 // sparse Apply of a version that changed `share` of its bf16 words from host slots, beside the
 // full Apply of the same version into a second destination of the same layout (the copy it
 // replaces), medians of --reps versions. The cost model is off (sparse whenever it applies);
-// the line says which it would have chosen.
+// the line says which it would have chosen. --prepare=1 (default): the writes are collected as
+// each version completes (StoreOptions::prepare_sparse), and the bench waits for that before it
+// times the Apply, as an engine generating meanwhile would; the line gives the collection's time
+// too. --prepare=0: collected inside the Apply.
 
 #include <algorithm>
 #include <chrono>
@@ -20,6 +23,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "cuda/cuda.h"
 #include "cuda/run_writer.h"
@@ -57,13 +61,14 @@ double Median(std::vector<double> v) {
 }
 
 int Run(int argc, char** argv) {
-  uint64_t mib = 1024, reps = 3;
+  uint64_t mib = 1024, reps = 3, prepare = 1;
   std::vector<double> shares = {0.004, 0.01};
   std::string destination = "host-runs";
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg.rfind("--mib=", 0) == 0 && absl::SimpleAtoi(arg.substr(6), &mib)) continue;
     if (arg.rfind("--reps=", 0) == 0 && absl::SimpleAtoi(arg.substr(7), &reps)) continue;
+    if (arg.rfind("--prepare=", 0) == 0 && absl::SimpleAtoi(arg.substr(10), &prepare)) continue;
     if (arg.rfind("--destination=", 0) == 0) {
       destination = arg.substr(14);
       continue;
@@ -98,6 +103,9 @@ int Run(int argc, char** argv) {
   options.max_spare_slot_bytes = 0;
   options.sparse_bytes_per_run = 0;
   options.gpu_sparse_bytes_per_run = 0;
+  options.sparse_prepared_bytes_per_run = 0;
+  options.gpu_sparse_prepared_bytes_per_run = 0;
+  options.prepare_sparse = prepare != 0;
   if (destination == "host-runs") options.sparse_run_writers = &writers;
   Store store(options, &metrics);
   // 64 bf16 tensors [rows, 4096], `mib` MiB in all; the destinations hold the same layout.
@@ -144,19 +152,29 @@ int Run(int argc, char** argv) {
   std::shared_ptr<Region> full_region = std::move(f_region).value();
   const uint64_t words = total / 2;
   for (const double share : shares) {
-    std::vector<double> sparse_ms, full_ms;
+    std::vector<double> sparse_ms, full_ms, prepare_ms;
     uint64_t written = 0;
     for (uint64_t r = 0; r < reps; ++r) {
       ++version;
       const uint64_t flips = static_cast<uint64_t>(share * static_cast<double>(words));
       for (uint64_t k = 0; k < flips; ++k) data[(rng() % words) * 2] ^= 1;
       if (!publish()) return 1;
+      auto t_ready = Clock::now();
+      auto prepared = store.WaitForSparsePrepared("m", version, t_ready + milliseconds(60000));
+      if (!prepared.ok()) return 1;
+      if (prepare) {
+        prepare_ms.push_back(
+            std::chrono::duration<double, std::milli>(Clock::now() - t_ready).count());
+      }
       auto t0 = Clock::now();
       auto applied = store.Apply("m", version, {*d_id});
       auto t1 = Clock::now();
-      if (!applied.ok() || !applied->sparse) {
+      if (!applied.ok() || !applied->sparse || applied->prepared != (prepare != 0)) {
         std::printf("  version %llu: %s\n", static_cast<unsigned long long>(version),
-                    applied.ok() ? "not sparse" : applied.status().ToString().c_str());
+                    !applied.ok()       ? applied.status().ToString().c_str()
+                    : !applied->sparse  ? "not sparse"
+                    : applied->prepared ? "prepared (not asked)"
+                                        : "not prepared");
         return 1;
       }
       written = applied->bytes_written;
@@ -172,11 +190,15 @@ int Run(int argc, char** argv) {
       full_ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
     }
     std::printf(
-        "  %llu MiB bf16, %.1f %% of words changed: sparse Apply %.2f ms (%llu bytes written), "
-        "full Apply %.2f ms = %.2fx\n",
+        "  %llu MiB bf16, %.1f %% of words changed: sparse Apply %.2f ms (%llu bytes written; %s), "
+        "full Apply %.2f ms: sparse / full = %.3f\n",
         static_cast<unsigned long long>(total >> 20), share * 100, Median(sparse_ms),
-        static_cast<unsigned long long>(written), Median(full_ms),
-        Median(full_ms) / std::max(1e-9, Median(sparse_ms)));
+        static_cast<unsigned long long>(written),
+        prepare ? absl::StrCat("prepared as the version completed, waited ",
+                               absl::SixDigits(Median(prepare_ms)), " ms for it after")
+                      .c_str()
+                : "collected inside the Apply",
+        Median(full_ms), Median(sparse_ms) / std::max(1e-9, Median(full_ms)));
   }
   return 0;
 }

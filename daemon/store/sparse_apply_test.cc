@@ -1,7 +1,9 @@
 // Sparse Apply: destinations that hold version N-1 get only the elements N changed, resharded
 // (row and column TP shards, a strided fused destination, fp32 -> bf16 conversion), and end
 // bit-exact with a full Apply of N into fresh buffers of the same layout; a dense step, a
-// destination that does not hold N-1 and a skipped version take the full copy.
+// destination that does not hold N-1 and a skipped version take the full copy. Each case runs
+// with the writes prepared as the version completed (StoreOptions::prepare_sparse: the engine's
+// pause is the writing alone) and collected inside the Apply.
 
 #include <cstring>
 #include <random>
@@ -20,15 +22,18 @@ using std::chrono::milliseconds;
 using namespace sparse_testing;  // NOLINT: the shared layouts and helpers
 
 struct Fixture {
-  Fixture() : store(Options(), &metrics) {}
-  static StoreOptions Options() {
+  Fixture() : prepare(GENERATE(true, false)), store(Options(prepare), &metrics) {}
+  static StoreOptions Options(bool prepare) {
     StoreOptions o;
     o.retain = 2;
     o.node = "n";
     o.sparse_bytes_per_run = 0;  // sparse whenever it applies: these models are tiny
+    o.sparse_prepared_bytes_per_run = 0;
+    o.prepare_sparse = prepare;
     return o;
   }
   double Counter(const std::string& name) { return metrics.Get(name); }
+  const bool prepare;
   Metrics metrics;
   Store store;
 };
@@ -65,6 +70,7 @@ TEST_CASE_METHOD(Fixture, "a sparse Apply writes only what changed, bit-exact wi
     auto applied = store.Apply("m", c.version, {*d1_id, *d2_id});
     REQUIRE(applied.ok());
     CHECK(applied->sparse == c.sparse);
+    CHECK(applied->prepared == (c.sparse && prepare));
     if (c.sparse) {
       // Only changed elements: far fewer bytes than the destinations hold.
       CHECK(applied->bytes_written <= (c.share * 4 + 0.001) * (kD1 + kD2) + 64);
@@ -88,6 +94,7 @@ TEST_CASE_METHOD(Fixture, "a sparse Apply writes only what changed, bit-exact wi
     CHECK(verified.ok());
   }
   CHECK(Counter("refit_apply_sparse_total") == 5);
+  CHECK(Counter("refit_apply_sparse_prepared_total") == (prepare ? 5 : 0));
 }
 
 TEST_CASE_METHOD(Fixture, "a destination that does not hold N-1 gets the full copy",
@@ -117,10 +124,15 @@ TEST_CASE_METHOD(Fixture, "an engine that wrote into its buffer since gets the f
 }
 
 TEST_CASE("the cost model keeps scattered steps on the full copy", "[store][sparse]") {
+  // The default figures: 384 bytes of full copy per changed run collected inside the Apply, 160
+  // where the writes were prepared as the version completed.
+  const bool prepare = GENERATE(true, false);
+  INFO("prepared: " << prepare);
   Metrics metrics;
   StoreOptions o;
   o.retain = 2;
-  o.node = "n";  // the default sparse_bytes_per_run
+  o.node = "n";
+  o.prepare_sparse = prepare;
   Store store(o, &metrics);
   Host src(kW + kF + kQ), d1(kD1);
   Randomize(src.data, src.size, 21);
@@ -130,8 +142,9 @@ TEST_CASE("the cost model keeps scattered steps on the full copy", "[store][spar
   REQUIRE(d1_id.ok());
   REQUIRE(store.Publish("m", 1, {*src_id}).ok());
   REQUIRE(store.Apply("m", 1, {*d1_id}).ok());
-  // 0.4 % of 24 K elements: ~100 runs x 384 B > the 18 KiB a full Apply writes: full.
-  Step(src.data, src.size, 0.004, 22);
+  // 0.4 % of 24 K words: ~100 runs x 384 B > the 18 KiB a full Apply writes: full; prepared,
+  // 1 %: ~240 runs x 160 B > 18 KiB: full.
+  Step(src.data, src.size, prepare ? 0.01 : 0.004, 22);
   REQUIRE(store.Publish("m", 2, {*src_id}).ok());
   auto applied = store.Apply("m", 2, {*d1_id});
   REQUIRE(applied.ok());
@@ -142,6 +155,7 @@ TEST_CASE("the cost model keeps scattered steps on the full copy", "[store][spar
   applied = store.Apply("m", 3, {*d1_id});
   REQUIRE(applied.ok());
   CHECK(applied->sparse);
+  CHECK(applied->prepared == prepare);
   CHECK(applied->bytes_written <= 2);
 }
 
@@ -188,8 +202,10 @@ TEST_CASE("a sparse Apply on several threads is bit-exact with a full Apply", "[
   // Three workers, each with its own part of the undo record, over row items of a row shard
   // and a column shard of one [512, 512] bf16 weight; then an engine write caught by one worker
   // stops them all, every part is put back and the full copy runs.
+  const bool prepare = GENERATE(true, false);
+  INFO("prepared: " << prepare);
   Metrics metrics;
-  StoreOptions o = Fixture::Options();
+  StoreOptions o = Fixture::Options(prepare);
   o.sparse_threads = 3;
   Store store(o, &metrics);
   constexpr uint64_t kBytes = 512 * 512 * 2, kHalf = kBytes / 2;
@@ -215,6 +231,7 @@ TEST_CASE("a sparse Apply on several threads is bit-exact with a full Apply", "[
     auto applied = store.Apply("m", version, {*d1_id, *d2_id});
     REQUIRE(applied.ok());
     CHECK(applied->sparse == (version == 2 || version == 3));
+    CHECK(applied->prepared == (prepare && applied->sparse));
     Host r1(kHalf), r2(kHalf);
     auto r1_id = store.RegisterBuffer("m", Role::kDestination, std::move(r1.owned), rows, "r");
     auto r2_id = store.RegisterBuffer("m", Role::kDestination, std::move(r2.owned), cols, "r");

@@ -120,6 +120,7 @@ StoreOptions Options(bool sparse) {
   o.max_spare_slot_bytes = 1ull << 28;
   // These models are tiny: sparse whenever it applies; the reference never.
   o.sparse_bytes_per_run = sparse ? 0 : (1ull << 40);  // (and it applies into fresh buffers)
+  o.sparse_prepared_bytes_per_run = sparse ? 0 : (1ull << 40);
   return o;
 }
 
@@ -162,6 +163,9 @@ struct Fixture {
   ApplyResult ApplyAndCompare(uint64_t version) {
     auto applied = store.Apply("m", version, dst_ids);
     REQUIRE(applied.ok());
+    // A sparse Apply's writes were prepared as the version completed (the derived slot diffed
+    // by then): the Apply only wrote.
+    CHECK(applied->prepared == applied->sparse);
     // The reference: fresh buffers each time (a full Apply even where nothing changed).
     for (int k = 0; k < 2; ++k) {
       REQUIRE(ref.ReleaseBuffer(ref_ids[k]).ok());

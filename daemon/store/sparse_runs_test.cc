@@ -77,16 +77,21 @@ absl::Status CountingWriter::Scatter() {
   return status;
 }
 
+// Each case runs with the runs prepared as the version completed (StoreOptions::prepare_sparse)
+// and collected inside the Apply.
 struct Fixture {
-  Fixture() : store(Options(&writers), &metrics) {}
-  static StoreOptions Options(Writers* writers) {
+  Fixture() : prepare(GENERATE(true, false)), store(Options(&writers, prepare), &metrics) {}
+  static StoreOptions Options(Writers* writers, bool prepare) {
     StoreOptions o;
     o.retain = 2;
     o.node = "n";
     o.gpu_sparse_bytes_per_run = 0;  // sparse whenever it applies: these models are tiny
+    o.gpu_sparse_prepared_bytes_per_run = 0;
+    o.prepare_sparse = prepare;
     o.sparse_run_writers = writers;
     return o;
   }
+  const bool prepare;
   Writers writers;
   Metrics metrics;
   Store store;
@@ -129,6 +134,7 @@ TEST_CASE_METHOD(Fixture, "a run-list sparse Apply is bit-exact with a full Appl
     auto applied = store.Apply("m", c.version, {*d1_id, *d2_id, *d3_id});
     REQUIRE(applied.ok());
     CHECK(applied->sparse == c.sparse);
+    CHECK(applied->prepared == (c.sparse && prepare));
     if (c.sparse) {
       ++sparse_applies;
       // Through the writers (not the host sparse Apply), the runs' bytes and nothing else.
@@ -200,9 +206,11 @@ TEST_CASE("a run-list sparse Apply on several threads is bit-exact with a full A
           "[store][sparse][runs]") {
   // The collection cut into chunks on three threads, appended in order, over a row shard and a
   // column shard of one [512, 512] bf16 weight.
+  const bool prepare = GENERATE(true, false);
+  INFO("prepared: " << prepare);
   Writers writers;
   Metrics metrics;
-  StoreOptions o = Fixture::Options(&writers);
+  StoreOptions o = Fixture::Options(&writers, prepare);
   o.sparse_threads = 3;
   Store store(o, &metrics);
   constexpr uint64_t kBytes = 512 * 512 * 2, kHalf = kBytes / 2;
@@ -228,6 +236,7 @@ TEST_CASE("a run-list sparse Apply on several threads is bit-exact with a full A
     auto applied = store.Apply("m", version, {*d1_id, *d2_id});
     REQUIRE(applied.ok());
     CHECK(applied->sparse == (version > 1));
+    CHECK(applied->prepared == (prepare && version > 1));
     if (version > 1) CHECK(applied->bytes_written == writers.run_bytes);
     Host r1(kHalf), r2(kHalf);
     auto r1_id = store.RegisterBuffer("m", Role::kDestination, std::move(r1.owned), rows, "r");

@@ -72,6 +72,7 @@ Store::Store(StoreOptions options, Metrics* metrics)
     journal = ApplyJournal::Open("");
   }
   journal_ = std::move(journal).value();
+  prepare_loop_.Start([this] { RunPrepares(); });
 }
 
 Store::Counters::Counters(Metrics* metrics)
@@ -79,6 +80,7 @@ Store::Counters::Counters(Metrics* metrics)
       apply_bytes(metrics->Declare(kApplyBytes)),
       apply_undo_bytes(metrics->Declare(kApplyUndoBytes)),
       apply_sparse(metrics->Declare(kApplySparse)),
+      apply_sparse_prepared(metrics->Declare(kApplySparsePrepared)),
       diff_bytes(metrics->Declare(kDiffBytes)),
       publish_bytes(metrics->Declare(kPublishBytes)),
       publishes(metrics->Declare(kPublishes)),
@@ -97,6 +99,7 @@ Store::Counters::Counters(Metrics* metrics)
 
 Store::~Store() {
   Shutdown();
+  prepare_loop_.Stop();
   quant_queue_.Stop();
 }
 
@@ -417,6 +420,7 @@ void Store::PublishVersion(Model& model, std::shared_ptr<const Version> version)
   Logger("store")->info("model={} version={} complete: {} pieces, {} bytes held here", model.name,
                         number, version->pieces.size(), version->bytes);
   for (StoreEvents* listener : listeners_) listener->OnVersionComplete(model.name, number);
+  QueuePrepares(model);  // the engines' next sparse Apply, collected while they generate
   changed_.NotifyAll();
 }
 

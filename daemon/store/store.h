@@ -39,9 +39,11 @@
 #include "absl/status/statusor.h"
 #include "daemon/common/mutex.h"
 #include "daemon/common/types.h"
+#include "daemon/common/worker_loop.h"
 #include "daemon/memory/checksum.h"
 #include "daemon/memory/region.h"
 #include "daemon/memory/slot_pool.h"
+#include "daemon/store/apply_journal.h"
 #include "daemon/store/checksum_hints.h"
 #include "daemon/store/client_store.h"
 #include "daemon/store/delta_base_mode.h"
@@ -59,6 +61,7 @@ class RunWriters;
 
 namespace refit::sparse {
 struct Sources;
+struct RunList;
 }  // namespace refit::sparse
 
 namespace refit::plan {
@@ -124,6 +127,19 @@ struct StoreOptions {
   // Not yet measured on a GPU (sparse_apply_bench --destination=gpu, the GPU bundle's
   // sparse-bench step, will). 0: whenever it applies.
   uint64_t gpu_sparse_bytes_per_run = 4096;
+  // A prepared sparse Apply (docs/architecture.md, "Sparse Apply"): as a version completes, for
+  // each set of DESTINATION buffers applied together before whose buffers hold a version it was
+  // diffed against, the writes of its sparse Apply are collected on a thread of the store's
+  // (the walk of the change lists, the conversion, the base's bytes at the checked writes), so
+  // that the engine's Apply is the writing alone. false: collected inside Apply (tests, bench).
+  bool prepare_sparse = true;
+  // The cost model when the writes were prepared: one changed run costs about as much as a full
+  // Apply's copy of this many bytes (host: the scattered save, write and check of a run, fitted
+  // on sparse_apply_bench, docs/benchmarks.md; GPU: its ByteRun and values over the bus, 24 +
+  // 3 x its bytes, and the scattered device writes: derived, not yet measured on a GPU). 0:
+  // whenever it applies.
+  uint64_t sparse_prepared_bytes_per_run = 160;
+  uint64_t gpu_sparse_prepared_bytes_per_run = 64;
   // Test seam: when set, host DESTINATION buffers take the run-list sparse Apply (GPU ones'),
   // with writers opened here instead of cuda::OpenRunWriter, so that it runs without a GPU.
   cuda::RunWriters* sparse_run_writers = nullptr;
@@ -223,6 +239,13 @@ class Store : public PeerStore, public ClientStore, public VersionImports {
   // DEADLINE_EXCEEDED past `deadline`; CANCELLED when `cancelled()`; UNAVAILABLE at Shutdown.
   absl::StatusOr<uint64_t> WaitForVersion(const std::string& model, uint64_t min_version,
                                           Clock::time_point deadline, const CancelledFn& cancelled);
+
+  // Blocks until every sparse Apply of `model`'s `version` being prepared (StoreOptions::
+  // prepare_sparse) is ready; how many are ready for it (usable or not). For tests and
+  // benchmarks that stand for an engine generating while the store prepares. DEADLINE_EXCEEDED
+  // past `deadline`.
+  absl::StatusOr<size_t> WaitForSparsePrepared(const std::string& model, uint64_t version,
+                                               Clock::time_point deadline);
 
   // Writes `version` (0: newest complete) into the listed DESTINATION buffers.
   absl::StatusOr<ApplyResult> Apply(const std::string& model, uint64_t version,
@@ -343,6 +366,9 @@ class Store : public PeerStore, public ClientStore, public VersionImports {
   struct Model;
   struct CachedPlan;
   struct DestinationBase;
+  struct SparseInputs;    // what a sparse Apply reads (store_internal.h)
+  struct PreparedSparse;  // a sparse Apply's writes collected as its version completed
+  struct PrepareJob;      // one of those, waiting for prepare_loop_
 
   Model* FindModel(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // OK when `again` registers `existing`'s memory the same way (same owner, model, role,
@@ -505,19 +531,62 @@ class Store : public PeerStore, public ClientStore, public VersionImports {
   // `base`: the version the destinations hold (null: not held here, no sparse Apply); the bytes
   // about to be overwritten are checked against it first, so an engine that wrote there since
   // gets the full copy.
+  // How the threads of a host sparse Apply ended: the op of a write that found the destination
+  // not holding the base (or a full undo record), and the ops whose bytes did not land.
+  struct SparseEnd {
+    std::optional<uint32_t> not_base_op;
+    std::vector<size_t> bad;
+  };
+  // The end of a host sparse Apply into `dests` with undo record `undo`: not holding the base:
+  // everything put back and nullopt (the full copy runs); bytes that did not land or memory gone:
+  // put back, and the error; otherwise the record committed, OK.
+  std::optional<absl::Status> EndSparse(const Version& version, uint64_t base,
+                                        const plan::Plan& plan,
+                                        const std::vector<std::shared_ptr<Buffer>>& dests,
+                                        ApplyJournal::Entry& undo, SparseEnd end);
+  // `prepared`: the writes collected as the version completed (null: none), used when it matches.
   std::optional<absl::StatusOr<ApplyResult>> ApplySparse(
       const Version& version, const std::shared_ptr<const Version>& base, const CachedPlan& cached,
       const std::vector<std::shared_ptr<Buffer>>& dests,
-      const std::vector<std::shared_ptr<Region>>& derived);
+      const std::vector<std::shared_ptr<Region>>& derived, const PreparedSparse* prepared);
   // The sparse Apply for GPU destinations (store_sparse_runs.cc; host ones too with
   // StoreOptions::sparse_run_writers): the writes collected per destination as byte runs with
   // their new bytes, then through a cuda::RunWriter each: upload, the old bytes saved (the undo
   // record, kept in memory) and checked against `base`, scatter, read back and compared. nullopt
   // before anything is written when it does not apply (then the full copy runs); an error after
   // the saved bytes were scattered back.
+  // `lists`: per destination (sparse_runs.h), collected inside the Apply or prepared; `how`:
+  // which, for the debug line.
   std::optional<absl::StatusOr<ApplyResult>> ApplySparseRuns(
-      const Version& version, uint64_t base, const plan::Plan& plan, const sparse::Sources& sources,
+      const Version& version, uint64_t base, const plan::Plan& plan,
+      const std::vector<sparse::RunList>& lists, const std::string& how,
       const std::vector<std::shared_ptr<Buffer>>& dests);
+  // ---- Prepared sparse Apply (store_sparse_prepared.cc) ----
+  // What a sparse Apply of `version` into `dests` (holding `held`) reads, where it may run:
+  // every location the plan reads diffed against `held`, host slots; nullopt otherwise.
+  // The key of a set of DESTINATION buffers applied together: their ids, in order.
+  static std::string GroupKey(const std::vector<std::shared_ptr<Buffer>>& dests);
+  // `dests`: how many destination locations the plan writes.
+  std::optional<SparseInputs> SparseInputsFor(const Version& version, const Version& held,
+                                              const CachedPlan& cached, size_t dests,
+                                              const std::vector<std::shared_ptr<Region>>& derived);
+  // The DESTINATION buffers `dests` of `model` were applied together: remembered, and when a
+  // newer complete version than theirs is here, its sparse Apply into them is prepared (mu_
+  // held; the collection runs on prepare_loop_).
+  void RememberApplyGroup(Model& model, const std::vector<std::shared_ptr<Buffer>>& dests)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // For each remembered group of `model` whose buffers all hold a complete version older than
+  // the newest: a PreparedSparse of the newest into them, queued (mu_ held).
+  void QueuePrepares(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // prepare_loop_'s step: collects the queued prepares, no store lock held while it works.
+  void RunPrepares();
+  // A sparse Apply from a PreparedSparse that matches (same version, base, plan and buffers,
+  // each holding the base); nullopt when it does not apply (the Apply goes on without it), with
+  // `full_copy` set when it found a destination that does not hold the base (the full copy runs).
+  std::optional<absl::StatusOr<ApplyResult>> ApplyPrepared(
+      const Version& version, uint64_t base, const CachedPlan& cached,
+      const std::vector<std::shared_ptr<Buffer>>& dests, const PreparedSparse& prepared,
+      bool* full_copy);
   // Verify of a version whose held copy --delta-base=destination released: the destinations
   // against the digests taken of it (BaseFromDestinations per released piece). DATA_LOSS naming
   // the buffers and tensors that differ; FAILED_PRECONDITION where there is nothing to compare.
@@ -549,10 +618,10 @@ class Store : public PeerStore, public ClientStore, public VersionImports {
   // The store's counters and histograms, resolved once (Metrics::Declare lists them at 0).
   struct Counters {
     explicit Counters(Metrics* metrics);
-    CounterHandle versions_completed, apply_bytes, apply_undo_bytes, apply_sparse, diff_bytes,
-        publish_bytes, publishes, applies, versions_dropped, versions_abandoned,
-        apply_verify_failures, delta_base_fallbacks, quantized_values, quantized_gpu_values,
-        nonfinite_values;
+    CounterHandle versions_completed, apply_bytes, apply_undo_bytes, apply_sparse,
+        apply_sparse_prepared, diff_bytes, publish_bytes, publishes, applies, versions_dropped,
+        versions_abandoned, apply_verify_failures, delta_base_fallbacks, quantized_values,
+        quantized_gpu_values, nonfinite_values;
     HistogramHandle publish_seconds, apply_seconds, plan_seconds, quantize_seconds;
   };
   const Counters counters_;
@@ -586,6 +655,9 @@ class Store : public PeerStore, public ClientStore, public VersionImports {
   QuantWorker quant_worker_{this};
   QuantQueue<Version> quant_queue_{&quant_worker_};
   std::unique_ptr<ApplyJournal> journal_;  // Apply's undo record (atomic Apply)
+  // Prepared sparse Applies waiting for prepare_loop_ (QueuePrepares, RunPrepares).
+  std::deque<PrepareJob> prepare_jobs_ ABSL_GUARDED_BY(mu_);
+  WorkerLoop prepare_loop_{"sparse-prepare"};  // started by the constructor
 };
 
 }  // namespace refit

@@ -19,6 +19,14 @@
 #include "daemon/store/store_internal.h"
 
 namespace refit {
+namespace {
+
+// How long an Apply waits for its sparse Apply's writes being collected on the store's
+// sparse-prepare thread (they take a fraction of what the full copy would; past this, it goes on
+// without them).
+constexpr auto kPrepareWait = std::chrono::seconds(30);
+
+}  // namespace
 
 std::vector<ByteRanges> DestinationExtents(const plan::Plan& plan, size_t locations) {
   std::vector<ByteRanges> out(locations);
@@ -59,8 +67,9 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
   std::shared_ptr<const CachedPlan> cached;
   std::shared_ptr<const Version> applied_base;
   std::vector<std::shared_ptr<Buffer>> dests;
+  std::shared_ptr<const PreparedSparse> prepared;
   {
-    common::MutexLock lock(mu_);
+    common::UniqueLock lock(mu_);
     if (shutdown_) return absl::UnavailableError("refitd is shutting down");
     Model* model = FindModel(model_name);
     if (!model) return absl::NotFoundError(absl::StrCat("model ", model_name, " does not exist"));
@@ -114,6 +123,18 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     // Sparse Apply: the version the destinations hold, if it is still held here.
     auto held = model->complete.find(dests.empty() ? 0 : dests[0]->applied.load());
     if (held != model->complete.end() && held->second != source) applied_base = held->second;
+    // Its sparse Apply prepared as it completed (store_sparse_prepared.cc): wait for the
+    // collection in progress rather than walk the change lists again here.
+    auto ready = applied_base ? model->prepared.find(GroupKey(dests)) : model->prepared.end();
+    if (ready != model->prepared.end() && ready->second->version == source->number &&
+        ready->second->base == applied_base->number) {
+      std::shared_ptr<const PreparedSparse> waited = ready->second;
+      const auto deadline = Clock::now() + kPrepareWait;
+      changed_.WaitUntil(lock, deadline, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return waited->ready || shutdown_;
+      });
+      if (waited->ready) prepared = std::move(waited);
+    }
   }
   RETURN_IF_ERROR(CheckHeld(*source, cached->Reads()));
   std::vector<std::shared_ptr<Region>> derived;
@@ -143,7 +164,7 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
   if (host_sources) {
     // The destinations hold the version this one was diffed against: write what changed (into
     // host destinations here, into GPU ones as byte runs: store_sparse_runs.cc).
-    if (auto sparse = ApplySparse(*source, applied_base, *cached, dests, derived)) {
+    if (auto sparse = ApplySparse(*source, applied_base, *cached, dests, derived, prepared.get())) {
       if (!sparse->ok()) return sparse->status();
       return Applied(model_name, source, dests, **sparse, started);
     }
@@ -214,9 +235,14 @@ ApplyResult Store::Applied(const std::string& model_name,
   counters_.apply_bytes.Add(static_cast<double>(result.bytes_written));
   counters_.apply_undo_bytes.Add(static_cast<double>(result.undo_bytes));
   if (result.sparse) counters_.apply_sparse.Add(1);
+  if (result.prepared) counters_.apply_sparse_prepared.Add(1);
   counters_.applies.Add(1);
   counters_.apply_seconds.Observe(std::chrono::duration<double>(Clock::now() - started).count());
   ReleaseApplied(model_name, source);  // --delta-base=destination: the destinations hold it now
+  {
+    common::MutexLock lock(mu_);
+    if (Model* model = FindModel(model_name)) RememberApplyGroup(*model, dests);
+  }
   return result;
 }
 

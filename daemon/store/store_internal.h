@@ -17,6 +17,7 @@
 #include "daemon/common/mutex.h"
 #include "daemon/plan/plan.h"
 #include "daemon/store/quantized_slots.h"
+#include "daemon/store/sparse_runs.h"
 #include "daemon/store/store.h"
 #include "daemon/store/tensor_index.h"
 
@@ -172,6 +173,63 @@ struct Store::Model {
     VersionTarget target;
   };
   std::deque<Event> events;  // what Watch delivers, oldest first (bounded)
+
+  // Prepared sparse Apply (store_sparse_prepared.cc): the sets of DESTINATION buffers applied
+  // together (by their ids, joined with ","; at most kMaxApplyGroups, the oldest forgotten), and
+  // the newest version's writes prepared for each set.
+  std::map<std::string, std::vector<std::weak_ptr<Buffer>>> apply_groups;
+  std::deque<std::string> apply_group_order;  // oldest first
+  std::map<std::string, std::shared_ptr<PreparedSparse>> prepared;
+};
+
+// Sparse Apply's threads as asked: StoreOptions::sparse_threads, or the test build's
+// REFIT_TEST_SPARSE_THREADS (0: sparse::ThreadsFor picks).
+unsigned SparseThreadsWanted(const StoreOptions& options);
+// Test build, REFIT_FAULT_APPLY_FLIP=N: true for the first N sparse Applies (a byte of the
+// destination changes under their first write: the verified write must catch it).
+bool TakeSparseFlip();
+// CPU seconds of this process so far (the run-list collection's debug line).
+double ProcessCpuSeconds();
+
+// What a sparse Apply reads, per source location of its plan (the version's pieces, then the
+// derived slot of fp8 destinations with scales), where every location the plan reads was diffed
+// against the version the destinations hold, in host memory (Store::SparseInputsFor).
+struct Store::SparseInputs {
+  std::vector<const ChangeList*> changes;
+  std::vector<const uint8_t*> base;  // the held version's bytes
+  std::vector<const uint8_t*> src;   // the new version's bytes
+  uint64_t runs = 0;                 // change runs of the locations the plan reads
+  uint64_t changed = 0;              // their changed bytes
+  uint64_t compared = 0;             // their bytes compared
+  // What keeps the derived slot's list and the held version's derived slot alive.
+  std::shared_ptr<const ChangeList> derived_changes;
+  std::shared_ptr<Region> held_derived;
+  sparse::Sources sources() const { return sparse::Sources{changes, base, src, runs}; }
+};
+
+// A sparse Apply of `version` into `dests` (holding `base`) with `plan`, its writes collected as
+// the version completed (RunPrepares), so that Apply only writes. Filled by prepare_loop_'s
+// thread, then `ready` set under Store::mu_; read by Apply only once it saw `ready`.
+struct Store::PreparedSparse {
+  uint64_t version = 0;
+  uint64_t base = 0;
+  std::shared_ptr<const CachedPlan> plan;
+  std::vector<const Buffer*> dests;  // plan locations, in order
+  bool ready = false;                // guarded by Store::mu_
+  bool usable = false;               // the lists were collected (else: why not)
+  std::string why;
+  std::vector<sparse::RunList> lists;  // per destination
+  sparse::HostCuts cuts;               // the host writer's share of each thread
+  uint64_t runs = 0;                   // change runs
+  double collect_ms = 0;               // wall time of the collection
+};
+
+// One PreparedSparse to fill, with what it reads (kept alive until it is done).
+struct Store::PrepareJob {
+  std::string model;
+  std::shared_ptr<PreparedSparse> out;
+  std::shared_ptr<const Version> version, held;
+  std::vector<std::shared_ptr<Buffer>> dests;
 };
 
 }  // namespace refit

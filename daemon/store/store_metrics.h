@@ -16,6 +16,10 @@ inline constexpr Counter kApplyUndoBytes{
 inline constexpr Counter kApplySparse{
     "refit_apply_sparse_total",
     "Applies that wrote only the elements changed since the version the destinations held."};
+inline constexpr Counter kApplySparsePrepared{
+    "refit_apply_sparse_prepared_total",
+    "Sparse Applies whose writes were collected as the version completed, before the call (the "
+    "engine paused for the writing alone)."};
 inline constexpr Counter kDiffBytes{
     "refit_diff_bytes_total",
     "Bytes of new versions compared against the version this node's engines hold, for a sparse "

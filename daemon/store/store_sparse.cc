@@ -27,8 +27,6 @@ using sparse::CopyBytes;
 using sparse::DstAt;
 using sparse::ForEachWrite;
 using sparse::kCheckEvery;
-using sparse::kMaxThreads;
-using sparse::kParallelRuns;
 using sparse::Landed;
 using sparse::ParallelFor;
 using sparse::PlainOp;
@@ -156,12 +154,59 @@ struct SparseWriter {
 
 }  // namespace
 
-std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
-    const Version& version, const std::shared_ptr<const Version>& held, const CachedPlan& cached,
-    const std::vector<std::shared_ptr<Buffer>>& dests,
+bool TakeSparseFlip() {
+  // Test build only: a destination byte changes under the first write, in the first N sparse
+  // Applies (as plan::ExecuteAndVerifyOnHost does for the full one).
+  static std::atomic<long> flips{-1};
+  if (flips.load() < 0) {
+    const char* n = TestSwitch("REFIT_FAULT_APPLY_FLIP");
+    long expected = -1;
+    flips.compare_exchange_strong(expected, n ? std::atol(n) : 0);
+  }
+  return flips.load() > 0 && flips-- > 0;
+}
+
+unsigned SparseThreadsWanted(const StoreOptions& options) {
+  static const char* forced = TestSwitch("REFIT_TEST_SPARSE_THREADS");
+  return forced ? static_cast<unsigned>(std::atoi(forced)) : options.sparse_threads;
+}
+
+std::optional<absl::Status> Store::EndSparse(const Version& version, uint64_t base,
+                                             const plan::Plan& plan,
+                                             const std::vector<std::shared_ptr<Buffer>>& dests,
+                                             ApplyJournal::Entry& undo, SparseEnd end) {
+  if (end.not_base_op) {
+    // An engine that wrote into its buffer since (a bulk overwrite always shows here): what
+    // this pass wrote goes back, and the full copy runs.
+    undo.Restore();
+    Logger("store")->info(
+        "Apply of version {} into {}: it does not hold version {} where this step writes "
+        "(written since?): full copy",
+        version.number, dests[plan.ops[*end.not_base_op].dst_location]->id, base);
+    return std::nullopt;
+  }
+  if (!end.bad.empty()) {
+    std::sort(end.bad.begin(), end.bad.end());
+    end.bad.erase(std::unique(end.bad.begin(), end.bad.end()), end.bad.end());
+    undo.Restore();
+    return NotLanded(version, plan, end.bad, dests, /*restored=*/true);
+  }
+  for (const auto& d : dests) {
+    if (!d->region->Broken()) continue;
+    std::vector<bool> gone;
+    for (const auto& other : dests) gone.push_back(other->region->Broken());
+    undo.Restore(gone);
+    return MemoryWentAway(*d, " (the other destination buffers were put back as they were)");
+  }
+  undo.Commit();
+  return absl::OkStatus();
+}
+
+std::optional<Store::SparseInputs> Store::SparseInputsFor(
+    const Version& version, const Version& held, const CachedPlan& cached, size_t dests,
     const std::vector<std::shared_ptr<Region>>& derived) {
-  if (version.pieces.empty() || !held) return std::nullopt;
-  if (held->layout_key != version.layout_key || held->pieces.size() != version.pieces.size()) {
+  if (version.pieces.empty()) return std::nullopt;
+  if (held.layout_key != version.layout_key || held.pieces.size() != version.pieces.size()) {
     return std::nullopt;
   }
   const plan::Plan& plan = cached.plan;
@@ -169,39 +214,40 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
   // scales): its change list, its new bytes and the held version's bytes, where it has them.
   const size_t pieces = version.pieces.size();
   const size_t locations = pieces + (cached.jobs.empty() ? 0 : 1);
-  std::vector<const ChangeList*> changes(locations, nullptr);
-  std::vector<const uint8_t*> old_bytes(locations, nullptr), src(locations, nullptr);
+  SparseInputs in;
+  in.changes.assign(locations, nullptr);
+  in.base.assign(locations, nullptr);
+  in.src.assign(locations, nullptr);
   std::vector<uint64_t> base_of(locations, 0), compared_of(locations, 0);
   for (size_t i = 0; i < pieces; ++i) {
-    const Piece& p = held->pieces[i];
+    const Piece& p = held.pieces[i];
     const Piece& n = version.pieces[i];
     if (!n.changes || !n.slot || !p.slot || p.released || p.slot->kind() != MemoryKind::kHost ||
         n.slot->kind() != MemoryKind::kHost || p.slot->size() != n.slot->size() ||
         (p.valid && (!n.valid || *p.valid != *n.valid))) {
       continue;
     }
-    changes[i] = n.changes.get();
-    src[i] = n.slot->data();
-    old_bytes[i] = p.slot->data();
+    in.changes[i] = n.changes.get();
+    in.src[i] = n.slot->data();
+    in.base[i] = p.slot->data();
     base_of[i] = n.changes_base;
     compared_of[i] = n.compared_bytes;
   }
   // fp8 destinations with scales: the change list of the derived slot, diffed against the held
   // version's slot of the same batch as the quantizer finished it (DiffDerived). Both slots are
-  // kept by their versions' QuantCache while this Apply holds the versions.
-  DerivedChanges derived_changes;
-  std::shared_ptr<Region> held_derived;
+  // kept by their versions' QuantCache while the caller holds the versions.
   if (!cached.jobs.empty()) {
     if (derived.size() != 1 || !derived[0] || derived[0]->kind() != MemoryKind::kHost) {
       return std::nullopt;
     }
-    derived_changes = version.quant->Changes(cached.batch.get());
-    held_derived = held->quant->Slot(cached.batch.get());
-    if (derived_changes.list && held_derived && held_derived->kind() == MemoryKind::kHost &&
-        held_derived->size() == derived[0]->size()) {
-      changes[pieces] = derived_changes.list.get();
-      src[pieces] = derived[0]->data();
-      old_bytes[pieces] = held_derived->data();
+    DerivedChanges derived_changes = version.quant->Changes(cached.batch.get());
+    in.held_derived = held.quant->Slot(cached.batch.get());
+    if (derived_changes.list && in.held_derived && in.held_derived->kind() == MemoryKind::kHost &&
+        in.held_derived->size() == derived[0]->size()) {
+      in.derived_changes = derived_changes.list;
+      in.changes[pieces] = derived_changes.list.get();
+      in.src[pieces] = derived[0]->data();
+      in.base[pieces] = in.held_derived->data();
       base_of[pieces] = derived_changes.base;
       compared_of[pieces] = derived_changes.compared;
     }
@@ -209,18 +255,41 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
   // Every location the plan reads diffed against the version every destination holds entirely.
   std::vector<bool> read(locations, false);
   for (const plan::CopyOp& op : plan.ops) {
-    if (op.src_location >= locations || op.dst_location >= dests.size()) return std::nullopt;
+    if (op.src_location >= locations || op.dst_location >= dests) return std::nullopt;
     read[op.src_location] = true;
   }
-  const uint64_t base = held->number;
-  uint64_t changed = 0, compared = 0, runs = 0;
   for (size_t l = 0; l < locations; ++l) {
     if (!read[l]) continue;
-    if (!changes[l] || base_of[l] != base) return std::nullopt;
-    changed += changes[l]->changed_bytes;
-    compared += compared_of[l];
-    runs += changes[l]->runs.size();
+    if (!in.changes[l] || base_of[l] != held.number) return std::nullopt;
+    in.changed += in.changes[l]->changed_bytes;
+    in.compared += compared_of[l];
+    in.runs += in.changes[l]->runs.size();
   }
+  return in;
+}
+
+std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
+    const Version& version, const std::shared_ptr<const Version>& held, const CachedPlan& cached,
+    const std::vector<std::shared_ptr<Buffer>>& dests,
+    const std::vector<std::shared_ptr<Region>>& derived, const PreparedSparse* prepared) {
+  if (!held) return std::nullopt;
+  const uint64_t base = held->number;
+  if (prepared) {
+    // The writes collected as the version completed: the pause is the writing alone.
+    bool full_copy = false;
+    if (auto applied = ApplyPrepared(version, base, cached, dests, *prepared, &full_copy)) {
+      return applied;
+    }
+    if (full_copy) return std::nullopt;
+  }
+  std::optional<SparseInputs> inputs =
+      SparseInputsFor(version, *held, cached, dests.size(), derived);
+  if (!inputs) return std::nullopt;
+  const plan::Plan& plan = cached.plan;
+  const std::vector<const ChangeList*>& changes = inputs->changes;
+  const std::vector<const uint8_t*>& old_bytes = inputs->base;
+  const std::vector<const uint8_t*>& src = inputs->src;
+  const uint64_t runs = inputs->runs;
   // GPU destinations (and, with the test seam, host ones) take the run-list path: the writes
   // collected as byte runs for a RunWriter (store_sparse_runs.cc).
   bool run_list = options_.sparse_run_writers != nullptr;
@@ -228,31 +297,36 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
     if (d->applied != base) return std::nullopt;
     run_list = run_list || d->region->kind() != MemoryKind::kHost;
   }
-  if (changed * kDenseShareInverse > compared) return std::nullopt;  // dense: a copy is cheaper
+  if (inputs->changed * kDenseShareInverse > inputs->compared) {
+    return std::nullopt;  // dense: a copy is cheaper
+  }
   // Fewer changed runs than the cost model allows, or the full copy is cheaper.
   static const bool always = TestSwitch("REFIT_TEST_SPARSE_ALWAYS") != nullptr;
   const uint64_t per_run =
       run_list ? options_.gpu_sparse_bytes_per_run : options_.sparse_bytes_per_run;
   if (!always && per_run > 0 && runs * per_run >= cached.plan.dst_bytes) return std::nullopt;
   if (run_list) {
-    return ApplySparseRuns(version, base, plan, sparse::Sources{changes, old_bytes, src, runs},
-                           dests);
+    const auto t_start = Clock::now();
+    const double cpu_start = ProcessCpuSeconds();
+    const unsigned threads = sparse::ThreadsFor(runs, SparseThreadsWanted(options_));
+    const std::vector<sparse::RunList> lists =
+        sparse::CollectRuns(plan, inputs->sources(), dests.size(), threads);
+    return ApplySparseRuns(
+        version, base, plan, lists,
+        absl::StrCat("collected on ", threads, " thread(s) in ",
+                     absl::SixDigits(
+                         std::chrono::duration<double, std::milli>(Clock::now() - t_start).count()),
+                     " ms (", absl::SixDigits((ProcessCpuSeconds() - cpu_start) * 1e3), " ms CPU)"),
+        dests);
   }
   const auto t_start = Clock::now();
   // The work cut into items of rows, sized (pass one) and written (pass two) on several cores
   // when there are enough runs: each worker takes a contiguous share of the items, with a part
   // of the undo record of its own.
   const std::vector<WorkItem> items = SplitOps(plan, changes);
-  static const char* forced = TestSwitch("REFIT_TEST_SPARSE_THREADS");
-  const unsigned wanted =
-      forced ? static_cast<unsigned>(std::atoi(forced)) : options_.sparse_threads;
-  const unsigned threads = std::min<unsigned>(
-      {wanted > 0
-           ? wanted
-           : (runs < kParallelRuns
-                  ? 1u
-                  : std::min(std::max(1u, std::thread::hardware_concurrency()), kMaxThreads)),
-       static_cast<unsigned>(std::max<size_t>(1, items.size()))});
+  const unsigned threads =
+      std::min<unsigned>(sparse::ThreadsFor(runs, SparseThreadsWanted(options_)),
+                         static_cast<unsigned>(std::max<size_t>(1, items.size())));
   std::vector<SparseSizer> sized(items.size(), SparseSizer{plan});
   {
     std::atomic<size_t> next{0};
@@ -317,53 +391,19 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
       static_cast<unsigned>(std::max_element(writes.begin(), writes.end()) - writes.begin());
   writers[busiest].kill_at = std::max<uint64_t>(1, writes[busiest] / 2);
   SparseWriter& writer = writers[busiest];
-  {
-    // Test build only: a destination byte changes under the first write, in the first N sparse
-    // Applies (as plan::ExecuteAndVerifyOnHost does for the full one).
-    static std::atomic<long> flips{-1};
-    if (flips.load() < 0) {
-      const char* n = TestSwitch("REFIT_FAULT_APPLY_FLIP");
-      long expected = -1;
-      flips.compare_exchange_strong(expected, n ? std::atol(n) : 0);
-    }
-    writer.flip = flips.load() > 0 && flips-- > 0;
-  }
+  writer.flip = TakeSparseFlip();
   ParallelFor(threads, [&](unsigned w) {
     ForEachWrite(plan, changes, items.data() + cut[w], items.data() + cut[w + 1], writers[w]);
   });
-  for (const SparseWriter& other : writers) {
-    if (!other.not_base && !other.journal_full) continue;
-    writer.not_base_op = other.not_base_op;
-    writer.not_base = true;
-  }
-  if (writer.not_base) {
-    // An engine that wrote into its buffer since (a bulk overwrite always shows here): what
-    // this pass wrote goes back, and the full copy runs.
-    (*undo)->Restore();
-    Logger("store")->info(
-        "Apply of version {} into {}: it does not hold version {} where this step writes "
-        "(written since?): full copy",
-        version.number, dests[plan.ops[writer.not_base_op].dst_location]->id, base);
-    return std::nullopt;
-  }
-  std::vector<size_t> bad;
-  for (const SparseWriter& w : writers) bad.insert(bad.end(), w.bad.begin(), w.bad.end());
-  if (!bad.empty()) {
-    std::sort(bad.begin(), bad.end());
-    bad.erase(std::unique(bad.begin(), bad.end()), bad.end());
-    (*undo)->Restore();
-    return absl::StatusOr<ApplyResult>(NotLanded(version, plan, bad, dests, /*restored=*/true));
-  }
-  for (const auto& d : dests) {
-    if (!d->region->Broken()) continue;
-    std::vector<bool> gone;
-    for (const auto& other : dests) gone.push_back(other->region->Broken());
-    (*undo)->Restore(gone);
-    return absl::StatusOr<ApplyResult>(
-        MemoryWentAway(*d, " (the other destination buffers were put back as they were)"));
+  SparseEnd end;
+  for (const SparseWriter& w : writers) {
+    if ((w.not_base || w.journal_full) && !end.not_base_op) end.not_base_op = w.not_base_op;
+    end.bad.insert(end.bad.end(), w.bad.begin(), w.bad.end());
   }
   const uint64_t undo_bytes = (*undo)->undo_bytes();
-  (*undo)->Commit();
+  std::optional<absl::Status> ended = EndSparse(version, base, plan, dests, **undo, std::move(end));
+  if (!ended) return std::nullopt;
+  if (!ended->ok()) return absl::StatusOr<ApplyResult>(*ended);
   auto ms = [](Clock::time_point a, Clock::time_point b) {
     return std::chrono::duration<double, std::milli>(b - a).count();
   };

@@ -30,6 +30,7 @@ struct ApplyResult {
   uint64_t bytes_written = 0;
   uint64_t undo_bytes = 0;  // saved in the undo journal before writing (atomic Apply)
   bool sparse = false;      // only the changed elements were written (sparse Apply)
+  bool prepared = false;    // ... with the writes collected as the version completed
 };
 
 struct BufferInfo {
