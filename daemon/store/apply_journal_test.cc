@@ -10,8 +10,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -267,6 +269,48 @@ void SaveAndWrite(ApplyJournal::Part* undo, uint8_t* data, uint64_t elements, un
   }
 }
 
+// The journal slot in `dir` holding a sparse record of `parts` parts (kind 4: each part's three
+// words 64 bytes apart), rewritten as refitd wrote it before (kind 2: the words back to back).
+// The header: magic (8), state (4), targets (4), table_bytes (8 at 16), data_offset, data_bytes,
+// kind (8 at 40), saved, parts; the targets' table, then the parts' words. The journal of a
+// state directory keeps its slots in /dev/shm as refit-<hash of the directory's real path, hex>-
+// apply-journal-<n> (ApplyJournal::Open).
+void RewriteAsThreeWordParts(const std::string& dir, uint64_t parts) {
+  char prefix[64];
+  std::snprintf(prefix, sizeof(prefix), "refit-%zx-apply-journal-",
+                std::hash<std::string>{}(std::filesystem::canonical(dir).string()));
+  size_t rewritten = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    if (entry.path().filename().string().rfind(prefix, 0) != 0) continue;
+    FILE* f = std::fopen(entry.path().c_str(), "r+b");
+    REQUIRE(f);
+    std::vector<uint8_t> head(64 + 4096);
+    const size_t got = std::fread(head.data(), 1, head.size(), f);
+    uint64_t table = 0, kind = 0;
+    std::memcpy(&table, head.data() + 16, 8);
+    std::memcpy(&kind, head.data() + 40, 8);
+    if (kind != 4) {
+      std::fclose(f);
+      continue;
+    }
+    REQUIRE(got >= 64 + table);
+    const uint64_t targets_table = table - parts * 64;
+    for (uint64_t k = 0; k < parts; ++k) {
+      std::memmove(head.data() + 64 + targets_table + k * 24,
+                   head.data() + 64 + targets_table + k * 64, 24);
+    }
+    kind = 2;
+    table = targets_table + parts * 24;
+    std::memcpy(head.data() + 16, &table, 8);
+    std::memcpy(head.data() + 40, &kind, 8);
+    REQUIRE(std::fseek(f, 0, SEEK_SET) == 0);
+    REQUIRE(std::fwrite(head.data(), 1, got, f) == got);
+    std::fclose(f);
+    ++rewritten;
+  }
+  REQUIRE(rewritten == 1);
+}
+
 TEST_CASE("a sparse record in parts, written by several threads: undone whole, or recovered",
           "[journal]") {
   constexpr size_t kSize = 1 << 20;
@@ -296,7 +340,11 @@ TEST_CASE("a sparse record in parts, written by several threads: undone whole, o
     (*entry)->Restore();
     CHECK(std::memcmp(engine.data, before.data(), kSize) == 0);
   }
+  // Written by this refitd, or (rewritten here into the three-word parts table of the journals
+  // refitd wrote before 2026-12-05) by an older one and recovered after an upgrade.
+  const bool older = GENERATE(false, true);
   SECTION("a kill while every part is being written: the next journal restores them all") {
+    INFO("older journal: " << older);
     TempDir dir;
     Shared engine(kSize);
     Fill(engine.data, kSize, 11);
@@ -323,6 +371,7 @@ TEST_CASE("a sparse record in parts, written by several threads: undone whole, o
     REQUIRE(waitpid(child, &status, 0) == child);
     REQUIRE(WIFSIGNALED(status));
     REQUIRE(std::memcmp(engine.data, before.data(), kSize) != 0);
+    if (older) RewriteAsThreeWordParts(dir.path, kParts);
     auto journal = ApplyJournal::Open(dir.path);
     REQUIRE(journal.ok());
     CHECK((*journal)->PendingRecoveries() == 1);

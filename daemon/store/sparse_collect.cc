@@ -112,10 +112,13 @@ void Append(RunList& into, const RunList& part) {
 }  // namespace
 
 std::vector<RunList> CollectRuns(const plan::Plan& plan, const Sources& sources, size_t dests,
-                                 unsigned threads) {
+                                 unsigned threads, bool merged) {
   const std::vector<WorkItem> items = SplitOps(plan, sources.changes);
   const size_t chunks = std::max<size_t>(1, std::min<size_t>(items.size(), threads * 4u));
   std::vector<std::vector<RunList>> parts(chunks, std::vector<RunList>(dests));
+  for (std::vector<RunList>& part : parts) {
+    for (size_t j = 0; j < dests; ++j) part[j].dest = static_cast<uint32_t>(j);
+  }
   std::atomic<size_t> next{0};
   ParallelFor(std::min<unsigned>(threads, static_cast<unsigned>(chunks)), [&](unsigned) {
     for (size_t c = next++; c < chunks; c = next++) {
@@ -124,8 +127,18 @@ std::vector<RunList> CollectRuns(const plan::Plan& plan, const Sources& sources,
                    items.data() + items.size() * (c + 1) / chunks, collector);
     }
   });
+  if (!merged) {
+    std::vector<RunList> lists;
+    for (std::vector<RunList>& part : parts) {
+      for (RunList& list : part) {
+        if (!list.runs.empty()) lists.push_back(std::move(list));
+      }
+    }
+    return lists;
+  }
   if (chunks == 1) return std::move(parts[0]);
   std::vector<RunList> lists(dests);
+  for (size_t j = 0; j < dests; ++j) lists[j].dest = static_cast<uint32_t>(j);
   // One thread per destination would leave most idle (an engine has one or two buffers); the
   // appends are memcpy-bound and a small share of the collection.
   for (size_t j = 0; j < dests; ++j) {

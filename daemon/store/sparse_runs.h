@@ -22,6 +22,7 @@ namespace refit::sparse {
 // tensors), and the writes checked against the base: [offset, offset + bytes) of `values`
 // (sorted, disjoint), with the base's bytes there back to back in `expected`.
 struct RunList {
+  uint32_t dest = 0;  // the destination location (the plan's) the runs are in
   std::vector<cuda::ByteRun> runs;
   std::vector<std::pair<uint64_t, uint32_t>> ops;
   std::vector<uint8_t> values;
@@ -30,16 +31,17 @@ struct RunList {
 };
 
 // The run lists of `dests` destination locations: the plan's work items cut into chunks (four
-// per thread), collected on `threads` threads, appended in item order. Reads the change lists,
-// the new version's bytes (where the change list does not carry them) and the base's bytes
-// (at the checked writes); writes nothing but the lists.
+// per thread), collected on `threads` threads; `merged`: one list per destination, the chunks'
+// appended in item order (what a RunWriter takes); else the chunks' lists as they are, in item
+// order, the empty ones left out (what the host writer takes: no copy). Reads the change lists,
+// the new version's bytes (where the change list does not carry them) and the base's bytes (at
+// the checked writes); writes nothing but the lists.
 std::vector<RunList> CollectRuns(const plan::Plan& plan, const Sources& sources, size_t dests,
-                                 unsigned threads);
+                                 unsigned threads, bool merged = true);
 
-// The host sparse Apply's share of one thread: runs [begin, end) of destination `list`'s
-// RunList, with where its cursors start: `check` (the first check that ends past the first
-// run's values), `expected` (that check's bytes in `expected`), `op` (the stretch of `ops` the
-// first run is in).
+// The host sparse Apply's share of one thread: runs [begin, end) of RunList `list`, with where its
+// cursors start: `check` (the first check that ends past the first run's values), `expected` (that
+// check's bytes in `expected`), `op` (the stretch of `ops` the first run is in).
 struct Segment {
   uint32_t list = 0;
   uint64_t begin = 0;

@@ -63,7 +63,7 @@ class PreparedWriter {
  private:
   bool WriteSegment(const Segment& s) {
     const RunList& list = lists_[s.list];
-    uint8_t* const base = dst_[s.list];
+    uint8_t* const base = dst_[list.dest];
     const cuda::ByteRun* const runs = list.runs.data();
     const uint8_t* const values = list.values.data();
     size_t check = s.check, op = s.op;
@@ -88,7 +88,7 @@ class PreparedWriter {
         expected += c1 - c0;
         ++check;
       }
-      if (!undo_.Save(s.list, run.dst_offset, to, run.bytes)) return Full();
+      if (!undo_.Save(list.dest, run.dst_offset, to, run.bytes)) return Full();
       CopyBytes(to, value, run.bytes);
       if (flip && done_ == 0) *to ^= 0x5a;
       if (!unverified && !SameBytes(to, value, run.bytes)) {
@@ -149,6 +149,9 @@ void Store::RememberApplyGroup(Model& model, const std::vector<std::shared_ptr<B
 
 void Store::QueuePrepares(Model& model) {
   if (!options_.prepare_sparse || model.apply_groups.empty() || model.latest == 0) return;
+  // --delta-base=destination releases the held copy a sparse Apply reads N-1 from: nothing to
+  // prepare (and a job would keep the version's slot until it ran).
+  if (DeltaBaseOf(model.name) == DeltaBase::kDestination) return;
   auto newest = model.complete.find(model.latest);
   if (newest == model.complete.end()) return;
   for (auto group = model.apply_groups.begin(); group != model.apply_groups.end();) {
@@ -228,7 +231,9 @@ void Store::RunPrepares() {
         return absl::StrCat(inputs->runs, " changed runs: the full copy is cheaper");
       }
       const unsigned threads = sparse::ThreadsFor(inputs->runs, SparseThreadsWanted(options_));
-      out.lists = sparse::CollectRuns(cached.plan, inputs->sources(), job.dests.size(), threads);
+      // A RunWriter takes one list per destination; the host writer the chunks as collected.
+      out.lists = sparse::CollectRuns(cached.plan, inputs->sources(), job.dests.size(), threads,
+                                      /*merged=*/!host);
       out.cuts = sparse::CutRuns(out.lists, threads);
       out.runs = inputs->runs;
       return "";
@@ -274,8 +279,7 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplyPrepared(
     const std::vector<std::shared_ptr<Buffer>>& dests, const PreparedSparse& prepared,
     bool* full_copy) {
   if (!prepared.usable || prepared.version != version.number || prepared.base != base ||
-      prepared.plan.get() != &cached || prepared.dests.size() != dests.size() ||
-      prepared.lists.size() != dests.size()) {
+      prepared.plan.get() != &cached || prepared.dests.size() != dests.size()) {
     return std::nullopt;
   }
   bool host = options_.sparse_run_writers == nullptr;
@@ -285,6 +289,7 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplyPrepared(
   }
   const plan::Plan& plan = cached.plan;
   if (!host) {
+    if (prepared.lists.size() != dests.size()) return std::nullopt;  // (collected for host ones)
     auto applied = ApplySparseRuns(
         version, base, plan, prepared.lists,
         absl::StrCat("prepared as it completed (", absl::SixDigits(prepared.collect_ms), " ms)"),

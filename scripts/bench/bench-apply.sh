@@ -13,8 +13,11 @@
 #     the full Apply an unchecked streaming copy, its undo saved in a pass first; the sparse Apply
 #     without comparing what it wrote), and the verified full and sparse Applies' speed against
 #     the plain ones (each run's time over its own memcpy; refitd CPU seconds).
+#   --generate-ms N (default 1000): the engine generates N ms between a version's completion and
+#     its Apply, as an RL engine does; its refitd prepares the sparse Apply meanwhile (0: the
+#     Apply comes at once and waits for that collection).
 # Usage: scripts/bench/bench-apply.sh [--mib 1024] [--versions 6] [--density "0.004 0.01"] [--no-build]
-#        [--plain-too] [--fp8]
+#        [--plain-too] [--fp8] [--generate-ms 1000]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mib=1024
@@ -23,6 +26,7 @@ densities="0.004 0.01"
 build=1
 plain_too=0
 fp8_args=()
+generate_ms=1000
 while [ $# -gt 0 ]; do
   case "$1" in
     --mib) mib="$2"; shift 2 ;;
@@ -31,6 +35,7 @@ while [ $# -gt 0 ]; do
     --no-build) build=0; shift ;;
     --plain-too) plain_too=1; shift ;;
     --fp8) fp8_args=(--fp8); shift ;;
+    --generate-ms) generate_ms="$2"; shift 2 ;;
     *) echo "bench-apply: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -66,7 +71,8 @@ run() {
   pids+=("$engine")
   bench_wait_healthy "$bin/client/refitctl" "$work/$tag-e.sock" "$work/$tag-e.log" || exit 1
   "$bin/tests/bench/apply_bench" --trainer-socket="$work/$tag-t.sock" \
-    --engine-socket="$work/$tag-e.sock" --engine-pid="$engine" --mib="$mib" ${fp8_args[@]+"${fp8_args[@]}"} "$@" |
+    --engine-socket="$work/$tag-e.sock" --engine-pid="$engine" --mib="$mib" --generate-ms="$generate_ms" \
+    ${fp8_args[@]+"${fp8_args[@]}"} "$@" |
     tee "$work/$tag.out"
   kill -TERM "$trainer" "$engine"
   wait "$trainer" "$engine" 2>/dev/null || true

@@ -15,8 +15,12 @@
 // `weight_scale_inv` beside it), quantized on the engine's node; the sparse buffer is checked
 // against the full one byte for byte, and memcpy is of the fp8 buffer's bytes.
 //
+// --generate-ms: the engine "generates" that long between the version's completion and its
+// Apply, as an RL engine does (the engine's refitd prepares the sparse Apply meanwhile: the
+// "prep" column says whether the Apply found it, refit_apply_sparse_prepared_total).
+//
 //   apply_bench --trainer-socket=A.sock --engine-socket=B.sock [--mib=1024] [--versions=6]
-//               [--density=0.004] [--real=DIR] [--fp8]
+//               [--density=0.004] [--real=DIR] [--fp8] [--generate-ms=0]
 
 #include <unistd.h>
 
@@ -72,6 +76,7 @@ int main(int argc, char** argv) {
   int versions = 6;
   double density = 0.004;
   int engine_pid = 0;
+  int generate_ms = 0;
   bool fp8 = false;
   app.add_option("--trainer-socket", trainer_socket)->required();
   app.add_option("--engine-socket", engine_socket)->required();
@@ -81,6 +86,8 @@ int main(int argc, char** argv) {
   app.add_option("--real", real, "a folder of ../shared/data/deltas (v000.bin ...)");
   app.add_option("--engine-pid", engine_pid, "the engine node's refitd: its CPU time per Apply");
   app.add_flag("--fp8", fp8, "fp8 destinations with [128, 128] block scales");
+  app.add_option("--generate-ms", generate_ms,
+                 "the engine generates this long between a version's completion and its Apply");
   CLI11_PARSE(app, argc, argv);
 
   auto trainer = Client::Connect(trainer_socket);
@@ -154,6 +161,7 @@ int main(int argc, char** argv) {
   auto received = [&] { return Metric(**engine, "refit_data_bytes_received_total").value_or(0); };
   auto apply_bytes = [&] { return Metric(**engine, "refit_apply_bytes_total").value_or(0); };
   auto undo_bytes = [&] { return Metric(**engine, "refit_apply_undo_bytes_total").value_or(0); };
+  auto prepared = [&] { return Metric(**engine, "refit_apply_sparse_prepared_total").value_or(0); };
 
   std::cout << absl::StrFormat(
       "model: %d bf16 tensors [%d, %d], %.3f GiB; engine: 2 DESTINATION buffers, %s\n", tensors,
@@ -161,10 +169,11 @@ int main(int argc, char** argv) {
       fp8 ? absl::StrFormat("fp8 + [128, 128] block scales, %.3f GiB",
                             static_cast<double>(total_dst) / (1 << 30))
           : std::string("same layout"));
-  std::cout << absl::StrFormat("%-4s %9s %12s %10s %14s %12s %10s %14s %12s %8s %8s %5s\n", "ver",
-                               "changed", "on the wire", "sparse s", "sparse bytes", "undo bytes",
-                               "full s", "full bytes", "undo bytes", "sp/full", "full/cpy",
-                               "check");
+  std::cout << absl::StrFormat("%-4s %9s %12s %10s %14s %12s %10s %14s %12s %8s %8s %5s %4s\n",
+                               "ver", "changed", "on the wire", "sparse s", "sparse bytes",
+                               "undo bytes", "full s", "full bytes", "undo bytes", "sp/full",
+                               "full/cpy", "check", "prep");
+  int prepared_applies = 0, sparse_applies = 0;
   std::vector<double> ratio, sparse_s, full_s, sparse_written;
   std::vector<double> copy, sparse_cpu, full_cpu, complete;
   for (int i = 0; i < versions; ++i) {
@@ -218,6 +227,9 @@ int main(int argc, char** argv) {
     const double complete_s = Seconds(p0, Clock::now());
     const double complete_cpu = CpuSeconds(engine_pid) - pc0;
     const double wire = received() - wire_before;
+    // The engine generates meanwhile (its refitd prepares the sparse Apply).
+    std::this_thread::sleep_for(std::chrono::milliseconds(generate_ms));
+    const double prepared_before = prepared();
 
     const double ab0 = apply_bytes(), ub0 = undo_bytes();
     const double c0 = CpuSeconds(engine_pid);
@@ -227,6 +239,7 @@ int main(int argc, char** argv) {
     const double c1 = CpuSeconds(engine_pid);
     if (!a.ok()) return Fail("sparse apply", a.status());
     const double ab1 = apply_bytes(), ub1 = undo_bytes();
+    const bool was_prepared = prepared() > prepared_before;
     const double c2 = CpuSeconds(engine_pid);
     auto t2 = Clock::now();
     auto b = (*engine)->Apply(model, version, {full_id});
@@ -239,9 +252,10 @@ int main(int argc, char** argv) {
                               std::memcmp(full->data(), src->data(), total) == 0;
     const double s = Seconds(t0, t1), f = Seconds(t2, t3);
     std::cout << absl::StrFormat(
-        "%-4d %8.3f%% %12.0f %10.4f %14.0f %12.0f %10.4f %14.0f %12.0f %8.3f %8.2f %5s\n", version,
-        100.0 * static_cast<double>(changed) / static_cast<double>(total / 2), wire, s, ab1 - ab0,
-        ub1 - ub0, f, ab2 - ab1, ub2 - ub1, s / f, f / copy_s, ok ? "ok" : "WRONG");
+        "%-4d %8.3f%% %12.0f %10.4f %14.0f %12.0f %10.4f %14.0f %12.0f %8.3f %8.2f %5s %4s\n",
+        version, 100.0 * static_cast<double>(changed) / static_cast<double>(total / 2), wire, s,
+        ab1 - ab0, ub1 - ub0, f, ab2 - ab1, ub2 - ub1, s / f, f / copy_s, ok ? "ok" : "WRONG",
+        was_prepared ? "yes" : "no");
     if (!ok) return 1;
     if (engine_pid > 0) {
       std::cout << absl::StrFormat(
@@ -250,6 +264,8 @@ int main(int argc, char** argv) {
           c1 - c0, c3 - c2, complete_s, complete_cpu);
     }
     if (i >= 2) {  // after the first versions (full everywhere, slots being allocated)
+      ++sparse_applies;
+      prepared_applies += was_prepared ? 1 : 0;
       sparse_cpu.push_back(c1 - c0);
       full_cpu.push_back(c3 - c2);
       ratio.push_back(s / f);
@@ -278,6 +294,10 @@ int main(int argc, char** argv) {
     std::cout << absl::StrFormat(
         "  publish -> complete   %.4f s on the engine's node (pull, verify, diff)\n",
         Median(complete));
+    std::cout << absl::StrFormat(
+        "  prepared              %d of %d sparse Applies found their writes collected as the "
+        "version completed (the engine generated %d ms before each Apply)\n",
+        prepared_applies, sparse_applies, generate_ms);
     std::cout << absl::StrFormat(
         "RESULT sparse_over_full=%.4f full_over_memcpy=%.3f sparse_over_memcpy=%.4f\n",
         Median(ratio), Median(full_s) / Median(copy), Median(sparse_s) / Median(copy));
