@@ -112,12 +112,23 @@ void Append(RunList& into, const RunList& part) {
 }  // namespace
 
 std::vector<RunList> CollectRuns(const plan::Plan& plan, const Sources& sources, size_t dests,
-                                 unsigned threads, bool merged) {
+                                 unsigned threads, bool merged, std::vector<RunList>* recycle) {
   const std::vector<WorkItem> items = SplitOps(plan, sources.changes);
   const size_t chunks = std::max<size_t>(1, std::min<size_t>(items.size(), threads * 4u));
   std::vector<std::vector<RunList>> parts(chunks, std::vector<RunList>(dests));
   for (std::vector<RunList>& part : parts) {
-    for (size_t j = 0; j < dests; ++j) part[j].dest = static_cast<uint32_t>(j);
+    for (size_t j = 0; j < dests; ++j) {
+      if (recycle && !recycle->empty()) {
+        part[j] = std::move(recycle->back());
+        recycle->pop_back();
+        part[j].runs.clear();
+        part[j].ops.clear();
+        part[j].values.clear();
+        part[j].checks.clear();
+        part[j].expected.clear();
+      }
+      part[j].dest = static_cast<uint32_t>(j);
+    }
   }
   std::atomic<size_t> next{0};
   ParallelFor(std::min<unsigned>(threads, static_cast<unsigned>(chunks)), [&](unsigned) {

@@ -35,9 +35,12 @@ struct RunList {
 // appended in item order (what a RunWriter takes); else the chunks' lists as they are, in item
 // order, the empty ones left out (what the host writer takes: no copy). Reads the change lists,
 // the new version's bytes (where the change list does not carry them) and the base's bytes (at
-// the checked writes); writes nothing but the lists.
+// the checked writes); writes nothing but the lists. `recycle`: lists of an earlier collection,
+// emptied and filled again (their memory is already mapped: a fresh 100 MB of lists costs its
+// page faults and zeroing, as much as the walk).
 std::vector<RunList> CollectRuns(const plan::Plan& plan, const Sources& sources, size_t dests,
-                                 unsigned threads, bool merged = true);
+                                 unsigned threads, bool merged = true,
+                                 std::vector<RunList>* recycle = nullptr);
 
 // The host sparse Apply's share of one thread: runs [begin, end) of RunList `list`, with where its
 // cursors start: `check` (the first check that ends past the first run's values), `expected` (that

@@ -230,6 +230,7 @@ struct Store::PrepareJob {
   std::shared_ptr<PreparedSparse> out;
   std::shared_ptr<const Version> version, held;
   std::vector<std::shared_ptr<Buffer>> dests;
+  std::vector<sparse::RunList> recycle;  // the lists of the set's previous PreparedSparse
 };
 
 }  // namespace refit

@@ -138,12 +138,8 @@ void Store::RememberApplyGroup(Model& model, const std::vector<std::shared_ptr<B
     }
   }
   it->second.assign(dests.begin(), dests.end());
-  // What was prepared for an older version than the one just applied is of no use now.
-  auto prepared = model.prepared.find(key);
-  if (prepared != model.prepared.end() && prepared->second->ready &&
-      prepared->second->version <= dests[0]->applied) {
-    model.prepared.erase(prepared);
-  }
+  // What was prepared for the version just applied (or an older one) stays until the next
+  // version's collection takes its lists to fill again (QueuePrepares).
   if (model.latest > dests[0]->applied) QueuePrepares(model);  // the engine is behind
 }
 
@@ -188,8 +184,13 @@ void Store::QueuePrepares(Model& model) {
     out->base = base;
     out->plan = *cached;
     for (const auto& d : dests) out->dests.push_back(d.get());
+    PrepareJob job{model.name, out, newest->second, held->second, dests, {}};
+    if (existing != model.prepared.end() && existing->second->ready &&
+        existing->second.use_count() == 1) {
+      job.recycle = std::move(existing->second->lists);  // no Apply holds it
+    }
     model.prepared[key] = out;
-    prepare_jobs_.push_back(PrepareJob{model.name, out, newest->second, held->second, dests});
+    prepare_jobs_.push_back(std::move(job));
     prepare_loop_.Notify();
   }
 }
@@ -233,7 +234,7 @@ void Store::RunPrepares() {
       const unsigned threads = sparse::ThreadsFor(inputs->runs, SparseThreadsWanted(options_));
       // A RunWriter takes one list per destination; the host writer the chunks as collected.
       out.lists = sparse::CollectRuns(cached.plan, inputs->sources(), job.dests.size(), threads,
-                                      /*merged=*/!host);
+                                      /*merged=*/!host, &job.recycle);
       out.cuts = sparse::CutRuns(out.lists, threads);
       out.runs = inputs->runs;
       return "";
