@@ -123,6 +123,39 @@ TEST_CASE_METHOD(Fixture, "an engine that wrote into its buffer since gets the f
   CheckOverwrittenGetsFullCopy(store, 11);
 }
 
+TEST_CASE_METHOD(Fixture, "a new run's version of the same number never takes the old run's writes",
+                 "[store][sparse]") {
+  // Run "a": versions 1 (applied) and 2 (completed, its sparse Apply prepared, never applied).
+  // Run "b" resumes from another checkpoint and publishes 1 and 2 again with other bytes: the
+  // engine's Apply of the new 2 must write the new run's bytes, whatever was prepared for "a".
+  Host src(kW + kF + kQ), d1(kD1), ref(kD1);
+  Randomize(src.data, src.size, 71);
+  auto src_id = store.RegisterBuffer("m", Role::kSource, std::move(src.owned), SourceSlices(), "t");
+  auto d1_id = store.RegisterBuffer("m", Role::kDestination, std::move(d1.owned), Dest1(), "e");
+  REQUIRE(src_id.ok());
+  REQUIRE(d1_id.ok());
+  REQUIRE(store.Publish("m", 1, {*src_id}, "a").ok());
+  REQUIRE(store.Apply("m", 1, {*d1_id}).ok());
+  Step(src.data, src.size, 0.004, 72);
+  REQUIRE(store.Publish("m", 2, {*src_id}, "a").ok());
+  REQUIRE(store.WaitForSparsePrepared("m", 2, Clock::now() + milliseconds(5000)).ok());
+  // Run "b": its version 1 is run a's version 1 (the checkpoint both started from), its version 2
+  // another step.
+  Randomize(src.data, src.size, 71);
+  REQUIRE(store.Publish("m", 1, {*src_id}, "b").ok());
+  auto first = store.Apply("m", 1, {*d1_id});
+  REQUIRE(first.ok());
+  Step(src.data, src.size, 0.004, 73);
+  REQUIRE(store.Publish("m", 2, {*src_id}, "b").ok());
+  auto applied = store.Apply("m", 2, {*d1_id});
+  REQUIRE(applied.ok());
+  CHECK(applied->version == 2);
+  auto ref_id = store.RegisterBuffer("m", Role::kDestination, std::move(ref.owned), Dest1(), "r");
+  REQUIRE(ref_id.ok());
+  REQUIRE(store.Apply("m", 2, {*ref_id}).ok());
+  CHECK(std::memcmp(d1.data, ref.data, kD1) == 0);
+}
+
 TEST_CASE("the cost model keeps scattered steps on the full copy", "[store][sparse]") {
   // The default figures: 384 bytes of full copy per changed run collected inside the Apply, 160
   // where the writes were prepared as the version completed.

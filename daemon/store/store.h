@@ -580,11 +580,12 @@ class Store : public PeerStore, public ClientStore, public VersionImports {
   void QueuePrepares(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // prepare_loop_'s step: collects the queued prepares, no store lock held while it works.
   void RunPrepares();
-  // A sparse Apply from a PreparedSparse that matches (same version, base, plan and buffers,
-  // each holding the base); nullopt when it does not apply (the Apply goes on without it), with
-  // `full_copy` set when it found a destination that does not hold the base (the full copy runs).
+  // A sparse Apply from a PreparedSparse that matches (the same version and base objects, plan
+  // and buffers, each holding the base); nullopt when it does not apply (the Apply goes on without
+  // it), with `full_copy` set when it found a destination that does not hold the base (the full
+  // copy runs).
   std::optional<absl::StatusOr<ApplyResult>> ApplyPrepared(
-      const Version& version, uint64_t base, const CachedPlan& cached,
+      const Version& version, const Version& held, const CachedPlan& cached,
       const std::vector<std::shared_ptr<Buffer>>& dests, const PreparedSparse& prepared,
       bool* full_copy);
   // Verify of a version whose held copy --delta-base=destination released: the destinations

@@ -213,10 +213,14 @@ struct Store::SparseInputs {
 struct Store::PreparedSparse {
   uint64_t version = 0;
   uint64_t base = 0;
+  // The very versions (a new run reuses numbers): matched by identity, not kept alive.
+  std::weak_ptr<const Version> source, held;
   std::shared_ptr<const CachedPlan> plan;
   std::vector<const Buffer*> dests;  // plan locations, in order
-  bool ready = false;                // guarded by Store::mu_
-  bool usable = false;               // the lists were collected (else: why not)
+  // Guarded by Store::mu_: the collection started (an Apply waits for it), or finished.
+  bool started = false;
+  bool ready = false;
+  bool usable = false;  // the lists were collected (else: why not)
   std::string why;
   std::vector<sparse::RunList> lists;  // per destination
   sparse::HostCuts cuts;               // the host writer's share of each thread
@@ -227,6 +231,7 @@ struct Store::PreparedSparse {
 // One PreparedSparse to fill, with what it reads (kept alive until it is done).
 struct Store::PrepareJob {
   std::string model;
+  std::string key;  // the set's (Model::prepared)
   std::shared_ptr<PreparedSparse> out;
   std::shared_ptr<const Version> version, held;
   std::vector<std::shared_ptr<Buffer>> dests;

@@ -277,7 +277,7 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparse(
   if (prepared) {
     // The writes collected as the version completed: the pause is the writing alone.
     bool full_copy = false;
-    if (auto applied = ApplyPrepared(version, base, cached, dests, *prepared, &full_copy)) {
+    if (auto applied = ApplyPrepared(version, *held, cached, dests, *prepared, &full_copy)) {
       return applied;
     }
     if (full_copy) return std::nullopt;

@@ -40,7 +40,7 @@ constexpr size_t kMaxApplyGroups = 16;
 // runs); the destination's bytes saved in the undo record; the new bytes written and compared.
 // The destination lines of the run kAhead on are asked for first (scattered runs are bound by
 // memory latency).
-class PreparedWriter {
+class alignas(64) PreparedWriter {  // one per thread, each on lines of its own
  public:
   PreparedWriter(const std::vector<RunList>& lists, const std::vector<uint8_t*>& dst,
                  ApplyJournal::Part& undo, std::atomic<bool>& stopped)
@@ -173,8 +173,8 @@ void Store::QueuePrepares(Model& model) {
     auto held = model.complete.find(base);
     if (!same || base >= model.latest || held == model.complete.end()) continue;
     auto existing = model.prepared.find(key);
-    if (existing != model.prepared.end() && existing->second->version == model.latest &&
-        existing->second->base == base) {
+    if (existing != model.prepared.end() && existing->second->source.lock() == newest->second &&
+        existing->second->held.lock() == held->second) {
       continue;
     }
     auto cached = PlanFor(model, *newest->second, dests);
@@ -182,12 +182,18 @@ void Store::QueuePrepares(Model& model) {
     auto out = std::make_shared<PreparedSparse>();
     out->version = model.latest;
     out->base = base;
+    out->source = newest->second;
+    out->held = held->second;
     out->plan = *cached;
     for (const auto& d : dests) out->dests.push_back(d.get());
-    PrepareJob job{model.name, out, newest->second, held->second, dests, {}};
+    PrepareJob job{model.name, key, out, newest->second, held->second, dests, {}};
     if (existing != model.prepared.end() && existing->second->ready &&
         existing->second.use_count() == 1) {
-      job.recycle = std::move(existing->second->lists);  // no Apply holds it
+      // No Apply holds it: each copy is made under mu_, and the last Apply's reads of its lists
+      // come before its release of the copy (the count's decrement), which this fence orders
+      // before the refill.
+      std::atomic_thread_fence(std::memory_order_acquire);
+      job.recycle = std::move(existing->second->lists);
     }
     model.prepared[key] = out;
     prepare_jobs_.push_back(std::move(job));
@@ -203,11 +209,21 @@ void Store::RunPrepares() {
       if (prepare_jobs_.empty()) return;
       job = std::move(prepare_jobs_.front());
       prepare_jobs_.pop_front();
-      if (shutdown_) {
+      // Skipped: at shutdown; taken back by an Apply that came before it started (it collects
+      // in the call); or no longer its set's entry (a newer version, a new run, the set gone)
+      // with no Apply waiting for it.
+      bool current = false;
+      if (const Model* model = FindModel(job.model)) {
+        auto entry = model->prepared.find(job.key);
+        current = entry != model->prepared.end() && entry->second == job.out;
+      }
+      if (shutdown_ || job.out->ready || (!current && job.out.use_count() == 1)) {
+        job.out->why = "skipped";
         job.out->ready = true;
         changed_.NotifyAll();
         continue;
       }
+      job.out->started = true;
     }
     PreparedSparse& out = *job.out;
     const auto started = Clock::now();
@@ -260,7 +276,7 @@ absl::StatusOr<size_t> Store::WaitForSparsePrepared(const std::string& model_nam
   auto all_ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     ready = 0;
     const Model* model = FindModel(model_name);
-    if (!model) return true;
+    if (!model || shutdown_) return true;
     for (const auto& [key, prepared] : model->prepared) {
       if (prepared->version != version) continue;
       if (!prepared->ready) return false;
@@ -276,11 +292,13 @@ absl::StatusOr<size_t> Store::WaitForSparsePrepared(const std::string& model_nam
 }
 
 std::optional<absl::StatusOr<ApplyResult>> Store::ApplyPrepared(
-    const Version& version, uint64_t base, const CachedPlan& cached,
+    const Version& version, const Version& held, const CachedPlan& cached,
     const std::vector<std::shared_ptr<Buffer>>& dests, const PreparedSparse& prepared,
     bool* full_copy) {
-  if (!prepared.usable || prepared.version != version.number || prepared.base != base ||
-      prepared.plan.get() != &cached || prepared.dests.size() != dests.size()) {
+  const uint64_t base = held.number;
+  if (!prepared.usable || prepared.source.lock().get() != &version ||
+      prepared.held.lock().get() != &held || prepared.plan.get() != &cached ||
+      prepared.dests.size() != dests.size()) {
     return std::nullopt;
   }
   bool host = options_.sparse_run_writers == nullptr;

@@ -62,6 +62,9 @@ void Store::StartRun(Model& model, const std::string& run, const std::string& wh
   budget_.EndStaging(model.name);
   model.finishing = 0;  // the quantizer drops a version of the old run (Version::run)
   model.destination_base.reset();
+  // The old run's prepared sparse Applies: their numbers say nothing about the new run's (and
+  // the queued ones are skipped: not the entry of their set any more).
+  model.prepared.clear();
   model.hold = 0;  // a rollback names a version of the old run
   for (const std::string& id : model.sources) buffers_.at(id)->last_published = 0;
   // The engine's bytes are of the old run: their numbers say nothing about the new run's.
