@@ -56,6 +56,7 @@
 #include "daemon/store/version_imports.h"
 
 namespace refit::cuda {
+class RunWriter;
 class RunWriters;
 }  // namespace refit::cuda
 
@@ -556,11 +557,16 @@ class Store : public PeerStore, public ClientStore, public VersionImports {
   // before anything is written when it does not apply (then the full copy runs); an error after
   // the saved bytes were scattered back.
   // `lists`: per destination (sparse_runs.h), collected inside the Apply or prepared; `how`:
-  // which, for the debug line.
+  // which, for the debug line; `uploaded`: per destination, a writer that already holds its list
+  // (null entries: opened and uploaded here).
   std::optional<absl::StatusOr<ApplyResult>> ApplySparseRuns(
       const Version& version, uint64_t base, const plan::Plan& plan,
       const std::vector<sparse::RunList>& lists, const std::string& how,
-      const std::vector<std::shared_ptr<Buffer>>& dests);
+      const std::vector<std::shared_ptr<Buffer>>& dests,
+      std::vector<std::unique_ptr<cuda::RunWriter>>* uploaded = nullptr);
+  // A prepared run-list sparse Apply's writers, opened and uploaded as the version completed
+  // where the device memory they take is small against the destination (PreparedSparse::writers).
+  void UploadAhead(const std::vector<std::shared_ptr<Buffer>>& dests, PreparedSparse* out);
   // ---- Prepared sparse Apply (store_sparse_prepared.cc) ----
   // What a sparse Apply of `version` into `dests` (holding `held`) reads, where it may run:
   // every location the plan reads diffed against `held`, host slots; nullopt otherwise.

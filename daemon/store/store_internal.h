@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/run_writer.h"
 #include "daemon/common/mutex.h"
 #include "daemon/plan/plan.h"
 #include "daemon/store/quantized_slots.h"
@@ -224,8 +225,14 @@ struct Store::PreparedSparse {
   std::string why;
   std::vector<sparse::RunList> lists;  // per destination
   sparse::HostCuts cuts;               // the host writer's share of each thread
-  uint64_t runs = 0;                   // change runs
-  double collect_ms = 0;               // wall time of the collection
+  // GPU destinations (RunWriter path): per destination, a writer whose Upload of the runs and
+  // their new bytes was done as the version completed (null: the Apply uploads), and the region
+  // it writes (kept alive as long as the writer). Used by the Apply that holds the destinations'
+  // io_mu (one at a time), hence mutable.
+  std::vector<std::shared_ptr<Region>> regions;
+  mutable std::vector<std::unique_ptr<cuda::RunWriter>> writers;
+  uint64_t runs = 0;      // change runs
+  double collect_ms = 0;  // wall time of the collection
 };
 
 // One PreparedSparse to fill, with what it reads (kept alive until it is done).

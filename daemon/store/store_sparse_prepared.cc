@@ -16,6 +16,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cuda/cuda.h"
+#include "cuda/run_writer.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/test_hooks.h"
 #include "daemon/store/apply_journal.h"
@@ -34,6 +36,10 @@ using sparse::Segment;
 
 // Sets of DESTINATION buffers remembered per model for prepared sparse Applies.
 constexpr size_t kMaxApplyGroups = 16;
+// A GPU destination's runs and new bytes (and the scratch of the same size) are uploaded as the
+// version completes only while they take at most this share of its bytes of device memory (held
+// until the Apply); larger ones are uploaded by the Apply.
+constexpr uint64_t kUploadAheadShare = 16;
 
 // One thread's share of a prepared host sparse Apply, one pass per run while its lines are in
 // cache: where a check is due, the destination still holds the base (else stop: the full copy
@@ -251,8 +257,12 @@ void Store::RunPrepares() {
       // A RunWriter takes one list per destination; the host writer the chunks as collected.
       out.lists = sparse::CollectRuns(cached.plan, inputs->sources(), job.dests.size(), threads,
                                       /*merged=*/!host, &job.recycle);
-      out.cuts = sparse::CutRuns(out.lists, threads);
       out.runs = inputs->runs;
+      if (host) {
+        out.cuts = sparse::CutRuns(out.lists, threads);
+      } else {
+        UploadAhead(job.dests, &out);
+      }
       return "";
     };
     out.why = why_not();
@@ -266,6 +276,23 @@ void Store::RunPrepares() {
     common::MutexLock lock(mu_);
     out.ready = true;
     changed_.NotifyAll();
+  }
+}
+
+void Store::UploadAhead(const std::vector<std::shared_ptr<Buffer>>& dests, PreparedSparse* out) {
+  out->regions.resize(dests.size());
+  out->writers.resize(dests.size());
+  for (size_t j = 0; j < dests.size() && j < out->lists.size(); ++j) {
+    const sparse::RunList& list = out->lists[j];
+    const Region& region = *dests[j]->region;
+    const uint64_t bytes = list.runs.size() * sizeof(cuda::ByteRun) + 2 * list.values.size();
+    if (list.runs.empty() || bytes > region.size() / kUploadAheadShare) continue;
+    auto writer = options_.sparse_run_writers ? options_.sparse_run_writers->Open(region)
+                                              : cuda::OpenRunWriter(region);
+    if (!writer.ok()) continue;  // the Apply opens one and says why
+    if (!(*writer)->Upload(list.runs, list.values).ok()) continue;  // the Apply uploads
+    out->regions[j] = dests[j]->region;
+    out->writers[j] = std::move(writer).value();
   }
 }
 
@@ -312,7 +339,7 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplyPrepared(
     auto applied = ApplySparseRuns(
         version, base, plan, prepared.lists,
         absl::StrCat("prepared as it completed (", absl::SixDigits(prepared.collect_ms), " ms)"),
-        dests);
+        dests, &prepared.writers);
     if (applied && applied->ok()) (*applied)->prepared = true;
     if (!applied) *full_copy = true;  // not held, or no writer: the same in the call
     return applied;

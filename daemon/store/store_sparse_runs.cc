@@ -36,7 +36,8 @@ using sparse::RunList;
 
 // Each destination's writer with what its runs held before (the undo record).
 struct DestinationWrite {
-  std::unique_ptr<cuda::RunWriter> writer;
+  cuda::RunWriter* writer = nullptr;  // `owned`, or one uploaded as the version completed
+  std::unique_ptr<cuda::RunWriter> owned;
   std::vector<uint8_t> old;
   bool scattered = false;  // Scatter was called (it may have written part of the runs)
 };
@@ -63,7 +64,8 @@ double ProcessCpuSeconds() {
 std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparseRuns(
     const Version& version, uint64_t base, const plan::Plan& plan,
     const std::vector<RunList>& lists, const std::string& how,
-    const std::vector<std::shared_ptr<Buffer>>& dests) {
+    const std::vector<std::shared_ptr<Buffer>>& dests,
+    std::vector<std::unique_ptr<cuda::RunWriter>>* uploaded) {
   const auto t_built = Clock::now();
 
   // Upload, save what the runs hold and check it against the base: nothing is written yet, so
@@ -78,13 +80,19 @@ std::optional<absl::StatusOr<ApplyResult>> Store::ApplySparseRuns(
   for (size_t j = 0; j < dests.size(); ++j) {
     const RunList& list = lists[j];
     if (list.runs.empty()) continue;
-    const Region& region = *dests[j]->region;
-    auto writer = options_.sparse_run_writers ? options_.sparse_run_writers->Open(region)
-                                              : cuda::OpenRunWriter(region);
-    if (!writer.ok()) return full_copy(j, writer.status().ToString());
     DestinationWrite& write = writes[j];
-    write.writer = std::move(writer).value();
-    absl::Status status = write.writer->Upload(list.runs, list.values);
+    absl::Status status = absl::OkStatus();
+    if (uploaded && j < uploaded->size() && (*uploaded)[j]) {
+      write.writer = (*uploaded)[j].get();  // the runs and values are on the device already
+    } else {
+      const Region& region = *dests[j]->region;
+      auto writer = options_.sparse_run_writers ? options_.sparse_run_writers->Open(region)
+                                                : cuda::OpenRunWriter(region);
+      if (!writer.ok()) return full_copy(j, writer.status().ToString());
+      write.owned = std::move(writer).value();
+      write.writer = write.owned.get();
+      status = write.writer->Upload(list.runs, list.values);
+    }
     write.old.resize(list.values.size());
     if (status.ok()) status = write.writer->SaveOld(write.old.data());
     if (!status.ok()) return full_copy(j, status.ToString());
