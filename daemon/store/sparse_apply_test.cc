@@ -95,6 +95,12 @@ TEST_CASE_METHOD(Fixture, "a sparse Apply writes only what changed, bit-exact wi
   }
   CHECK(Counter("refit_apply_sparse_total") == 5);
   CHECK(Counter("refit_apply_sparse_prepared_total") == (prepare ? 5 : 0));
+  // The last set's lists are kept for the next collection, counted; none without prepares.
+  if (prepare) {
+    CHECK(Counter("refit_sparse_prepared_bytes") > 0);
+  } else {
+    CHECK(Counter("refit_sparse_prepared_bytes") == 0);
+  }
 }
 
 TEST_CASE_METHOD(Fixture, "a destination that does not hold N-1 gets the full copy",

@@ -92,6 +92,7 @@ Store::Counters::Counters(Metrics* metrics)
       quantized_values(metrics->Declare(kQuantizedValues)),
       quantized_gpu_values(metrics->Declare(kQuantizedGpuValues)),
       nonfinite_values(metrics->Declare(kNonfiniteValues)),
+      sparse_prepared_bytes(metrics->Declare(kSparsePreparedBytes)),
       publish_seconds(metrics->Declare(kPublishSeconds)),
       apply_seconds(metrics->Declare(kApplySeconds)),
       plan_seconds(metrics->Declare(kPlanSeconds)),

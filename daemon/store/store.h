@@ -629,6 +629,7 @@ class Store : public PeerStore, public ClientStore, public VersionImports {
         apply_sparse_prepared, diff_bytes, publish_bytes, publishes, applies, versions_dropped,
         versions_abandoned, apply_verify_failures, delta_base_fallbacks, quantized_values,
         quantized_gpu_values, nonfinite_values;
+    GaugeHandle sparse_prepared_bytes;
     HistogramHandle publish_seconds, apply_seconds, plan_seconds, quantize_seconds;
   };
   const Counters counters_;

@@ -212,6 +212,23 @@ struct Store::SparseInputs {
 // the version completed (RunPrepares), so that Apply only writes. Filled by prepare_loop_'s
 // thread, then `ready` set under Store::mu_; read by Apply only once it saw `ready`.
 struct Store::PreparedSparse {
+  PreparedSparse() = default;
+  PreparedSparse(const PreparedSparse&) = delete;
+  PreparedSparse& operator=(const PreparedSparse&) = delete;
+  ~PreparedSparse() { gauge.Add(-static_cast<double>(counted)); }
+  // refit_sparse_prepared_bytes moved to the lists' bytes as they are now (their capacity).
+  void Account() {
+    uint64_t bytes = 0;
+    for (const sparse::RunList& list : lists) {
+      bytes += list.runs.capacity() * sizeof(cuda::ByteRun) + list.values.capacity() +
+               list.ops.capacity() * sizeof(list.ops[0]) +
+               list.checks.capacity() * sizeof(list.checks[0]) + list.expected.capacity();
+    }
+    gauge.Add(static_cast<double>(bytes) - static_cast<double>(counted));
+    counted = bytes;
+  }
+  GaugeHandle gauge;  // refit_sparse_prepared_bytes
+  uint64_t counted = 0;
   uint64_t version = 0;
   uint64_t base = 0;
   // The very versions (a new run reuses numbers): matched by identity, not kept alive.

@@ -41,6 +41,11 @@ inline constexpr Counter kDeltaBaseFallbacks{
     "refit_delta_base_fallbacks_total",
     "--delta-base=destination: pulls that could not use the destinations as the delta base "
     "(pulled in full)."};
+inline constexpr Gauge kSparsePreparedBytes{
+    "refit_sparse_prepared_bytes",
+    "Bytes of host memory held by sparse Applies prepared as their versions completed: the run "
+    "lists, kept per set of DESTINATION buffers until the next version's collection fills them "
+    "again (not counted in --max-slot-memory)."};
 inline constexpr Gauge kSlotMemoryBytes{
     "refit_slot_memory_bytes",
     "Bytes of host version slots held: published, pulled, in flight and kept for reuse."};

@@ -186,6 +186,7 @@ void Store::QueuePrepares(Model& model) {
     auto cached = PlanFor(model, *newest->second, dests);
     if (!cached.ok()) continue;
     auto out = std::make_shared<PreparedSparse>();
+    out->gauge = counters_.sparse_prepared_bytes;
     out->version = model.latest;
     out->base = base;
     out->source = newest->second;
@@ -200,6 +201,8 @@ void Store::QueuePrepares(Model& model) {
       // before the refill.
       std::atomic_thread_fence(std::memory_order_acquire);
       job.recycle = std::move(existing->second->lists);
+      existing->second->lists.clear();
+      existing->second->Account();  // counted again once they are filled
     }
     model.prepared[key] = out;
     prepare_jobs_.push_back(std::move(job));
@@ -267,6 +270,7 @@ void Store::RunPrepares() {
     };
     out.why = why_not();
     out.usable = out.why.empty();
+    out.Account();
     out.collect_ms = std::chrono::duration<double, std::milli>(Clock::now() - started).count();
     Logger("store")->debug("model={} version={}: sparse Apply into {} {}", job.model, out.version,
                            GroupKey(job.dests),
