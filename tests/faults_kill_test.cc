@@ -11,9 +11,11 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <string>
 #include <thread>
@@ -61,6 +63,7 @@ class Victim {
   }
   ~Victim() {
     process_.reset();
+    RemoveJournalSlots();
     std::filesystem::remove_all(dir_);
   }
 
@@ -92,6 +95,22 @@ class Victim {
   client::Client& client() { return *client_; }
 
  private:
+  // The undo journal's slots of this --state-dir, which refitd keeps in /dev/shm as
+  // refit-<hash of the directory's real path, hex>-apply-* (ApplyJournal::Open) and a killed
+  // refitd leaves there: gone with the directory, not left behind by every run of this test.
+  void RemoveJournalSlots() {
+    std::error_code error;
+    const std::string state = std::filesystem::canonical(dir_ + "/state", error).string();
+    if (error) return;
+    char prefix[64];
+    std::snprintf(prefix, sizeof(prefix), "refit-%zx-apply-", std::hash<std::string>{}(state));
+    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", error)) {
+      if (entry.path().filename().string().rfind(prefix, 0) == 0) {
+        std::filesystem::remove(entry.path(), error);
+      }
+    }
+  }
+
   std::vector<std::string> args_;
   std::vector<std::string> env_;
   std::string dir_;
