@@ -11,17 +11,16 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <set>
 #include <string>
 #include <thread>
 
 #include "catch2/catch.hpp"
 #include "client/refit_client.h"
+#include "daemon/store/journal_files.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/faults.h"
 #include "tests/testing/required.h"
@@ -95,15 +94,14 @@ class Victim {
   client::Client& client() { return *client_; }
 
  private:
-  // The undo journal's slots of this --state-dir, which refitd keeps in /dev/shm as
-  // refit-<hash of the directory's real path, hex>-apply-* (ApplyJournal::Open) and a killed
-  // refitd leaves there: gone with the directory, not left behind by every run of this test.
+  // The undo journal's files of this --state-dir, which refitd keeps in /dev/shm
+  // (journal_files.h) and a killed refitd leaves there: gone with the directory, not left behind
+  // by every run of this test.
   void RemoveJournalSlots() {
     std::error_code error;
     const std::string state = std::filesystem::canonical(dir_ + "/state", error).string();
     if (error) return;
-    char prefix[64];
-    std::snprintf(prefix, sizeof(prefix), "refit-%zx-apply-", std::hash<std::string>{}(state));
+    const std::string prefix = JournalFilesTag(state);
     for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", error)) {
       if (entry.path().filename().string().rfind(prefix, 0) == 0) {
         std::filesystem::remove(entry.path(), error);

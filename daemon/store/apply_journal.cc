@@ -30,6 +30,7 @@
 #include "daemon/common/logging.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/plan/plan.h"
+#include "daemon/store/journal_files.h"
 
 namespace refit {
 namespace {
@@ -37,8 +38,8 @@ namespace {
 constexpr char kMagic[8] = {'R', 'E', 'F', 'I', 'T', 'U', 'N', '1'};
 constexpr uint32_t kIdle = 0, kSaving = 1, kWriting = 2;
 constexpr uint64_t kPage = 4096;
-constexpr const char* kSlotPrefix = "apply-journal-";
-constexpr const char* kRecoverPrefix = "apply-recover-";
+constexpr const char* kSlotPrefix = kJournalSlotPrefix;
+constexpr const char* kRecoverPrefix = kJournalRecoverPrefix;
 
 struct Header {
   char magic[8];
@@ -410,7 +411,7 @@ absl::StatusOr<std::unique_ptr<ApplyJournal>> ApplyJournal::Open(const std::stri
     char real[PATH_MAX];
     const std::string named = realpath(dir.c_str(), real) ? std::string(real) : dir;
     journal->dir_ = "/dev/shm";
-    journal->tag_ = absl::StrCat("refit-", absl::Hex(std::hash<std::string>{}(named)), "-");
+    journal->tag_ = JournalFilesTag(named);
   }
   const std::string files = journal->dir_;
   const std::string slot_prefix = journal->tag_ + kSlotPrefix;

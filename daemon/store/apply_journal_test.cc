@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "catch2/catch.hpp"
+#include "daemon/store/journal_files.h"
 
 namespace refit {
 namespace {
@@ -273,12 +274,10 @@ void SaveAndWrite(ApplyJournal::Part* undo, uint8_t* data, uint64_t elements, un
 // words 64 bytes apart), rewritten as refitd wrote it before (kind 2: the words back to back).
 // The header: magic (8), state (4), targets (4), table_bytes (8 at 16), data_offset, data_bytes,
 // kind (8 at 40), saved, parts; the targets' table, then the parts' words. The journal of a
-// state directory keeps its slots in /dev/shm as refit-<hash of the directory's real path, hex>-
-// apply-journal-<n> (ApplyJournal::Open).
+// state directory keeps its slots in /dev/shm (journal_files.h).
 void RewriteAsThreeWordParts(const std::string& dir, uint64_t parts) {
-  char prefix[64];
-  std::snprintf(prefix, sizeof(prefix), "refit-%zx-apply-journal-",
-                std::hash<std::string>{}(std::filesystem::canonical(dir).string()));
+  const std::string prefix =
+      JournalFilesTag(std::filesystem::canonical(dir).string()) + kJournalSlotPrefix;
   size_t rewritten = 0;
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
     if (entry.path().filename().string().rfind(prefix, 0) != 0) continue;

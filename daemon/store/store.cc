@@ -427,9 +427,7 @@ void Store::PublishVersion(Model& model, std::shared_ptr<const Version> version)
 
 absl::StatusOr<std::shared_ptr<const Store::CachedPlan>> Store::PlanFor(
     Model& model, const Version& version, const std::vector<std::shared_ptr<Buffer>>& dests) {
-  std::vector<std::string> dest_ids;
-  for (const auto& d : dests) dest_ids.push_back(d->id);
-  const std::string key = absl::StrCat(version.layout_key, "|", absl::StrJoin(dest_ids, ","));
+  const std::string key = absl::StrCat(version.layout_key, "|", GroupKey(dests));
   auto it = model.plans.find(key);
   if (it != model.plans.end()) return it->second;
 

@@ -584,6 +584,13 @@ class Store : public PeerStore, public ClientStore, public VersionImports {
   // For each remembered group of `model` whose buffers all hold a complete version older than
   // the newest: a PreparedSparse of the newest into them, queued (mu_ held).
   void QueuePrepares(Model& model) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Apply's PreparedSparse of `source` into `dests` (holding `held`), waited for while its
+  // collection runs (`lock`, on mu_, let go meanwhile: `model` may be gone after, the caller
+  // must not use it); null when there is none, it was taken back, or the store shuts down.
+  std::shared_ptr<const PreparedSparse> AwaitPrepared(
+      Model& model, common::UniqueLock& lock, const std::shared_ptr<const Version>& source,
+      const std::shared_ptr<const Version>& held, const std::vector<std::shared_ptr<Buffer>>& dests)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // prepare_loop_'s step: collects the queued prepares, no store lock held while it works.
   void RunPrepares();
   // A sparse Apply from a PreparedSparse that matches (the same version and base objects, plan

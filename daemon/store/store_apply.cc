@@ -19,14 +19,6 @@
 #include "daemon/store/store_internal.h"
 
 namespace refit {
-namespace {
-
-// How long an Apply waits for its sparse Apply's writes being collected on the store's
-// sparse-prepare thread, once that collection started (it takes about what collecting them in
-// the call would; past this, the Apply goes on without them).
-constexpr auto kPrepareWait = std::chrono::seconds(30);
-
-}  // namespace
 
 std::vector<ByteRanges> DestinationExtents(const plan::Plan& plan, size_t locations) {
   std::vector<ByteRanges> out(locations);
@@ -123,25 +115,9 @@ absl::StatusOr<ApplyResult> Store::Apply(const std::string& model_name, uint64_t
     // Sparse Apply: the version the destinations hold, if it is still held here.
     auto held = model->complete.find(dests.empty() ? 0 : dests[0]->applied.load());
     if (held != model->complete.end() && held->second != source) applied_base = held->second;
-    // Its sparse Apply prepared as it completed (store_sparse_prepared.cc): wait for a
-    // collection in progress (or next in line) rather than walk the change lists again here; one
-    // queued behind other sets' or models' is taken back, and the Apply collects in the call.
-    auto ready = applied_base ? model->prepared.find(GroupKey(dests)) : model->prepared.end();
-    if (ready != model->prepared.end() && ready->second->source.lock() == source &&
-        ready->second->held.lock() == applied_base) {
-      std::shared_ptr<PreparedSparse> waited = ready->second;
-      const bool next = !prepare_jobs_.empty() && prepare_jobs_.front().out == waited;
-      if (!waited->started && !waited->ready && !next) {
-        waited->why = "taken back by an Apply before it started";
-        waited->ready = true;
-      }
-      const auto deadline = Clock::now() + kPrepareWait;
-      changed_.WaitUntil(lock, deadline, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return waited->ready || shutdown_;
-      });
-      if (shutdown_) return absl::UnavailableError("refitd is shutting down");
-      if (waited->ready) prepared = std::move(waited);
-    }
+    // Its sparse Apply prepared as it completed (store_sparse_prepared.cc), once ready.
+    if (applied_base) prepared = AwaitPrepared(*model, lock, source, applied_base, dests);
+    if (shutdown_) return absl::UnavailableError("refitd is shutting down");
   }
   RETURN_IF_ERROR(CheckHeld(*source, cached->Reads()));
   std::vector<std::shared_ptr<Region>> derived;

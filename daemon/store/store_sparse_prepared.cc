@@ -34,6 +34,10 @@ using sparse::RunList;
 using sparse::SameBytes;
 using sparse::Segment;
 
+// How long an Apply waits for its sparse Apply's writes being collected on the store's
+// sparse-prepare thread, once that collection started (it takes about what collecting them in
+// the call would; past this, the Apply goes on without them).
+constexpr auto kPrepareWait = std::chrono::seconds(30);
 // Sets of DESTINATION buffers remembered per model for prepared sparse Applies.
 constexpr size_t kMaxApplyGroups = 16;
 // A GPU destination's runs and new bytes (and the scratch of the same size) are uploaded as the
@@ -298,6 +302,29 @@ void Store::UploadAhead(const std::vector<std::shared_ptr<Buffer>>& dests, Prepa
     out->regions[j] = dests[j]->region;
     out->writers[j] = std::move(writer).value();
   }
+}
+
+std::shared_ptr<const Store::PreparedSparse> Store::AwaitPrepared(
+    Model& model, common::UniqueLock& lock, const std::shared_ptr<const Version>& source,
+    const std::shared_ptr<const Version>& held, const std::vector<std::shared_ptr<Buffer>>& dests) {
+  auto entry = model.prepared.find(GroupKey(dests));
+  if (entry == model.prepared.end() || entry->second->source.lock() != source ||
+      entry->second->held.lock() != held) {
+    return nullptr;
+  }
+  // A collection in progress (or next in line) is waited for rather than the change lists walked
+  // again in the call; one queued behind other sets' or models' is taken back.
+  std::shared_ptr<PreparedSparse> waited = entry->second;
+  const bool next = !prepare_jobs_.empty() && prepare_jobs_.front().out == waited;
+  if (!waited->started && !waited->ready && !next) {
+    waited->why = "taken back by an Apply before it started";
+    waited->ready = true;
+  }
+  changed_.WaitUntil(lock, Clock::now() + kPrepareWait, [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return waited->ready || shutdown_;
+  });
+  if (!waited->ready || shutdown_) return nullptr;
+  return waited;
 }
 
 absl::StatusOr<size_t> Store::WaitForSparsePrepared(const std::string& model_name, uint64_t version,
